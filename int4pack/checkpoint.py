@@ -1,0 +1,364 @@
+"""A Hugging Face checkpoint on disk: config, shard index and lazy tensor access.
+
+Nothing here loads the model: headers are parsed (and checked) up front, tensors are
+read one at a time through a read-only, copy-on-write mmap of their shard. The source
+folder is never written to.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import InputError
+
+__all__ = [
+    "DTYPES",
+    "DTYPE_NAMES",
+    "TensorInfo",
+    "Checkpoint",
+    "read_header",
+    "resolve_source",
+]
+
+# safetensors dtype names <-> torch dtypes
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
+
+# files that describe the source's quantisation and must not reach the output
+SOURCE_QUANT_FILES = {"quantize_config.json", "quant_config.json", "recipe.yaml"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives; read from the shard header only."""
+
+    name: str
+    file: str  # shard file name, relative to the checkpoint folder
+    dtype: str  # safetensors dtype name, e.g. "I32"
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the shard
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
+    """Parse and check a safetensors header.
+
+    Returns ``(tensors, metadata, data_start)``; raises InputError naming the file for a
+    truncated file, a corrupt or oversized header, or offsets out of range.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) < 8:
+                raise InputError(f"{path.name}: file is {size} bytes, too short for a safetensors header",
+                                 path=str(path), hint="The shard is truncated; download it again.")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER or n + 8 > size:
+                raise InputError(
+                    f"{path.name}: header length {n} is larger than the file ({size} bytes) or than 100 MB",
+                    path=str(path), hint="The shard is truncated or not a safetensors file; download it again.")
+            blob = fh.read(n)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})", path=str(path),
+                         hint="Check that the file exists and is readable.") from e
+    try:
+        header = json.loads(blob)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path.name}: corrupt safetensors header ({e})", path=str(path),
+                         hint="The shard is damaged; download it again.") from e
+    if not isinstance(header, dict):
+        raise InputError(f"{path.name}: safetensors header is not a JSON object", path=str(path))
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise InputError(f"{path.name}: __metadata__ is not a JSON object", path=str(path))
+    data_start = 8 + n
+    data_len = size - data_start
+    spans = []
+    for name, info in header.items():
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise InputError(f"{path.name}: tensor {name!r} has a malformed header entry",
+                             path=str(path), tensor=name)
+        dt, shape, off = info["dtype"], info["shape"], info["data_offsets"]
+        if dt not in DTYPES:
+            raise InputError(f"{path.name}: tensor {name!r} has unknown dtype {dt!r}", path=str(path),
+                             tensor=name)
+        if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
+                or not isinstance(off, list) or len(off) != 2
+                or not all(isinstance(o, int) for o in off)):
+            raise InputError(f"{path.name}: tensor {name!r} has a malformed shape or offsets",
+                             path=str(path), tensor=name)
+        numel = 1
+        for s in shape:
+            numel *= s
+        b, e = off
+        if not (0 <= b <= e <= data_len):
+            raise InputError(
+                f"{path.name}: tensor {name!r} offsets {off} fall outside the data ({data_len} bytes)",
+                path=str(path), tensor=name, hint="The shard is truncated or corrupt; download it again.")
+        if e - b != numel * _ITEMSIZE[dt]:
+            raise InputError(
+                f"{path.name}: tensor {name!r} spans {e - b} bytes but {dt}{shape} needs {numel * _ITEMSIZE[dt]}",
+                path=str(path), tensor=name, hint="The shard is corrupt; download it again.")
+        spans.append((b, e, name))
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise InputError(f"{path.name}: tensors {n0!r} and {n1!r} overlap", path=str(path), tensor=n1)
+    return header, {str(k): str(v) for k, v in meta.items()}, data_start
+
+
+def _load_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})", path=str(path)) from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path.name}: invalid JSON ({e})", path=str(path),
+                         hint="Fix or re-download the file.") from e
+    if not isinstance(data, dict):
+        raise InputError(f"{path.name}: expected a JSON object", path=str(path))
+    return data
+
+
+def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a hub repo id, fetched through huggingface_hub.
+
+    Respects HF_HUB_OFFLINE: with it set (or no network), only the local cache is used and a
+    missing or partial cache gives a clear InputError.
+    """
+    p = Path(src).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise InputError(f"{p}: not a folder", path=str(p),
+                             hint="Pass the checkpoint folder (the one holding config.json).")
+        return p.resolve()
+    s = str(src)
+    if s.count("/") != 1 or s.startswith((".", "/", "~")) or any(c in s for c in " \\:"):
+        raise InputError(f"{s}: no such folder, and not a hub repo id (owner/name)", path=s,
+                         hint="Check the path, or pass a repo id such as Qwen/Qwen3-30B-A3B-GPTQ-Int4.")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+    except ImportError as e:  # pragma: no cover - a dependency
+        raise InputError("huggingface_hub is needed to read a hub repo id") from e
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
+    try:
+        local = snapshot_download(s, revision=revision, allow_patterns=patterns)
+    except LocalEntryNotFoundError as e:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
+        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        raise InputError(f"{s}: not in the local Hugging Face cache and {why}", path=s,
+                         hint="Download it first (hf download " + s + ") or unset HF_HUB_OFFLINE.") from e
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
+        raise InputError(f"{s}: {type(e).__name__}: {str(e).splitlines()[0]}", path=s,
+                         hint="Check the repo id and revision, and log in (hf auth login) for gated repos.") from e
+    except OSError as e:
+        raise InputError(f"{s}: download failed ({e})", path=s,
+                         hint="Check the network and disk space, then run again.") from e
+    return Path(local)
+
+
+class Checkpoint:
+    """Config, index and lazily read tensors of one checkpoint folder."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = Path(folder)
+        cfg_path = self.folder / "config.json"
+        if not cfg_path.is_file():
+            raise InputError(f"{self.folder}: no config.json", path=str(cfg_path),
+                             hint="Pass a Hugging Face model folder (config.json + *.safetensors).")
+        self.config: dict = _load_json(cfg_path)
+        self.quant_config: dict | None = self._find_quant_config()
+        self.tensors: dict[str, TensorInfo] = {}
+        self.shard_metadata: dict[str, dict[str, str]] = {}
+        self.index_path: Path | None = None
+        self._load_index()
+        self._maps: dict[str, mmap.mmap] = {}
+
+    # -- discovery -----------------------------------------------------------------
+    def _find_quant_config(self) -> dict | None:
+        c = self.config
+        for q in (c.get("quantization_config"), (c.get("text_config") or {}).get("quantization_config"),
+                  c.get("compression_config")):
+            if isinstance(q, dict):
+                return q
+        for side in ("quantize_config.json", "quant_config.json"):
+            p = self.folder / side
+            if p.is_file():
+                return _load_json(p)
+        return None
+
+    def _load_index(self) -> None:
+        idx = self.folder / "model.safetensors.index.json"
+        if idx.is_file():
+            self.index_path = idx
+            data = _load_json(idx)
+            wmap = data.get("weight_map")
+            if not isinstance(wmap, dict) or not wmap:
+                raise InputError(f"{idx.name}: has no weight_map", path=str(idx),
+                                 hint="Re-download the index file.")
+            shards = sorted(set(wmap.values()))
+        else:
+            wmap = None
+            shards = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            if not shards:
+                others = sorted(p.name for p in self.folder.iterdir()
+                                if p.suffix in {".bin", ".pt", ".pth", ".gguf"})
+                hint = ("Only safetensors checkpoints are supported; convert the .bin files with "
+                        "transformers' save_pretrained(safe_serialization=True)." if others else
+                        "Pass a folder with *.safetensors shards.")
+                raise InputError(f"{self.folder}: no *.safetensors files", path=str(self.folder), hint=hint)
+        for shard in shards:
+            sp = self.folder / shard
+            if not sp.is_file():
+                raise InputError(f"{shard}: listed in model.safetensors.index.json but missing",
+                                 path=str(sp), hint="The download is incomplete; fetch the missing shard.")
+            header, meta, start = read_header(sp)
+            self.shard_metadata[shard] = meta
+            for name, info in header.items():
+                if name in self.tensors:
+                    raise InputError(
+                        f"tensor {name!r} is stored twice: in {self.tensors[name].file} and {shard}",
+                        path=str(sp), tensor=name, hint="The checkpoint is inconsistent; re-download it.")
+                b, e = info["data_offsets"]
+                self.tensors[name] = TensorInfo(name, shard, info["dtype"], tuple(info["shape"]),
+                                                start + b, start + e)
+        if wmap is not None:
+            for name, shard in wmap.items():
+                if name not in self.tensors:
+                    raise InputError(f"tensor {name!r}: the index puts it in {shard}, which does not hold it",
+                                     path=str(self.folder / shard), tensor=name,
+                                     hint="The index and shards disagree; re-download the checkpoint.")
+                if self.tensors[name].file != shard:
+                    raise InputError(
+                        f"tensor {name!r}: the index puts it in {shard} but it is in {self.tensors[name].file}",
+                        path=str(self.folder / shard), tensor=name,
+                        hint="The index and shards disagree; re-download the checkpoint.")
+            extra = sorted(set(self.tensors) - set(wmap))
+            if extra:
+                raise InputError(f"tensor {extra[0]!r} (and {len(extra) - 1} more) is in a shard but not "
+                                 "in model.safetensors.index.json", tensor=extra[0],
+                                 hint="The index is stale; re-download the checkpoint.")
+
+    # -- access ----------------------------------------------------------------------
+    @property
+    def shards(self) -> list[str]:
+        return sorted({t.file for t in self.tensors.values()})
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise InputError(f"tensor {name!r} not found in {self.folder}", tensor=name) from None
+
+    def _map(self, shard: str) -> mmap.mmap:
+        m = self._maps.get(shard)
+        if m is None:
+            path = self.folder / shard
+            try:
+                with open(path, "rb") as fh:
+                    # ACCESS_COPY: private copy-on-write pages, so writes can never reach the file
+                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as e:
+                raise InputError(f"{shard}: cannot map the file ({e})", path=str(path)) from e
+            self._maps[shard] = m
+        return m
+
+    def raw(self, name: str) -> memoryview:
+        """The tensor's bytes, zero-copy."""
+        t = self.info(name)
+        m = self._map(t.file)
+        if t.end > len(m):
+            raise InputError(f"{t.file}: truncated while reading {name!r}", path=str(self.folder / t.file),
+                             tensor=name, hint="The shard changed or is truncated; download it again.")
+        return memoryview(m)[t.begin:t.end]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor, backed by the mmap (copy before mutating in place)."""
+        t = self.info(name)
+        dt = DTYPES[t.dtype]
+        if t.numel == 0:
+            return torch.empty(t.shape, dtype=dt)
+        return torch.frombuffer(self.raw(name), dtype=dt).view(t.shape)
+
+    def close(self) -> None:
+        for m in self._maps.values():
+            try:
+                m.close()
+            except BufferError:  # a tensor still references it; the GC will unmap it
+                pass
+        self._maps.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- config helpers --------------------------------------------------------------
+    @property
+    def text_config(self) -> dict:
+        """The language model's config (multimodal wrappers nest it)."""
+        tc = self.config.get("text_config")
+        return tc if isinstance(tc, dict) else self.config
+
+    @property
+    def model_type(self) -> str:
+        return str(self.text_config.get("model_type") or self.config.get("model_type") or "")
+
+    def extra_files(self) -> list[str]:
+        """Files to copy to the output as they are (tokenizer, generation config, ...)."""
+        skip = {"config.json", "model.safetensors.index.json"} | SOURCE_QUANT_FILES
+        out = []
+        for p in sorted(self.folder.iterdir()):
+            if p.is_file() and p.name not in skip and p.suffix not in {".safetensors", ".bin", ".pt", ".pth"} \
+                    and not p.name.startswith("."):
+                out.append(p.name)
+        return out

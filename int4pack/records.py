@@ -1,0 +1,92 @@
+"""The canonical per-linear record every format reader produces.
+
+All readers map their layout onto one convention, N-major like ``nn.Linear.weight``:
+
+    W[n, k] = (codes[n, k] - zeros[n, g]) * scales[n, g],   g = g_idx[k] (or k // group_size)
+
+with ``codes`` unsigned int4 in [0, 15] and ``zeros`` the unsigned zero point (8 for a
+symmetric layout). The W4A8 target is then ``q = codes - 8`` with ``zeros == 8``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["LinearSpec", "QuantLinear", "FormatVerdict"]
+
+
+@dataclass
+class LinearSpec:
+    """What the headers (and config) say about one quantised linear, before any data is read."""
+
+    name: str  # module prefix, e.g. "model.layers.0.mlp.experts.3.down_proj"
+    fmt: str  # "gptq" | "awq" | "ct-pack" | "ct-int"
+    n: int  # out_features
+    k: int  # in_features
+    bits: int
+    group_size: int  # source group size along K; == k for channelwise / group -1
+    sym: bool
+    act_order: bool  # carries a g_idx that may be non-trivial
+    keys: tuple[str, ...]  # every source tensor this module consumes (incl. bias, g_idx, shape)
+    scale_dtype: str  # safetensors dtype name of the source scales
+    has_bias: bool = False
+    refused: str | None = None  # reason this module cannot be converted, if any
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def groups(self) -> int:
+        return -(-self.k // self.group_size)
+
+    @property
+    def params(self) -> int:
+        return self.n * self.k
+
+
+@dataclass
+class QuantLinear:
+    """One linear's quantised data in the canonical convention (see module docstring)."""
+
+    spec: LinearSpec
+    codes: torch.Tensor  # uint8 [N, K], values 0..15
+    scales: torch.Tensor  # float [N, G] (source dtype)
+    zeros: torch.Tensor | None  # uint8 [N, G] unsigned zero points; None means all 8 (symmetric)
+    g_idx: torch.Tensor | None = None  # int64 [K]; None means k // group_size
+    bias: torch.Tensor | None = None  # [N] source dtype
+
+    def group_index(self) -> torch.Tensor:
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        return torch.arange(self.spec.k, dtype=torch.long) // self.spec.group_size
+
+    def has_trivial_g_idx(self) -> bool:
+        if self.g_idx is None:
+            return True
+        return bool(torch.equal(self.g_idx.long(), torch.arange(self.spec.k) // self.spec.group_size))
+
+    def is_symmetric(self) -> bool:
+        """True when every zero point is 8, whatever the config claims."""
+        return self.zeros is None or bool((self.zeros == 8).all())
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]."""
+        gi = self.group_index()
+        s = self.scales.float()[:, gi]
+        z = 8.0 if self.zeros is None else self.zeros.float()[:, gi]
+        return (self.codes.float() - z) * s
+
+
+@dataclass
+class FormatVerdict:
+    """The checkpoint-level format decision and the evidence behind it (reported, never hidden)."""
+
+    format: str  # "gptq" | "awq" | "compressed-tensors"
+    detail: str  # e.g. "gptq v1 zero points", "awq gemm", "pack-quantized"
+    evidence: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # e.g. {"zero_convention": "v1"}
+
+    def to_dict(self) -> dict:
+        return {"format": self.format, "detail": self.detail, "evidence": self.evidence,
+                "warnings": self.warnings, **self.extra}
