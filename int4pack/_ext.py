@@ -1,0 +1,94 @@
+"""Builds and loads the C++ hot loops in ``csrc/`` (torch extensions, compiled on first use).
+
+Compiling at first use (torch.utils.cpp_extension.load, ninja from PyPI) keeps the install a
+plain ``pip install``: nothing asks for torch at build time, so build isolation cannot pull a
+second torch. Each ``csrc/<name>.cpp`` is its own extension, cached per source hash and torch
+version under ``$INT4PACK_CACHE`` (default ``~/.cache/int4pack``).
+
+``load(name)`` returns the module, or None when ``INT4PACK_NO_EXT=1`` or the build fails (the
+callers then use their pure-torch twins; ``build_error(name)`` says why).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+from pathlib import Path
+
+__all__ = ["load", "build_error", "csrc_dir"]
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+_errors: dict[str, str] = {}
+
+
+def csrc_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "csrc", here / "csrc"):
+        if cand.is_dir():
+            return cand
+    return here.parent / "csrc"
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("INT4PACK_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "int4pack"
+
+
+def build_error(name: str) -> str | None:
+    return _errors.get(name)
+
+
+def load(name: str, *, required: bool = False):
+    """The compiled extension ``csrc/<name>.cpp`` (plus ``csrc/*.h``), or None."""
+    if os.environ.get("INT4PACK_NO_EXT", "") not in {"", "0"} and not required:
+        _errors.setdefault(name, "disabled by INT4PACK_NO_EXT")
+        return None
+    with _lock:
+        if name in _loaded:
+            return _loaded[name]
+        if name in _errors and not required:
+            return None
+        src = csrc_dir() / f"{name}.cpp"
+        try:
+            mod = _build(name, src)
+        except Exception as e:  # a compiler problem must not break the pure-torch paths
+            _errors[name] = f"{type(e).__name__}: {e}"
+            if required:
+                raise
+            return None
+        _loaded[name] = mod
+        return mod
+
+
+def _build(name: str, src: Path):
+    import torch
+    from torch.utils import cpp_extension
+
+    if not src.is_file():
+        raise FileNotFoundError(src)
+    headers = sorted(src.parent.glob("*.h"))
+    h = hashlib.sha256()
+    for p in [src, *headers]:
+        h.update(p.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    tag = h.hexdigest()[:16]
+    build_dir = _cache_root() / "ext" / f"{name}-{tag}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # ninja from PyPI lives beside the interpreter; make sure torch finds it
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
+    return cpp_extension.load(
+        name=f"int4pack_{name}_{tag}",
+        sources=[str(src)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(src.parent)],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("INT4PACK_EXT_VERBOSE", "") not in {"", "0"},
+    )
