@@ -1,0 +1,163 @@
+// KleidiAI W4A8 RHS packer (nr=8, kr=16, sr=2), written from the layout in docs/kleidiai.md §1.5.
+// Input: signed int4 values as int8 [E, N, K]. Output: uint8 [E, bytes], one blob per expert.
+// Work unit = one 8-row block of one expert; at::parallel_for spreads units over threads.
+//
+// Per 32-value chunk of K, per segment s (0/1), per row r of the block: 8 bytes, byte i =
+// nib(k) | nib(k+16) << 4 with k = 32c + 8s + i, nib = the two's complement low 4 bits.
+// Rows past N repeat row N-1 (data, scales and bias alike).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+// The row sums must round exactly like the reference (multiply, round, add, round): no FMA.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+
+namespace {
+
+constexpr int64_t kNr = 8;
+
+inline int64_t roundup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+// One 32-value chunk of one row: 16 bytes, written as two 8-byte segments whose
+// destinations are 8*8 bytes apart (the 8 rows of a segment are contiguous).
+inline void put_chunk(const int8_t* src, uint8_t* dst) {
+  for (int s = 0; s < 2; ++s) {
+    const int8_t* lo = src + 8 * s;
+    const int8_t* hi = lo + 16;
+    uint8_t* d = dst + s * kNr * 8;
+    for (int i = 0; i < 8; ++i) {
+      d[i] = static_cast<uint8_t>((lo[i] & 0xF) | ((hi[i] & 0xF) << 4));
+    }
+  }
+}
+
+inline void put_f32(uint8_t* dst, float v) { std::memcpy(dst, &v, 4); }
+inline void put_i32(uint8_t* dst, int32_t v) { std::memcpy(dst, &v, 4); }
+
+inline int32_t isum(const int8_t* p, int64_t n) {
+  int32_t s = 0;
+  for (int64_t i = 0; i < n; ++i) s += p[i];
+  return s;
+}
+
+struct Job {
+  const int8_t* q;        // [E, N, K]
+  const uint8_t* scales;  // groupwise: bf16 bits [E, N, K/g]; channelwise: fp32 [E, N]
+  const float* bias;      // [E, N] or null
+  uint8_t* out;           // [E, bytes]
+  int64_t n, k, g, bytes;
+};
+
+void group_block(const Job& j, int64_t e, int64_t blk) {
+  const int64_t nblk = j.k / j.g;
+  const int64_t data_per_qblk = j.g / 2 * kNr;
+  uint8_t* dst = j.out + e * j.bytes + blk * (j.bytes / (roundup(j.n, kNr) / kNr));
+  const int8_t* q = j.q + e * j.n * j.k;
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(j.scales) + e * j.n * nblk;
+  int64_t rows[kNr];
+  for (int r = 0; r < kNr; ++r) rows[r] = std::min(blk * kNr + r, j.n - 1);
+  float sums[kNr] = {0};
+  for (int64_t b = 0; b < nblk; ++b) {
+    for (int r = 0; r < kNr; ++r) {
+      const int8_t* src = q + rows[r] * j.k + b * j.g;
+      for (int64_t c = 0; c < j.g / 32; ++c) {
+        put_chunk(src + 32 * c, dst + c * 2 * kNr * 8 + r * 8);
+      }
+      uint16_t bits = sc[rows[r] * nblk + b];
+      uint32_t wide = static_cast<uint32_t>(bits) << 16;
+      float s;
+      std::memcpy(&s, &wide, 4);
+      float prod = static_cast<float>(isum(src, j.g)) * s;
+      sums[r] = sums[r] + prod;
+      std::memcpy(dst + data_per_qblk + 2 * r, &bits, 2);
+    }
+    dst += data_per_qblk + 2 * kNr;
+  }
+  for (int r = 0; r < kNr; ++r) put_f32(dst + 4 * r, sums[r]);
+  dst += 4 * kNr;
+  for (int r = 0; r < kNr; ++r) put_f32(dst + 4 * r, j.bias ? j.bias[e * j.n + rows[r]] : 0.0f);
+}
+
+void channel_block(const Job& j, int64_t e, int64_t blk) {
+  const int64_t kp = roundup(j.k, 32);
+  uint8_t* dst = j.out + e * j.bytes + blk * (j.bytes / (roundup(j.n, kNr) / kNr));
+  const int8_t* q = j.q + e * j.n * j.k;
+  const float* sc = reinterpret_cast<const float*>(j.scales) + e * j.n;
+  const int64_t kfull = j.k / 32 * 32;
+  int64_t rows[kNr];
+  for (int r = 0; r < kNr; ++r) rows[r] = std::min(blk * kNr + r, j.n - 1);
+  for (int r = 0; r < kNr; ++r) {
+    const int8_t* src = q + rows[r] * j.k;
+    for (int64_t c = 0; c < kfull / 32; ++c) put_chunk(src + 32 * c, dst + c * 2 * kNr * 8 + r * 8);
+    if (kfull < j.k) {  // K tail: pad with int4 zero (the zero point)
+      int8_t tail[32] = {0};
+      std::memcpy(tail, src + kfull, j.k - kfull);
+      put_chunk(tail, dst + (kfull / 32) * 2 * kNr * 8 + r * 8);
+    }
+  }
+  dst += kp / 2 * kNr;
+  for (int r = 0; r < kNr; ++r) put_i32(dst + 4 * r, isum(q + rows[r] * j.k, j.k) * 16);
+  dst += 4 * kNr;
+  for (int r = 0; r < kNr; ++r) put_f32(dst + 4 * r, sc[rows[r]] * 0.0625f);
+  dst += 4 * kNr;
+  for (int r = 0; r < kNr; ++r) put_f32(dst + 4 * r, j.bias ? j.bias[e * j.n + rows[r]] : 0.0f);
+}
+
+// q: int8 [E, N, K]; scales: bf16 [E, N, K/g] (groupwise) or fp32 [E, N] (channelwise);
+// bias: fp32 [E, N] or None; out: uint8 [E, bytes] preallocated by the caller.
+void pack(const torch::Tensor& q, const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
+          int64_t group_size, torch::Tensor& out, int64_t threads) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8 [E, N, K]");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kByte && out.is_contiguous(), "out: contiguous uint8 [E, bytes]");
+  TORCH_CHECK(scales.is_contiguous(), "scales must be contiguous");
+  const int64_t E = q.size(0), N = q.size(1), K = q.size(2);
+  TORCH_CHECK(N >= 1 && K >= 2 && K % 2 == 0, "bad shape");
+  const bool channel = group_size == K;
+  Job j{q.data_ptr<int8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), nullptr,
+        out.data_ptr<uint8_t>(), N, K, group_size, out.size(1)};
+  const int64_t nb = roundup(N, kNr) / kNr;
+  if (channel) {
+    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == E * N, "channelwise scales: fp32 [E, N]");
+    TORCH_CHECK(j.bytes == nb * kNr * (roundup(K, 32) / 2 + 12), "out has the wrong size");
+  } else {
+    TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, "group size");
+    TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == E * N * (K / group_size),
+                "groupwise scales: bf16 [E, N, K/g]");
+    TORCH_CHECK(j.bytes == nb * kNr * (K / 2 + 2 * (K / group_size) + 8), "out has the wrong size");
+  }
+  TORCH_CHECK(out.size(0) == E, "out: one row per expert");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == E * N,
+                "bias: contiguous fp32 [E, N]");
+    j.bias = bias->data_ptr<float>();
+  }
+  const int prev = at::get_num_threads();
+  if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+  // grain: enough 8-row blocks to amortise scheduling (~64 KiB of input per task)
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K));
+  at::parallel_for(0, E * nb, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t u = lo; u < hi; ++u) {
+      if (channel) channel_block(j, u / nb, u % nb);
+      else group_block(j, u / nb, u % nb);
+    }
+  });
+  if (threads > 0) at::set_num_threads(prev);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "KleidiAI qsi4c32p / qsi4cxp RHS packer (int4pack)";
+  m.def("pack", &pack, "pack int8 [E,N,K] into KleidiAI blobs [E,bytes]", pybind11::arg("q"),
+        pybind11::arg("scales"), pybind11::arg("bias"), pybind11::arg("group_size"), pybind11::arg("out"),
+        pybind11::arg("threads") = 0);
+}

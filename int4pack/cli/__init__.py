@@ -1,0 +1,45 @@
+"""The ``int4pack`` command line: a typer app whose commands each call one library function."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from .._version import __version__
+from .convert import EXAMPLES as CONVERT_EXAMPLES
+from .convert import convert_cmd
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="int4pack",
+    help="Convert int4 MoE checkpoints (GPTQ, AWQ, compressed-tensors) into the W4A8 layout that "
+         "Arm CPUs run fast (KleidiAI, vLLM's CPU W4A8 MoE backend).",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"int4pack {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
+                                                    help="Print the version and exit.")] = None,
+) -> None:
+    """Exit codes: 0 ok, 1 internal error, 2 usage, 3 bad input, 4 refused layout, 5 output problem,
+    6 verification failed, 130 interrupted."""
+
+
+app.command("convert", epilog=CONVERT_EXAMPLES, no_args_is_help=True)(convert_cmd)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,243 @@
+"""``convert``: source checkpoint -> compressed-tensors W4A8 checkpoint (and a JSON report).
+
+Flow: resolve source -> validate and plan everything -> lay out shards -> compute jobs in a
+bounded thread pool and stream their tensors to disk in plan order -> index, config, extra
+files, report -> atomic rename.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ._version import __version__
+from .checkpoint import Checkpoint, resolve_source
+from .errors import UsageError
+from .formats import Reader
+from .plan import Job, Plan, make_plan, parse_size
+from .records import QuantLinear
+from .target_config import w4a8_quant_config
+from .w4a8 import W4A8Linear, fold_act_order, to_w4a8
+from .writer import OutputDir, ShardFile, assign_shards, shard_names
+
+__all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
+
+REPORT_NAME = "int4pack_report.json"
+_NOT_LINEAR = re.compile(r"(embed|norm|wte|wpe|rotary|position)", re.I)
+
+
+class NullProgress:
+    """The progress protocol: the CLI passes a rich implementation."""
+
+    def start(self, total_bytes: int, total_tensors: int, skipped_bytes: int = 0) -> None: ...
+
+    def advance(self, nbytes: int, ntensors: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def _fmt(x: float | None) -> str | None:
+    return None if x is None else f"{x:.6g}"
+
+
+def _w_stats(w: W4A8Linear, role: str) -> dict:
+    e = w.error or {}
+    return {"path": w.path, "role": role, "group_size": w.group_size,
+            **{k: _fmt(v) if isinstance(v, float) else v for k, v in e.items()}}
+
+
+def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:
+    """Compute one job: ([(out name, tensor or bytes)] in plan order, {module: stats})."""
+    if job.kind == "copy":
+        return [(job.source, ckpt.raw(job.source))], {}
+    roles = plan.layout.roles
+    qls: list[QuantLinear] = [reader.read(s) for s in job.specs]
+    if job.kind == "dequant":
+        ql = qls[0]
+        out = [(f"{ql.spec.name}.weight", ql.dequantize().to(torch.bfloat16))]
+        if ql.bias is not None:
+            out.append((f"{ql.spec.name}.bias", ql.bias))
+        return out, {ql.spec.name: {"path": "dequant", "role": roles[ql.spec.name]}}
+    if job.kind == "fold":
+        ws = list(fold_act_order(qls[0], qls[1], qls[2], plan.group_size))
+    else:
+        ws = [to_w4a8(qls[0], plan.group_size)]
+    out, stats = [], {}
+    for w in ws:
+        out.append((f"{w.name}.weight", w.q))
+        out.append((f"{w.name}.weight_scale", w.scales))
+        if w.bias is not None:
+            out.append((f"{w.name}.bias", w.bias))
+        stats[w.name] = _w_stats(w, roles[w.name])
+    return out, stats
+
+
+def _ignore_list(plan: Plan, ckpt: Checkpoint) -> list[str]:
+    """Every linear-like module left in float: routers, lm_head, unquantised and bf16-kept linears."""
+    quant = set(plan.quantized_modules())
+    ignore = set()
+    for name, t in ckpt.tensors.items():
+        if name.endswith(".weight") and len(t.shape) == 2:
+            mod = name[: -len(".weight")]
+            if mod not in quant and not _NOT_LINEAR.search(mod.rsplit(".", 1)[-1]):
+                ignore.add(mod)
+    for j in plan.jobs:
+        if j.kind == "dequant":
+            ignore.update(s.name for s in j.specs)
+    if "lm_head.weight" in ckpt.tensors or ckpt.text_config.get("tie_word_embeddings"):
+        ignore.add("lm_head")
+    return sorted(ignore)
+
+
+def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
+    cfg = json.loads(json.dumps(ckpt.config))
+    cfg.pop("compression_config", None)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"].pop("quantization_config", None)
+    cfg["quantization_config"] = w4a8_quant_config(plan.group_size, _ignore_list(plan, ckpt))
+    return cfg
+
+
+def _base_meta(plan: Plan) -> dict[str, str]:
+    return {
+        "format": "pt",
+        "int4pack.version": __version__,
+        "int4pack.source_format": json.dumps(plan.verdict.to_dict(), sort_keys=True),
+        "int4pack.target": json.dumps({"scheme": "W4A8", "group_size": plan.group_size,
+                                       "scale_dtype": "float32" if plan.group_size == -1 else "bfloat16",
+                                       "dense": plan.dense}, sort_keys=True),
+    }
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    group_size: int | str | None = "auto",
+    dense: str = "w4a8",
+    max_shard_size: int | str = "5GB",
+    dry_run: bool = False,
+    overwrite: bool = False,
+    resume: bool = False,
+    threads: int | None = None,
+    revision: str | None = None,
+    progress: NullProgress | None = None,
+) -> dict:
+    """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint.
+
+    Returns the report (also written to ``OUT/int4pack_report.json``). With ``dry_run`` nothing is
+    written and the report holds the plan. Raises Int4packError subclasses on bad input.
+    """
+    t0 = time.perf_counter()
+    progress = progress or NullProgress()
+    if threads is not None and threads < 1:
+        raise UsageError(f"--threads {threads}: must be at least 1")
+    max_bytes = parse_size(max_shard_size)
+    folder = resolve_source(src, revision=revision)
+    with Checkpoint(folder) as ckpt:
+        plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src))
+        shards = assign_shards(plan.outputs, max_bytes)
+        names = shard_names(len(shards))
+        report = {
+            "int4pack_version": __version__,
+            "source": str(src),
+            "plan": plan.summary(),
+            "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
+        }
+        if dry_run:
+            report["dry_run"] = True
+            report["output"] = str(out)
+            report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m)}
+                                 for j in plan.jobs for m, p in j.paths.items()}
+            report["seconds"] = round(time.perf_counter() - t0, 3)
+            return report
+        t_plan = time.perf_counter() - t0
+        fp = plan.fingerprint(ckpt)
+        od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
+        stats = _write_shards(plan, ckpt, od, shards, names, threads, progress)
+        weight_map = {t.name: n for n, s in zip(names, shards) for t in s}
+        index = {"metadata": {"total_size": sum(t.nbytes for t in plan.outputs)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        od.write_file("model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
+        od.write_file("config.json", (json.dumps(_out_config(plan, ckpt), indent=2) + "\n").encode())
+        for name in ckpt.extra_files():
+            od.copy_file(ckpt.folder / name)
+        report["modules"] = dict(sorted(stats.items()))
+        report["tensors"] = plan.accounted
+        report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}
+        od.write_file(REPORT_NAME, (json.dumps(report, indent=2, sort_keys=True) + "\n").encode())
+        od.commit()
+    report["output"] = str(Path(out))
+    report["seconds"] = round(time.perf_counter() - t0, 3)
+    report["seconds_plan"] = round(t_plan, 3)
+    return report
+
+
+def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress) -> dict:
+    """Compute jobs (bounded pool) and stream them into shards in plan order. Returns per-module stats."""
+    trusted = od.trusted_shards()
+    shard_of = {t.name: n for n, s in zip(names, shards) for t in s}
+    size_of = {t.name: t.nbytes for t in plan.outputs}
+    stats: dict[str, dict] = dict(od.progress.get("jobs", {}))
+    todo = [j for j in plan.jobs if any(shard_of[t.name] not in trusted for t in j.outputs)]
+    skipped = sum(size_of[n] for n, sh in shard_of.items() if sh in trusted)
+    progress.start(sum(size_of.values()), len(size_of), skipped)
+    meta = _base_meta(plan)
+    workers = threads or max(1, min(4, torch.get_num_threads()))
+    shard_results: dict[str, dict] = {}  # shard -> per-tensor results for its header
+    pending_stats: dict[str, dict] = {}  # stats of jobs not yet fully on disk
+    current: ShardFile | None = None
+
+    def write(name: str, data) -> None:
+        nonlocal current
+        shard = shard_of[name]
+        if shard in trusted:
+            return
+        if current is None:
+            current = ShardFile(od.work / shard, shards[names.index(shard)], meta)
+        current.write(name, data)
+        progress.advance(size_of[name], 1)
+        if current.expects() is None:
+            od.progress["shards"][shard] = current.finish(shard_results.pop(shard, {}))
+            current = None
+            od.progress["jobs"].update(pending_stats)  # kept for --resume
+            pending_stats.clear()
+            od.save_progress()
+
+    def consume(job: Job, tensors: list, job_stats: dict) -> None:
+        for t in job.outputs:
+            res = shard_results.setdefault(shard_of[t.name], {})
+            mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
+            if job.kind == "copy":
+                res[t.name] = {"path": "copy"}
+            elif leaf == "weight" and mod in job_stats:
+                res[t.name] = {k: v for k, v in job_stats[mod].items() if k in ("path", "rel_l2", "max_abs")}
+        stats.update(job_stats)
+        pending_stats.update(job_stats)
+        for name, data in tensors:
+            write(name, data)
+
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            window: deque = deque()
+            for job in todo:
+                window.append((job, pool.submit(run_job, job, ckpt, plan.reader, plan)))
+                if len(window) >= 2 * workers:
+                    j, fut = window.popleft()
+                    consume(j, *fut.result())
+            while window:
+                j, fut = window.popleft()
+                consume(j, *fut.result())
+    except BaseException:
+        if current is not None:
+            current.abort()
+        raise
+    finally:
+        progress.stop()
+    return stats

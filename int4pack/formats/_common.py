@@ -1,0 +1,118 @@
+"""Small helpers shared by the format readers: nibble unpacking, shape checks, tensor lookup."""
+
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint import Checkpoint
+from ..errors import InputError, RefusedError
+
+__all__ = [
+    "NATURAL_SHIFTS",
+    "AWQ_ORDER",
+    "unpack_cols",
+    "unpack_rows",
+    "as_uint32",
+    "prefixes_with",
+    "need",
+    "check_shape",
+    "check_dtype",
+    "owned",
+    "read_g_idx",
+    "is_trivial_g_idx",
+    "cfg_int",
+    "require_bits4",
+]
+
+# nibble i of a word holds logical column i (GPTQ, compressed-tensors)
+NATURAL_SHIFTS = tuple(4 * i for i in range(8))
+# AWQ GEMM: logical column 8j + AWQ_ORDER[i] lives in nibble i of word j
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def as_uint32(words: torch.Tensor) -> torch.Tensor:
+    """int32 words as non-negative int64 (stored words are often negative)."""
+    return words.to(torch.int64) & 0xFFFFFFFF
+
+
+def unpack_cols(words: torch.Tensor, shifts: tuple[int, ...] = NATURAL_SHIFTS) -> torch.Tensor:
+    """[A, B] words -> uint8 [A, 8B]; column 8j+m is the nibble at bit shifts[m] of word j."""
+    w = as_uint32(words).unsqueeze(-1)
+    sh = torch.tensor(shifts, dtype=torch.int64)
+    return ((w >> sh) & 0xF).to(torch.uint8).reshape(words.shape[0], -1)
+
+
+def unpack_rows(words: torch.Tensor) -> torch.Tensor:
+    """[A, B] words packed along dim 0 -> uint8 [8A, B] in natural nibble order."""
+    return unpack_cols(words.t()).t().contiguous()
+
+
+def prefixes_with(ckpt: Checkpoint, suffix: str) -> list[str]:
+    """Module prefixes P for which tensor P<suffix> exists, sorted."""
+    return sorted(n[: -len(suffix)] for n in ckpt.tensors if n.endswith(suffix))
+
+
+def need(ckpt: Checkpoint, module: str, key: str, why: str) -> str:
+    """The full tensor name, or an InputError naming the module and the missing partner."""
+    name = f"{module}.{key}"
+    if name not in ckpt.tensors:
+        raise InputError(f"{module}: has {why} but no {key} tensor ({name})", tensor=name,
+                         hint="The checkpoint is incomplete or mixes layouts; re-download or re-export it.")
+    return name
+
+
+def check_shape(ckpt: Checkpoint, name: str, expected: tuple[int, ...], what: str) -> None:
+    got = ckpt.tensors[name].shape
+    if tuple(got) != tuple(expected):
+        raise InputError(f"{name}: shape {list(got)} does not match {what} (expected {list(expected)})",
+                         path=str(ckpt.folder / ckpt.tensors[name].file), tensor=name,
+                         hint="The tensors of this module disagree with each other or with the config; "
+                              "the checkpoint is corrupt or not the format its config claims.")
+
+
+def check_dtype(ckpt: Checkpoint, name: str, allowed: tuple[str, ...], what: str) -> None:
+    dt = ckpt.tensors[name].dtype
+    if dt not in allowed:
+        raise InputError(f"{name}: dtype {dt} but {what} must be {' or '.join(allowed)}",
+                         path=str(ckpt.folder / ckpt.tensors[name].file), tensor=name,
+                         hint="The checkpoint is not the layout its config claims.")
+
+
+def read_g_idx(ckpt: Checkpoint, name: str, k: int, groups: int) -> torch.Tensor:
+    """g_idx as int64 [K], checked for shape and range."""
+    check_shape(ckpt, name, (k,), "in_features K")
+    check_dtype(ckpt, name, ("I32", "I64", "I16"), "g_idx")
+    g = ckpt.get(name).to(torch.int64)
+    if k and (int(g.min()) < 0 or int(g.max()) >= groups):
+        raise InputError(f"{name}: group index out of range [{int(g.min())}, {int(g.max())}] for {groups} group(s)",
+                         tensor=name, hint="g_idx must index the scales' groups; the checkpoint is corrupt.")
+    return g
+
+
+def is_trivial_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
+    return bool(torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=torch.int64) // group_size))
+
+
+def cfg_int(cfg: dict, *keys: str, default: int | None = None) -> int | None:
+    """First present integer among synonym keys (bits / w_bit, group_size / q_group_size)."""
+    for key in keys:
+        v = cfg.get(key)
+        if v is not None:
+            try:
+                return int(v)
+            except (TypeError, ValueError):
+                raise InputError(f"quantization_config {key}={v!r} is not an integer",
+                                 hint="Fix the config: it must be a number.") from None
+    return default
+
+
+def require_bits4(bits: int | None, module: str, path: str | None = None) -> None:
+    if bits != 4:
+        raise RefusedError(f"int4pack converts 4-bit checkpoints only; the config says bits={bits} "
+                           f"(first quantised module: {module})", path=path, tensor=module,
+                           hint="Use a 4-bit int checkpoint (GPTQ/AWQ/compressed-tensors W4).")
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous private copy (views of the read-only mmap must not escape)."""
+    return t.clone(memory_format=torch.contiguous_format)

@@ -1,0 +1,287 @@
+"""GPTQ reader (formats.md §1): qweight packed along K, qzeros along N, v1 or v2 zero points.
+
+The v1/v2 zero convention is read from the data, not only from the label: symmetric files
+store one exact word (0x77777777 in v1, 0x88888888 in v2); asymmetric files are judged by
+mean(u - stored_zero) over a sample of modules, which is ~1 for v1 and ~0 for v2.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..checkpoint import Checkpoint
+from ..errors import InputError, RefusedError
+from ..records import FormatVerdict, LinearSpec, QuantLinear
+from ._common import (as_uint32, cfg_int, check_dtype, check_shape, is_trivial_g_idx, need, owned,
+                      prefixes_with, read_g_idx, require_bits4, unpack_cols, unpack_rows)
+
+__all__ = ["GPTQReader", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
+
+V1_SYM_WORD = 0x77777777
+V2_SYM_WORD = 0x88888888
+V1_OFFSET = 0x11111111  # v1 stores zero-1 per nibble; GPTQModel converts whole words
+_LABELS = {"gptq": "v1", "gptq_v2": "v2"}
+_REFUSED_LABELS = {
+    "marlin": "a Marlin-repacked layout (tile-permuted qweight and scales)",
+    "gptq_p": "GPTQModel's planar gptq_p layout (5/6/7-bit)",
+    "bitblas": "a BitBLAS-repacked layout",
+    "qqq": "the QQQ layout",
+    "awq": "AWQ tensors under a GPTQ config",
+}
+_SAMPLE = 8
+_V2_BELOW, _V1_ABOVE = 0.3, 0.7  # mean(u - stored zero) thresholds
+_SANE = (-0.5, 1.5)  # outside this neither convention explains the data
+_SCALE_DTYPES = ("F16", "BF16", "F32")
+
+
+def _flatten(x) -> list[str]:
+    if x is None:
+        return []
+    if isinstance(x, str):
+        return [x]
+    return [s for item in x for s in _flatten(item)]
+
+
+class GPTQReader:
+    name = "gptq"
+
+    def __init__(self, ckpt: Checkpoint, qcfg: dict):
+        self.ckpt = ckpt
+        self.cfg = qcfg
+        self.path = str(ckpt.folder / "config.json")
+        self.bits = cfg_int(qcfg, "bits", "w_bit", default=4)
+        self.group = cfg_int(qcfg, "group_size", "q_group_size", default=128)
+        self.sym = bool(qcfg.get("sym", True))
+        self.desc_act = bool(qcfg.get("desc_act", False))
+        self.dynamic = qcfg.get("dynamic") or {}
+        self.in_block = _flatten(qcfg.get("modules_in_block_to_quantize"))
+        self.modules = sorted(set(prefixes_with(ckpt, ".qweight")) | set(prefixes_with(ckpt, ".qzeros")))
+        self._verdict: FormatVerdict | None = None
+        self._specs: dict[str, LinearSpec] | None = None
+        self._checked = False
+
+    # -- config --------------------------------------------------------------------------
+    def _label(self) -> str | None:
+        if self.cfg.get("is_marlin_format"):
+            return "marlin"
+        label = self.cfg.get("checkpoint_format") or self.cfg.get("format")
+        return str(label).lower() if label is not None else None
+
+    def _check_config(self) -> None:
+        if self._checked:
+            return
+        label = self._label()
+        if label is not None and label not in _LABELS:
+            what = _REFUSED_LABELS.get(label, "an unknown GPTQ checkpoint format")
+            raise RefusedError(f"GPTQ checkpoint_format {label!r} is {what}", path=self.path,
+                               hint="int4pack reads plain GPTQ (checkpoint_format gptq or gptq_v2); "
+                                    "export the model in that format first.")
+        pack = str(self.cfg.get("pack_dtype", "int32")).replace("torch.", "")
+        if pack != "int32":
+            raise RefusedError(f"GPTQ pack_dtype {pack!r} is not supported", path=self.path,
+                               hint="int4pack reads GPTQ packed in int32 words; re-export with pack_dtype=int32.")
+        first = self.modules[0] if self.modules else "(none)"
+        require_bits4(self.bits, first, self.path)
+        self._checked = True
+
+    def _module_cfg(self, name: str) -> tuple[dict, list[str]]:
+        """Effective bits/group/sym/desc_act for one module, and notes on how they were decided."""
+        eff = {"bits": self.bits, "group_size": self.group, "sym": self.sym, "desc_act": self.desc_act,
+               "override": False}
+        notes = []
+        if self.in_block and not any(m in name for m in self.in_block):
+            notes.append("not in modules_in_block_to_quantize, but its qweight is present")
+        for key, override in self.dynamic.items():
+            negative = key.startswith("-:")
+            pattern = key[2:] if key.startswith(("-:", "+:")) else key
+            try:
+                hit = re.match(pattern, name) is not None
+            except re.error as e:
+                raise InputError(f"quantization_config dynamic key {key!r} is not a valid regex ({e})",
+                                 path=self.path, hint="Fix the regex in the dynamic section.") from None
+            if not hit:
+                continue
+            if negative:
+                notes.append(f"dynamic rule {key!r} says not quantised, but its qweight is present")
+            elif isinstance(override, dict):
+                bits = cfg_int(override, "bits", "w_bit")
+                group = cfg_int(override, "group_size", "q_group_size")
+                if bits is not None:
+                    eff["bits"], eff["override"] = bits, True
+                if group is not None:
+                    eff["group_size"] = group
+                for flag in ("sym", "desc_act"):
+                    if flag in override:
+                        eff[flag] = bool(override[flag])
+                notes.append(f"dynamic rule {key!r} applies")
+            break  # first match wins
+        return eff, notes
+
+    # -- per module ------------------------------------------------------------------------
+    def _spec(self, name: str) -> LinearSpec:
+        ck = self.ckpt
+        qweight = need(ck, name, "qweight", "GPTQ tensors")
+        eff, notes = self._module_cfg(name)
+        if eff["bits"] != 4:
+            return self._refused_spec(name, qweight, eff, notes)
+        qzeros = need(ck, name, "qzeros", "a qweight")
+        scales = need(ck, name, "scales", "a qweight")
+        check_dtype(ck, qweight, ("I32",), "qweight (pack_dtype int32)")
+        check_dtype(ck, qzeros, ("I32",), "qzeros (pack_dtype int32)")
+        check_dtype(ck, scales, _SCALE_DTYPES, "scales")
+        qshape = ck.tensors[qweight].shape
+        if len(qshape) != 2:
+            raise InputError(f"{qweight}: expected 2 dims [K/8, N], got {list(qshape)}", tensor=qweight,
+                             hint="3-D or fused GPTQ tensors are not a layout int4pack reads.")
+        k, n = qshape[0] * 8, qshape[1]
+        group = eff["group_size"] if eff["group_size"] and eff["group_size"] > 0 else k
+        groups = -(-k // group)
+        check_shape(ck, scales, (groups, n), f"[ceil(K/group_size), N] for K={k}, N={n}, group_size={group}")
+        check_shape(ck, qzeros, (groups, -(-n // 8)), f"[G, N/8] for G={groups}, N={n}")
+        keys = [qweight, qzeros, scales]
+        act_order = False
+        g_name = f"{name}.g_idx"
+        if g_name in ck.tensors:
+            g_idx = read_g_idx(ck, g_name, k, groups)
+            act_order = not is_trivial_g_idx(g_idx, group)
+            keys.append(g_name)
+        elif eff["desc_act"]:
+            notes.append("desc_act is set but there is no g_idx; groups taken as contiguous")
+        b_name = f"{name}.bias"
+        has_bias = b_name in ck.tensors
+        if has_bias:
+            check_shape(ck, b_name, (n,), f"out_features N={n}")
+            keys.append(b_name)
+        return LinearSpec(name=name, fmt="gptq", n=n, k=k, bits=4, group_size=group, sym=eff["sym"],
+                          act_order=act_order, keys=tuple(keys), scale_dtype=ck.tensors[scales].dtype,
+                          has_bias=has_bias, notes=notes)
+
+    def _refused_spec(self, name: str, qweight: str, eff: dict, notes: list[str]) -> LinearSpec:
+        """A module the config makes non-4-bit: listed (so its tensors are accounted) but refused."""
+        ck = self.ckpt
+        keys = tuple(f"{name}.{s}" for s in ("qweight", "qzeros", "scales", "g_idx", "bias")
+                     if f"{name}.{s}" in ck.tensors)
+        rows, n = ck.tensors[qweight].shape[:2]
+        k = rows * 32 // eff["bits"] if eff["bits"] else 0
+        group = eff["group_size"] if eff["group_size"] and eff["group_size"] > 0 else max(k, 1)
+        why = (f"bits={eff['bits']} by the dynamic override; int4pack converts 4-bit modules only"
+               if eff["override"] else f"bits={eff['bits']}; int4pack converts 4-bit modules only")
+        return LinearSpec(name=name, fmt="gptq", n=n, k=k, bits=eff["bits"], group_size=group, sym=eff["sym"],
+                          act_order=False, keys=keys, scale_dtype=ck.tensors.get(f"{name}.scales", ck.tensors[qweight]).dtype,
+                          has_bias=f"{name}.bias" in ck.tensors, refused=why, notes=notes)
+
+    # -- v1 / v2 ---------------------------------------------------------------------------
+    def _sample(self, specs: dict[str, LinearSpec]) -> list[LinearSpec]:
+        ok = [s for s in specs.values() if not s.refused]
+        if len(ok) <= _SAMPLE:
+            return ok
+        step = (len(ok) - 1) / (_SAMPLE - 1)
+        return [ok[round(i * step)] for i in range(_SAMPLE)]
+
+    def _zero_words(self, spec: LinearSpec) -> torch.Tensor:
+        return as_uint32(self.ckpt.get(f"{spec.name}.qzeros")).flatten()
+
+    def _mean_code_minus_stored_zero(self, sample: list[LinearSpec]) -> float:
+        total, count = 0.0, 0
+        for s in sample:
+            u = unpack_rows(self.ckpt.get(f"{s.name}.qweight")).float()  # [K, N]
+            zs = unpack_cols(self.ckpt.get(f"{s.name}.qzeros"))[:, : s.n].float()  # [G, N]
+            z = zs[self._group_index(s)]
+            # a v1 0xF nibble is a borrowed zero point of 0: it would swamp the mean, so skip it
+            keep = z != 0xF
+            total += float((u - z)[keep].sum())
+            count += int(keep.sum())
+        return total / max(count, 1)
+
+    def _group_index(self, spec: LinearSpec) -> torch.Tensor:
+        g_name = f"{spec.name}.g_idx"
+        if g_name in self.ckpt.tensors:
+            return self.ckpt.get(g_name).to(torch.int64)
+        return torch.arange(spec.k) // spec.group_size
+
+    def _detect(self, specs: dict[str, LinearSpec]) -> FormatVerdict:
+        label = self._label()
+        label_conv = _LABELS.get(label or "gptq", "v1")
+        sample = self._sample(specs)
+        evidence = [f"checkpoint_format label: {label!r} (means {label_conv})",
+                    f"sampled {len(sample)} of {len(specs)} quantised module(s)"]
+        warnings: list[str] = []
+        if not sample:
+            evidence.append("no 4-bit module to inspect; following the label")
+            return self._make_verdict(label_conv, label, evidence, warnings)
+        words = torch.unique(torch.cat([self._zero_words(s) for s in sample])).tolist()
+        if words == [V1_SYM_WORD]:
+            conv = "v1"
+            evidence.append("every sampled qzeros word is 0x77777777: symmetric, v1 (stored zero 7 = 8 - 1)")
+        elif words == [V2_SYM_WORD]:
+            conv = "v2"
+            evidence.append("every sampled qzeros word is 0x88888888: symmetric, v2 (stored zero 8)")
+        else:
+            conv = self._judge_asym(sample, evidence, warnings)
+        if conv != label_conv:
+            warnings.append(f"label {label!r} means {label_conv} zero points but the data says {conv}; "
+                            f"following the data")
+        return self._make_verdict(conv, label, evidence, warnings)
+
+    def _judge_asym(self, sample: list[LinearSpec], evidence: list[str], warnings: list[str]) -> str:
+        if self.sym:
+            warnings.append("config says sym=true but the zero points vary; decoding them as stored")
+        d = self._mean_code_minus_stored_zero(sample)
+        evidence.append(f"mean(code - stored zero) = {d:.3f} over the sample, 0xF zeros skipped "
+                        f"(~1 means v1, ~0 means v2)")
+        if _SANE[0] <= d < _V2_BELOW:
+            return "v2"
+        if _V1_ABOVE < d <= _SANE[1]:
+            conv = "v1"
+            nib = torch.cat([unpack_cols(self.ckpt.get(f"{s.name}.qzeros")).flatten() for s in sample])
+            if bool((nib == 0xF).any()):
+                warnings.append("asymmetric v1 file stores a 0xF zero nibble (a zero point of 0 borrowed "
+                                "from its neighbour); decoded by adding 0x11111111 to whole words")
+            return conv
+        raise RefusedError(
+            f"cannot tell GPTQ v1 from v2 zero points: mean(code - stored zero) = {d:.3f} "
+            f"(v1 gives ~1, v2 ~0)", path=self.path,
+            hint="The zero points match neither convention; check the checkpoint was exported by "
+                 "AutoGPTQ/GPTQModel/optimum and not modified.")
+
+    def _make_verdict(self, conv: str, label: str | None, evidence: list[str],
+                      warnings: list[str]) -> FormatVerdict:
+        return FormatVerdict(format="gptq", detail=f"gptq {conv} zero points", evidence=evidence,
+                             warnings=warnings, extra={"zero_convention": conv, "label": label})
+
+    # -- interface -------------------------------------------------------------------------
+    def linears(self) -> dict[str, LinearSpec]:
+        self._check_config()
+        if self._specs is None:
+            self._specs = {m: self._spec(m) for m in self.modules}
+        return self._specs
+
+    def verdict(self) -> FormatVerdict:
+        if self._verdict is None:
+            self._verdict = self._detect(self.linears())
+        return self._verdict
+
+    def read(self, spec: LinearSpec) -> QuantLinear:
+        if spec.refused:
+            raise RefusedError(f"{spec.name}: {spec.refused}", tensor=spec.name,
+                               hint="Only 4-bit modules can be converted.")
+        ck = self.ckpt
+        conv = self.verdict().extra["zero_convention"]
+        codes = unpack_rows(ck.get(f"{spec.name}.qweight")).t().contiguous()  # [N, K]
+        words = as_uint32(ck.get(f"{spec.name}.qzeros"))
+        if conv == "v1":
+            if not spec.sym and bool((unpack_cols(words) == 0xF).any()):
+                spec.notes.append("v1 zero nibble 0xF (zero point 0) decoded with whole-word carry")
+            words = (words + V1_OFFSET) & 0xFFFFFFFF
+        zeros = unpack_cols(words)[:, : spec.n].t().contiguous()  # [N, G]
+        if bool((zeros == 8).all()):
+            zeros = None
+        scales = owned(ck.get(f"{spec.name}.scales").t())
+        g_idx = None
+        if f"{spec.name}.g_idx" in ck.tensors:
+            g = read_g_idx(ck, f"{spec.name}.g_idx", spec.k, spec.groups)
+            g_idx = None if is_trivial_g_idx(g, spec.group_size) else g
+        bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
+        return QuantLinear(spec, codes, scales, zeros, g_idx, bias)

@@ -1,0 +1,133 @@
+"""The one output sink: human (rich) or JSON, with progress on stderr.
+
+Data goes to stdout, diagnostics (progress, warnings, errors) to stderr. In JSON mode stdout
+carries exactly one JSON object: the command's result, or ``{"ok": false, "error": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from .errors import Int4packError
+
+__all__ = ["Output", "RichProgress", "human_bytes"]
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+class Output:
+    def __init__(self, *, json_mode: bool = False, verbosity: int = 0, debug: bool = False):
+        self.json = json_mode
+        self.verbosity = verbosity  # -1 quiet, 0 normal, 1+ verbose
+        self.debug = debug
+        self.out = Console(soft_wrap=True, highlight=False)
+        self.err = Console(stderr=True, soft_wrap=True, highlight=False)
+
+    # -- human-only pieces (silent in JSON mode) --------------------------------------
+    def text(self, msg: str, *, level: int = 0) -> None:
+        if not self.json and self.verbosity >= level:
+            self.out.print(msg)
+
+    def table(self, title: str, columns: list[str], rows: list[list], *, level: int = 0) -> None:
+        if self.json or self.verbosity < level:
+            return
+        t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
+        for c in columns:
+            t.add_column(c, overflow="fold")
+        for r in rows:
+            t.add_row(*[str(x) for x in r])
+        self.out.print(t)
+
+    def warning(self, msg: str) -> None:
+        if self.verbosity >= 0:
+            self.err.print(f"[yellow]warning:[/yellow] {msg}")
+
+    def info(self, msg: str) -> None:
+        if self.verbosity >= 1:
+            self.err.print(f"[dim]{msg}[/dim]")
+
+    # -- results and errors ----------------------------------------------------------
+    def result(self, data: dict) -> None:
+        if self.json:
+            sys.stdout.write(json.dumps({"ok": True, **data}, indent=2, sort_keys=True, default=str) + "\n")
+            sys.stdout.flush()
+
+    def error(self, err: Int4packError) -> None:
+        if self.json:
+            sys.stdout.write(json.dumps({"ok": False, "error": err.to_dict()}, indent=2) + "\n")
+            sys.stdout.flush()
+        self.err.print(f"[bold red]error:[/bold red] {err}", markup=True)
+        if err.hint:
+            self.err.print(f"[cyan]hint:[/cyan] {err.hint}")
+
+    @contextmanager
+    def progress(self, description: str):
+        """A RichProgress on stderr, or a silent one in JSON/quiet mode or when stderr is no terminal."""
+        show = not self.json and self.verbosity >= 0
+        p = RichProgress(description, self.err if show else None)
+        try:
+            yield p
+        finally:
+            p.stop()
+
+
+class RichProgress:
+    """Implements convert's progress protocol (start/advance/stop) with a rich bar."""
+
+    def __init__(self, description: str, console: Console | None):
+        self.description = description
+        self.console = console
+        self._p: Progress | None = None
+        self._task = None
+        self.tensors_total = 0
+        self.tensors_done = 0
+
+    def start(self, total_bytes: int, total_tensors: int, skipped_bytes: int = 0) -> None:
+        if self.console is None:
+            return
+        self.tensors_total = total_tensors
+        self._p = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TaskProgressColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TextColumn("{task.fields[tensors]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._p.start()
+        self._task = self._p.add_task(self.description, total=total_bytes, completed=skipped_bytes,
+                                      tensors=f"0/{total_tensors} tensors")
+
+    def advance(self, nbytes: int, ntensors: int) -> None:
+        if self._p is None:
+            return
+        self.tensors_done += ntensors
+        self._p.update(self._task, advance=nbytes, tensors=f"{self.tensors_done}/{self.tensors_total} tensors")
+
+    def stop(self) -> None:
+        if self._p is not None:
+            self._p.stop()
+            self._p = None

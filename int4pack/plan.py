@@ -1,0 +1,316 @@
+"""The validation pass and the per-module decision, made before any long work starts.
+
+``make_plan`` reads headers and config only (plus the small tensors a reader needs to tell
+v1 from v2 zeros or act-order from trivial g_idx), refuses what cannot be converted with
+every reason at once, and returns jobs whose output tensors (names, dtypes, shapes) are all
+known up front, so the writer can lay out shards before computing anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+from ._version import __version__
+from .architectures import Layout, discover
+from .checkpoint import Checkpoint, TensorInfo
+from .errors import RefusedError, UsageError
+from .formats import open_reader
+from .records import FormatVerdict, LinearSpec
+from .w4a8 import check_group_size
+
+__all__ = ["OutTensor", "Job", "Plan", "make_plan", "parse_size", "parse_group_size"]
+
+DENSE_MODES = ("w4a8", "bf16")
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    name: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        from .checkpoint import _ITEMSIZE
+        n = _ITEMSIZE[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class Job:
+    """One unit of work: copy a tensor, convert a linear, or convert an MLP triple (fold)."""
+
+    kind: str  # "copy" | "linear" | "fold" | "dequant"
+    outputs: list[OutTensor]
+    specs: list[LinearSpec] = field(default_factory=list)  # linear: [spec]; fold: [gate, up, down]
+    source: str | None = None  # copy: the source tensor name
+    paths: dict[str, str] = field(default_factory=dict)  # module -> predicted path
+    in_bytes: int = 0
+
+    @property
+    def key(self) -> str:
+        return self.source if self.kind == "copy" else self.specs[-1].name
+
+
+@dataclass
+class Plan:
+    source: str
+    verdict: FormatVerdict
+    layout: Layout
+    group_size: int  # target: multiple of 32, or -1 for channel
+    dense: str  # "w4a8" | "bf16"
+    jobs: list[Job]
+    accounted: dict[str, str]  # every source tensor -> "converted:<module>" | "copied"
+    options: dict
+    reader: object = field(default=None, repr=False)  # the format reader that read the headers
+
+    @property
+    def outputs(self) -> list[OutTensor]:
+        return [t for j in self.jobs for t in j.outputs]
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+    def path_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for j in self.jobs:
+            for p in j.paths.values():
+                out[p] = out.get(p, 0) + 1
+        if any(j.kind == "copy" for j in self.jobs):
+            out["copy"] = sum(1 for j in self.jobs if j.kind == "copy")
+        return out
+
+    def quantized_modules(self) -> list[str]:
+        return [s.name for j in self.jobs if j.kind in ("linear", "fold") for s in j.specs]
+
+    def fingerprint(self, ckpt: Checkpoint) -> str:
+        """Changes whenever the output bytes could change: tool version, options, source tensors."""
+        h = hashlib.sha256()
+        h.update(json.dumps({"v": __version__, "opts": self.options}, sort_keys=True).encode())
+        for name in sorted(ckpt.tensors):
+            t = ckpt.tensors[name]
+            h.update(f"{name}|{t.file}|{t.dtype}|{t.shape}|{t.begin}|{t.end}".encode())
+        for shard in ckpt.shards:
+            st = (ckpt.folder / shard).stat()
+            h.update(f"{shard}|{st.st_size}|{st.st_mtime_ns}".encode())
+        return h.hexdigest()
+
+    def summary(self) -> dict:
+        lay = self.layout
+        return {
+            "source": self.source,
+            "format": self.verdict.to_dict(),
+            "model_type": lay.model_type,
+            "moe_layers": len(lay.moe_layers),
+            "experts_per_layer": sorted({m.num_experts for m in lay.moe_layers}),
+            "shared_experts": sum(1 for m in lay.moe_layers if m.shared),
+            "routers": len(lay.routers),
+            "roles": lay.counts(),
+            "group_size": self.group_size,
+            "scale_dtype": "float32" if self.group_size == -1 else "bfloat16",
+            "dense": self.dense,
+            "paths": self.path_counts(),
+            "tensors_in": len(self.accounted),
+            "tensors_out": len(self.outputs),
+            "out_bytes": self.out_bytes,
+            "in_bytes": sum(j.in_bytes for j in self.jobs),
+        }
+
+
+def parse_size(s: str | int) -> int:
+    """'5GB' / '500MB' / '200KB' / bytes -> bytes (decimal units, as transformers)."""
+    if isinstance(s, int):
+        return s
+    t = str(s).strip().upper().replace(" ", "")
+    units = {"TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3, "TIB": 2**40, "GIB": 2**30, "MIB": 2**20,
+             "KIB": 2**10, "B": 1}
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            num = t[: -len(u)]
+            break
+    else:
+        u, num = "B", t
+    try:
+        val = float(num)
+    except ValueError:
+        raise UsageError(f"--max-shard-size {s!r}: expected a size like 5GB, 500MB or 1048576",
+                         hint="Use a number with an optional unit KB/MB/GB (or KiB/MiB/GiB).") from None
+    if val <= 0:
+        raise UsageError(f"--max-shard-size {s!r} must be positive")
+    return int(val * units[u])
+
+
+def parse_group_size(g: str | int | None) -> int | None:
+    """None/'auto' -> None; 'channel'/-1 -> -1; else a positive int."""
+    if g is None:
+        return None
+    if isinstance(g, int):
+        return g
+    t = str(g).strip().lower()
+    if t in {"", "auto"}:
+        return None
+    if t in {"channel", "-1", "per-channel", "channelwise"}:
+        return -1
+    try:
+        v = int(t)
+    except ValueError:
+        raise UsageError(f"--group-size {g!r}: expected auto, channel, or a multiple of 32 such as 128") from None
+    return v
+
+
+def _group_problem(g: int, k: int) -> str | None:
+    """Why g cannot be the model-wide group for a linear with in_features k."""
+    reason = check_group_size(g, k)
+    if reason is None and g == k:
+        # vLLM would pack it with bf16 scales and block == K: KleidiAI's gate refuses that and
+        # torch silently takes the 4x larger float reference path
+        return f"group size {g} equals K={k} (vLLM would take torch's slow fallback for this module)"
+    return reason
+
+
+def _choose_group(requested: int | None, specs: list[LinearSpec]) -> int:
+    """One target group for the whole model (vLLM takes one scheme for all W4A8 linears)."""
+    ks = sorted({s.k for s in specs})
+    if requested is not None:
+        if requested == -1:
+            return -1
+        bad = [(s.name, s.k) for s in specs if _group_problem(requested, s.k)]
+        if bad:
+            name, k = bad[0]
+            raise RefusedError(
+                f"--group-size {requested}: {_group_problem(requested, k)} ({name}; {len(bad)} module(s) affected)",
+                tensor=name,
+                hint="Pick a multiple of 32 smaller than and dividing every in_features ("
+                     + ", ".join(map(str, ks[:6])) + "), or --group-size channel.")
+        return requested
+    source = sorted({(-1 if s.group_size >= s.k else s.group_size) for s in specs})
+    if len(source) == 1:
+        g = source[0]
+        if g == -1 or all(_group_problem(g, k) is None for k in ks):
+            return g
+    for g in (128, 64, 32):
+        if all(_group_problem(g, k) is None for k in ks):
+            return g
+    return -1
+
+
+def _predict(spec: LinearSpec, g: int, folded: bool) -> str:
+    # each target group inside one source group: the ints carry over unchanged
+    same_group = (spec.group_size >= spec.k) if g == -1 else spec.group_size % g == 0
+    if spec.sym and same_group and not spec.act_order:
+        return "reemit" if spec.fmt == "ct-int" else "lossless"
+    if folded and spec.sym and same_group:
+        return "fold"
+    return "requant"
+
+
+def _w4a8_outputs(spec: LinearSpec, g: int, bias_dtype: str | None) -> list[OutTensor]:
+    out = [OutTensor(f"{spec.name}.weight", "I8", (spec.n, spec.k))]
+    if g == -1:
+        out.append(OutTensor(f"{spec.name}.weight_scale", "F32", (spec.n, 1)))
+    else:
+        out.append(OutTensor(f"{spec.name}.weight_scale", "BF16", (spec.n, spec.k // g)))
+    if bias_dtype:
+        out.append(OutTensor(f"{spec.name}.bias", bias_dtype, (spec.n,)))
+    return out
+
+
+def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: str = "w4a8",
+              source_label: str | None = None) -> Plan:
+    """Validate the whole checkpoint and decide every tensor's fate. Raises on any refusal."""
+    if dense not in DENSE_MODES:
+        raise UsageError(f"--dense {dense!r}: expected one of {', '.join(DENSE_MODES)}")
+    requested = parse_group_size(group_size)
+    if requested is not None and requested != -1 and (requested <= 0 or requested % 32):
+        raise UsageError(f"--group-size {requested}: must be a multiple of 32 (32, 64, 128, ...) or channel",
+                         hint="KleidiAI's groupwise kernels need groups that are multiples of 32.")
+    reader = open_reader(ckpt)
+    verdict = reader.verdict()
+    specs = reader.linears()
+    refused = [s for s in specs.values() if s.refused]
+    if refused:
+        lines = "; ".join(f"{s.name}: {s.refused}" for s in refused[:5])
+        more = f" (+{len(refused) - 5} more)" if len(refused) > 5 else ""
+        raise RefusedError(f"{len(refused)} module(s) cannot be converted: {lines}{more}",
+                           tensor=refused[0].name, hint="See the reasons above; int4pack converts 4-bit int layouts only.")
+    if not specs:
+        raise RefusedError(f"{ckpt.folder}: no int4 linear found although quant_method is "
+                           f"{(ckpt.quant_config or {}).get('quant_method')!r}",
+                           hint="The checkpoint may not be quantised; nothing to convert.")
+    layout = discover(ckpt.model_type, ckpt.text_config, sorted(specs), sorted(ckpt.tensors))
+    if not layout.moe_layers:
+        raise RefusedError(f"{ckpt.folder}: no routed experts found in a {ckpt.model_type!r} checkpoint",
+                           hint="int4pack targets MoE checkpoints; the tensor names did not match any expert layout.")
+
+    w4a8_specs = [s for s in specs.values() if dense == "w4a8" or layout.roles[s.name] == "expert"]
+    w4a8_names = {s.name for s in w4a8_specs}
+    g = _choose_group(requested, w4a8_specs)
+
+    # MLP triples whose down projection carries act-order get folded together
+    fold_of: dict[str, list[str]] = {}
+    for t in layout.mlps:
+        if {"gate", "up", "down"} <= t.keys() and specs[t["down"]].act_order:
+            members = [t["gate"], t["up"], t["down"]]
+            if all(m in w4a8_names for m in members):
+                for m in members:
+                    fold_of[m] = members
+
+    jobs: list[Job] = []
+    accounted: dict[str, str] = {}
+    consumed: dict[str, str] = {}
+    for s in specs.values():
+        for key in s.keys:
+            consumed[key] = s.name
+
+    def bias_dtype(s: LinearSpec) -> str | None:
+        key = f"{s.name}.bias"
+        return ckpt.tensors[key].dtype if s.has_bias and key in ckpt.tensors else None
+
+    def in_bytes(s: LinearSpec) -> int:
+        return sum(ckpt.tensors[k].nbytes for k in s.keys if k in ckpt.tensors)
+
+    done: set[str] = set()
+    for name in sorted(specs):
+        if name in done:
+            continue
+        s = specs[name]
+        if name in fold_of:
+            members = [specs[m] for m in fold_of[name]]
+            outs = [t for m in members for t in _w4a8_outputs(m, g, bias_dtype(m))]
+            paths = {m.name: _predict(m, g, folded=(m is members[2])) for m in members}
+            jobs.append(Job("fold", outs, members, paths=paths, in_bytes=sum(map(in_bytes, members))))
+            done.update(m.name for m in members)
+        elif name in w4a8_names:
+            jobs.append(Job("linear", _w4a8_outputs(s, g, bias_dtype(s)), [s],
+                            paths={name: _predict(s, g, folded=False)}, in_bytes=in_bytes(s)))
+            done.add(name)
+        else:
+            outs = [OutTensor(f"{name}.weight", "BF16", (s.n, s.k))]
+            if bias_dtype(s):
+                outs.append(OutTensor(f"{name}.bias", bias_dtype(s), (s.n,)))
+            jobs.append(Job("dequant", outs, [s], paths={name: "dequant"}, in_bytes=in_bytes(s)))
+            done.add(name)
+    for key in sorted(ckpt.tensors):
+        if key in consumed:
+            accounted[key] = f"converted:{consumed[key]}"
+            continue
+        t: TensorInfo = ckpt.tensors[key]
+        jobs.append(Job("copy", [OutTensor(key, t.dtype, t.shape)], source=key, in_bytes=t.nbytes))
+        accounted[key] = "copied"
+
+    seen: dict[str, str] = {}
+    for j in jobs:
+        for t in j.outputs:
+            if t.name in seen:
+                raise RefusedError(f"output tensor {t.name!r} would be written twice "
+                                   f"(from {seen[t.name]} and {j.key})", tensor=t.name,
+                                   hint="The source stores both a float and a quantised form of this module.")
+            seen[t.name] = j.key
+    jobs.sort(key=lambda j: j.outputs[0].name)
+    opts = {"group_size": g, "dense": dense}
+    return Plan(source_label or str(ckpt.folder), verdict, layout, g, dense, jobs, accounted, opts, reader)

@@ -1,0 +1,294 @@
+"""Streaming, resumable safetensors output.
+
+Every output tensor's dtype and shape is known from the plan, so each shard's header (and
+so every tensor's offset) is fixed before any data is computed: tensors are streamed to
+disk one at a time and memory stays bounded by the tensors in flight. Per-tensor results
+(path, error) go into a reserved, space-padded slot of the header when the shard is
+finished, which keeps offsets unchanged.
+
+Atomicity: the whole output is built in a hidden sibling folder and renamed at the end; a
+shard is written as ``<name>.tmp`` and renamed when complete; ``progress.json`` there records
+each finished shard's checksums so ``--resume`` can trust (after re-hashing) what it keeps.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import OutputError
+from .plan import OutTensor
+
+__all__ = [
+    "PROGRESS",
+    "assign_shards",
+    "shard_names",
+    "ShardFile",
+    "OutputDir",
+    "hash_shard",
+    "to_bytes",
+]
+
+PROGRESS = "progress.json"
+_META_RESERVE_PER_TENSOR = 200  # bytes of header reserved for each tensor's result entry
+_META_RESERVE_BASE = 8192
+
+
+def assign_shards(outputs: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
+    """Fill shards in order; a tensor larger than max_bytes gets a shard of its own."""
+    shards: list[list[OutTensor]] = []
+    cur: list[OutTensor] = []
+    size = 0
+    for t in outputs:
+        if cur and size + t.nbytes > max_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += t.nbytes
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def shard_names(n: int) -> list[str]:
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def to_bytes(t: torch.Tensor | memoryview | bytes) -> memoryview:
+    """A zero-copy byte view of a tensor (or pass-through for raw bytes)."""
+    if isinstance(t, (memoryview, bytes, bytearray)):
+        return memoryview(t).cast("B") if isinstance(t, memoryview) else memoryview(t)
+    t = t.detach().contiguous().reshape(-1)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def _header_bytes(entries: dict, meta: dict[str, str], length: int | None = None) -> bytes:
+    hdr = {"__metadata__": meta, **entries}
+    raw = json.dumps(hdr, separators=(",", ":"), ensure_ascii=True).encode()
+    if length is None:
+        length = (len(raw) + 7) // 8 * 8
+    if len(raw) > length:
+        raise OutputError(f"internal: shard header grew past its reserved {length} bytes")
+    return raw + b" " * (length - len(raw))
+
+
+def _disk_error(path: Path, e: OSError) -> OutputError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OutputError(f"{path}: no space left on the device", path=str(path),
+                           hint="Free some space (or pick another OUT) and re-run with --resume; "
+                                "finished shards are kept.")
+    return OutputError(f"{path}: cannot write ({e.strerror or e})", path=str(path),
+                       hint="Check permissions and free space, then re-run with --resume.")
+
+
+class ShardFile:
+    """One safetensors shard written tensor by tensor at precomputed offsets."""
+
+    def __init__(self, path: Path, tensors: list[OutTensor], meta: dict[str, str]):
+        self.path = path
+        self.tmp = path.with_name(path.name + ".tmp")
+        self.tensors = tensors
+        self.meta = dict(meta)
+        self.entries: dict[str, dict] = {}
+        off = 0
+        for t in tensors:
+            self.entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+            off += t.nbytes
+        self.data_size = off
+        reserve = _META_RESERVE_BASE + _META_RESERVE_PER_TENSOR * len(tensors)
+        probe = _header_bytes(self.entries, {**self.meta, "int4pack.tensors": " " * reserve})
+        self.header_len = len(probe)
+        self._next = 0
+        self._hash = hashlib.sha256()
+        try:
+            self._fh = open(self.tmp, "wb")
+            self._fh.write(b"\0" * (8 + self.header_len))  # placeholder, rewritten by finish()
+        except OSError as e:
+            raise _disk_error(self.tmp, e) from e
+
+    def expects(self) -> OutTensor | None:
+        return self.tensors[self._next] if self._next < len(self.tensors) else None
+
+    def write(self, name: str, data) -> None:
+        want = self.tensors[self._next]
+        if name != want.name:
+            raise OutputError(f"internal: expected {want.name!r} next in {self.path.name}, got {name!r}")
+        if isinstance(data, torch.Tensor):
+            from .checkpoint import DTYPE_NAMES
+            if DTYPE_NAMES.get(data.dtype) != want.dtype or tuple(data.shape) != want.shape:
+                raise OutputError(f"internal: {name} is {data.dtype}{tuple(data.shape)}, "
+                                  f"planned {want.dtype}{want.shape}", tensor=name)
+        buf = to_bytes(data)
+        if len(buf) != want.nbytes:
+            raise OutputError(f"internal: {name} has {len(buf)} bytes, planned {want.nbytes}", tensor=name)
+        try:
+            self._fh.write(buf)
+        except OSError as e:
+            self.abort()
+            raise _disk_error(self.tmp, e) from e
+        self._hash.update(buf)
+        self._next += 1
+
+    def finish(self, results: dict[str, dict]) -> dict:
+        """Write the final header (with per-tensor results), fsync, rename. Returns checksums."""
+        if self._next != len(self.tensors):
+            raise OutputError(f"internal: {self.path.name} finished with {self._next}/{len(self.tensors)} tensors")
+        meta = {**self.meta, "int4pack.tensors": json.dumps(results, sort_keys=True, separators=(",", ":"))}
+        header = _header_bytes(self.entries, meta, self.header_len)
+        try:
+            self._fh.seek(0)
+            self._fh.write(len(header).to_bytes(8, "little"))
+            self._fh.write(header)
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self.abort()
+            raise _disk_error(self.path, e) from e
+        return {"size": 8 + len(header) + self.data_size,
+                "header_sha256": hashlib.sha256(header).hexdigest(),
+                "data_sha256": self._hash.hexdigest()}
+
+    def abort(self) -> None:
+        try:
+            self._fh.close()
+        except OSError:
+            pass
+        try:
+            self.tmp.unlink()
+        except OSError:
+            pass
+
+
+def hash_shard(path: Path) -> dict:
+    """Re-hash a finished shard the same way finish() recorded it."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = fh.read(n)
+        h = hashlib.sha256()
+        size = 8 + n
+        while True:
+            chunk = fh.read(1 << 24)
+            if not chunk:
+                break
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "data_sha256": h.hexdigest()}
+
+
+@dataclass
+class OutputDir:
+    """The final folder, its hidden work folder, and the resume state inside it."""
+
+    final: Path
+    work: Path
+    fingerprint: str
+    progress: dict
+
+    @classmethod
+    def open(cls, out: Path, source: Path, fingerprint: str, *, overwrite: bool, resume: bool) -> "OutputDir":
+        out = out.expanduser().absolute()
+        src, outr = source.resolve(), out.resolve()
+        if outr == src or src in outr.parents:
+            raise OutputError(f"{out}: is inside the source folder {src}", path=str(out),
+                              hint="The source is read-only to int4pack; write the output elsewhere.")
+        if outr in src.parents:
+            raise OutputError(f"{out}: contains the source folder {src}", path=str(out),
+                              hint="Pick an OUT that does not contain the source.")
+        if out.exists() and not out.is_dir():
+            raise OutputError(f"{out}: exists and is not a folder", path=str(out),
+                              hint="Remove the file or pick another OUT.")
+        if out.exists() and not overwrite:
+            raise OutputError(f"{out}: already exists", path=str(out),
+                              hint="Pass --overwrite to replace it, or pick another OUT.")
+        if not out.parent.is_dir():
+            raise OutputError(f"{out.parent}: parent folder does not exist", path=str(out.parent),
+                              hint="Create it first.")
+        work = out.parent / f".{out.name}.int4pack-partial"
+        progress = {"fingerprint": fingerprint, "shards": {}, "jobs": {}}
+        if work.exists():
+            state = work / PROGRESS
+            if not state.is_file():
+                raise OutputError(f"{work}: exists but is not an int4pack work folder", path=str(work),
+                                  hint="Remove it (it is not ours) and run again.")
+            old = None
+            try:
+                old = json.loads(state.read_text())
+            except (OSError, json.JSONDecodeError):
+                old = None
+            if resume and old and old.get("fingerprint") == fingerprint:
+                progress = old
+            else:
+                shutil.rmtree(work)
+        try:
+            work.mkdir(parents=False, exist_ok=True)
+        except OSError as e:
+            raise _disk_error(work, e) from e
+        od = cls(out, work, fingerprint, progress)
+        od.save_progress()
+        return od
+
+    def save_progress(self) -> None:
+        tmp = self.work / (PROGRESS + ".tmp")
+        try:
+            tmp.write_text(json.dumps(self.progress, sort_keys=True))
+            os.replace(tmp, self.work / PROGRESS)
+        except OSError as e:
+            raise _disk_error(tmp, e) from e
+
+    def trusted_shards(self) -> set[str]:
+        """Finished shards whose bytes still match their recorded checksums."""
+        ok = set()
+        for name, rec in self.progress.get("shards", {}).items():
+            p = self.work / name
+            if p.is_file() and p.stat().st_size == rec.get("size") and hash_shard(p) == {
+                    k: rec[k] for k in ("size", "header_sha256", "data_sha256")}:
+                ok.add(name)
+        # forget anything we could not verify, and stray temp files
+        self.progress["shards"] = {k: v for k, v in self.progress.get("shards", {}).items() if k in ok}
+        for p in self.work.glob("*.tmp"):
+            p.unlink(missing_ok=True)
+        return ok
+
+    def write_file(self, name: str, data: bytes) -> None:
+        p = self.work / name
+        tmp = p.with_name(p.name + ".tmp")
+        try:
+            tmp.write_bytes(data)
+            os.replace(tmp, p)
+        except OSError as e:
+            raise _disk_error(p, e) from e
+
+    def copy_file(self, src: Path) -> None:
+        try:
+            shutil.copyfile(src, self.work / src.name)
+        except OSError as e:
+            raise _disk_error(self.work / src.name, e) from e
+
+    def commit(self) -> None:
+        """Swap the finished work folder into place (replacing OUT only when overwriting)."""
+        (self.work / PROGRESS).unlink(missing_ok=True)
+        old = None
+        try:
+            if self.final.exists():
+                old = self.final.parent / f".{self.final.name}.int4pack-old"
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(self.final, old)
+            os.replace(self.work, self.final)
+        except OSError as e:
+            raise _disk_error(self.final, e) from e
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

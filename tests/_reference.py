@@ -1,0 +1,150 @@
+"""Independent reference decoders for the tests, written from ../shared/docs/formats.md.
+
+They share no code with int4pack: tensors come from the safetensors library, nibbles are
+taken apart with numpy, and each format's dequantisation is the producer's formula as the
+spec states it. End-to-end tests compare int4pack's output against these.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def load_all(folder: Path) -> dict[str, "np.ndarray"]:
+    """Every tensor of a folder as numpy (bf16 widened to float32), via the safetensors library."""
+    import torch
+
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                t = fh.get_tensor(k)
+                out[k] = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    return out
+
+
+def load_raw(folder: Path) -> dict:
+    """Every tensor as a torch tensor in its stored dtype (for bit-exact comparisons)."""
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+def qconfig(folder: Path) -> dict:
+    return json.loads((Path(folder) / "config.json").read_text())["quantization_config"]
+
+
+def _nibbles_along_rows(words: np.ndarray) -> np.ndarray:
+    """int32 [R, C] -> uint8 [8R, C]: row 8r+i holds nibble i of words[r]."""
+    u = words.astype(np.int64) & 0xFFFFFFFF
+    parts = [(u >> (4 * i)) & 0xF for i in range(8)]
+    return np.stack(parts, axis=1).reshape(-1, words.shape[1]).astype(np.int64)
+
+
+def _nibbles_along_cols(words: np.ndarray) -> np.ndarray:
+    """int32 [R, C] -> [R, 8C]: column 8c+i holds nibble i of words[:, c]."""
+    u = words.astype(np.int64) & 0xFFFFFFFF
+    parts = [(u >> (4 * i)) & 0xF for i in range(8)]
+    return np.stack(parts, axis=2).reshape(words.shape[0], -1).astype(np.int64)
+
+
+def gptq_modules(t: dict) -> list[str]:
+    return sorted(k[: -len(".qweight")] for k in t if k.endswith(".qweight"))
+
+
+def gptq_decode(t: dict, m: str, *, v1: bool = True) -> dict:
+    """GPTQ (formats.md §1): W[n,k] = (u[k,n] - z[g_idx[k], n]) * s[g_idx[k], n]; v1 z = stored + 1."""
+    u = _nibbles_along_rows(t[f"{m}.qweight"]).T  # [N, K]
+    zs = _nibbles_along_cols(t[f"{m}.qzeros"])  # [G, N]
+    z = (zs + 1) if v1 else zs
+    s = t[f"{m}.scales"].astype(np.float64)  # [G, N]
+    gi = t[f"{m}.g_idx"].astype(np.int64)
+    w = (u - z[gi, :].T) * s[gi, :].T
+    return {"u": u, "z": z.T, "s": s.T, "g_idx": gi, "w": w}
+
+
+def awq_decode(t: dict, m: str, group: int) -> dict:
+    """AWQ GEMM (formats.md §2): nibble i of word j holds column 8j + AWQ_ORDER[i]; no +1."""
+    def unpack(words):
+        raw = _nibbles_along_cols(words)  # column 8j+i = nibble i
+        out = np.empty_like(raw)
+        for i, col in enumerate(AWQ_ORDER):
+            out[:, col::8] = raw[:, i::8]
+        return out
+
+    u = unpack(t[f"{m}.qweight"]).T  # [N, K]
+    z = unpack(t[f"{m}.qzeros"])  # [G, N]
+    s = t[f"{m}.scales"].astype(np.float64)
+    gi = np.arange(u.shape[1]) // group
+    w = (u - z[gi, :].T) * s[gi, :].T
+    return {"u": u, "z": z.T, "s": s.T, "w": w}
+
+
+def ct_modules(t: dict) -> list[str]:
+    mods = [k[: -len(".weight_packed")] for k in t if k.endswith(".weight_packed")]
+    mods += [k[: -len(".weight")] for k in t if k.endswith(".weight") and f"{k}_scale" in t]
+    return sorted(mods)
+
+
+def ct_decode(t: dict, m: str, group: int | None) -> dict:
+    """compressed-tensors (formats.md §3): q = u - 8 along K; packed asym zp along N, also -8."""
+    if f"{m}.weight_packed" in t:
+        n, k = (int(x) for x in t[f"{m}.weight_shape"])
+        q = _nibbles_along_cols(t[f"{m}.weight_packed"])[:n, :k] - 8
+    else:
+        q = t[f"{m}.weight"].astype(np.int64)
+        n, k = q.shape
+    s = t[f"{m}.weight_scale"].astype(np.float64)
+    if f"{m}.weight_zero_point" in t:
+        zp = _nibbles_along_rows(t[f"{m}.weight_zero_point"])[:n] - 8
+    else:
+        zp = np.zeros_like(s, dtype=np.int64)
+    if f"{m}.weight_g_idx" in t:
+        gi = t[f"{m}.weight_g_idx"].astype(np.int64)
+    elif group is None or s.shape[1] == 1:
+        gi = np.zeros(k, dtype=np.int64)
+    else:
+        gi = np.arange(k) // group
+    w = (q - zp[:, gi]) * s[:, gi]
+    return {"q": q, "zp": zp, "s": s, "g_idx": gi, "w": w}
+
+
+def w4a8_decode(t: dict, m: str) -> dict:
+    """The int4pack output (compressed-tensors int-quantized): W = q * s[:, k // g]."""
+    q = t[f"{m}.weight"].astype(np.int64)
+    s = t[f"{m}.weight_scale"].astype(np.float64)
+    g = q.shape[1] // s.shape[1]
+    w = q * np.repeat(s, g, axis=1)
+    return {"q": q, "s": s, "w": w, "group": g}
+
+
+def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def vllm_detects_w4a8(qcfg: dict) -> bool:
+    """vLLM's CompressedTensorsConfig._is_dynamic_token_w4a8_int, as kleidiai.md §4 states it,
+    applied to every config group (weights and input activations as vLLM parses them)."""
+    if qcfg.get("quant_method") != "compressed-tensors":
+        return False
+    for grp in qcfg["config_groups"].values():
+        w, a = grp.get("weights") or {}, grp.get("input_activations") or {}
+        ok_w = (w.get("num_bits") == 4 and w.get("type") == "int" and w.get("symmetric") is True
+                and w.get("strategy") in ("group", "channel") and not w.get("dynamic"))
+        ok_a = (a.get("num_bits") == 8 and a.get("type") == "int" and a.get("strategy") == "token"
+                and a.get("dynamic") is True)
+        if not (ok_w and ok_a):
+            return False
+        if w["strategy"] == "group" and not (isinstance(w.get("group_size"), int) and w["group_size"] > 0):
+            return False
+    return True

@@ -1,0 +1,228 @@
+"""End-to-end: every real fixture converts, and the output dequantises to what the producer's
+own dequantisation of the source gives (independent decoders in tests/_reference.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import int4pack
+from _reference import (
+    FIXTURES,
+    awq_decode,
+    ct_decode,
+    ct_modules,
+    gptq_decode,
+    gptq_modules,
+    load_all,
+    load_raw,
+    qconfig,
+    rel_l2,
+    vllm_detects_w4a8,
+    w4a8_decode,
+)
+
+pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
+
+ALL = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir() and p.name != "dense_qwen3moe") \
+    if FIXTURES.is_dir() else []
+
+
+def _source_refs(name: str) -> dict[str, dict]:
+    """module -> reference decode of the source, by the producer's own formula."""
+    folder = FIXTURES / name
+    t = load_all(folder)
+    q = qconfig(folder)
+    if q["quant_method"] == "gptq":
+        return {m: gptq_decode(t, m, v1=True) for m in gptq_modules(t)}
+    if q["quant_method"] == "awq":
+        return {m: awq_decode(t, m, q["group_size"]) for m in gptq_modules(t)}
+    grp = next(iter(q["config_groups"].values()))["weights"]
+    return {m: ct_decode(t, m, grp.get("group_size")) for m in ct_modules(t)}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    cache = {}
+
+    def get(name: str, **kw):
+        key = (name, tuple(sorted(kw.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(name) / "out"
+            report = int4pack.convert(FIXTURES / name, out, **kw)
+            cache[key] = (out, report)
+        return cache[key]
+
+    return get
+
+
+def _fold_perms(refs: dict, mods: dict) -> dict[str, np.ndarray]:
+    """module -> row/column permutation a fold applied (stable argsort of down's g_idx, per the spec
+    of the fold), for the down projection and its expert's gate and up."""
+    perms = {}
+    for m, st in mods.items():
+        if st["path"] == "fold":
+            perm = np.argsort(refs[m]["g_idx"], kind="stable")
+            base = m.rsplit(".", 1)[0]
+            for sib in mods:
+                if sib.rsplit(".", 1)[0] == base:
+                    perms[sib] = perm
+    return perms
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_fixture_converts_and_matches_producer_dequant(name, converted):
+    out, report = converted(name)
+    refs = _source_refs(name)
+    got = load_all(out)
+    dst = load_raw(out)
+    mods = report["modules"]
+    assert set(mods) == set(refs), "every int4 module of the source is converted"
+    perms = _fold_perms(refs, mods)
+    for m, ref in refs.items():
+        o = w4a8_decode(got, m)
+        assert o["q"].min() >= -8 and o["q"].max() <= 7
+        st = mods[m]
+        src_q = ref["u"] - 8 if "u" in ref else ref["q"]
+        gi = ref.get("g_idx", np.arange(src_q.shape[1]) // max(1, src_q.shape[1] // ref["s"].shape[1]))
+        ref_w, scale_dt = ref["w"], dst[f"{m}.weight_scale"].dtype
+        if st["path"] == "fold":  # down: its columns permuted so act-order groups become contiguous
+            p = perms[m]
+            src_q, gi, ref_w = src_q[:, p], gi[p], ref_w[:, p]
+        elif m in perms:  # gate/up of a folded expert: rows permuted by the same perm
+            p = perms[m]
+            src_q, ref_w, ref = src_q[p], ref_w[p], {**ref, "s": ref["s"][p]}
+        if st["path"] in ("lossless", "reemit", "fold"):
+            # ints bit-identical to the source's; scales the source's cast to the shipped dtype
+            assert np.array_equal(o["q"], src_q), m
+            s_src = ref["s"][:, gi[:: o["group"]]] if o["s"].shape[1] > 1 else ref["s"][:, :1]
+            want = torch.tensor(s_src).to(scale_dt).float().numpy()
+            assert np.array_equal(o["s"], want), m
+            assert rel_l2(o["w"], ref_w) < 0.01, m  # only the scale cast differs
+        elif st["path"] == "requant":
+            err = rel_l2(o["w"], ref_w)
+            assert err == pytest.approx(float(st["rel_l2"]), rel=1e-3, abs=1e-6), m
+            assert err < 0.12, (m, err)
+            assert float(st["rel_l2"]) <= float(st["baseline_rel_l2"]) + 1e-9, m
+        else:
+            pytest.fail(f"{m}: unexpected path {st['path']}")
+
+
+def got_dtype(out: Path, name: str) -> torch.dtype:
+    return load_raw(out)[name].dtype
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_source_tensor_accounted_and_copies_bit_exact(name, converted):
+    out, report = converted(name)
+    src = load_raw(FIXTURES / name)
+    dst = load_raw(out)
+    assert set(report["tensors"]) == set(src)
+    for key, fate in report["tensors"].items():
+        if fate == "copied":
+            a, b = src[key], dst[key]
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
+        else:
+            assert fate.startswith("converted:")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_output_config_is_what_vllm_detects_as_w4a8(name, converted):
+    out, report = converted(name)
+    cfg = json.loads((out / "config.json").read_text())
+    q = cfg["quantization_config"]
+    assert vllm_detects_w4a8(q)
+    assert q["format"] == "int-quantized"
+    w = q["config_groups"]["group_0"]["weights"]
+    dst = load_raw(out)
+    # every quantised module's scale dtype matches the scheme (bf16 group / fp32 channel)
+    for m in report["modules"]:
+        s = dst[f"{m}.weight_scale"]
+        if w["strategy"] == "channel":
+            assert s.dtype == torch.float32 and s.shape[1] == 1
+        else:
+            assert s.dtype == torch.bfloat16 and dst[f"{m}.weight"].shape[1] // s.shape[1] == w["group_size"]
+    # routers and lm_head stay float and are ignored by the W4A8 scheme
+    for name_ in dst:
+        if name_.endswith(".gate.weight") or name_ == "lm_head.weight":
+            assert name_[: -len(".weight")] in q["ignore"]
+    idx = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(idx["weight_map"]) == set(dst)
+    for f in (FIXTURES / name).iterdir():
+        if f.name.startswith("tokenizer") or f.name == "generation_config.json":
+            assert (out / f.name).read_bytes() == f.read_bytes()
+
+
+def test_w4a8_source_reproduces_its_tensors_exactly(converted):
+    out, report = converted("ct_qwen3moe_w4a8_int_g32")
+    src, dst = load_raw(FIXTURES / "ct_qwen3moe_w4a8_int_g32"), load_raw(out)
+    assert set(src) == set(dst)
+    for k in src:
+        assert src[k].dtype == dst[k].dtype and torch.equal(src[k], dst[k]), k
+    assert {v["path"] for v in report["modules"].values()} == {"reemit"}
+
+
+def test_ct_source_close_to_its_float_origin(converted):
+    """The ct fixtures were made from dense_qwen3moe: a lossless conversion stays within
+    the int4 grid of the float weights (half a step plus bf16 scale rounding)."""
+    out, report = converted("ct_qwen3moe_w4a16")
+    dense = load_all(FIXTURES / "dense_qwen3moe")
+    got = load_all(out)
+    for m in list(report["modules"])[:12]:
+        o = w4a8_decode(got, m)
+        w = dense[f"{m}.weight"].astype(np.float64)
+        step = np.repeat(o["s"], o["group"], axis=1)
+        assert np.all(np.abs(o["w"] - w) <= 0.55 * step + 1e-6), m
+
+
+def test_two_runs_are_byte_identical(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    int4pack.convert(FIXTURES / "gptq_q3_asym", a, max_shard_size="300KB")
+    int4pack.convert(FIXTURES / "gptq_q3_asym", b, max_shard_size="300KB", threads=1)
+    fa = sorted(p.name for p in a.iterdir())
+    assert fa == sorted(p.name for p in b.iterdir()) and len([f for f in fa if f.endswith(".safetensors")]) > 1
+    for f in fa:
+        assert hashlib.sha256((a / f).read_bytes()).digest() == hashlib.sha256((b / f).read_bytes()).digest(), f
+
+
+def test_source_folder_untouched(tmp_path):
+    src = FIXTURES / "awq_q3"
+    before = {p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()) for p in src.iterdir()}
+    int4pack.convert(src, tmp_path / "o")
+    after = {p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()) for p in src.iterdir()}
+    assert before == after
+
+
+def test_dry_run_writes_nothing_and_reports_plan(tmp_path):
+    r = int4pack.convert(FIXTURES / "gptq_q3_descact", tmp_path / "o", dry_run=True)
+    assert not (tmp_path / "o").exists() and not list(tmp_path.iterdir())
+    paths = r["plan"]["paths"]
+    # desc_act: down projections fold exactly; gate/up (act-order on H) requantise
+    assert paths.get("fold", 0) == 2 * 4 and paths.get("requant", 0) > 0
+    assert r["plan"]["moe_layers"] == 2 and r["plan"]["experts_per_layer"] == [4]
+
+
+def test_explicit_group_and_channel(converted):
+    out, report = converted("gptq_q3_sym", group_size="channel")
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert q["config_groups"]["group_0"]["weights"]["strategy"] == "channel"
+    assert {v["path"] for v in report["modules"].values()} == {"requant"}
+    out, report = converted("ct_qwen3moe_w4a16_channel", group_size=32)
+    # channel source -> group 32: each group inside the one channel group, ints unchanged
+    assert {v["path"] for v in report["modules"].values()} == {"lossless"}
+
+
+def test_dense_bf16_keeps_attention_float(converted):
+    out, report = converted("gptq_q3_sym", dense="bf16")
+    dst = load_raw(out)
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    attn = [k for k in dst if ".self_attn.q_proj." in k]
+    assert attn == [k for k in attn if k.endswith(".weight")] and dst[attn[0]].dtype == torch.bfloat16
+    assert any(i.endswith("self_attn.q_proj") for i in q["ignore"])
+    assert all(".experts." in m for m in report["modules"] if report["modules"][m]["path"] != "dequant")
