@@ -32,6 +32,7 @@ _REFUSED_FORMATS = {
 _STRATEGIES = ("group", "channel", "tensor")
 _SCALE_DTYPES = ("F16", "BF16", "F32")
 _SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
+_ACT_PARAMS = ("input_scale", "input_zero_point", "input_g_idx", "output_scale", "output_zero_point")
 
 
 @dataclass
@@ -48,16 +49,22 @@ class Scheme:
     group_size: int | None
     problem: str | None  # why modules of this group cannot be converted
 
-    def matches(self, module: str) -> bool:
-        return any(_target_matches(t, module) for t in self.targets)
+    def match_rank(self, module: str) -> int | None:
+        """Best precedence among this group's targets: 0 exact name, 1 regex, 2 class; None if none match."""
+        ranks = [r for r in (_target_rank(t, module) for t in self.targets) if r is not None]
+        return min(ranks) if ranks else None
+
+
+def _target_rank(target: str, module: str) -> int | None:
+    if target.startswith("re:"):
+        return 1 if re.match(target[3:], module) is not None else None
+    if "." not in target and target[:1].isupper():  # a class name; only Linear is knowable here
+        return 2 if target == "Linear" else None
+    return 0 if target == module else None
 
 
 def _target_matches(target: str, module: str) -> bool:
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    if "." not in target and target[:1].isupper():  # a class name; only Linear is knowable here
-        return target == "Linear"
-    return target == module
+    return _target_rank(target, module) is not None
 
 
 def _scheme(name: str, group: dict, top_format: str | None) -> Scheme:
@@ -161,9 +168,12 @@ class CompressedTensorsReader:
         notes = []
         if any(_target_matches(i, module) for i in self.ignore):
             notes.append("listed in ignore, but its quantised tensors are present")
-        for s in self.schemes:
-            if s.matches(module):
-                return s, notes
+        ranked = sorted((r, i) for i, s in enumerate(self.schemes) if (r := s.match_rank(module)) is not None)
+        if ranked:
+            # exact name beats regex beats class; among equals, a group whose format fits the tensors
+            best = [self.schemes[i] for r, i in ranked if r == ranked[0][0]]
+            fits = [s for s in best if (s.format == _PACK) == (f"{module}.weight_packed" in self.ckpt.tensors)]
+            return (fits or best)[0], notes
         if len(self.schemes) == 1:
             notes.append(f"no target of config group {self.schemes[0].name!r} names it; using that only group")
             return self.schemes[0], notes
@@ -177,11 +187,13 @@ class CompressedTensorsReader:
         scheme, notes = self._scheme_for(module)
         packed = f"{module}.weight_packed" in ck.tensors
         if scheme.problem:
-            keys = tuple(f"{module}.{s}" for s in _SUFFIXES + ("weight", "bias") if f"{module}.{s}" in ck.tensors)
+            keys = tuple(f"{module}.{s}" for s in _SUFFIXES + ("weight", "bias") + _ACT_PARAMS
+                         if f"{module}.{s}" in ck.tensors)
             n, k = self._nk_loose(module)
             return LinearSpec(name=module, fmt="ct-pack" if packed else "ct-int", n=n, k=k, bits=scheme.bits or 0,
                               group_size=max(k, 1), sym=scheme.symmetric, act_order=False, keys=keys,
-                              scale_dtype=self._dtype(f"{module}.weight_scale"), has_bias=f"{module}.bias" in ck.tensors,
+                              scale_dtype=self._dtype(f"{module}.weight_scale"),
+                              has_bias=f"{module}.bias" in ck.tensors,
                               refused=f"config group {scheme.name!r}: {scheme.problem}", notes=notes)
         if packed:
             n, k, keys = self._pack_tensors(module, notes)
@@ -276,6 +288,10 @@ class CompressedTensorsReader:
         if has_bias:
             check_shape(ck, b, (n,), f"out_features N={n}")
             keys.append(b)
+        acts = [f"{module}.{a}" for a in _ACT_PARAMS if f"{module}.{a}" in ck.tensors]
+        if acts:
+            keys.extend(acts)
+            notes.append("static activation qparams dropped (the target quantises activations per token)")
         sym = scheme.symmetric and zp not in ck.tensors
         return LinearSpec(name=module, fmt=fmt, n=n, k=k, bits=4, group_size=group, sym=sym, act_order=act_order,
                           keys=tuple(keys), scale_dtype=ck.tensors[sc].dtype, has_bias=has_bias, notes=notes)

@@ -168,8 +168,9 @@ class GPTQReader:
         group = eff["group_size"] if eff["group_size"] and eff["group_size"] > 0 else max(k, 1)
         why = (f"bits={eff['bits']} by the dynamic override; int4pack converts 4-bit modules only"
                if eff["override"] else f"bits={eff['bits']}; int4pack converts 4-bit modules only")
+        scale_dtype = ck.tensors.get(f"{name}.scales", ck.tensors[qweight]).dtype
         return LinearSpec(name=name, fmt="gptq", n=n, k=k, bits=eff["bits"], group_size=group, sym=eff["sym"],
-                          act_order=False, keys=keys, scale_dtype=ck.tensors.get(f"{name}.scales", ck.tensors[qweight]).dtype,
+                          act_order=False, keys=keys, scale_dtype=scale_dtype,
                           has_bias=f"{name}.bias" in ck.tensors, refused=why, notes=notes)
 
     # -- v1 / v2 ---------------------------------------------------------------------------

@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Conversion speed and memory against a copy baseline measured in the same run.
+
+    python scripts/bench_convert.py --sizes 1 4 --formats gptq-sym gptq-asym awq ct --threads 1 2
+
+For each format and input size (GB), it writes a synthetic Qwen3-30B-A3B-shaped checkpoint
+(scripts/make_synthetic.py), drops nothing from the page cache (these machines are shared),
+then times in fresh subprocesses:
+  (a) baseline: read every input byte and write as many bytes as convert's output (cp-like);
+  (b) int4pack convert on the same input.
+It prints Mparam/s, the ratio convert/baseline and the peak RSS of each subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from make_synthetic import make  # noqa: E402
+
+LAYER_GB = 0.31
+
+BASELINE = r"""
+import os, sys, time, resource, json
+src, dst, out_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+t0 = time.perf_counter()
+buf = bytearray(1 << 24)
+mv = memoryview(buf)
+n_in = 0
+os.makedirs(dst, exist_ok=True)
+with open(os.path.join(dst, "blob"), "wb") as w:
+    left = out_bytes
+    for f in sorted(os.listdir(src)):
+        with open(os.path.join(src, f), "rb") as r:
+            while True:
+                k = r.readinto(mv)
+                if not k:
+                    break
+                n_in += k
+                take = min(left, k)
+                w.write(mv[:take]); left -= take
+    while left > 0:
+        take = min(left, len(buf)); w.write(mv[:take]); left -= take
+    w.flush(); os.fsync(w.fileno())
+print(json.dumps({"seconds": time.perf_counter() - t0, "in": n_in,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+CONVERT = r"""
+import sys, time, resource, json
+import int4pack
+src, dst, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+t0 = time.perf_counter()
+r = int4pack.convert(src, dst, threads=threads)
+p = r["plan"]
+print(json.dumps({"seconds": time.perf_counter() - t0, "plan_seconds": r.get("seconds_plan"),
+                  "out_bytes": p["out_bytes"], "paths": p["paths"],
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def _run(code: str, *args, env=None) -> dict:
+    res = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env)
+    if res.returncode != 0:
+        raise SystemExit(f"subprocess failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _params(folder: Path) -> int:
+    """int4 parameters in the source (8 per packed int32 word of qweight/weight_packed)."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in folder.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                if k.endswith((".qweight", ".weight_packed")):
+                    shape = fh.get_slice(k).get_shape()
+                    n += shape[0] * shape[1] * 8
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=float, nargs="+", default=[1.0], help="input sizes in GB")
+    ap.add_argument("--formats", nargs="+", default=["gptq-sym", "gptq-asym", "awq", "ct"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[2])
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    a = ap.parse_args()
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="int4pack-bench-"))
+    rows = []
+    for fmt in a.formats:
+        for gb in a.sizes:
+            layers = max(1, round(gb / LAYER_GB))
+            src = work / f"{fmt}-{layers}L"
+            if not src.exists():
+                make(src, fmt, layers)
+            size = sum(p.stat().st_size for p in src.iterdir())
+            params = _params(src)
+            for th in a.threads:
+                dst = work / "out"
+                shutil.rmtree(dst, ignore_errors=True)
+                conv = _run(CONVERT, src, dst, th)
+                shutil.rmtree(dst, ignore_errors=True)
+                base = _run(BASELINE, src, dst, conv["out_bytes"])
+                shutil.rmtree(dst, ignore_errors=True)
+                row = {"format": fmt, "in_gb": round(size / 1e9, 2), "threads": th,
+                       "mparam_s": round(params / conv["seconds"] / 1e6, 1),
+                       "convert_s": round(conv["seconds"], 2), "baseline_s": round(base["seconds"], 2),
+                       "ratio": round(conv["seconds"] / base["seconds"], 2),
+                       "rss_mb": round(conv["rss_mb"]), "baseline_rss_mb": round(base["rss_mb"]),
+                       "paths": conv["paths"]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if not a.workdir:
+                shutil.rmtree(src, ignore_errors=True)
+    print()
+    print("| format | input GB | threads | Mparam/s | convert s | baseline s | convert/baseline | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['format']} | {r['in_gb']} | {r['threads']} | {r['mparam_s']} | {r['convert_s']} | "
+              f"{r['baseline_s']} | {r['ratio']} | {r['rss_mb']} |")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    if not a.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

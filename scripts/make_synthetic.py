@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Write large synthetic int4 MoE checkpoints in Qwen3-30B-A3B shapes, fast.
+
+    python scripts/make_synthetic.py OUT --format gptq-sym|gptq-asym|awq|ct --layers 3
+
+Shapes per layer: hidden 2048, 128 experts of intermediate 768 (gate/up [768, 2048], down
+[2048, 768]), attention q [4096, 2048], k/v [512, 2048], o [2048, 4096], group 128. About
+0.31 GB of int4 per layer: 3 layers ~ 1 GB, 13 layers ~ 4 GB. The values are random (valid
+nibbles, positive fp16/bf16 scales); GPTQ asym zeros are drawn so the data reads as v1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+H, I, E, G = 2048, 768, 128, 128
+ATTN = {"q_proj": (4096, H), "k_proj": (512, H), "v_proj": (512, H), "o_proj": (H, 4096)}
+FORMATS = ("gptq-sym", "gptq-asym", "awq", "ct")
+
+
+def _words(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=gen)
+
+
+def _nibble_words(gen: torch.Generator, lo: int, hi: int, *shape: int) -> torch.Tensor:
+    """int32 words whose 8 nibbles are each drawn from [lo, hi]."""
+    nib = torch.randint(lo, hi + 1, (*shape, 8), dtype=torch.int64, generator=gen)
+    w = torch.zeros(shape, dtype=torch.int64)
+    for i in range(8):
+        w |= nib[..., i] << (4 * i)
+    return (w - (w >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def _scales(gen: torch.Generator, shape, dtype) -> torch.Tensor:
+    return (torch.rand(shape, generator=gen) * 0.01 + 0.002).to(dtype)
+
+
+def linear(fmt: str, name: str, n: int, k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    g = k // G
+    if fmt.startswith("gptq"):
+        zeros = (torch.full((g, n // 8), 0x77777777, dtype=torch.int32) if fmt == "gptq-sym"
+                 else _nibble_words(gen, 6, 7, g, n // 8))
+        return {f"{name}.qweight": _words(gen, k // 8, n), f"{name}.qzeros": zeros,
+                f"{name}.scales": _scales(gen, (g, n), torch.float16),
+                f"{name}.g_idx": (torch.arange(k, dtype=torch.int32) // G)}
+    if fmt == "awq":
+        return {f"{name}.qweight": _words(gen, k, n // 8), f"{name}.qzeros": _nibble_words(gen, 5, 10, g, n // 8),
+                f"{name}.scales": _scales(gen, (g, n), torch.float16)}
+    return {f"{name}.weight_packed": _words(gen, n, k // 8), f"{name}.weight_scale": _scales(gen, (n, g), torch.bfloat16),
+            f"{name}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+
+
+def quant_config(fmt: str) -> dict:
+    if fmt.startswith("gptq"):
+        return {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": False, "sym": fmt == "gptq-sym",
+                "checkpoint_format": "gptq", "pack_dtype": "int32"}
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm",
+                "modules_to_not_convert": ["gate"]}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": G,
+                "dynamic": False}, "input_activations": None, "output_activations": None}},
+            "ignore": ["lm_head", "re:.*mlp\\.gate$"], "version": "0.20.0"}
+
+
+def make(out: Path, fmt: str, layers: int, seed: int = 0, vocab: int = 4096) -> int:
+    """Write the checkpoint; returns its size in bytes."""
+    if fmt not in FORMATS:
+        raise SystemExit(f"--format must be one of {FORMATS}")
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    fdt = torch.float16 if fmt in ("awq",) else torch.bfloat16
+    weight_map: dict[str, str] = {}
+    total = 0
+    nshards = layers + 1
+    for li in range(layers):
+        t: dict[str, torch.Tensor] = {}
+        p = f"model.layers.{li}"
+        for proj, (n, k) in ATTN.items():
+            t.update(linear(fmt, f"{p}.self_attn.{proj}", n, k, gen))
+        for e in range(E):
+            for proj, (n, k) in {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}.items():
+                t.update(linear(fmt, f"{p}.mlp.experts.{e}.{proj}", n, k, gen))
+        t[f"{p}.mlp.gate.weight"] = (torch.randn(E, H, generator=gen) * 0.02).to(fdt)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[f"{p}.{norm}.weight"] = torch.ones(H, dtype=fdt)
+        for qk in ("q_norm", "k_norm"):
+            t[f"{p}.self_attn.{qk}.weight"] = torch.ones(128, dtype=fdt)
+        name = f"model-{li + 1:05d}-of-{nshards:05d}.safetensors"
+        save_file(t, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in t})
+        total += (out / name).stat().st_size
+    t = {"model.embed_tokens.weight": (torch.randn(vocab, H, generator=gen) * 0.02).to(fdt),
+         "lm_head.weight": (torch.randn(vocab, H, generator=gen) * 0.02).to(fdt),
+         "model.norm.weight": torch.ones(H, dtype=fdt)}
+    name = f"model-{nshards:05d}-of-{nshards:05d}.safetensors"
+    save_file(t, str(out / name), metadata={"format": "pt"})
+    weight_map.update({k: name for k in t})
+    total += (out / name).stat().st_size
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=1))
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
+           "intermediate_size": 6144, "moe_intermediate_size": I, "num_experts": E, "num_experts_per_tok": 8,
+           "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+           "vocab_size": vocab, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+           "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": str(fdt).replace("torch.", ""),
+           "quantization_config": quant_config(fmt)}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--format", default="gptq-sym", choices=FORMATS)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    size = make(a.out, a.format, a.layers, a.seed)
+    print(f"wrote {a.out} ({a.format}, {a.layers} layers): {size / 1e9:.2f} GB in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
