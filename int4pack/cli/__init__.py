@@ -16,7 +16,10 @@ app = typer.Typer(
     name="int4pack",
     help="Convert int4 MoE checkpoints (GPTQ, AWQ, compressed-tensors) into the W4A8 layout that "
          "Arm CPUs run fast (KleidiAI, vLLM's CPU W4A8 MoE backend).",
+    epilog="Exit codes: 0 ok, 1 internal error (a bug), 2 usage, 3 bad input, 4 refused layout, "
+           "5 output problem, 6 verification failed, 130 interrupted.",
     no_args_is_help=True,
+    add_completion=False,
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
@@ -34,8 +37,7 @@ def _root(
     version: Annotated[Optional[bool], typer.Option("--version", callback=_version, is_eager=True,
                                                     help="Print the version and exit.")] = None,
 ) -> None:
-    """Exit codes: 0 ok, 1 internal error, 2 usage, 3 bad input, 4 refused layout, 5 output problem,
-    6 verification failed, 130 interrupted."""
+    """int4pack: convert, verify and inspect int4 MoE checkpoints."""
 
 
 app.command("convert", epilog=CONVERT_EXAMPLES, no_args_is_help=True)(convert_cmd)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import traceback
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -33,7 +34,7 @@ def error_boundary(out: Output):
     except Int4packError as e:
         if out.debug:
             out.err.print(traceback.format_exc())
-        out.error(e)
+        out.error(_naming_its_file(e))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         out.err.print("[yellow]interrupted[/yellow]: nothing that looks complete was left; "
@@ -48,3 +49,11 @@ def error_boundary(out: Output):
                             hint=None if out.debug else "Re-run with --debug for the traceback, and please report it.")
         out.error(err)
         raise typer.Exit(EXIT_INTERNAL) from None
+
+
+def _naming_its_file(e: Int4packError) -> Int4packError:
+    """Readers often set only ``path`` (e.g. config.json) on config errors: put it in the message."""
+    msg = str(e)
+    if e.path and Path(e.path).name not in msg:
+        e.args = (f"{e.path}: {msg}", *e.args[1:])
+    return e

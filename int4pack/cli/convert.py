@@ -7,6 +7,7 @@ Usage:
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -17,6 +18,11 @@ from ..output import Output, human_bytes
 from ._common import DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, make_output
 
 __all__ = ["convert_cmd", "EXAMPLES"]
+
+
+class Dense(str, Enum):
+    w4a8 = "w4a8"
+    bf16 = "bf16"
 
 EXAMPLES = """[bold]Examples[/bold]
 
@@ -34,8 +40,8 @@ def convert_cmd(
     group_size: Annotated[str, typer.Option(
         "--group-size", "-g",
         help="Target group: auto (keep the source's when valid), channel, or a multiple of 32 dividing K.")] = "auto",
-    dense: Annotated[str, typer.Option(
-        help="Non-expert int4 linears: w4a8 (vLLM's dense W4A8 path) or bf16 (dequantised).")] = "w4a8",
+    dense: Annotated[Dense, typer.Option(
+        help="Non-expert int4 linears: w4a8 (vLLM's dense W4A8 path) or bf16 (dequantised).")] = Dense.w4a8,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB.")] = "5GB",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; write nothing.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
@@ -47,12 +53,14 @@ def convert_cmd(
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Convert a GPTQ / AWQ / compressed-tensors int4 MoE checkpoint into a compressed-tensors W4A8
-    checkpoint that vLLM's Arm CPU backend loads as is."""
+    """Convert an int4 MoE checkpoint (GPTQ, AWQ, compressed-tensors) to vLLM's W4A8 layout.
+
+    Writes a compressed-tensors int-quantized W4A8 checkpoint that vLLM's Arm CPU backend loads as
+    is, plus int4pack_report.json (per-module path and error, every source tensor's fate)."""
     o = make_output(json_out, verbose, quiet, debug)
     with error_boundary(o):
         with o.progress("converting") as bar:
-            report = convert(src, out, group_size=group_size, dense=dense, max_shard_size=max_shard_size,
+            report = convert(src, out, group_size=group_size, dense=dense.value, max_shard_size=max_shard_size,
                              dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
                              revision=revision, progress=bar)
         _render(o, report)
