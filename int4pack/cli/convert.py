@@ -94,4 +94,7 @@ def _render(o: Output, r: dict) -> None:
         rows = [[k, v["path"], v["rel_l2"], v.get("baseline_rel_l2") or "-"] for _, k, v in worst[:5]]
         o.table("Largest weight errors (relative L2 vs the source's own dequantisation)",
                 ["module", "path", "rel_l2", "plain RTN"], rows, level=0)
+    o.table("Every module", ["module", "role", "path", "rel_l2", "plain RTN"],
+            [[k, v.get("role", ""), v["path"], v.get("rel_l2") or "-", v.get("baseline_rel_l2") or "-"]
+             for k, v in sorted(mods.items())], level=1)
     o.text(f"[green]wrote[/green] {r['output']} in {r['seconds']:.1f} s")
