@@ -462,6 +462,9 @@ def fold_act_order(gate: QuantLinear, up: QuantLinear, down: QuantLinear,
 
     ``down(silu(gate x) * up x)`` is unchanged by permuting the intermediate dim consistently,
     so down's columns are sorted by g_idx (contiguous groups, same ints) and gate/up rows follow.
+    down's path is "fold" when its ints carry over (symmetric source), else "requant" of the
+    permuted columns (still better than requantising across mixed groups); ``perm`` is set on
+    all three either way.
     Falls back to plain ``to_w4a8`` for all three (no perm) when down's g_idx is trivial, its
     groups are unequal, or the target group does not sit inside the source groups.
     """
@@ -483,9 +486,12 @@ def fold_act_order(gate: QuantLinear, up: QuantLinear, down: QuantLinear,
         g_idx=None,  # sorted with equal widths == k // width
     )
     d = to_w4a8(down_p, group_size)
-    d.path = "fold"
+    # "fold" promises bit-identical ints; an asym down still gains from the sorted (aligned)
+    # groups, but its ints are requantised, so it keeps the "requant" label
+    if d.path == "lossless":
+        d.path = "fold"
     d.perm = perm
-    d.error["fold_exact_ints"] = d.error.get("exact_ints", False)
+    d.error["folded"] = True
     outs = []
     for ql in (gate, up):
         o = to_w4a8(_permute_rows(ql, perm), group_size)

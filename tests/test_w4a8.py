@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import warnings
@@ -315,6 +316,7 @@ def test_search_close_to_brute_force_optimum():
 # ----------------------------------------------------------------------------- real fixtures
 
 
+@functools.lru_cache(maxsize=4)
 def _load(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -446,7 +448,7 @@ def test_fold_exact(seed):
     assert torch.equal(d2.q.short(), down.codes.short()[:, perm] - 8)
     assert torch.equal(g2.q.short(), gate.codes.short()[perm] - 8)
     assert torch.equal(g2.bias, gate.bias[perm]) and torch.equal(u2.bias, up.bias[perm])
-    assert d2.error["rel_l2"] == 0.0 and d2.error["fold_exact_ints"]
+    assert d2.error["rel_l2"] == 0.0 and d2.error["folded"] and d2.error["exact_ints"]
     # (2) the MLP computes the same function
     x = torch.randn(16, 64, generator=gen, dtype=torch.float64)
     before = _mlp(ql_float(gate), ql_float(up), ql_float(down), x)
@@ -465,6 +467,20 @@ def test_fold_asym_gate_requantised_rows_follow_perm():
     assert g2.path == "requant" and d2.path == "fold"
     plain = to_w4a8(gate, 32)  # requant is row-wise, so the folded rows are its rows permuted
     assert torch.equal(g2.q, plain.q[d2.perm]) and torch.equal(g2.scales, plain.scales[d2.perm])
+
+
+def test_fold_asym_down_requantises_permuted_columns():
+    gidx = (torch.randperm(128, generator=torch.Generator().manual_seed(8)) // 32).int()
+    gate, up, down = _expert(9, down_gidx=gidx)
+    down.zeros = torch.randint(3, 13, down.scales.shape, dtype=torch.uint8,
+                               generator=torch.Generator().manual_seed(1))
+    g2, u2, d2 = fold_act_order(gate, up, down, 32)
+    assert d2.path == "requant" and d2.perm is not None and d2.error["folded"]
+    assert g2.path == "lossless" and torch.equal(g2.q.short(), gate.codes.short()[d2.perm] - 8)
+    q, s, _ = requantize(ql_float(down)[:, d2.perm].float(), 32)
+    assert torch.equal(d2.q, q) and torch.equal(d2.scales, s)
+    # aligned groups beat requantising the unsorted columns
+    assert d2.error["rel_l2"] < to_w4a8(down, 32).error["rel_l2"]
 
 
 def test_fold_falls_back_on_unequal_groups_or_other_target():
