@@ -13,14 +13,6 @@
 #include <cstdint>
 #include <cstring>
 
-// The row sums must round exactly like the reference (multiply, round, add, round): no FMA.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#endif
-
 namespace {
 
 constexpr int64_t kNr = 8;
@@ -29,25 +21,23 @@ inline int64_t roundup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 
 // One 32-value chunk of one row: 16 bytes, written as two 8-byte segments whose
 // destinations are 8*8 bytes apart (the 8 rows of a segment are contiguous).
-inline void put_chunk(const int8_t* src, uint8_t* dst) {
+// seg_sum[s] gets the sum of the 16 values stored in segment s.
+inline void put_chunk(const int8_t* src, uint8_t* dst, int32_t seg_sum[2]) {
   for (int s = 0; s < 2; ++s) {
     const int8_t* lo = src + 8 * s;
     const int8_t* hi = lo + 16;
     uint8_t* d = dst + s * kNr * 8;
+    int32_t acc = 0;
     for (int i = 0; i < 8; ++i) {
       d[i] = static_cast<uint8_t>((lo[i] & 0xF) | ((hi[i] & 0xF) << 4));
+      acc += lo[i] + hi[i];
     }
+    seg_sum[s] = acc;
   }
 }
 
 inline void put_f32(uint8_t* dst, float v) { std::memcpy(dst, &v, 4); }
 inline void put_i32(uint8_t* dst, int32_t v) { std::memcpy(dst, &v, 4); }
-
-inline int32_t isum(const int8_t* p, int64_t n) {
-  int32_t s = 0;
-  for (int64_t i = 0; i < n; ++i) s += p[i];
-  return s;
-}
 
 struct Job {
   const int8_t* q;        // [E, N, K]
@@ -69,15 +59,20 @@ void group_block(const Job& j, int64_t e, int64_t blk) {
   for (int64_t b = 0; b < nblk; ++b) {
     for (int r = 0; r < kNr; ++r) {
       const int8_t* src = q + rows[r] * j.k + b * j.g;
-      for (int64_t c = 0; c < j.g / 32; ++c) {
-        put_chunk(src + 32 * c, dst + c * 2 * kNr * 8 + r * 8);
-      }
-      uint16_t bits = sc[rows[r] * nblk + b];
-      uint32_t wide = static_cast<uint32_t>(bits) << 16;
+      const uint16_t bits = sc[rows[r] * nblk + b];
+      const uint32_t wide = static_cast<uint32_t>(bits) << 16;
       float s;
       std::memcpy(&s, &wide, 4);
-      float prod = static_cast<float>(isum(src, j.g)) * s;
-      sums[r] = sums[r] + prod;
+      float acc = sums[r];
+      for (int64_t c = 0; c < j.g / 32; ++c) {
+        int32_t seg[2];
+        put_chunk(src + 32 * c, dst + c * 2 * kNr * 8 + r * 8, seg);
+        // KleidiAI rounds the row sum once per 16-value segment, in storage order; the
+        // product (|seg| <= 128 times a bf16) is exact, so FMA contraction cannot change it
+        acc += static_cast<float>(seg[0]) * s;
+        acc += static_cast<float>(seg[1]) * s;
+      }
+      sums[r] = acc;
       std::memcpy(dst + data_per_qblk + 2 * r, &bits, 2);
     }
     dst += data_per_qblk + 2 * kNr;
@@ -95,17 +90,24 @@ void channel_block(const Job& j, int64_t e, int64_t blk) {
   const int64_t kfull = j.k / 32 * 32;
   int64_t rows[kNr];
   for (int r = 0; r < kNr; ++r) rows[r] = std::min(blk * kNr + r, j.n - 1);
+  int32_t row_sum[kNr];
   for (int r = 0; r < kNr; ++r) {
     const int8_t* src = q + rows[r] * j.k;
-    for (int64_t c = 0; c < kfull / 32; ++c) put_chunk(src + 32 * c, dst + c * 2 * kNr * 8 + r * 8);
+    int32_t seg[2], total = 0;
+    for (int64_t c = 0; c < kfull / 32; ++c) {
+      put_chunk(src + 32 * c, dst + c * 2 * kNr * 8 + r * 8, seg);
+      total += seg[0] + seg[1];
+    }
     if (kfull < j.k) {  // K tail: pad with int4 zero (the zero point)
       int8_t tail[32] = {0};
       std::memcpy(tail, src + kfull, j.k - kfull);
-      put_chunk(tail, dst + (kfull / 32) * 2 * kNr * 8 + r * 8);
+      put_chunk(tail, dst + (kfull / 32) * 2 * kNr * 8 + r * 8, seg);
+      total += seg[0] + seg[1];
     }
+    row_sum[r] = total;
   }
   dst += kp / 2 * kNr;
-  for (int r = 0; r < kNr; ++r) put_i32(dst + 4 * r, isum(q + rows[r] * j.k, j.k) * 16);
+  for (int r = 0; r < kNr; ++r) put_i32(dst + 4 * r, row_sum[r] * 16);
   dst += 4 * kNr;
   for (int r = 0; r < kNr; ++r) put_f32(dst + 4 * r, sc[rows[r]] * 0.0625f);
   dst += 4 * kNr;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from itertools import islice
 
 from .errors import InputError, RefusedError
 
@@ -19,6 +20,7 @@ __all__ = [
     "Layout",
     "classify",
     "discover",
+    "vllm_output_names",
 ]
 
 # model_type -> how routed experts are spelled (all accepted for every family; the table
@@ -183,7 +185,8 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
     for lay in moe_layers:
         ids = sorted(lay.experts)
         n = want or (ids[-1] + 1)
-        missing = [e for e in range(n) if e not in lay.experts]
+        # first few gaps only: a corrupt config can claim billions of experts (never loop over them)
+        missing = list(islice((e for e in range(n) if e not in lay.experts), 8))
         if missing:
             raise InputError(
                 f"{lay.experts_prefix}: expert(s) {missing[:8]} missing (found {len(ids)} of {n})",
@@ -204,3 +207,32 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
                                tensor=lay.prefix, hint="A quantised or missing router is not supported.")
     triples = [t for t in mlps.values()]
     return Layout(model_type, roles, moe_layers, triples, routers)
+
+
+# vLLM's model classes load only the names they map. vLLM 0.19.1 MixtralForCausalLM takes experts
+# through FusedMoE.make_expert_params_mapping(w1, w2, w3) under ``block_sparse_moe`` and the router
+# as ``block_sparse_moe.gate``; GPTQModel (transformers 5 naming) writes ``mlp.experts.E.gate_proj``
+# and ``mlp.gate``, which vLLM's loader cannot place (KeyError). Output tensors are renamed to what
+# vLLM loads; the report and ``verify --against`` keep the source names.
+_MIXTRAL_EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?=\.|$)")
+_MIXTRAL_ROUTER = re.compile(r"\.mlp\.gate(?=\.|$)")
+_MIXTRAL_W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w2": "w2", "w3": "w3"}
+
+
+def vllm_output_names(model_type: str, names) -> dict[str, str]:
+    """{source tensor name: output name} for the names vLLM would not load as they are (usually empty)."""
+    if model_type != "mixtral":
+        return {}
+    out = {}
+    for n in names:
+        m = _MIXTRAL_EXPERT.sub(lambda x: f".block_sparse_moe.experts.{x[1]}.{_MIXTRAL_W[x[2]]}", n)
+        m = _MIXTRAL_ROUTER.sub(".block_sparse_moe.gate", m)
+        if m != n:
+            out[n] = m
+    clash = set(out.values()) & (set(names) - set(out))
+    if clash or len(set(out.values())) != len(out):
+        name = sorted(clash)[0] if clash else sorted(out)[0]
+        raise RefusedError(f"{name}: the checkpoint spells one Mixtral module two ways "
+                           "(mlp.experts.E.*_proj and block_sparse_moe.experts.E.w*)", tensor=name,
+                           hint="Keep one naming per checkpoint.")
+    return out

@@ -101,30 +101,31 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
                          hint="Check that the file exists and is readable.") from e
     try:
         header = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path.name}: corrupt safetensors header ({e})", path=str(path),
-                         hint="The shard is damaged; download it again.") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
+        raise InputError(f"{path.name}: corrupt safetensors header ({type(e).__name__}: {str(e)[:200]})",
+                         path=str(path), hint="The shard is damaged; download it again.") from None
+    damaged = "The shard is damaged or not a safetensors file; download it again."
     if not isinstance(header, dict):
-        raise InputError(f"{path.name}: safetensors header is not a JSON object", path=str(path))
+        raise InputError(f"{path.name}: safetensors header is not a JSON object", path=str(path), hint=damaged)
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
-        raise InputError(f"{path.name}: __metadata__ is not a JSON object", path=str(path))
+        raise InputError(f"{path.name}: __metadata__ is not a JSON object", path=str(path), hint=damaged)
     data_start = 8 + n
     data_len = size - data_start
     spans = []
     for name, info in header.items():
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
             raise InputError(f"{path.name}: tensor {name!r} has a malformed header entry",
-                             path=str(path), tensor=name)
+                             path=str(path), tensor=name, hint=damaged)
         dt, shape, off = info["dtype"], info["shape"], info["data_offsets"]
-        if dt not in DTYPES:
+        if not isinstance(dt, str) or dt not in DTYPES:
             raise InputError(f"{path.name}: tensor {name!r} has unknown dtype {dt!r}", path=str(path),
-                             tensor=name)
+                             tensor=name, hint=damaged)
         if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
                 or not isinstance(off, list) or len(off) != 2
                 or not all(isinstance(o, int) for o in off)):
             raise InputError(f"{path.name}: tensor {name!r} has a malformed shape or offsets",
-                             path=str(path), tensor=name)
+                             path=str(path), tensor=name, hint=damaged)
         numel = 1
         for s in shape:
             numel *= s
@@ -141,7 +142,8 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
     spans.sort()
     for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
         if b1 < e0:
-            raise InputError(f"{path.name}: tensors {n0!r} and {n1!r} overlap", path=str(path), tensor=n1)
+            raise InputError(f"{path.name}: tensors {n0!r} and {n1!r} overlap", path=str(path), tensor=n1,
+                             hint=damaged)
     return header, {str(k): str(v) for k, v in meta.items()}, data_start
 
 
@@ -150,13 +152,28 @@ def _load_json(path: Path) -> dict:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror})", path=str(path)) from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"{path.name}: invalid JSON ({e})", path=str(path),
-                         hint="Fix or re-download the file.") from e
+        raise InputError(f"{path}: cannot read ({e.strerror or e})", path=str(path),
+                         hint="Check that the file exists, is a regular file and is readable.") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
+        raise InputError(f"{path.name}: invalid JSON ({type(e).__name__}: {str(e)[:200]})", path=str(path),
+                         hint="Fix or re-download the file.") from None
     if not isinstance(data, dict):
-        raise InputError(f"{path.name}: expected a JSON object", path=str(path))
+        raise InputError(f"{path.name}: expected a JSON object, got {type(data).__name__}", path=str(path),
+                         hint="Fix or re-download the file.")
     return data
+
+
+def _not_a_file(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file (missing, a directory, a broken link), or None."""
+    if path.is_file():
+        return None
+    if path.is_symlink() and not path.exists():
+        return f"is a broken symlink (to {os.readlink(path)})"
+    if path.is_dir():
+        return "is a directory, not a file"
+    if path.exists():
+        return "is not a regular file"
+    return "is missing"
 
 
 def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Path:
@@ -199,7 +216,27 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Pa
     except OSError as e:
         raise InputError(f"{s}: download failed ({e})", path=s,
                          hint="Check the network and disk space, then run again.") from e
+    _check_snapshot(s, Path(local))
     return Path(local)
+
+
+def _check_snapshot(repo: str, folder: Path) -> None:
+    """A cached snapshot (offline mode returns whatever is there) must hold config.json and every
+    shard its index names; otherwise say it is a partial download rather than a broken model."""
+    wanted = ["config.json"]
+    try:
+        wmap = json.loads((folder / "model.safetensors.index.json").read_text()).get("weight_map")
+        wanted += sorted({v for v in wmap.values() if isinstance(v, str)})
+    except (OSError, ValueError, AttributeError):
+        pass  # no index (single shard) or a broken one: Checkpoint reports it
+    for name in wanted:
+        why = _not_a_file(folder / name) if Path(name).name == name else None
+        if why:
+            raise InputError(
+                f"{repo}: the cached snapshot {folder.name[:12]} is a partial download: {name} {why}",
+                path=str(folder / name),
+                hint=f"Finish the download (hf download {repo}; it needs the network, so unset HF_HUB_OFFLINE), "
+                     "then run again.")
 
 
 class Checkpoint:
@@ -209,9 +246,15 @@ class Checkpoint:
         self.folder = Path(folder)
         cfg_path = self.folder / "config.json"
         if not cfg_path.is_file():
-            raise InputError(f"{self.folder}: no config.json", path=str(cfg_path),
+            why = _not_a_file(cfg_path)
+            raise InputError(f"{self.folder}: no config.json" if why == "is missing" else f"{cfg_path}: {why}",
+                             path=str(cfg_path),
                              hint="Pass a Hugging Face model folder (config.json + *.safetensors).")
         self.config: dict = _load_json(cfg_path)
+        if "text_config" in self.config and not isinstance(self.config["text_config"], (dict, type(None))):
+            raise InputError(f"{cfg_path}: text_config is a {type(self.config['text_config']).__name__}, "
+                             "not an object", path=str(cfg_path), hint="Fix or re-download config.json.")
+        self.quant_config_path: Path | None = None
         self.quant_config: dict | None = self._find_quant_config()
         self.tensors: dict[str, TensorInfo] = {}
         self.shard_metadata: dict[str, dict[str, str]] = {}
@@ -225,15 +268,20 @@ class Checkpoint:
         for q in (c.get("quantization_config"), (c.get("text_config") or {}).get("quantization_config"),
                   c.get("compression_config")):
             if isinstance(q, dict):
+                self.quant_config_path = self.folder / "config.json"
                 return q
         for side in ("quantize_config.json", "quant_config.json"):
             p = self.folder / side
             if p.is_file():
+                self.quant_config_path = p
                 return _load_json(p)
         return None
 
     def _load_index(self) -> None:
         idx = self.folder / "model.safetensors.index.json"
+        if os.path.lexists(idx) and not idx.is_file():
+            raise InputError(f"{idx}: {_not_a_file(idx)}", path=str(idx),
+                             hint="Re-download the index file (or remove it for a single-shard checkpoint).")
         if idx.is_file():
             self.index_path = idx
             data = _load_json(idx)
@@ -241,6 +289,12 @@ class Checkpoint:
             if not isinstance(wmap, dict) or not wmap:
                 raise InputError(f"{idx.name}: has no weight_map", path=str(idx),
                                  hint="Re-download the index file.")
+            for name, shard in wmap.items():
+                # a plain file name in this folder: never a path that leaves it
+                if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", ".."):
+                    raise InputError(f"{idx.name}: tensor {name!r} is mapped to {shard!r}, which is not a file "
+                                     "name in the checkpoint folder", path=str(idx), tensor=name,
+                                     hint="The index is corrupt; re-download it.")
             shards = sorted(set(wmap.values()))
         else:
             wmap = None
@@ -255,8 +309,10 @@ class Checkpoint:
         for shard in shards:
             sp = self.folder / shard
             if not sp.is_file():
-                raise InputError(f"{shard}: listed in model.safetensors.index.json but missing",
-                                 path=str(sp), hint="The download is incomplete; fetch the missing shard.")
+                why = _not_a_file(sp)
+                where = "listed in model.safetensors.index.json but" if wmap is not None else "found, but it"
+                raise InputError(f"{shard}: {where} {why}", path=str(sp),
+                                 hint="The download is incomplete or damaged; fetch the shard again.")
             header, meta, start = read_header(sp)
             self.shard_metadata[shard] = meta
             for name, info in header.items():

@@ -17,16 +17,17 @@ from pathlib import Path
 import torch
 
 from ._version import __version__
+from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
-from .errors import UsageError
+from .errors import InputError, UsageError
 from .formats import Reader
-from .plan import Job, Plan, make_plan, parse_size
+from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, fold_act_order, to_w4a8
 from .writer import OutputDir, ShardFile, assign_shards, shard_names
 
-__all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
+__all__ = ["convert", "run_job", "check_scales", "REPORT_NAME", "NullProgress"]
 
 REPORT_NAME = "int4pack_report.json"
 _NOT_LINEAR = re.compile(r"(embed|norm|wte|wpe|rotary|position)", re.I)
@@ -52,12 +53,53 @@ def _w_stats(w: W4A8Linear, role: str) -> dict:
             **{k: _fmt(v) if isinstance(v, float) else v for k, v in e.items()}}
 
 
+def check_scales(ql: QuantLinear) -> None:
+    """Refuse source scales no producer writes, naming the tensor; cheap (scales are ~1/32 of the codes).
+
+    NaN/Inf: never valid. Negative: GPTQ, AWQ and compressed-tensors all derive scales from a range
+    (max - min, clamped positive), so a sign bit means corruption or a misread layout. Zero: valid
+    only on a group whose codes all sit at its zero point (a pruned group dequantises to 0 either
+    way); a zero scale over other codes erases weights the codes still hold, e.g. a zero-filled
+    region of a damaged file.
+    """
+    s = ql.scales
+    name = next((k for k in ql.spec.keys if k.endswith((".scales", ".weight_scale"))), f"{ql.spec.name}.scales")
+    where = "re-download or re-export the checkpoint"
+
+    def first(mask: torch.Tensor) -> str:
+        n, g = (int(i) for i in mask.nonzero()[0])
+        return f"row {n}, group {g}" + (f" ({int(mask.sum()) - 1} more)" if int(mask.sum()) > 1 else "")
+
+    bad = ~torch.isfinite(s)
+    if bool(bad.any()):
+        raise InputError(f"{name}: NaN or Inf scale at {first(bad)}", tensor=name,
+                         hint=f"The scales are corrupt (or overflowed their dtype when saved); {where}.")
+    if bool((s < 0).any()):
+        raise InputError(f"{name}: negative scale at {first(s < 0)}", tensor=name,
+                         hint=f"No int4 producer writes negative scales: the tensor is corrupt or not the "
+                              f"layout the config claims; {where}.")
+    zero = s == 0
+    if bool(zero.any()):
+        gi = ql.group_index()
+        z = 8 if ql.zeros is None else ql.zeros[:, gi]
+        live = (zero[:, gi] & (ql.codes != z)).any(dim=1)  # rows where a zero scale hides real codes
+        if bool(live.any()):
+            n = int(live.nonzero()[0])
+            gs = sorted({int(gi[k]) for k in (zero[n, gi] & (ql.codes[n] != (z if isinstance(z, int) else z[n])))
+                         .nonzero().flatten().tolist()})
+            raise InputError(f"{name}: zero scale at row {n}, group {gs[0]} over codes that are not at the zero "
+                             "point (the weights they hold would be erased)", tensor=name,
+                             hint=f"A zero-filled or damaged region of the file; {where}.")
+
+
 def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:
     """Compute one job: ([(out name, tensor or bytes)] in plan order, {module: stats})."""
     if job.kind == "copy":
         return [(job.source, ckpt.raw(job.source))], {}
     roles = plan.layout.roles
     qls: list[QuantLinear] = [reader.read(s) for s in job.specs]
+    for ql in qls:
+        check_scales(ql)
     if job.kind == "dequant":
         ql = qls[0]
         out = [(f"{ql.spec.name}.weight", ql.dequantize().to(torch.bfloat16))]
@@ -100,7 +142,10 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
     cfg.pop("compression_config", None)
     if isinstance(cfg.get("text_config"), dict):
         cfg["text_config"].pop("quantization_config", None)
-    cfg["quantization_config"] = w4a8_quant_config(plan.group_size, _ignore_list(plan, ckpt))
+    ignore = _ignore_list(plan, ckpt)
+    rename = vllm_output_names(ckpt.model_type, [f"{m}.weight" for m in ignore])
+    ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
+    cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
     return cfg
 
 
@@ -159,9 +204,13 @@ def convert(
             return report
         t_plan = time.perf_counter() - t0
         fp = plan.fingerprint(ckpt)
+        rename = vllm_output_names(ckpt.model_type, [t.name for t in plan.outputs])  # names vLLM loads
+        fp += "|vllm-names" if rename else ""
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
-        stats = _write_shards(plan, ckpt, od, shards, names, threads, progress)
-        weight_map = {t.name: n for n, s in zip(names, shards) for t in s}
+        stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename)
+        weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
+        if rename:
+            report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
         index = {"metadata": {"total_size": sum(t.nbytes for t in plan.outputs)},
                  "weight_map": dict(sorted(weight_map.items()))}
         od.write_file("model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
@@ -179,8 +228,11 @@ def convert(
     return report
 
 
-def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress) -> dict:
-    """Compute jobs (bounded pool) and stream them into shards in plan order. Returns per-module stats."""
+def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
+                  rename: dict[str, str] | None = None) -> dict:
+    """Compute jobs (bounded pool) and stream them into shards in plan order. Returns per-module stats.
+    ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names)."""
+    rename = rename or {}
     trusted = od.trusted_shards()
     shard_of = {t.name: n for n, s in zip(names, shards) for t in s}
     size_of = {t.name: t.nbytes for t in plan.outputs}
@@ -200,8 +252,9 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         if shard in trusted:
             return
         if current is None:
-            current = ShardFile(od.work / shard, shards[names.index(shard)], meta)
-        current.write(name, data)
+            current = ShardFile(od.work / shard, [OutTensor(rename.get(t.name, t.name), t.dtype, t.shape)
+                                                  for t in shards[names.index(shard)]], meta)
+        current.write(rename.get(name, name), data)
         progress.advance(size_of[name], 1)
         if current.expects() is None:
             od.progress["shards"][shard] = current.finish(shard_results.pop(shard, {}))
@@ -213,11 +266,12 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     def consume(job: Job, tensors: list, job_stats: dict) -> None:
         for t in job.outputs:
             res = shard_results.setdefault(shard_of[t.name], {})
+            out_name = rename.get(t.name, t.name)
             mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
             if job.kind == "copy":
-                res[t.name] = {"path": "copy"}
+                res[out_name] = {"path": "copy"}
             elif leaf == "weight" and mod in job_stats:
-                res[t.name] = {k: v for k, v in job_stats[mod].items() if k in ("path", "rel_l2", "max_abs")}
+                res[out_name] = {k: v for k, v in job_stats[mod].items() if k in ("path", "rel_l2", "max_abs")}
         stats.update(job_stats)
         pending_stats.update(job_stats)
         for name, data in tensors:

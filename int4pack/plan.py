@@ -159,7 +159,8 @@ def parse_group_size(g: str | int | None) -> int | None:
     try:
         v = int(t)
     except ValueError:
-        raise UsageError(f"--group-size {g!r}: expected auto, channel, or a multiple of 32 such as 128") from None
+        raise UsageError(f"--group-size {g!r}: expected auto, channel, or a multiple of 32 such as 128",
+                         hint="Leave it at auto to keep the source's group when vLLM can run it.") from None
     return v
 
 

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,12 @@ __all__ = [
 ]
 
 PROGRESS = "progress.json"
+# test hook: INT4PACK_TEST_SLOW_WRITE_MS=N sleeps N ms before each tensor is written, so that a
+# test's SIGKILL lands mid-run on small fixtures (tests/test_reliability.py); unset in normal use
+try:
+    _SLOW_WRITE_S = max(0.0, float(os.environ.get("INT4PACK_TEST_SLOW_WRITE_MS") or 0) / 1000)
+except ValueError:
+    _SLOW_WRITE_S = 0.0
 _META_RESERVE_PER_TENSOR = 200  # bytes of header reserved for each tensor's result entry
 _META_RESERVE_BASE = 8192
 
@@ -130,6 +137,8 @@ class ShardFile:
                 raise OutputError(f"internal: {name} is {data.dtype}{tuple(data.shape)}, "
                                   f"planned {want.dtype}{want.shape}", tensor=name)
         buf = to_bytes(data)
+        if _SLOW_WRITE_S:
+            time.sleep(_SLOW_WRITE_S)
         if len(buf) != want.nbytes:
             raise OutputError(f"internal: {name} has {len(buf)} bytes, planned {want.nbytes}", tensor=name)
         try:

@@ -146,7 +146,9 @@ def emulated(d: Path) -> dict:
             row[f"m{m}_equal_native"] = bool(torch.equal(y, y_nat))
         t_mm += time.perf_counter() - t1
         rows.append(row)
+    api = api_checks(meta, t)
     return {
+        "api": api,
         "machine": platform.machine(),
         "torch": torch.__version__,
         "kleidiai": bool(torch.backends.kleidiai.is_available()),
@@ -156,6 +158,32 @@ def emulated(d: Path) -> dict:
         "matmul_s": round(t_mm, 2),
         "rows": rows,
     }
+
+
+def api_checks(meta, t) -> dict:
+    """int4pack's own Arm-side API on the real thing (pure Python; INT4PACK_NO_EXT=1)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from int4pack import kleidiai
+
+    res = {"native_available": kleidiai.native_kleidiai_available(), "auto_native": 0, "unpack_ok": 0,
+           "load_is_blob": 0, "checked": 0}
+    for c in meta:
+        if c["n"] * c["k"] > 256 * 1024:  # the pure-Python paths are slow under QEMU
+            continue
+        p = f"c{c['i']}."
+        n, k, g = c["n"], c["k"], c["g"]
+        u = t[p + "nib"]
+        q = torch.stack([(u & 0xF).to(torch.int8) - 8, (u >> 4).to(torch.int8) - 8], dim=2).reshape(n, k)
+        blob, used = kleidiai.pack(q, t[p + "scales"], t.get(p + "bias"), g)
+        res["checked"] += 1
+        res["auto_native"] += used == "native" and torch.equal(blob, t[p + "ours"])
+        q2, s2, b2 = kleidiai.unpack(blob, n, k, g, c["bias"])
+        res["unpack_ok"] += torch.equal(q2, q) and torch.equal(s2.reshape(t[p + "scales"].shape), t[p + "scales"])
+        w = kleidiai.load_for_matmul(blob, n, k, g, c["bias"])
+        res["load_is_blob"] += w.data_ptr() == blob.data_ptr()
+    return res
 
 
 def summarise(res: dict) -> dict:
@@ -176,8 +204,12 @@ def summarise(res: dict) -> dict:
         "pack_s": res["pack_s"],
         "matmul_s": res["matmul_s"],
     }
+    api = res["api"]
+    s["api"] = api
     s["ok"] = (s["identical"] == s["cases"] and s["max_rel_vs_float"] < TOL_VS_FLOAT
-               and s["max_rel_vs_x86"] < TOL_VS_X86 and s["matmul_equal_native"] == s["cases"])
+               and s["max_rel_vs_x86"] < TOL_VS_X86 and s["matmul_equal_native"] == s["cases"]
+               and api["native_available"] and api["checked"] > 0
+               and api["checked"] == api["auto_native"] == api["unpack_ok"] == api["load_is_blob"])
     s["failures"] = [r for r in rows if not r["identical"]][:5]
     return s
 
@@ -188,19 +220,24 @@ def main(argv=None) -> int:
     ap.add_argument("--emu", default=os.environ.get("ARM64EMU_PYTHON", "/tmp/arm64emu/bin/python3-arm64"))
     ap.add_argument("--quick", action="store_true", help="small matrix (seconds, for smoke tests)")
     ap.add_argument("--json", type=Path, help="write the summary and per-case rows here")
+    ap.add_argument("--reuse", action="store_true", help="reuse DIR's cases (another torch / QEMU_CPU)")
     ap.add_argument("--emulated", type=Path, help=argparse.SUPPRESS)  # internal: the aarch64 half
     a = ap.parse_args(argv)
     if a.emulated:
         (a.emulated / "emulated.json").write_text(json.dumps(emulated(a.emulated)))
         return 0
     t0 = time.perf_counter()
-    made = make(a.out, a.quick)
-    print(f"x86: {made['cases']} cases packed in {made['x86_pack_s']} s -> {a.out}", flush=True)
+    if a.reuse and (a.out / "cases.json").exists():
+        print(f"x86: reusing {a.out}", flush=True)
+    else:
+        made = make(a.out, a.quick)
+        print(f"x86: {made['cases']} cases packed in {made['x86_pack_s']} s -> {a.out}", flush=True)
     if not Path(a.emu).exists():
         print(f"no emulated python at {a.emu}: run bash ../shared/tools/arm64-emu/setup.sh", file=sys.stderr)
         return 2
     env = dict(os.environ)
     env.setdefault("QEMU_CPU", "neoverse-n2")
+    env["INT4PACK_NO_EXT"] = "1"  # an x86-built extension cannot load there; no compiler either
     t1 = time.perf_counter()
     r = subprocess.run([a.emu, str(Path(__file__).resolve()), "--emulated", str(a.out)], env=env)
     if r.returncode:

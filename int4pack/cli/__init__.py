@@ -9,6 +9,10 @@ import typer
 from .._version import __version__
 from .convert import EXAMPLES as CONVERT_EXAMPLES
 from .convert import convert_cmd
+from .inspect import EXAMPLES as INSPECT_EXAMPLES
+from .inspect import inspect_cmd
+from .verify import EXAMPLES as VERIFY_EXAMPLES
+from .verify import verify_cmd
 
 __all__ = ["app", "main"]
 
@@ -41,6 +45,8 @@ def _root(
 
 
 app.command("convert", epilog=CONVERT_EXAMPLES, no_args_is_help=True)(convert_cmd)
+app.command("verify", epilog=VERIFY_EXAMPLES, no_args_is_help=True)(verify_cmd)
+app.command("inspect", epilog=INSPECT_EXAMPLES, no_args_is_help=True)(inspect_cmd)
 
 
 def main() -> None:

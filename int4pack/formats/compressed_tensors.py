@@ -69,8 +69,16 @@ def _target_matches(target: str, module: str) -> bool:
 
 def _scheme(name: str, group: dict, top_format: str | None) -> Scheme:
     w = group.get("weights") or {}
+    if not isinstance(w, dict):
+        raise InputError(f"quantization_config config group {name!r}: weights is a {type(w).__name__}, "
+                         "not an object", hint="Fix the config: weights holds num_bits, strategy, group_size.")
     fmt = str(group.get("format") or top_format or "")
     gs = w.get("group_size")
+    try:
+        gs = int(gs) if gs is not None else None
+    except (TypeError, ValueError):
+        raise InputError(f"quantization_config config group {name!r}: group_size={gs!r} is not an integer",
+                         hint="Fix the config: group_size must be a number.") from None
     strategy = str(w.get("strategy") or ("group" if gs and int(gs) > 0 else "channel"))
     s = Scheme(name=name, targets=[str(t) for t in (group.get("targets") or [])], format=fmt,
                bits=w.get("num_bits"), type=str(w.get("type", "int")), symmetric=bool(w.get("symmetric", True)),

@@ -56,6 +56,9 @@ class GPTQReader:
         self.sym = bool(qcfg.get("sym", True))
         self.desc_act = bool(qcfg.get("desc_act", False))
         self.dynamic = qcfg.get("dynamic") or {}
+        if not isinstance(self.dynamic, dict):
+            raise InputError(f"quantization_config dynamic is a {type(self.dynamic).__name__}, not an object",
+                             path=self.path, hint="Fix the config: dynamic maps module regexes to overrides.")
         self.in_block = _flatten(qcfg.get("modules_in_block_to_quantize"))
         self.modules = sorted(set(prefixes_with(ckpt, ".qweight")) | set(prefixes_with(ckpt, ".qzeros")))
         self._verdict: FormatVerdict | None = None

@@ -1,0 +1,277 @@
+"""``inspect``: what a checkpoint is and what convert will do with it, from headers (plus the few
+small tensors the verdicts need); and a layout dump of one tensor.
+
+The summary reuses the readers' format verdict (GPTQ v1/v2 evidence included), the MoE discovery
+and ``make_plan``'s per-module path prediction. For W4A8 outputs it says, per module, whether
+``_dyn_quant_pack_4bit_weight`` takes the KleidiAI path or silently falls back, by the same rules
+as torch's gate (docs/kleidiai.md §1.3).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .architectures import discover
+from .checkpoint import Checkpoint, resolve_source
+from .errors import InputError, Int4packError
+
+__all__ = ["inspect", "kleidiai_gate", "nibble_map"]
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_MAIN_SUFFIXES = ("qweight", "weight_packed", "weight", "w13_packed", "w2_packed")
+
+
+def kleidiai_gate(k: int, group_size: int, scale_dtype: str) -> tuple[bool, str]:
+    """Will torch's packer take KleidiAI for this [N, K] int4 matrix (on an Arm host with dotprod)?"""
+    if group_size in (-1, k):
+        if scale_dtype != "F32":
+            return False, f"channelwise needs float32 scales, got {scale_dtype}: silent float32 fallback"
+        return True, "channelwise qsi4cxp (fp32 scales)"
+    if group_size % 32 or k % group_size or group_size >= k:
+        return False, f"group {group_size} must be a multiple of 32 dividing K={k} and < K: fallback/refused"
+    if scale_dtype != "BF16":
+        return False, f"groupwise needs bfloat16 scales, got {scale_dtype}: silent float32 fallback"
+    return True, f"groupwise qsi4c32p, group {group_size} (bf16 scales)"
+
+
+def _tensor_rows(ckpt: Checkpoint) -> list[dict]:
+    return [{"name": n, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file}
+            for n, t in sorted(ckpt.tensors.items())]
+
+
+def _summary(ckpt: Checkpoint, label: str) -> dict:
+    from .formats import open_reader
+    from .plan import make_plan
+
+    out: dict = {"path": label, "folder": str(ckpt.folder), "model_type": ckpt.model_type,
+                 "architectures": ckpt.config.get("architectures"), "shards": len(ckpt.shards),
+                 "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values())}
+    specs: dict = {}
+    try:
+        reader = open_reader(ckpt)
+        out["format"] = reader.verdict().to_dict()
+        specs = reader.linears()
+    except Int4packError as e:
+        out["format"] = {"format": "none" if ckpt.quant_config is None else "unknown", "detail": str(e),
+                         "evidence": [], "warnings": []}
+    out["quantization_config"] = ckpt.quant_config
+    try:
+        lay = discover(ckpt.model_type, ckpt.text_config, sorted(specs), sorted(ckpt.tensors))
+        out["moe"] = {"layers": [{"prefix": m.prefix, "experts": m.num_experts, "router": m.router,
+                                  "shared": sorted(m.shared.values()), "shared_gate": m.shared_gate}
+                                 for m in lay.moe_layers],
+                      "routers": lay.routers, "roles": lay.counts()}
+        roles = lay.roles
+    except Int4packError as e:
+        out["moe"] = {"error": str(e), "hint": e.hint}
+        roles = {}
+    try:
+        plan = make_plan(ckpt, source_label=label)
+        paths = {m: p for j in plan.jobs for m, p in j.paths.items()}
+        out["plan"] = {"ok": True, "group_size": plan.group_size, "paths": plan.path_counts(),
+                       "scale_dtype": "F32" if plan.group_size == -1 else "BF16"}
+    except Int4packError as e:
+        paths, plan = {}, None
+        out["plan"] = {"ok": False, "refused": str(e), "hint": e.hint, "exit_code": e.exit_code}
+    is_output = out["format"].get("ct_format") == "int-quantized"
+    mods = {}
+    for name, s in sorted(specs.items()):
+        rec = {"role": roles.get(name), "format": s.fmt, "n": s.n, "k": s.k, "group_size": s.group_size,
+               "sym": s.sym, "act_order": s.act_order, "scale_dtype": s.scale_dtype, "bias": s.has_bias,
+               "path": paths.get(name, "refused" if out["plan"].get("refused") else None)}
+        if s.refused:
+            rec["refused"] = s.refused
+        if is_output:
+            ok, why = kleidiai_gate(s.k, s.group_size, s.scale_dtype)
+        elif plan is not None:
+            g = plan.group_size
+            ok, why = kleidiai_gate(s.k, g, "F32" if g == -1 else "BF16")
+            why = "after convert: " + why
+        else:
+            ok, why = None, "no plan"
+        rec["kleidiai"] = ok
+        rec["kleidiai_reason"] = why
+        mods[name] = rec
+    out["modules"] = mods
+    out["tensors"] = _tensor_rows(ckpt)
+    out["is_w4a8_output"] = is_output
+    pp = ckpt.folder / "kleidiai"
+    if pp.is_dir():
+        from .checkpoint import read_header
+
+        blobs = []
+        for f in sorted(pp.glob("*.safetensors")):
+            try:
+                header, meta, _ = read_header(f)
+                blobs += [{"file": f"kleidiai/{f.name}", "name": n, "dtype": i["dtype"], "shape": i["shape"]}
+                          for n, i in sorted(header.items())]
+            except InputError as e:
+                blobs.append({"file": f"kleidiai/{f.name}", "error": str(e)})
+        out["prepacked"] = blobs
+    counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
+              "fallback": sum(1 for m in mods.values() if m["kleidiai"] is False)}
+    out["kleidiai_summary"] = counts
+    return out
+
+
+# --------------------------------------------------------------------------------- tensor dump
+
+
+def nibble_map(fmt: str, shape: tuple[int, ...], words: int = 2) -> list[dict]:
+    """Which logical (n, k) each nibble of the first ``words`` 32-bit words holds, by format.
+
+    gptq qweight [K/8, N]: word [r, c] nibble i -> k = 8r + i, n = c (packed along K);
+    awq qweight [K, N/8]: word [r, c] nibble i -> k = r, n = 8c + AWQ_ORDER[i] (along N, interleaved);
+    ct weight_packed [N, K/8]: word [r, c] nibble i -> n = r, k = 8c + i (along K).
+    """
+    cols = shape[1]
+    out = []
+    for w in range(words):
+        r, c = divmod(w, cols)
+        if r >= shape[0]:
+            break
+        for i in range(8):
+            if fmt == "gptq":
+                n, k = c, 8 * r + i
+            elif fmt == "awq":
+                n, k = 8 * c + _AWQ_ORDER[i], r
+            else:
+                n, k = r, 8 * c + i
+            out.append({"word": [r, c], "nibble": i, "bits": f"{4 * i}..{4 * i + 3}", "byte": 4 * w + i // 2,
+                        "half": "low" if i % 2 == 0 else "high", "n": n, "k": k})
+    return out
+
+
+def _module_and_key(ckpt: Checkpoint, tensor: str) -> tuple[str, str]:
+    if tensor in ckpt.tensors:
+        mod, _, leaf = tensor.rpartition(".")
+        return mod, leaf
+    for suf in _MAIN_SUFFIXES:
+        if f"{tensor}.{suf}" in ckpt.tensors:
+            return tensor, suf
+    near = [n for n in ckpt.tensors if tensor in n][:5]
+    raise InputError(f"tensor {tensor!r} not found in {ckpt.folder}", tensor=tensor,
+                     hint=("Close matches: " + ", ".join(near)) if near else "List the tensors with inspect PATH.")
+
+
+def _window(t: torch.Tensor, rows: int = 8, cols: int = 8) -> list[list]:
+    return t[:rows, :cols].tolist()
+
+
+def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int) -> dict:
+    from .formats import open_reader
+
+    mod, leaf = _module_and_key(ckpt, tensor)
+    info = ckpt.tensors[f"{mod}.{leaf}"]
+    out: dict = {"tensor": info.name, "dtype": info.dtype, "shape": list(info.shape), "bytes": info.nbytes,
+                 "file": info.file, "module": mod}
+    reader = open_reader(ckpt)
+    specs = reader.linears()
+    spec = specs.get(mod)
+    if spec is None:
+        t = ckpt.get(info.name)
+        out["layout"] = "plain (not a quantised module)"
+        out["window"] = _window(t.float().reshape(t.shape[0], -1) if t.dim() > 1 else t.float().reshape(1, -1),
+                                rows, cols)
+        return out
+    ql = reader.read(spec)
+    fmt = {"gptq": "gptq", "awq": "awq", "ct-pack": "ct", "ct-int": "ct-int"}[spec.fmt]
+    out.update(format=spec.fmt, n=spec.n, k=spec.k, group_size=spec.group_size, sym=spec.sym,
+               act_order=spec.act_order)
+    codes = ql.codes
+    z = ql.zeros
+    if leaf in ("qweight", "weight_packed") and info.dtype == "I32":
+        words = ckpt.get(info.name)
+        nm = nibble_map(fmt, tuple(info.shape))
+        for ent in nm:
+            r, c = ent["word"]
+            u = (int(words[r, c]) & 0xFFFFFFFF) >> (4 * ent["nibble"]) & 0xF
+            ent["raw"] = u
+            ent["word_hex"] = f"0x{int(words[r, c]) & 0xFFFFFFFF:08x}"
+            gi = int(ql.group_index()[ent["k"]])
+            zp = 8 if z is None else int(z[ent["n"], gi])
+            ent["q"] = u - zp
+            ent["zero"] = zp
+        out["layout"] = {"gptq": "int32 [K/8, N], packed along K: nibble i of word [r, n] is k = 8r + i",
+                         "awq": "int32 [K, N/8], packed along N with AWQ order [0,2,4,6,1,3,5,7]: nibble i of "
+                                "word [k, j] is n = 8j + order[i]",
+                         "ct": "int32 [N, K/8], packed along K: nibble i of word [n, j] is k = 8j + i"}[fmt]
+        out["nibbles"] = nm
+    elif info.dtype == "I8":
+        out["layout"] = "int8 [N, K], one int4 value in [-8, 7] per byte (compressed-tensors int-quantized)"
+    gi = ql.group_index()
+    zz = 8 if z is None else z.to(torch.int16)[:rows][:, gi[:cols]]
+    q = codes[:rows, :cols].to(torch.int16) - zz
+    out["window"] = {"rows": f"n 0..{min(rows, spec.n) - 1}", "cols": f"k 0..{min(cols, spec.k) - 1}",
+                     "q": q.tolist(),
+                     "group_of_k": gi[:cols].tolist(),
+                     "scales": ql.scales.float()[:rows][:, gi[:cols]].tolist(),
+                     "zeros": None if z is None else z[:rows][:, gi[:cols]].tolist()}
+    return out
+
+
+def _dump_blob(folder: Path, tensor: str, meta_n_k, group_size: int, rows: int) -> dict:
+    """Block structure of a prepacked KleidiAI blob (expert 0), decoded with kleidiai.unpack."""
+    from safetensors import safe_open
+
+    from . import kleidiai
+
+    for f in sorted((folder / "kleidiai").glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            if tensor not in fh.keys():
+                continue
+            data = fh.get_tensor(tensor)
+        n, k = meta_n_k
+        g = k if group_size == -1 else group_size
+        blob = (data[0] if data.dim() == 2 else data).contiguous()
+        q, s, bias = kleidiai.unpack(blob, n, k, g, has_bias=True, check=False)
+        r8 = -(-n // 8) * 8
+        per_block = blob.numel() // (r8 // 8)
+        raw = blob[:per_block]
+        chan = kleidiai.is_channelwise(k, g)
+        if chan:
+            dlen = -(-k // 32) * 32 // 2 * 8
+            parts = [("data", 0, dlen), ("row sums int32 x16", dlen, 32), ("scales fp32 /16", dlen + 32, 32),
+                     ("bias fp32", dlen + 64, 32)]
+            sums = raw[dlen:dlen + 32].contiguous().view(torch.int32).tolist()
+        else:
+            nb = k // g
+            dl = g // 2 * 8
+            parts = [(f"quant block {b}: data", b * (dl + 16), dl) for b in range(min(nb, 3))]
+            parts += [(f"quant block {b}: 8 bf16 scales", b * (dl + 16) + dl, 16) for b in range(min(nb, 3))]
+            off = nb * (dl + 16)
+            parts += [("row sums fp32 (sum q*scale)", off, 32), ("bias fp32", off + 32, 32)]
+            sums = raw[off:off + 32].contiguous().view(torch.float32).tolist()
+        return {"tensor": tensor, "file": f"kleidiai/{f.name}", "shape": list(data.shape), "n": n, "k": k,
+                "group_size": group_size, "layout": "channelwise qsi4cxp" if chan else "groupwise qsi4c32p",
+                "tile": {"nr": kleidiai.NR, "kr": kleidiai.KR, "sr": kleidiai.SR, "rows_per_block": 8,
+                         "blocks": r8 // 8, "bytes_per_block": per_block},
+                "first_block": [{"part": p, "offset": o, "bytes": b} for p, o, b in sorted(parts, key=lambda x: x[1])],
+                "first_bytes_hex": raw[:16].tolist(),
+                "row_sums_block0": sums, "bias_block0": bias[:8].tolist(),
+                "window": {"q": q[:rows, :8].tolist(), "scales": s.float()[:rows, :2].tolist()}}
+    raise InputError(f"{tensor!r} not found in {folder / 'kleidiai'}", tensor=tensor)
+
+
+def inspect(path, tensor: str | None = None, *, revision: str | None = None, rows: int = 8, cols: int = 8) -> dict:
+    """Summary of a checkpoint (``tensor`` None) or a layout dump of one tensor / module."""
+    folder = resolve_source(path, revision=revision)
+    with Checkpoint(folder) as ckpt:
+        if tensor is None:
+            return _summary(ckpt, str(path))
+        if tensor.endswith((".w13_packed", ".w2_packed", ".weight_packed")) and tensor not in ckpt.tensors:
+            from .verify import _Target, _Problems
+
+            t = _Target(ckpt, _Problems())
+            base = tensor.rsplit(".", 1)[0]
+            if tensor.endswith(".weight_packed"):
+                n, k = ckpt.tensors[f"{base}.weight"].shape
+            else:
+                moe = base[: -len(".experts")]
+                slot = t.layers[moe][min(t.layers[moe])]
+                gi = ckpt.tensors[f"{slot['gate' if tensor.endswith('w13_packed') else 'down']}.weight"]
+                n, k = (2 * gi.shape[0], gi.shape[1]) if tensor.endswith("w13_packed") else tuple(gi.shape)
+            return _dump_blob(ckpt.folder, tensor, (n, k), t.group_for(k), rows)
+        return _dump(ckpt, tensor, rows, cols)

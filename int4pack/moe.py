@@ -1,0 +1,291 @@
+"""The CPU W4A8 MoE forward (vLLM's ``dynamic_4bit_int_moe_cpu`` algorithm) and its references.
+
+``moe_forward`` runs ``csrc/moe.cpp`` (experts in parallel, each through torch's
+``_dyn_quant_matmul_4bit``: KleidiAI on Arm, torch's reference kernel elsewhere) or, without a
+compiler, ``moe_forward_twin``: the same algorithm as a Python loop over experts calling the same
+torch op. ``moe_reference`` is a float32 per-token computation on dequantised weights.
+
+Weights go in as one packed tensor per expert, stacked ``[E, ...]``: ``w13`` is ``[2I, H]`` (gate
+rows then up rows), ``w2`` is ``[H, I]``. ``pack_for_matmul`` makes them from int4 values and
+scales: KleidiAI blobs where torch's KleidiAI path is live, torch's float32 reference layout
+elsewhere (the only format torch's matmul takes there).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from . import _ext
+from .errors import InputError
+
+__all__ = [
+    "ACTIVATIONS",
+    "moe_forward",
+    "moe_forward_twin",
+    "moe_reference",
+    "predicted_noise",
+    "expert_forward",
+    "expert_noise",
+    "int8_step",
+    "activation",
+    "pack_for_matmul",
+    "pack_experts_for_matmul",
+    "extension",
+]
+
+ACTIVATIONS = {0: "silu", 1: "swigluoai", 2: "silu"}
+_SWIGLU_ALPHA, _SWIGLU_LIMIT = 1.702, 7.0
+
+
+def extension():
+    """The compiled op module, or None (INT4PACK_NO_EXT=1 or no compiler)."""
+    return _ext.load("moe")
+
+
+def activation(gate: torch.Tensor, up: torch.Tensor, kind: int) -> torch.Tensor:
+    """kind 0/2: silu(gate) * up; kind 1: gpt-oss SwiGLU (gate clamped above at 7, up to [-7, 7])."""
+    if kind == 1:
+        gc = gate.clamp(max=_SWIGLU_LIMIT)
+        uc = up.clamp(-_SWIGLU_LIMIT, _SWIGLU_LIMIT)
+        return (uc + 1.0) * (gc * torch.sigmoid(gc * _SWIGLU_ALPHA))
+    if kind in (0, 2):
+        return torch.nn.functional.silu(gate) * up
+    raise InputError(f"activation kind {kind} is not 0 (silu), 1 (swigluoai) or 2 (silu)")
+
+
+def _check(x, topk_ids, topk_weights, w13, w2, hidden, inter, group_size, activation_kind):
+    if x.dim() != 2 or x.shape[1] != hidden:
+        raise InputError(f"x must be [T, H={hidden}], got {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise InputError("topk_ids and topk_weights must both be [T, K] with T = x.shape[0]")
+    if w13.dim() != 2 or w2.dim() != 2 or w13.shape[0] != w2.shape[0]:
+        raise InputError("w13_packed and w2_packed must be [E, ...] with the same E")
+    if group_size != -1 and (group_size <= 0 or group_size % 32 or hidden % group_size or inter % group_size):
+        raise InputError(f"group size {group_size} must be -1 or a multiple of 32 dividing H={hidden} and I={inter}")
+    if activation_kind not in ACTIVATIONS:
+        raise InputError(f"activation kind {activation_kind} is not 0, 1 or 2")
+    e = w13.shape[0]
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= e):
+        raise InputError(f"expert ids must lie in [0, {e})")
+
+
+def moe_forward(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden: int, inter: int, group_size: int,
+                apply_router_weight_on_input: bool = False, activation: int = 0, *,
+                use_extension: bool | None = None) -> torch.Tensor:
+    """out [T, H] in x's dtype. ``group_size`` -1 means channelwise (block = H for w13, I for w2)."""
+    _check(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden, inter, group_size, activation)
+    mod = extension() if use_extension in (None, True) else None
+    if use_extension and mod is None:
+        raise InputError(f"the MoE extension is not available: {_ext.build_error('moe')}")
+    if mod is None:
+        return moe_forward_twin(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden, inter, group_size,
+                                apply_router_weight_on_input, activation)
+    return mod.moe_forward(x, topk_ids.long().contiguous(), topk_weights, w13_packed, w2_packed, int(hidden),
+                           int(inter), int(group_size), bool(apply_router_weight_on_input), int(activation))
+
+
+def _compute_dtype(dtype: torch.dtype, channelwise: bool) -> torch.dtype:
+    return dtype if dtype == torch.float32 or (dtype == torch.bfloat16 and channelwise) else torch.float32
+
+
+def moe_forward_twin(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden: int, inter: int, group_size: int,
+                     apply_router_weight_on_input: bool = False, activation_kind: int = 0) -> torch.Tensor:
+    """The same algorithm as csrc/moe.cpp, one expert at a time, in Python."""
+    t, k = topk_ids.shape
+    e_count = w13_packed.shape[0]
+    chan = group_size == -1
+    g13, g2 = (hidden, inter) if chan else (group_size, group_size)
+    cdt = _compute_dtype(x.dtype, chan)
+    flat = topk_ids.reshape(-1).long()
+    # stable sort by expert == counting sort with ascending (token, slot) order inside an expert
+    order = torch.sort(flat, stable=True).indices
+    tok = order // k
+    gates = topk_weights.reshape(-1).float()[order].to(cdt).unsqueeze(1)
+    counts = torch.bincount(flat, minlength=e_count).tolist()
+    x_all = x.index_select(0, tok).to(cdt)
+    if apply_router_weight_on_input:
+        x_all = x_all * gates
+    y_all = torch.zeros(t * k, hidden, dtype=cdt)
+    mm = torch.ops.aten._dyn_quant_matmul_4bit
+    b = 0
+    for e, n in enumerate(counts):
+        if n:
+            y13 = mm(x_all[b:b + n].contiguous(), w13_packed[e], g13, hidden, 2 * inter)
+            act = activation(y13[:, :inter], y13[:, inter:], activation_kind)
+            y_all[b:b + n] = mm(act.contiguous(), w2_packed[e], g2, inter, hidden)
+        b += n
+    if not apply_router_weight_on_input:
+        y_all = y_all * gates
+    out = torch.zeros(t, hidden, dtype=cdt)
+    out.index_add_(0, tok, y_all)
+    return out.to(x.dtype)
+
+
+def moe_reference(x, topk_ids, topk_weights, w13_float, w2_float, apply_router_weight_on_input: bool = False,
+                  activation_kind: int = 0, *, per_slot: bool = False):
+    """float32 per-token MoE on dequantised weights: w13 [E, 2I, H] (gate; up), w2 [E, H, I].
+
+    Returns out [T, H]; with ``per_slot`` also y [T, K, H], each slot's expert output before its
+    gate weight is applied on the output (the inputs are gated first when that is asked for).
+    """
+    xf = x.float()
+    t, k = topk_ids.shape
+    out = torch.zeros(t, xf.shape[1])
+    slots = torch.zeros(t, k, xf.shape[1]) if per_slot else None
+    ids = topk_ids.long()
+    wts = topk_weights.float()
+    # group (token, slot) pairs by expert only to batch the float matmuls; each row is independent
+    for e in torch.unique(ids).tolist():
+        tt, jj = (ids == e).nonzero(as_tuple=True)
+        g = wts[tt, jj].unsqueeze(1)
+        xe = xf[tt] * g if apply_router_weight_on_input else xf[tt]
+        y = expert_forward(xe, w13_float[e], w2_float[e], activation_kind)
+        if per_slot:
+            slots[tt, jj] = y
+        out.index_add_(0, tt, y if apply_router_weight_on_input else y * g)
+    return (out, slots) if per_slot else out
+
+
+def expert_forward(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation_kind: int = 0) -> torch.Tensor:
+    """float32 rows through one expert: act(x @ gate^T, x @ up^T) @ down^T."""
+    inter = w2.shape[1]
+    y13 = xe.float() @ w13.float().t()
+    return activation(y13[:, :inter], y13[:, inter:], activation_kind) @ w2.float().t()
+
+
+# ------------------------------------------------------------------------- error propagation
+
+
+def int8_step(rows: torch.Tensor) -> torch.Tensor:
+    """Per-row step of torch/KleidiAI's dynamic asymmetric int8 (docs/kleidiai.md §2.3):
+    (max(0, max x) - min(0, min x)) / 255."""
+    return (rows.amax(1).clamp(min=0) - rows.amin(1).clamp(max=0)) / 255.0
+
+
+def _act_jacobian(g: torch.Tensor, u: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """d act / d gate and d act / d up, elementwise."""
+    if kind == 1:
+        gc = g.clamp(max=_SWIGLU_LIMIT)
+        s = torch.sigmoid(gc * _SWIGLU_ALPHA)
+        uc = u.clamp(-_SWIGLU_LIMIT, _SWIGLU_LIMIT)
+        dg = (uc + 1.0) * (s + _SWIGLU_ALPHA * gc * s * (1 - s)) * (g < _SWIGLU_LIMIT)
+        du = gc * s * (u.abs() < _SWIGLU_LIMIT)
+        return dg, du
+    s = torch.sigmoid(g)
+    return u * s * (1 + g * (1 - s)), g * s
+
+
+def predicted_noise(x, topk_ids, topk_weights, w13_float, w2_float, apply_router_weight_on_input: bool = False,
+                    activation_kind: int = 0, *, activations: bool = True,
+                    weight_var: torch.Tensor | None = None) -> torch.Tensor:
+    """Expected squared output error per (token, slot) [T, K], to first order.
+
+    ``activations``: both matmul inputs are rounded to the per-row int8 grid, each value off by
+    an independent uniform error of variance step^2/12; that noise goes through w13 (variance
+    step^2/12 * sum_k W[n,k]^2 per output), the activation's Jacobian, the second rounding and w2.
+    ``weight_var`` [E, 3] (gate, up, down): per-element variance of independent weight errors,
+    which add ``var * ||input||^2`` to every output of that matmul. Slots are independent, so a
+    token's expected error is the sum over its slots (times gate^2 when gated on the output).
+    """
+    xf = x.float()
+    ids = topk_ids.long()
+    wts = topk_weights.float()
+    out = torch.zeros(ids.shape)
+    for e in torch.unique(ids).tolist():
+        tt, jj = (ids == e).nonzero(as_tuple=True)
+        g = wts[tt, jj]
+        xe = xf[tt] * g.unsqueeze(1) if apply_router_weight_on_input else xf[tt]
+        tot = expert_noise(xe, w13_float[e], w2_float[e], activation_kind, activations=activations,
+                           weight_var=None if weight_var is None else weight_var[e].tolist())
+        out[tt, jj] = tot if apply_router_weight_on_input else tot * g * g
+    return out
+
+
+def expert_noise(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activation_kind: int = 0, *,
+                 activations: bool = True, weight_var: list[float] | None = None) -> torch.Tensor:
+    """Expected squared output error of each row of one expert (see ``predicted_noise``)."""
+    xe = xe.float()
+    w13 = w13.float()
+    w2 = w2.float()
+    inter = w2.shape[1]
+    y13 = xe @ w13.t()
+    gate, up = y13[:, :inter], y13[:, inter:]
+    act = activation(gate, up, activation_kind)
+    var13 = torch.zeros_like(y13)
+    var_in2 = torch.zeros(xe.shape[0])
+    if activations:
+        var13 += (int8_step(xe) ** 2 / 12).unsqueeze(1) * (w13 * w13).sum(1).unsqueeze(0)
+        var_in2 += int8_step(act) ** 2 / 12
+    if weight_var is not None:
+        xx = (xe * xe).sum(1, keepdim=True)
+        var13[:, :inter] += weight_var[0] * xx
+        var13[:, inter:] += weight_var[1] * xx
+    dg, du = _act_jacobian(gate, up, activation_kind)
+    var_act = dg * dg * var13[:, :inter] + du * du * var13[:, inter:] + var_in2.unsqueeze(1)
+    var_y = var_act @ (w2 * w2).t()
+    if weight_var is not None:
+        var_y += weight_var[2] * (act * act).sum(1, keepdim=True)
+    return var_y.sum(1)
+
+
+# ------------------------------------------------------------------------------------ packing
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] in [-8, 7] -> uint8 [N, K/2], q+8, even k in the low nibble (the ops' input)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+
+
+def _torch_pack(q, scales, g, bias=None):
+    n, k = q.shape
+    sc = scales.reshape(n, 1) if g == k else scales.contiguous()
+    return torch.ops.aten._dyn_quant_pack_4bit_weight(_nibbles(q), sc, bias, g, k, n)
+
+
+def _fallback_pack(q, scales, g):
+    # torch's reference layout (docs/kleidiai.md §1.6): bytes as floats, then scales as floats.
+    # torch writes it with a slow scalar loop (~0.2 s per 1536x2048); this is the same thing.
+    return torch.cat([_nibbles(q).reshape(-1).float(), scales.float().reshape(-1)])
+
+
+@lru_cache(maxsize=None)
+def _fallback_layout_ok() -> bool:
+    """Our fallback construction equals torch's packer output here (checked once, both layouts)."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(-8, 8, (24, 64), generator=gen, dtype=torch.int8)
+    for g, sc in ((32, (torch.rand(24, 2, generator=gen) + 0.01).bfloat16()),
+                  (64, torch.rand(24, 1, generator=gen) + 0.01)):
+        ref = _torch_pack(q, sc, g)
+        if ref.dtype != torch.float32 or not torch.equal(ref, _fallback_pack(q, sc, g)):
+            return False
+    return True
+
+
+def pack_for_matmul(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """One [N, K] int4 matrix -> the tensor ``_dyn_quant_matmul_4bit`` takes on this host.
+
+    ``scales``: bf16 [N, K/g] for groups, fp32 [N, 1] for channel (``group_size`` -1)."""
+    from . import kleidiai
+
+    n, k = q.shape
+    g = k if group_size == -1 else group_size
+    if kleidiai.native_kleidiai_available():
+        blob, _ = kleidiai.pack(q.to(torch.int8), scales, None, g, packer="native")
+        return blob
+    if _fallback_layout_ok():
+        return _fallback_pack(q, scales, g)
+    return _torch_pack(q.to(torch.int8), scales, g)
+
+
+def pack_experts_for_matmul(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[E, N, K] int4 values (+ scales [E, N, K/g] or [E, N, 1]) -> stacked [E, ...] packed tensors."""
+    out = None
+    for e in range(q.shape[0]):
+        blob = pack_for_matmul(q[e], scales[e], group_size)
+        if out is None:
+            out = torch.empty((q.shape[0], blob.numel()), dtype=blob.dtype)
+        out[e] = blob
+    return out

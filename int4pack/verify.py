@@ -1,0 +1,854 @@
+"""``verify``: prove a converted W4A8 checkpoint is complete and computes what its source computes.
+
+Structural pass (always): every expert of every MoE layer, tensor dtypes/shapes against the
+config's quantization_config, int4 range, finite positive scales, config/ignore/index agreement,
+shard checksums against ``int4pack_report.json``, and prepacked KleidiAI blobs (``OUT/kleidiai/``)
+whose size, metadata and decoded contents must match the canonical tensors.
+
+Numerical pass, per MoE layer: unit-RMS random hidden states times the layer's input norm weight,
+routed by the layer's own router (every sampled expert is guaranteed tokens), run through the W4A8
+MoE op (``moe.moe_forward``) and through float32 references on the converted weights and (with
+``against``) on the source checkpoint's own dequantised weights. The error splits into
+
+* activation quantisation: kernel vs float on the converted weights. Its expected size is derived
+  from the inputs (per-row int8 step^2/12, propagated through the layer: ``moe.predicted_noise``);
+  the measured error must stay below ``K_ACT`` times that;
+* weight requantisation: float on converted vs float on source weights. Each module's weight
+  error must equal convert's own measurement in the report (or, without a report, stay below the
+  path's bound: bf16 scale rounding 2^-8 for lossless/fold, plain absmax RTN for requant), and each
+  expert's output error must stay below ``K_WEIGHT`` times the error those budgets predict.
+
+Dense W4A8 linears get the same with ``_dyn_quant_matmul_4bit`` on a few random rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from . import moe as moe_mod
+from .architectures import classify
+from .checkpoint import Checkpoint, TensorInfo, read_header, resolve_source
+from .errors import InputError, Int4packError, VerifyFailed
+from .w4a8 import check_group_size, dequantize_w4a8
+
+__all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
+
+K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
+K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
+LOSSLESS_BOUND = 2.0**-8  # bf16 rounding of a scale: relative error <= 2^-8 per element
+REL_MARGIN = 1e-3  # report values carry 6 digits; float32 vs float64 sums differ by ~1e-6
+ABS_FLOOR = 1e-6
+MIN_SLOTS_PER_EXPERT = 2
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router)$")
+_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "ffn_norm")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+class _Problems:
+    def __init__(self):
+        self.items: list[dict] = []
+
+    def add(self, where: str, message: str) -> None:
+        self.items.append({"where": where, "message": message})
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+@contextmanager
+def _threads(n: int | None):
+    if not n:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    den = float(b.norm())
+    num = float((a - b).norm())
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    den = float(a.norm() * b.norm())
+    return float(a @ b) / den if den > 0 else 1.0
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+# --------------------------------------------------------------------------------- the target
+
+
+class _Target:
+    """The converted checkpoint: W4A8 scheme from its config, quantised modules, MoE layers."""
+
+    def __init__(self, ckpt: Checkpoint, problems: _Problems):
+        self.ckpt = ckpt
+        q = ckpt.quant_config or {}
+        groups = q.get("config_groups") or {}
+        if q.get("quant_method") != "compressed-tensors" or not groups:
+            raise InputError(f"{ckpt.folder}: not a compressed-tensors W4A8 checkpoint "
+                             f"(quant_method {q.get('quant_method')!r})",
+                             hint="verify checks int4pack's output; pass the folder convert wrote.")
+        grp = next(iter(groups.values()))
+        w = grp.get("weights") or {}
+        a = grp.get("input_activations") or {}
+        fmt = grp.get("format") or q.get("format")
+        if fmt != "int-quantized":
+            problems.add("config", f"format {fmt!r}, expected 'int-quantized' (vLLM's W4A8 int layout)")
+        if w.get("num_bits") != 4 or w.get("type") != "int" or not w.get("symmetric", False):
+            problems.add("config", f"weights must be 4-bit symmetric int, config says {w}")
+        if a.get("num_bits") != 8 or a.get("strategy") != "token" or not a.get("dynamic"):
+            problems.add("config", "input_activations must be 8-bit dynamic per token (vLLM's W4A8 detection)")
+        self.group_size = -1 if w.get("strategy") == "channel" else int(w.get("group_size") or -1)
+        self.ignore = list(q.get("ignore") or [])
+        self.modules = sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale"))
+        tc = ckpt.text_config
+        self.num_experts = next((tc[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                                 if isinstance(tc.get(k), int)), None)
+        self.top_k = int(tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2)
+        self.norm_topk = bool(tc.get("norm_topk_prob", ckpt.model_type in ("mixtral", "phimoe")))
+        act = str(tc.get("hidden_act") or "silu")
+        self.activation = 1 if "oai" in act else 0
+        self.layers: dict[str, dict[int, dict[str, str]]] = {}
+        self.roles: dict[str, str] = {}
+        for m in self.modules:
+            role, d = classify(m)
+            self.roles[m] = role
+            if role == "expert":
+                self.layers.setdefault(d["moe"], {}).setdefault(d["e"], {})[d["proj"]] = m
+        self.routers = {n[: -len(".gate.weight")] if n.endswith(".gate.weight") else n[: -len(".router.weight")]: n
+                        for n in ckpt.tensors if n.endswith(".weight") and _ROUTER.search(n[:-7])}
+
+    def group_for(self, k: int) -> int:
+        return -1 if self.group_size in (-1, k) else self.group_size
+
+    def weight(self, m: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        q = self.ckpt.get(f"{m}.weight")
+        s = self.ckpt.get(f"{m}.weight_scale")
+        return q, s, self.group_for(q.shape[1])
+
+    def dequant(self, m: str) -> torch.Tensor:
+        q, s, g = self.weight(m)
+        return dequantize_w4a8(q, s, g)
+
+
+def _layer_index(prefix: str) -> int:
+    m = _LAYER.search(prefix + ".")
+    return int(m.group(1)) if m else -1
+
+
+# --------------------------------------------------------------------------------- structural
+
+
+def _check_module(t: _Target, m: str, problems: _Problems, counts: dict) -> None:
+    ck = t.ckpt
+    wn, sn = f"{m}.weight", f"{m}.weight_scale"
+    if wn not in ck.tensors:
+        problems.add(m, f"{sn} present but {wn} missing")
+        return
+    wi, si = ck.tensors[wn], ck.tensors[sn]
+    if wi.dtype != "I8" or len(wi.shape) != 2:
+        problems.add(m, f"{wn}: {wi.dtype}{list(wi.shape)}, expected int8 [N, K]")
+        return
+    n, k = wi.shape
+    g = t.group_for(k)
+    if g == -1:
+        want_dt, want_shape = "F32", (n, 1)
+    else:
+        want_dt, want_shape = "BF16", (n, k // g if k % g == 0 else -1)
+        why = check_group_size(g, k)
+        if why:
+            problems.add(m, f"group size {g} invalid for K={k}: {why}")
+    if si.dtype != want_dt or tuple(si.shape) != want_shape:
+        problems.add(m, f"{sn}: {si.dtype}{list(si.shape)}, expected {want_dt}{list(want_shape)} "
+                        f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
+        return
+    q = ck.get(wn)
+    lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
+    if lo < -8 or hi > 7:
+        problems.add(m, f"{wn}: values in [{lo}, {hi}], outside int4 [-8, 7]")
+    s = ck.get(sn).float()
+    if not bool(torch.isfinite(s).all()):
+        problems.add(m, f"{sn}: {int((~torch.isfinite(s)).sum())} non-finite scale(s)")
+    elif s.numel() and float(s.min()) <= 0:
+        problems.add(m, f"{sn}: {int((s <= 0).sum())} scale(s) <= 0 (symmetric scales must be positive)")
+    counts["modules"] += 1
+    counts["int_values"] += q.numel()
+
+
+def _check_layers(t: _Target, problems: _Problems) -> None:
+    want = t.num_experts
+    prefixes = sorted(set(t.layers) | set(t.routers), key=lambda p: (_layer_index(p), p))
+    for p in prefixes:
+        experts = t.layers.get(p, {})
+        if p not in t.routers:
+            problems.add(p, "experts without a router weight")
+        n = want or ((max(experts) + 1) if experts else 0)
+        missing = [e for e in range(n) if e not in experts]
+        if missing:
+            problems.add(p, f"expert(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} missing "
+                            f"({len(experts)} of {n} present; config says {want})")
+        extra = [e for e in experts if e >= n]
+        if extra:
+            problems.add(p, f"expert(s) {extra[:8]} beyond the config's {n} experts")
+        for e, slot in sorted(experts.items()):
+            lack = [r for r in ("gate", "up", "down") if r not in slot]
+            if lack:
+                problems.add(f"{p}.experts.{e}", f"no W4A8 {'/'.join(lack)} projection")
+
+
+def _check_config_index(t: _Target, problems: _Problems) -> None:
+    ck = t.ckpt
+    quant = set(t.modules)
+    for m in t.ignore:
+        if m in quant:
+            problems.add(m, "listed in quantization_config.ignore but stored as W4A8 (vLLM would misload it)")
+    for name, info in ck.tensors.items():
+        if name.endswith(".weight") and info.dtype == "I8" and name[:-7] not in quant:
+            problems.add(name, "int8 weight without a weight_scale")
+    nl = ck.text_config.get("num_hidden_layers")
+    if isinstance(nl, int):
+        seen = {_layer_index(n) for n in ck.tensors} - {-1}
+        missing = sorted(set(range(nl)) - seen)
+        if missing:
+            problems.add("config", f"num_hidden_layers={nl} but no tensors for layer(s) {missing[:8]}")
+
+
+def _check_hashes(ckpt: Checkpoint, problems: _Problems) -> dict | None:
+    """Shard checksums recorded by convert; returns the report (or None)."""
+    from .writer import hash_shard
+
+    rp = ckpt.folder / "int4pack_report.json"
+    if not rp.is_file():
+        return None
+    try:
+        report = json.loads(rp.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        problems.add("int4pack_report.json", f"unreadable ({e})")
+        return None
+    for shard, rec in (report.get("shards") or {}).items():
+        if not isinstance(rec, dict) or "data_sha256" not in rec:
+            continue
+        path = ckpt.folder / shard
+        if not path.is_file():
+            problems.add(shard, "listed in int4pack_report.json but missing")
+            continue
+        got = hash_shard(path)
+        if got["data_sha256"] != rec["data_sha256"] or got["size"] != rec.get("size", got["size"]):
+            problems.add(shard, "tensor bytes differ from what convert wrote (data sha256 mismatch with "
+                                "int4pack_report.json): the shard was modified or corrupted")
+    return report
+
+
+# --------------------------------------------------------------------------------- prepacked
+
+
+def _blob_meta(meta: dict[str, str], tensor: str, manifest: dict) -> dict:
+    """Metadata for one blob tensor: flat header keys, a per-tensor JSON entry, the manifest."""
+    out: dict = {}
+    for k, v in meta.items():
+        try:
+            val = json.loads(v)
+        except (TypeError, json.JSONDecodeError):
+            val = v
+        if k == tensor and isinstance(val, dict):
+            out.update(val)
+        elif not isinstance(val, dict):
+            out[k.split(".")[-1]] = val
+    ent = (manifest.get("tensors") or {}).get(tensor) if isinstance(manifest, dict) else None
+    if isinstance(ent, dict):
+        out.update(ent)
+    return out
+
+
+def _check_prepacked(t: _Target, problems: _Problems, counts: dict) -> dict[str, dict]:
+    """Check OUT/kleidiai/*.safetensors; returns {experts prefix: {"w13": path, "w2": path}}."""
+    from . import kleidiai
+
+    folder = t.ckpt.folder / "kleidiai"
+    found: dict[str, dict] = {}
+    if not folder.is_dir():
+        return found
+    manifest = {}
+    for mp in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(mp.read_text())
+            if isinstance(data, dict):
+                manifest.update(data)
+        except (OSError, json.JSONDecodeError) as e:
+            problems.add(f"kleidiai/{mp.name}", f"unreadable manifest ({e})")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        problems.add("kleidiai/", "folder exists but holds no *.safetensors")
+    for f in files:
+        where = f"kleidiai/{f.name}"
+        try:
+            header, meta, _ = read_header(f)
+        except InputError as e:
+            problems.add(where, f"unreadable or truncated: {e}")
+            continue
+        # a lazy reader over this one file (Checkpoint wants a config.json; the blobs have none)
+        sub = Checkpoint.__new__(Checkpoint)
+        sub.folder, sub._maps, sub.tensors = folder, {}, {}
+        _, _, start = read_header(f)
+        for name, info in header.items():
+            b, e = info["data_offsets"]
+            sub.tensors[name] = TensorInfo(name, f.name, info["dtype"], tuple(info["shape"]), start + b, start + e)
+        for name, info in sorted(sub.tensors.items()):
+            md = _blob_meta(meta, name, manifest)
+            try:
+                _check_one_blob(t, sub, name, info, md, problems, counts, found, kleidiai)
+            except Int4packError as e:
+                problems.add(f"{where}:{name}", str(e))
+        sub.close()
+    return found
+
+
+def _check_one_blob(t, sub, name, info, md, problems, counts, found, kleidiai) -> None:
+    where = f"kleidiai:{name}"
+    for key, want in (("nr", kleidiai.NR), ("kr", kleidiai.KR), ("sr", kleidiai.SR)):
+        if key in md and int(md[key]) != want:
+            problems.add(where, f"metadata {key}={md[key]}, this packer writes {want}")
+    if "layout_version" in md and int(md["layout_version"]) != kleidiai.LAYOUT_VERSION:
+        problems.add(where, f"layout_version {md['layout_version']} != {kleidiai.LAYOUT_VERSION}")
+    if name.endswith((".w13_packed", ".w2_packed")):
+        prefix, kind = name.rsplit(".", 1)
+        moe = prefix[: -len(".experts")] if prefix.endswith(".experts") else prefix
+        experts = t.layers.get(moe)
+        if not experts:
+            problems.add(where, f"no MoE layer {moe} in the checkpoint for this blob")
+            return
+        e_count = len(experts)
+        w13 = kind == "w13_packed"
+        ref = experts[min(experts)]
+        gi = t.ckpt.tensors[f"{ref['gate' if w13 else 'down']}.weight"]
+        n, k = (2 * gi.shape[0], gi.shape[1]) if w13 else tuple(gi.shape)
+        units = [(e, n, k) for e in range(e_count)]
+    elif name.endswith(".weight_packed"):
+        mod = name[: -len(".weight_packed")]
+        if mod not in t.modules:
+            problems.add(where, f"no W4A8 module {mod} for this blob")
+            return
+        n, k = t.ckpt.tensors[f"{mod}.weight"].shape
+        units = [(None, n, k)]
+    else:
+        problems.add(where, "unexpected tensor (expected *.w13_packed, *.w2_packed or *.weight_packed)")
+        return
+    g = t.group_for(k)
+    gk = k if g == -1 else g
+    if "group_size" in md and int(md["group_size"]) not in (g, gk):
+        problems.add(where, f"metadata group_size {md['group_size']} != config's {g}")
+    for key, want in (("n", n), ("N", n), ("k", k), ("K", k)):
+        if key in md and int(md[key]) != want:
+            problems.add(where, f"metadata {key}={md[key]} != {want}")
+    size = kleidiai.packed_size(n, k, gk)
+    want_shape = (len(units), size) if units[0][0] is not None else (size,)
+    if info.dtype != "U8" or tuple(info.shape) != want_shape:
+        problems.add(where, f"{info.dtype}{list(info.shape)}, expected U8{list(want_shape)} "
+                            f"({size} bytes per matrix for N={n}, K={k}, g={g}): truncated or wrong layout")
+        return
+    for key in ("bytes", "bytes_per_expert", "size"):
+        if key in md and int(md[key]) != size:
+            problems.add(where, f"metadata {key}={md[key]} != {size}")
+    data = sub.get(name)
+    has_bias = bool(md.get("has_bias", md.get("bias", False)))
+    for e, _, _ in units:
+        blob = data[e] if e is not None else data
+        q, s, _bias = kleidiai.unpack(blob.contiguous(), n, k, gk, has_bias=has_bias)
+        if e is None:
+            mods = [name[: -len(".weight_packed")]]
+        else:
+            slot = t.layers[moe][e]
+            mods = [slot["gate"], slot["up"]] if w13 else [slot["down"]]
+        cq = torch.cat([t.ckpt.get(f"{m}.weight") for m in mods])
+        cs = torch.cat([t.ckpt.get(f"{m}.weight_scale") for m in mods])
+        label = where if e is None else f"{where}[expert {e}]"
+        if not torch.equal(q, cq):
+            bad = int((q != cq).sum())
+            problems.add(label, f"blob decodes to {bad} int4 value(s) different from the canonical tensors")
+        if not torch.equal(s.to(cs.dtype).reshape(cs.shape), cs):
+            problems.add(label, "blob scales differ from the canonical weight_scale")
+        counts["blobs"] += 1
+    if units[0][0] is not None:
+        found.setdefault(moe, {})["w13" if w13 else "w2"] = (sub.folder / info.file, name)
+
+
+# --------------------------------------------------------------------------------- the source
+
+
+class _Source:
+    """The source checkpoint read by int4pack's own readers, plus convert's per-module budgets."""
+
+    def __init__(self, path, revision):
+        from .architectures import vllm_output_names
+        from .formats import open_reader
+
+        self.label = str(path)
+        self.ckpt = Checkpoint(resolve_source(path, revision=revision))
+        self.reader = open_reader(self.ckpt)
+        # keyed by the output's module names (convert renames some families for vLLM)
+        ren = {k[:-7]: v[:-7] for k, v in vllm_output_names(
+            self.ckpt.model_type, [f"{m}.weight" for m in self.reader.linears()]).items()}
+        self.specs = {ren.get(m, m): s for m, s in self.reader.linears().items()}
+        try:
+            from .plan import make_plan
+
+            plan = make_plan(self.ckpt)
+            self.paths = {ren.get(m, m): p for j in plan.jobs for m, p in j.paths.items()}
+        except Int4packError:
+            self.paths = {}
+        self._cache: dict[str, object] = {}
+
+    def read(self, m: str):
+        if m not in self._cache:
+            if m not in self.specs:
+                raise InputError(f"{m}: not a quantised module of the source {self.label}", tensor=m,
+                                 hint="--against must be the checkpoint this output was converted from.")
+            self._cache[m] = self.reader.read(self.specs[m])
+        return self._cache[m]
+
+    def dequant(self, m: str) -> torch.Tensor:
+        return self.read(m).dequantize()
+
+    def g_idx_perm(self, m: str) -> torch.Tensor | None:
+        ql = self.read(m)
+        if ql.g_idx is None or ql.has_trivial_g_idx():
+            return None
+        return torch.argsort(ql.g_idx.long(), stable=True)
+
+    def close(self):
+        self._cache.clear()
+        self.ckpt.close()
+
+
+def _rtn_rel(w: torch.Tensor, g: int) -> float:
+    """rel_l2 of plain absmax round-to-nearest at the target group (scales rounded as shipped)."""
+    n, k = w.shape
+    gg = k if g == -1 else g
+    wg = w.reshape(n, k // gg, gg)
+    s = wg.abs().amax(2, keepdim=True) / 7
+    s = (s.to(torch.bfloat16).float() if g != -1 else s).clamp(min=2.0**-126)
+    q = (wg / s).round().clamp(-8, 7)
+    return _rel((q * s).reshape(n, k), w)
+
+
+def _budget(m: str, w_src: torch.Tensor, g: int, report: dict | None, src: _Source) -> tuple[float, str]:
+    """Allowed weight rel_l2 of module m against the source, and where the number comes from."""
+    rec = ((report or {}).get("modules") or {}).get(m)
+    if isinstance(rec, dict) and rec.get("rel_l2") not in (None, ""):
+        return float(rec["rel_l2"]) * (1 + REL_MARGIN) + ABS_FLOOR, "report"
+    path = src.paths.get(m, "requant")
+    if path == "reemit":
+        return ABS_FLOOR, "reemit (exact)"
+    if path in ("lossless", "fold"):
+        return (ABS_FLOOR if g == -1 else LOSSLESS_BOUND), f"{path} (scale cast)"
+    return _rtn_rel(w_src, g) * (1 + REL_MARGIN) + ABS_FLOOR, "requant (<= absmax RTN)"
+
+
+# --------------------------------------------------------------------------------- inputs
+
+
+def _norm_weight(ckpt: Checkpoint, prefix: str, names: tuple[str, ...]) -> torch.Tensor | None:
+    parent = prefix.rsplit(".", 1)[0]
+    for n in names:
+        key = f"{parent}.{n}.weight"
+        if key in ckpt.tensors:
+            return ckpt.get(key).float()
+    return None
+
+
+def _hidden(gen: torch.Generator, t: int, h: int, norm: torch.Tensor | None) -> torch.Tensor:
+    x = torch.randn(t, h, generator=gen)
+    x = x / x.pow(2).mean(1, keepdim=True).sqrt()
+    return x * norm if norm is not None and norm.numel() == h else x
+
+
+def _route(x, router_w, sampled: list[int], top_k: int, renorm: bool, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k among the sampled experts from the real router; every sampled expert gets slots."""
+    t = x.shape[0]
+    k = min(top_k, len(sampled))
+    if router_w is not None:
+        logits = x @ router_w.float()[sampled].t()
+    else:
+        logits = torch.randn(t, len(sampled), generator=gen)
+    probs = torch.softmax(logits, dim=1)
+    w, ids = probs.topk(k, dim=1)
+    # guarantee coverage: give an expert with too few slots the last slot of tokens lacking it
+    for e in range(len(sampled)):
+        have = int((ids == e).sum())
+        if have >= MIN_SLOTS_PER_EXPERT:
+            continue
+        cand = [i for i in torch.randperm(t, generator=gen).tolist() if not bool((ids[i] == e).any())]
+        for i in cand[: MIN_SLOTS_PER_EXPERT - have]:
+            ids[i, k - 1] = e
+            w[i, k - 1] = probs[i, e]
+    if renorm:
+        w = w / w.sum(1, keepdim=True)
+    return ids, w
+
+
+def _pick(seq: list, n: int | None, gen: torch.Generator) -> list:
+    if n is None or n >= len(seq):
+        return list(seq)
+    idx = sorted(torch.randperm(len(seq), generator=gen)[:n].tolist())
+    return [seq[i] for i in idx]
+
+
+# --------------------------------------------------------------------------------- numerics
+
+
+class _Clock:
+    def __init__(self):
+        self.s = {"reference": 0.0, "kernel": 0.0, "pack": 0.0, "read": 0.0, "prediction": 0.0}
+
+    @contextmanager
+    def __call__(self, what: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[what] += time.perf_counter() - t0
+
+
+def _weights_vs_source(t: _Target, src: _Source, mods: dict[str, str], report, clock):
+    """Source float weights aligned with the converted ones (undoing an act-order fold), per-module
+    measured rel_l2 and budget. mods: role -> module name of one MLP."""
+    with clock("read"):
+        conv = {r: t.dequant(m) for r, m in mods.items()}
+        srcw = {r: src.dequant(m) for r, m in mods.items()}
+    perm = src.g_idx_perm(mods["down"]) if "down" in mods else None
+    if perm is not None:
+        # a fold permuted the intermediate dim: keep it only if it explains the converted weights
+        alt = {"gate": srcw["gate"][perm], "up": srcw["up"][perm], "down": srcw["down"][:, perm]}
+        if _rel(conv["down"], alt["down"]) < _rel(conv["down"], srcw["down"]):
+            srcw = alt
+    stats, problems = {}, []
+    for r, m in mods.items():
+        g = t.group_for(conv[r].shape[1])
+        meas = _rel(conv[r], srcw[r])
+        bud, why = _budget(m, srcw[r], g, report, src)
+        stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why}
+        if not meas <= bud:
+            problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+    return conv, srcw, problems, stats
+
+
+def _moe_layer(t: _Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock,
+               prepacked: dict) -> dict:
+    experts = t.layers[prefix]
+    ids_all = sorted(experts)
+    sampled = _pick(ids_all, experts_n, gen)
+    e_s = len(sampled)
+    ck = t.ckpt
+    res: dict = {"layer": prefix, "kind": "moe", "experts": len(ids_all), "experts_checked": e_s, "problems": []}
+    router = t.routers.get(prefix)
+    with clock("read"):
+        rw = ck.get(router).float() if router else None
+        norm = _norm_weight(ck, prefix, _NORMS)
+    k_top = min(t.top_k, e_s)
+    n_tok = tokens or max(32, -(-MIN_SLOTS_PER_EXPERT * 2 * e_s // k_top))
+    x = _hidden(gen, n_tok, ck.tensors[f"{experts[ids_all[0]]['gate']}.weight"].shape[1], norm)
+    ids, wts = _route(x, rw, sampled, t.top_k, t.norm_topk, gen)
+    res["tokens"] = n_tok
+    res["router"] = "real" if rw is not None else "random logits"
+    res["input_norm"] = norm is not None
+
+    conv13, conv2, src13, src2, wvar = [], [], [], [], []
+    q13, s13, q2, s2 = [], [], [], []
+    wstats: dict[int, dict] = {}
+    for e in sampled:
+        slot = experts[e]
+        if src is not None:
+            cw, sw, probs, st = _weights_vs_source(t, src, slot, report, clock)
+            res["problems"] += [f"expert {e}: {p}" for p in probs]
+            wstats[e] = st
+            src13.append(torch.cat([sw["gate"], sw["up"]]))
+            src2.append(sw["down"])
+            # independent weight errors of the budgeted size: per-element variance b^2 |W|^2 / numel
+            wvar.append([st[r]["budget"] ** 2 * float(sw[r].double().pow(2).mean()) for r in ("gate", "up", "down")])
+        else:
+            with clock("read"):
+                cw = {r: t.dequant(m) for r, m in slot.items()}
+        conv13.append(torch.cat([cw["gate"], cw["up"]]))
+        conv2.append(cw["down"])
+        with clock("read"):
+            qg, sg, g13 = t.weight(slot["gate"])
+            qu, su, _ = t.weight(slot["up"])
+            qd, sd, g2 = t.weight(slot["down"])
+        q13.append(torch.cat([qg, qu]))
+        s13.append(torch.cat([sg, su]))
+        q2.append(qd)
+        s2.append(sd)
+    w13f, w2f = torch.stack(conv13), torch.stack(conv2)
+    hidden, inter = w2f.shape[1], w2f.shape[2]
+    g = t.group_for(hidden) if t.group_for(hidden) == t.group_for(inter) else t.group_size
+
+    with clock("pack"):
+        w13p = w2p = None
+        from . import kleidiai
+
+        pp = prepacked.get(prefix)
+        if pp and "w13" in pp and "w2" in pp and kleidiai.native_kleidiai_available():
+            from safetensors import safe_open
+
+            def blobs(entry):
+                with safe_open(str(entry[0]), framework="pt") as fh:
+                    return fh.get_tensor(entry[1])[sampled].contiguous()
+
+            w13p, w2p = blobs(pp["w13"]), blobs(pp["w2"])
+            res["weights"] = "prepacked KleidiAI blobs"
+        else:
+            w13p = moe_mod.pack_experts_for_matmul(torch.stack(q13), torch.stack(s13), g)
+            w2p = moe_mod.pack_experts_for_matmul(torch.stack(q2), torch.stack(s2), g)
+            res["weights"] = "packed on the fly"
+    with clock("kernel"):
+        y_k = moe_mod.moe_forward(x, ids, wts, w13p, w2p, hidden, inter, g, False, t.activation)
+    with clock("reference"):
+        y_c, slots_c = moe_mod.moe_reference(x, ids, wts, w13f, w2f, False, t.activation, per_slot=True)
+        if src is not None:
+            y_s, slots_s = moe_mod.moe_reference(x, ids, wts, torch.stack(src13), torch.stack(src2), False,
+                                                 t.activation, per_slot=True)
+        else:
+            y_s, slots_s = y_c, slots_c
+    with clock("prediction"):
+        act_var = moe_mod.predicted_noise(x, ids, wts, w13f, w2f, False, t.activation)
+        w_var = None
+        if src is not None:
+            w_var = moe_mod.predicted_noise(x, ids, wts, torch.stack(src13), torch.stack(src2), False,
+                                            t.activation, activations=False, weight_var=torch.tensor(wvar))
+
+    ref_norm = float(y_s.double().norm())
+    act_rel = _rel(y_k, y_c)
+    act_pred = math.sqrt(float(act_var.sum())) / max(float(y_c.double().norm()), 1e-30)
+    res.update(rel_l2=_rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=_cos(y_k, y_s),
+               act_rel=act_rel, act_pred=act_pred, act_ratio=act_rel / act_pred if act_pred > 0 else None)
+    if act_rel > K_ACT * act_pred + ABS_FLOOR:
+        res["problems"].append(f"activation-quantisation error {act_rel:.4g} exceeds {K_ACT} x its predicted "
+                               f"{act_pred:.4g}: the kernel or the packed weights disagree with the int4 tensors")
+    tol = K_ACT * act_pred
+    if src is not None:
+        w_rel = _rel(y_c, y_s)
+        w_pred = math.sqrt(float(w_var.sum())) / max(ref_norm, 1e-30)
+        res.update(weight_rel=w_rel, weight_pred=w_pred)
+        tol = math.hypot(K_ACT * act_pred, K_WEIGHT * w_pred)
+        worst = None
+        for i, e in enumerate(sampled):
+            mask = ids == i
+            a, b = slots_c[mask], slots_s[mask]
+            we = _rel(a, b)
+            pe = _expert_pred(w_var, wts, mask, b)
+            wstats[e]["output_rel"] = we
+            wstats[e]["output_pred"] = pe
+            wstats[e]["slots"] = int(mask.sum())
+            if worst is None or we / max(pe, 1e-30) > worst[1]:
+                worst = (e, we / max(pe, 1e-30), we, pe)
+            if we > K_WEIGHT * pe + ABS_FLOOR:
+                res["problems"].append(f"expert {e}: output on its {int(mask.sum())} routed token(s) deviates from "
+                                       f"the source by {we:.4g} (allowed {K_WEIGHT} x {pe:.4g} from the weight budgets)")
+        if worst:
+            res["worst_expert"] = {"expert": worst[0], "output_rel": worst[2], "output_pred": worst[3]}
+        res["expert_stats"] = {str(e): s for e, s in wstats.items()}
+    res["tolerance"] = tol
+    if res["rel_l2"] > tol + ABS_FLOOR:
+        res["problems"].append(f"layer output error {res['rel_l2']:.4g} exceeds the tolerance {tol:.4g}")
+    res["ok"] = not res["problems"]
+    return res
+
+
+def _expert_pred(w_var: torch.Tensor, wts: torch.Tensor, mask: torch.Tensor, ref_slots: torch.Tensor) -> float:
+    """Predicted relative output error of one expert's (ungated) outputs from its weight budgets."""
+    v = w_var[mask] / (wts[mask] ** 2).clamp(min=1e-30)  # predicted_noise gated by g^2: undo it
+    den = float(ref_slots.double().norm())
+    return math.sqrt(float(v.sum())) / den if den > 0 else 0.0
+
+
+def _dense(t: _Target, m: str, src: _Source | None, report, tokens: int, gen, clock) -> dict:
+    res: dict = {"module": m, "kind": "dense", "problems": []}
+    with clock("read"):
+        q, s, g = t.weight(m)
+        w_c = dequantize_w4a8(q, s, g)
+    n, k = q.shape
+    norm = None
+    if m.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"):
+        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], ("input_layernorm",))
+    elif m.rsplit(".", 1)[-1] in ("gate_proj", "up_proj"):
+        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], _NORMS)
+    x = _hidden(gen, tokens, k, norm)
+    with clock("pack"):
+        wp = moe_mod.pack_for_matmul(q, s, g)
+    with clock("kernel"):
+        y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, k if g == -1 else g, k, n)
+    with clock("reference"):
+        y_c = x @ w_c.t()
+    step2 = moe_mod.int8_step(x) ** 2 / 12
+    act_pred = math.sqrt(float(step2.sum()) * float(w_c.double().pow(2).sum())) / max(float(y_c.double().norm()), 1e-30)
+    act_rel = _rel(y_k, y_c)
+    res.update(act_rel=act_rel, act_pred=act_pred, act_ratio=act_rel / act_pred if act_pred else None)
+    if act_rel > K_ACT * act_pred + ABS_FLOOR:
+        res["problems"].append(f"activation-quantisation error {act_rel:.4g} exceeds {K_ACT} x predicted {act_pred:.4g}")
+    tol = K_ACT * act_pred
+    y_s = y_c
+    if src is not None:
+        with clock("read"):
+            w_s = src.dequant(m)
+        meas = _rel(w_c, w_s)
+        bud, why = _budget(m, w_s, g, report, src)
+        if not meas <= bud:
+            res["problems"].append(f"weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        with clock("reference"):
+            y_s = x @ w_s.t()
+        w_pred = bud * math.sqrt(float(w_s.double().pow(2).mean()) * float(x.double().pow(2).sum()) * n) \
+            / max(float(y_s.double().norm()), 1e-30)
+        w_rel = _rel(y_c, y_s)
+        res.update(weight_rel=w_rel, weight_pred=w_pred, weight_l2=meas, budget=bud)
+        tol = math.hypot(K_ACT * act_pred, K_WEIGHT * w_pred)
+        if w_rel > K_WEIGHT * w_pred + ABS_FLOOR:
+            res["problems"].append(f"output deviates from the source by {w_rel:.4g} (allowed {K_WEIGHT} x {w_pred:.4g})")
+    res.update(rel_l2=_rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=_cos(y_k, y_s), tolerance=tol)
+    if res["rel_l2"] > tol + ABS_FLOOR:
+        res["problems"].append(f"output error {res['rel_l2']:.4g} exceeds the tolerance {tol:.4g}")
+    res["ok"] = not res["problems"]
+    return res
+
+
+# --------------------------------------------------------------------------------- entry point
+
+
+def _select_layers(prefixes: list[str], layers, gen) -> list[str]:
+    if layers is None or layers == "all":
+        return prefixes
+    if isinstance(layers, int):
+        return _pick(prefixes, layers, gen)
+    if isinstance(layers, str):
+        layers = [int(s) for s in layers.replace(" ", "").split(",") if s]
+    want = {int(v) for v in layers}
+    return [p for p in prefixes if _layer_index(p) in want]
+
+
+def verify(out, against=None, *, tokens: int | None = None, layers=None, experts: int | None = None,
+           seed: int = 0, threads: int | None = None, structural_only: bool = False, dense: bool = True,
+           dense_tokens: int = 8, revision: str | None = None, raise_on_failure: bool = True) -> dict:
+    """Check a converted W4A8 checkpoint; returns the report, raises VerifyFailed when it fails.
+
+    ``layers``: None/"all", a count (seeded sample) or layer indices ("0,3" or [0, 3]);
+    ``experts``: per-layer sample size (default all); ``tokens``: rows per MoE layer (default enough
+    for every sampled expert to get >= 2 slots, at least 32). The VerifyFailed carries ``.report``.
+    """
+    t0 = time.perf_counter()
+    folder = resolve_source(out, revision=revision)
+    if not (Path(folder) / "config.json").is_file():
+        raise InputError(f"{folder}: no config.json", path=str(folder))
+    problems = _Problems()
+    report: dict = {"output": str(out), "against": None if against is None else str(against), "seed": seed,
+                    "threads": threads or torch.get_num_threads(), "tolerance": {
+                        "k_act": K_ACT, "k_weight": K_WEIGHT, "lossless_bound": LOSSLESS_BOUND,
+                        "rule": "act_rel <= k_act * predicted int8 noise; module weight rel_l2 <= budget "
+                                "(report, or 2^-8 lossless / absmax RTN requant); expert output error <= "
+                                "k_weight * predicted from budgets; layer rel_l2 <= hypot of both"}}
+    clock = _Clock()
+    try:
+        ckpt = Checkpoint(folder)
+    except InputError as e:
+        report.update(ok=False, structural={"ok": False, "problems": [{"where": "checkpoint", "message": str(e)}]},
+                      layers=[], dense=[])
+        return _finish(report, t0, clock, raise_on_failure)
+    with _threads(threads), ckpt:
+        ts = time.perf_counter()
+        t = _Target(ckpt, problems)
+        counts = {"modules": 0, "int_values": 0, "blobs": 0, "moe_layers": len(t.layers),
+                  "experts": sum(len(v) for v in t.layers.values())}
+        for m in t.modules:
+            _check_module(t, m, problems, counts)
+        _check_layers(t, problems)
+        _check_config_index(t, problems)
+        conv_report = _check_hashes(ckpt, problems)
+        prepacked = _check_prepacked(t, problems, counts)
+        report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
+                                "seconds": round(time.perf_counter() - ts, 3),
+                                "prepacked": sorted(prepacked)}
+        report["layers"], report["dense"] = [], []
+        report["kernel"] = _kernel_info()
+        if not structural_only:
+            src = _Source(against, revision) if against is not None else None
+            gen = torch.Generator().manual_seed(seed)
+            bad = {p["where"] for p in problems.items}
+            try:
+                moe_prefixes = sorted(t.layers, key=lambda p: (_layer_index(p), p))
+                chosen = _select_layers(moe_prefixes, layers, gen)
+                for p in chosen:
+                    if any(w == p or w.startswith(p + ".") for w in bad):
+                        report["layers"].append({"layer": p, "kind": "moe", "ok": False, "skipped": True,
+                                                 "problems": ["structural problems (see above): not run"]})
+                        continue
+                    report["layers"].append(_moe_layer(t, p, src, conv_report, experts, tokens, gen, clock,
+                                                       prepacked))
+                if dense:
+                    idx = {_layer_index(p) for p in chosen}
+                    for m in t.modules:
+                        if t.roles[m] == "expert" or (layers is not None and _layer_index(m) not in idx):
+                            continue
+                        if any(w == m for w in bad):
+                            continue
+                        report["dense"].append(_dense(t, m, src, conv_report, dense_tokens, gen, clock))
+            finally:
+                if src is not None:
+                    src.close()
+    report["ok"] = report["structural"]["ok"] and all(r["ok"] for r in report["layers"] + report["dense"])
+    return _finish(report, t0, clock, raise_on_failure)
+
+
+def _kernel_info() -> dict:
+    from . import kleidiai
+
+    ext = moe_mod.extension()
+    return {"matmul": "kleidiai" if kleidiai.native_kleidiai_available() else "torch reference (x86 fallback)",
+            "moe_op": "csrc/moe.cpp" if ext is not None else "python twin"}
+
+
+def _finish(report: dict, t0: float, clock: _Clock, raise_on_failure: bool) -> dict:
+    report["timing"] = {k: round(v, 4) for k, v in clock.s.items()}
+    report["timing"]["total"] = round(time.perf_counter() - t0, 4)
+    fails = [r for r in report.get("layers", []) + report.get("dense", []) if not r.get("ok")]
+    st = report.get("structural", {})
+    n_l = len(report.get("layers", []))
+    worst = max((r.get("rel_l2") or 0 for r in report.get("layers", [])), default=None)
+    if report.get("ok"):
+        report["verdict"] = (f"PASS: structure ok, {n_l} MoE layer(s) and {len(report.get('dense', []))} dense "
+                             f"linear(s) within tolerance (worst layer rel_l2 {_fmt(worst)})")
+    else:
+        parts = []
+        if not st.get("ok", False):
+            parts.append(f"{len(st.get('problems', []))} structural problem(s)")
+        if fails:
+            names = [r.get("layer") or r.get("module") for r in fails]
+            parts.append(f"{len(fails)} layer(s)/linear(s) out of tolerance ({', '.join(names[:3])}"
+                         f"{' ...' if len(names) > 3 else ''})")
+        report["verdict"] = "FAIL: " + "; ".join(parts)
+    if not report.get("ok") and raise_on_failure:
+        first = next((p for p in st.get("problems", [])), None)
+        detail = f"{first['where']}: {first['message']}" if first else next(
+            (f"{r.get('layer') or r.get('module')}: {r['problems'][0]}" for r in fails if r.get("problems")), "")
+        err = VerifyFailed(f"{report['verdict']}. First: {detail}",
+                           hint="Re-run convert (the output is damaged or differs from its source), or see "
+                                "--json for every per-layer figure.")
+        err.report = report
+        raise err
+    return report

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Emulated side of scripts/vllm_arm_e2e.py: load one checkpoint in vLLM's CPU backend and report.
+
+Runs under the aarch64 interpreter that ../shared/tools/arm64-emu/vllm_setup.sh builds:
+
+    /tmp/arm64emu/bin/python3-arm64-vllm0.19.1 scripts/vllm_arm_probe.py MODEL_DIR --out res.json
+
+It only uses vLLM's public entry point (``LLM``, token ids in, greedy) plus ``apply_model`` to
+look at what every layer got after loading: the quantisation method, the dense kernel, and the
+dtype/shape of the packed weights (so the x86 side can check them against the KleidiAI size
+formula), and counts the calls of the W4A8 MoE op and the dynamic-4bit linear kernel during
+generation. Full-vocabulary logprobs of the prompt and of every generated token are written
+out so the x86 side can compare them with its own float reference. Nothing here decides
+pass/fail; the x86 side does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+T0 = time.perf_counter()
+
+# CPU backend settings for a 2-core emulated machine (values already in the environment win)
+_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: qemu-user cannot spawn itself
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # apply_model with a local function
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TORCH_COMPILE_DISABLE": "1",  # no aarch64 compiler in the sysroot for inductor
+}
+
+
+def _dt(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def _describe(model) -> dict:
+    """Per module with a quant_method: method, scheme, kernel, packed tensors and sizes."""
+    import torch
+
+    out = {}
+    for name, m in model.named_modules():
+        qm = getattr(m, "quant_method", None)
+        if qm is None:
+            continue
+        d = {"module": type(m).__name__, "quant_method": type(qm).__name__}
+        inner = getattr(qm, "old_quant_method", None) or getattr(qm, "fused_experts", None)
+        if inner is not None and type(inner).__name__ != d["quant_method"]:
+            d["inner"] = type(inner).__name__
+        sch = getattr(m, "scheme", None)
+        if sch is not None:
+            d["scheme"] = type(sch).__name__
+            ker = getattr(sch, "kernel", None)
+            if ker is not None:
+                d["kernel"] = type(ker).__name__
+            if hasattr(sch, "group_size"):
+                d["group_size"] = sch.group_size
+        for attr in ("input_size_per_partition", "output_size_per_partition", "hidden_size",
+                     "intermediate_size_per_partition", "global_num_experts", "local_num_experts", "group_size"):
+            v = getattr(m, attr, None)
+            if isinstance(v, int) and attr not in d:
+                d[attr] = v
+        for pn in ("w13_weight_packed", "w2_weight_packed", "weight_packed", "weight",
+                   "w13_weight", "w2_weight"):
+            p = getattr(m, pn, None)
+            if isinstance(p, torch.Tensor):
+                d[pn] = [_dt(p), list(p.shape)]
+        out[name] = d
+    return out
+
+
+def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str) -> dict:
+    res: dict = {}
+    t = time.perf_counter()
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    res["import_vllm_s"] = round(time.perf_counter() - t, 1)
+    res["vllm"] = vllm.__version__
+    res["torch"] = torch.__version__
+
+    calls = {"moe_op": 0, "w4a8_moe_apply": 0, "dynamic4bit_linear": 0}
+    # count the real calls (wrapping, not replacing: the original function does the work)
+    import vllm._C  # noqa: F401  registers torch.ops._C.*
+    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors_moe as ctm
+    from vllm.model_executor.kernels.linear.mixed_precision import dynamic_4bit as d4
+
+    def counting(key, fn):
+        def wrapper(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    meth = ctm.CompressedTensorsW4A8Int8MoEMethod
+    for attr in ("apply_monolithic", "apply"):
+        if attr in vars(meth):
+            setattr(meth, attr, counting("w4a8_moe_apply", vars(meth)[attr]))
+            break
+    d4.Dynamic4bitLinearKernel.apply_weights = counting("dynamic4bit_linear", d4.Dynamic4bitLinearKernel.apply_weights)
+    op = torch.ops._C.dynamic_4bit_int_moe
+
+    class _CountedOp:
+        def __call__(self, *a, **k):
+            calls["moe_op"] += 1
+            return op(*a, **k)
+
+        def __getattr__(self, n):
+            return getattr(op, n)
+
+    setattr(torch.ops._C, "dynamic_4bit_int_moe", _CountedOp())
+
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    vocab = (cfg.get("text_config") or cfg)["vocab_size"]
+    t = time.perf_counter()
+    llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, max_model_len=128,
+              max_num_seqs=2, max_num_batched_tokens=128, max_logprobs=vocab, seed=0)
+    res["init_s"] = round(time.perf_counter() - t, 1)
+    res["layers"] = llm.apply_model(_describe)[0]
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=vocab,
+                        prompt_logprobs=vocab)
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)
+    res["generate_s"] = round(time.perf_counter() - t, 2)
+    res["calls"] = dict(calls)
+    o = outs[0]
+    res["token_ids"] = list(o.outputs[0].token_ids)
+    res["logprobs"] = [{int(k): float(v.logprob) for k, v in d.items()} for d in (o.outputs[0].logprobs or [])]
+    res["prompt_logprobs"] = [None if d is None else {int(k): float(v.logprob) for k, v in d.items()}
+                              for d in (o.prompt_logprobs or [])]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_dir")
+    ap.add_argument("--prompt", default="1,2,3,4,5,6,7,8")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    for k, v in _ENV.items():
+        os.environ.setdefault(k, v)
+    R = {"machine": platform.machine(), "python": sys.version.split()[0], "qemu_cpu": os.environ.get("QEMU_CPU"),
+         "model_dir": a.model_dir, "dtype": a.dtype, "prompt": [int(s) for s in a.prompt.split(",") if s]}
+    try:
+        R.update(run(a.model_dir, R["prompt"], a.max_tokens, a.dtype))
+    except BaseException as e:  # report the failure as data; the x86 side decides
+        R["error"] = f"{type(e).__name__}: {e}"[:2000]
+        R["traceback"] = traceback.format_exc()[-4000:]
+    R["total_s"] = round(time.perf_counter() - T0, 1)
+    with open(a.out, "w") as f:
+        json.dump(R, f)
+    print("VLLM_ARM_PROBE", json.dumps({k: R.get(k) for k in ("error", "token_ids", "calls", "init_s", "total_s")}))
+    sys.stdout.flush()
+    os._exit(0 if "error" not in R else 1)  # skip vLLM's slow interpreter teardown under emulation
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""inspect on every real fixture: the format verdict, act-order flags, the predicted path; the CLI's
+JSON; and the nibble-layout dump checked against an independent decode (tests/_reference.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import int4pack
+from _reference import FIXTURES, awq_decode, gptq_decode, load_all
+from int4pack.cli import app
+from int4pack.inspect import kleidiai_gate
+
+pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
+
+# fixture -> (format, detail substring, act-order on every module?, predicted paths)
+EXPECTED = {
+    "gptq_q3_sym": ("gptq", "gptq v1", False, {"lossless"}),
+    "gptq_q3_asym": ("gptq", "gptq v1", False, {"requant"}),
+    "gptq_q3_descact": ("gptq", "gptq v1", True, {"fold", "requant"}),
+    "gptq_mixtral_sym": ("gptq", "gptq v1", False, {"lossless"}),
+    "awq_q3": ("awq", "awq gemm", False, {"requant"}),
+    "awqpack_mixtral": ("awq", "awq gemm", False, {"requant"}),
+    "ct_qwen3moe_w4a16": ("compressed-tensors", "pack-quantized", False, {"lossless"}),
+    "ct_qwen3moe_w4a16_asym_g32": ("compressed-tensors", "pack-quantized", False, {"requant"}),
+    "ct_qwen3moe_w4a16_channel": ("compressed-tensors", "pack-quantized", False, {"lossless"}),
+    "ct_qwen3moe_w4a8_int_g32": ("compressed-tensors", "int-quantized", False, {"reemit"}),
+    "ct018_q3_actorder": ("compressed-tensors", "pack-quantized", True, {"fold", "requant"}),
+    "mf_mixtral": ("compressed-tensors", "pack-quantized", False, {"lossless"}),
+}
+
+
+def test_every_fixture_is_listed():
+    present = {p.name for p in FIXTURES.iterdir() if p.is_dir()} - {"dense_qwen3moe"}
+    assert present == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_fixture_verdict(name):
+    fmt, detail, act, paths = EXPECTED[name]
+    r = int4pack.inspect(FIXTURES / name)
+    assert r["format"]["format"] == fmt
+    assert detail in r["format"]["detail"]
+    assert r["format"]["evidence"]
+    mods = r["modules"]
+    assert mods and all(m["act_order"] == act for m in mods.values())
+    assert {m["path"] for m in mods.values()} == paths
+    assert r["plan"]["ok"]
+    assert len(r["moe"]["layers"]) == 2 and all(m["experts"] == 4 for m in r["moe"]["layers"])
+    assert all(m["kleidiai"] for m in mods.values())  # after convert every module takes KleidiAI
+    assert sum(t["bytes"] for t in r["tensors"]) == r["bytes"]
+    if fmt == "gptq":
+        assert r["format"]["zero_convention"] == "v1"
+    if name.endswith("asym") or name.startswith("awq") or "asym_g32" in name:
+        assert not any(m["sym"] for m in mods.values())
+
+
+def test_float_checkpoint_shows_refusal():
+    r = int4pack.inspect(FIXTURES / "dense_qwen3moe")
+    assert r["format"]["format"] == "none"
+    assert not r["plan"]["ok"] and "quantization_config" in r["plan"]["refused"]
+    assert r["tensor_count"] > 0
+
+
+def test_kleidiai_gate_rules():
+    assert kleidiai_gate(256, 32, "BF16")[0]
+    assert kleidiai_gate(256, -1, "F32")[0] and kleidiai_gate(256, 256, "F32")[0]
+    assert not kleidiai_gate(256, 32, "F16")[0]  # wrong scale dtype: silent fallback
+    assert not kleidiai_gate(256, -1, "BF16")[0]
+    assert not kleidiai_gate(256, 96, "BF16")[0] and not kleidiai_gate(256, 256, "BF16")[0]
+
+
+def test_gptq_qweight_dump_matches_independent_decode():
+    name = "model.layers.0.mlp.experts.1.gate_proj"
+    r = int4pack.inspect(FIXTURES / "gptq_q3_sym", f"{name}.qweight")
+    ref = gptq_decode(load_all(FIXTURES / "gptq_q3_sym"), name)
+    first = [e for e in r["nibbles"] if e["word"] == [0, 0]]
+    assert [e["k"] for e in first] == list(range(8)) and {e["n"] for e in first} == {0}
+    assert [e["raw"] for e in first] == ref["u"][0, :8].tolist()
+    q_ref = ref["u"][:8, :8] - ref["z"][:8, ref["g_idx"][:8]]
+    assert np.array_equal(np.array(r["window"]["q"]), q_ref)
+    assert np.allclose(np.array(r["window"]["scales"]), ref["s"][:8, ref["g_idx"][:8]])
+
+
+def test_awq_dump_shows_interleave():
+    name = "model.layers.0.mlp.experts.0.up_proj"
+    r = int4pack.inspect(FIXTURES / "awq_q3", name)
+    first = [e for e in r["nibbles"] if e["word"] == [0, 0]]
+    assert [e["n"] for e in first] == [0, 2, 4, 6, 1, 3, 5, 7] and {e["k"] for e in first} == {0}
+    ref = awq_decode(load_all(FIXTURES / "awq_q3"), name, 32)
+    assert [e["raw"] for e in first] == [int(ref["u"][e["n"], 0]) for e in first]
+
+
+def test_output_and_prepacked_blob_dump(tmp_path):
+    out = tmp_path / "out"
+    int4pack.convert(FIXTURES / "ct_qwen3moe_w4a16", out)
+    r = int4pack.inspect(out)
+    assert r["is_w4a8_output"] and r["format"]["detail"].startswith("int-quantized")
+    assert r["kleidiai_summary"]["fallback"] == 0
+    d = int4pack.inspect(out, "model.layers.0.mlp.experts.0.gate_proj")
+    assert d["layout"].startswith("int8 [N, K]")
+    from test_verify import _write_prepacked
+
+    _write_prepacked(out)
+    b = int4pack.inspect(out, "model.layers.0.mlp.experts.w13_packed")
+    assert b["tile"]["rows_per_block"] == 8 and b["layout"] == "groupwise qsi4c32p"
+    assert b["first_block"][0]["part"].startswith("quant block 0")
+    from safetensors.torch import load_file
+
+    ref = {}
+    for f in out.glob("model*.safetensors"):
+        ref.update(load_file(str(f)))
+    assert b["window"]["q"] == ref["model.layers.0.mlp.experts.0.gate_proj.weight"][:8, :8].tolist()
+
+
+def test_cli_json():
+    runner = CliRunner()
+    res = runner.invoke(app, ["inspect", str(FIXTURES / "gptq_q3_descact"), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["ok"] and data["format"]["format"] == "gptq" and data["plan"]["paths"]["fold"] == 8
+    res = runner.invoke(app, ["inspect", str(FIXTURES / "gptq_q3_sym"),
+                              "model.layers.0.self_attn.q_proj.qweight", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["nibbles"][0]["k"] == 0
+    res = runner.invoke(app, ["inspect", str(FIXTURES / "gptq_q3_sym"), "no.such.tensor"])
+    assert res.exit_code == 3 and "not found" in res.output
+    res = runner.invoke(app, ["inspect", str(FIXTURES / "ct018_q3_actorder")])
+    assert res.exit_code == 0 and "act-order" in res.output

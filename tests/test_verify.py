@@ -1,0 +1,220 @@
+"""verify on converted real fixtures: passes when intact, fails with a per-layer message when a
+copy is corrupted the ways a real bug or a bad copy would (flipped nibble, scale x2, missing
+expert, truncated prepacked blob). Corrupted copies are written with the safetensors library."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+import int4pack
+from _reference import FIXTURES
+from int4pack import kleidiai
+from int4pack.cli import app
+from int4pack.errors import VerifyFailed
+
+pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
+
+EXP = "model.layers.0.mlp.experts"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    cache = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            out = tmp_path_factory.mktemp(name) / "out"
+            int4pack.convert(FIXTURES / name, out)
+            cache[name] = out
+        return cache[name]
+
+    return get
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(folder: Path, edit) -> None:
+    """Apply edit(tensors) -> tensors to every shard, keeping metadata and the index consistent."""
+    idx_path = folder / "model.safetensors.index.json"
+    idx = json.loads(idx_path.read_text()) if idx_path.is_file() else None
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            meta = fh.metadata()
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        new = edit(dict(tensors))
+        if set(new) != set(tensors) or any(new[k] is not tensors[k] for k in new):
+            save_file(new, str(f), metadata=meta)
+            if idx is not None:
+                for k in set(tensors) - set(new):
+                    idx["weight_map"].pop(k, None)
+    if idx is not None:
+        idx_path.write_text(json.dumps(idx))
+
+
+def _flip_nibble(t):
+    if f"{EXP}.2.gate_proj.weight" not in t:
+        return t
+    w = t[f"{EXP}.2.gate_proj.weight"].clone()
+    v = int(w[5, 7])
+    w[5, 7] = v - 8 if v >= 0 else v + 8  # flip the sign bit of the nibble: 3 <-> -5
+    t[f"{EXP}.2.gate_proj.weight"] = w
+    return t
+
+
+def _scale_x2(t):
+    key = f"{EXP}.1.down_proj.weight_scale"
+    if key not in t:
+        return t
+    t[key] = (t[key].float() * 2).to(t[key].dtype)
+    return t
+
+
+def _drop_expert(t):
+    return {k: v for k, v in t.items() if not k.startswith(f"{EXP}.3.")}
+
+
+def _problems(report) -> str:
+    lines = [f"{p['where']}: {p['message']}" for p in report["structural"]["problems"]]
+    for r in report["layers"] + report["dense"]:
+        lines += [f"{r.get('layer') or r.get('module')}: {p}" for p in r.get("problems", [])]
+    return "\n".join(lines)
+
+
+@pytest.mark.parametrize("name", ["gptq_q3_sym", "awq_q3", "ct_qwen3moe_w4a16_channel", "gptq_q3_descact"])
+def test_passes_on_converted_fixtures(name, converted):
+    r = int4pack.verify(converted(name), against=FIXTURES / name)
+    assert r["ok"], _problems(r)
+    assert r["verdict"].startswith("PASS")
+    for lay in r["layers"]:
+        assert lay["experts_checked"] == lay["experts"] == 4
+        assert all(s["slots"] >= 2 for s in lay["expert_stats"].values())  # every expert got tokens
+        assert lay["rel_l2"] <= lay["tolerance"]
+        # the measured activation error is what the derivation predicts
+        assert 0.8 < lay["act_ratio"] < 1.25
+        assert lay["cosine"] > 0.99
+    assert r["dense"] and all(d["ok"] for d in r["dense"])
+
+
+def test_without_source_checks_kernel_against_converted_weights(converted):
+    r = int4pack.verify(converted("gptq_q3_sym"), layers=[1], dense=False)
+    assert r["ok"] and len(r["layers"]) == 1 and "weight_rel" not in r["layers"][0]
+
+
+def test_flipped_nibble_fails_per_layer(converted, tmp_path):
+    out = _copy(converted("gptq_q3_sym"), tmp_path / "bad")
+    _rewrite(out, _flip_nibble)
+    with pytest.raises(VerifyFailed) as ei:
+        int4pack.verify(out, against=FIXTURES / "gptq_q3_sym", dense=False)
+    r = ei.value.report
+    assert ei.value.exit_code == 6 and r["verdict"].startswith("FAIL")
+    bad = {lay["layer"]: lay for lay in r["layers"] if not lay["ok"]}
+    assert list(bad) == ["model.layers.0.mlp"]
+    msg = "\n".join(bad["model.layers.0.mlp"]["problems"])
+    assert f"{EXP}.2.gate_proj: weight rel_l2" in msg and "(report)" in msg
+    assert "expert 2: output on its" in msg  # the routed tokens' outputs deviate too
+    assert "expert 0" not in msg and "expert 1" not in msg and "expert 3" not in msg
+    # without convert's report the budget is the lossless path bound (2^-8): still caught
+    (out / "int4pack_report.json").unlink()
+    r = int4pack.verify(out, against=FIXTURES / "gptq_q3_sym", dense=False, raise_on_failure=False)
+    msg = "\n".join(p for lay in r["layers"] for p in lay["problems"])
+    assert not r["ok"] and f"{EXP}.2.gate_proj: weight rel_l2" in msg and "lossless" in msg
+
+
+def test_flipped_nibble_without_source_caught_by_checksums(converted, tmp_path):
+    out = _copy(converted("gptq_q3_sym"), tmp_path / "bad")
+    _rewrite(out, _flip_nibble)
+    r = int4pack.verify(out, raise_on_failure=False, dense=False)
+    assert not r["ok"]
+    assert "data sha256 mismatch" in _problems(r)
+
+
+def test_scale_x2_fails(converted, tmp_path):
+    out = _copy(converted("awq_q3"), tmp_path / "bad")  # a requant source: budgets are ~10 %
+    _rewrite(out, _scale_x2)
+    r = int4pack.verify(out, against=FIXTURES / "awq_q3", raise_on_failure=False, dense=False)
+    assert not r["ok"]
+    msg = "\n".join(r["layers"][0]["problems"])
+    assert f"{EXP}.1.down_proj: weight rel_l2" in msg and "expert 1: output" in msg
+    assert r["layers"][1]["ok"]
+
+
+def test_missing_expert_fails(converted, tmp_path):
+    out = _copy(converted("gptq_q3_sym"), tmp_path / "bad")
+    _rewrite(out, _drop_expert)
+    with pytest.raises(VerifyFailed, match=r"expert\(s\) \[3\] missing"):
+        int4pack.verify(out, dense=False)
+
+
+def _write_prepacked(out: Path, truncate: int = 0) -> None:
+    """OUT/kleidiai/ with stacked per-expert blobs, as convert --prepack will write them."""
+    from safetensors.torch import load_file
+
+    t = {}
+    for f in out.glob("model*.safetensors"):
+        t.update(load_file(str(f)))
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    g = cfg["config_groups"]["group_0"]["weights"]["group_size"]
+    blobs = {}
+    for layer in (0, 1):
+        p = f"model.layers.{layer}.mlp.experts"
+        q13 = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight"], t[f"{p}.{e}.up_proj.weight"]]) for e in range(4)])
+        s13 = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight_scale"], t[f"{p}.{e}.up_proj.weight_scale"]])
+                           for e in range(4)])
+        q2 = torch.stack([t[f"{p}.{e}.down_proj.weight"] for e in range(4)])
+        s2 = torch.stack([t[f"{p}.{e}.down_proj.weight_scale"] for e in range(4)])
+        blobs[f"{p}.w13_packed"] = kleidiai.pack_experts(q13, s13, None, g)
+        blobs[f"{p}.w2_packed"] = kleidiai.pack_experts(q2, s2, None, g)
+    if truncate:
+        key = "model.layers.1.mlp.experts.w2_packed"
+        blobs[key] = blobs[key][:, :-truncate].contiguous()
+    (out / "kleidiai").mkdir()
+    meta = {"layout": kleidiai.LAYOUT_NAME, "layout_version": str(kleidiai.LAYOUT_VERSION), "nr": "8", "kr": "16",
+            "sr": "2", "group_size": str(g)}
+    save_file(blobs, str(out / "kleidiai" / "model.safetensors"), metadata=meta)
+
+
+def test_prepacked_blobs_checked(converted, tmp_path):
+    out = _copy(converted("gptq_q3_sym"), tmp_path / "pp")
+    _write_prepacked(out)
+    r = int4pack.verify(out, structural_only=True)
+    assert r["ok"], _problems(r)
+    assert r["structural"]["counts"]["blobs"] == 16  # 2 layers x 2 matrices x 4 experts decoded
+
+
+def test_truncated_blob_fails(converted, tmp_path):
+    out = _copy(converted("gptq_q3_sym"), tmp_path / "pp")
+    _write_prepacked(out, truncate=16)
+    r = int4pack.verify(out, structural_only=True, raise_on_failure=False)
+    assert not r["ok"]
+    assert "model.layers.1.mlp.experts.w2_packed" in _problems(r) and "truncated" in _problems(r)
+    # a file cut short on disk
+    f = out / "kleidiai" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    r = int4pack.verify(out, structural_only=True, raise_on_failure=False)
+    assert not r["ok"] and "kleidiai/model.safetensors" in _problems(r)
+
+
+def test_cli_json_and_exit_codes(converted, tmp_path):
+    good = converted("gptq_q3_sym")
+    runner = CliRunner()
+    res = runner.invoke(app, ["verify", str(good), "--against", str(FIXTURES / "gptq_q3_sym"), "--json",
+                              "--threads", "1", "--layers", "1,", "--no-dense"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["ok"] and data["threads"] == 1 and [lay["layer"] for lay in data["layers"]] == ["model.layers.1.mlp"]
+    bad = _copy(good, tmp_path / "bad")
+    _rewrite(bad, _scale_x2)
+    res = runner.invoke(app, ["verify", str(bad), "--against", str(FIXTURES / "gptq_q3_sym"), "--no-dense"])
+    assert res.exit_code == 6
+    assert "FAIL" in res.output and "expert 1" in res.output
