@@ -22,17 +22,23 @@ inline int64_t roundup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 // One 32-value chunk of one row: 16 bytes, written as two 8-byte segments whose
 // destinations are 8*8 bytes apart (the 8 rows of a segment are contiguous).
 // seg_sum[s] gets the sum of the 16 values stored in segment s.
-inline void put_chunk(const int8_t* src, uint8_t* dst, int32_t seg_sum[2]) {
+// SWAR on 64-bit words: 8 values per load, nibble = low 4 bits of the int8 (two's complement).
+inline void put_chunk(const int8_t* __restrict__ src, uint8_t* __restrict__ dst, int32_t seg_sum[2]) {
+  constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0FULL;
+  constexpr uint64_t kEight = 0x0808080808080808ULL;
+  constexpr uint64_t kOnes = 0x0101010101010101ULL;
   for (int s = 0; s < 2; ++s) {
-    const int8_t* lo = src + 8 * s;
-    const int8_t* hi = lo + 16;
-    uint8_t* d = dst + s * kNr * 8;
-    int32_t acc = 0;
-    for (int i = 0; i < 8; ++i) {
-      d[i] = static_cast<uint8_t>((lo[i] & 0xF) | ((hi[i] & 0xF) << 4));
-      acc += lo[i] + hi[i];
-    }
-    seg_sum[s] = acc;
+    uint64_t lo, hi;
+    std::memcpy(&lo, src + 8 * s, 8);
+    std::memcpy(&hi, src + 8 * s + 16, 8);
+    lo &= kLow;
+    hi &= kLow;
+    const uint64_t word = lo | (hi << 4);
+    std::memcpy(dst + s * kNr * 8, &word, 8);
+    // q + 8 = nibble ^ 8 lies in [0, 15]; 16 of them sum to <= 240, so one byte holds the
+    // horizontal sum that the multiply by 0x01..01 gathers into the top byte
+    const uint64_t u = (lo ^ kEight) + (hi ^ kEight);
+    seg_sum[s] = static_cast<int32_t>((u * kOnes) >> 56) - 128;
   }
 }
 
@@ -48,8 +54,9 @@ struct Job {
 };
 
 void group_block(const Job& j, int64_t e, int64_t blk) {
-  const int64_t nblk = j.k / j.g;
-  const int64_t data_per_qblk = j.g / 2 * kNr;
+  const int64_t k = j.k, g = j.g;
+  const int64_t nblk = k / g;
+  const int64_t data_per_qblk = g / 2 * kNr;
   uint8_t* dst = j.out + e * j.bytes + blk * (j.bytes / (roundup(j.n, kNr) / kNr));
   const int8_t* q = j.q + e * j.n * j.k;
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(j.scales) + e * j.n * nblk;
@@ -57,23 +64,26 @@ void group_block(const Job& j, int64_t e, int64_t blk) {
   for (int r = 0; r < kNr; ++r) rows[r] = std::min(blk * kNr + r, j.n - 1);
   float sums[kNr] = {0};
   for (int64_t b = 0; b < nblk; ++b) {
+    float s[kNr];
     for (int r = 0; r < kNr; ++r) {
-      const int8_t* src = q + rows[r] * j.k + b * j.g;
       const uint16_t bits = sc[rows[r] * nblk + b];
-      const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-      float s;
-      std::memcpy(&s, &wide, 4);
-      float acc = sums[r];
-      for (int64_t c = 0; c < j.g / 32; ++c) {
+      const uint32_t wide = static_cast<uint32_t>(bits) << 16;  // bf16 -> fp32 is exact
+      std::memcpy(&s[r], &wide, 4);
+      std::memcpy(dst + data_per_qblk + 2 * r, &bits, 2);
+    }
+    // rows innermost: 8 independent add chains (one per row) instead of one latency-bound chain,
+    // and the 8 rows of a segment are written contiguously
+    const int8_t* src[kNr];  // locals: stores through uint8_t* would force reloads of j.*
+    for (int r = 0; r < kNr; ++r) src[r] = q + rows[r] * k + b * g;
+    for (int64_t c = 0; c < g / 32; ++c) {
+      for (int r = 0; r < kNr; ++r) {
         int32_t seg[2];
-        put_chunk(src + 32 * c, dst + c * 2 * kNr * 8 + r * 8, seg);
+        put_chunk(src[r] + 32 * c, dst + c * 2 * kNr * 8 + r * 8, seg);
         // KleidiAI rounds the row sum once per 16-value segment, in storage order; the
         // product (|seg| <= 128 times a bf16) is exact, so FMA contraction cannot change it
-        acc += static_cast<float>(seg[0]) * s;
-        acc += static_cast<float>(seg[1]) * s;
+        sums[r] += static_cast<float>(seg[0]) * s[r];
+        sums[r] += static_cast<float>(seg[1]) * s[r];
       }
-      sums[r] = acc;
-      std::memcpy(dst + data_per_qblk + 2 * r, &bits, 2);
     }
     dst += data_per_qblk + 2 * kNr;
   }
@@ -90,21 +100,23 @@ void channel_block(const Job& j, int64_t e, int64_t blk) {
   const int64_t kfull = j.k / 32 * 32;
   int64_t rows[kNr];
   for (int r = 0; r < kNr; ++r) rows[r] = std::min(blk * kNr + r, j.n - 1);
-  int32_t row_sum[kNr];
-  for (int r = 0; r < kNr; ++r) {
-    const int8_t* src = q + rows[r] * j.k;
-    int32_t seg[2], total = 0;
-    for (int64_t c = 0; c < kfull / 32; ++c) {
-      put_chunk(src + 32 * c, dst + c * 2 * kNr * 8 + r * 8, seg);
-      total += seg[0] + seg[1];
+  int32_t row_sum[kNr] = {0};
+  // rows innermost, as in group_block: the 8 rows of a segment are written contiguously
+  for (int64_t c = 0; c < kfull / 32; ++c) {
+    for (int r = 0; r < kNr; ++r) {
+      int32_t seg[2];
+      put_chunk(q + rows[r] * j.k + 32 * c, dst + c * 2 * kNr * 8 + r * 8, seg);
+      row_sum[r] += seg[0] + seg[1];
     }
-    if (kfull < j.k) {  // K tail: pad with int4 zero (the zero point)
+  }
+  if (kfull < j.k) {  // K tail: pad with int4 zero (the zero point)
+    for (int r = 0; r < kNr; ++r) {
       int8_t tail[32] = {0};
-      std::memcpy(tail, src + kfull, j.k - kfull);
+      std::memcpy(tail, q + rows[r] * j.k + kfull, j.k - kfull);
+      int32_t seg[2];
       put_chunk(tail, dst + (kfull / 32) * 2 * kNr * 8 + r * 8, seg);
-      total += seg[0] + seg[1];
+      row_sum[r] += seg[0] + seg[1];
     }
-    row_sum[r] = total;
   }
   dst += kp / 2 * kNr;
   for (int r = 0; r < kNr; ++r) put_i32(dst + 4 * r, row_sum[r] * 16);

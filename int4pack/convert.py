@@ -68,7 +68,8 @@ def check_scales(ql: QuantLinear) -> None:
 
     def first(mask: torch.Tensor) -> str:
         n, g = (int(i) for i in mask.nonzero()[0])
-        return f"row {n}, group {g}" + (f" ({int(mask.sum()) - 1} more)" if int(mask.sum()) > 1 else "")
+        more = int(mask.sum()) - 1
+        return f"row {n}, group {g}" + (f" (and {more} more)" if more else "")
 
     bad = ~torch.isfinite(s)
     if bool(bad.any()):
@@ -82,13 +83,11 @@ def check_scales(ql: QuantLinear) -> None:
     if bool(zero.any()):
         gi = ql.group_index()
         z = 8 if ql.zeros is None else ql.zeros[:, gi]
-        live = (zero[:, gi] & (ql.codes != z)).any(dim=1)  # rows where a zero scale hides real codes
-        if bool(live.any()):
-            n = int(live.nonzero()[0])
-            gs = sorted({int(gi[k]) for k in (zero[n, gi] & (ql.codes[n] != (z if isinstance(z, int) else z[n])))
-                         .nonzero().flatten().tolist()})
-            raise InputError(f"{name}: zero scale at row {n}, group {gs[0]} over codes that are not at the zero "
-                             "point (the weights they hold would be erased)", tensor=name,
+        erased = zero[:, gi] & (ql.codes != z)  # [N, K]: a code a zero scale would wipe out
+        if bool(erased.any()):
+            n, k = (int(i) for i in erased.nonzero()[0])
+            raise InputError(f"{name}: zero scale at row {n}, group {int(gi[k])} over codes that are not at the "
+                             "zero point (the weights they hold would be erased)", tensor=name,
                              hint=f"A zero-filled or damaged region of the file; {where}.")
 
 

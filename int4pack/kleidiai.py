@@ -227,11 +227,19 @@ def _prep_experts(q, scales, bias, group_size):
 
 
 def pack_experts(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-                 threads: int | None = None) -> torch.Tensor:
-    """int8 [E, N, K] (+ scales [E, N, K/g] bf16 or [E, N(,1)] fp32, bias [E, N]) -> uint8 [E, bytes]."""
+                 threads: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 [E, N, K] (+ scales [E, N, K/g] bf16 or [E, N(,1)] fp32, bias [E, N]) -> uint8 [E, bytes].
+
+    ``out`` (contiguous uint8 [E, bytes]) is filled in place when given: fresh memory costs page
+    faults comparable to the packing itself.
+    """
     q, scales, bias, g = _prep_experts(q, scales, bias, group_size)
     e, n, k = q.shape
-    out = torch.empty((e, packed_size(n, k, g)), dtype=torch.uint8)
+    shape = (e, packed_size(n, k, g))
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or tuple(out.shape) != shape or not out.is_contiguous():
+        raise InputError(f"out must be contiguous uint8 {list(shape)}, got {out.dtype} {list(out.shape)}")
     mod = _ext_mod()
     if mod is None:
         for i in range(e):

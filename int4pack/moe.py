@@ -245,10 +245,17 @@ def _torch_pack(q, scales, g, bias=None):
     return torch.ops.aten._dyn_quant_pack_4bit_weight(_nibbles(q), sc, bias, g, k, n)
 
 
-def _fallback_pack(q, scales, g):
+def _fallback_pack(q, scales, g, out=None):
     # torch's reference layout (docs/kleidiai.md §1.6): bytes as floats, then scales as floats.
     # torch writes it with a slow scalar loop (~0.2 s per 1536x2048); this is the same thing.
-    return torch.cat([_nibbles(q).reshape(-1).float(), scales.float().reshape(-1)])
+    n, k = q.shape
+    if out is None:
+        out = torch.empty(n * k // 2 + scales.numel(), dtype=torch.float32)
+    # (q_odd << 4 | q_even & 0xF) ^ 0x88 == (q_even + 8) | (q_odd + 8) << 4, in one int8 pass
+    b = ((q[:, 1::2] << 4) | (q[:, 0::2] & 0xF)) ^ -0x78
+    out[: n * k // 2].view(n, k // 2).copy_(b.view(torch.uint8))
+    out[n * k // 2:].copy_(scales.reshape(-1))
+    return out
 
 
 @lru_cache(maxsize=None)
@@ -264,10 +271,12 @@ def _fallback_layout_ok() -> bool:
     return True
 
 
-def pack_for_matmul(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+def pack_for_matmul(q: torch.Tensor, scales: torch.Tensor, group_size: int, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """One [N, K] int4 matrix -> the tensor ``_dyn_quant_matmul_4bit`` takes on this host.
 
-    ``scales``: bf16 [N, K/g] for groups, fp32 [N, 1] for channel (``group_size`` -1)."""
+    ``scales``: bf16 [N, K/g] for groups, fp32 [N, 1] for channel (``group_size`` -1). ``out``: a
+    preallocated row to fill (used when its size and dtype match)."""
     from . import kleidiai
 
     n, k = q.shape
@@ -276,7 +285,8 @@ def pack_for_matmul(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> t
         blob, _ = kleidiai.pack(q.to(torch.int8), scales, None, g, packer="native")
         return blob
     if _fallback_layout_ok():
-        return _fallback_pack(q, scales, g)
+        ok = out is not None and out.dtype == torch.float32 and out.numel() == q.numel() // 2 + scales.numel()
+        return _fallback_pack(q.to(torch.int8), scales, g, out if ok else None)
     return _torch_pack(q.to(torch.int8), scales, g)
 
 

@@ -571,69 +571,78 @@ def _moe_layer(t: _Target, prefix: str, src: _Source | None, report, experts_n, 
     res["router"] = "real" if rw is not None else "random logits"
     res["input_norm"] = norm is not None
 
-    conv13, conv2, src13, src2, wvar = [], [], [], [], []
-    q13, s13, q2, s2 = [], [], [], []
+    from . import kleidiai
+
+    pp = prepacked.get(prefix)
+    use_blobs = bool(pp and "w13" in pp and "w2" in pp and kleidiai.native_kleidiai_available())
+    res["weights"] = "prepacked KleidiAI blobs" if use_blobs else "packed on the fly"
+    hidden = x.shape[1]
+    k_slots = ids.shape[1]
+    slots_c = torch.zeros(n_tok, k_slots, hidden)
+    slots_s = torch.zeros(n_tok, k_slots, hidden) if src is not None else slots_c
+    act_var = torch.zeros(n_tok, k_slots)
+    w_var = torch.zeros(n_tok, k_slots)
+    w13p = w2p = None
     wstats: dict[int, dict] = {}
-    for e in sampled:
+    inter = None
+    # one expert at a time: a 128-expert layer's float weights would be ~2.4 GB at once
+    for i, e in enumerate(sampled):
         slot = experts[e]
+        if not use_blobs:
+            with clock("read"):
+                qg, sg, _ = t.weight(slot["gate"])
+                qu, su, _ = t.weight(slot["up"])
+                qd, sd, _ = t.weight(slot["down"])
+            inter = qd.shape[1]
+            g = t.group_for(hidden) if t.group_for(hidden) == t.group_for(inter) else t.group_size
+            with clock("pack"):
+                b13 = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g,
+                                              None if w13p is None else w13p[i])
+                b2 = moe_mod.pack_for_matmul(qd, sd, g, None if w2p is None else w2p[i])
+                if w13p is None:
+                    w13p = torch.empty((e_s, b13.numel()), dtype=b13.dtype)
+                    w2p = torch.empty((e_s, b2.numel()), dtype=b2.dtype)
+                if b13.data_ptr() != w13p[i].data_ptr():
+                    w13p[i] = b13
+                if b2.data_ptr() != w2p[i].data_ptr():
+                    w2p[i] = b2
         if src is not None:
             cw, sw, probs, st = _weights_vs_source(t, src, slot, report, clock)
             res["problems"] += [f"expert {e}: {p}" for p in probs]
             wstats[e] = st
-            src13.append(torch.cat([sw["gate"], sw["up"]]))
-            src2.append(sw["down"])
-            # independent weight errors of the budgeted size: per-element variance b^2 |W|^2 / numel
-            wvar.append([st[r]["budget"] ** 2 * float(sw[r].double().pow(2).mean()) for r in ("gate", "up", "down")])
+            wv = [st[r]["budget"] ** 2 * float(sw[r].double().pow(2).mean()) for r in ("gate", "up", "down")]
         else:
             with clock("read"):
                 cw = {r: t.dequant(m) for r, m in slot.items()}
-        conv13.append(torch.cat([cw["gate"], cw["up"]]))
-        conv2.append(cw["down"])
-        with clock("read"):
-            qg, sg, g13 = t.weight(slot["gate"])
-            qu, su, _ = t.weight(slot["up"])
-            qd, sd, g2 = t.weight(slot["down"])
-        q13.append(torch.cat([qg, qu]))
-        s13.append(torch.cat([sg, su]))
-        q2.append(qd)
-        s2.append(sd)
-    w13f, w2f = torch.stack(conv13), torch.stack(conv2)
-    hidden, inter = w2f.shape[1], w2f.shape[2]
+        inter = cw["down"].shape[1]
+        tt, jj = (ids == i).nonzero(as_tuple=True)
+        xe = x[tt]
+        g2 = wts[tt, jj] ** 2
+        w13c = torch.cat([cw["gate"], cw["up"]])
+        with clock("reference"):
+            slots_c[tt, jj] = moe_mod.expert_forward(xe, w13c, cw["down"], t.activation)
+            if src is not None:
+                w13s = torch.cat([sw["gate"], sw["up"]])
+                slots_s[tt, jj] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
+        with clock("prediction"):
+            act_var[tt, jj] = moe_mod.expert_noise(xe, w13c, cw["down"], t.activation) * g2
+            if src is not None:
+                w_var[tt, jj] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
+                                                     weight_var=wv) * g2
     g = t.group_for(hidden) if t.group_for(hidden) == t.group_for(inter) else t.group_size
+    if use_blobs:
+        from safetensors import safe_open
 
-    with clock("pack"):
-        w13p = w2p = None
-        from . import kleidiai
+        def blobs(entry):
+            with safe_open(str(entry[0]), framework="pt") as fh:
+                return fh.get_tensor(entry[1])[sampled].contiguous()
 
-        pp = prepacked.get(prefix)
-        if pp and "w13" in pp and "w2" in pp and kleidiai.native_kleidiai_available():
-            from safetensors import safe_open
-
-            def blobs(entry):
-                with safe_open(str(entry[0]), framework="pt") as fh:
-                    return fh.get_tensor(entry[1])[sampled].contiguous()
-
+        with clock("read"):
             w13p, w2p = blobs(pp["w13"]), blobs(pp["w2"])
-            res["weights"] = "prepacked KleidiAI blobs"
-        else:
-            w13p = moe_mod.pack_experts_for_matmul(torch.stack(q13), torch.stack(s13), g)
-            w2p = moe_mod.pack_experts_for_matmul(torch.stack(q2), torch.stack(s2), g)
-            res["weights"] = "packed on the fly"
     with clock("kernel"):
         y_k = moe_mod.moe_forward(x, ids, wts, w13p, w2p, hidden, inter, g, False, t.activation)
-    with clock("reference"):
-        y_c, slots_c = moe_mod.moe_reference(x, ids, wts, w13f, w2f, False, t.activation, per_slot=True)
-        if src is not None:
-            y_s, slots_s = moe_mod.moe_reference(x, ids, wts, torch.stack(src13), torch.stack(src2), False,
-                                                 t.activation, per_slot=True)
-        else:
-            y_s, slots_s = y_c, slots_c
-    with clock("prediction"):
-        act_var = moe_mod.predicted_noise(x, ids, wts, w13f, w2f, False, t.activation)
-        w_var = None
-        if src is not None:
-            w_var = moe_mod.predicted_noise(x, ids, wts, torch.stack(src13), torch.stack(src2), False,
-                                            t.activation, activations=False, weight_var=torch.tensor(wvar))
+    y_c = (slots_c * wts.unsqueeze(2)).sum(1)
+    y_s = (slots_s * wts.unsqueeze(2)).sum(1) if src is not None else y_c
 
     ref_norm = float(y_s.double().norm())
     act_rel = _rel(y_k, y_c)
@@ -661,8 +670,9 @@ def _moe_layer(t: _Target, prefix: str, src: _Source | None, report, experts_n, 
             if worst is None or we / max(pe, 1e-30) > worst[1]:
                 worst = (e, we / max(pe, 1e-30), we, pe)
             if we > K_WEIGHT * pe + ABS_FLOOR:
-                res["problems"].append(f"expert {e}: output on its {int(mask.sum())} routed token(s) deviates from "
-                                       f"the source by {we:.4g} (allowed {K_WEIGHT} x {pe:.4g} from the weight budgets)")
+                res["problems"].append(
+                    f"expert {e}: output on its {int(mask.sum())} routed token(s) deviates from the source by "
+                    f"{we:.4g} (allowed {K_WEIGHT} x {pe:.4g} from the weight budgets)")
         if worst:
             res["worst_expert"] = {"expert": worst[0], "output_rel": worst[2], "output_pred": worst[3]}
         res["expert_stats"] = {str(e): s for e, s in wstats.items()}
@@ -703,7 +713,8 @@ def _dense(t: _Target, m: str, src: _Source | None, report, tokens: int, gen, cl
     act_rel = _rel(y_k, y_c)
     res.update(act_rel=act_rel, act_pred=act_pred, act_ratio=act_rel / act_pred if act_pred else None)
     if act_rel > K_ACT * act_pred + ABS_FLOOR:
-        res["problems"].append(f"activation-quantisation error {act_rel:.4g} exceeds {K_ACT} x predicted {act_pred:.4g}")
+        res["problems"].append(
+            f"activation-quantisation error {act_rel:.4g} exceeds {K_ACT} x predicted {act_pred:.4g}")
     tol = K_ACT * act_pred
     y_s = y_c
     if src is not None:
@@ -721,7 +732,8 @@ def _dense(t: _Target, m: str, src: _Source | None, report, tokens: int, gen, cl
         res.update(weight_rel=w_rel, weight_pred=w_pred, weight_l2=meas, budget=bud)
         tol = math.hypot(K_ACT * act_pred, K_WEIGHT * w_pred)
         if w_rel > K_WEIGHT * w_pred + ABS_FLOOR:
-            res["problems"].append(f"output deviates from the source by {w_rel:.4g} (allowed {K_WEIGHT} x {w_pred:.4g})")
+            res["problems"].append(
+                f"output deviates from the source by {w_rel:.4g} (allowed {K_WEIGHT} x {w_pred:.4g})")
     res.update(rel_l2=_rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=_cos(y_k, y_s), tolerance=tol)
     if res["rel_l2"] > tol + ABS_FLOOR:
         res["problems"].append(f"output error {res['rel_l2']:.4g} exceeds the tolerance {tol:.4g}")

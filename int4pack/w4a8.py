@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import kernels as _kernels
 from .errors import InputError, RefusedError, UsageError
 from .records import QuantLinear
 
@@ -355,6 +356,9 @@ def requantize(w: torch.Tensor, group_size: int, *, search: bool = True):
     g = _normalize_group(group_size, k)
     if not w.is_floating_point():
         raise UsageError(f"requantize expects a float weight, got {w.dtype}")
+    fast = _kernels.requant(n, k, g, search=search, name=None, w=w)  # C++ twin, or None
+    if fast is not None:
+        return fast
     return _requant_rows(n, k, g, lambda r0, r1: w[r0:r1], search, None)
 
 
@@ -396,16 +400,20 @@ def lossless_possible(ql: QuantLinear, g: int) -> bool:
 def _lossless(ql: QuantLinear, g: int) -> W4A8Linear:
     n, k = ql.codes.shape
     src_groups = _target_source_groups(ql, g)
-    q = (ql.codes.to(torch.int8) - 8).contiguous()
     scales = ql.scales[:, src_groups].to(_out_scale_dtype(g)).contiguous()
     _check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
-    gi = ql.group_index()
-    st = _Stats()
-    step = _rows_per_chunk(k)
-    for r0 in range(0, n, step):
-        r1 = min(n, r0 + step)
-        st.add(_source_rows(ql, gi, r0, r1), dequantize_w4a8(q[r0:r1], scales[r0:r1], g))
-    err = st.result()
+    fast = _kernels.lossless(ql, scales, src_groups, g)  # C++ twin of the code below, or None
+    if fast is not None:
+        q, err = fast
+    else:
+        q = (ql.codes.to(torch.int8) - 8).contiguous()
+        gi = ql.group_index()
+        st = _Stats()
+        step = _rows_per_chunk(k)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            st.add(_source_rows(ql, gi, r0, r1), dequantize_w4a8(q[r0:r1], scales[r0:r1], g))
+        err = st.result()
     err["baseline_rel_l2"] = None
     err["exact_ints"] = True
     # an int-quantized W4A8 source is already the target: its tensors are re-emitted
@@ -423,9 +431,13 @@ def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Lin
     _check_finite(ql.scales, "scales", ql.spec.name)
     if lossless_possible(ql, g):
         return _lossless(ql, g)
-    gi = ql.group_index()
-    q, scales, info = _requant_rows(n, k, g, lambda r0, r1: _source_rows(ql, gi, r0, r1), search,
-                                   ql.spec.name)
+    fast = _kernels.requant(n, k, g, search=search, name=ql.spec.name, ql=ql)  # C++ twin, or None
+    if fast is not None:
+        q, scales, info = fast
+    else:
+        gi = ql.group_index()
+        q, scales, info = _requant_rows(n, k, g, lambda r0, r1: _source_rows(ql, gi, r0, r1), search,
+                                       ql.spec.name)
     info["exact_ints"] = False
     return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, "requant", info)
 

@@ -36,7 +36,8 @@ def build(folder: Path, experts: int, hidden: int, inter: int, group: int, top_k
         "model.layers.0.post_attention_layernorm.weight": (1 + 0.1 * torch.randn(hidden, generator=gen)).bfloat16(),
     }
     for e in range(experts):
-        for proj, (n, k) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+        shapes = (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter)))
+        for proj, (n, k) in shapes:
             t[f"{p}.experts.{e}.{proj}.weight"] = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
             t[f"{p}.experts.{e}.{proj}.weight_scale"] = (
                 torch.rand(n, k // group, generator=gen) * 0.004 + 0.001).bfloat16()

@@ -3,14 +3,15 @@
 
 Runs under the aarch64 interpreter that ../shared/tools/arm64-emu/vllm_setup.sh builds:
 
-    /tmp/arm64emu/bin/python3-arm64-vllm0.19.1 scripts/vllm_arm_probe.py MODEL_DIR --out res.json
+    /tmp/arm64emu/bin/python3-arm64-vllm0.19.1 scripts/vllm_arm_probe.py MODEL_DIR=res.json [MODEL2=res2.json ...]
 
 It only uses vLLM's public entry point (``LLM``, token ids in, greedy) plus ``apply_model`` to
 look at what every layer got after loading: the quantisation method, the dense kernel, and the
 dtype/shape of the packed weights (so the x86 side can check them against the KleidiAI size
 formula), and counts the calls of the W4A8 MoE op and the dynamic-4bit linear kernel during
 generation. Full-vocabulary logprobs of the prompt and of every generated token are written
-out so the x86 side can compare them with its own float reference. Nothing here decides
+out so the x86 side can compare them with its own float reference. Several models can share
+one process (vLLM is imported once, the engine is torn down between them). Nothing here decides
 pass/fail; the x86 side does.
 """
 
@@ -81,22 +82,21 @@ def _describe(model) -> dict:
     return out
 
 
-def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str) -> dict:
-    res: dict = {}
+_STATE: dict = {}
+
+
+def _setup() -> dict:
+    """Import vLLM once per process and wrap (not replace) the W4A8 entry points with call counters."""
+    if _STATE:
+        return _STATE
     t = time.perf_counter()
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
-
-    res["import_vllm_s"] = round(time.perf_counter() - t, 1)
-    res["vllm"] = vllm.__version__
-    res["torch"] = torch.__version__
+    import vllm._C  # noqa: F401  registers torch.ops._C.*
+    from vllm.model_executor.kernels.linear.mixed_precision import dynamic_4bit as d4
+    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors_moe as ctm
 
     calls = {"moe_op": 0, "w4a8_moe_apply": 0, "dynamic4bit_linear": 0}
-    # count the real calls (wrapping, not replacing: the original function does the work)
-    import vllm._C  # noqa: F401  registers torch.ops._C.*
-    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors_moe as ctm
-    from vllm.model_executor.kernels.linear.mixed_precision import dynamic_4bit as d4
 
     def counting(key, fn):
         def wrapper(*a, **k):
@@ -121,52 +121,90 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str) -> dict:
             return getattr(op, n)
 
     setattr(torch.ops._C, "dynamic_4bit_int_moe", _CountedOp())
+    _STATE.update(calls=calls, import_vllm_s=round(time.perf_counter() - t, 1), vllm=vllm.__version__,
+                  torch=torch.__version__)
+    return _STATE
 
+
+def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str) -> dict:
+    st = _setup()
+    from vllm import LLM, SamplingParams
+
+    res: dict = {k: st[k] for k in ("import_vllm_s", "vllm", "torch")}
+    calls = st["calls"]
+    for k in calls:
+        calls[k] = 0
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     vocab = (cfg.get("text_config") or cfg)["vocab_size"]
     t = time.perf_counter()
     llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, max_model_len=128,
               max_num_seqs=2, max_num_batched_tokens=128, max_logprobs=vocab, seed=0)
-    res["init_s"] = round(time.perf_counter() - t, 1)
-    res["layers"] = llm.apply_model(_describe)[0]
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=vocab,
-                        prompt_logprobs=vocab)
-    t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)
-    res["generate_s"] = round(time.perf_counter() - t, 2)
-    res["calls"] = dict(calls)
-    o = outs[0]
-    res["token_ids"] = list(o.outputs[0].token_ids)
-    res["logprobs"] = [{int(k): float(v.logprob) for k, v in d.items()} for d in (o.outputs[0].logprobs or [])]
-    res["prompt_logprobs"] = [None if d is None else {int(k): float(v.logprob) for k, v in d.items()}
-                              for d in (o.prompt_logprobs or [])]
+    try:
+        res["init_s"] = round(time.perf_counter() - t, 1)
+        res["layers"] = llm.apply_model(_describe)[0]
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=vocab,
+                            prompt_logprobs=vocab)
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)
+        res["generate_s"] = round(time.perf_counter() - t, 2)
+        res["calls"] = dict(calls)
+        o = outs[0]
+        res["max_tokens"] = max_tokens
+        res["token_ids"] = list(o.outputs[0].token_ids)
+        res["logprobs"] = [{int(k): float(v.logprob) for k, v in d.items()} for d in (o.outputs[0].logprobs or [])]
+        res["prompt_logprobs"] = [None if d is None else {int(k): float(v.logprob) for k, v in d.items()}
+                                  for d in (o.prompt_logprobs or [])]
+    finally:
+        del llm
+        _release()
     return res
+
+
+def _release() -> None:
+    """Tear the engine down so the next model can start in this process (as vLLM's own tests do)."""
+    import gc
+
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception:  # noqa: BLE001  best effort; a failed next start is reported by that run
+        pass
+    gc.collect()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model_dir")
+    ap.add_argument("models", nargs="+", metavar="MODEL_DIR=OUT_JSON",
+                    help="one or more checkpoint folders, each with the JSON file to write (one vLLM import)")
     ap.add_argument("--prompt", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--out", required=True)
     a = ap.parse_args()
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
-    R = {"machine": platform.machine(), "python": sys.version.split()[0], "qemu_cpu": os.environ.get("QEMU_CPU"),
-         "model_dir": a.model_dir, "dtype": a.dtype, "prompt": [int(s) for s in a.prompt.split(",") if s]}
-    try:
-        R.update(run(a.model_dir, R["prompt"], a.max_tokens, a.dtype))
-    except BaseException as e:  # report the failure as data; the x86 side decides
-        R["error"] = f"{type(e).__name__}: {e}"[:2000]
-        R["traceback"] = traceback.format_exc()[-4000:]
-    R["total_s"] = round(time.perf_counter() - T0, 1)
-    with open(a.out, "w") as f:
-        json.dump(R, f)
-    print("VLLM_ARM_PROBE", json.dumps({k: R.get(k) for k in ("error", "token_ids", "calls", "init_s", "total_s")}))
+    failed = 0
+    for item in a.models:
+        model_dir, _, out = item.partition("=")
+        if not out:
+            raise SystemExit(f"{item}: expected MODEL_DIR=OUT_JSON")
+        t0 = time.perf_counter()
+        R = {"machine": platform.machine(), "python": sys.version.split()[0], "qemu_cpu": os.environ.get("QEMU_CPU"),
+             "model_dir": model_dir, "dtype": a.dtype, "prompt": [int(x) for x in a.prompt.split(",") if x]}
+        try:
+            R.update(run(model_dir, R["prompt"], a.max_tokens, a.dtype))
+        except BaseException as e:  # report the failure as data; the x86 side decides
+            R["error"] = f"{type(e).__name__}: {e}"[:2000]
+            R["traceback"] = traceback.format_exc()[-4000:]
+            failed += 1
+        R["model_s"] = round(time.perf_counter() - t0, 1)
+        R["process_s"] = round(time.perf_counter() - T0, 1)
+        with open(out, "w") as f:
+            json.dump(R, f)
+        print("VLLM_ARM_PROBE", json.dumps({k: R.get(k) for k in ("model_dir", "error", "token_ids", "calls",
+                                                                   "init_s", "model_s")}), flush=True)
     sys.stdout.flush()
-    os._exit(0 if "error" not in R else 1)  # skip vLLM's slow interpreter teardown under emulation
+    os._exit(1 if failed else 0)  # skip vLLM's slow interpreter teardown under emulation
 
 
 if __name__ == "__main__":

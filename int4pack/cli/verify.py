@@ -37,7 +37,8 @@ def verify_cmd(
     tokens: Annotated[Optional[int], typer.Option(
         min=1, help="Hidden-state rows per MoE layer (default: enough for >= 2 per sampled expert, >= 32).")] = None,
     layers: Annotated[Optional[str], typer.Option(
-        help="MoE layers to run: all (default), a count N (seeded sample), or indices 0,12,47 (one index: 12,).")] = None,
+        help="MoE layers: all (default), a count N (seeded sample), or indices 0,12,47 (one index: 12,).")
+    ] = None,
     experts: Annotated[Optional[int], typer.Option(min=1, help="Experts per layer to sample (default: all).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for inputs and sampling.")] = 0,
     structural_only: Annotated[bool, typer.Option("--structural-only", help="Skip the numerical pass.")] = False,

@@ -7,6 +7,7 @@ marlin, exllama) are refused by name.
 from __future__ import annotations
 
 from ..checkpoint import Checkpoint
+from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (AWQ_ORDER, cfg_int, check_dtype, check_shape, need, owned, prefixes_with,
@@ -103,7 +104,7 @@ class AWQReader:
 
     def read(self, spec: LinearSpec) -> QuantLinear:
         ck = self.ckpt
-        codes = unpack_cols(ck.get(f"{spec.name}.qweight"), AWQ_SHIFTS).t().contiguous()  # [N, K]
+        codes = kernels.unpack_awq(ck.get(f"{spec.name}.qweight"))  # [N, K]
         zeros = unpack_cols(ck.get(f"{spec.name}.qzeros"), AWQ_SHIFTS).t().contiguous()  # [N, G]
         scales = owned(ck.get(f"{spec.name}.scales").t())
         bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None

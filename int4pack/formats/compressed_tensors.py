@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checkpoint import Checkpoint
+from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (check_dtype, check_shape, is_trivial_g_idx, owned, prefixes_with, read_g_idx,
@@ -345,7 +346,7 @@ class CompressedTensorsReader:
                                hint="Only int4 weights can be converted.")
         ck = self.ckpt
         if spec.fmt == "ct-pack":
-            codes = unpack_cols(ck.get(f"{spec.name}.weight_packed"))[:, : spec.k].contiguous()
+            codes = kernels.unpack_ct(ck.get(f"{spec.name}.weight_packed"), spec.k)
         else:
             codes = self._int_codes(f"{spec.name}.weight")
         scales = ck.get(f"{spec.name}.weight_scale")

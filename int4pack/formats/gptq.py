@@ -12,6 +12,7 @@ import re
 import torch
 
 from ..checkpoint import Checkpoint
+from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (as_uint32, cfg_int, check_dtype, check_shape, is_trivial_g_idx, need, owned,
@@ -273,7 +274,7 @@ class GPTQReader:
                                hint="Only 4-bit modules can be converted.")
         ck = self.ckpt
         conv = self.verdict().extra["zero_convention"]
-        codes = unpack_rows(ck.get(f"{spec.name}.qweight")).t().contiguous()  # [N, K]
+        codes = kernels.unpack_gptq(ck.get(f"{spec.name}.qweight"))  # [N, K]
         words = as_uint32(ck.get(f"{spec.name}.qzeros"))
         if conv == "v1":
             if not spec.sym and bool((unpack_cols(words) == 0xF).any()):

@@ -1,0 +1,184 @@
+"""Fast paths of the convert hot loops (``csrc/convert_kernels.cpp``), each beside its torch twin.
+
+Every function takes the same inputs as the pure-torch code it replaces and returns the same
+bytes; when the extension is unavailable (``INT4PACK_NO_EXT=1``, no compiler) it *is* the torch
+twin. ``tests/test_kernels.py`` compares the two byte for byte.
+
+Threads: the kernels split rows over torch's intra-op threads (``torch.get_num_threads()``);
+convert runs one job per worker thread with intra-op threads set to 1, so nothing nests.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _ext
+
+__all__ = ["ext", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "kernel_threads"]
+
+
+def ext():
+    """The compiled ``convert_kernels`` module, or None (then the torch twins run)."""
+    return _ext.load("convert_kernels")
+
+
+def kernel_threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous() if t.dtype == torch.int32 else t.to(torch.int32).contiguous()
+
+
+def unpack_gptq(qweight: torch.Tensor) -> torch.Tensor:
+    """GPTQ qweight [K/8, N] (packed along K) -> codes uint8 [N, K]."""
+    m = ext()
+    if m is not None and qweight.dim() == 2:
+        return m.unpack_gptq(_words(qweight), kernel_threads())
+    from .formats._common import unpack_rows
+    return unpack_rows(qweight).t().contiguous()
+
+
+def unpack_awq(qweight: torch.Tensor) -> torch.Tensor:
+    """AWQ GEMM qweight [K, N/8] (packed along N, AWQ nibble order) -> codes uint8 [N, K]."""
+    m = ext()
+    if m is not None and qweight.dim() == 2:
+        return m.unpack_awq(_words(qweight), kernel_threads())
+    from .formats._common import unpack_cols
+    from .formats.awq import AWQ_SHIFTS
+    return unpack_cols(qweight, AWQ_SHIFTS).t().contiguous()
+
+
+def unpack_ct(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """compressed-tensors weight_packed [N, ceil(K/8)] (packed along K) -> codes uint8 [N, K]."""
+    m = ext()
+    if m is not None and packed.dim() == 2 and 0 <= k <= packed.shape[1] * 8:
+        return m.unpack_ct(_words(packed), k, kernel_threads())
+    from .formats._common import unpack_cols
+    return unpack_cols(packed)[:, :k].contiguous()
+
+
+_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
+_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
+_EMPTY_I64 = torch.empty(0, dtype=torch.int64)
+
+
+def lossless(ql, scales: torch.Tensor, src_groups: torch.Tensor, g: int):
+    """Fast ``w4a8._lossless`` core: (q int8 [N, K], error dict) or None (use the torch twin).
+
+    ``scales`` are the shipped target scales [N, Gt], ``src_groups`` the source group of each
+    target group. The error is only the scale cast: within target group j of row n every weight
+    differs by ``(u - 8) * (sb - s)``, so the sums need only sum(q^2) and max(q^2) per group.
+    """
+    m = ext()
+    codes = ql.codes
+    if m is None or codes.dtype != torch.uint8 or codes.dim() != 2:
+        return None
+    from .w4a8 import _Stats
+
+    n, k = codes.shape
+    gs = k if g == -1 else g
+    q, sq, mq = m.lossless(codes.contiguous(), gs, kernel_threads())
+    s = ql.scales[:, src_groups].double()  # source scale of each target group, [N, Gt]
+    sb = scales.double()
+    sqd = sq.double()
+    diff = sb - s
+    st = _Stats()
+    st.dd = float((diff * diff * sqd).sum())
+    st.ww = float((s * s * sqd).sum())
+    st.vv = float((sb * sb * sqd).sum())
+    st.wv = float((s * sb * sqd).sum())
+    st.max_abs = float((diff.abs() * mq.double().sqrt()).max()) if diff.numel() else 0.0
+    return q, st.result()
+
+
+def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.Tensor | None = None,
+            ql=None):
+    """Fast ``w4a8._requant_rows`` on a float ``w`` [N, K] or a QuantLinear ``ql``.
+
+    Returns (q, scales, info) with the torch twin's bytes and info keys, or None to use the twin
+    (extension missing, or a NaN/Inf in the weights, which the twin reports).
+    """
+    mod = ext()
+    if mod is None:
+        return None
+    from . import w4a8 as W
+
+    gs = k if g == -1 else g
+    coarse = W.COARSE_RATIOS.float().contiguous()
+    if search and W.FINE_POINTS > 0 and len(W.COARSE_RATIOS) > 1:
+        step = float(W.COARSE_RATIOS[1] - W.COARSE_RATIOS[0])
+        fine = torch.linspace(-step, step, W.FINE_POINTS + 2)[1:-1].float().contiguous()
+    else:
+        fine = _EMPTY_F32
+    if not search:
+        coarse = _EMPTY_F32
+    th = kernel_threads()
+    if w is not None:
+        wf = w.float().contiguous()
+        q, s, flags, rs = mod.requant(wf, _EMPTY_U8, _EMPTY_U8, _EMPTY_F32, _EMPTY_I64, 0, gs, g != -1, search,
+                                      coarse, fine, th)
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            return wf[r0:r1]
+    else:
+        codes = ql.codes.contiguous()
+        if codes.dtype != torch.uint8:
+            return None
+        zeros = _EMPTY_U8 if ql.zeros is None else ql.zeros.to(torch.uint8).contiguous()
+        sscale = ql.scales.float().contiguous()
+        gidx = _EMPTY_I64 if ql.g_idx is None else ql.g_idx.long().contiguous()
+        q, s, flags, rs = mod.requant(_EMPTY_F32, codes, zeros, sscale, gidx, ql.spec.group_size, gs, g != -1,
+                                      search, coarse, fine, th)
+        gi = ql.group_index()
+
+        def rows(r0: int, r1: int) -> torch.Tensor:
+            return W._source_rows(ql, gi, r0, r1).float()
+    if bool((flags & 2).any()):
+        return None
+    amb = (flags & 1).nonzero()
+    if amb.numel():
+        _redo_with_torch(amb, rows, q, s, rs, g, gs, search, name)
+    scales = s.to(W._out_scale_dtype(g))
+    st = W._Stats()
+    st.dd, st.ww, st.vv, st.wv, base_sse = (float(v) for v in rs[:, :5].sum(dim=0))
+    st.max_abs = float(rs[:, 5].max()) if n else 0.0
+    err = st.result()
+    err["baseline_rel_l2"] = math.sqrt(base_sse / st.ww) if st.ww > 0 else 0.0
+    info = {
+        "search": search,
+        "candidates": 1 if not search else len(W.COARSE_RATIOS) + 1 + W.FINE_POINTS,
+        "zero_groups": int(((flags & 4) != 0).sum()),
+        "zero_group_scale": W.ZERO_GROUP_SCALE,
+        **err,
+    }
+    return q, scales, info
+
+
+def _redo_with_torch(amb: torch.Tensor, rows, q, s, rs, g: int, gs: int, search: bool, name) -> None:
+    """Groups whose candidate errors were too close to call in C++: decided by w4a8._search_chunk."""
+    from . import w4a8 as W
+
+    wrows = {}
+    for r in sorted(set(amb[:, 0].tolist())):
+        wrows[r] = rows(r, r + 1)[0]
+    pieces = [wrows[int(r)][int(j) * gs:(int(j) + 1) * gs] for r, j in amb.tolist()]
+    wg = torch.stack(pieces).contiguous()
+    width = 1 + (max(len(W.COARSE_RATIOS), W.FINE_POINTS) if search else 0)
+    ws = torch.empty(wg.numel() * width, dtype=torch.float32)
+    qg, sg, _, _, _ = W._search_chunk(wg, g if g == -1 else gs, search, ws)
+    W._check_finite(sg, "weights", name)
+    for i, (r, j) in enumerate(amb.tolist()):
+        q[r, j * gs:(j + 1) * gs] = qg[i]
+        s[r, j] = sg[i, 0]
+    for r, wr in wrows.items():
+        v = W.dequantize_w4a8(q[r:r + 1], s[r:r + 1], g)[0].double()
+        x = wr.double()
+        d = v - x
+        rs[r, 0] = float(d @ d)
+        rs[r, 1] = float(x @ x)
+        rs[r, 2] = float(v @ v)
+        rs[r, 3] = float(x @ v)
+        rs[r, 5] = float(d.abs().max()) if d.numel() else 0.0

@@ -1,0 +1,232 @@
+"""C++ hot loops (csrc/convert_kernels.cpp) against their pure-torch twins, byte for byte.
+
+Each test runs the same public function twice, once with the extension and once with
+``kernels.ext`` patched to None (the torch twin, which is the oracle), and compares the bytes
+of q and scales exactly and the error statistics to float rounding. Without a compiler (or
+with INT4PACK_NO_EXT=1) they skip: there is nothing to compare.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from int4pack import kernels, w4a8
+from int4pack.checkpoint import Checkpoint
+from int4pack.formats import open_reader
+from int4pack.formats._common import AWQ_ORDER, unpack_cols, unpack_rows
+from int4pack.records import LinearSpec, QuantLinear
+
+EXT = kernels.ext()
+pytestmark = pytest.mark.skipif(EXT is None, reason="convert_kernels extension unavailable (INT4PACK_NO_EXT?)")
+FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+
+
+def twin(monkeypatch, fn, *args, **kw):
+    """fn(*args) with the extension hidden: the pure-torch oracle."""
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "ext", lambda: None)
+        return fn(*args, **kw)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def close_info(a: dict, b: dict, rel: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, float) and isinstance(y, float):
+            if not math.isfinite(y):
+                # the oracle sums in float32 and overflows on 1e30 weights; the C++ sums in float64
+                continue
+            assert math.isclose(x, y, rel_tol=rel, abs_tol=1e-12), (key, x, y)
+        else:
+            assert x == y, (key, x, y)
+
+
+def words(gen, *shape):
+    return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=gen)
+
+
+# ------------------------------------------------------------------------------------ unpacking
+
+@pytest.mark.parametrize("shape", [(1, 8), (16, 96), (256, 768), (3, 40)])
+def test_unpack_gptq_matches_twin(monkeypatch, shape):
+    w = words(torch.Generator().manual_seed(1), *shape)
+    fast = kernels.unpack_gptq(w)
+    ref = twin(monkeypatch, kernels.unpack_gptq, w)
+    assert same_bytes(fast, ref)
+    # and the twin is the readers' historical expression
+    assert torch.equal(ref, unpack_rows(w).t().contiguous())
+
+
+@pytest.mark.parametrize("shape", [(8, 1), (128, 96), (2048, 96), (13, 5)])
+def test_unpack_awq_matches_twin(monkeypatch, shape):
+    w = words(torch.Generator().manual_seed(2), *shape)
+    fast = kernels.unpack_awq(w)
+    assert same_bytes(fast, twin(monkeypatch, kernels.unpack_awq, w))
+    # independent check of the interleave: logical column 8j + AWQ_ORDER[i] is nibble i of word j
+    k, j, i = 3 % shape[0], shape[1] - 1, 5
+    nib = (int(w[k, j]) & 0xFFFFFFFF) >> (4 * i) & 0xF
+    assert int(fast[8 * j + AWQ_ORDER[i], k]) == nib
+
+
+@pytest.mark.parametrize("shape,k", [((4, 1), 8), ((96, 256), 2048), ((7, 5), 37), ((5, 3), 24)])
+def test_unpack_ct_matches_twin(monkeypatch, shape, k):
+    w = words(torch.Generator().manual_seed(3), *shape)
+    fast = kernels.unpack_ct(w, k)
+    assert same_bytes(fast, twin(monkeypatch, kernels.unpack_ct, w, k))
+    assert torch.equal(fast, unpack_cols(w)[:, :k])
+
+
+# ------------------------------------------------------------------------------------ requant
+
+def _weights(n, k, seed, kind="normal"):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * (torch.rand(n, 1, generator=gen) + 0.05) * 0.02
+    if kind == "edge":
+        w[0, :32] = 0.0  # a zero group
+        w[1, :] = 0.0  # a zero row
+        w[2, :32] = 3e-20  # tiny: float32 sums underflow, C++ must hand the group to torch
+        w[3, :32] = torch.linspace(-1, 1, 32) * 1e30  # huge
+        w[4, :32] = 0.5  # one value: many candidates tie exactly
+        w[5, 32:64] = torch.tensor([1.0, -1.0] * 16)
+        w[6, :64] = torch.randint(-8, 8, (64,), generator=gen).float() * 0.0078125  # exactly on a grid
+        w[7, :32] = -0.25  # only negatives
+    return w
+
+
+@pytest.mark.parametrize("g", [32, 64, 128, -1])
+@pytest.mark.parametrize("search", [True, False])
+@pytest.mark.parametrize("kind", ["normal", "edge"])
+def test_requantize_matches_twin(monkeypatch, g, search, kind):
+    w = _weights(48, 512, 10 + (g % 7), kind)
+    q, s, info = w4a8.requantize(w, g, search=search)
+    q0, s0, info0 = twin(monkeypatch, w4a8.requantize, w, g, search=search)
+    assert same_bytes(q, q0)
+    assert same_bytes(s, s0)
+    close_info(info, info0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_requantize_other_float_dtypes(monkeypatch, dtype):
+    w = _weights(16, 256, 5).to(dtype)
+    q, s, info = w4a8.requantize(w, 64)
+    q0, s0, info0 = twin(monkeypatch, w4a8.requantize, w, 64)
+    assert same_bytes(q, q0) and same_bytes(s, s0)
+    close_info(info, info0)
+
+
+def test_requantize_large_matrix_bytes(monkeypatch):
+    """Many groups, so near-ties do occur: the hand-over to torch keeps the bytes identical."""
+    w = _weights(1024, 2048, 99)
+    calls = []
+    orig = kernels._redo_with_torch
+    monkeypatch.setattr(kernels, "_redo_with_torch", lambda amb, *a: (calls.append(len(amb)), orig(amb, *a)))
+    q, s, info = w4a8.requantize(w, 128)
+    q0, s0, info0 = twin(monkeypatch, w4a8.requantize, w, 128)
+    assert same_bytes(q, q0) and same_bytes(s, s0)
+    close_info(info, info0)
+    # the C++ decides nearly every group itself (else it would not be a fast path)
+    handed = sum(calls)
+    assert handed < 0.01 * w.numel() / 128, handed
+
+
+def test_ambiguous_groups_go_to_torch(monkeypatch):
+    calls = []
+    orig = kernels._redo_with_torch
+    monkeypatch.setattr(kernels, "_redo_with_torch", lambda amb, *a: (calls.append(amb.tolist()), orig(amb, *a)))
+    w = _weights(16, 256, 3, "edge")
+    w4a8.requantize(w, 32)
+    assert [2, 0] in calls[0]  # the tiny group
+
+
+def test_requantize_nonfinite_raises_like_twin(monkeypatch):
+    w = _weights(8, 128, 4)
+    w[3, 17] = float("nan")
+    with pytest.raises(Exception) as fast:
+        w4a8.requantize(w, 32)
+    with pytest.raises(Exception) as ref:
+        twin(monkeypatch, w4a8.requantize, w, 32)
+    assert type(fast.value) is type(ref.value) and str(fast.value) == str(ref.value)
+
+
+# ------------------------------------------------------------------------------------ to_w4a8
+
+def _ql(n, k, group, seed, *, sym, act_order=False, scale_dtype=torch.float16, fmt="gptq"):
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // group
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, groups, generator=gen) * 0.01 + 0.001).to(scale_dtype)
+    zeros = None if sym else torch.randint(5, 11, (n, groups), dtype=torch.uint8, generator=gen)
+    g_idx = None
+    if act_order:
+        g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=gen)]
+    spec = LinearSpec(name=f"m{seed}", fmt=fmt, n=n, k=k, bits=4, group_size=group, sym=sym,
+                      act_order=act_order, keys=(), scale_dtype="F16")
+    return QuantLinear(spec, codes, scales, zeros, g_idx, None)
+
+
+CASES = [
+    dict(n=64, k=512, group=128, sym=True, target=128),  # lossless
+    dict(n=64, k=512, group=128, sym=True, target=64),  # lossless, finer target groups
+    dict(n=32, k=256, group=256, sym=True, target=-1),  # lossless channel (fp32 scales)
+    dict(n=32, k=256, group=64, sym=True, target=-1, scale_dtype=torch.bfloat16),  # requant: group change
+    dict(n=64, k=512, group=128, sym=False, target=128),  # asym: requant
+    dict(n=64, k=512, group=128, sym=True, act_order=True, target=128),  # act-order: requant
+    dict(n=64, k=512, group=32, sym=False, act_order=True, target=64, scale_dtype=torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_to_w4a8_matches_twin(monkeypatch, case):
+    c = dict(case)
+    target = c.pop("target")
+    ql = _ql(seed=7, **c)
+    out = w4a8.to_w4a8(ql, target)
+    ref = twin(monkeypatch, w4a8.to_w4a8, ql, target)
+    assert out.path == ref.path
+    assert same_bytes(out.q, ref.q)
+    assert same_bytes(out.scales, ref.scales)
+    close_info(out.error, ref.error)
+
+
+def test_lossless_max_abs_is_exact(monkeypatch):
+    ql = _ql(64, 512, 128, 3, sym=True)
+    out = w4a8.to_w4a8(ql, 128)
+    ref = twin(monkeypatch, w4a8.to_w4a8, ql, 128)
+    assert out.path == "lossless" and out.error["max_abs"] == ref.error["max_abs"] > 0
+
+
+# ------------------------------------------------------------------------------------ real fixtures
+
+FIXTURE_NAMES = ["gptq_q3_sym", "gptq_q3_asym", "gptq_q3_descact", "awq_q3", "ct_qwen3moe_w4a16",
+                 "ct_qwen3moe_w4a16_asym_g32", "ct_qwen3moe_w4a16_channel", "ct018_q3_actorder"]
+
+
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_fixture_modules_match_twin(monkeypatch, name):
+    folder = FIXTURES / name
+    if not folder.is_dir():
+        pytest.skip(f"fixture {name} not found")
+    with Checkpoint(folder) as ck:
+        reader = open_reader(ck)
+        specs = [s for s in reader.linears().values() if not s.refused]
+        specs = specs[:: max(1, len(specs) // 12)]
+        for spec in specs:
+            ql = reader.read(spec)
+            ql0 = twin(monkeypatch, reader.read, spec)
+            assert same_bytes(ql.codes, ql0.codes), spec.name
+            for target in sorted({w4a8.resolve_group_size(None, spec.group_size, spec.k), -1}):
+                out = w4a8.to_w4a8(ql, target)
+                ref = twin(monkeypatch, w4a8.to_w4a8, ql0, target)
+                assert out.path == ref.path, spec.name
+                assert same_bytes(out.q, ref.q), (spec.name, target)
+                assert same_bytes(out.scales, ref.scales), (spec.name, target)
+                close_info(out.error, ref.error)
