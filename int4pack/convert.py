@@ -94,7 +94,7 @@ def check_scales(ql: QuantLinear) -> None:
 def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:
     """Compute one job: ([(out name, tensor or bytes)] in plan order, {module: stats})."""
     if job.kind == "copy":
-        return [(job.source, ckpt.raw(job.source))], {}
+        return [(job.source, ckpt.slice(job.source))], {}  # streamed by the writer in chunks
     roles = plan.layout.roles
     qls: list[QuantLinear] = [reader.read(s) for s in job.specs]
     for ql in qls:
@@ -171,6 +171,7 @@ def convert(
     resume: bool = False,
     threads: int | None = None,
     revision: str | None = None,
+    prepack: str | None = None,
     progress: NullProgress | None = None,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint.
@@ -182,6 +183,8 @@ def convert(
     progress = progress or NullProgress()
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
+    if prepack not in (None, "", "none", "kleidiai"):
+        raise UsageError(f"--prepack {prepack!r}: expected kleidiai (or none)")
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
     with Checkpoint(folder) as ckpt:
@@ -216,6 +219,10 @@ def convert(
         od.write_file("config.json", (json.dumps(_out_config(plan, ckpt), indent=2) + "\n").encode())
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
+        if prepack == "kleidiai":
+            from .prepack import prepack_kleidiai
+            man = prepack_kleidiai(od.work, plan, rename)
+            report["prepack"] = {k: v for k, v in man.items() if k != "tensors"} | {"tensors": len(man["tensors"])}
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
         report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}
@@ -276,6 +283,10 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         for name, data in tensors:
             write(name, data)
 
+    # one job per worker, each single-threaded: --threads N uses N cores, and no intra-op thread
+    # pool nests inside the workers (OpenMP teams per worker oversubscribe and stall)
+    intra = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             window: deque = deque()
@@ -292,5 +303,6 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             current.abort()
         raise
     finally:
+        torch.set_num_threads(intra)
         progress.stop()
     return stats
