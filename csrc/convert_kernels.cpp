@@ -264,15 +264,14 @@ inline float group_sse(const float* x, int64_t n, float s) {
 }
 
 struct Group {
-  const float* x;
   int64_t n;
-  double xx;  // sum x^2, for the rounding bound
+  double xx;  // sum x^2
+  double k = 0;  // the sqrt term of the bound at the largest error compared (one sqrt per group)
   // rounding bound on one computed sum of squared errors (torch's or ours), doubled for the
-  // difference of two: |computed - exact| <= (n + 2) u e2 + 2 u sqrt(e2 * sum (q s)^2)
-  double bound(double e2) const {
-    return (2.0 * static_cast<double>(n) + 16.0) * kU * e2 + 8.0 * kU * std::sqrt(e2 * (2.0 * xx + 2.0 * e2)) +
-           1e-300;
-  }
+  // difference of two: |computed - exact| <= (n + 2) u e2 + 2 u sqrt(e2 * sum (q s)^2), and
+  // sum (q s)^2 <= 2 xx + 2 e2; the sqrt term is taken at the largest e2 of the candidates
+  void set_max(double emax) { k = 8.0 * kU * std::sqrt(emax * (2.0 * xx + 2.0 * emax)) + 1e-300; }
+  double bound(double e2) const { return (2.0 * static_cast<double>(n) + 16.0) * kU * e2 + k; }
 };
 
 // first minimum, and whether every other candidate with a different scale is clearly worse
@@ -280,10 +279,11 @@ inline int pick(const float* cand, const float* e, int m, const Group& gr, bool&
   int best = 0;
   for (int i = 1; i < m; ++i)
     if (e[i] < e[best]) best = i;
+  const double bb = gr.bound(e[best]);
   for (int i = 0; i < m; ++i) {
     if (i == best || cand[i] == cand[best]) continue;
     const double d = static_cast<double>(e[i]) - static_cast<double>(e[best]);
-    if (!(d > gr.bound(e[i]) + gr.bound(e[best]))) ambiguous = true;
+    if (!(d > gr.bound(e[i]) + bb)) ambiguous = true;
   }
   return best;
 }
@@ -353,7 +353,7 @@ I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
       const float amax = std::max(wmax, -wmin);
       const bool zero = amax == 0.0f;
       const float rtn = amax / 7.0f;
-      Group gr{xg, g, xx};
+      Group gr{g, xx};
       // far outside any real weight the float32 sums could under/overflow: let torch decide
       if (!zero && (amax < 1e-18f || amax > 1e17f)) flag |= kAmbiguous;
       float best_s, best_e, base_e;
@@ -370,6 +370,9 @@ I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
           cand[c] = ship(p, base * ratio[c]);
           err[c] = group_sse(xg, g, cand[c]);
         }
+        float emax = 0.0f;
+        for (int c = 0; c < nc; ++c) emax = std::max(emax, err[c]);
+        gr.set_max(emax);
         const int ib = pick(cand.data(), err.data(), nc, gr, amb);
         best_s = cand[ib];
         best_e = err[ib];
@@ -379,15 +382,26 @@ I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
           for (int f = 0; f < nf; ++f) {
             cand2[f] = ship(p, base * (rho + p.fine[f]));
             err2[f] = group_sse(xg, g, cand2[f]);
+            emax = std::max(emax, err2[f]);
           }
-          const int jb = pick(cand2.data(), err2.data(), nf, gr, amb);
+          gr.set_max(emax);
+          bool ambf = false;
+          const int jb = pick(cand2.data(), err2.data(), nf, gr, ambf);
           if (cand2[jb] != best_s) {
             const double d = static_cast<double>(err2[jb]) - static_cast<double>(best_e);
-            if (!(std::fabs(d) > gr.bound(err2[jb]) + gr.bound(best_e))) amb = true;
-            if (err2[jb] < best_e) {
+            const double b = gr.bound(err2[jb]) + gr.bound(best_e);
+            if (d > b) {
+              // every fine candidate loses to the coarse winner: which of them is the fine
+              // argmin (ambf) does not matter (bound(e) = A e + k with A < 1: e - bound(e) grows)
+            } else if (-d > b) {
               best_s = cand2[jb];
               best_e = err2[jb];
+              amb = amb || ambf;
+            } else {
+              amb = true;
             }
+          } else {
+            amb = amb || ambf;  // a near-tied fine candidate might be torch's argmin and beat it
           }
         }
       }

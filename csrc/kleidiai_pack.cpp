@@ -76,13 +76,18 @@ void group_block(const Job& j, int64_t e, int64_t blk) {
     const int8_t* src[kNr];  // locals: stores through uint8_t* would force reloads of j.*
     for (int r = 0; r < kNr; ++r) src[r] = q + rows[r] * k + b * g;
     for (int64_t c = 0; c < g / 32; ++c) {
+      int32_t seg[2][kNr];
       for (int r = 0; r < kNr; ++r) {
-        int32_t seg[2];
-        put_chunk(src[r] + 32 * c, dst + c * 2 * kNr * 8 + r * 8, seg);
-        // KleidiAI rounds the row sum once per 16-value segment, in storage order; the
-        // product (|seg| <= 128 times a bf16) is exact, so FMA contraction cannot change it
-        sums[r] += static_cast<float>(seg[0]) * s[r];
-        sums[r] += static_cast<float>(seg[1]) * s[r];
+        int32_t two[2];
+        put_chunk(src[r] + 32 * c, dst + c * 2 * kNr * 8 + r * 8, two);
+        seg[0][r] = two[0];
+        seg[1][r] = two[1];
+      }
+      // KleidiAI rounds the row sum once per 16-value segment, in storage order. One lane per
+      // row keeps that order and lets the compiler vectorise over rows (a scalar chain was 5x
+      // slower). The product (|seg| <= 128 times a bf16) is exact: FMA cannot change it.
+      for (int h = 0; h < 2; ++h) {
+        for (int r = 0; r < kNr; ++r) sums[r] += static_cast<float>(seg[h][r]) * s[r];
       }
     }
     dst += data_per_qblk + 2 * kNr;

@@ -22,6 +22,7 @@ __all__ = [
     "DTYPES",
     "DTYPE_NAMES",
     "TensorInfo",
+    "TensorBytes",
     "Checkpoint",
     "read_header",
     "resolve_source",
@@ -239,6 +240,23 @@ def _check_snapshot(repo: str, folder: Path) -> None:
                      "then run again.")
 
 
+class TensorBytes:
+    """One tensor's bytes, read in chunks when written (a copied embedding never sits in memory)."""
+
+    CHUNK = 1 << 24
+
+    def __init__(self, ckpt: "Checkpoint", name: str, nbytes: int):
+        self.ckpt, self.name, self.nbytes = ckpt, name, nbytes
+
+    def chunks(self):
+        buf = bytearray(min(self.CHUNK, self.nbytes))
+        mv = memoryview(buf)
+        for off in range(0, self.nbytes, self.CHUNK):
+            n = min(self.CHUNK, self.nbytes - off)
+            self.ckpt.read_into(self.name, mv[:n], off)
+            yield mv[:n]
+
+
 class Checkpoint:
     """Config, index and lazily read tensors of one checkpoint folder."""
 
@@ -377,12 +395,42 @@ class Checkpoint:
         return memoryview(m)[t.begin:t.end]
 
     def get(self, name: str) -> torch.Tensor:
-        """The tensor, backed by the mmap (copy before mutating in place)."""
+        """The tensor, read into memory of its own (pread: no mapped pages stay counted in RSS)."""
         t = self.info(name)
         dt = DTYPES[t.dtype]
         if t.numel == 0:
             return torch.empty(t.shape, dtype=dt)
-        return torch.frombuffer(self.raw(name), dtype=dt).view(t.shape)
+        out = torch.empty(t.nbytes, dtype=torch.uint8)
+        self.read_into(name, memoryview(out.numpy()))
+        return out.view(dt).view(t.shape)
+
+    def read_into(self, name: str, buf: memoryview, offset: int = 0) -> None:
+        """Fill ``buf`` with the tensor's bytes from ``offset`` on (positional reads, thread-safe)."""
+        t = self.info(name)
+        path = self.folder / t.file
+        pos, want, done = t.begin + offset, len(buf), 0
+        if offset < 0 or offset + want > t.nbytes:
+            raise ValueError(f"read of {want} bytes at {offset} outside {name!r} ({t.nbytes} bytes)")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise InputError(f"{t.file}: cannot read ({e.strerror})", path=str(path)) from e
+        try:
+            while done < want:
+                k = os.preadv(fd, [buf[done:]], pos + done)
+                if k <= 0:
+                    raise InputError(f"{t.file}: truncated while reading {name!r}", path=str(path), tensor=name,
+                                     hint="The shard changed or is truncated; download it again.")
+                done += k
+        except OSError as e:
+            raise InputError(f"{t.file}: cannot read ({e.strerror})", path=str(path)) from e
+        finally:
+            os.close(fd)
+
+    def slice(self, name: str) -> "TensorBytes":
+        """The tensor's bytes left on disk, for streaming copies in bounded memory."""
+        t = self.info(name)
+        return TensorBytes(self, name, t.nbytes)
 
     def close(self) -> None:
         for m in self._maps.values():

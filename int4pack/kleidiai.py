@@ -4,7 +4,7 @@ Two layouts, both with ``nr=8, kr=16, sr=2`` (docs/kleidiai.md §1.5):
 
 - groupwise ``qsi4c32p`` (bf16 scales, ``group_size`` a multiple of 32 dividing K): per 8-row
   block, per quant block: data bytes then 8 bf16 scales; after the blocks 8 fp32 row sums
-  (Σ q·scale) and 8 fp32 biases;
+  (Σ q·scale, rounded once per 16-value segment in storage order) and 8 fp32 biases;
 - channelwise ``qsi4cxp`` (fp32 scales, ``group_size == K`` or -1): per 8-row block the data
   bytes (K padded to 32 with zeros), 8 int32 row sums of q·16, 8 fp32 scales/16, 8 fp32 biases.
 
@@ -13,13 +13,15 @@ the signed nibbles of k = 32c + 8s + i (low) and k + 16 (high). Rows past N repe
 (data, scales, bias); verified byte-for-byte against torch's packer under QEMU
 (``scripts/arm64_pack_check.py``).
 
+The byte size alone does not identify the layout: with K/g == 2 a groupwise blob has exactly
+the channelwise size (K=64, g=32), so callers must record the group size next to the blob.
+
 Three code paths produce or read the format: ``pack_reference`` (numpy, the test oracle),
 ``pack_portable`` (C++ in ``csrc/kleidiai_pack.cpp``), and ``unpack``.
 """
 
 from __future__ import annotations
 
-import os
 import platform
 from functools import lru_cache
 

@@ -136,17 +136,20 @@ class ShardFile:
             if DTYPE_NAMES.get(data.dtype) != want.dtype or tuple(data.shape) != want.shape:
                 raise OutputError(f"internal: {name} is {data.dtype}{tuple(data.shape)}, "
                                   f"planned {want.dtype}{want.shape}", tensor=name)
-        buf = to_bytes(data)
+        chunks = data.chunks() if hasattr(data, "chunks") else None  # checkpoint.TensorBytes: streamed
+        buf = to_bytes(data) if chunks is None else None
         if _SLOW_WRITE_S:
             time.sleep(_SLOW_WRITE_S)
-        if len(buf) != want.nbytes:
-            raise OutputError(f"internal: {name} has {len(buf)} bytes, planned {want.nbytes}", tensor=name)
+        got = len(buf) if buf is not None else data.nbytes
+        if got != want.nbytes:
+            raise OutputError(f"internal: {name} has {got} bytes, planned {want.nbytes}", tensor=name)
         try:
-            self._fh.write(buf)
+            for piece in (chunks if buf is None else (buf,)):
+                self._fh.write(piece)
+                self._hash.update(piece)
         except OSError as e:
             self.abort()
             raise _disk_error(self.tmp, e) from e
-        self._hash.update(buf)
         self._next += 1
 
     def finish(self, results: dict[str, dict]) -> dict:

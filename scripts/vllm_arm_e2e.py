@@ -422,6 +422,9 @@ def evaluate(rec: dict, work: Path, prompt: list[int]) -> dict:
         rec["ref_greedy_equal"] = greedy(ref, prompt, len(gen)) == gen
         if rec["vs_float"]["max_abs_lp_diff"] > TOL_FLOAT:
             fails.append(f"logprobs vs float reference {rec['vs_float']['max_abs_lp_diff']} > {TOL_FLOAT}")
+        srcq = set(json.loads((d / "float" / "int4pack_float_ref.json").read_text())["dequantised"])
+        ref_a8 = FloatRef(cfg, load_tensors(d / "float"), srcq, a8=True)  # source weights, int8 activations
+        rec["vs_float_a8"] = compare(ref_logprobs(ref_a8, prompt, gen), prompt, p)
         w, q = dequantised_w4a8(Path(rec["model_dir"]))
         ocfg = json.loads((Path(rec["model_dir"]) / "config.json").read_text())
         mirror = FloatRef(ocfg, w, q, a8=True)

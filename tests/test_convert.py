@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import int4pack
+from int4pack.architectures import vllm_output_names
 from _reference import (
     FIXTURES,
     awq_decode,
@@ -84,13 +85,16 @@ def test_fixture_converts_and_matches_producer_dequant(name, converted):
     mods = report["modules"]
     assert set(mods) == set(refs), "every int4 module of the source is converted"
     perms = _fold_perms(refs, mods)
+    # output tensors carry the names vLLM loads (Mixtral: mlp.experts.E.gate_proj -> block_sparse_moe...w1)
+    ren = {k[:-7]: v[:-7] for k, v in vllm_output_names(report["plan"]["model_type"],
+                                                         [f"{m}.weight" for m in refs]).items()}
     for m, ref in refs.items():
-        o = w4a8_decode(got, m)
+        o = w4a8_decode(got, ren.get(m, m))
         assert o["q"].min() >= -8 and o["q"].max() <= 7
         st = mods[m]
         src_q = ref["u"] - 8 if "u" in ref else ref["q"]
         gi = ref.get("g_idx", np.arange(src_q.shape[1]) // max(1, src_q.shape[1] // ref["s"].shape[1]))
-        ref_w, scale_dt = ref["w"], dst[f"{m}.weight_scale"].dtype
+        ref_w, scale_dt = ref["w"], dst[f"{ren.get(m, m)}.weight_scale"].dtype
         if st["path"] == "fold":  # down: its columns permuted so act-order groups become contiguous
             p = perms[m]
             src_q, gi, ref_w = src_q[:, p], gi[p], ref_w[:, p]
@@ -113,6 +117,11 @@ def test_fixture_converts_and_matches_producer_dequant(name, converted):
             pytest.fail(f"{m}: unexpected path {st['path']}")
 
 
+def _out_name(report: dict, name: str) -> str:
+    """The output name of a source tensor (convert renames Mixtral experts/routers to what vLLM loads)."""
+    return vllm_output_names(report["plan"]["model_type"], [name]).get(name, name)
+
+
 def got_dtype(out: Path, name: str) -> torch.dtype:
     return load_raw(out)[name].dtype
 
@@ -125,7 +134,7 @@ def test_every_source_tensor_accounted_and_copies_bit_exact(name, converted):
     assert set(report["tensors"]) == set(src)
     for key, fate in report["tensors"].items():
         if fate == "copied":
-            a, b = src[key], dst[key]
+            a, b = src[key], dst[_out_name(report, key)]
             assert a.dtype == b.dtype and a.shape == b.shape
             assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), key
         else:
@@ -143,11 +152,11 @@ def test_output_config_is_what_vllm_detects_as_w4a8(name, converted):
     dst = load_raw(out)
     # every quantised module's scale dtype matches the scheme (bf16 group / fp32 channel)
     for m in report["modules"]:
-        s = dst[f"{m}.weight_scale"]
+        s = dst[_out_name(report, f"{m}.weight_scale")]
         if w["strategy"] == "channel":
             assert s.dtype == torch.float32 and s.shape[1] == 1
         else:
-            assert s.dtype == torch.bfloat16 and dst[f"{m}.weight"].shape[1] // s.shape[1] == w["group_size"]
+            assert s.dtype == torch.bfloat16 and dst[_out_name(report, f"{m}.weight")].shape[1] // s.shape[1] == w["group_size"]
     # routers and lm_head stay float and are ignored by the W4A8 scheme
     for name_ in dst:
         if name_.endswith(".gate.weight") or name_ == "lm_head.weight":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,10 @@ def test_portable_packer_is_byte_identical_to_kleidiai(emu_python, tmp_path):
     out = tmp_path / "res.json"
     cmd = [sys.executable, str(REPO / "scripts" / "arm64_pack_check.py"), "--out", str(tmp_path / "cases"),
            "--emu", str(emu_python), "--json", str(out)] + (["--quick"] if quick else [])
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    finally:
+        shutil.rmtree(tmp_path / "cases", ignore_errors=True)  # ~250 MB of inputs and blobs
     print(r.stdout[-4000:])
     assert out.exists(), f"check did not finish (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     s = json.loads(out.read_text())["summary"]

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Where convert's time goes, section by section, on one thread (CPU seconds per section).
+
+    python scripts/profile_convert.py SRC [--jobs 200] [--cprofile]
+
+Runs the first --jobs conversion jobs of SRC's plan in this thread, the way a convert worker
+does, and times each stage separately: pread of the source tensors, nibble unpack (reader),
+checks, the W4A8 compute (lossless / requant), then what the writer does per output byte
+(the write into the page cache, and sha256). Prints seconds, share and Mparam/s per stage.
+--cprofile adds the top functions by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import hashlib
+import os
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from int4pack import _ext, kernels  # noqa: E402
+from int4pack.checkpoint import Checkpoint  # noqa: E402
+from int4pack.convert import check_scales  # noqa: E402
+from int4pack.plan import make_plan  # noqa: E402
+from int4pack.w4a8 import to_w4a8  # noqa: E402
+from int4pack.writer import to_bytes  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("src", type=Path)
+    ap.add_argument("--jobs", type=int, default=200)
+    ap.add_argument("--cprofile", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    ext = kernels.ext()
+    print(f"extension: {'loaded' if ext is not None else 'MISSING: ' + str(_ext.build_error('convert_kernels'))}")
+    t = {k: 0.0 for k in ("pread", "unpack+read", "checks", "w4a8", "write", "sha256")}
+    clock = time.thread_time
+    with Checkpoint(a.src) as ck:
+        plan = make_plan(ck)
+        jobs = [j for j in plan.jobs if j.kind in ("linear", "fold")][: a.jobs]
+        params = sum(s.n * s.k for j in jobs for s in j.specs)
+        paths = sorted({p for j in jobs for p in j.paths.values()})
+        prof = cProfile.Profile() if a.cprofile else None
+        fd, tmp = tempfile.mkstemp(prefix="int4pack-prof-")
+        h = hashlib.sha256()
+        if prof:
+            prof.enable()
+        try:
+            for j in jobs:
+                t0 = clock()
+                for s in j.specs:  # the raw reads alone (the reader repeats them: subtracted below)
+                    for key in s.keys:
+                        ck.get(key)
+                t1 = clock()
+                qls = [plan.reader.read(s) for s in j.specs]
+                t2 = clock()
+                for ql in qls:
+                    check_scales(ql)
+                t3 = clock()
+                outs = [to_w4a8(ql, plan.group_size) for ql in qls]
+                t4 = clock()
+                bufs = [to_bytes(x) for w in outs for x in (w.q, w.scales)]
+                for b in bufs:
+                    os.write(fd, b)
+                t5 = clock()
+                for b in bufs:
+                    h.update(b)
+                t6 = clock()
+                t["pread"] += t1 - t0
+                t["unpack+read"] += (t2 - t1) - (t1 - t0)
+                t["checks"] += t3 - t2
+                t["w4a8"] += t4 - t3
+                t["write"] += t5 - t4
+                t["sha256"] += t6 - t5
+        finally:
+            if prof:
+                prof.disable()
+            os.close(fd)
+            os.unlink(tmp)
+    total = sum(t.values())
+    print(f"{a.src.name}: {len(jobs)} jobs, {params / 1e6:.0f} Mparam, paths {paths}, one thread, CPU seconds")
+    for k, v in t.items():
+        print(f"  {k:12s} {v:7.3f} s  {100 * v / total:5.1f} %  ({params / max(v, 1e-9) / 1e6:8.0f} Mparam/s alone)")
+    print(f"  {'total':12s} {total:7.3f} s  -> {params / total / 1e6:.0f} Mparam/s per thread")
+    if prof:
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+
+
+if __name__ == "__main__":
+    main()
