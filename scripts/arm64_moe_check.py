@@ -41,8 +41,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Tolerances, on the relative Frobenius distance of one case's [T, H] output (rel_fro) and on the
 # worst token row of a case (rel_row). Measured figures are in the README ("MoE op under emulation").
 TOL_VS_VLLM = 1e-6  # same kernels, same bucketing and order: measured bit-identical
-TOL_VS_X86_FRO = 2e-3  # KleidiAI vs torch's x86 reference kernel through two quantised matmuls
-TOL_VS_X86_ROW = 1e-2  # a token whose int8 zero point flips in the first matmul
+TOL_VS_X86_TYPICAL = 1e-5  # KleidiAI vs torch's x86 reference: measured <= 3e-7 (groupwise bit-identical)
+MAX_X86_OUTLIERS = 2  # cases allowed above that, for a row whose int8 zero point flips (arm64-emu README:
+TOL_VS_X86_FRO = 2e-3  # up to ~6e-4 per matmul; never seen in this matrix) ...
+TOL_VS_X86_ROW = 1e-2  # ... and their bound, on the case and on its worst token
 TOL_VS_FLOAT = (1e-3, 0.03)  # int8 activations: ~1-2 % (kleidiai.md §2.4), and not a float path
 WRONG_MIN = 0.05  # the router weight on the wrong side must be far outside TOL_VS_X86_FRO
 
@@ -163,15 +165,17 @@ def emulated_ours(d: Path) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
+    t1 = time.perf_counter()
     sys.path.insert(0, str(REPO))
     from int4pack import kleidiai, moe
 
-    import_s = time.perf_counter() - t0
+    import_s = (t1 - t0, time.perf_counter() - t1)
     info = json.loads((d / "cases.json").read_text())
     t = load_file(str(d / "cases.safetensors"))
     res = {"machine": platform.machine(), "torch": torch.__version__, "qemu_cpu": os.environ.get("QEMU_CPU"),
            "native_available": kleidiai.native_kleidiai_available(), "extension": moe.extension() is not None,
-           "import_s": round(import_s, 1), "blob_is_matmul_input": 0}
+           "import_torch_s": round(import_s[0], 1), "import_int4pack_s": round(import_s[1], 1),
+           "blob_is_matmul_input": 0}
     outs = {}
     t1 = time.perf_counter()
     for c in info["cases"]:
@@ -278,12 +282,13 @@ def compare(d: Path, ours: dict, vres: dict | None) -> dict:
          "blobs_decode_to_x86_weights": sum(r["blobs_decode_to_x86_weights"] for r in rows),
          "ours_vs_x86_fro": stat("ours_vs_x86_fro"), "ours_vs_x86_row": stat("ours_vs_x86_row"),
          "ours_vs_x86_bit_identical": sum(r["ours_vs_x86_equal"] for r in rows),
+         "ours_vs_x86_outliers": sum(r["ours_vs_x86_row"] > TOL_VS_X86_TYPICAL for r in rows),
          "ours_vs_float": stat("ours_vs_float"), "x86_vs_float": stat("x86_vs_float"),
          "ours_vs_wrong_min": min(r["ours_vs_wrong"] for r in rows),
-         "ours_op_s": ours["op_s"], "ours_import_s": ours["import_s"]}
+         "ours_op_s": ours["op_s"], "ours_import_s": [ours["import_torch_s"], ours["import_int4pack_s"]]}
     ok = (s["native_kleidiai"] and not ours["extension"] and s["blob_is_matmul_input"] == len(rows)
           and s["blobs_decode_to_x86_weights"] == len(rows)
-          and s["ours_vs_x86_fro"]["max"] < TOL_VS_X86_FRO and s["ours_vs_x86_row"]["max"] < TOL_VS_X86_ROW
+          and s["ours_vs_x86_outliers"] <= MAX_X86_OUTLIERS and s["ours_vs_x86_fro"]["max"] < TOL_VS_X86_FRO and s["ours_vs_x86_row"]["max"] < TOL_VS_X86_ROW
           and TOL_VS_FLOAT[0] < min(r["ours_vs_float"] for r in rows) and s["ours_vs_float"]["max"] < TOL_VS_FLOAT[1]
           and s["ours_vs_wrong_min"] > WRONG_MIN)
     if vres is not None:
@@ -293,7 +298,8 @@ def compare(d: Path, ours: dict, vres: dict | None) -> dict:
                  vllm_vs_ours_bit_identical=sum(r.get("vllm_vs_ours_equal", False) for r in rows),
                  vllm_vs_ours_fro=stat("vllm_vs_ours_fro"), vllm_vs_ours_row=stat("vllm_vs_ours_row"),
                  vllm_vs_float=stat("vllm_vs_float"), vllm_vs_x86_fro=stat("vllm_vs_x86_fro"),
-                 vllm_op_s=vres["op_s"], vllm_import_s=vres["import_vllm_s"])
+                 vllm_op_s=vres["op_s"],
+                 vllm_import_s=[vres["import_torch_s"], vres["import_vllm_s"]])
         ok = ok and (s["vllm_ran"] == len(rows) and vres["pack_identical"] == vres["experts"] > 0
                      and s["vllm_vs_ours_fro"]["max"] < TOL_VS_VLLM and s["vllm_vs_float"]["max"] < TOL_VS_FLOAT[1])
     s["ok"] = bool(ok)

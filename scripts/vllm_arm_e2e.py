@@ -79,14 +79,18 @@ DENSE_OF = {k: "dense_qwen3moe" for k in CASES if k.startswith(("ct_", "ct018"))
 
 # Tolerances on max |logprob difference| over the full vocabulary at every position.
 # TOL_FLOAT: vLLM vs the float64 forward of the source's dequantised weights. Derived with
-# --derive-tol (x86 only, no vLLM): the same forward with the converted weights and the
-# kernel's per-token int8 activation quantisation differs from the float one by at most
-# 0.058 over 12 fixtures x 24 random prompts (worst: awqpack_mixtral; a8 alone: <= 0.030,
-# weight requantisation alone: <= 0.040). TOL_FLOAT = 2x that, rounded up: 0.12.
-TOL_FLOAT = 0.12
-# TOL_MIRROR: vLLM vs that x86 mirror; what is left is float32 vs float64 arithmetic and the
-# odd int8 rounding tie (KleidiAI vs ATen reference <= 6e-4 relative per matmul, arm64-emu
-# README). Gated loosely (a tenth of TOL_FLOAT); the measured values are far smaller.
+# --derive-tol (x86 only, no vLLM; scripts/results/vllm_arm_tol.json): the same forward with the
+# converted weights and the kernel's per-token int8 activation quantisation moves logprobs by at
+# most 0.24 over 11 fixtures x 24 random 16-token prompts (int8 activations alone <= 0.10; the
+# requantisation of asymmetric/AWQ/act-order sources alone <= 0.25). TOL_FLOAT = 2x, rounded up.
+# On these tiny random fixtures this check is weak: swapping gate and up in every expert moves
+# logprobs by only 0.05-0.27 (the MoE output is small next to the residual), so the check that
+# catches a wrong expert is the next one.
+TOL_FLOAT = 0.5
+# TOL_MIRROR: vLLM vs an x86 mirror running the converted int4 weights with the kernel's int8
+# activation quantisation (docs/kleidiai.md 2.3). What is left is float32 vs float64 arithmetic and
+# the odd int8 rounding tie (KleidiAI vs ATen reference <= 6e-4 relative per matmul, arm64-emu
+# README): 0.012 is below what a swapped gate/up does against the mirror (0.026-0.10).
 TOL_MIRROR = 0.012
 MOE_METHOD = "CompressedTensorsW4A8Int8MoEMethod"
 LINEAR_SCHEME, LINEAR_KERNEL = "CompressedTensorsW4A8Int", "Dynamic4bitLinearKernel"

@@ -96,6 +96,13 @@ def _setup() -> dict:
     from vllm.model_executor.kernels.linear.mixed_precision import dynamic_4bit as d4
     from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors_moe as ctm
 
+    # vLLM inspects each model class in a fresh interpreter (to keep CUDA out of the parent) and
+    # caches the answer; under QEMU that child is another full vLLM import (minutes). There is no
+    # CUDA here: inspect in this process instead.
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()
+
     calls = {"moe_op": 0, "w4a8_moe_apply": 0, "dynamic4bit_linear": 0}
 
     def counting(key, fn):

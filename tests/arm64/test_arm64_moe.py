@@ -82,8 +82,11 @@ def test_ours_on_kleidiai_equals_x86_result(result):
     assert s["native_kleidiai"], "torch's KleidiAI path is not live in the emulated python"
     assert s["blob_is_matmul_input"] == s["cases"], "the loader repacked instead of passing the blob through"
     assert s["blobs_decode_to_x86_weights"] == s["cases"]
-    # the KleidiAI-vs-reference bound: ~1e-7 measured; a flipped int8 zero point costs more
-    assert s["ours_vs_x86_fro"]["max"] < 2e-3, [r for r in rows if r["ours_vs_x86_fro"] >= 2e-3]
+    # the KleidiAI-vs-reference bound: <= 3e-7 measured (groupwise bit-identical) on every token row;
+    # a row whose int8 zero point flips (documented, ~6e-4 per matmul, not seen here) may cost more
+    outliers = [r for r in rows if r["ours_vs_x86_row"] > 1e-5]
+    assert len(outliers) <= 2, outliers
+    assert s["ours_vs_x86_fro"]["max"] < 2e-3, outliers
     assert s["ours_vs_x86_row"]["max"] < 1e-2
     # the tolerance separates: the router weight applied on the wrong side is far outside it
     assert s["ours_vs_wrong_min"] > 0.05
