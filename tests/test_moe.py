@@ -125,10 +125,12 @@ def test_reference_matches_dense_loop():
 
 
 def test_bad_inputs_are_refused():
-    w13, w2, _, _, gen = _make(2, 64, 32, 32, seed=5)
-    x = torch.randn(3, 64)
+    w13, w2, _, _, gen = _make(2, 128, 64, 32, seed=5)
+    x = torch.randn(3, 128)
     ids = torch.tensor([[0, 2]] * 3)
     with pytest.raises(Exception, match="expert ids"):
-        moe.moe_forward(x, ids, torch.ones(3, 2), w13, w2, 64, 32, 32)
+        moe.moe_forward(x, ids, torch.ones(3, 2), w13, w2, 128, 64, 32)
     with pytest.raises(Exception, match="group size"):
-        moe.moe_forward(x, ids.clamp(max=1), torch.ones(3, 2), w13, w2, 64, 32, 48)
+        moe.moe_forward(x, ids.clamp(max=1), torch.ones(3, 2), w13, w2, 128, 64, 48)
+    with pytest.raises(Exception, match="group size"):  # g == I: that matrix would be channelwise
+        moe.moe_forward(x, ids.clamp(max=1), torch.ones(3, 2), w13, w2, 128, 64, 64)
