@@ -17,6 +17,11 @@ import sys
 import threading
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX
+    fcntl = None
+
 __all__ = ["load", "build_error", "csrc_dir"]
 
 _lock = threading.Lock()
@@ -83,12 +88,19 @@ def _build(name: str, src: Path):
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
-    return cpp_extension.load(
-        name=f"int4pack_{name}_{tag}",
-        sources=[str(src)],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[str(src.parent)],
-        build_directory=str(build_dir),
-        verbose=os.environ.get("INT4PACK_EXT_VERBOSE", "") not in {"", "0"},
-    )
+    # torch's FileBaton ("lock" in the build folder) is a plain file: a process killed while holding
+    # it (SIGKILL, OOM) leaves it behind and every later load waits on it forever. An flock is
+    # released by the kernel when its holder dies, so under it any "lock" file is stale.
+    with open(build_dir / ".int4pack.flock", "w") as flk:
+        if fcntl is not None:
+            fcntl.flock(flk, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(
+            name=f"int4pack_{name}_{tag}",
+            sources=[str(src)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(src.parent)],
+            build_directory=str(build_dir),
+            verbose=os.environ.get("INT4PACK_EXT_VERBOSE", "") not in {"", "0"},
+        )

@@ -121,8 +121,8 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
         q, s, flags, rs = mod.requant(wf, _EMPTY_U8, _EMPTY_U8, _EMPTY_F32, _EMPTY_I64, 0, gs, g != -1, search,
                                       coarse, fine, th)
 
-        def rows(r0: int, r1: int) -> torch.Tensor:
-            return wf[r0:r1]
+        def rows(idx: torch.Tensor) -> torch.Tensor:
+            return wf[idx]
     else:
         codes = ql.codes.contiguous()
         if codes.dtype != torch.uint8:
@@ -134,8 +134,11 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
                                       search, coarse, fine, th)
         gi = ql.group_index()
 
-        def rows(r0: int, r1: int) -> torch.Tensor:
-            return W._source_rows(ql, gi, r0, r1).float()
+        def rows(idx: torch.Tensor) -> torch.Tensor:
+            # W._source_rows for the rows idx, same arithmetic
+            sc = ql.scales[idx].float()[:, gi]
+            z = 8.0 if ql.zeros is None else ql.zeros[idx].float()[:, gi]
+            return ((ql.codes[idx].float() - z) * sc).float()
     if bool((flags & 2).any()):
         return None
     amb = (flags & 1).nonzero()
@@ -161,10 +164,10 @@ def _redo_with_torch(amb: torch.Tensor, rows, q, s, rs, g: int, gs: int, search:
     """Groups whose candidate errors were too close to call in C++: decided by w4a8._search_chunk."""
     from . import w4a8 as W
 
-    wrows = {}
-    for r in sorted(set(amb[:, 0].tolist())):
-        wrows[r] = rows(r, r + 1)[0]
-    pieces = [wrows[int(r)][int(j) * gs:(int(j) + 1) * gs] for r, j in amb.tolist()]
+    idx = torch.unique(amb[:, 0])  # sorted rows holding a hand-over
+    where = {int(r): i for i, r in enumerate(idx.tolist())}
+    wr = rows(idx)  # float32 [R, K]
+    pieces = [wr[where[r], j * gs:(j + 1) * gs] for r, j in amb.tolist()]
     wg = torch.stack(pieces).contiguous()
     width = 1 + (max(len(W.COARSE_RATIOS), W.FINE_POINTS) if search else 0)
     ws = torch.empty(wg.numel() * width, dtype=torch.float32)
@@ -173,12 +176,12 @@ def _redo_with_torch(amb: torch.Tensor, rows, q, s, rs, g: int, gs: int, search:
     for i, (r, j) in enumerate(amb.tolist()):
         q[r, j * gs:(j + 1) * gs] = qg[i]
         s[r, j] = sg[i, 0]
-    for r, wr in wrows.items():
-        v = W.dequantize_w4a8(q[r:r + 1], s[r:r + 1], g)[0].double()
-        x = wr.double()
-        d = v - x
-        rs[r, 0] = float(d @ d)
-        rs[r, 1] = float(x @ x)
-        rs[r, 2] = float(v @ v)
-        rs[r, 3] = float(x @ v)
-        rs[r, 5] = float(d.abs().max()) if d.numel() else 0.0
+    # the statistics of the rows touched, again (the baseline sum does not depend on the choice)
+    v = W.dequantize_w4a8(q[idx], s[idx], g).double()
+    x = wr.double()
+    d = v - x
+    rs[idx, 0] = (d * d).sum(dim=1)
+    rs[idx, 1] = (x * x).sum(dim=1)
+    rs[idx, 2] = (v * v).sum(dim=1)
+    rs[idx, 3] = (x * v).sum(dim=1)
+    rs[idx, 5] = d.abs().amax(dim=1)

@@ -88,10 +88,12 @@ DENSE_OF = {k: "dense_qwen3moe" for k in CASES if k.startswith(("ct_", "ct018"))
 # catches a wrong expert is the next one.
 TOL_FLOAT = 0.5
 # TOL_MIRROR: vLLM vs an x86 mirror running the converted int4 weights with the kernel's int8
-# activation quantisation (docs/kleidiai.md 2.3). What is left is float32 vs float64 arithmetic and
-# the odd int8 rounding tie (KleidiAI vs ATen reference <= 6e-4 relative per matmul, arm64-emu
-# README): 0.012 is below what a swapped gate/up does against the mirror (0.026-0.10).
-TOL_MIRROR = 0.012
+# activation quantisation (docs/kleidiai.md 2.3). It should leave only float32 arithmetic and the
+# odd int8 rounding tie (KleidiAI vs ATen reference <= 6e-4 relative per matmul, arm64-emu README),
+# but measured 0.0066-0.011 where the float reference is at 0.0097-0.017: the mirror explains
+# only part of vLLM's difference (open question, see README). Gate at 0.025, below what a
+# gate/up swap does against the mirror (0.026 on the H=128 ct fixtures, 0.10 on the H=256 ones).
+TOL_MIRROR = 0.025
 MOE_METHOD = "CompressedTensorsW4A8Int8MoEMethod"
 LINEAR_SCHEME, LINEAR_KERNEL = "CompressedTensorsW4A8Int", "Dynamic4bitLinearKernel"
 
@@ -316,7 +318,7 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
     nmoe = tc["num_hidden_layers"]  # every layer is MoE in these fixtures (no mlp_only_layers)
     layers = probe.get("layers") or {}
     fails: list[str] = []
-    moe = {k: v for k, v in layers.items() if v["module"] == "FusedMoE"}
+    moe = {k: v for k, v in layers.items() if "global_num_experts" in v}  # FusedMoE / SharedFusedMoE
     lin = {k: v for k, v in layers.items() if "scheme" in v}
     if len(moe) != nmoe:
         fails.append(f"{len(moe)} FusedMoE layers, expected {nmoe}")
@@ -347,7 +349,7 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
             "dense_kernels": kernels, "group_size": g, "calls": calls,
             "w13_packed": next(iter(moe.values()), {}).get("w13_weight_packed"),
             "unquantized": sorted({v["quant_method"] for v in layers.values()
-                                   if v["module"] != "FusedMoE" and "scheme" not in v})}
+                                   if "global_num_experts" not in v and "scheme" not in v})}
     return info, fails
 
 

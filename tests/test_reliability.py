@@ -415,6 +415,36 @@ def test_partial_shard_and_unrecorded_shard_are_not_trusted(tmp_path):
     assert _same_files(out, ref)
 
 
+def test_stale_extension_build_lock_from_a_killed_run_is_cleared(tmp_path, monkeypatch):
+    """A run SIGKILLed while torch held its build 'lock' file must not make every later run wait forever
+    (found by the resume test: kills landed during a first-use extension build)."""
+    from torch.utils import cpp_extension
+
+    from int4pack import _ext
+
+    monkeypatch.setenv("INT4PACK_CACHE", str(tmp_path))
+    src = tmp_path / "csrc" / "demo.cpp"
+    src.parent.mkdir()
+    src.write_text("// demo\n")
+    seen = {}
+
+    def fake_load(name, sources, build_directory, **kw):
+        seen["lock_left"] = (Path(build_directory) / "lock").exists()
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    real_mkdir = Path.mkdir
+
+    def mkdir_with_stale_lock(self, *a, **kw):  # the build folder as a killed build leaves it
+        real_mkdir(self, *a, **kw)
+        if self.parent.name == "ext":
+            (self / "lock").touch()
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_with_stale_lock)
+    assert _ext._build("demo", src) == "module"
+    assert seen == {"lock_left": False}
+
+
 # --------------------------------------------------------------------------- fuzz the readers
 
 _FUZZ_BASE = "ct_qwen3moe_w4a16_asym_g32"
