@@ -84,7 +84,7 @@ DENSE_OF = {k: "dense_qwen3moe" for k in CASES if k.startswith(("ct_", "ct018"))
 # most 0.24 over 11 fixtures x 24 random 16-token prompts (int8 activations alone <= 0.10; the
 # requantisation of asymmetric/AWQ/act-order sources alone <= 0.25). TOL_FLOAT = 2x, rounded up.
 # On these tiny random fixtures this check is weak: swapping gate and up in every expert moves
-# logprobs by only 0.05-0.27 (the MoE output is small next to the residual), so the check that
+# logprobs by only 0.03-0.27 (the MoE output is small next to the residual), so the check that
 # catches a wrong expert is the next one.
 TOL_FLOAT = 0.5
 # TOL_MIRROR: vLLM vs an x86 mirror running the converted int4 weights with the kernel's int8
@@ -294,7 +294,7 @@ def compare(ref_lp: torch.Tensor, prompt: list[int], probe: dict) -> dict:
             worst_gen = max(worst_gen, diff)
     gen = probe.get("token_ids") or []
     agree = sum(int(ref_lp[len(prompt) - 1 + j].argmax()) == t for j, t in enumerate(gen))
-    return {"max_abs_lp_diff": round(worst, 5), "max_abs_lp_diff_generated": round(worst_gen, 5),
+    return {"max_abs_lp_diff": float(f"{worst:.3g}"), "max_abs_lp_diff_generated": float(f"{worst_gen:.3g}"),
             "positions": len(rows), "values": n, "argmax_agree": f"{agree}/{len(gen)}"}
 
 
@@ -356,7 +356,7 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
 # ------------------------------------------------------------------------------------------
 # driver
 # ------------------------------------------------------------------------------------------
-def prepare(name: str, work: Path, reuse: bool = False) -> dict:
+def prepare(name: str, work: Path, reuse: bool = False, group_size="auto") -> dict:
     import int4pack
 
     d = work / name
@@ -370,7 +370,7 @@ def prepare(name: str, work: Path, reuse: bool = False) -> dict:
     if name in AS_IS:
         rec["model_dir"] = str(src)
     else:
-        rep = int4pack.convert(src, d / "w4a8", overwrite=True)
+        rep = int4pack.convert(src, d / "w4a8", overwrite=True, group_size=group_size)
         rec["model_dir"] = str(d / "w4a8")
         rec["convert"] = {"paths": rep["plan"]["paths"], "group_size": rep["plan"]["group_size"],
                           "format": rep["plan"]["format"]["detail"]}
@@ -552,6 +552,7 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true", help="reuse probe.json files already in --work")
     ap.add_argument("--isolate", action="store_true", help="one emulated process per fixture (default: one per "
                     "--parallel slot, vLLM imported once per process)")
+    ap.add_argument("--group-size", default="auto", help="passed to int4pack.convert (auto, channel, 32, 64, ...)")
     ap.add_argument("--derive-tol", action="store_true", help="x86 only: measure the tolerance basis and exit")
     ap.add_argument("--derive-prompts", type=int, default=24)
     a = ap.parse_args()
@@ -572,7 +573,7 @@ def main() -> int:
         return 2
     prompt = [int(s) for s in a.prompt.split(",") if s]
     t0 = time.perf_counter()
-    recs = {n: prepare(n, work, a.reuse) for n in names}
+    recs = {n: prepare(n, work, a.reuse, a.group_size) for n in names}
     todo = [r for r in recs.values() if not (a.reuse and (work / r["fixture"] / "probe.json").exists())]
     groups = [[r] for r in todo] if a.isolate else [todo[i::max(1, a.parallel)] for i in range(max(1, a.parallel))]
     with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
