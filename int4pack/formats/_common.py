@@ -106,6 +106,23 @@ def cfg_int(cfg: dict, *keys: str, default: int | None = None) -> int | None:
     return default
 
 
+def cfg_bool(cfg: dict, key: str, default: bool) -> bool:
+    """A config flag; JSON true/false, also the strings "true"/"false" some tools write.
+
+    bool("false") is True, which would silently read an asymmetric checkpoint as symmetric."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+        return v.strip().lower() in ("true", "1", "yes")
+    raise InputError(f"quantization_config {key}={v!r} is not true or false",
+                     hint="Fix the config: it must be a boolean.")
+
+
 def require_bits4(bits: int | None, module: str, path: str | None = None) -> None:
     if bits != 4:
         raise RefusedError(f"int4pack converts 4-bit checkpoints only; the config says bits={bits} "

@@ -10,7 +10,8 @@ from ..checkpoint import Checkpoint
 from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
-from ._common import (AWQ_ORDER, cfg_int, check_dtype, check_shape, need, owned, prefixes_with,
+from ._common import (
+    AWQ_ORDER, cfg_bool, cfg_int, check_dtype, check_shape, need, owned, prefixes_with,
                       require_bits4, unpack_cols)
 
 __all__ = ["AWQReader", "AWQ_SHIFTS"]
@@ -38,7 +39,7 @@ class AWQReader:
         self.bits = cfg_int(qcfg, "bits", "w_bit", default=4)
         self.group = cfg_int(qcfg, "group_size", "q_group_size", default=128)
         self.version = str(qcfg.get("version") or qcfg.get("format") or "gemm").lower()
-        self.zero_point = bool(qcfg.get("zero_point", True))
+        self.zero_point = cfg_bool(qcfg, "zero_point", True)
         self.not_convert = [str(m) for m in (qcfg.get("modules_to_not_convert") or [])]
         self.modules = sorted(set(prefixes_with(ckpt, ".qweight")) | set(prefixes_with(ckpt, ".qzeros")))
         self._specs: dict[str, LinearSpec] | None = None

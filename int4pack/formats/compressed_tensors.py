@@ -15,7 +15,8 @@ from ..checkpoint import Checkpoint
 from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
-from ._common import (check_dtype, check_shape, is_trivial_g_idx, owned, prefixes_with, read_g_idx,
+from ._common import (
+    cfg_bool, check_dtype, check_shape, is_trivial_g_idx, owned, prefixes_with, read_g_idx,
                       unpack_cols, unpack_rows)
 
 __all__ = ["CompressedTensorsReader", "Scheme"]
@@ -82,7 +83,7 @@ def _scheme(name: str, group: dict, top_format: str | None) -> Scheme:
                          hint="Fix the config: group_size must be a number.") from None
     strategy = str(w.get("strategy") or ("group" if gs and int(gs) > 0 else "channel"))
     s = Scheme(name=name, targets=[str(t) for t in (group.get("targets") or [])], format=fmt,
-               bits=w.get("num_bits"), type=str(w.get("type", "int")), symmetric=bool(w.get("symmetric", True)),
+               bits=w.get("num_bits"), type=str(w.get("type", "int")), symmetric=cfg_bool(w, "symmetric", True),
                strategy=strategy, group_size=int(gs) if gs is not None else None, problem=None)
     s.problem = _scheme_problem(s, w)
     return s

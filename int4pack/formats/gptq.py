@@ -15,7 +15,8 @@ from ..checkpoint import Checkpoint
 from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
-from ._common import (as_uint32, cfg_int, check_dtype, check_shape, is_trivial_g_idx, need, owned,
+from ._common import (
+    as_uint32, cfg_bool, cfg_int, check_dtype, check_shape, is_trivial_g_idx, need, owned,
                       prefixes_with, read_g_idx, require_bits4, unpack_cols, unpack_rows)
 
 __all__ = ["GPTQReader", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
@@ -54,8 +55,8 @@ class GPTQReader:
         self.path = str(ckpt.folder / "config.json")
         self.bits = cfg_int(qcfg, "bits", "w_bit", default=4)
         self.group = cfg_int(qcfg, "group_size", "q_group_size", default=128)
-        self.sym = bool(qcfg.get("sym", True))
-        self.desc_act = bool(qcfg.get("desc_act", False))
+        self.sym = cfg_bool(qcfg, "sym", True)
+        self.desc_act = cfg_bool(qcfg, "desc_act", False)
         self.dynamic = qcfg.get("dynamic") or {}
         if not isinstance(self.dynamic, dict):
             raise InputError(f"quantization_config dynamic is a {type(self.dynamic).__name__}, not an object",

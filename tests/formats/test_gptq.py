@@ -302,3 +302,14 @@ def test_missing_partner_names_module(make_ckpt, drop):
     del t[f"{M0}.{drop}"]
     with pytest.raises(InputError, match=f"{M0}: has .* but no {drop}"):
         open_reader(Checkpoint(make_ckpt(t, cfg()))).linears()
+
+
+def test_string_booleans_in_config_are_read_as_written():
+    from int4pack.formats._common import cfg_bool
+    from int4pack.errors import InputError
+
+    assert cfg_bool({"sym": "false"}, "sym", True) is False
+    assert cfg_bool({"sym": "True"}, "sym", False) is True
+    assert cfg_bool({}, "sym", True) is True
+    with pytest.raises(InputError, match="not true or false"):
+        cfg_bool({"sym": "maybe"}, "sym", True)
