@@ -25,7 +25,7 @@ from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, fold_act_order, to_w4a8
-from .writer import OutputDir, ShardFile, assign_shards, shard_names, tensor_digest
+from .writer import OutputDir, ShardFile, assign_shards, shard_names
 
 __all__ = ["convert", "run_job", "check_scales", "REPORT_NAME", "NullProgress"]
 
@@ -117,13 +117,6 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
             out.append((f"{w.name}.bias", w.bias))
         stats[w.name] = _w_stats(w, roles[w.name])
     return out, stats
-
-
-def _run_and_digest(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:
-    """run_job plus each computed tensor's sha256, in the worker thread (hashlib releases the GIL),
-    so the writing thread only writes. Streamed copies are hashed as they are written."""
-    tensors, stats = run_job(job, ckpt, reader, plan)
-    return [(n, d, tensor_digest(d) if isinstance(d, torch.Tensor) else None) for n, d in tensors], stats
 
 
 def _ignore_list(plan: Plan, ckpt: Checkpoint) -> list[str]:
@@ -259,7 +252,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     pending_stats: dict[str, dict] = {}  # stats of jobs not yet fully on disk
     current: ShardFile | None = None
 
-    def write(name: str, data, digest: bytes | None) -> None:
+    def write(name: str, data) -> None:
         nonlocal current
         shard = shard_of[name]
         if shard in trusted:
@@ -267,7 +260,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         if current is None:
             current = ShardFile(od.work / shard, [OutTensor(rename.get(t.name, t.name), t.dtype, t.shape)
                                                   for t in shards[names.index(shard)]], meta)
-        current.write(rename.get(name, name), data, digest)
+        current.write(rename.get(name, name), data)
         progress.advance(size_of[name], 1)
         if current.expects() is None:
             od.progress["shards"][shard] = current.finish(shard_results.pop(shard, {}))
@@ -287,8 +280,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
                 res[out_name] = {k: v for k, v in job_stats[mod].items() if k in ("path", "rel_l2", "max_abs")}
         stats.update(job_stats)
         pending_stats.update(job_stats)
-        for name, data, digest in tensors:
-            write(name, data, digest)
+        for name, data in tensors:
+            write(name, data)
 
     # one job per worker, each single-threaded: --threads N uses N cores, and no intra-op thread
     # pool nests inside the workers (OpenMP teams per worker oversubscribe and stall)
@@ -298,7 +291,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         with ThreadPoolExecutor(max_workers=workers) as pool:
             window: deque = deque()
             for job in todo:
-                window.append((job, pool.submit(_run_and_digest, job, ckpt, plan.reader, plan)))
+                window.append((job, pool.submit(run_job, job, ckpt, plan.reader, plan)))
                 if len(window) >= 2 * workers:
                     j, fut = window.popleft()
                     consume(j, *fut.result())

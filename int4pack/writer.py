@@ -34,7 +34,6 @@ __all__ = [
     "ShardFile",
     "OutputDir",
     "hash_shard",
-    "tensor_digest",
     "to_bytes",
 ]
 
@@ -128,9 +127,7 @@ class ShardFile:
     def expects(self) -> OutTensor | None:
         return self.tensors[self._next] if self._next < len(self.tensors) else None
 
-    def write(self, name: str, data, digest: bytes | None = None) -> None:
-        """Append the next tensor. ``digest``: its sha256, when a worker thread already computed it
-        (hashing then happens off the writing thread); otherwise it is computed here."""
+    def write(self, name: str, data) -> None:
         want = self.tensors[self._next]
         if name != want.name:
             raise OutputError(f"internal: expected {want.name!r} next in {self.path.name}, got {name!r}")
@@ -146,16 +143,13 @@ class ShardFile:
         got = len(buf) if buf is not None else data.nbytes
         if got != want.nbytes:
             raise OutputError(f"internal: {name} has {got} bytes, planned {want.nbytes}", tensor=name)
-        th = None if digest is not None else hashlib.sha256()
         try:
             for piece in (chunks if buf is None else (buf,)):
                 self._fh.write(piece)
-                if th is not None:
-                    th.update(piece)
+                self._hash.update(piece)
         except OSError as e:
             self.abort()
             raise _disk_error(self.tmp, e) from e
-        self._hash.update(digest if digest is not None else th.digest())
         self._next += 1
 
     def finish(self, results: dict[str, dict]) -> dict:
@@ -190,40 +184,20 @@ class ShardFile:
             pass
 
 
-def tensor_digest(data) -> bytes:
-    """sha256 of one tensor's bytes: the unit the shard checksum is built from."""
-    return hashlib.sha256(to_bytes(data)).digest()
-
-
 def hash_shard(path: Path) -> dict:
-    """Re-hash a finished shard the same way finish() recorded it.
-
-    ``data_sha256`` is the sha256 of the per-tensor sha256 digests in file order, so the digests
-    can be computed by the worker threads that produce the tensors, in parallel."""
+    """Re-hash a finished shard the same way finish() recorded it."""
     with open(path, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
         header = fh.read(n)
-        start = 8 + n
-        try:
-            entries = json.loads(header)
-            spans = sorted(tuple(v["data_offsets"]) for k, v in entries.items() if k != "__metadata__")
-        except (ValueError, TypeError, KeyError, AttributeError):
-            spans = None
         h = hashlib.sha256()
-        for b, e in spans or ():
-            th = hashlib.sha256()
-            fh.seek(start + b)
-            left = e - b
-            while left > 0:
-                chunk = fh.read(min(left, 1 << 24))
-                if not chunk:
-                    break
-                th.update(chunk)
-                left -= len(chunk)
-            h.update(th.digest())
-        size = fh.seek(0, os.SEEK_END)
-    return {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(),
-            "data_sha256": h.hexdigest() if spans is not None else None}
+        size = 8 + n
+        while True:
+            chunk = fh.read(1 << 24)
+            if not chunk:
+                break
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "data_sha256": h.hexdigest()}
 
 
 @dataclass
