@@ -25,11 +25,10 @@ from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, fold_act_order, to_w4a8
-from .writer import OutputDir, ShardFile, assign_shards, shard_names
+from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
 
 __all__ = ["convert", "run_job", "check_scales", "REPORT_NAME", "NullProgress"]
 
-REPORT_NAME = "int4pack_report.json"
 _NOT_LINEAR = re.compile(r"(embed|norm|wte|wpe|rotary|position)", re.I)
 
 

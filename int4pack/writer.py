@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 PROGRESS = "progress.json"
+REPORT_NAME = "int4pack_report.json"  # what marks a folder as an int4pack output
 # test hook: INT4PACK_TEST_SLOW_WRITE_MS=N sleeps N ms before each tensor is written, so that a
 # test's SIGKILL lands mid-run on small fixtures (tests/test_reliability.py); unset in normal use
 try:
@@ -225,6 +226,10 @@ class OutputDir:
         if out.exists() and not overwrite:
             raise OutputError(f"{out}: already exists", path=str(out),
                               hint="Pass --overwrite to replace it, or pick another OUT.")
+        if out.exists() and any(out.iterdir()) and not (out / REPORT_NAME).is_file():
+            # --overwrite replaces a previous int4pack output, never an arbitrary folder
+            raise OutputError(f"{out}: is not empty and is not an int4pack output (no {REPORT_NAME})",
+                              path=str(out), hint="Pick another OUT, or remove that folder yourself.")
         if not out.parent.is_dir():
             raise OutputError(f"{out.parent}: parent folder does not exist", path=str(out.parent),
                               hint="Create it first.")

@@ -74,3 +74,17 @@ def test_human_output_reports_paths_and_errors(tmp_path):
     assert r.exit_code == 0, r.output
     assert "requant" in r.output and "plain RTN" in r.output and "wrote" in r.output
     assert (tmp_path / "o" / "int4pack_report.json").is_file()
+
+
+@needs_fixtures
+def test_overwrite_replaces_only_an_int4pack_output(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    r = runner.invoke(app, ["convert", str(FIXTURES / "ct_qwen3moe_w4a16"), str(out), "--overwrite"])
+    assert r.exit_code == EXIT_OUTPUT and "not an int4pack output" in r.output
+    assert (out / "precious.txt").read_text() == "keep me"
+    (out / "precious.txt").unlink()
+    assert runner.invoke(app, ["convert", str(FIXTURES / "ct_qwen3moe_w4a16"), str(out), "--overwrite"]).exit_code == 0
+    r = runner.invoke(app, ["convert", str(FIXTURES / "ct_qwen3moe_w4a16"), str(out), "--overwrite"])
+    assert r.exit_code == 0 and (out / "int4pack_report.json").is_file()
