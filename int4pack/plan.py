@@ -18,7 +18,7 @@ from .checkpoint import Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
 from .formats import open_reader
 from .records import FormatVerdict, LinearSpec
-from .w4a8 import check_group_size
+from .w4a8 import check_group_size, parse_group_size
 
 __all__ = ["OutTensor", "Job", "Plan", "make_plan", "parse_size", "parse_group_size"]
 
@@ -143,25 +143,6 @@ def parse_size(s: str | int) -> int:
     if val <= 0:
         raise UsageError(f"--max-shard-size {s!r} must be positive")
     return int(val * units[u])
-
-
-def parse_group_size(g: str | int | None) -> int | None:
-    """None/'auto' -> None; 'channel'/-1 -> -1; else a positive int."""
-    if g is None:
-        return None
-    if isinstance(g, int):
-        return g
-    t = str(g).strip().lower()
-    if t in {"", "auto"}:
-        return None
-    if t in {"channel", "-1", "per-channel", "channelwise"}:
-        return -1
-    try:
-        v = int(t)
-    except ValueError:
-        raise UsageError(f"--group-size {g!r}: expected auto, channel, or a multiple of 32 such as 128",
-                         hint="Leave it at auto to keep the source's group when vLLM can run it.") from None
-    return v
 
 
 def _group_problem(g: int, k: int) -> str | None:

@@ -42,6 +42,7 @@ from .records import QuantLinear
 
 __all__ = [
     "W4A8Linear",
+    "parse_group_size",
     "resolve_group_size",
     "check_group_size",
     "lossless_possible",
@@ -102,8 +103,8 @@ def check_group_size(g: int, k: int) -> str | None:
     return None
 
 
-def _parse_request(requested, k: int) -> int | None:
-    """None means auto; -1 channel; else the integer asked for."""
+def parse_group_size(requested) -> int | None:
+    """A --group-size value: None/'auto' -> None (auto); 'channel'/-1 -> -1; else the integer asked for."""
     if requested is None:
         return None
     if isinstance(requested, str):
@@ -115,17 +116,19 @@ def _parse_request(requested, k: int) -> int | None:
         try:
             return int(r)
         except ValueError:
-            raise UsageError(f"W4A8 group size {requested!r} is not understood (K={k})",
-                             hint="use auto, channel, or a multiple of 32 such as 32, 64, 128") from None
-    if isinstance(requested, bool) or not isinstance(requested, int):
-        raise UsageError(f"W4A8 group size {requested!r} is not understood (K={k})",
-                         hint="use auto, channel, or a multiple of 32 such as 32, 64, 128")
-    return requested
+            pass
+    elif isinstance(requested, int) and not isinstance(requested, bool):
+        return requested
+    raise UsageError(f"--group-size {requested!r}: expected auto, channel, or a multiple of 32 such as 128",
+                     hint="Leave it at auto to keep the source's group when vLLM can run it.")
 
 
 def resolve_group_size(requested: int | str | None, source_group: int, k: int) -> int:
     """The W4A8 group size for one linear: g (multiple of 32, divides k, < k) or -1 (channel)."""
-    req = _parse_request(requested, k)
+    try:
+        req = parse_group_size(requested)
+    except UsageError as e:  # name the linear's K, as every other refusal here does
+        raise UsageError(f"{e} (K={k})", hint=e.hint) from None
     if req is None:
         if source_group == -1 or source_group >= k:
             return -1
