@@ -524,6 +524,115 @@ std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, co
   return {q, s, flags, rowstats};
 }
 
+// ------------------------------------------------------------------------------------ lossless, one call
+
+// The whole lossless job in one pass (w4a8._lossless + convert.check_scales' common case): q = codes - 8,
+// target scales cast from the source group holding each target group, and the error of that cast.
+// Returns status 0 and the results, or a status saying why the general Python path must decide:
+//   1 a source scale that is NaN/Inf, negative or zero (check_scales names it),
+//   2 a zero point other than 8 (not lossless: requant), 3 a scale not finite after the cast,
+//   4 a target group spanning two source groups.
+enum LosslessStatus : int64_t { kOk = 0, kBadScale = 1, kAsym = 2, kCastOverflow = 3, kSpans = 4 };
+
+I4P_CLONES void lossless_job_rows(const uint8_t* c, const uint8_t* z, const float* ss, int64_t gs_count,
+                                  int64_t src_group, int64_t n0, int64_t n1, int64_t k, int64_t g, bool bf16,
+                                  int8_t* q, float* out_s, double* rowstats, int64_t* status) {
+  const int64_t groups = k / g;
+  for (int64_t r = n0; r < n1; ++r) {
+    double dd = 0, ww = 0, vv = 0, wv = 0, mx = 0;
+    int64_t st = kOk;
+    for (int64_t j = 0; j < groups; ++j) {
+      const int64_t sg = (j * g) / src_group;
+      if (((j + 1) * g - 1) / src_group != sg || sg >= gs_count) {
+        st = kSpans;
+        break;
+      }
+      if (z && z[r * gs_count + sg] != 8) {
+        st = kAsym;
+        break;
+      }
+      const float s = ss[r * gs_count + sg];
+      if (!(s > 0.0f) || !std::isfinite(s)) {  // NaN, Inf, negative or zero
+        st = kBadScale;
+        break;
+      }
+      const float sb = bf16 ? ship_bf16(s) : s;
+      if (!std::isfinite(sb)) {
+        st = kCastOverflow;
+        break;
+      }
+      out_s[r * groups + j] = sb;
+      const uint8_t* src = c + r * k + j * g;
+      int8_t* dst = q + r * k + j * g;
+      int32_t sq = 0, m = 0;
+      for (int64_t i = 0; i < g; ++i) {
+        const int32_t v = static_cast<int32_t>(src[i]) - 8;
+        dst[i] = static_cast<int8_t>(v);
+        sq += v * v;
+        m = std::max(m, v * v);
+      }
+      const double sd = s, sbd = sb, diff = sbd - sd, w = sq;
+      dd += diff * diff * w;
+      ww += sd * sd * w;
+      vv += sbd * sbd * w;
+      wv += sd * sbd * w;
+      mx = std::max(mx, std::fabs(diff) * std::sqrt(static_cast<double>(m)));
+    }
+    double* o = rowstats + r * 5;
+    o[0] = dd;
+    o[1] = ww;
+    o[2] = vv;
+    o[3] = wv;
+    o[4] = mx;
+    status[r] = st;
+  }
+}
+
+// codes uint8 [N, K] (0..15), source scales [N, Gs] (any float dtype), zeros uint8 [N, Gs] or empty,
+// source groups of src_group contiguous columns, target group g (K: channel), bf16 (else fp32) scales.
+// Returns (status [1] int64, q int8 [N, K], scales [N, K/g] float32 holding the shipped values,
+// stats [5] float64: dd, ww, vv, wv, max_abs).
+std::vector<at::Tensor> lossless_job(const at::Tensor& codes, const at::Tensor& sscale, const at::Tensor& zeros,
+                                     int64_t src_group, int64_t g, bool bf16, int64_t threads) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "codes: expected contiguous uint8 [N, K]");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(g > 0 && k % g == 0, "lossless_job: group ", g, " does not divide K=", k);
+  TORCH_CHECK(src_group > 0, "lossless_job: bad source group ", src_group);
+  auto sf = sscale.to(at::kFloat).contiguous();
+  TORCH_CHECK(sf.dim() == 2 && sf.size(0) == n, "scales: expected [N, G]");
+  const int64_t gs_count = sf.size(1);
+  const uint8_t* zp = nullptr;
+  if (zeros.defined() && zeros.numel() > 0) {
+    TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous() && zeros.size(0) == n &&
+                    zeros.size(1) == gs_count, "zeros: expected contiguous uint8 [N, G]");
+    zp = zeros.data_ptr<uint8_t>();
+  }
+  auto q = at::empty({n, k}, at::kChar);
+  auto s = at::empty({n, k / g}, at::kFloat);
+  auto rowstats = at::empty({n, 5}, at::kDouble);
+  auto status = at::zeros({n}, at::kLong);
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const float* ss = sf.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = s.data_ptr<float>();
+  double* rs = rowstats.data_ptr<double>();
+  int64_t* stp = status.data_ptr<int64_t>();
+  for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads, [&](int64_t r0, int64_t r1) {
+    lossless_job_rows(c, zp, ss, gs_count, src_group, r0, r1, k, g, bf16, qp, sp, rs, stp);
+  });
+  auto tot = at::zeros({5}, at::kDouble);
+  int64_t worst = kOk;
+  double* t = tot.data_ptr<double>();
+  for (int64_t r = 0; r < n; ++r) {
+    worst = std::max(worst, stp[r]);
+    for (int i = 0; i < 4; ++i) t[i] += rs[r * 5 + i];
+    t[4] = std::max(t[4], rs[r * 5 + 4]);
+  }
+  auto st = at::full({1}, worst, at::kLong);
+  return {st, q, s, tot};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -533,5 +642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpack_awq", &unpack_awq, "AWQ GEMM qweight [K, N/8] -> codes uint8 [N, K]", nogil);
   m.def("unpack_ct", &unpack_ct, "compressed-tensors weight_packed [N, K/8] -> codes uint8 [N, K]", nogil);
   m.def("lossless", &lossless, "codes -> (q int8, sum q^2 per group, max q^2 per group)", nogil);
+  m.def("lossless_job", &lossless_job, "one lossless job: checks, q, cast scales, error (see w4a8.lossless_fast)",
+        nogil);
   m.def("requant", &requant, "scale-search requantisation (see w4a8.requantize)", nogil);
 }

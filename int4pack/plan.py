@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from ._version import __version__
 from .architectures import Layout, discover
@@ -31,7 +32,7 @@ class OutTensor:
     dtype: str  # safetensors dtype name
     shape: tuple[int, ...]
 
-    @property
+    @cached_property  # asked for per tensor many times by the writer
     def nbytes(self) -> int:
         from .checkpoint import _ITEMSIZE
         n = _ITEMSIZE[self.dtype]

@@ -245,15 +245,15 @@ def _check_hashes(ckpt: Checkpoint, problems: _Problems) -> dict | None:
         problems.add("int4pack_report.json", f"unreadable ({e})")
         return None
     for shard, rec in (report.get("shards") or {}).items():
-        if not isinstance(rec, dict) or "data_sha256" not in rec:
+        if not isinstance(rec, dict) or "data_digest" not in rec:
             continue
         path = ckpt.folder / shard
         if not path.is_file():
             problems.add(shard, "listed in int4pack_report.json but missing")
             continue
         got = hash_shard(path)
-        if got["data_sha256"] != rec["data_sha256"] or got["size"] != rec.get("size", got["size"]):
-            problems.add(shard, "tensor bytes differ from what convert wrote (data sha256 mismatch with "
+        if got["data_digest"] != rec["data_digest"] or got["size"] != rec.get("size", got["size"]):
+            problems.add(shard, "tensor bytes differ from what convert wrote (data checksum mismatch with "
                                 "int4pack_report.json): the shard was modified or corrupted")
     return report
 

@@ -46,6 +46,7 @@ __all__ = [
     "resolve_group_size",
     "check_group_size",
     "lossless_possible",
+    "lossless_fast",
     "to_w4a8",
     "requantize",
     "fold_act_order",
@@ -63,6 +64,7 @@ FINE_POINTS = 4
 # bigger chunks amortise per-op overhead better than cache-sized ones did (measured)
 CHUNK_ELEMS = 1 << 18
 _VALID_AUTO = (128, 64, 32)
+_NO_ZEROS = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass
@@ -417,6 +419,38 @@ def _lossless(ql: QuantLinear, g: int) -> W4A8Linear:
             r1 = min(n, r0 + step)
             st.add(_source_rows(ql, gi, r0, r1), dequantize_w4a8(q[r0:r1], scales[r0:r1], g))
         err = st.result()
+    return _lossless_result(ql, q, scales, g, err)
+
+
+def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
+    """The common lossless case in one C++ pass, scale checks included; None when it does not apply.
+
+    Applies to a symmetric source without g_idx whose target groups each sit inside one source
+    group, with scales that are finite and positive. Anything else (or no extension) returns None
+    and the general path (``check_scales`` + ``to_w4a8``) decides and explains. Same bytes as
+    ``_lossless`` (tests/test_kernels.py compares them).
+    """
+    m = _kernels.ext()
+    codes = ql.codes
+    n, k = ql.spec.n, ql.spec.k
+    if m is None or ql.g_idx is not None or codes.dtype != torch.uint8 or tuple(codes.shape) != (n, k) \
+            or not codes.is_contiguous() or ql.scales.dim() != 2 or not ql.scales.is_floating_point():
+        return None
+    g = _normalize_group(group_size, k)
+    zeros = _NO_ZEROS if ql.zeros is None else ql.zeros
+    if zeros.dtype != torch.uint8:
+        return None
+    src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
+    status, q, s, tot = m.lossless_job(codes, ql.scales, zeros.contiguous(), src_group, k if g == -1 else g,
+                                       g != -1, _kernels.kernel_threads())
+    if int(status) != 0:
+        return None
+    st = _Stats()
+    st.dd, st.ww, st.vv, st.wv, st.max_abs = tot.tolist()
+    return _lossless_result(ql, q, s.to(_out_scale_dtype(g)), g, st.result())
+
+
+def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: int, err: dict) -> W4A8Linear:
     err["baseline_rel_l2"] = None
     err["exact_ints"] = True
     # an int-quantized W4A8 source is already the target: its tensors are re-emitted
@@ -431,6 +465,9 @@ def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Lin
         raise InputError(f"{ql.spec.name}: codes shape {tuple(ql.codes.shape)} != spec [{n}, {k}]",
                          tensor=ql.spec.name)
     g = _normalize_group(group_size, k)
+    fast = lossless_fast(ql, g)
+    if fast is not None:
+        return fast
     _check_finite(ql.scales, "scales", ql.spec.name)
     if lossless_possible(ql, g):
         return _lossless(ql, g)

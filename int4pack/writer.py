@@ -8,7 +8,7 @@ finished, which keeps offsets unchanged.
 
 Atomicity: the whole output is built in a hidden sibling folder and renamed at the end; a
 shard is written as ``<name>.tmp`` and renamed when complete; ``progress.json`` there records
-each finished shard's checksums so ``--resume`` can trust (after re-hashing) what it keeps.
+each finished shard's checksums so ``--resume`` can trust (after re-checking) what it keeps.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,7 @@ __all__ = [
     "ShardFile",
     "OutputDir",
     "hash_shard",
+    "CHECKSUM_KEYS",
     "to_bytes",
 ]
 
@@ -101,7 +104,12 @@ def _disk_error(path: Path, e: OSError) -> OutputError:
 
 
 class ShardFile:
-    """One safetensors shard written tensor by tensor at precomputed offsets."""
+    """One safetensors shard whose tensors are written at precomputed offsets, in any order.
+
+    ``write`` is thread-safe (``os.pwrite`` at the tensor's offset), so convert's workers write
+    their own results in parallel; ``finish`` (one thread, once every tensor is in) writes the
+    header, fsyncs and renames ``<name>.tmp`` to its final name.
+    """
 
     def __init__(self, path: Path, tensors: list[OutTensor], meta: dict[str, str]):
         self.path = path
@@ -114,24 +122,34 @@ class ShardFile:
             self.entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
             off += t.nbytes
         self.data_size = off
+        self._planned = {t.name: t for t in tensors}
         reserve = _META_RESERVE_BASE + _META_RESERVE_PER_TENSOR * len(tensors)
         probe = _header_bytes(self.entries, {**self.meta, "int4pack.tensors": " " * reserve})
         self.header_len = len(probe)
-        self._next = 0
-        self._hash = hashlib.sha256()
+        self.crc: dict[str, int] = {}  # tensor -> CRC-32 of its bytes, once written
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         try:
             self._fh = open(self.tmp, "wb")
             self._fh.write(b"\0" * (8 + self.header_len))  # placeholder, rewritten by finish()
+            self._fh.flush()
         except OSError as e:
             raise _disk_error(self.tmp, e) from e
 
-    def expects(self) -> OutTensor | None:
-        return self.tensors[self._next] if self._next < len(self.tensors) else None
+    def complete(self) -> bool:
+        return len(self.crc) == len(self.tensors)
 
-    def write(self, name: str, data) -> None:
-        want = self.tensors[self._next]
-        if name != want.name:
-            raise OutputError(f"internal: expected {want.name!r} next in {self.path.name}, got {name!r}")
+    def _pwrite(self, buf: memoryview, offset: int) -> None:
+        fd = self._fh.fileno()
+        while len(buf):
+            n = os.pwrite(fd, buf, offset)
+            buf, offset = buf[n:], offset + n
+
+    def write(self, name: str, data) -> int:
+        """Write one planned tensor (a tensor, bytes, or chunked TensorBytes); returns its CRC-32."""
+        want = self._planned.get(name)
+        if want is None:
+            raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
         if isinstance(data, torch.Tensor):
             from .checkpoint import DTYPE_NAMES
             if DTYPE_NAMES.get(data.dtype) != want.dtype or tuple(data.shape) != want.shape:
@@ -144,26 +162,32 @@ class ShardFile:
         got = len(buf) if buf is not None else data.nbytes
         if got != want.nbytes:
             raise OutputError(f"internal: {name} has {got} bytes, planned {want.nbytes}", tensor=name)
+        off = 8 + self.header_len + self.entries[name]["data_offsets"][0]
+        crc = 0
         try:
             for piece in (chunks if buf is None else (buf,)):
-                self._fh.write(piece)
-                self._hash.update(piece)
+                crc = zlib.crc32(piece, crc)  # releases the GIL on large buffers, in parallel
+                # one writer at a time: ext4 takes the inode lock for each write anyway, and
+                # writers queued on it spin in the kernel (measured: 18% of CPU with 2 workers)
+                with self._write_lock:
+                    self._pwrite(piece, off)
+                off += len(piece)
         except OSError as e:
-            self.abort()
             raise _disk_error(self.tmp, e) from e
-        self._next += 1
+        with self._lock:
+            if name in self.crc:
+                raise OutputError(f"internal: {name} written twice in {self.path.name}", tensor=name)
+            self.crc[name] = crc
+        return crc
 
     def finish(self, results: dict[str, dict]) -> dict:
         """Write the final header (with per-tensor results), fsync, rename. Returns checksums."""
-        if self._next != len(self.tensors):
-            raise OutputError(f"internal: {self.path.name} finished with {self._next}/{len(self.tensors)} tensors")
+        if not self.complete():
+            raise OutputError(f"internal: {self.path.name} finished with {len(self.crc)}/{len(self.tensors)} tensors")
         meta = {**self.meta, "int4pack.tensors": json.dumps(results, sort_keys=True, separators=(",", ":"))}
         header = _header_bytes(self.entries, meta, self.header_len)
         try:
-            self._fh.seek(0)
-            self._fh.write(len(header).to_bytes(8, "little"))
-            self._fh.write(header)
-            self._fh.flush()
+            self._pwrite(memoryview(len(header).to_bytes(8, "little") + header), 0)
             os.fsync(self._fh.fileno())
             self._fh.close()
             os.replace(self.tmp, self.path)
@@ -172,7 +196,7 @@ class ShardFile:
             raise _disk_error(self.path, e) from e
         return {"size": 8 + len(header) + self.data_size,
                 "header_sha256": hashlib.sha256(header).hexdigest(),
-                "data_sha256": self._hash.hexdigest()}
+                "data_digest": _data_digest(self.crc[t.name] for t in self.tensors)}
 
     def abort(self) -> None:
         try:
@@ -185,20 +209,49 @@ class ShardFile:
             pass
 
 
+def _data_digest(crcs) -> str:
+    """The shard's data checksum: sha256 over its tensors' CRC-32s in file order.
+
+    CRC-32 runs at several GB/s (sha256 at ~1.8) and is computed per tensor by the worker that
+    wrote it; it catches any burst error up to 32 bits and any other change with probability
+    1 - 2**-32 per tensor, which is what resume and verify need (tamper-proofing is not a goal).
+    """
+    h = hashlib.sha256(b"int4pack-crc32-v1")
+    for c in crcs:
+        h.update(int(c).to_bytes(4, "big"))
+    return h.hexdigest()
+
+
 def hash_shard(path: Path) -> dict:
-    """Re-hash a finished shard the same way finish() recorded it."""
+    """Re-checksum a finished shard the same way finish() recorded it (data_digest None if the
+    header no longer parses)."""
     with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
         n = int.from_bytes(fh.read(8), "little")
-        header = fh.read(n)
-        h = hashlib.sha256()
-        size = 8 + n
-        while True:
-            chunk = fh.read(1 << 24)
-            if not chunk:
-                break
-            h.update(chunk)
-            size += len(chunk)
-    return {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "data_sha256": h.hexdigest()}
+        header = fh.read(min(n, max(0, size - 8)))
+        out = {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "data_digest": None}
+        try:
+            hdr = json.loads(header)
+            spans = sorted(tuple(v["data_offsets"]) for k, v in hdr.items() if k != "__metadata__")
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return out
+        base = 8 + n
+        crcs = []
+        buf = bytearray(1 << 24)
+        for a, b in spans:
+            crc, off = 0, a
+            while off < b:
+                k = os.preadv(fh.fileno(), [memoryview(buf)[: min(len(buf), b - off)]], base + off)
+                if k <= 0:
+                    return out
+                crc = zlib.crc32(memoryview(buf)[:k], crc)
+                off += k
+            crcs.append(crc)
+    out["data_digest"] = _data_digest(crcs)
+    return out
+
+
+CHECKSUM_KEYS = ("size", "header_sha256", "data_digest")
 
 
 @dataclass
@@ -271,7 +324,7 @@ class OutputDir:
         for name, rec in self.progress.get("shards", {}).items():
             p = self.work / name
             if p.is_file() and p.stat().st_size == rec.get("size") and hash_shard(p) == {
-                    k: rec[k] for k in ("size", "header_sha256", "data_sha256")}:
+                    k: rec.get(k) for k in CHECKSUM_KEYS}:
                 ok.add(name)
         # forget anything we could not verify, and stray temp files
         self.progress["shards"] = {k: v for k, v in self.progress.get("shards", {}).items() if k in ok}

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -112,35 +113,27 @@ def _snapshot(case, dest: Path) -> dict:
     return {"src": tree_hash(_guarded(case, dest)), "out": tree_hash(case.out_path(dest))}
 
 
-class _LimitedFile:
-    """A shard file handle on a 'disk' with ``budget`` bytes left: then OSError(ENOSPC)."""
+class _DiskBudget:
+    """A 'disk' with ``budget`` bytes left for shard data: past it, OSError(ENOSPC)."""
 
     used = 0
     budget = 0
 
-    def __init__(self, fh):
-        self._fh = fh
-
-    def write(self, data) -> int:
-        n = memoryview(data).nbytes
-        if _LimitedFile.used + n > _LimitedFile.budget:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        _LimitedFile.used += n
-        return self._fh.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self._fh, name)
-
 
 def _limit_disk(monkeypatch, budget: int) -> None:
-    orig = writer.ShardFile.__init__
+    orig = writer.ShardFile._pwrite
+    lock = threading.Lock()
 
-    def init(self, *a, **kw):
-        orig(self, *a, **kw)
-        self._fh = _LimitedFile(self._fh)
+    def pwrite(self, buf, offset):
+        n = memoryview(buf).nbytes
+        with lock:  # workers write in parallel
+            if _DiskBudget.used + n > _DiskBudget.budget:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            _DiskBudget.used += n
+        return orig(self, buf, offset)
 
-    _LimitedFile.used, _LimitedFile.budget = 0, budget
-    monkeypatch.setattr(writer.ShardFile, "__init__", init)
+    _DiskBudget.used, _DiskBudget.budget = 0, budget
+    monkeypatch.setattr(writer.ShardFile, "_pwrite", pwrite)
 
 
 def _try_mount_tmpfs(where: Path, size: str) -> bool:

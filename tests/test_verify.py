@@ -136,7 +136,7 @@ def test_flipped_nibble_without_source_caught_by_checksums(converted, tmp_path):
     _rewrite(out, _flip_nibble)
     r = int4pack.verify(out, raise_on_failure=False, dense=False)
     assert not r["ok"]
-    assert "data sha256 mismatch" in _problems(r)
+    assert "data checksum mismatch" in _problems(r)
 
 
 def test_scale_x2_fails(converted, tmp_path):

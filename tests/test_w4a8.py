@@ -517,3 +517,86 @@ def test_w4a8linear_dequantize_matches_reference():
     assert isinstance(out, W4A8Linear)
     assert torch.equal(out.dequantize().double(), ref_dequant(out.q, out.scales, 32))
     assert math.isfinite(out.error["cosine"]) and 0.9 < out.error["cosine"] <= 1.0 + 1e-9
+
+
+# ----------------------------------------------------------------------------- one-pass lossless (C++)
+
+def _general_lossless(monkeypatch, ql, g):
+    """w4a8._lossless with the extension hidden: the pure-torch path that lossless_fast replaces."""
+    from int4pack import kernels, w4a8
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "ext", lambda: None)
+        return w4a8._lossless(ql, g)
+
+
+def _with_scale_dtype(ql, dtype, *, rough=False):
+    s = ql.scales.float()
+    if rough:  # values that bf16 must round (so the cast error is not zero)
+        s = s * 1.0009765625 + 1e-5
+    ql.scales = s.to(dtype)
+    return ql
+
+
+@pytest.mark.parametrize("case", [
+    ("fp16 rough, g 128 -> 128", 128, 128, torch.float16, True, None),
+    ("fp16 rough, g 128 -> 64", 128, 64, torch.float16, True, None),
+    ("fp16 rough, g 128 -> 32", 128, 32, torch.float16, True, None),
+    ("bf16, g 64 -> 64", 64, 64, BF16, False, None),
+    ("fp32 rough, g 32 -> 32", 32, 32, torch.float32, True, None),
+    ("explicit zeros all 8", 64, 32, torch.float16, True, "eights"),
+    ("channel source -> channel", 256, -1, torch.float16, True, None),
+    ("channel source -> groups", 256, 64, torch.float32, True, None),
+])
+def test_lossless_fast_matches_general_path(monkeypatch, case):
+    from int4pack import kernels
+    if kernels.ext() is None:
+        pytest.skip("convert_kernels extension unavailable")
+    from int4pack.w4a8 import lossless_fast
+    label, src_g, g, dtype, rough, zeros = case
+    ql = _with_scale_dtype(rand_ql("m", 48, 256, src_g, seed=len(label)), dtype, rough=rough)
+    if zeros == "eights":
+        ql.zeros = torch.full_like(ql.scales, 8, dtype=torch.uint8)
+    fast = lossless_fast(ql, g)
+    ref = _general_lossless(monkeypatch, ql, g)
+    assert fast is not None, label
+    assert fast.path == ref.path == "lossless"
+    assert fast.q.dtype == ref.q.dtype and torch.equal(fast.q, ref.q), label
+    assert fast.scales.dtype == ref.scales.dtype and torch.equal(fast.scales.view(torch.uint8) if fast.scales.dtype
+                                                                 == BF16 else fast.scales, ref.scales.view(
+        torch.uint8) if ref.scales.dtype == BF16 else ref.scales), label
+    for key in ("rel_l2", "max_abs", "cosine"):  # the general path sums in float32, this one in float64
+        assert fast.error[key] == pytest.approx(ref.error[key], rel=1e-5, abs=1e-12), (label, key)
+    if rough and dtype != BF16 and g != -1:  # (channel targets keep fp32 scales: no cast error)
+        assert fast.error["rel_l2"] > 0  # the cast error really is measured, not assumed zero
+    # and independently of both: the error against a float64 dequantisation of the source
+    want = rel_l2(ref_dequant(fast.q, fast.scales, g if g != -1 else 256), ql_float(ql))
+    assert fast.error["rel_l2"] == pytest.approx(want, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("what", ["asym", "nan", "inf", "negative", "zero", "g_idx", "spans", "bf16 overflow"])
+def test_lossless_fast_declines_what_it_cannot_decide(what):
+    """Every case the one-pass kernel does not own goes back to the general path (which refuses or
+    requantises, naming the tensor); the kernel must never emit a result for them."""
+    from int4pack import kernels
+    if kernels.ext() is None:
+        pytest.skip("convert_kernels extension unavailable")
+    from int4pack.convert import check_scales
+    from int4pack.w4a8 import lossless_fast
+    ql = rand_ql("m", 16, 128, 32, seed=3)
+    g = 32
+    if what == "asym":
+        ql.zeros = torch.full_like(ql.scales, 8, dtype=torch.uint8)
+        ql.zeros[15, 3] = 7
+    elif what in ("nan", "inf", "negative", "zero"):
+        ql.scales[9, 2] = {"nan": math.nan, "inf": math.inf, "negative": -0.01, "zero": 0.0}[what]
+    elif what == "g_idx":
+        ql.g_idx = (torch.randperm(128, generator=torch.Generator().manual_seed(1)) // 32).int()
+    elif what == "spans":
+        g = 64  # target groups of 64 over source groups of 32
+    elif what == "bf16 overflow":
+        ql.scales = ql.scales.float()
+        ql.scales[4, 1] = 3.4e38  # finite in fp32, inf once rounded to bf16
+    assert lossless_fast(ql, g) is None
+    if what in ("nan", "inf", "negative"):
+        with pytest.raises(InputError, match="m.scales"):
+            check_scales(ql)
