@@ -528,106 +528,202 @@ std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, co
 
 // The whole lossless job in one pass (w4a8._lossless + convert.check_scales' common case): q = codes - 8,
 // target scales cast from the source group holding each target group, and the error of that cast.
-// Returns status 0 and the results, or a status saying why the general Python path must decide:
+// Works on unpacked codes, or straight on the packed words (GPTQ [K/8, N] or compressed-tensors
+// [N, K/8]) so the codes are never materialised. Returns status 0 and the results, or a status saying
+// why the general Python path must decide:
 //   1 a source scale that is NaN/Inf, negative or zero (check_scales names it),
 //   2 a zero point other than 8 (not lossless: requant), 3 a scale not finite after the cast,
-//   4 a target group spanning two source groups.
+//   4 a target group spanning two source groups (or a K the packed path does not take).
 enum LosslessStatus : int64_t { kOk = 0, kBadScale = 1, kAsym = 2, kCastOverflow = 3, kSpans = 4 };
 
-I4P_CLONES void lossless_job_rows(const uint8_t* c, const uint8_t* z, const float* ss, int64_t gs_count,
-                                  int64_t src_group, int64_t n0, int64_t n1, int64_t k, int64_t g, bool bf16,
-                                  int8_t* q, float* out_s, double* rowstats, int64_t* status) {
-  const int64_t groups = k / g;
-  for (int64_t r = n0; r < n1; ++r) {
-    double dd = 0, ww = 0, vv = 0, wv = 0, mx = 0;
-    int64_t st = kOk;
-    for (int64_t j = 0; j < groups; ++j) {
-      const int64_t sg = (j * g) / src_group;
-      if (((j + 1) * g - 1) / src_group != sg || sg >= gs_count) {
-        st = kSpans;
-        break;
-      }
-      if (z && z[r * gs_count + sg] != 8) {
-        st = kAsym;
-        break;
-      }
-      const float s = ss[r * gs_count + sg];
-      if (!(s > 0.0f) || !std::isfinite(s)) {  // NaN, Inf, negative or zero
-        st = kBadScale;
-        break;
-      }
-      const float sb = bf16 ? ship_bf16(s) : s;
-      if (!std::isfinite(sb)) {
-        st = kCastOverflow;
-        break;
-      }
-      out_s[r * groups + j] = sb;
+struct Lossless {
+  const uint8_t* z = nullptr;  // zeros [N, Gs] or null (all 8)
+  const float* ss = nullptr;  // source scales [N, Gs]
+  int64_t gs_count = 1, src_group = 1, k = 0, g = 0;
+  bool bf16 = true;
+  int8_t* q = nullptr;
+  float* out_s = nullptr;  // [N, K/g] shipped values
+};
+
+// row accumulators: dd, ww, vv, wv, max_abs
+struct RowAcc {
+  double v[5] = {0, 0, 0, 0, 0};
+  int64_t status = kOk;
+};
+
+// target group j of row r, whose q^2 sum and max are sq and m: check, cast, accumulate
+inline void lossless_group(const Lossless& p, int64_t r, int64_t j, int32_t sq, int32_t m, RowAcc& a) {
+  if (a.status != kOk) return;
+  const int64_t groups = p.k / p.g, sg = (j * p.g) / p.src_group;
+  if (((j + 1) * p.g - 1) / p.src_group != sg || sg >= p.gs_count) {
+    a.status = kSpans;
+    return;
+  }
+  if (p.z && p.z[r * p.gs_count + sg] != 8) {
+    a.status = kAsym;
+    return;
+  }
+  const float s = p.ss[r * p.gs_count + sg];
+  if (!(s > 0.0f) || !std::isfinite(s)) {  // NaN, Inf, negative or zero
+    a.status = kBadScale;
+    return;
+  }
+  const float sb = p.bf16 ? ship_bf16(s) : s;
+  if (!std::isfinite(sb)) {
+    a.status = kCastOverflow;
+    return;
+  }
+  p.out_s[r * groups + j] = sb;
+  const double sd = s, sbd = sb, diff = sbd - sd, w = sq;
+  a.v[0] += diff * diff * w;
+  a.v[1] += sd * sd * w;
+  a.v[2] += sbd * sbd * w;
+  a.v[3] += sd * sbd * w;
+  a.v[4] = std::max(a.v[4], std::fabs(diff) * std::sqrt(static_cast<double>(m)));
+}
+
+// 8 codes (one word) -> 8 int8 q = u - 8
+inline void word_q(uint32_t w, int8_t* dst) {
+  // u + 0x78 never carries out of its byte (u <= 15); ^ 0x80 then subtracts 0x80 mod 256: u - 8
+  const uint64_t q = (spread_nibbles(w) + 0x7878787878787878ull) ^ 0x8080808080808080ull;
+  std::memcpy(dst, &q, 8);
+}
+
+// sum and max of q^2 over g int8 values (a plain loop the compiler vectorises; faster than
+// per-nibble tables on the packed words)
+inline void q_stats(const int8_t* q, int64_t g, int32_t& sq, int32_t& m) {
+  int32_t s = 0, mx = 0;
+  for (int64_t i = 0; i < g; ++i) {
+    const int32_t v = q[i];
+    s += v * v;
+    mx = std::max(mx, v * v);
+  }
+  sq = s;
+  m = mx;
+}
+
+I4P_CLONES void lossless_codes_rows(const Lossless& p, const uint8_t* c, int64_t r0, int64_t r1, RowAcc* acc) {
+  const int64_t k = p.k, g = p.g, groups = k / g;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t j = 0; j < groups && acc[r].status == kOk; ++j) {
       const uint8_t* src = c + r * k + j * g;
-      int8_t* dst = q + r * k + j * g;
-      int32_t sq = 0, m = 0;
-      for (int64_t i = 0; i < g; ++i) {
-        const int32_t v = static_cast<int32_t>(src[i]) - 8;
-        dst[i] = static_cast<int8_t>(v);
-        sq += v * v;
-        m = std::max(m, v * v);
-      }
-      const double sd = s, sbd = sb, diff = sbd - sd, w = sq;
-      dd += diff * diff * w;
-      ww += sd * sd * w;
-      vv += sbd * sbd * w;
-      wv += sd * sbd * w;
-      mx = std::max(mx, std::fabs(diff) * std::sqrt(static_cast<double>(m)));
+      int8_t* dst = p.q + r * k + j * g;
+      for (int64_t i = 0; i < g; ++i) dst[i] = static_cast<int8_t>(static_cast<int32_t>(src[i]) - 8);
+      int32_t sq, m;
+      q_stats(dst, g, sq, m);
+      lossless_group(p, r, j, sq, m, acc[r]);
     }
-    double* o = rowstats + r * 5;
-    o[0] = dd;
-    o[1] = ww;
-    o[2] = vv;
-    o[3] = wv;
-    o[4] = mx;
-    status[r] = st;
   }
 }
 
-// codes uint8 [N, K] (0..15), source scales [N, Gs] (any float dtype), zeros uint8 [N, Gs] or empty,
-// source groups of src_group contiguous columns, target group g (K: channel), bf16 (else fp32) scales.
+// compressed-tensors weight_packed [N, K/8]: row r's words are contiguous
+I4P_CLONES void lossless_ct_rows(const Lossless& p, const uint32_t* w, int64_t kw, int64_t r0, int64_t r1,
+                                 RowAcc* acc) {
+  const int64_t k = p.k, g = p.g, groups = k / g, wpg = g / 8;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint32_t* src = w + r * kw;
+    int8_t* dst = p.q + r * k;
+    for (int64_t j = 0; j < groups && acc[r].status == kOk; ++j) {
+      for (int64_t t = j * wpg; t < (j + 1) * wpg; ++t) word_q(src[t], dst + 8 * t);
+      int32_t sq, m;
+      q_stats(dst + j * g, g, sq, m);
+      lossless_group(p, r, j, sq, m, acc[r]);
+    }
+  }
+}
+
+// GPTQ qweight [K/8, N]: word (t, r) holds columns 8t..8t+7 of row r; blocks of rows keep the
+// writes of one block inside a few KB
+I4P_CLONES void lossless_gptq_rows(const Lossless& p, const uint32_t* w, int64_t n, int64_t b0, int64_t b1,
+                                   int64_t nb, RowAcc* acc) {
+  const int64_t k = p.k, g = p.g, wpg = g / 8;
+  // one target group of nb rows is built in a contiguous tile, then each row's g bytes are copied
+  // out whole: writing 8 bytes at a time straight into rows K bytes apart thrashed L1 when K is a
+  // multiple of 2 KB (every row's line falls in the same few sets)
+  std::vector<int8_t> tile(nb * g);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t r0 = b * nb, r1 = std::min(n, r0 + nb);
+    for (int64_t j = 0; j * g < k; ++j) {
+      for (int64_t t = 0; t < wpg; ++t) {
+        const uint32_t* src = w + (j * wpg + t) * n;
+        for (int64_t r = r0; r < r1; ++r) word_q(src[r], tile.data() + (r - r0) * g + 8 * t);
+      }
+      for (int64_t r = r0; r < r1; ++r) {
+        const int8_t* row = tile.data() + (r - r0) * g;
+        std::memcpy(p.q + r * k + j * g, row, g);
+        int32_t sq, m;
+        q_stats(row, g, sq, m);
+        lossless_group(p, r, j, sq, m, acc[r]);
+      }
+    }
+  }
+}
+
+// layout: 0 codes uint8 [N, K]; 1 compressed-tensors words [N, K/8]; 2 GPTQ words [K/8, N].
+// Source scales [N, Gs] (any float dtype), zeros uint8 [N, Gs] or empty, source groups of src_group
+// contiguous columns, target group g (K: channel), bf16 (else fp32) target scales.
 // Returns (status [1] int64, q int8 [N, K], scales [N, K/g] float32 holding the shipped values,
 // stats [5] float64: dd, ww, vv, wv, max_abs).
-std::vector<at::Tensor> lossless_job(const at::Tensor& codes, const at::Tensor& sscale, const at::Tensor& zeros,
-                                     int64_t src_group, int64_t g, bool bf16, int64_t threads) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "codes: expected contiguous uint8 [N, K]");
-  const int64_t n = codes.size(0), k = codes.size(1);
+std::vector<at::Tensor> lossless_job(int64_t layout, const at::Tensor& data, int64_t n, int64_t k,
+                                     const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
+                                     bool bf16, int64_t threads) {
+  TORCH_CHECK(data.is_contiguous() && data.dim() == 2, "lossless_job: expected a contiguous 2-D tensor");
+  if (layout == 0) {
+    TORCH_CHECK(data.scalar_type() == at::kByte && data.size(0) == n && data.size(1) == k,
+                "codes: expected uint8 [N, K]");
+  } else {
+    TORCH_CHECK(data.scalar_type() == at::kInt, "packed words: expected int32");
+    const bool ok = layout == 1 ? (data.size(0) == n && data.size(1) * 8 >= k)
+                                : (layout == 2 && data.size(1) == n && data.size(0) * 8 == k);
+    TORCH_CHECK(ok, "packed words: shape does not match [N, K] for layout ", layout);
+  }
   TORCH_CHECK(g > 0 && k % g == 0, "lossless_job: group ", g, " does not divide K=", k);
   TORCH_CHECK(src_group > 0, "lossless_job: bad source group ", src_group);
   auto sf = sscale.to(at::kFloat).contiguous();
   TORCH_CHECK(sf.dim() == 2 && sf.size(0) == n, "scales: expected [N, G]");
-  const int64_t gs_count = sf.size(1);
-  const uint8_t* zp = nullptr;
+  Lossless p;
+  p.gs_count = sf.size(1);
   if (zeros.defined() && zeros.numel() > 0) {
     TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous() && zeros.size(0) == n &&
-                    zeros.size(1) == gs_count, "zeros: expected contiguous uint8 [N, G]");
-    zp = zeros.data_ptr<uint8_t>();
+                    zeros.size(1) == p.gs_count, "zeros: expected contiguous uint8 [N, G]");
+    p.z = zeros.data_ptr<uint8_t>();
   }
+  p.ss = sf.data_ptr<float>();
+  p.src_group = src_group;
+  p.k = k;
+  p.g = g;
+  p.bf16 = bf16;
   auto q = at::empty({n, k}, at::kChar);
   auto s = at::empty({n, k / g}, at::kFloat);
-  auto rowstats = at::empty({n, 5}, at::kDouble);
-  auto status = at::zeros({n}, at::kLong);
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const float* ss = sf.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* sp = s.data_ptr<float>();
-  double* rs = rowstats.data_ptr<double>();
-  int64_t* stp = status.data_ptr<int64_t>();
-  for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads, [&](int64_t r0, int64_t r1) {
-    lossless_job_rows(c, zp, ss, gs_count, src_group, r0, r1, k, g, bf16, qp, sp, rs, stp);
-  });
+  p.q = q.data_ptr<int8_t>();
+  p.out_s = s.data_ptr<float>();
+  std::vector<RowAcc> acc(n);
+  const bool packed_ok = layout == 0 || (k % 8 == 0 && g % 8 == 0);
+  if (!packed_ok) {
+    acc.assign(n, RowAcc{});
+    if (n) acc[0].status = kSpans;
+  } else if (layout == 0) {
+    const uint8_t* c = data.data_ptr<uint8_t>();
+    for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads,
+             [&](int64_t r0, int64_t r1) { lossless_codes_rows(p, c, r0, r1, acc.data()); });
+  } else if (layout == 1) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(data.data_ptr<int32_t>());
+    const int64_t kw = data.size(1);
+    for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads,
+             [&](int64_t r0, int64_t r1) { lossless_ct_rows(p, w, kw, r0, r1, acc.data()); });
+  } else {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(data.data_ptr<int32_t>());
+    constexpr int64_t NB = 64;
+    for_rows((n + NB - 1) / NB, 1, threads,
+             [&](int64_t b0, int64_t b1) { lossless_gptq_rows(p, w, n, b0, b1, NB, acc.data()); });
+  }
   auto tot = at::zeros({5}, at::kDouble);
   int64_t worst = kOk;
   double* t = tot.data_ptr<double>();
   for (int64_t r = 0; r < n; ++r) {
-    worst = std::max(worst, stp[r]);
-    for (int i = 0; i < 4; ++i) t[i] += rs[r * 5 + i];
-    t[4] = std::max(t[4], rs[r * 5 + 4]);
+    worst = std::max(worst, acc[r].status);
+    for (int i = 0; i < 4; ++i) t[i] += acc[r].v[i];
+    t[4] = std::max(t[4], acc[r].v[4]);
   }
   auto st = at::full({1}, worst, at::kLong);
   return {st, q, s, tot};

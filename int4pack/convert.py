@@ -97,11 +97,14 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
     if job.kind == "copy":
         return [(job.source, ckpt.slice(job.source))], {}  # streamed by the writer in chunks
     roles = plan.layout.roles
-    qls: list[QuantLinear] = [reader.read(s) for s in job.specs]
     if job.kind == "linear":
-        w = lossless_fast(qls[0], plan.group_size)  # the common case in one C++ pass, checks included
+        ql = reader.read(job.specs[0], unpack=False)  # codes may stay packed for the one-pass kernel
+        w = lossless_fast(ql, plan.group_size)  # the common case in one C++ pass, checks included
         if w is not None:
             return _outputs([w], roles)
+        qls = [ql.unpacked()]
+    else:
+        qls: list[QuantLinear] = [reader.read(s) for s in job.specs]
     for ql in qls:
         check_scales(ql)
     if job.kind == "dequant":

@@ -16,7 +16,7 @@ import torch
 
 from . import _ext
 
-__all__ = ["ext", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "kernel_threads"]
+__all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "kernel_threads"]
 
 
 def ext():
@@ -28,7 +28,8 @@ def kernel_threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
+def words(t: torch.Tensor) -> torch.Tensor:
+    """Packed int4 words as contiguous int32 (what every kernel here takes)."""
     return t.contiguous() if t.dtype == torch.int32 else t.to(torch.int32).contiguous()
 
 
@@ -36,7 +37,7 @@ def unpack_gptq(qweight: torch.Tensor) -> torch.Tensor:
     """GPTQ qweight [K/8, N] (packed along K) -> codes uint8 [N, K]."""
     m = ext()
     if m is not None and qweight.dim() == 2:
-        return m.unpack_gptq(_words(qweight), kernel_threads())
+        return m.unpack_gptq(words(qweight), kernel_threads())
     from .formats._common import unpack_rows
     return unpack_rows(qweight).t().contiguous()
 
@@ -45,7 +46,7 @@ def unpack_awq(qweight: torch.Tensor) -> torch.Tensor:
     """AWQ GEMM qweight [K, N/8] (packed along N, AWQ nibble order) -> codes uint8 [N, K]."""
     m = ext()
     if m is not None and qweight.dim() == 2:
-        return m.unpack_awq(_words(qweight), kernel_threads())
+        return m.unpack_awq(words(qweight), kernel_threads())
     from .formats._common import unpack_cols
     from .formats.awq import AWQ_SHIFTS
     return unpack_cols(qweight, AWQ_SHIFTS).t().contiguous()
@@ -55,7 +56,7 @@ def unpack_ct(packed: torch.Tensor, k: int) -> torch.Tensor:
     """compressed-tensors weight_packed [N, ceil(K/8)] (packed along K) -> codes uint8 [N, K]."""
     m = ext()
     if m is not None and packed.dim() == 2 and 0 <= k <= packed.shape[1] * 8:
-        return m.unpack_ct(_words(packed), k, kernel_threads())
+        return m.unpack_ct(words(packed), k, kernel_threads())
     from .formats._common import unpack_cols
     return unpack_cols(packed)[:, :k].contiguous()
 

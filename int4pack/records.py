@@ -10,7 +10,7 @@ symmetric layout). The W4A8 target is then ``q = codes - 8`` with ``zeros == 8``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,11 +49,23 @@ class QuantLinear:
     """One linear's quantised data in the canonical convention (see module docstring)."""
 
     spec: LinearSpec
-    codes: torch.Tensor  # uint8 [N, K], values 0..15
+    codes: torch.Tensor | None  # uint8 [N, K], values 0..15 (None only while ``packed`` holds them)
     scales: torch.Tensor  # float [N, G] (source dtype)
     zeros: torch.Tensor | None  # uint8 [N, G] unsigned zero points; None means all 8 (symmetric)
     g_idx: torch.Tensor | None = None  # int64 [K]; None means k // group_size
     bias: torch.Tensor | None = None  # [N] source dtype
+    # (layout, int32 words) while the codes are still packed: 1 compressed-tensors [N, K/8], 2 GPTQ
+    # [K/8, N]; see Reader.read(unpack=False), which lets the one-pass lossless kernel skip the unpack
+    packed: tuple[int, torch.Tensor] | None = None
+
+    def unpacked(self) -> "QuantLinear":
+        """This record with ``codes`` filled in (itself when they already are)."""
+        if self.codes is not None:
+            return self
+        from . import kernels
+        layout, words = self.packed
+        codes = kernels.unpack_ct(words, self.spec.k) if layout == 1 else kernels.unpack_gptq(words)
+        return replace(self, codes=codes, packed=None)
 
     def group_index(self) -> torch.Tensor:
         if self.g_idx is not None:

@@ -425,24 +425,30 @@ def _lossless(ql: QuantLinear, g: int) -> W4A8Linear:
 def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
     """The common lossless case in one C++ pass, scale checks included; None when it does not apply.
 
+    ``ql`` may still hold its codes packed (``ql.packed``): the kernel then reads the words directly.
+
     Applies to a symmetric source without g_idx whose target groups each sit inside one source
     group, with scales that are finite and positive. Anything else (or no extension) returns None
     and the general path (``check_scales`` + ``to_w4a8``) decides and explains. Same bytes as
     ``_lossless`` (tests/test_kernels.py compares them).
     """
     m = _kernels.ext()
-    codes = ql.codes
     n, k = ql.spec.n, ql.spec.k
-    if m is None or ql.g_idx is not None or codes.dtype != torch.uint8 or tuple(codes.shape) != (n, k) \
-            or not codes.is_contiguous() or ql.scales.dim() != 2 or not ql.scales.is_floating_point():
+    if m is None or ql.g_idx is not None or ql.scales.dim() != 2 or not ql.scales.is_floating_point():
         return None
+    if ql.codes is None:  # still packed: the kernel reads the words
+        layout, data = ql.packed
+    else:
+        layout, data = 0, ql.codes
+        if data.dtype != torch.uint8 or tuple(data.shape) != (n, k) or not data.is_contiguous():
+            return None
     g = _normalize_group(group_size, k)
     zeros = _NO_ZEROS if ql.zeros is None else ql.zeros
     if zeros.dtype != torch.uint8:
         return None
     src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
-    status, q, s, tot = m.lossless_job(codes, ql.scales, zeros.contiguous(), src_group, k if g == -1 else g,
-                                       g != -1, _kernels.kernel_threads())
+    status, q, s, tot = m.lossless_job(layout, data, n, k, ql.scales, zeros.contiguous(), src_group,
+                                       k if g == -1 else g, g != -1, _kernels.kernel_threads())
     if int(status) != 0:
         return None
     st = _Stats()
@@ -461,6 +467,7 @@ def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: 
 def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear:
     """Lossless when the data allows it (see ``lossless_possible``), else requant."""
     n, k = ql.spec.n, ql.spec.k
+    ql = ql.unpacked()
     if tuple(ql.codes.shape) != (n, k):
         raise InputError(f"{ql.spec.name}: codes shape {tuple(ql.codes.shape)} != spec [{n}, {k}]",
                          tensor=ql.spec.name)

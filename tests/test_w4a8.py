@@ -600,3 +600,65 @@ def test_lossless_fast_declines_what_it_cannot_decide(what):
     if what in ("nan", "inf", "negative"):
         with pytest.raises(InputError, match="m.scales"):
             check_scales(ql)
+
+
+def _pack_words(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [R, C] (C % 8 == 0) -> int32 [R, C/8], code c in bits 4(c % 8) of word c // 8.
+    Written here with plain shifts, independently of the readers and kernels."""
+    r, c = codes.shape
+    x = codes.to(torch.int64).view(r, c // 8, 8)
+    w = torch.zeros(r, c // 8, dtype=torch.int64)
+    for i in range(8):
+        w |= x[:, :, i] << (4 * i)
+    return (w - ((w >> 31) & 1) * (1 << 32)).to(torch.int32)  # two's complement int32
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+@pytest.mark.parametrize("src_g,g,dtype", [(128, 128, torch.float16), (128, 32, torch.float16), (64, 64, BF16),
+                                           (256, -1, torch.float32)])
+def test_lossless_fast_on_packed_words(monkeypatch, layout, src_g, g, dtype):
+    """The kernel reading compressed-tensors [N, K/8] or GPTQ [K/8, N] words gives the same bytes as
+    the general path on the unpacked codes."""
+    from dataclasses import replace
+
+    from int4pack import kernels
+    from int4pack.w4a8 import lossless_fast
+    if kernels.ext() is None:
+        pytest.skip("convert_kernels extension unavailable")
+    ql = _with_scale_dtype(rand_ql("m", 40, 256, src_g, seed=7 + layout), dtype, rough=True)
+    words = _pack_words(ql.codes)  # [N, K/8]
+    if layout == 2:  # GPTQ: the same words along K, stored [K/8, N]
+        words = words.t().contiguous()
+    packed = replace(ql, codes=None, packed=(layout, words))
+    assert torch.equal(packed.unpacked().codes, ql.codes)  # the packing above is the reader's layout
+    fast = lossless_fast(packed, g)
+    ref = _general_lossless(monkeypatch, ql, g)
+    assert fast is not None
+    assert torch.equal(fast.q, ref.q)
+    assert torch.equal(fast.scales.float(), ref.scales.float()) and fast.scales.dtype == ref.scales.dtype
+    for key in ("rel_l2", "max_abs", "cosine"):
+        assert fast.error[key] == pytest.approx(ref.error[key], rel=1e-5, abs=1e-12), key
+    # a zero point off 8 in the last row: declined, and the record still unpacks for the general path
+    packed.zeros = torch.full_like(ql.scales, 8, dtype=torch.uint8)
+    packed.zeros[-1, -1] = 9
+    assert lossless_fast(packed, g) is None
+    assert torch.equal(packed.unpacked().codes, ql.codes)
+
+
+@pytest.mark.parametrize("name", ["gptq_q3_sym", "gptq_q3_asym", "ct_qwen3moe_w4a16", "mf_mixtral"])
+def test_readers_packed_records_unpack_to_the_same_codes(name):
+    from int4pack.checkpoint import Checkpoint
+    from int4pack.formats import open_reader
+    folder = FIXTURES / name
+    if not folder.is_dir():
+        pytest.skip(f"fixture {name} missing")
+    with Checkpoint(folder) as ck:
+        reader = open_reader(ck)
+        specs = [s for s in reader.linears().values() if not s.refused]
+        assert specs
+        for s in specs:
+            a = reader.read(s)
+            b = reader.read(s, unpack=False)
+            assert torch.equal(b.unpacked().codes, a.codes), s.name
+            assert torch.equal(b.scales, a.scales)
+            assert (a.zeros is None) == (b.zeros is None)

@@ -27,7 +27,9 @@ class Reader(Protocol):
 
     def linears(self) -> dict[str, LinearSpec]: ...
 
-    def read(self, spec: LinearSpec) -> QuantLinear: ...
+    def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
+        """The module's data. unpack=False may leave the codes packed (QuantLinear.packed)."""
+        ...
 
 
 def open_reader(ckpt: Checkpoint) -> Reader:

@@ -103,7 +103,7 @@ class AWQReader:
         return FormatVerdict(format="awq", detail="awq gemm", evidence=evidence,
                              extra={"version": self.version})
 
-    def read(self, spec: LinearSpec) -> QuantLinear:
+    def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:  # AWQ is asymmetric: always unpacked
         ck = self.ckpt
         codes = kernels.unpack_awq(ck.get(f"{spec.name}.qweight"))  # [N, K]
         zeros = unpack_cols(ck.get(f"{spec.name}.qzeros"), AWQ_SHIFTS).t().contiguous()  # [N, G]

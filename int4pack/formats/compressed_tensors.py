@@ -341,12 +341,15 @@ class CompressedTensorsReader:
         return FormatVerdict(format="compressed-tensors", detail=detail, evidence=evidence, warnings=warnings,
                              extra={"ct_version": self.version, "ct_format": "/".join(formats)})
 
-    def read(self, spec: LinearSpec) -> QuantLinear:
+    def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         if spec.refused:
             raise RefusedError(f"{spec.name}: {spec.refused}", tensor=spec.name,
                                hint="Only int4 weights can be converted.")
         ck = self.ckpt
-        if spec.fmt == "ct-pack":
+        packed = None
+        if spec.fmt == "ct-pack" and not unpack:
+            codes, packed = None, (1, kernels.words(ck.get(f"{spec.name}.weight_packed")))
+        elif spec.fmt == "ct-pack":
             codes = kernels.unpack_ct(ck.get(f"{spec.name}.weight_packed"), spec.k)
         else:
             codes = self._int_codes(f"{spec.name}.weight")
@@ -360,7 +363,7 @@ class CompressedTensorsReader:
             g = read_g_idx(ck, f"{spec.name}.weight_g_idx", spec.k, spec.groups)
             g_idx = None if is_trivial_g_idx(g, spec.group_size) else g
         bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
-        return QuantLinear(spec, codes, scales, zeros, g_idx, bias)
+        return QuantLinear(spec, codes, scales, zeros, g_idx, bias, packed)
 
     def _int_codes(self, name: str) -> torch.Tensor:
         q = self.ckpt.get(name).to(torch.int16)

@@ -269,13 +269,18 @@ class GPTQReader:
             self._verdict = self._detect(self.linears())
         return self._verdict
 
-    def read(self, spec: LinearSpec) -> QuantLinear:
+    def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         if spec.refused:
             raise RefusedError(f"{spec.name}: {spec.refused}", tensor=spec.name,
                                hint="Only 4-bit modules can be converted.")
         ck = self.ckpt
         conv = self.verdict().extra["zero_convention"]
-        codes = kernels.unpack_gptq(ck.get(f"{spec.name}.qweight"))  # [N, K]
+        qweight = ck.get(f"{spec.name}.qweight")
+        packed = None
+        if unpack:
+            codes = kernels.unpack_gptq(qweight)  # [N, K]
+        else:
+            codes, packed = None, (2, kernels.words(qweight))
         words = as_uint32(ck.get(f"{spec.name}.qzeros"))
         if conv == "v1":
             if not spec.sym and bool((unpack_cols(words) == 0xF).any()):
@@ -290,4 +295,4 @@ class GPTQReader:
             g = read_g_idx(ck, f"{spec.name}.g_idx", spec.k, spec.groups)
             g_idx = None if is_trivial_g_idx(g, spec.group_size) else g
         bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
-        return QuantLinear(spec, codes, scales, zeros, g_idx, bias)
+        return QuantLinear(spec, codes, scales, zeros, g_idx, bias, packed)
