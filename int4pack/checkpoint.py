@@ -404,6 +404,39 @@ class Checkpoint:
         self.read_into(name, memoryview(out.numpy()))
         return out.view(dt).view(t.shape)
 
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor straight over the mapped file, no copy (for the large packed weights).
+
+        Pair it with ``release(name)`` once done, which unmaps its pages again so RSS stays bounded
+        by the tensors in flight. The mapping is private copy-on-write: nothing can reach the file.
+        Falls back to ``get`` (a copy) where the data is not aligned for its dtype.
+        """
+        t = self.info(name)
+        dt = DTYPES[t.dtype]
+        item = torch.empty((), dtype=dt).element_size()
+        if t.numel == 0 or t.begin % item:
+            return self.get(name)
+        mv = self.raw(name)
+        m = self._maps[t.file]
+        lo = t.begin - t.begin % mmap.PAGESIZE
+        try:
+            m.madvise(mmap.MADV_WILLNEED, lo, t.end - lo)  # one readahead for the whole tensor
+        except (OSError, ValueError, AttributeError):
+            pass
+        return torch.frombuffer(mv, dtype=dt).view(t.shape)
+
+    def release(self, name: str) -> None:
+        """Drop this process's pages of a tensor read with ``view`` (the page cache keeps them)."""
+        t = self.tensors.get(name)
+        m = self._maps.get(t.file) if t is not None else None
+        if m is None or t.end <= t.begin:
+            return
+        lo = t.begin - t.begin % mmap.PAGESIZE
+        try:
+            m.madvise(mmap.MADV_DONTNEED, lo, t.end - lo)
+        except (OSError, ValueError, AttributeError):
+            pass
+
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> None:
         """Fill ``buf`` with the tensor's bytes from ``offset`` on (positional reads, thread-safe)."""
         t = self.info(name)

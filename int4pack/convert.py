@@ -31,6 +31,7 @@ from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_name
 
 __all__ = ["convert", "run_job", "check_scales", "REPORT_NAME", "NullProgress"]
 
+FLUSH_BYTES = 256 << 20  # write-back step of an open shard
 _NOT_LINEAR = re.compile(r"(embed|norm|wte|wpe|rotary|position)", re.I)
 
 
@@ -98,11 +99,17 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
         return [(job.source, ckpt.slice(job.source))], {}  # streamed by the writer in chunks
     roles = plan.layout.roles
     if job.kind == "linear":
-        ql = reader.read(job.specs[0], unpack=False)  # codes may stay packed for the one-pass kernel
-        w = lossless_fast(ql, plan.group_size)  # the common case in one C++ pass, checks included
+        ql = reader.read(job.specs[0], unpack=False)  # codes may stay packed (and mapped) for the one-pass kernel
+        try:
+            w = lossless_fast(ql, plan.group_size)  # the common case in one C++ pass, checks included
+            if w is None:
+                ql = ql.unpacked()
+        finally:
+            for key in job.specs[0].keys:
+                ckpt.release(key)  # unmap the packed words read in place; RSS stays bounded
         if w is not None:
             return _outputs([w], roles)
-        qls = [ql.unpacked()]
+        qls = [ql]
     else:
         qls: list[QuantLinear] = [reader.read(s) for s in job.specs]
     for ql in qls:
@@ -279,6 +286,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     planned = {n: [OutTensor(rename.get(t.name, t.name), t.dtype, t.shape) for t in s]
                for n, s in zip(names, shards) if n not in trusted}
     left = {n: len(ts) for n, ts in planned.items()}  # tensors not yet consumed, per shard
+    unflushed = dict.fromkeys(planned, 0)  # bytes consumed since the shard's last flush
     files: dict[str, ShardFile] = {}
     files_lock = threading.Lock()
     shard_results: dict[str, dict] = {}  # shard -> per-tensor results for its header
@@ -328,6 +336,12 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
                 res[out_name] = {k: v for k, v in job_stats[mod].items() if k in ("path", "rel_l2", "max_abs")}
             progress.advance(size_of[t.name], 1)
             left[shard] -= 1
+            unflushed[shard] += size_of[t.name]
+            if unflushed[shard] >= FLUSH_BYTES and left[shard]:
+                # write back while the workers compute: a 5 GB shard's single fsync at the end
+                # would otherwise hold the run up for seconds (the page cache lets it all pile up)
+                closing.append(finisher.submit(files[shard].flush))
+                unflushed[shard] = 0
             if left[shard] == 0:
                 closing.append(finisher.submit(close_shard, shard, shard_results.pop(shard, {}), dict(pending_stats)))
                 pending_stats.clear()

@@ -180,6 +180,13 @@ class ShardFile:
             self.crc[name] = crc
         return crc
 
+    def flush(self) -> None:
+        """Push what is written so far to the disk (so the final fsync has little left to wait for)."""
+        try:
+            os.fdatasync(self._fh.fileno())
+        except OSError as e:
+            raise _disk_error(self.tmp, e) from e
+
     def finish(self, results: dict[str, dict]) -> dict:
         """Write the final header (with per-tensor results), fsync, rename. Returns checksums."""
         if not self.complete():

@@ -4,9 +4,10 @@
     python scripts/profile_convert.py SRC [--jobs 200] [--cprofile]
 
 Runs the first --jobs conversion jobs of SRC's plan in this thread, the way a convert worker
-does, and times each stage separately: pread of the source tensors, nibble unpack (reader),
-the W4A8 compute with its checks (lossless / requant), then what the writer does per output
-byte (the write into the page cache, and the CRC-32). Prints seconds, share and Mparam/s per stage.
+does, and times each stage separately: the reader (mapping or reading the source tensors, and
+any unpacking), the W4A8 compute with its checks (lossless / requant; the one-pass lossless
+kernel also unpacks), then what the writer does per output byte (the write into the page
+cache, and the CRC-32). Prints seconds, share and Mparam/s per stage.
 --cprofile adds the top functions by own time.
 """
 
@@ -43,7 +44,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ext = kernels.ext()
     print(f"extension: {'loaded' if ext is not None else 'MISSING: ' + str(_ext.build_error('convert_kernels'))}")
-    t = {k: 0.0 for k in ("pread", "unpack+read", "w4a8+checks", "write", "crc32")}
+    t = {k: 0.0 for k in ("read", "w4a8+checks", "write", "crc32")}
     clock = time.thread_time
     with Checkpoint(a.src) as ck:
         plan = make_plan(ck)
@@ -58,11 +59,6 @@ def main() -> None:
             prof.enable()
         try:
             for j in jobs:
-                t0 = clock()
-                for s in j.specs:  # the raw reads alone (the reader repeats them: subtracted below)
-                    for key in s.keys:
-                        if key in ck.tensors:
-                            ck.get(key)
                 t1 = clock()
                 qls = [plan.reader.read(s, unpack=j.kind != "linear") for s in j.specs]
                 t2 = clock()
@@ -74,6 +70,9 @@ def main() -> None:
                         check_scales(ql)
                         w = to_w4a8(ql, plan.group_size)
                     outs.append(w)
+                for s in j.specs:
+                    for key in s.keys:
+                        ck.release(key)
                 t3 = clock()
                 bufs = [to_bytes(x) for w in outs for x in (w.q, w.scales)]
                 for b in bufs:
@@ -83,8 +82,7 @@ def main() -> None:
                 for b in bufs:
                     crc = zlib.crc32(b, crc)
                 t5 = clock()
-                t["pread"] += t1 - t0
-                t["unpack+read"] += (t2 - t1) - (t1 - t0)
+                t["read"] += t2 - t1
                 t["w4a8+checks"] += t3 - t2
                 t["write"] += t4 - t3
                 t["crc32"] += t5 - t4

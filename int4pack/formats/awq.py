@@ -105,7 +105,8 @@ class AWQReader:
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:  # AWQ is asymmetric: always unpacked
         ck = self.ckpt
-        codes = kernels.unpack_awq(ck.get(f"{spec.name}.qweight"))  # [N, K]
+        codes = kernels.unpack_awq(ck.view(f"{spec.name}.qweight"))  # [N, K]
+        ck.release(f"{spec.name}.qweight")  # (read mapped: no copy of the packed words)
         zeros = unpack_cols(ck.get(f"{spec.name}.qzeros"), AWQ_SHIFTS).t().contiguous()  # [N, G]
         scales = owned(ck.get(f"{spec.name}.scales").t())
         bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None

@@ -348,9 +348,10 @@ class CompressedTensorsReader:
         ck = self.ckpt
         packed = None
         if spec.fmt == "ct-pack" and not unpack:
-            codes, packed = None, (1, kernels.words(ck.get(f"{spec.name}.weight_packed")))
+            codes, packed = None, (1, kernels.words(ck.view(f"{spec.name}.weight_packed")))  # mapped
         elif spec.fmt == "ct-pack":
-            codes = kernels.unpack_ct(ck.get(f"{spec.name}.weight_packed"), spec.k)
+            codes = kernels.unpack_ct(ck.view(f"{spec.name}.weight_packed"), spec.k)
+            ck.release(f"{spec.name}.weight_packed")
         else:
             codes = self._int_codes(f"{spec.name}.weight")
         scales = ck.get(f"{spec.name}.weight_scale")

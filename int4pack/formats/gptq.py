@@ -275,10 +275,11 @@ class GPTQReader:
                                hint="Only 4-bit modules can be converted.")
         ck = self.ckpt
         conv = self.verdict().extra["zero_convention"]
-        qweight = ck.get(f"{spec.name}.qweight")
+        qweight = ck.view(f"{spec.name}.qweight")  # mapped; convert releases it after the job
         packed = None
         if unpack:
             codes = kernels.unpack_gptq(qweight)  # [N, K]
+            ck.release(f"{spec.name}.qweight")
         else:
             codes, packed = None, (2, kernels.words(qweight))
         words = as_uint32(ck.get(f"{spec.name}.qzeros"))
