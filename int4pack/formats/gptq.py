@@ -282,14 +282,20 @@ class GPTQReader:
             ck.release(f"{spec.name}.qweight")
         else:
             codes, packed = None, (2, kernels.words(qweight))
-        words = as_uint32(ck.get(f"{spec.name}.qzeros"))
-        if conv == "v1":
-            if not spec.sym and bool((unpack_cols(words) == 0xF).any()):
-                spec.notes.append("v1 zero nibble 0xF (zero point 0) decoded with whole-word carry")
-            words = (words + V1_OFFSET) & 0xFFFFFFFF
-        zeros = unpack_cols(words)[:, : spec.n].t().contiguous()  # [N, G]
-        if bool((zeros == 8).all()):
-            zeros = None
+        raw = ck.get(f"{spec.name}.qzeros")
+        # the symmetric case in one comparison: every word 0x88888888 (0x77777777 as v1 stores it)
+        all8 = spec.n % 8 == 0 and raw.dtype == torch.int32 and bool(
+            (raw == (0x77777777 if conv == "v1" else 0x88888888 - (1 << 32))).all())
+        zeros = None
+        if not all8:
+            words = as_uint32(raw)
+            if conv == "v1":
+                if not spec.sym and bool((unpack_cols(words) == 0xF).any()):
+                    spec.notes.append("v1 zero nibble 0xF (zero point 0) decoded with whole-word carry")
+                words = (words + V1_OFFSET) & 0xFFFFFFFF
+            zeros = unpack_cols(words)[:, : spec.n].t().contiguous()  # [N, G]
+            if bool((zeros == 8).all()):
+                zeros = None
         scales = owned(ck.get(f"{spec.name}.scales").t())
         g_idx = None
         if f"{spec.name}.g_idx" in ck.tensors:
