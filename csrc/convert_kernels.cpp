@@ -211,7 +211,7 @@ struct Req {
   int8_t* q = nullptr;
   float* s = nullptr;
   uint8_t* flags = nullptr;
-  double* rowstats = nullptr;  // [N, 6]: dd, ww, vv, wv, baseline sse, max_abs
+  double* rowstats = nullptr;  // [N, 6]: dd, ww, vv, wv, baseline sse, max_abs (see ReqRow)
 };
 
 inline float ship(const Req& p, float x) {
@@ -221,8 +221,25 @@ inline float ship(const Req& p, float x) {
 
 // 8 floats; GCC/Clang vector extensions: plain SIMD on every target (SSE2 pairs, AVX2, NEON)
 typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint64_t u64x4 __attribute__((vector_size(32)));
 
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define I4P_HAS_SHUFFLEVECTOR 1
+#endif
+#endif
+#ifdef I4P_HAS_SHUFFLEVECTOR
+// x in every lane; not written {x, x, ...}: GCC 12 assembles that lane by lane (through the stack)
+// in target_clones functions, where a shuffle of lane 0 gives one broadcast
+typedef float v4f_splat __attribute__((vector_size(16)));
+inline v8f splat(float x) {
+  const v4f_splat v = {x, 0.0f, 0.0f, 0.0f};
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+#else
 inline v8f splat(float x) { return x - v8f{}; }
+#endif
 inline v8f load8(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof(v));
@@ -271,199 +288,875 @@ struct Group {
   // difference of two: |computed - exact| <= (n + 2) u e2 + 2 u sqrt(e2 * sum (q s)^2), and
   // sum (q s)^2 <= 2 xx + 2 e2; the sqrt term is taken at the largest e2 of the candidates
   void set_max(double emax) { k = 8.0 * kU * std::sqrt(emax * (2.0 * xx + 2.0 * emax)) + 1e-300; }
-  double bound(double e2) const { return (2.0 * static_cast<double>(n) + 16.0) * kU * e2 + k; }
+  double slope() const { return (2.0 * static_cast<double>(n) + 16.0) * kU; }
+  double bound(double e2) const { return slope() * e2 + k; }
 };
 
-// first minimum, and whether every other candidate with a different scale is clearly worse
-inline int pick(const float* cand, const float* e, int m, const Group& gr, bool& ambiguous) {
+// helpers of the I4P_CLONES functions are forced inline: a call would run their default build
+#define I4P_INLINE inline __attribute__((always_inline))
+#define I4P_LAMBDA_INLINE __attribute__((always_inline))
+
+// the first minimum of e[0..m) (the first candidate wins ties); emax takes the largest e
+I4P_INLINE int first_min(const float* e, int m, float& emax) {
   int best = 0;
-  for (int i = 1; i < m; ++i)
-    if (e[i] < e[best]) best = i;
-  const double bb = gr.bound(e[best]);
-  for (int i = 0; i < m; ++i) {
-    if (i == best || cand[i] == cand[best]) continue;
-    const double d = static_cast<double>(e[i]) - static_cast<double>(e[best]);
-    if (!(d > gr.bound(e[i]) + bb)) ambiguous = true;
+  float eb = e[0], mx = emax < e[0] ? e[0] : emax;
+  for (int i = 1; i < m; ++i) {  // branch-free: which candidate wins is data
+    const bool lt = e[i] < eb;
+    best = lt ? i : best;
+    eb = lt ? e[i] : eb;
+    mx = mx < e[i] ? e[i] : mx;
   }
+  emax = mx;
   return best;
 }
 
+// whether some candidate with another scale than the winner's is not clearly worse, i.e.
+// !(e[i] - e[best] > bound(e[i]) + bound(e[best])). With bound(e) = A e + k that reads
+// e[i] > t = (e[best] (1 + A) + 2 k) / (1 - A) = e[best] ca + k cb (CloseCall): t is taken in
+// double, rounded up to a float and compared with 8 lanes at a time (e and cand padded).
+// Rounding t up can only call more groups close (they go to torch: never a wrong byte); the
+// relative 2^-40 covers the double roundings of the rearrangement, far below the slack of the bound.
+struct CloseCall {
+  double ca = 0.0, cb = 0.0;
+  bool never = true;  // A >= 1/2: no K comes near, but then call everything close
+  explicit CloseCall(int64_t n) {
+    const double a = Group{n, 0.0}.slope();
+    never = !(a < 0.5);
+    ca = (1.0 + a) / (1.0 - a) * (1.0 + 0x1p-40);
+    cb = 2.0 / (1.0 - a) * (1.0 + 0x1p-40);
+  }
+  I4P_INLINE bool operator()(const float* cand, const float* e, int m, int best, const Group& gr) const {
+    if (never) return true;
+    const double t = static_cast<double>(e[best]) * ca + gr.k * cb;
+    float tf = static_cast<float>(t);  // t >= 0; one float step up when the cast rounded down
+    uint32_t u;
+    std::memcpy(&u, &tf, 4);
+    u += static_cast<double>(tf) < t && u < 0x7F800000u;
+    std::memcpy(&tf, &u, 4);
+    const v8f vt = splat(tf), cb8 = splat(cand[best]);
+    const v8f iota = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f};
+    i32x8 amb = {};
+    for (int i = 0; i < m; i += 8) {  // the winner has cand == cb8; lanes from m on are padding
+      const v8f ev = load8(e + i), cv = load8(cand + i);
+      amb |= (cv != cb8) & ~(ev > vt) & (iota + splat(static_cast<float>(i)) < splat(static_cast<float>(m)));
+    }
+    const u64x4 o = (u64x4)amb;
+    return ((o[0] | o[1]) | (o[2] | o[3])) != 0;
+  }
+};
+
+// ---- requant, shared by both evaluations
+
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// ship() on 8 lanes
+I4P_INLINE v8f ship8(const Req& p, v8f x) {
+  if (p.bf16) {
+    u32x8 u = (u32x8)x;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    x = (v8f)(u & 0xFFFF0000u);
+  }
+  return x < splat(kTiny) ? splat(kTiny) : x;
+}
+
+// w4a8._search_chunk for one group of the element path (Search::decide runs the steps):
+//   m = begin(...)      the scales to evaluate, cand[0..m)
+//   err[0..m) = the group's sum of squared errors at each (a float, as group_sse gives it)
+//   m2 = coarse(...)    the fine pass's scales, cand2[0..m2) (none: 0)
+//   err2[0..m2) = the errors there; fine(m2)
+//   finish()            the shipped scale; flag holds the flag bits, base_e the RTN error.
+// The arrays are padded so that 8 lanes can be read and written at any candidate.
+// hist::search is the same search with 8 groups in the lanes of every step: keep them alike.
+struct Decision {
+  float* cand = nullptr;
+  float* err = nullptr;
+  float* ratio = nullptr;  // ratio[1..nc) = the coarse ratios, set once
+  float* cand2 = nullptr;
+  float* err2 = nullptr;
+  Group gr{0, 0.0};
+  CloseCall close_call{0};  // for the n of the groups (set by Search)
+  float base = 1.0f, best_s = 0.0f, best_e = 0.0f, base_e = 0.0f, emax = 0.0f;
+  bool zero = false, amb = false;
+  uint8_t flag = 0;
+
+  // a group of n values in [wmin, wmax] with sum of squares xx
+  I4P_INLINE int begin(const Req& p, int nc, int64_t n, float wmin, float wmax, double xx) {
+    const float amax = std::max(wmax, -wmin);
+    zero = amax == 0.0f;
+    const float rtn = amax / 7.0f;
+    gr = Group{n, xx};
+    flag = 0;
+    amb = false;
+    // far outside any real weight the float32 sums could under/overflow: let torch decide
+    if (!zero && (amax < 1e-18f || amax > 1e17f)) flag |= kAmbiguous;
+    if (!p.search) {
+      cand[0] = ship(p, rtn);
+      return 1;
+    }
+    base = std::max(wmax / 7.0f, wmin / -8.0f);
+    if (!(base > 0.0f)) base = 1.0f;
+    ratio[0] = rtn / base;
+    for (int c = 0; c < nc; c += 8) {  // cand[c] = ship(p, base * ratio[c])
+      const v8f t = ship8(p, splat(base) * load8(ratio + c));
+      std::memcpy(cand + c, &t, sizeof(t));
+    }
+    return nc;
+  }
+
+  I4P_INLINE int coarse(const Req& p, int nc, int nf, const float* fine) {
+    if (!p.search) {
+      best_s = cand[0];
+      best_e = base_e = err[0];
+      return 0;
+    }
+    emax = 0.0f;
+    const int ib = first_min(err, nc, emax);
+    gr.set_max(emax);
+    amb = close_call(cand, err, nc, ib, gr);
+    best_s = cand[ib];
+    best_e = err[ib];
+    base_e = err[0];
+    if (!(nf > 0 && nc > 2)) return 0;
+    const float rho = ratio[ib];
+    for (int f = 0; f < nf; f += 8) {  // cand2[f] = ship(p, base * (rho + fine[f]))
+      const v8f t = ship8(p, splat(base) * (splat(rho) + load8(fine + f)));
+      std::memcpy(cand2 + f, &t, sizeof(t));
+    }
+    return nf;
+  }
+
+  I4P_INLINE void fine(int nf) {
+    const int jb = first_min(err2, nf, emax);
+    gr.set_max(emax);
+    // ambf: whether the fine argmin is a close call among the fine candidates (only looked at
+    // where it matters)
+    if (cand2[jb] != best_s) {
+      const double d = static_cast<double>(err2[jb]) - static_cast<double>(best_e);
+      const double b = gr.bound(err2[jb]) + gr.bound(best_e);
+      if (d > b) {
+        // every fine candidate loses to the coarse winner: which of them is the fine
+        // argmin (ambf) does not matter (bound(e) = A e + k with A < 1: e - bound(e) grows)
+      } else if (-d > b) {
+        best_s = cand2[jb];
+        best_e = err2[jb];
+        amb = amb || close_call(cand2, err2, nf, jb, gr);
+      } else {
+        amb = true;
+      }
+    } else {
+      // a near-tied fine candidate might be torch's argmin and beat it
+      amb = amb || close_call(cand2, err2, nf, jb, gr);
+    }
+  }
+
+  I4P_INLINE float finish() {
+    if (zero) {
+      best_s = 1.0f;
+      flag |= kZero;
+      amb = false;
+    }
+    if (amb) flag |= kAmbiguous;
+    return best_s;
+  }
+};
+
+// the candidate search's scratch (one per thread): the element path's Decision, and the
+// candidates of a histogram batch
+struct Search {
+  static constexpr int kSlots = 8;  // groups in a batch of the histogram path
+  int nc = 0, nf = 0;
+  std::vector<float> fine, pool;
+  // the batch's candidates and errors, [candidate][lane] (floats: a vector type in memory may be
+  // less aligned than the AVX2 clone assumes, so vectors go through load8 / store8)
+  std::vector<float> bcand, berr, bcand2, berr2;
+  Decision d;
+  CloseCall close_call;
+  static int padded(int m) { return (m + 7) / 8 * 8 + 8; }
+  explicit Search(const Req& p)
+      : nc(1 + static_cast<int>(p.coarse.size())), nf(static_cast<int>(p.fine.size())),
+        fine(padded(nf), 0.0f), close_call(p.g) {
+    std::copy(p.fine.begin(), p.fine.end(), fine.begin());
+    const int a = padded(nc), b = padded(nf);
+    pool.assign(static_cast<size_t>(3 * a + 2 * b), 1.0f);
+    bcand.assign(static_cast<size_t>(a) * kSlots, 1.0f);
+    berr.assign(bcand.size(), 0.0f);
+    bcand2.assign(static_cast<size_t>(b) * kSlots, 1.0f);
+    berr2.assign(bcand2.size(), 0.0f);
+    float* q = pool.data();
+    d.close_call = close_call;
+    d.cand = q;
+    d.err = q + a;
+    d.ratio = q + 2 * a;
+    d.cand2 = q + 3 * a;
+    d.err2 = q + 3 * a + b;
+    std::copy(p.coarse.begin(), p.coarse.end(), d.ratio + 1);
+  }
+  // the whole search for one group, sse(cand, err, m) evaluating
+  template <class Sse>
+  I4P_INLINE float decide(const Req& p, Decision& s, int64_t n, float wmin, float wmax, double xx,
+                          const Sse& sse) {
+    sse(s.cand, s.err, s.begin(p, nc, n, wmin, wmax, xx));
+    const int m2 = s.coarse(p, nc, nf, fine.data());
+    if (m2 > 0) {
+      sse(s.cand2, s.err2, m2);
+      s.fine(m2);
+    }
+    return s.finish();
+  }
+};
+
+// one row's statistics against the float source, added into p.rowstats (zeroed when the row
+// starts). A group handed to torch (kAmbiguous) adds only what does not depend on its decision
+// (ww, base_sse): kernels._redo_with_torch adds the rest.
+struct ReqRow {
+  double* st;  // dd, ww, vv, wv, base_sse, max_abs
+  I4P_INLINE void add(uint8_t flag, double gdd, double gww, double gvv, double gwv, float base_e, double gmax) {
+    st[1] += gww;
+    st[4] += static_cast<double>(base_e);  // already a sum of squares
+    if (flag & kAmbiguous) return;
+    st[0] += gdd;
+    st[2] += gvv;
+    st[3] += gwv;
+    st[5] = std::max(st[5], gmax);
+  }
+};
+
+// a group holding a NaN or Inf: the caller lets the torch path raise
+I4P_INLINE void non_finite_group(const Req& p, int64_t r, int64_t j) {
+  const int64_t groups = p.k / p.g;
+  p.flags[r * groups + j] = kNonFinite;
+  p.s[r * groups + j] = std::numeric_limits<float>::quiet_NaN();
+  std::memset(p.q + r * p.k + j * p.g, 0, p.g);
+}
+
+// x[i] for i in [i0, i1): the source dequantised as w4a8._source_rows does ((codes - z) * s)
+I4P_INLINE void dequant_range(const Req& p, int64_t r, int64_t i0, int64_t i1, float* x) {
+  const uint8_t* c = p.codes + r * p.k;
+  const float* sc = p.sscale + r * p.src_groups;
+  const uint8_t* z = p.zeros ? p.zeros + r * p.src_groups : nullptr;
+  if (p.gidx) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t gi = p.gidx[i];
+      const float zz = z ? static_cast<float>(z[gi]) : 8.0f;
+      x[i] = (static_cast<float>(c[i]) - zz) * sc[gi];
+    }
+    return;
+  }
+  for (int64_t j = i0 / p.src_group; j * p.src_group < i1; ++j) {
+    const int64_t a = std::max(i0, j * p.src_group), b = std::min(i1, (j + 1) * p.src_group);
+    const float zz = z ? static_cast<float>(z[j]) : 8.0f;
+    const float sj = sc[j];
+    for (int64_t i = a; i < b; ++i) x[i] = (static_cast<float>(c[i]) - zz) * sj;
+  }
+}
+
+// ---- element evaluation: any float group (float source, g_idx, a group spanning source groups)
+
+I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, const float* xg, ReqRow& acc) {
+  const int64_t k = p.k, g = p.g, groups = k / g;
+  v8f lo = splat(xg[0]), hi = lo, ss = {}, nanchk = {};
+  float wmin = xg[0], wmax = xg[0], chk = 0.0f;
+  double xx = 0;
+  int64_t i = 0;
+  for (; i + 8 <= g; i += 8) {
+    const v8f v = load8(xg + i);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+    ss += v * v;
+    nanchk += v * splat(0.0f);
+  }
+  for (; i < g; ++i) {
+    const float v = xg[i];
+    wmin = v < wmin ? v : wmin;
+    wmax = v > wmax ? v : wmax;
+    xx += static_cast<double>(v) * v;
+    chk += v * 0.0f;
+  }
+  for (int l = 0; l < 8; ++l) {
+    wmin = lo[l] < wmin ? lo[l] : wmin;
+    wmax = hi[l] > wmax ? hi[l] : wmax;
+    chk += nanchk[l];
+  }
+  xx += hsum(ss);
+  if (!(chk == 0.0f)) {
+    non_finite_group(p, r, j);
+    return;
+  }
+  {
+    // past the guard of Decision::begin the float32 squares under/overflow: the sum again in double
+    // (torch decides such a group, but ww is taken from here)
+    const float amax = std::max(wmax, -wmin);
+    if (amax != 0.0f && !(amax >= 1e-18f && amax <= 1e17f)) {
+      xx = 0;
+      for (int64_t t = 0; t < g; ++t) xx += static_cast<double>(xg[t]) * xg[t];
+    }
+  }
+  Decision& dec = w.d;
+  const float best_s = w.decide(p, dec, g, wmin, wmax, xx, [&](const float* cand, float* err, int m)
+                                                            I4P_LAMBDA_INLINE {
+    for (int i = 0; i < m; ++i) err[i] = group_sse(xg, g, cand[i]);
+  });
+  const float base_e = dec.base_e;
+  const uint8_t flag = dec.flag;
+  // final q, and the statistics against the float source
+  const float rs = 1.0f / best_s;
+  int8_t* qg = p.q + r * k + j * g;
+  double gdd = 0, gvv = 0, gwv = 0, gmax = 0;
+  const v8f vrs = splat(rs), vb = splat(best_s);
+  v8f add = {}, avv = {}, awv = {}, amx = {};
+  int64_t t = 0;
+  for (; t + 8 <= g; t += 8) {
+    const v8f x0 = load8(xg + t);
+    const v8f u = qround(x0 * vrs);
+    for (int l = 0; l < 8; ++l) qg[t + l] = static_cast<int8_t>(u[l]);
+    const v8f v = u * vb;  // torch: dequantize_w4a8, then v - w in float
+    const v8f d = v - x0;
+    add += d * d;
+    avv += v * v;
+    awv += v * x0;
+    const v8f ad = d < splat(0.0f) ? -d : d;
+    amx = ad > amx ? ad : amx;
+  }
+  for (; t < g; ++t) {
+    const float u = qround1(xg[t] * rs);
+    qg[t] = static_cast<int8_t>(u);
+    const float v = u * best_s, d = v - xg[t];
+    gdd += static_cast<double>(d) * d;
+    gvv += static_cast<double>(v) * v;
+    gwv += static_cast<double>(v) * xg[t];
+    gmax = std::max(gmax, static_cast<double>(std::fabs(d)));
+  }
+  gdd += hsum(add);
+  gvv += hsum(avv);
+  gwv += hsum(awv);
+  for (int l = 0; l < 8; ++l) gmax = std::max(gmax, static_cast<double>(amx[l]));
+  acc.add(flag, gdd, xx, gvv, gwv, base_e, gmax);
+  p.s[r * groups + j] = best_s;
+  p.flags[r * groups + j] = flag;
+}
+
+// ---- histogram evaluation: int4 codes, the group inside one source group
+//
+// Such a group holds at most 16 distinct values x_c = (c - z) * s, so every candidate's error is
+// sum_c count[c] * d_c^2 with d_c the very float32 value the element loop computes for x_c. The
+// weighted sum is taken in double: it is closer to the exact sum than the element loop's float32
+// sum, so the bound of Group (which covers either) still guards every decision, and ambiguous
+// groups still go to torch. The final q is a 16-entry table code -> q.
+
+namespace hist {
+
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint8_t u8x32_unaligned __attribute__((vector_size(32), aligned(1)));
+typedef double f64x8 __attribute__((vector_size(64)));
+
+// the table tricks below read bytes of wider lanes: little-endian only (else the element path)
+constexpr bool kEnabled = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
+
+#if defined(__clang__)
+#define I4P_SHUF(T, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define I4P_SHUF(T, a, b, ...) __builtin_shuffle(a, b, T{__VA_ARGS__})
+#endif
+#define I4P_SHUF8(a, b, ...) I4P_SHUF(u8x32, a, b, __VA_ARGS__)
+#if defined(__clang__)
+#define I4P_UNROLL16 _Pragma("unroll 16")
+#else
+#define I4P_UNROLL16 _Pragma("GCC unroll 16")
+#endif
+
+// four rounds of "interleave two vectors, add" (bytes, pairs, quads, halves; each 128-bit half
+// on its own, as the unpack instructions work) sum 16 vectors across the bytes of each half
+inline u8x32 zip8(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                   16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55) +
+         I4P_SHUF8(a, b, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
+                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63);
+}
+inline u8x32 zip16(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 1, 32, 33, 2, 3, 34, 35, 4, 5, 36, 37, 6, 7, 38, 39,
+                   16, 17, 48, 49, 18, 19, 50, 51, 20, 21, 52, 53, 22, 23, 54, 55) +
+         I4P_SHUF8(a, b, 8, 9, 40, 41, 10, 11, 42, 43, 12, 13, 44, 45, 14, 15, 46, 47,
+                   24, 25, 56, 57, 26, 27, 58, 59, 28, 29, 60, 61, 30, 31, 62, 63);
+}
+inline u8x32 zip32(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 1, 2, 3, 32, 33, 34, 35, 4, 5, 6, 7, 36, 37, 38, 39,
+                   16, 17, 18, 19, 48, 49, 50, 51, 20, 21, 22, 23, 52, 53, 54, 55) +
+         I4P_SHUF8(a, b, 8, 9, 10, 11, 40, 41, 42, 43, 12, 13, 14, 15, 44, 45, 46, 47,
+                   24, 25, 26, 27, 56, 57, 58, 59, 28, 29, 30, 31, 60, 61, 62, 63);
+}
+inline u8x32 zip64(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35, 36, 37, 38, 39,
+                   16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55) +
+         I4P_SHUF8(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
+                   24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63);
+}
+
+// byte v of each 128-bit half: how many of the 32 * M bytes at c equal v (M <= 4: every count
+// <= 128 fits a byte); orv collects the bits of every byte (codes above 15 are caught later).
+// keys[v] holds 32 bytes v (from memory: GCC builds constant ones with broadcasts, and spills them)
+template <int M>
+I4P_INLINE u8x32 count_block(const uint8_t* c, const uint8_t (*keys)[32], u8x32& orv) {
+  u8x32 ch[M];
+  for (int t = 0; t < M; ++t) {
+    ch[t] = *reinterpret_cast<const u8x32_unaligned*>(c + 32 * t);
+    orv |= ch[t];
+  }
+  u8x32 a[16];
+  for (int v = 0; v < 16; ++v) {
+    const u8x32 key = *reinterpret_cast<const u8x32_unaligned*>(keys[v]);
+    u8x32 n = {};
+    for (int t = 0; t < M; ++t) n -= (u8x32)(ch[t] == key);  // a match is -1
+    a[v] = n;
+  }
+  u8x32 b[8], q[4], h[2];
+  for (int i = 0; i < 8; ++i) b[i] = zip8(a[2 * i], a[2 * i + 1]);  // byte 2m + t (per half): a[2i + t]
+  for (int i = 0; i < 4; ++i) q[i] = zip16(b[2 * i], b[2 * i + 1]);  // byte 4m + t: a[4i + t]
+  for (int i = 0; i < 2; ++i) h[i] = zip32(q[2 * i], q[2 * i + 1]);  // byte 8m + t: a[8i + t]
+  const u8x32 r = zip64(h[0], h[1]);  // byte t of each half: that half's count of code t
+  return r + I4P_SHUF8(r, r, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31,
+                       0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// count_block's bytes (both halves alike) as float lanes: codes 0..7 and 8..15
+I4P_INLINE void counts_float(u8x32 w, v8f& c0, v8f& c1) {
+  const u8x32 low = (u8x32)(i32x8{} + 0xFF);
+  const u8x32 b0 = I4P_SHUF8(w, w, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
+                             20, 20, 20, 20, 21, 21, 21, 21, 22, 22, 22, 22, 23, 23, 23, 23);
+  const u8x32 b1 = I4P_SHUF8(w, w, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11,
+                             28, 28, 28, 28, 29, 29, 29, 29, 30, 30, 30, 30, 31, 31, 31, 31);
+  c0 = __builtin_convertvector((i32x8)(b0 & low), v8f);
+  c1 = __builtin_convertvector((i32x8)(b1 & low), v8f);
+}
+
+// how many of c[0..n) equal each code (float lanes, codes 0..7 and 8..15); false when some
+// code is above 15
+I4P_INLINE bool count_codes(const uint8_t* c, int64_t n, const uint8_t (*keys)[32], v8f& c0, v8f& c1) {
+  u8x32 orv = {};
+  c0 = c1 = v8f{};
+  int64_t i = 0;
+  auto add = [&](u8x32 w) I4P_LAMBDA_INLINE {
+    v8f a, b;
+    counts_float(w, a, b);
+    c0 += a;
+    c1 += b;
+  };
+  if (n == 128) {  // the usual target group, without the loops
+    add(count_block<4>(c, keys, orv));
+    i = 128;
+  }
+  for (; i + 128 <= n; i += 128) add(count_block<4>(c + i, keys, orv));
+  switch ((n - i) / 32) {
+    case 3: add(count_block<3>(c + i, keys, orv)); i += 96; break;
+    case 2: add(count_block<2>(c + i, keys, orv)); i += 64; break;
+    case 1: add(count_block<1>(c + i, keys, orv)); i += 32; break;
+    default: break;
+  }
+  uint32_t ors = 0;
+  for (; i < n; ++i) {
+    ors |= c[i];
+    if (c[i] < 8) {
+      c0[c[i]] += 1.0f;
+    } else if (c[i] < 16) {
+      c1[c[i] - 8] += 1.0f;
+    }
+  }
+  const u64x4 o = (u64x4)orv;
+  return (((o[0] | o[1]) | (o[2] | o[3])) & 0xF0F0F0F0F0F0F0F0ull) == 0 && (ors & 0xF0u) == 0;
+}
+
+inline float hmin(v8f a) {
+  v8f b = I4P_SHUF(i32x8, a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+  a = a < b ? a : b;
+  b = I4P_SHUF(i32x8, a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+  a = a < b ? a : b;
+  b = I4P_SHUF(i32x8, a, a, 1, 0, 3, 2, 5, 4, 7, 6);
+  a = a < b ? a : b;
+  return a[0];
+}
+inline float hmax(v8f a) {
+  v8f b = I4P_SHUF(i32x8, a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+  a = a > b ? a : b;
+  b = I4P_SHUF(i32x8, a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+  a = a > b ? a : b;
+  b = I4P_SHUF(i32x8, a, a, 1, 0, 3, 2, 5, 4, 7, 6);
+  a = a > b ? a : b;
+  return a[0];
+}
+#ifdef I4P_HAS_SHUFFLEVECTOR
+typedef double f64x4 __attribute__((vector_size(32)));
+typedef double f64x2 __attribute__((vector_size(16)));
+// in halves as vectors: picking lanes one by one costs twice the instructions
+inline double hsum8(f64x8 a) {
+  const f64x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f64x2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
+  return c[0] + c[1];
+}
+// the three sums at once
+inline void hsum3(f64x8 a, f64x8 b, f64x8 c, double& sa, double& sb, double& sc) {
+  const f64x4 a4 = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  const f64x4 b4 = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+  const f64x4 c4 = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
+  // [a0 + a1, b0 + b1, a2 + a3, b2 + b3] and [c0 + c1, c0 + c1, c2 + c3, c2 + c3]
+  const f64x4 ab = __builtin_shufflevector(a4, b4, 0, 4, 2, 6) + __builtin_shufflevector(a4, b4, 1, 5, 3, 7);
+  const f64x4 cc = c4 + __builtin_shufflevector(c4, c4, 1, 0, 3, 2);
+  const f64x4 t = __builtin_shufflevector(ab, cc, 0, 1, 4, 5) + __builtin_shufflevector(ab, cc, 2, 3, 6, 7);
+  sa = t[0];
+  sb = t[1];
+  sc = t[2];
+}
+#else
+inline double hsum8(f64x8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+inline void hsum3(f64x8 a, f64x8 b, f64x8 c, double& sa, double& sb, double& sc) {
+  sa = hsum8(a);
+  sb = hsum8(b);
+  sc = hsum8(c);
+}
+#endif
+
+inline v8f qclamp(v8f t) {
+  const v8f lo = splat(-8.0f), hi = splat(7.0f);
+  t = t < lo ? lo : t;
+  return t > hi ? hi : t;
+}
+
+// the 16 values of a group and their counts; an absent code repeats a present code's value
+// (with count 0) so that every lane is finite when the group is
+// Kslots groups side by side, one in each lane, for the search (every step of it is then vector
+// work over the groups, where one group alone is a chain of scalar steps); codes in lanes for
+// the final q and statistics
+struct Batch {
+  static constexpr int kLanes = 8;
+  int n = 0;
+  int64_t r[kLanes], j[kLanes];  // the groups (of any rows)
+  // (plain arrays: see Search::bcand)
+  float x[kLanes][16];  // x_c of each group; an absent code repeats a present value
+  double w[kLanes][16];  // count[c]
+  float xs[16][kLanes];  // the same, groups in lanes
+  double ws[16][kLanes];
+  float wmin[kLanes], wmax[kLanes];
+  double xx[kLanes];
+  // -8 and 7 for qround, read from memory: GCC 12 clamps to a constant with a compare and a blend
+  // each, to a loaded bound with one vmaxps / vminps (the same values: t < lo ? lo : t)
+  float qlo[kLanes], qhi[kLanes];
+  uint8_t keys[16][32];  // keys[v]: 32 bytes v, for count_block (also read from memory on purpose)
+  Batch() {
+    for (int l = 0; l < kLanes; ++l) {
+      qlo[l] = -8.0f;
+      qhi[l] = 7.0f;
+    }
+    for (int v = 0; v < 16; ++v) std::memset(keys[v], v, sizeof(keys[v]));
+  }
+};
+
+I4P_INLINE f64x8 load8d(const double* p) {
+  f64x8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+I4P_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+I4P_INLINE void store8d(double* p, f64x8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// sum over each lane's group of (s * clamp(round(x / s)) - x)^2 at that lane's scale s: group_sse's
+// float32 difference of each code, squared and weighted by its count in double
+I4P_INLINE v8f batch_sse(const Batch& b, v8f s) {
+  const v8f r = splat(1.0f) / s;  // torch: s.reciprocal()
+  const v8f lo = load8(b.qlo), hi = load8(b.qhi), mg = splat(kMagic);
+  f64x8 a0 = {}, a1 = {};
+  // unrolled: GCC keeps a 64-byte vector carried around a loop in memory (AVX2 has 32 bytes)
+  I4P_UNROLL16
+  for (int c = 0; c < 16; c += 2) {
+    const v8f xa = load8(b.xs[c]), xb = load8(b.xs[c + 1]);
+    v8f ta = xa * r, tb = xb * r;  // qround, with lo and hi
+    ta = ta < lo ? lo : ta;
+    tb = tb < lo ? lo : tb;
+    ta = ta > hi ? hi : ta;
+    tb = tb > hi ? hi : tb;
+    const v8f da = ((ta + mg) - mg) * s - xa, db = ((tb + mg) - mg) * s - xb;
+    const f64x8 ea = __builtin_convertvector(da, f64x8), eb = __builtin_convertvector(db, f64x8);
+    a0 += ea * ea * load8d(b.ws[c]);
+    a1 += eb * eb * load8d(b.ws[c + 1]);
+  }
+  return __builtin_convertvector(a0 + a1, v8f);
+}
+
+enum Prepared { kQueued, kDone, kElements };
+
+// group j of row r from its codes: histogram, values and range into lane b.n (kQueued); kDone
+// for a NaN/Inf (handled), kElements for a code above 15
+I4P_INLINE Prepared prepare(const Req& p, Batch& b, int64_t r, int64_t j, int64_t sg) {
+  const int64_t k = p.k, g = p.g;
+  const uint8_t* c = p.codes + r * k + j * g;
+  v8f c0, c1;
+  if (!count_codes(c, g, b.keys, c0, c1)) return kElements;
+  const float zz = p.zeros ? static_cast<float>(p.zeros[r * p.src_groups + sg]) : 8.0f;
+  const float sj = p.sscale[r * p.src_groups + sg];
+  const v8f vz = splat(zz), vs = splat(sj);
+  const v8f iota = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f};
+  const v8f fill = splat((static_cast<float>(c[0]) - zz) * sj);  // the first code is present
+  const v8f x0 = c0 == splat(0.0f) ? fill : (iota - vz) * vs;  // (codes.float() - z) * s
+  const v8f x1 = c1 == splat(0.0f) ? fill : ((iota + splat(8.0f)) - vz) * vs;
+  // every lane holds a value of the group: min, max and the NaN/Inf check over the lanes
+  const float wmin = hmin(x0 < x1 ? x0 : x1), wmax = hmax(x0 > x1 ? x0 : x1);
+  if (!(hsum(x0 * splat(0.0f) + x1 * splat(0.0f)) == 0.0f)) {
+    non_finite_group(p, r, j);
+    return kDone;
+  }
+  const int l = b.n++;
+  b.r[l] = r;
+  const f64x8 w0 = __builtin_convertvector(c0, f64x8), w1 = __builtin_convertvector(c1, f64x8);
+  const f64x8 y0 = __builtin_convertvector(x0, f64x8), y1 = __builtin_convertvector(x1, f64x8);
+  b.j[l] = j;
+  store8(b.x[l], x0);
+  store8(b.x[l] + 8, x1);
+  store8d(b.w[l], w0);
+  store8d(b.w[l] + 8, w1);
+  b.wmin[l] = wmin;
+  b.wmax[l] = wmax;
+  b.xx[l] = hsum8(y0 * y0 * w0 + y1 * y1 * w1);
+  for (int v = 0; v < 8; ++v) {
+    b.xs[v][l] = x0[v];
+    b.xs[v + 8][l] = x1[v];
+    b.ws[v][l] = w0[v];
+    b.ws[v + 8][l] = w1[v];
+  }
+  return kQueued;
+}
+
+// per lane: the float threshold of CloseCall from the winner's error eb and the error bound's k
+I4P_INLINE void close_thresholds(const CloseCall& cc, const float* eb, const double* k, float* tf) {
+  for (int l = 0; l < Batch::kLanes; ++l) {
+    const double t = static_cast<double>(eb[l]) * cc.ca + k[l] * cc.cb;
+    float f = static_cast<float>(t);  // t >= 0; one float step up when the cast rounded down
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += static_cast<double>(f) < t && u < 0x7F800000u;
+    std::memcpy(&f, &u, 4);
+    tf[l] = f;
+  }
+}
+
+// Decision (the scalar search of the element path) for the batch's groups, a group in each lane:
+// the same operations lane by lane, the same results
+I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, float* base_out, uint8_t* flags) {
+  constexpr int L = Batch::kLanes;
+  for (int l = b.n; l < L; ++l) {  // unused lanes: zero groups, finite throughout
+    b.wmin[l] = b.wmax[l] = 0.0f;
+    b.xx[l] = 0.0;
+    for (int v = 0; v < 16; ++v) {
+      b.xs[v][l] = 0.0f;
+      b.ws[v][l] = 0.0;
+    }
+  }
+  const int nc = w.nc, nf = w.nf;
+  const CloseCall& cc = w.close_call;
+  const v8f wmin = load8(b.wmin), wmax = load8(b.wmax);
+  const v8f amax = wmax < -wmin ? -wmin : wmax;  // std::max(wmax, -wmin)
+  const i32x8 zero = amax == splat(0.0f);
+  const v8f rtn = amax / splat(7.0f);
+  // far outside any real weight the float32 sums could under/overflow: let torch decide
+  const i32x8 guard = ~zero & ((amax < splat(1e-18f)) | (amax > splat(1e17f)));
+  v8f best_s, best_e, base_e;
+  i32x8 amb = {};
+  if (!p.search) {
+    best_s = ship8(p, rtn);
+    best_e = base_e = batch_sse(b, best_s);
+  } else {
+    float* cand = w.bcand.data();  // [candidate][lane]
+    float* err = w.berr.data();
+    v8f base = wmax / splat(7.0f), b8 = wmin / splat(-8.0f);
+    base = base < b8 ? b8 : base;  // std::max(wmax / 7, wmin / -8)
+    base = base > splat(0.0f) ? base : splat(1.0f);
+    const v8f ratio0 = rtn / base;
+    store8(cand, ship8(p, base * ratio0));
+    for (int c = 1; c < nc; ++c) store8(cand + L * c, ship8(p, base * p.coarse[c - 1]));
+    for (int c = 0; c < nc; ++c) store8(err + L * c, batch_sse(b, load8(cand + L * c)));
+    // first minimum (first wins ties), the largest error, and the winner's scale and ratio
+    v8f eb = load8(err), cb = load8(cand), rho = ratio0;
+    v8f emax = splat(0.0f) < eb ? eb : splat(0.0f);
+    for (int c = 1; c < nc; ++c) {
+      const v8f e = load8(err + L * c);
+      const i32x8 lt = e < eb;
+      eb = lt ? e : eb;
+      cb = lt ? load8(cand + L * c) : cb;
+      rho = lt ? splat(p.coarse[c - 1]) : rho;
+      emax = emax < e ? e : emax;
+    }
+    alignas(32) float ebs[L], emaxs[L], tf[L];
+    alignas(64) double kk[L];
+    std::memcpy(ebs, &eb, sizeof(eb));
+    std::memcpy(emaxs, &emax, sizeof(emax));
+    for (int l = 0; l < L; ++l) {
+      Group gr{p.g, b.xx[l]};
+      gr.set_max(emaxs[l]);
+      kk[l] = gr.k;
+    }
+    close_thresholds(cc, ebs, kk, tf);
+    const v8f vt = load8(tf);
+    for (int c = 0; c < nc; ++c) amb |= (load8(cand + L * c) != cb) & ~(load8(err + L * c) > vt);
+    if (cc.never) amb = ~i32x8{};
+    best_s = cb;
+    best_e = eb;
+    base_e = load8(err);
+    if (nf > 0 && nc > 2) {
+      float* cand2 = w.bcand2.data();
+      float* err2 = w.berr2.data();
+      for (int f = 0; f < nf; ++f) store8(cand2 + L * f, ship8(p, base * (rho + p.fine[f])));
+      for (int f = 0; f < nf; ++f) store8(err2 + L * f, batch_sse(b, load8(cand2 + L * f)));
+      v8f e2 = load8(err2), c2 = load8(cand2);
+      emax = emax < e2 ? e2 : emax;
+      for (int f = 1; f < nf; ++f) {
+        const v8f e = load8(err2 + L * f);
+        const i32x8 lt = e < e2;
+        e2 = lt ? e : e2;
+        c2 = lt ? load8(cand2 + L * f) : c2;
+        emax = emax < e ? e : emax;
+      }
+      alignas(32) float e2s[L], c2s[L], bss[L], bes[L];
+      alignas(32) int32_t ambs[L];
+      std::memcpy(e2s, &e2, sizeof(e2));
+      std::memcpy(c2s, &c2, sizeof(c2));
+      std::memcpy(emaxs, &emax, sizeof(emax));
+      std::memcpy(bss, &best_s, sizeof(best_s));
+      std::memcpy(bes, &best_e, sizeof(best_e));
+      Group grs[L];
+      for (int l = 0; l < L; ++l) {
+        grs[l] = Group{p.g, b.xx[l]};
+        grs[l].set_max(emaxs[l]);
+        kk[l] = grs[l].k;
+      }
+      close_thresholds(cc, e2s, kk, tf);
+      const v8f vt2 = load8(tf);
+      i32x8 ambf = {};
+      for (int f = 0; f < nf; ++f) ambf |= (load8(cand2 + L * f) != c2) & ~(load8(err2 + L * f) > vt2);
+      if (cc.never) ambf = ~i32x8{};
+      std::memcpy(ambs, &amb, sizeof(amb));
+      for (int l = 0; l < L; ++l) {  // Decision::fine, lane by lane
+        const bool af = ambf[l] != 0;
+        bool a = ambs[l] != 0;
+        if (c2s[l] != bss[l]) {
+          const double d = static_cast<double>(e2s[l]) - static_cast<double>(bes[l]);
+          const double bd = grs[l].bound(e2s[l]) + grs[l].bound(bes[l]);
+          if (d > bd) {
+            // every fine candidate loses to the coarse winner (see Decision::fine)
+          } else if (-d > bd) {
+            bss[l] = c2s[l];
+            a = a || af;
+          } else {
+            a = true;
+          }
+        } else {
+          a = a || af;
+        }
+        ambs[l] = a ? -1 : 0;
+      }
+      std::memcpy(&amb, ambs, sizeof(amb));
+      best_s = load8(bss);
+    }
+  }
+  best_s = zero ? splat(1.0f) : best_s;
+  amb &= ~zero;
+  const i32x8 fl = (zero & static_cast<int32_t>(kZero)) | ((amb | guard) & static_cast<int32_t>(kAmbiguous));
+  std::memcpy(best, &best_s, sizeof(best_s));
+  std::memcpy(base_out, &base_e, sizeof(base_e));
+  for (int l = 0; l < L; ++l) flags[l] = static_cast<uint8_t>(fl[l]);
+}
+
+// the batch's searches, then each group's q and statistics
+I4P_INLINE void run(const Req& p, Search& w, Batch& b) {
+  const int64_t k = p.k, g = p.g, groups = k / g;
+  alignas(32) float best[Batch::kLanes], base_e[Batch::kLanes];
+  uint8_t flags[Batch::kLanes];
+  search(p, w, b, best, base_e, flags);
+  for (int i = 0; i < b.n; ++i) {
+    const int64_t r = b.r[i], j = b.j[i];
+    ReqRow acc{p.rowstats + r * 6};
+    const float best_s = best[i];
+    const uint8_t flag = flags[i];
+    const v8f x0 = load8(b.x[i]), x1 = load8(b.x[i] + 8);
+    const f64x8 w0 = load8d(b.w[i]), w1 = load8d(b.w[i] + 8);
+    // the final q of each code, and the statistics against the float source
+    const float rs = 1.0f / best_s;
+    const v8f vrs = splat(rs), vb = splat(best_s), mg = splat(kMagic);
+    const v8f m0 = qclamp(x0 * vrs) + mg, m1 = qclamp(x1 * vrs) + mg;  // q in the low mantissa bits
+    const v8f u0 = m0 - mg, u1 = m1 - mg;  // = qround(x * rs)
+    const v8f v0 = u0 * vb, v1 = u1 * vb;  // torch: dequantize_w4a8, then v - w in float
+    const v8f d0 = v0 - x0, d1 = v1 - x1;
+    const f64x8 e0 = __builtin_convertvector(d0, f64x8), e1 = __builtin_convertvector(d1, f64x8);
+    const f64x8 t0 = __builtin_convertvector(v0, f64x8), t1 = __builtin_convertvector(v1, f64x8);
+    const f64x8 y0 = __builtin_convertvector(x0, f64x8), y1 = __builtin_convertvector(x1, f64x8);
+    const v8f a0 = (v8f)((u32x8)d0 & 0x7FFFFFFFu), a1 = (v8f)((u32x8)d1 & 0x7FFFFFFFu);  // |d|
+    double gdd, gvv, gwv;
+    hsum3(e0 * e0 * w0 + e1 * e1 * w1, t0 * t0 * w0 + t1 * t1 * w1, t0 * y0 * w0 + t1 * y1 * w1, gdd, gvv, gwv);
+    acc.add(flag, gdd, b.xx[i], gvv, gwv, base_e[i], hmax(a0 > a1 ? a0 : a1));
+    // code -> q table: the low byte of each lane of m0, m1 (q + 1.5 * 2^23 holds q in two's complement)
+    const u8x32 tb = I4P_SHUF8((u8x32)m0, (u8x32)m1, 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56,
+                               60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    u8x16 lut;
+    std::memcpy(&lut, &tb, sizeof(lut));
+    const uint8_t* c = p.codes + r * k + j * g;
+    int8_t* qg = p.q + r * k + j * g;
+    int64_t t = 0;
+#if defined(__GNUC__) && !defined(__clang__)
+    for (; t + 16 <= g; t += 16) {
+      u8x16 cv;
+      std::memcpy(&cv, c + t, 16);
+      const u8x16 o = __builtin_shuffle(lut, cv);  // o[l] = lut[cv[l] & 15]; every code is <= 15 here
+      std::memcpy(qg + t, &o, 16);
+    }
+#endif
+    for (; t < g; ++t) qg[t] = static_cast<int8_t>(lut[c[t]]);
+    p.s[r * groups + j] = best_s;
+    p.flags[r * groups + j] = flag;
+  }
+  b.n = 0;
+}
+
+#undef I4P_UNROLL16
+#undef I4P_SHUF8
+#undef I4P_SHUF
+
+}  // namespace hist
+
 I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
   const int64_t k = p.k, g = p.g, groups = k / g;
+  // the histogram evaluation takes the codes of a group lying in one source group; whatever
+  // else (float source, g_idx, a group across source groups, a code above 15) is dequantised
+  std::vector<uint8_t> inside(groups, 0);
+  bool all_inside = hist::kEnabled && p.codes != nullptr && p.gidx == nullptr;
+  for (int64_t j = 0; j < groups && all_inside; ++j)
+    inside[j] = (j * g) / p.src_group == ((j + 1) * g - 1) / p.src_group;
+  for (int64_t j = 0; j < groups; ++j) all_inside = all_inside && inside[j];
   std::vector<float> row(k);
-  const int nc = 1 + static_cast<int>(p.coarse.size()), nf = static_cast<int>(p.fine.size());
-  std::vector<float> cand(nc), err(nc), ratio(nc), cand2(std::max(nf, 1)), err2(std::max(nf, 1));
+  Search w(p);
+  hist::Batch batch;  // filled across rows: a row of 6 groups (K = 768) would leave lanes idle
+  static_assert(hist::Batch::kLanes == Search::kSlots, "one batch, one lane a group");
   for (int64_t r = r0; r < r1; ++r) {
     float* x = row.data();
     if (p.w) {
       std::memcpy(x, p.w + r * k, k * sizeof(float));
-    } else {
-      const uint8_t* c = p.codes + r * k;
-      const float* sc = p.sscale + r * p.src_groups;
-      const uint8_t* z = p.zeros ? p.zeros + r * p.src_groups : nullptr;
-      if (p.gidx) {
-        for (int64_t i = 0; i < k; ++i) {
-          const int64_t gi = p.gidx[i];
-          const float zz = z ? static_cast<float>(z[gi]) : 8.0f;
-          x[i] = (static_cast<float>(c[i]) - zz) * sc[gi];
-        }
-      } else {
-        for (int64_t j = 0; j * p.src_group < k; ++j) {
-          const int64_t i0 = j * p.src_group, i1 = std::min(k, i0 + p.src_group);
-          const float zz = z ? static_cast<float>(z[j]) : 8.0f;
-          const float sj = sc[j];
-          for (int64_t i = i0; i < i1; ++i) x[i] = (static_cast<float>(c[i]) - zz) * sj;
-        }
-      }
+    } else if (!all_inside) {
+      dequant_range(p, r, 0, k, x);
     }
-    double dd = 0, ww = 0, vv = 0, wv = 0, base_sse = 0, max_abs = 0;
+    ReqRow acc{p.rowstats + r * 6};
+    for (int i = 0; i < 6; ++i) acc.st[i] = 0.0;
     for (int64_t j = 0; j < groups; ++j) {
-      const float* xg = x + j * g;
-      v8f lo = splat(xg[0]), hi = lo, ss = {}, nanchk = {};
-      float wmin = xg[0], wmax = xg[0], chk = 0.0f;
-      double xx = 0;
-      int64_t i = 0;
-      for (; i + 8 <= g; i += 8) {
-        const v8f v = load8(xg + i);
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-        ss += v * v;
-        nanchk += v * splat(0.0f);
-      }
-      for (; i < g; ++i) {
-        const float v = xg[i];
-        wmin = v < wmin ? v : wmin;
-        wmax = v > wmax ? v : wmax;
-        xx += static_cast<double>(v) * v;
-        chk += v * 0.0f;
-      }
-      for (int l = 0; l < 8; ++l) {
-        wmin = lo[l] < wmin ? lo[l] : wmin;
-        wmax = hi[l] > wmax ? hi[l] : wmax;
-        chk += nanchk[l];
-      }
-      xx += hsum(ss);
-      uint8_t flag = 0;
-      if (!(chk == 0.0f)) {  // a NaN or Inf: the caller lets the torch path raise
-        p.flags[r * groups + j] = kNonFinite;
-        p.s[r * groups + j] = std::numeric_limits<float>::quiet_NaN();
-        std::memset(p.q + r * k + j * g, 0, g);
-        continue;
-      }
-      const float amax = std::max(wmax, -wmin);
-      const bool zero = amax == 0.0f;
-      const float rtn = amax / 7.0f;
-      Group gr{g, xx};
-      // far outside any real weight the float32 sums could under/overflow: let torch decide
-      if (!zero && (amax < 1e-18f || amax > 1e17f)) flag |= kAmbiguous;
-      float best_s, best_e, base_e;
-      bool amb = false;
-      if (!p.search) {
-        best_s = ship(p, rtn);
-        best_e = base_e = group_sse(xg, g, best_s);
-      } else {
-        float base = std::max(wmax / 7.0f, wmin / -8.0f);
-        if (!(base > 0.0f)) base = 1.0f;
-        ratio[0] = rtn / base;
-        for (int c = 1; c < nc; ++c) ratio[c] = p.coarse[c - 1];
-        for (int c = 0; c < nc; ++c) {
-          cand[c] = ship(p, base * ratio[c]);
-          err[c] = group_sse(xg, g, cand[c]);
+      if (inside[j]) {
+        const hist::Prepared st = hist::prepare(p, batch, r, j, (j * g) / p.src_group);
+        if (st != hist::kElements) {
+          if (batch.n == Search::kSlots) hist::run(p, w, batch);
+          continue;
         }
-        float emax = 0.0f;
-        for (int c = 0; c < nc; ++c) emax = std::max(emax, err[c]);
-        gr.set_max(emax);
-        const int ib = pick(cand.data(), err.data(), nc, gr, amb);
-        best_s = cand[ib];
-        best_e = err[ib];
-        base_e = err[0];
-        if (nf > 0 && nc > 2) {
-          const float rho = ratio[ib];
-          for (int f = 0; f < nf; ++f) {
-            cand2[f] = ship(p, base * (rho + p.fine[f]));
-            err2[f] = group_sse(xg, g, cand2[f]);
-            emax = std::max(emax, err2[f]);
-          }
-          gr.set_max(emax);
-          bool ambf = false;
-          const int jb = pick(cand2.data(), err2.data(), nf, gr, ambf);
-          if (cand2[jb] != best_s) {
-            const double d = static_cast<double>(err2[jb]) - static_cast<double>(best_e);
-            const double b = gr.bound(err2[jb]) + gr.bound(best_e);
-            if (d > b) {
-              // every fine candidate loses to the coarse winner: which of them is the fine
-              // argmin (ambf) does not matter (bound(e) = A e + k with A < 1: e - bound(e) grows)
-            } else if (-d > b) {
-              best_s = cand2[jb];
-              best_e = err2[jb];
-              amb = amb || ambf;
-            } else {
-              amb = true;
-            }
-          } else {
-            amb = amb || ambf;  // a near-tied fine candidate might be torch's argmin and beat it
-          }
-        }
+        if (all_inside) dequant_range(p, r, j * g, (j + 1) * g, x);
       }
-      if (zero) {
-        best_s = 1.0f;
-        flag |= kZero;
-        amb = false;
-      }
-      if (amb) flag |= kAmbiguous;
-      // final q, and the statistics against the float source
-      const float rs = 1.0f / best_s;
-      int8_t* qg = p.q + r * k + j * g;
-      double gdd = 0, gvv = 0, gwv = 0, gmax = 0;
-      {
-        const v8f vrs = splat(rs), vb = splat(best_s);
-        v8f add = {}, avv = {}, awv = {}, amx = {};
-        int64_t t = 0;
-        for (; t + 8 <= g; t += 8) {
-          const v8f x0 = load8(xg + t);
-          const v8f u = qround(x0 * vrs);
-          for (int l = 0; l < 8; ++l) qg[t + l] = static_cast<int8_t>(u[l]);
-          const v8f v = u * vb;  // torch: dequantize_w4a8, then v - w in float
-          const v8f d = v - x0;
-          add += d * d;
-          avv += v * v;
-          awv += v * x0;
-          const v8f ad = d < splat(0.0f) ? -d : d;
-          amx = ad > amx ? ad : amx;
-        }
-        for (; t < g; ++t) {
-          const float u = qround1(xg[t] * rs);
-          qg[t] = static_cast<int8_t>(u);
-          const float v = u * best_s, d = v - xg[t];
-          gdd += static_cast<double>(d) * d;
-          gvv += static_cast<double>(v) * v;
-          gwv += static_cast<double>(v) * xg[t];
-          gmax = std::max(gmax, static_cast<double>(std::fabs(d)));
-        }
-        gdd += hsum(add);
-        gvv += hsum(avv);
-        gwv += hsum(awv);
-        for (int l = 0; l < 8; ++l) gmax = std::max(gmax, static_cast<double>(amx[l]));
-      }
-      dd += gdd;
-      vv += gvv;
-      wv += gwv;
-      ww += xx;
-      max_abs = std::max(max_abs, gmax);
-      base_sse += static_cast<double>(base_e);  // already a sum of squares
-      p.s[r * groups + j] = best_s;
-      p.flags[r * groups + j] = flag;
-      (void)best_e;
+      element_group(p, w, r, j, x + j * g, acc);
     }
-    double* st = p.rowstats + r * 6;
-    st[0] = dd;
-    st[1] = ww;
-    st[2] = vv;
-    st[3] = wv;
-    st[4] = base_sse;
-    st[5] = max_abs;
   }
+  if (batch.n > 0) hist::run(p, w, batch);
 }
+
+#undef I4P_INLINE
+#undef I4P_LAMBDA_INLINE
 
 std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& zeros,
                                 const at::Tensor& sscale, const at::Tensor& gidx, int64_t src_group, int64_t g,

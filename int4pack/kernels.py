@@ -122,8 +122,8 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
         q, s, flags, rs = mod.requant(wf, _EMPTY_U8, _EMPTY_U8, _EMPTY_F32, _EMPTY_I64, 0, gs, g != -1, search,
                                       coarse, fine, th)
 
-        def rows(idx: torch.Tensor) -> torch.Tensor:
-            return wf[idx]
+        def groups(r: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            return wf.view(n, -1, gs)[r, j]
     else:
         codes = ql.codes.contiguous()
         if codes.dtype != torch.uint8:
@@ -133,18 +133,25 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
         gidx = _EMPTY_I64 if ql.g_idx is None else ql.g_idx.long().contiguous()
         q, s, flags, rs = mod.requant(_EMPTY_F32, codes, zeros, sscale, gidx, ql.spec.group_size, gs, g != -1,
                                       search, coarse, fine, th)
-        gi = ql.group_index()
+        src = ql.spec.group_size
+        # every target group inside one source group (the usual case): one source column each
+        inside = ql.g_idx is None and src > 0 and (src % gs == 0 or src >= k)
 
-        def rows(idx: torch.Tensor) -> torch.Tensor:
-            # W._source_rows for the rows idx, same arithmetic
-            sc = ql.scales[idx].float()[:, gi]
-            z = 8.0 if ql.zeros is None else ql.zeros[idx].float()[:, gi]
-            return ((ql.codes[idx].float() - z) * sc).float()
+        def groups(r: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+            # W._source_rows at rows r, target groups j [A, gs]: the same arithmetic, element for element
+            if inside:
+                sg = j * gs // src
+                z = 8.0 if ql.zeros is None else zeros[r, sg].float()[:, None]
+                return (codes.view(n, -1, gs)[r, j].float() - z) * sscale[r, sg][:, None]
+            rr, cols = r[:, None], j[:, None] * gs + torch.arange(gs)
+            gi = ql.group_index()[cols]
+            z = 8.0 if ql.zeros is None else ql.zeros[rr, gi].float()
+            return (ql.codes[rr, cols].float() - z) * ql.scales[rr, gi].float()
     if bool((flags & 2).any()):
         return None
     amb = (flags & 1).nonzero()
     if amb.numel():
-        _redo_with_torch(amb, rows, q, s, rs, g, gs, search, name)
+        _redo_with_torch(amb, groups, q, s, rs, g, gs, search, name)
     scales = s.to(W._out_scale_dtype(g))
     st = W._Stats()
     st.dd, st.ww, st.vv, st.wv, base_sse = (float(v) for v in rs[:, :5].sum(dim=0))
@@ -161,28 +168,28 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     return q, scales, info
 
 
-def _redo_with_torch(amb: torch.Tensor, rows, q, s, rs, g: int, gs: int, search: bool, name) -> None:
-    """Groups whose candidate errors were too close to call in C++: decided by w4a8._search_chunk."""
+def _redo_with_torch(amb: torch.Tensor, groups, q, s, rs, g: int, gs: int, search: bool, name) -> None:
+    """Groups whose candidate errors were too close to call in C++: decided by w4a8._search_chunk.
+
+    ``amb`` holds (row, group) pairs; ``groups(r, j)`` the source values there (float32 [A, gs]).
+    The C++ left these groups out of the row sums dd, vv, wv and max_abs (ww and the baseline sum
+    do not depend on the choice): they are added here, from the torch decision.
+    """
     from . import w4a8 as W
 
-    idx = torch.unique(amb[:, 0])  # sorted rows holding a hand-over
-    where = {int(r): i for i, r in enumerate(idx.tolist())}
-    wr = rows(idx)  # float32 [R, K]
-    pieces = [wr[where[r], j * gs:(j + 1) * gs] for r, j in amb.tolist()]
-    wg = torch.stack(pieces).contiguous()
+    r, j = amb[:, 0], amb[:, 1]
+    wg = groups(r, j).contiguous()  # float32 [A, gs]
     width = 1 + (max(len(W.COARSE_RATIOS), W.FINE_POINTS) if search else 0)
     ws = torch.empty(wg.numel() * width, dtype=torch.float32)
     qg, sg, _, _, _ = W._search_chunk(wg, g if g == -1 else gs, search, ws)
     W._check_finite(sg, "weights", name)
-    for i, (r, j) in enumerate(amb.tolist()):
-        q[r, j * gs:(j + 1) * gs] = qg[i]
-        s[r, j] = sg[i, 0]
-    # the statistics of the rows touched, again (the baseline sum does not depend on the choice)
-    v = W.dequantize_w4a8(q[idx], s[idx], g).double()
-    x = wr.double()
+    q.view(q.shape[0], -1, gs)[r, j] = qg
+    s[r, j] = sg[:, 0]
+    # dequantize_w4a8 of each group (q * s in float32), its error against the source in float64
+    v = (qg.float() * sg).double()
+    x = wg.double()
     d = v - x
-    rs[idx, 0] = (d * d).sum(dim=1)
-    rs[idx, 1] = (x * x).sum(dim=1)
-    rs[idx, 2] = (v * v).sum(dim=1)
-    rs[idx, 3] = (x * v).sum(dim=1)
-    rs[idx, 5] = d.abs().amax(dim=1)
+    rs[:, 0].index_add_(0, r, (d * d).sum(dim=1))
+    rs[:, 2].index_add_(0, r, (v * v).sum(dim=1))
+    rs[:, 3].index_add_(0, r, (x * v).sum(dim=1))
+    rs[:, 5].scatter_reduce_(0, r, d.abs().amax(dim=1), reduce="amax")

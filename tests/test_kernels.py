@@ -230,3 +230,209 @@ def test_fixture_modules_match_twin(monkeypatch, name):
                 assert same_bytes(out.q, ref.q), (spec.name, target)
                 assert same_bytes(out.scales, ref.scales), (spec.name, target)
                 close_info(out.error, ref.error)
+
+
+# ------------------------------------------------------------------------------------ requant from codes
+#
+# The C++ evaluates a target group lying inside one source group from the histogram of its 16
+# codes (csrc/convert_kernels.cpp, namespace hist); anything else from the dequantised values.
+# These compare both with the torch oracle: to_w4a8 against its twin, and kernels.requant(ql=...)
+# against w4a8._requant_rows on w4a8._source_rows (which also covers inputs to_w4a8 never hands
+# over, such as a symmetric source whose groups stay inside its source groups).
+
+
+def _code_ql(codes, scales, zeros, group, *, g_idx=None, name="hist"):
+    n, k = codes.shape
+    spec = LinearSpec(name=name, fmt="awq", n=n, k=k, bits=4, group_size=group, sym=zeros is None,
+                      act_order=g_idx is not None, keys=(), scale_dtype="F16")
+    return QuantLinear(spec, codes.contiguous(), scales, zeros, g_idx, None)
+
+
+def _rand_code_ql(n, k, group, seed, *, sym=False, lo=0, hi=16, scale=(0.001, 0.011), dtype=torch.float16):
+    gen = torch.Generator().manual_seed(seed)
+    groups = -(-k // group)
+    codes = torch.randint(lo, hi, (n, k), dtype=torch.uint8, generator=gen)
+    scales = (torch.rand(n, groups, generator=gen) * (scale[1] - scale[0]) + scale[0]).to(dtype)
+    zeros = None if sym else torch.randint(0, 16, (n, groups), dtype=torch.uint8, generator=gen)
+    return _code_ql(codes, scales, zeros, group, name=f"hist{seed}")
+
+
+def _oracle(ql, g, search=True):
+    n, k = ql.codes.shape
+    g = w4a8._normalize_group(g, k)
+    gi = ql.group_index()
+    return w4a8._requant_rows(n, k, g, lambda r0, r1: w4a8._source_rows(ql, gi, r0, r1), search, ql.spec.name)
+
+
+def _float64_info(ql, q, s, g):
+    """rel_l2 / max_abs / cosine of the shipped q * s (float32, as dequantize_w4a8) against the
+    source, summed in float64: the oracle's float32 sums lose digits on subnormal squares and
+    overflow on huge ones (the C++ sums in float64)."""
+    w = ql.dequantize().double()
+    v = w4a8.dequantize_w4a8(q, s.float(), g).double()
+    d = v - w
+    ww, vv = float((w * w).sum()), float((v * v).sum())
+    return {"rel_l2": math.sqrt(float((d * d).sum()) / ww), "max_abs": float(d.abs().max()),
+            "cosine": float((w * v).sum()) / math.sqrt(ww * vv)}
+
+
+def _requant_matches(ql, g, search=True, *, float64_stats=False):
+    n, k = ql.codes.shape
+    gn = w4a8._normalize_group(g, k)
+    fast = kernels.requant(n, k, gn, search=search, name=ql.spec.name, ql=ql)
+    assert fast is not None
+    q, s, info = fast
+    q0, s0, info0 = _oracle(ql, g, search)
+    assert same_bytes(q, q0)
+    assert same_bytes(s, s0)
+    if float64_stats:
+        close_info({key: info[key] for key in ("rel_l2", "max_abs", "cosine")}, _float64_info(ql, q, s, gn))
+        assert info.keys() == info0.keys() and info["zero_groups"] == info0["zero_groups"]
+    else:
+        close_info(info, info0)
+    return info
+
+
+def _count_redo(monkeypatch):
+    calls = []
+    orig = kernels._redo_with_torch
+    monkeypatch.setattr(kernels, "_redo_with_torch", lambda amb, *a: (calls.append(amb.tolist()), orig(amb, *a)))
+    return calls
+
+
+HIST_CASES = [
+    dict(n=48, k=512, group=128, target=128),  # AWQ / asym GPTQ: one target group per source group
+    dict(n=48, k=512, group=128, target=64),  # finer target groups inside the source groups
+    dict(n=48, k=512, group=128, target=32),
+    dict(n=40, k=384, group=384, target=96),  # channel source, 96-wide target groups (3 x 32 bytes)
+    dict(n=40, k=768, group=256, target=256),  # two 128-byte blocks per group
+    dict(n=40, k=512, group=64, target=-1),  # channel target across source groups: the element path
+    dict(n=40, k=384, group=96, target=64),  # some target groups inside a source group, some across
+    dict(n=40, k=200, group=200, target=-1),  # channel source, K = 200: 128 + 64 + a scalar tail
+]
+
+
+@pytest.mark.parametrize("case", HIST_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("search", [True, False])
+def test_requant_from_codes_matches_oracle(case, search):
+    c = dict(case)
+    target = c.pop("target")
+    _requant_matches(_rand_code_ql(seed=11, **c), target, search)
+    _requant_matches(_rand_code_ql(seed=12, sym=True, **c), target, search)  # zeros None: 8
+
+
+@pytest.mark.parametrize("case", HIST_CASES[:3] + HIST_CASES[5:7], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_to_w4a8_asym_from_codes_matches_twin(monkeypatch, case):
+    c = dict(case)
+    target = c.pop("target")
+    ql = _rand_code_ql(seed=21, **c)
+    out = w4a8.to_w4a8(ql, target)
+    ref = twin(monkeypatch, w4a8.to_w4a8, ql, target)
+    assert out.path == ref.path == "requant"
+    assert same_bytes(out.q, ref.q)
+    assert same_bytes(out.scales, ref.scales)
+    close_info(out.error, ref.error)
+
+
+@pytest.mark.parametrize("lo,hi,sym", [(7, 9, True), (7, 9, False), (7, 10, False), (0, 3, False)])
+def test_requant_from_codes_few_codes_near_ties(monkeypatch, lo, hi, sym):
+    """Two to three codes per group: candidates tie or nearly tie, so torch decides some groups
+    (with codes 7 and 8 around a zero point of 8, a quarter of them)."""
+    calls = _count_redo(monkeypatch)
+    ql = _rand_code_ql(256, 512, 128, 31, lo=lo, hi=hi, sym=sym)
+    _requant_matches(ql, 128)
+    _requant_matches(ql, 64)
+    if sym:
+        assert sum(len(c) for c in calls) > 50
+    if not sym:
+        out = w4a8.to_w4a8(ql, 128)
+        ref = twin(monkeypatch, w4a8.to_w4a8, ql, 128)
+        assert same_bytes(out.q, ref.q) and same_bytes(out.scales, ref.scales)
+        close_info(out.error, ref.error)
+
+
+def test_requant_from_codes_many_groups(monkeypatch):
+    """Qwen3-MoE expert shape: near-ties occur and are handed to torch, the rest is decided in C++."""
+    calls = _count_redo(monkeypatch)
+    ql = _rand_code_ql(768, 2048, 128, 41)
+    info = _requant_matches(ql, 128)
+    handed = sum(len(c) for c in calls)
+    assert 0 < handed < 0.01 * 768 * 2048 / 128, handed
+    assert info["rel_l2"] < info["baseline_rel_l2"]
+
+
+def test_requant_from_codes_constant_groups():
+    gen = torch.Generator().manual_seed(51)
+    n, k, group = 24, 512, 128
+    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen)
+    codes = zeros.repeat_interleave(group, dim=1).clone()  # every value 0: zero groups
+    codes[1::3] = torch.randint(0, 16, (1,), generator=gen).to(torch.uint8)  # one value per group
+    codes[2::3, :group] = 15  # one group of one value, the others zero
+    scales = (torch.rand(n, k // group, generator=gen) * 0.01 + 0.001).half()
+    ql = _code_ql(codes, scales, zeros, group)
+    for target in (128, 64, -1):
+        info = _requant_matches(ql, target)
+        assert info["zero_groups"] > 0
+    # zero groups ship scale 1.0 and q = 0
+    q, s, _ = kernels.requant(n, k, 128, search=True, name=None, ql=ql)
+    assert bool((q[0] == 0).all()) and bool((s[0].float() == w4a8.ZERO_GROUP_SCALE).all())
+
+
+@pytest.mark.parametrize("scale", [1e-21, 3e-20, 1e-19, 2e-19, 1e16, 3e16, 1e17, 1e18, 1e25])
+def test_requant_from_codes_extreme_scales(monkeypatch, scale):
+    """Around the guard (amax < 1e-18 or > 1e17: torch decides) and far outside it."""
+    ql = _rand_code_ql(16, 256, 128, 61, scale=(scale, 3 * scale), dtype=torch.float32)
+    _requant_matches(ql, 128, float64_stats=True)
+    _requant_matches(ql, -1, float64_stats=True)
+
+
+def test_requant_from_codes_each_code_maps_right():
+    """Every code of a group lands on its own q: a table off by one shifts the bytes."""
+    n, k, group = 16, 256, 128
+    base = torch.arange(16, dtype=torch.uint8).repeat(k // 16)
+    codes = torch.stack([torch.roll(base, i) for i in range(n)])
+    codes[::2, :group] = codes[::2, :group].flip(1)
+    zeros = torch.full((n, k // group), 8, dtype=torch.uint8)
+    zeros[1::2] = 3
+    scales = torch.full((n, k // group), 0.01, dtype=torch.float16)
+    ql = _code_ql(codes, scales, zeros, group)
+    _requant_matches(ql, 128)
+    q, s, _ = kernels.requant(n, k, 128, search=False, name=None, ql=ql)
+    # RTN, written out: q = round((c - z) * s_src * (1 / s)) clamped to [-8, 7]
+    x = (codes.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
+    ref = (x * s.float().reciprocal().repeat_interleave(group, 1)).round().clamp(-8, 7)
+    assert torch.equal(q, ref.to(torch.int8))
+
+
+def test_requant_codes_above_15_take_the_element_path():
+    ql = _rand_code_ql(16, 512, 128, 71)
+    codes = ql.codes.clone()
+    codes[3, 130] = 17  # out of the int4 range: that group is dequantised instead
+    codes[5, :128] = 200
+    _requant_matches(_code_ql(codes, ql.scales, ql.zeros, 128), 128)
+    _requant_matches(_code_ql(codes, ql.scales, ql.zeros, 128), 64)
+
+
+def test_requant_from_codes_nonfinite_hands_over():
+    """A NaN/Inf value (a NaN or Inf scale, or an overflow of (c - z) * s): the C++ declines."""
+    n, k = 8, 256
+    for bad in (float("nan"), float("inf")):
+        ql = _rand_code_ql(n, k, 128, 81, dtype=torch.float32)
+        scales = ql.scales.clone()
+        scales[2, 1] = bad
+        assert kernels.requant(n, k, 128, search=True, name=None, ql=_code_ql(ql.codes, scales, ql.zeros, 128)) is None
+    ql = _rand_code_ql(n, k, 128, 82, dtype=torch.float32)
+    codes, zeros, scales = ql.codes.clone(), ql.zeros.clone(), ql.scales.clone()
+    codes[4, :128] = torch.tensor([0, 15] * 64, dtype=torch.uint8)
+    zeros[4, 0] = 0
+    scales[4, 0] = 3e38  # 15 * 3e38 overflows float32
+    assert kernels.requant(n, k, 128, search=True, name=None, ql=_code_ql(codes, scales, zeros, 128)) is None
+    codes[4, :128] = 0  # the overflowing code absent: finite again, and matches the oracle
+    _requant_matches(_code_ql(codes, scales, zeros, 128), 128)
+
+
+def test_requant_from_codes_g_idx_uses_elements(monkeypatch):
+    gen = torch.Generator().manual_seed(91)
+    ql = _rand_code_ql(32, 512, 64, 91)
+    g_idx = (torch.arange(512) // 64)[torch.randperm(512, generator=gen)]
+    _requant_matches(_code_ql(ql.codes, ql.scales, ql.zeros, 64, g_idx=g_idx), 128)
