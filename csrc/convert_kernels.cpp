@@ -11,6 +11,9 @@
 // more than a rigorous bound on the rounding of either sum; a group where some comparison is
 // closer than that is flagged (bit 0 of `flags`) and the caller redoes it with the torch code.
 // The result is then byte-identical to the oracle whatever torch's summation order is.
+// From int4 codes, a target group inside one source group takes at most 16 values: its errors
+// come from the histogram of its codes, 8 groups at a time (namespace hist); anything else
+// goes through the values one by one (element_group).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -822,9 +825,9 @@ inline v8f qclamp(v8f t) {
 
 // the 16 values of a group and their counts; an absent code repeats a present code's value
 // (with count 0) so that every lane is finite when the group is
-// Kslots groups side by side, one in each lane, for the search (every step of it is then vector
-// work over the groups, where one group alone is a chain of scalar steps); codes in lanes for
-// the final q and statistics
+// 8 groups side by side, one in each lane, for the search (every step of it is then vector work
+// over the groups, where one group alone is a chain of scalar steps); codes in lanes for the
+// final q and statistics
 struct Batch {
   static constexpr int kLanes = 8;
   int n = 0;

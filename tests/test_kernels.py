@@ -309,6 +309,8 @@ HIST_CASES = [
     dict(n=40, k=512, group=64, target=-1),  # channel target across source groups: the element path
     dict(n=40, k=384, group=96, target=64),  # some target groups inside a source group, some across
     dict(n=40, k=200, group=200, target=-1),  # channel source, K = 200: 128 + 64 + a scalar tail
+    dict(n=37, k=768, group=128, target=128),  # 6 groups a row: the C++ batches groups across rows
+    dict(n=13, k=384, group=128, target=128),  # 39 groups: a last, partial batch
 ]
 
 
@@ -429,6 +431,18 @@ def test_requant_from_codes_nonfinite_hands_over():
     assert kernels.requant(n, k, 128, search=True, name=None, ql=_code_ql(codes, scales, zeros, 128)) is None
     codes[4, :128] = 0  # the overflowing code absent: finite again, and matches the oracle
     _requant_matches(_code_ql(codes, scales, zeros, 128), 128)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_requant_from_codes_threads(threads):
+    """Rows split over threads, each with its own batch of groups: the same bytes."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _requant_matches(_rand_code_ql(203, 768, 128, 101), 128)
+        _requant_matches(_rand_code_ql(203, 768, 128, 102, lo=7, hi=9, sym=True), 128)
+    finally:
+        torch.set_num_threads(old)
 
 
 def test_requant_from_codes_g_idx_uses_elements(monkeypatch):
