@@ -121,6 +121,8 @@ def test_internal_mistakes_are_refused(tmp_path):
 
 def test_flushing_open_shards_changes_no_byte(tmp_path, monkeypatch):
     """Write-back of open shards (every FLUSH_BYTES) must not alter the output, and must run."""
+    if not (FIXTURES / "gptq_q3_sym").is_dir():
+        pytest.skip("../shared/fixtures not found")
     calls = []
     orig = writer.ShardFile.flush
 
