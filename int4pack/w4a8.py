@@ -430,7 +430,7 @@ def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
     Applies to a symmetric source without g_idx whose target groups each sit inside one source
     group, with scales that are finite and positive. Anything else (or no extension) returns None
     and the general path (``check_scales`` + ``to_w4a8``) decides and explains. Same bytes as
-    ``_lossless`` (tests/test_kernels.py compares them).
+    ``_lossless`` (tests/test_w4a8.py compares them).
     """
     m = _kernels.ext()
     n, k = ql.spec.n, ql.spec.k
