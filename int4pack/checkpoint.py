@@ -413,8 +413,7 @@ class Checkpoint:
         """
         t = self.info(name)
         dt = DTYPES[t.dtype]
-        item = torch.empty((), dtype=dt).element_size()
-        if t.numel == 0 or t.begin % item:
+        if t.numel == 0 or t.begin % _ITEMSIZE[t.dtype]:
             return self.get(name)
         mv = self.raw(name)
         m = self._maps[t.file]

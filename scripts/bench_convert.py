@@ -93,7 +93,6 @@ BASELINE_RM = _RM + BASELINE
 
 
 def _run(code: str, *args, env=None) -> dict:
-    os.sync()
     r0 = os.times()
     res = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env)
     r1 = os.times()
