@@ -63,28 +63,82 @@ void check_words(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), what, ": expected a contiguous tensor");
 }
 
+// ------------------------------------------------------------------------------------ byte vectors
+
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+#if defined(__clang__)
+#define I4P_SHUF(T, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define I4P_SHUF(T, a, b, ...) __builtin_shuffle(a, b, T{__VA_ARGS__})
+#endif
+#define I4P_SHUF8(a, b, ...) I4P_SHUF(u8x32, a, b, __VA_ARGS__)
+
+// interleave the low (lo) or high (hi) halves of units of 1, 2, 4, 8 bytes of a and b, each
+// 128-bit half on its own (what x86's unpack instructions do)
+inline u8x32 lo8(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                   16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55);
+}
+inline u8x32 hi8(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
+                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63);
+}
+inline u8x32 lo16(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 1, 32, 33, 2, 3, 34, 35, 4, 5, 36, 37, 6, 7, 38, 39,
+                   16, 17, 48, 49, 18, 19, 50, 51, 20, 21, 52, 53, 22, 23, 54, 55);
+}
+inline u8x32 hi16(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 8, 9, 40, 41, 10, 11, 42, 43, 12, 13, 44, 45, 14, 15, 46, 47,
+                   24, 25, 56, 57, 26, 27, 58, 59, 28, 29, 60, 61, 30, 31, 62, 63);
+}
+inline u8x32 lo32(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 1, 2, 3, 32, 33, 34, 35, 4, 5, 6, 7, 36, 37, 38, 39,
+                   16, 17, 18, 19, 48, 49, 50, 51, 20, 21, 22, 23, 52, 53, 54, 55);
+}
+inline u8x32 hi32(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 8, 9, 10, 11, 40, 41, 42, 43, 12, 13, 14, 15, 44, 45, 46, 47,
+                   24, 25, 26, 27, 56, 57, 58, 59, 28, 29, 30, 31, 60, 61, 62, 63);
+}
+inline u8x32 lo64(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35, 36, 37, 38, 39,
+                   16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55);
+}
+inline u8x32 hi64(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
+                   24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63);
+}
+
 // ------------------------------------------------------------------------------------ unpacking
 
-// GPTQ qweight [K/8, N], packed along K -> codes uint8 [N, K]
+// GPTQ qweight [K/8, N], packed along K -> codes uint8 [N, K]. Eight words of a row (64 codes, a
+// whole cache line of the output) at a time: 8-byte writes straight into rows K bytes apart
+// thrash L1 when K is a multiple of 2 KB
+I4P_CLONES void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64_t kw, int64_t r0, int64_t r1) {
+  const int64_t k = kw * 8, kw8 = kw / 8 * 8;
+  for (int64_t j = 0; j < kw8; j += 8) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint64_t v[8];
+      for (int t = 0; t < 8; ++t) v[t] = spread_nibbles(w[(j + t) * n + r]);
+      std::memcpy(o + r * k + 8 * j, v, sizeof(v));
+    }
+  }
+  for (int64_t j = kw8; j < kw; ++j) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint64_t v = spread_nibbles(w[j * n + r]);
+      std::memcpy(o + r * k + 8 * j, &v, 8);
+    }
+  }
+}
+
 at::Tensor unpack_gptq(const at::Tensor& qweight, int64_t threads) {
   check_words(qweight, "qweight");
   const int64_t kw = qweight.size(0), n = qweight.size(1), k = kw * 8;
   auto out = at::empty({n, k}, at::kByte);
   const uint32_t* w = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
   uint8_t* o = out.data_ptr<uint8_t>();
-  constexpr int64_t NB = 64;
-  for_rows((n + NB - 1) / NB, 1, threads, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * NB, r1 = std::min(n, r0 + NB);
-      for (int64_t j = 0; j < kw; ++j) {
-        const uint32_t* src = w + j * n;
-        for (int64_t r = r0; r < r1; ++r) {
-          const uint64_t v = spread_nibbles(src[r]);
-          std::memcpy(o + r * k + 8 * j, &v, 8);
-        }
-      }
-    }
-  });
+  for_rows(n, 64, threads, [&](int64_t r0, int64_t r1) { unpack_gptq_rows(w, o, n, kw, r0, r1); });
   return out;
 }
 
@@ -114,37 +168,81 @@ at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads) {
   return out;
 }
 
-// AWQ GEMM qweight [K, N/8], packed along N; logical column 8j + order[i] in nibble i of word j
+// AWQ GEMM qweight [K, N/8], packed along N: nibble i of word j holds logical column 8j + kAwqOrder[i]
+constexpr int kAwqOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+// transpose 8 vectors of 32 bytes: afterwards 8-byte unit u of d[m] holds byte p of a[0..7] (in
+// order), p = 16 * (u / 2) + 2 * m + u % 2 (the unpacks work on each 128-bit half)
+inline void transpose8x32(const u8x32* a, u8x32* d) {
+  u8x32 b[8], c[8];
+  for (int s = 0; s < 4; ++s) {
+    b[2 * s] = lo8(a[2 * s], a[2 * s + 1]);
+    b[2 * s + 1] = hi8(a[2 * s], a[2 * s + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // h: vectors t = 0..3, then 4..7
+    c[4 * h] = lo16(b[4 * h], b[4 * h + 2]);
+    c[4 * h + 1] = hi16(b[4 * h], b[4 * h + 2]);
+    c[4 * h + 2] = lo16(b[4 * h + 1], b[4 * h + 3]);
+    c[4 * h + 3] = hi16(b[4 * h + 1], b[4 * h + 3]);
+  }
+  for (int m = 0; m < 4; ++m) {
+    d[2 * m] = lo32(c[m], c[m + 4]);
+    d[2 * m + 1] = hi32(c[m], c[m + 4]);
+  }
+}
+
+// words [j0, j0 + 8) of every row: 64 output rows built in a tile of kCols columns (whole cache
+// lines), then copied out; a vector load takes 8 words of a row, a byte transpose turns 8 rows
+// of them into 8 columns of every output row
+I4P_CLONES void unpack_awq_block(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j0) {
+  constexpr int64_t kCols = 64;
+  alignas(64) uint8_t tile[64][kCols];
+  const int64_t k8 = k / 8 * 8;
+  for (int64_t c0 = 0; c0 < k8; c0 += kCols) {
+    const int64_t cb = std::min(kCols, k8 - c0);
+    for (int64_t tg = 0; tg < cb; tg += 8) {
+      u8x32 lo[8], hi[8], d[8];
+      for (int t = 0; t < 8; ++t) {
+        u8x32 v;
+        std::memcpy(&v, w + (c0 + tg + t) * nw + j0, 32);
+        lo[t] = v & 0x0F;  // byte b of word jj: nibble 2b; of hi: nibble 2b + 1
+        hi[t] = (u8x32)((u32x8)v >> 4) & 0x0F;
+      }
+      for (int half = 0; half < 2; ++half) {
+        transpose8x32(half ? hi : lo, d);
+        for (int m = 0; m < 8; ++m) {
+          for (int u = 0; u < 4; ++u) {
+            const int p = 16 * (u / 2) + 2 * m + u % 2, jj = p / 4, nib = 2 * (p % 4) + half;
+            std::memcpy(&tile[8 * jj + kAwqOrder[nib]][tg], reinterpret_cast<const uint8_t*>(&d[m]) + 8 * u, 8);
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < 64; ++m) std::memcpy(o + (8 * j0 + m) * k + c0, tile[m], cb);
+  }
+  for (int64_t c = k8; c < k; ++c) {
+    for (int64_t jj = 0; jj < 8; ++jj) {
+      const uint32_t v = w[c * nw + j0 + jj];
+      for (int i = 0; i < 8; ++i) o[(8 * (j0 + jj) + kAwqOrder[i]) * k + c] = (v >> (4 * i)) & 0xF;
+    }
+  }
+}
+
 at::Tensor unpack_awq(const at::Tensor& qweight, int64_t threads) {
   check_words(qweight, "qweight");
-  static const int kOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-  int inv[8];
-  for (int i = 0; i < 8; ++i) inv[kOrder[i]] = i;
-  const int64_t k = qweight.size(0), nw = qweight.size(1), n = nw * 8;
+  const int64_t k = qweight.size(0), nw = qweight.size(1), n = nw * 8, nb = nw / 8;
   auto out = at::empty({n, k}, at::kByte);
   const uint32_t* w = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
   uint8_t* o = out.data_ptr<uint8_t>();
-  for_rows(nw, 4, threads, [&](int64_t j0, int64_t j1) {
-    uint8_t tile[8][8];
-    for (int64_t j = j0; j < j1; ++j) {
-      int64_t c = 0;
-      for (; c + 8 <= k; c += 8) {
-        for (int t = 0; t < 8; ++t) {
-          const uint64_t v = spread_nibbles(w[(c + t) * nw + j]);
-          std::memcpy(tile[t], &v, 8);
-        }
-        for (int m = 0; m < 8; ++m) {
-          uint8_t row[8];
-          for (int t = 0; t < 8; ++t) row[t] = tile[t][inv[m]];
-          std::memcpy(o + (8 * j + m) * k + c, row, 8);
-        }
-      }
-      for (; c < k; ++c) {
-        const uint32_t v = w[c * nw + j];
-        for (int m = 0; m < 8; ++m) o[(8 * j + m) * k + c] = (v >> (4 * inv[m])) & 0xF;
-      }
-    }
+  for_rows(nb, 1, threads, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) unpack_awq_block(w, o, k, nw, 8 * b);
   });
+  for (int64_t j = nb * 8; j < nw; ++j) {  // the last words when N/8 is not a multiple of 8
+    for (int64_t c = 0; c < k; ++c) {
+      const uint32_t v = w[c * nw + j];
+      for (int i = 0; i < 8; ++i) o[(8 * j + kAwqOrder[i]) * k + c] = (v >> (4 * i)) & 0xF;
+    }
+  }
   return out;
 }
 
@@ -349,8 +447,6 @@ struct CloseCall {
 };
 
 // ---- requant, shared by both evaluations
-
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 // ship() on 8 lanes
 I4P_INLINE v8f ship8(const Req& p, v8f x) {
@@ -649,19 +745,12 @@ I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, con
 namespace hist {
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef uint8_t u8x32_unaligned __attribute__((vector_size(32), aligned(1)));
 typedef double f64x8 __attribute__((vector_size(64)));
 
 // the table tricks below read bytes of wider lanes: little-endian only (else the element path)
 constexpr bool kEnabled = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
 
-#if defined(__clang__)
-#define I4P_SHUF(T, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define I4P_SHUF(T, a, b, ...) __builtin_shuffle(a, b, T{__VA_ARGS__})
-#endif
-#define I4P_SHUF8(a, b, ...) I4P_SHUF(u8x32, a, b, __VA_ARGS__)
 #if defined(__clang__)
 #define I4P_UNROLL16 _Pragma("unroll 16")
 #else
@@ -670,30 +759,10 @@ constexpr bool kEnabled = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
 
 // four rounds of "interleave two vectors, add" (bytes, pairs, quads, halves; each 128-bit half
 // on its own, as the unpack instructions work) sum 16 vectors across the bytes of each half
-inline u8x32 zip8(u8x32 a, u8x32 b) {
-  return I4P_SHUF8(a, b, 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                   16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55) +
-         I4P_SHUF8(a, b, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
-                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63);
-}
-inline u8x32 zip16(u8x32 a, u8x32 b) {
-  return I4P_SHUF8(a, b, 0, 1, 32, 33, 2, 3, 34, 35, 4, 5, 36, 37, 6, 7, 38, 39,
-                   16, 17, 48, 49, 18, 19, 50, 51, 20, 21, 52, 53, 22, 23, 54, 55) +
-         I4P_SHUF8(a, b, 8, 9, 40, 41, 10, 11, 42, 43, 12, 13, 44, 45, 14, 15, 46, 47,
-                   24, 25, 56, 57, 26, 27, 58, 59, 28, 29, 60, 61, 30, 31, 62, 63);
-}
-inline u8x32 zip32(u8x32 a, u8x32 b) {
-  return I4P_SHUF8(a, b, 0, 1, 2, 3, 32, 33, 34, 35, 4, 5, 6, 7, 36, 37, 38, 39,
-                   16, 17, 18, 19, 48, 49, 50, 51, 20, 21, 22, 23, 52, 53, 54, 55) +
-         I4P_SHUF8(a, b, 8, 9, 10, 11, 40, 41, 42, 43, 12, 13, 14, 15, 44, 45, 46, 47,
-                   24, 25, 26, 27, 56, 57, 58, 59, 28, 29, 30, 31, 60, 61, 62, 63);
-}
-inline u8x32 zip64(u8x32 a, u8x32 b) {
-  return I4P_SHUF8(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35, 36, 37, 38, 39,
-                   16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55) +
-         I4P_SHUF8(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
-                   24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63);
-}
+inline u8x32 zip8(u8x32 a, u8x32 b) { return lo8(a, b) + hi8(a, b); }
+inline u8x32 zip16(u8x32 a, u8x32 b) { return lo16(a, b) + hi16(a, b); }
+inline u8x32 zip32(u8x32 a, u8x32 b) { return lo32(a, b) + hi32(a, b); }
+inline u8x32 zip64(u8x32 a, u8x32 b) { return lo64(a, b) + hi64(a, b); }
 
 // byte v of each 128-bit half: how many of the 32 * M bytes at c equal v (M <= 4: every count
 // <= 128 fits a byte); orv collects the bits of every byte (codes above 15 are caught later).
@@ -1116,8 +1185,6 @@ I4P_INLINE void run(const Req& p, Search& w, Batch& b) {
 }
 
 #undef I4P_UNROLL16
-#undef I4P_SHUF8
-#undef I4P_SHUF
 
 }  // namespace hist
 
@@ -1383,6 +1450,11 @@ std::vector<at::Tensor> lossless_job(int64_t layout, const at::Tensor& data, int
     TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous() && zeros.size(0) == n &&
                     zeros.size(1) == p.gs_count, "zeros: expected contiguous uint8 [N, G]");
     p.z = zeros.data_ptr<uint8_t>();
+    // an asymmetric source (the requant path calls here first) leaves before any allocation
+    const int64_t nz = zeros.numel();
+    int64_t i = 0;
+    while (i < nz && p.z[i] == 8) ++i;
+    if (i < nz) return {at::full({1}, int64_t{kAsym}, at::kLong), at::Tensor(), at::Tensor(), at::Tensor()};
   }
   p.ss = sf.data_ptr<float>();
   p.src_group = src_group;

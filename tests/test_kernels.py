@@ -56,7 +56,7 @@ def words(gen, *shape):
 
 # ------------------------------------------------------------------------------------ unpacking
 
-@pytest.mark.parametrize("shape", [(1, 8), (16, 96), (256, 768), (3, 40)])
+@pytest.mark.parametrize("shape", [(1, 8), (16, 96), (256, 768), (3, 40), (21, 70), (96, 2048)])
 def test_unpack_gptq_matches_twin(monkeypatch, shape):
     w = words(torch.Generator().manual_seed(1), *shape)
     fast = kernels.unpack_gptq(w)
@@ -66,7 +66,7 @@ def test_unpack_gptq_matches_twin(monkeypatch, shape):
     assert torch.equal(ref, unpack_rows(w).t().contiguous())
 
 
-@pytest.mark.parametrize("shape", [(8, 1), (128, 96), (2048, 96), (13, 5)])
+@pytest.mark.parametrize("shape", [(8, 1), (128, 96), (2048, 96), (13, 5), (77, 17), (200, 24)])
 def test_unpack_awq_matches_twin(monkeypatch, shape):
     w = words(torch.Generator().manual_seed(2), *shape)
     fast = kernels.unpack_awq(w)

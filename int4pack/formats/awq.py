@@ -12,7 +12,7 @@ from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
     AWQ_ORDER, cfg_bool, cfg_int, check_dtype, check_shape, need, owned, prefixes_with,
-                      require_bits4, unpack_cols)
+                      require_bits4)
 
 __all__ = ["AWQReader", "AWQ_SHIFTS"]
 
@@ -107,7 +107,7 @@ class AWQReader:
         ck = self.ckpt
         codes = kernels.unpack_awq(ck.view(f"{spec.name}.qweight"))  # [N, K]
         ck.release(f"{spec.name}.qweight")  # (read mapped: no copy of the packed words)
-        zeros = unpack_cols(ck.get(f"{spec.name}.qzeros"), AWQ_SHIFTS).t().contiguous()  # [N, G]
+        zeros = kernels.unpack_awq(ck.get(f"{spec.name}.qzeros"))  # same layout as qweight: [N, G]
         scales = owned(ck.get(f"{spec.name}.scales").t())
         bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
         return QuantLinear(spec, codes, scales, None if bool((zeros == 8).all()) else zeros, None, bias)
