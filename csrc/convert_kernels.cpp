@@ -5,12 +5,13 @@
 // stays the oracle: tests/test_kernels.py compares the bytes.
 //
 // The requant search follows w4a8._search_chunk candidate for candidate: the same float32
-// operations produce the same candidate scales and the same q. The one thing that cannot be
-// copied is the order in which torch sums each candidate's squared error (it depends on the
-// CPU's vector width), so a decision is taken here only when the two errors compared differ by
-// more than a rigorous bound on the rounding of either sum; a group where some comparison is
-// closer than that is flagged (bit 0 of `flags`) and the caller redoes it with the torch code.
-// The result is then byte-identical to the oracle whatever torch's summation order is.
+// operations produce the same candidate scales and the same q, and each candidate's error is
+// the float64 sum of (s * q - x)^2, whose differences are exact (see Group). Only the order of
+// that sum differs from torch's, so the decision is the tie rule of w4a8._first_within_tie (the
+// first candidate within 2^-30 of the smallest error), taken here unless some error lies within
+// the rounding bound of the rule's threshold; such a group (in practice none) is flagged (bit 0
+// of `flags`) and the caller redoes it with the torch code. The result is byte-identical to the
+// oracle whatever torch's summation order is.
 // From int4 codes, a target group inside one source group takes at most 16 values: its errors
 // come from the histogram of its codes, 8 groups at a time (namespace hist); anything else
 // goes through the values one by one (element_group).
@@ -36,7 +37,7 @@ namespace {
 
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: (t + kMagic) - kMagic rounds half to even, |t| <= 2^22
 constexpr float kTiny = 1.1754943508222875e-38f;  // 2^-126, w4a8.TINY
-constexpr double kU = 5.9604644775390625e-08;  // 2^-24, float32 unit roundoff
+constexpr double kU = 0x1p-53;  // float64 unit roundoff
 constexpr uint8_t kAmbiguous = 1, kNonFinite = 2, kZero = 4;
 
 template <class F>
@@ -361,88 +362,71 @@ inline float qround1(float t) {
   return (t + kMagic) - kMagic;
 }
 
-// sum over the group of (s * clamp(round(x / s)) - x)^2, in the oracle's float operations
-inline float group_sse(const float* x, int64_t n, float s) {
+typedef double f64x8 __attribute__((vector_size(64)));
+typedef int64_t i64x8 __attribute__((vector_size(64)));
+
+// sum over the group of (s * clamp(round(x / s)) - x)^2 as the oracle takes it: q in float32,
+// then s * q - x in float64 (exact: see Group), squared and summed in float64
+inline double group_sse(const float* x, int64_t n, float s) {
   const float r = 1.0f / s;  // torch: s.reciprocal()
-  const v8f vr = splat(r), vs = splat(s);
-  v8f a0 = {}, a1 = {};
+  const v8f vr = splat(r);
+  const double sd = s;
+  f64x8 a = {};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const v8f x0 = load8(x + i), x1 = load8(x + i + 8);
-    const v8f d0 = qround(x0 * vr) * vs - x0, d1 = qround(x1 * vr) * vs - x1;
-    a0 += d0 * d0;
-    a1 += d1 * d1;
+  for (; i + 8 <= n; i += 8) {
+    const v8f x0 = load8(x + i);
+    const f64x8 d = __builtin_convertvector(qround(x0 * vr), f64x8) * sd - __builtin_convertvector(x0, f64x8);
+    a += d * d;
   }
-  float tail = 0.0f;
+  double tail = 0.0;
   for (; i < n; ++i) {
-    const float d = qround1(x[i] * r) * s - x[i];
+    const double d = static_cast<double>(qround1(x[i] * r)) * sd - static_cast<double>(x[i]);
     tail += d * d;
   }
-  return hsum(a0 + a1) + tail;
+  return (((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))) + tail;
 }
 
+// Rounding bound on one computed sum of squared errors e2 of a group of n values (torch's or
+// ours). Each difference s * q - x is exact in float64: q * s has at most 28 significant bits,
+// and where q != 0, |x| >= s / 2 and |x| <= 12 s (every candidate is >= 0.64 * base >= amax / 13)
+// keep the difference within 53 bits; where q = 0 it is -x. So only the squares and the sum round:
+// |computed - exact| <= (n + 2) u e2 in any summation order; slope() = (2n + 16) u leaves room.
+// Groups outside [1e-18, 1e17] go to torch anyway (Decision::begin's guard).
 struct Group {
   int64_t n;
-  double xx;  // sum x^2
-  double k = 0;  // the sqrt term of the bound at the largest error compared (one sqrt per group)
-  // rounding bound on one computed sum of squared errors (torch's or ours), doubled for the
-  // difference of two: |computed - exact| <= (n + 2) u e2 + 2 u sqrt(e2 * sum (q s)^2), and
-  // sum (q s)^2 <= 2 xx + 2 e2; the sqrt term is taken at the largest e2 of the candidates
-  void set_max(double emax) { k = 8.0 * kU * std::sqrt(emax * (2.0 * xx + 2.0 * emax)) + 1e-300; }
   double slope() const { return (2.0 * static_cast<double>(n) + 16.0) * kU; }
-  double bound(double e2) const { return slope() * e2 + k; }
 };
 
 // helpers of the I4P_CLONES functions are forced inline: a call would run their default build
 #define I4P_INLINE inline __attribute__((always_inline))
 #define I4P_LAMBDA_INLINE __attribute__((always_inline))
 
-// the first minimum of e[0..m) (the first candidate wins ties); emax takes the largest e
-I4P_INLINE int first_min(const float* e, int m, float& emax) {
-  int best = 0;
-  float eb = e[0], mx = emax < e[0] ? e[0] : emax;
-  for (int i = 1; i < m; ++i) {  // branch-free: which candidate wins is data
-    const bool lt = e[i] < eb;
-    best = lt ? i : best;
-    eb = lt ? e[i] : eb;
-    mx = mx < e[i] ? e[i] : mx;
-  }
-  emax = mx;
-  return best;
-}
+constexpr double kTie = 0x1p-30;  // w4a8.TIE
 
-// whether some candidate with another scale than the winner's is not clearly worse, i.e.
-// !(e[i] - e[best] > bound(e[i]) + bound(e[best])). With bound(e) = A e + k that reads
-// e[i] > t = (e[best] (1 + A) + 2 k) / (1 - A) = e[best] ca + k cb (CloseCall): t is taken in
-// double, rounded up to a float and compared with 8 lanes at a time (e and cand padded).
-// Rounding t up can only call more groups close (they go to torch: never a wrong byte); the
-// relative 2^-40 covers the double roundings of the rearrangement, far below the slack of the bound.
-struct CloseCall {
-  double ca = 0.0, cb = 0.0;
-  bool never = true;  // A >= 1/2: no K comes near, but then call everything close
-  explicit CloseCall(int64_t n) {
-    const double a = Group{n, 0.0}.slope();
-    never = !(a < 0.5);
-    ca = (1.0 + a) / (1.0 - a) * (1.0 + 0x1p-40);
-    cb = 2.0 / (1.0 - a) * (1.0 + 0x1p-40);
+// The decision of w4a8._first_within_tie on errors that may differ from torch's by the bound
+// of Group: the first candidate within kTie of the smallest error (t = min (1 + kTie)). It is
+// torch's decision too unless the winner lies near t (e > t (1 - a4)) or an earlier candidate
+// with another scale does (e < t (1 + a4)); a4 = 4 slope() covers both sides' roundings, and
+// keeping a4 far below kTie means exact ties (e == min, as bf16 scales on a grid of codes
+// give) are never near t. Such a close call is flagged: torch decides the group.
+struct TieRule {
+  double a4 = 0.0;
+  bool never = true;  // a4 too near kTie (groups of ~2^19 and more): everything is a close call
+  explicit TieRule(int64_t n) {
+    a4 = 4.0 * Group{n}.slope();
+    never = !(8.0 * a4 < kTie);
   }
-  I4P_INLINE bool operator()(const float* cand, const float* e, int m, int best, const Group& gr) const {
-    if (never) return true;
-    const double t = static_cast<double>(e[best]) * ca + gr.k * cb;
-    float tf = static_cast<float>(t);  // t >= 0; one float step up when the cast rounded down
-    uint32_t u;
-    std::memcpy(&u, &tf, 4);
-    u += static_cast<double>(tf) < t && u < 0x7F800000u;
-    std::memcpy(&tf, &u, 4);
-    const v8f vt = splat(tf), cb8 = splat(cand[best]);
-    const v8f iota = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f};
-    i32x8 amb = {};
-    for (int i = 0; i < m; i += 8) {  // the winner has cand == cb8; lanes from m on are padding
-      const v8f ev = load8(e + i), cv = load8(cand + i);
-      amb |= (cv != cb8) & ~(ev > vt) & (iota + splat(static_cast<float>(i)) < splat(static_cast<float>(m)));
-    }
-    const u64x4 o = (u64x4)amb;
-    return ((o[0] | o[1]) | (o[2] | o[3])) != 0;
+  // the winner's index; amb is set on a close call
+  I4P_INLINE int pick(const float* cand, const double* e, int m, bool& amb) const {
+    double mn = e[0];
+    for (int i = 1; i < m; ++i) mn = e[i] < mn ? e[i] : mn;
+    const double t = mn * (1.0 + kTie);
+    int w = 0;
+    while (w < m - 1 && !(e[w] <= t)) ++w;
+    bool a = never || e[w] > t * (1.0 - a4);
+    for (int i = 0; i < w; ++i) a |= (cand[i] != cand[w]) & (e[i] < t * (1.0 + a4));
+    amb = amb || a;
+    return w;
   }
 };
 
@@ -460,33 +444,32 @@ I4P_INLINE v8f ship8(const Req& p, v8f x) {
 
 // w4a8._search_chunk for one group of the element path (Search::decide runs the steps):
 //   m = begin(...)      the scales to evaluate, cand[0..m)
-//   err[0..m) = the group's sum of squared errors at each (a float, as group_sse gives it)
-//   m2 = coarse(...)    the fine pass's scales, cand2[0..m2) (none: 0)
-//   err2[0..m2) = the errors there; fine(m2)
+//   err[0..m) = the group's sum of squared errors at each (group_sse)
+//   m2 = coarse(...)    the fine pass's scales, cand2[1..m2] (none: 0); cand2[0] is the coarse winner
+//   err2[1..m2] = the errors there; fine(m2)
 //   finish()            the shipped scale; flag holds the flag bits, base_e the RTN error.
-// The arrays are padded so that 8 lanes can be read and written at any candidate.
+// The candidate arrays are padded so that 8 lanes can be read and written at any candidate.
 // hist::search is the same search with 8 groups in the lanes of every step: keep them alike.
 struct Decision {
   float* cand = nullptr;
-  float* err = nullptr;
+  double* err = nullptr;
   float* ratio = nullptr;  // ratio[1..nc) = the coarse ratios, set once
   float* cand2 = nullptr;
-  float* err2 = nullptr;
-  Group gr{0, 0.0};
-  CloseCall close_call{0};  // for the n of the groups (set by Search)
-  float base = 1.0f, best_s = 0.0f, best_e = 0.0f, base_e = 0.0f, emax = 0.0f;
+  double* err2 = nullptr;
+  TieRule tie{0};  // for the n of the groups (set by Search)
+  float base = 1.0f, best_s = 0.0f;
+  double base_e = 0.0;
   bool zero = false, amb = false;
   uint8_t flag = 0;
 
-  // a group of n values in [wmin, wmax] with sum of squares xx
-  I4P_INLINE int begin(const Req& p, int nc, int64_t n, float wmin, float wmax, double xx) {
+  // a group of n values in [wmin, wmax]
+  I4P_INLINE int begin(const Req& p, int nc, float wmin, float wmax) {
     const float amax = std::max(wmax, -wmin);
     zero = amax == 0.0f;
     const float rtn = amax / 7.0f;
-    gr = Group{n, xx};
     flag = 0;
     amb = false;
-    // far outside any real weight the float32 sums could under/overflow: let torch decide
+    // far outside any real weight (the exactness argument of Group needs normal floats): torch decides
     if (!zero && (amax < 1e-18f || amax > 1e17f)) flag |= kAmbiguous;
     if (!p.search) {
       cand[0] = ship(p, rtn);
@@ -503,50 +486,25 @@ struct Decision {
   }
 
   I4P_INLINE int coarse(const Req& p, int nc, int nf, const float* fine) {
+    base_e = err[0];
     if (!p.search) {
       best_s = cand[0];
-      best_e = base_e = err[0];
       return 0;
     }
-    emax = 0.0f;
-    const int ib = first_min(err, nc, emax);
-    gr.set_max(emax);
-    amb = close_call(cand, err, nc, ib, gr);
+    const int ib = tie.pick(cand, err, nc, amb);
     best_s = cand[ib];
-    best_e = err[ib];
-    base_e = err[0];
     if (!(nf > 0 && nc > 2)) return 0;
+    cand2[0] = best_s;
+    err2[0] = err[ib];
     const float rho = ratio[ib];
-    for (int f = 0; f < nf; f += 8) {  // cand2[f] = ship(p, base * (rho + fine[f]))
+    for (int f = 0; f < nf; f += 8) {  // cand2[1 + f] = ship(p, base * (rho + fine[f]))
       const v8f t = ship8(p, splat(base) * (splat(rho) + load8(fine + f)));
-      std::memcpy(cand2 + f, &t, sizeof(t));
+      std::memcpy(cand2 + 1 + f, &t, sizeof(t));
     }
     return nf;
   }
 
-  I4P_INLINE void fine(int nf) {
-    const int jb = first_min(err2, nf, emax);
-    gr.set_max(emax);
-    // ambf: whether the fine argmin is a close call among the fine candidates (only looked at
-    // where it matters)
-    if (cand2[jb] != best_s) {
-      const double d = static_cast<double>(err2[jb]) - static_cast<double>(best_e);
-      const double b = gr.bound(err2[jb]) + gr.bound(best_e);
-      if (d > b) {
-        // every fine candidate loses to the coarse winner: which of them is the fine
-        // argmin (ambf) does not matter (bound(e) = A e + k with A < 1: e - bound(e) grows)
-      } else if (-d > b) {
-        best_s = cand2[jb];
-        best_e = err2[jb];
-        amb = amb || close_call(cand2, err2, nf, jb, gr);
-      } else {
-        amb = true;
-      }
-    } else {
-      // a near-tied fine candidate might be torch's argmin and beat it
-      amb = amb || close_call(cand2, err2, nf, jb, gr);
-    }
-  }
+  I4P_INLINE void fine(int nf) { best_s = cand2[tie.pick(cand2, err2, nf + 1, amb)]; }
 
   I4P_INLINE float finish() {
     if (zero) {
@@ -565,39 +523,41 @@ struct Search {
   static constexpr int kSlots = 8;  // groups in a batch of the histogram path
   int nc = 0, nf = 0;
   std::vector<float> fine, pool;
-  // the batch's candidates and errors, [candidate][lane] (floats: a vector type in memory may be
-  // less aligned than the AVX2 clone assumes, so vectors go through load8 / store8)
-  std::vector<float> bcand, berr, bcand2, berr2;
+  std::vector<double> epool;
+  // the batch's candidates and errors, [candidate][lane] (plain arrays: a vector type in memory
+  // may be less aligned than the AVX2 clone assumes, so vectors go through load8 / store8)
+  std::vector<float> bcand, bcand2;
+  std::vector<double> berr, berr2;
   Decision d;
-  CloseCall close_call;
+  TieRule tie;
   static int padded(int m) { return (m + 7) / 8 * 8 + 8; }
   explicit Search(const Req& p)
       : nc(1 + static_cast<int>(p.coarse.size())), nf(static_cast<int>(p.fine.size())),
-        fine(padded(nf), 0.0f), close_call(p.g) {
+        fine(padded(nf), 0.0f), tie(p.g) {
     std::copy(p.fine.begin(), p.fine.end(), fine.begin());
-    const int a = padded(nc), b = padded(nf);
-    pool.assign(static_cast<size_t>(3 * a + 2 * b), 1.0f);
+    const int a = padded(nc), b = padded(nf + 1);
+    pool.assign(static_cast<size_t>(2 * a + b), 1.0f);
+    epool.assign(static_cast<size_t>(a + b), 0.0);
     bcand.assign(static_cast<size_t>(a) * kSlots, 1.0f);
-    berr.assign(bcand.size(), 0.0f);
+    berr.assign(bcand.size(), 0.0);
     bcand2.assign(static_cast<size_t>(b) * kSlots, 1.0f);
-    berr2.assign(bcand2.size(), 0.0f);
+    berr2.assign(bcand2.size(), 0.0);
     float* q = pool.data();
-    d.close_call = close_call;
+    d.tie = tie;
     d.cand = q;
-    d.err = q + a;
-    d.ratio = q + 2 * a;
-    d.cand2 = q + 3 * a;
-    d.err2 = q + 3 * a + b;
+    d.ratio = q + a;
+    d.cand2 = q + 2 * a;
+    d.err = epool.data();
+    d.err2 = epool.data() + a;
     std::copy(p.coarse.begin(), p.coarse.end(), d.ratio + 1);
   }
   // the whole search for one group, sse(cand, err, m) evaluating
   template <class Sse>
-  I4P_INLINE float decide(const Req& p, Decision& s, int64_t n, float wmin, float wmax, double xx,
-                          const Sse& sse) {
-    sse(s.cand, s.err, s.begin(p, nc, n, wmin, wmax, xx));
+  I4P_INLINE float decide(const Req& p, Decision& s, float wmin, float wmax, const Sse& sse) {
+    sse(s.cand, s.err, s.begin(p, nc, wmin, wmax));
     const int m2 = s.coarse(p, nc, nf, fine.data());
     if (m2 > 0) {
-      sse(s.cand2, s.err2, m2);
+      sse(s.cand2 + 1, s.err2 + 1, m2);
       s.fine(m2);
     }
     return s.finish();
@@ -609,9 +569,9 @@ struct Search {
 // (ww, base_sse): kernels._redo_with_torch adds the rest.
 struct ReqRow {
   double* st;  // dd, ww, vv, wv, base_sse, max_abs
-  I4P_INLINE void add(uint8_t flag, double gdd, double gww, double gvv, double gwv, float base_e, double gmax) {
+  I4P_INLINE void add(uint8_t flag, double gdd, double gww, double gvv, double gwv, double base_e, double gmax) {
     st[1] += gww;
-    st[4] += static_cast<double>(base_e);  // already a sum of squares
+    st[4] += base_e;  // already a sum of squares
     if (flag & kAmbiguous) return;
     st[0] += gdd;
     st[2] += gvv;
@@ -691,11 +651,11 @@ I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, con
     }
   }
   Decision& dec = w.d;
-  const float best_s = w.decide(p, dec, g, wmin, wmax, xx, [&](const float* cand, float* err, int m)
+  const float best_s = w.decide(p, dec, wmin, wmax, [&](const float* cand, double* err, int m)
                                                             I4P_LAMBDA_INLINE {
     for (int i = 0; i < m; ++i) err[i] = group_sse(xg, g, cand[i]);
   });
-  const float base_e = dec.base_e;
+  const double base_e = dec.base_e;
   const uint8_t flag = dec.flag;
   // final q, and the statistics against the float source
   const float rs = 1.0f / best_s;
@@ -746,7 +706,6 @@ namespace hist {
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x32_unaligned __attribute__((vector_size(32), aligned(1)));
-typedef double f64x8 __attribute__((vector_size(64)));
 
 // the table tricks below read bytes of wider lanes: little-endian only (else the element path)
 constexpr bool kEnabled = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
@@ -905,6 +864,7 @@ struct Batch {
   float x[kLanes][16];  // x_c of each group; an absent code repeats a present value
   double w[kLanes][16];  // count[c]
   float xs[16][kLanes];  // the same, groups in lanes
+  double xd[16][kLanes];  // and in float64
   double ws[16][kLanes];
   float wmin[kLanes], wmax[kLanes];
   double xx[kLanes];
@@ -930,10 +890,11 @@ I4P_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 I4P_INLINE void store8d(double* p, f64x8 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // sum over each lane's group of (s * clamp(round(x / s)) - x)^2 at that lane's scale s: group_sse's
-// float32 difference of each code, squared and weighted by its count in double
-I4P_INLINE v8f batch_sse(const Batch& b, v8f s) {
+// float64 difference of each code (q from float32), squared and weighted by its count
+I4P_INLINE f64x8 batch_sse(const Batch& b, v8f s) {
   const v8f r = splat(1.0f) / s;  // torch: s.reciprocal()
   const v8f lo = load8(b.qlo), hi = load8(b.qhi), mg = splat(kMagic);
+  const f64x8 sd = __builtin_convertvector(s, f64x8);
   f64x8 a0 = {}, a1 = {};
   // unrolled: GCC keeps a 64-byte vector carried around a loop in memory (AVX2 has 32 bytes)
   I4P_UNROLL16
@@ -944,12 +905,12 @@ I4P_INLINE v8f batch_sse(const Batch& b, v8f s) {
     tb = tb < lo ? lo : tb;
     ta = ta > hi ? hi : ta;
     tb = tb > hi ? hi : tb;
-    const v8f da = ((ta + mg) - mg) * s - xa, db = ((tb + mg) - mg) * s - xb;
-    const f64x8 ea = __builtin_convertvector(da, f64x8), eb = __builtin_convertvector(db, f64x8);
+    const f64x8 qa = __builtin_convertvector((ta + mg) - mg, f64x8), qb = __builtin_convertvector((tb + mg) - mg, f64x8);
+    const f64x8 ea = qa * sd - load8d(b.xd[c]), eb = qb * sd - load8d(b.xd[c + 1]);
     a0 += ea * ea * load8d(b.ws[c]);
     a1 += eb * eb * load8d(b.ws[c + 1]);
   }
-  return __builtin_convertvector(a0 + a1, v8f);
+  return a0 + a1;
 }
 
 enum Prepared { kQueued, kDone, kElements };
@@ -989,155 +950,133 @@ I4P_INLINE Prepared prepare(const Req& p, Batch& b, int64_t r, int64_t j, int64_
   for (int v = 0; v < 8; ++v) {
     b.xs[v][l] = x0[v];
     b.xs[v + 8][l] = x1[v];
+    b.xd[v][l] = y0[v];
+    b.xd[v + 8][l] = y1[v];
     b.ws[v][l] = w0[v];
     b.ws[v + 8][l] = w1[v];
   }
   return kQueued;
 }
 
-// per lane: the float threshold of CloseCall from the winner's error eb and the error bound's k
-I4P_INLINE void close_thresholds(const CloseCall& cc, const float* eb, const double* k, float* tf) {
-  for (int l = 0; l < Batch::kLanes; ++l) {
-    const double t = static_cast<double>(eb[l]) * cc.ca + k[l] * cc.cb;
-    float f = static_cast<float>(t);  // t >= 0; one float step up when the cast rounded down
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    u += static_cast<double>(f) < t && u < 0x7F800000u;
-    std::memcpy(&f, &u, 4);
-    tf[l] = f;
+typedef double f64x4 __attribute__((vector_size(32)));
+typedef int64_t i64x4 __attribute__((vector_size(32)));
+
+I4P_INLINE f64x4 load4d(const double* p) {
+  f64x4 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+// the 8 lanes of two 4-lane masks (or small integers) as 32-bit lanes
+I4P_INLINE i32x8 narrow(i64x4 a, i64x4 b) {
+  return I4P_SHUF(i32x8, (i32x8)a, (i32x8)b, 0, 2, 4, 6, 8, 10, 12, 14);
+}
+
+// TieRule::pick in every lane of [candidate][lane] arrays: the winner's scale, its index in w and
+// its error in ew, close calls or'ed into amb. The float64 steps run on 4-lane halves (an 8-lane
+// select of doubles is split lane by lane by GCC)
+I4P_INLINE v8f pick8(const TieRule& tie, const float* cand, const double* err, int m, i32x8& w, double* ew,
+                     i32x8& amb) {
+  constexpr int L = Batch::kLanes;
+  f64x4 mn[2] = {load4d(err), load4d(err + 4)};
+  for (int c = 1; c < m; ++c) {
+    for (int h = 0; h < 2; ++h) {
+      const f64x4 e = load4d(err + L * c + 4 * h);
+      mn[h] = e < mn[h] ? e : mn[h];
+    }
   }
+  f64x4 t[2], hi[2], ewh[2] = {};
+  i64x4 found[2] = {}, wh[2] = {}, a[2];
+  for (int h = 0; h < 2; ++h) {
+    t[h] = mn[h] * (1.0 + kTie);
+    hi[h] = t[h] * (1.0 + tie.a4);
+    for (int c = 0; c < m; ++c) {
+      const f64x4 e = load4d(err + L * c + 4 * h);
+      i64x4 take = (e <= t[h]) & ~found[h];
+      if (c == m - 1) take = ~found[h];
+      ewh[h] = take ? e : ewh[h];
+      wh[h] = take ? i64x4{} + c : wh[h];
+      found[h] |= take;
+    }
+    a[h] = ewh[h] > t[h] * (1.0 - tie.a4);
+  }
+  std::memcpy(ew, ewh, sizeof(ewh));
+  w = narrow(wh[0], wh[1]);
+  v8f cw = load8(cand);
+  for (int c = 1; c < m; ++c) cw = w == c ? load8(cand + L * c) : cw;
+  i32x8 am = narrow(a[0], a[1]);
+  for (int c = 0; c < m; ++c) {
+    const i32x8 near = narrow(load4d(err + L * c) < hi[0], load4d(err + L * c + 4) < hi[1]);
+    am |= (i32x8{} + c < w) & (load8(cand + L * c) != cw) & near;
+  }
+  amb |= tie.never ? ~i32x8{} : am;
+  return cw;
 }
 
 // Decision (the scalar search of the element path) for the batch's groups, a group in each lane:
 // the same operations lane by lane, the same results
-I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, float* base_out, uint8_t* flags) {
+I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, double* base_out, uint8_t* flags) {
   constexpr int L = Batch::kLanes;
   for (int l = b.n; l < L; ++l) {  // unused lanes: zero groups, finite throughout
     b.wmin[l] = b.wmax[l] = 0.0f;
     b.xx[l] = 0.0;
     for (int v = 0; v < 16; ++v) {
       b.xs[v][l] = 0.0f;
+      b.xd[v][l] = 0.0;
       b.ws[v][l] = 0.0;
     }
   }
   const int nc = w.nc, nf = w.nf;
-  const CloseCall& cc = w.close_call;
   const v8f wmin = load8(b.wmin), wmax = load8(b.wmax);
   const v8f amax = wmax < -wmin ? -wmin : wmax;  // std::max(wmax, -wmin)
   const i32x8 zero = amax == splat(0.0f);
   const v8f rtn = amax / splat(7.0f);
-  // far outside any real weight the float32 sums could under/overflow: let torch decide
+  // far outside any real weight (the exactness argument of Group needs normal floats): torch decides
   const i32x8 guard = ~zero & ((amax < splat(1e-18f)) | (amax > splat(1e17f)));
-  v8f best_s, best_e, base_e;
+  v8f best_s;
+  f64x8 base_e;
   i32x8 amb = {};
   if (!p.search) {
     best_s = ship8(p, rtn);
-    best_e = base_e = batch_sse(b, best_s);
+    base_e = batch_sse(b, best_s);
   } else {
     float* cand = w.bcand.data();  // [candidate][lane]
-    float* err = w.berr.data();
+    double* err = w.berr.data();
     v8f base = wmax / splat(7.0f), b8 = wmin / splat(-8.0f);
     base = base < b8 ? b8 : base;  // std::max(wmax / 7, wmin / -8)
     base = base > splat(0.0f) ? base : splat(1.0f);
     const v8f ratio0 = rtn / base;
     store8(cand, ship8(p, base * ratio0));
     for (int c = 1; c < nc; ++c) store8(cand + L * c, ship8(p, base * p.coarse[c - 1]));
-    for (int c = 0; c < nc; ++c) store8(err + L * c, batch_sse(b, load8(cand + L * c)));
-    // first minimum (first wins ties), the largest error, and the winner's scale and ratio
-    v8f eb = load8(err), cb = load8(cand), rho = ratio0;
-    v8f emax = splat(0.0f) < eb ? eb : splat(0.0f);
-    for (int c = 1; c < nc; ++c) {
-      const v8f e = load8(err + L * c);
-      const i32x8 lt = e < eb;
-      eb = lt ? e : eb;
-      cb = lt ? load8(cand + L * c) : cb;
-      rho = lt ? splat(p.coarse[c - 1]) : rho;
-      emax = emax < e ? e : emax;
-    }
-    alignas(32) float ebs[L], emaxs[L], tf[L];
-    alignas(64) double kk[L];
-    std::memcpy(ebs, &eb, sizeof(eb));
-    std::memcpy(emaxs, &emax, sizeof(emax));
-    for (int l = 0; l < L; ++l) {
-      Group gr{p.g, b.xx[l]};
-      gr.set_max(emaxs[l]);
-      kk[l] = gr.k;
-    }
-    close_thresholds(cc, ebs, kk, tf);
-    const v8f vt = load8(tf);
-    for (int c = 0; c < nc; ++c) amb |= (load8(cand + L * c) != cb) & ~(load8(err + L * c) > vt);
-    if (cc.never) amb = ~i32x8{};
-    best_s = cb;
-    best_e = eb;
-    base_e = load8(err);
+    for (int c = 0; c < nc; ++c) store8d(err + L * c, batch_sse(b, load8(cand + L * c)));
+    base_e = load8d(err);
+    i32x8 wi;
+    double* err2 = w.berr2.data();  // its first row: the coarse winner's error
+    best_s = pick8(w.tie, cand, err, nc, wi, err2, amb);
     if (nf > 0 && nc > 2) {
+      v8f rho = ratio0;
+      for (int c = 1; c < nc; ++c) rho = wi == c ? splat(p.coarse[c - 1]) : rho;
+      // the coarse winner first, then the fine candidates (Decision::coarse)
       float* cand2 = w.bcand2.data();
-      float* err2 = w.berr2.data();
-      for (int f = 0; f < nf; ++f) store8(cand2 + L * f, ship8(p, base * (rho + p.fine[f])));
-      for (int f = 0; f < nf; ++f) store8(err2 + L * f, batch_sse(b, load8(cand2 + L * f)));
-      v8f e2 = load8(err2), c2 = load8(cand2);
-      emax = emax < e2 ? e2 : emax;
-      for (int f = 1; f < nf; ++f) {
-        const v8f e = load8(err2 + L * f);
-        const i32x8 lt = e < e2;
-        e2 = lt ? e : e2;
-        c2 = lt ? load8(cand2 + L * f) : c2;
-        emax = emax < e ? e : emax;
-      }
-      alignas(32) float e2s[L], c2s[L], bss[L], bes[L];
-      alignas(32) int32_t ambs[L];
-      std::memcpy(e2s, &e2, sizeof(e2));
-      std::memcpy(c2s, &c2, sizeof(c2));
-      std::memcpy(emaxs, &emax, sizeof(emax));
-      std::memcpy(bss, &best_s, sizeof(best_s));
-      std::memcpy(bes, &best_e, sizeof(best_e));
-      Group grs[L];
-      for (int l = 0; l < L; ++l) {
-        grs[l] = Group{p.g, b.xx[l]};
-        grs[l].set_max(emaxs[l]);
-        kk[l] = grs[l].k;
-      }
-      close_thresholds(cc, e2s, kk, tf);
-      const v8f vt2 = load8(tf);
-      i32x8 ambf = {};
-      for (int f = 0; f < nf; ++f) ambf |= (load8(cand2 + L * f) != c2) & ~(load8(err2 + L * f) > vt2);
-      if (cc.never) ambf = ~i32x8{};
-      std::memcpy(ambs, &amb, sizeof(amb));
-      for (int l = 0; l < L; ++l) {  // Decision::fine, lane by lane
-        const bool af = ambf[l] != 0;
-        bool a = ambs[l] != 0;
-        if (c2s[l] != bss[l]) {
-          const double d = static_cast<double>(e2s[l]) - static_cast<double>(bes[l]);
-          const double bd = grs[l].bound(e2s[l]) + grs[l].bound(bes[l]);
-          if (d > bd) {
-            // every fine candidate loses to the coarse winner (see Decision::fine)
-          } else if (-d > bd) {
-            bss[l] = c2s[l];
-            a = a || af;
-          } else {
-            a = true;
-          }
-        } else {
-          a = a || af;
-        }
-        ambs[l] = a ? -1 : 0;
-      }
-      std::memcpy(&amb, ambs, sizeof(amb));
-      best_s = load8(bss);
+      store8(cand2, best_s);
+      for (int f = 0; f < nf; ++f) store8(cand2 + L * (f + 1), ship8(p, base * (rho + p.fine[f])));
+      for (int f = 0; f < nf; ++f) store8d(err2 + L * (f + 1), batch_sse(b, load8(cand2 + L * (f + 1))));
+      alignas(64) double ew[L];
+      best_s = pick8(w.tie, cand2, err2, nf + 1, wi, ew, amb);
     }
   }
   best_s = zero ? splat(1.0f) : best_s;
   amb &= ~zero;
   const i32x8 fl = (zero & static_cast<int32_t>(kZero)) | ((amb | guard) & static_cast<int32_t>(kAmbiguous));
   std::memcpy(best, &best_s, sizeof(best_s));
-  std::memcpy(base_out, &base_e, sizeof(base_e));
+  store8d(base_out, base_e);
   for (int l = 0; l < L; ++l) flags[l] = static_cast<uint8_t>(fl[l]);
 }
 
 // the batch's searches, then each group's q and statistics
 I4P_INLINE void run(const Req& p, Search& w, Batch& b) {
   const int64_t k = p.k, g = p.g, groups = k / g;
-  alignas(32) float best[Batch::kLanes], base_e[Batch::kLanes];
+  alignas(32) float best[Batch::kLanes];
+  alignas(64) double base_e[Batch::kLanes];
   uint8_t flags[Batch::kLanes];
   search(p, w, b, best, base_e, flags);
   for (int i = 0; i < b.n; ++i) {

@@ -180,7 +180,7 @@ def _redo_with_torch(amb: torch.Tensor, groups, q, s, rs, g: int, gs: int, searc
     r, j = amb[:, 0], amb[:, 1]
     wg = groups(r, j).contiguous()  # float32 [A, gs]
     width = 1 + (max(len(W.COARSE_RATIOS), W.FINE_POINTS) if search else 0)
-    ws = torch.empty(wg.numel() * width, dtype=torch.float32)
+    ws = torch.empty(wg.numel() * width, dtype=torch.float64)
     qg, sg, _, _, _ = W._search_chunk(wg, g if g == -1 else gs, search, ws)
     W._check_finite(sg, "weights", name)
     q.view(q.shape[0], -1, gs)[r, j] = qg

@@ -18,7 +18,7 @@ Three ways to get there from a ``QuantLinear``:
 
 Scale search (``requantize``): with ``base = max(max(w)/7, -min(w)/8)`` (the smallest scale
 that clips nothing), a coarse pass tries ``base * [0.70, 0.76, ..., 1.00, ..., 1.12]`` plus plain absmax
-RTN (``amax/7``, tried first so it wins ties, hence never worse than RTN), then a fine pass
+RTN (``amax/7``, tried first so it wins ties, hence never worse than RTN beyond a tie), then a fine pass
 tries 4 ratios within one coarse step of the winner. These 13 evaluations land within ~0.3 %
 (relative rel_l2) of a 40-point grid and of a brute force over every bf16 scale (bf16 itself
 only resolves 0.4-0.8 % steps), at a third of the cost. Everything is vectorised over all
@@ -26,7 +26,8 @@ groups of a row chunk; chunks bound the temporaries to a few MB (cache-sized, al
 
 All-zero groups get scale 1.0 and q = 0 (a neutral, finite, positive bf16/fp32 value); other
 candidate scales are clamped to >= 2**-126 (smallest normal, exact in bf16) so 1/s is finite.
-Everything is deterministic: no randomness, ties go to the first candidate.
+Everything is deterministic: no randomness; candidate errors within ``TIE`` (2**-30, relative) of
+the smallest tie, and ties go to the first candidate.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ ZERO_GROUP_SCALE = 1.0
 # 0.70 .. 1.12 in steps of 0.06, with 1.0 (clip nothing) exactly on the grid
 COARSE_RATIOS = (1.0 + 0.06 * torch.arange(-5, 3, dtype=torch.float64)).float()
 FINE_POINTS = 4
+TIE = 2.0**-30  # candidate errors within this relative distance tie: the earlier candidate wins
 # elements of w per chunk: 1 MB of float32, so the widest temporary (9 candidates) is ~9 MB;
 # bigger chunks amortise per-op overhead better than cache-sized ones did (measured)
 CHUNK_ELEMS = 1 << 18
@@ -205,10 +207,14 @@ class _Stats:
         w = w.reshape(-1)
         v = v.reshape(-1)
         # float32 reductions (torch sums pairwise) are plenty for a report; totals go to float64
-        self.dd += float(torch.dot(d, d))
-        self.ww += float(torch.dot(w, w))
-        self.vv += float(torch.dot(v, v))
-        self.wv += float(torch.dot(w, v))
+        sums = [float(torch.dot(d, d)), float(torch.dot(w, w)), float(torch.dot(v, v)), float(torch.dot(w, v))]
+        if not all(map(math.isfinite, sums)):  # squares past float32's range (|w| ~ 1e19 and up)
+            d, w, v = d.double(), w.double(), v.double()
+            sums = [float(torch.dot(d, d)), float(torch.dot(w, w)), float(torch.dot(v, v)), float(torch.dot(w, v))]
+        self.dd += sums[0]
+        self.ww += sums[1]
+        self.vv += sums[2]
+        self.wv += sums[3]
         lo, hi = torch.aminmax(d)
         self.max_abs = max(self.max_abs, float(-lo), float(hi))
 
@@ -255,18 +261,30 @@ def _check_finite(t: torch.Tensor, what: str, name: str | None) -> None:
 
 def _eval_candidates(x: torch.Tensor, negx: torch.Tensor, cands: torch.Tensor,
                      ws: torch.Tensor) -> torch.Tensor:
-    """x [r, G, 1, g], cands [r, G, C] (shipped values) -> L2 error per candidate [r, G, C].
+    """x [r, G, 1, g], cands [r, G, C] (shipped values) -> sum of squared errors [r, G, C], float64.
 
-    ``ws`` is a flat float32 workspace reused across chunks: fresh multi-MB temporaries would
-    page-fault on every chunk and cost more than the arithmetic.
+    q comes from float32 (the same 1/s as the final quantisation: the error is what ships);
+    ``s * q - x`` is then exact in float64 and only the squares and the sum round, so the C++
+    twin (which sums in another order) can match every decision but exact ties (see
+    ``Group`` in csrc/convert_kernels.cpp). ``ws`` is a flat float64 workspace reused across
+    chunks: fresh multi-MB temporaries would page-fault on every chunk.
     """
     r, G, _, g = x.shape
     s = cands.unsqueeze(-1)
     t = ws[: r * G * cands.shape[-1] * g].view(r, G, cands.shape[-1], g)
-    torch.mul(x, s.reciprocal(), out=t)  # same 1/s as the final quantisation: the error is what ships
-    t.round_().clamp_(QMIN, QMAX)
-    torch.addcmul(negx, t, s, out=t)  # s*q - w
-    return torch.linalg.vector_norm(t, dim=-1)
+    t.copy_(torch.mul(x, s.reciprocal()).round_().clamp_(QMIN, QMAX))  # float32 q, held in float64
+    t.mul_(s.double()).add_(negx)  # s*q - w
+    return t.square_().sum(dim=-1)
+
+
+def _first_within_tie(e: torch.Tensor) -> torch.Tensor:
+    """Index [..., 1] of the first candidate whose error is within TIE (relative) of the smallest.
+
+    Errors closer than that are ties, so the earlier candidate wins whatever order each
+    implementation summed in (the C++ twin takes the same decision; see ``Group`` there).
+    """
+    t = e.amin(dim=-1, keepdim=True) * (1.0 + TIE)
+    return (e <= t).to(torch.uint8).argmax(dim=-1, keepdim=True)  # argmax: the first maximum
 
 
 def _search_chunk(w: torch.Tensor, g: int, search: bool, ws: torch.Tensor):
@@ -278,7 +296,7 @@ def _search_chunk(w: torch.Tensor, g: int, search: bool, ws: torch.Tensor):
     amax = torch.maximum(wmax, -wmin)
     zero = (amax == 0).squeeze(-1)
     rtn = amax / 7
-    negx = -x
+    negx = -x.double()
     if not search:
         s = _ship_scale(rtn, g).clamp_min(TINY)
         e = _eval_candidates(x, negx, s, ws)[..., 0]
@@ -290,7 +308,7 @@ def _search_chunk(w: torch.Tensor, g: int, search: bool, ws: torch.Tensor):
         ratios = torch.cat([(rtn / base), COARSE_RATIOS.expand(r, k // gs, -1)], dim=-1)
         cands = _ship_scale(base * ratios, g).clamp_min(TINY)
         e = _eval_candidates(x, negx, cands, ws)
-        i = e.argmin(dim=-1, keepdim=True)  # first minimum: RTN wins ties
+        i = _first_within_tie(e)  # RTN is first: it wins ties
         best_s = cands.gather(-1, i)[..., 0]
         best_e = e.gather(-1, i)[..., 0]
         base_e = e[..., 0]
@@ -301,16 +319,16 @@ def _search_chunk(w: torch.Tensor, g: int, search: bool, ws: torch.Tensor):
         rho = ratios.gather(-1, i)
         cands2 = _ship_scale(base * (rho + offs), g).clamp_min(TINY)
         e2 = _eval_candidates(x, negx, cands2, ws)
-        j = e2.argmin(dim=-1, keepdim=True)
-        e2 = e2.gather(-1, j)[..., 0]
-        better = e2 < best_e  # strict: ties keep the coarse winner
-        best_s = torch.where(better, cands2.gather(-1, j)[..., 0], best_s)
-        best_e = torch.where(better, e2, best_e)
+        # the coarse winner first: it keeps its place against a tie
+        e2 = torch.cat([best_e.unsqueeze(-1), e2], dim=-1)
+        j = _first_within_tie(e2)
+        best_s = torch.cat([best_s.unsqueeze(-1), cands2], dim=-1).gather(-1, j)[..., 0]
+        best_e = e2.gather(-1, j)[..., 0]
     best_s = torch.where(zero, torch.full_like(best_s, ZERO_GROUP_SCALE), best_s)
     q = (x[:, :, 0, :] * best_s.unsqueeze(-1).reciprocal()).round_().clamp_(QMIN, QMAX)
     q = q.to(torch.int8).view(r, k)
-    sse = float(best_e.double().square().sum())
-    base_sse = float(base_e.double().square().sum())
+    sse = float(best_e.sum())
+    base_sse = float(base_e.sum())
     return q, best_s, sse, base_sse, int(zero.sum())
 
 
@@ -324,7 +342,7 @@ def _requant_rows(n: int, k: int, g: int, rows, search: bool, name: str | None):
     zero_groups = 0
     step = _rows_per_chunk(k)
     width = 1 + (max(len(COARSE_RATIOS), FINE_POINTS) if search else 0)
-    ws = torch.empty(min(n, step) * k * width, dtype=torch.float32)
+    ws = torch.empty(min(n, step) * k * width, dtype=torch.float64)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         w = rows(r0, r1).float().contiguous()
