@@ -251,7 +251,7 @@ def _check_hashes(ckpt: Checkpoint, problems: _Problems) -> dict | None:
         if not path.is_file():
             problems.add(shard, "listed in int4pack_report.json but missing")
             continue
-        got = hash_shard(path)
+        got = hash_shard(path, rec["data_digest"])
         if got["data_digest"] != rec["data_digest"] or got["size"] != rec.get("size", got["size"]):
             problems.add(shard, "tensor bytes differ from what convert wrote (data checksum mismatch with "
                                 "int4pack_report.json): the shard was modified or corrupted")

@@ -7,7 +7,7 @@ Runs the first --jobs conversion jobs of SRC's plan in this thread, the way a co
 does, and times each stage separately: the reader (mapping or reading the source tensors, and
 any unpacking), the W4A8 compute with its checks (lossless / requant; the one-pass lossless
 kernel also unpacks), then what the writer does per output byte (the write into the page
-cache, and the CRC-32). Prints seconds, share and Mparam/s per stage.
+cache, and the checksum). Prints seconds, share and Mparam/s per stage.
 --cprofile adds the top functions by own time.
 """
 
@@ -20,7 +20,6 @@ import pstats
 import sys
 import tempfile
 import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -32,7 +31,7 @@ from int4pack.checkpoint import Checkpoint  # noqa: E402
 from int4pack.convert import check_scales  # noqa: E402
 from int4pack.plan import make_plan  # noqa: E402
 from int4pack.w4a8 import lossless_fast, to_w4a8  # noqa: E402
-from int4pack.writer import to_bytes  # noqa: E402
+from int4pack.writer import _CHECKSUMS, digest_kind, to_bytes  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +43,7 @@ def main() -> None:
     torch.set_num_threads(1)
     ext = kernels.ext()
     print(f"extension: {'loaded' if ext is not None else 'MISSING: ' + str(_ext.build_error('convert_kernels'))}")
-    t = {k: 0.0 for k in ("read", "w4a8+checks", "write", "crc32")}
+    t = {k: 0.0 for k in ("read", "w4a8+checks", "write", "checksum")}
     clock = time.thread_time
     with Checkpoint(a.src) as ck:
         plan = make_plan(ck)
@@ -54,6 +53,7 @@ def main() -> None:
         prof = cProfile.Profile() if a.cprofile else None
         fd, tmp = tempfile.mkstemp(prefix="int4pack-prof-")
         crc = 0
+        check = _CHECKSUMS[digest_kind()][1]  # what the writer uses
         off = 0
         if prof:
             prof.enable()
@@ -80,12 +80,12 @@ def main() -> None:
                     off += len(b)
                 t4 = clock()
                 for b in bufs:
-                    crc = zlib.crc32(b, crc)
+                    crc = check(b, crc)
                 t5 = clock()
                 t["read"] += t2 - t1
                 t["w4a8+checks"] += t3 - t2
                 t["write"] += t4 - t3
-                t["crc32"] += t5 - t4
+                t["checksum"] += t5 - t4
         finally:
             if prof:
                 prof.disable()

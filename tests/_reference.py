@@ -148,3 +148,13 @@ def vllm_detects_w4a8(qcfg: dict) -> bool:
         if w["strategy"] == "group" and not (isinstance(w.get("group_size"), int) and w["group_size"] > 0):
             return False
     return True
+
+
+def bitwise_crc32c(data: bytes) -> int:
+    """CRC-32C by its definition, one bit at a time (reflected polynomial 0x82F63B78)."""
+    c = 0xFFFFFFFF
+    for b in data:
+        c ^= b
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+    return c ^ 0xFFFFFFFF

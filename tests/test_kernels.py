@@ -20,6 +20,8 @@ from int4pack.formats import open_reader
 from int4pack.formats._common import AWQ_ORDER, unpack_cols, unpack_rows
 from int4pack.records import LinearSpec, QuantLinear
 
+from _reference import bitwise_crc32c
+
 EXT = kernels.ext()
 pytestmark = pytest.mark.skipif(EXT is None, reason="convert_kernels extension unavailable (INT4PACK_NO_EXT?)")
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
@@ -52,6 +54,25 @@ def close_info(a: dict, b: dict, rel: float = 1e-5) -> None:
 
 def words(gen, *shape):
     return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=gen)
+
+
+# ------------------------------------------------------------------------------------ CRC-32C
+
+def test_crc32c_check_value():
+    assert kernels.crc32c(b"123456789") == 0xE3069283  # the catalogue's check value for CRC-32C
+    assert kernels.crc32c(b"") == 0
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 13, 6 * 8192 + 100])
+def test_crc32c_matches_bitwise_definition(monkeypatch, n):
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)).numpy().tobytes()
+    want = bitwise_crc32c(data)
+    assert kernels.crc32c(data) == want
+    cut = n // 3
+    assert kernels.crc32c(data[cut:], kernels.crc32c(data[:cut])) == want  # streaming, as the writer does
+    assert kernels.crc32c(memoryview(bytearray(data))) == want
+    if n < 10_000:
+        assert twin(monkeypatch, kernels.crc32c, data) == want
 
 
 # ------------------------------------------------------------------------------------ unpacking

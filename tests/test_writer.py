@@ -1,7 +1,8 @@
 """writer.ShardFile written out of order from several threads, its checksums, and hash_shard.
 
 Contents are read back with the safetensors library (an independent reader) and CRCs are
-recomputed with zlib on those bytes, not taken from the writer.
+recomputed on those bytes by zlib (CRC-32) or a bit-by-bit CRC-32C written here, not taken
+from the writer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from int4pack import writer
 from int4pack.errors import OutputError
 from int4pack.plan import OutTensor
 
+from _reference import bitwise_crc32c
+
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 convert_mod = importlib.import_module("int4pack.convert")  # the module (int4pack.convert is the function)
 
@@ -40,6 +43,10 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
 def _plan(ts: dict[str, torch.Tensor]) -> list[OutTensor]:
     names = {torch.int8: "I8", torch.bfloat16: "BF16", torch.float32: "F32"}
     return [OutTensor(k, names[v.dtype], tuple(v.shape)) for k, v in ts.items()]
+
+
+def _ref_crc(kind: str, raw: bytes) -> int:
+    return zlib.crc32(raw) if kind == "crc32" else bitwise_crc32c(raw)
 
 
 def _read_back(path: Path) -> dict[str, torch.Tensor]:
@@ -69,7 +76,7 @@ def test_out_of_order_parallel_writes_give_a_valid_shard(tmp_path):
     for n, t in ts.items():
         assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
         raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        assert crcs[n] == zlib.crc32(raw), n
+        assert crcs[n] == _ref_crc(sf.digest_kind, raw), n
     assert not (tmp_path / "s.safetensors.tmp").exists()
     # the record matches an independent re-read, and the header carries the per-tensor results
     assert writer.hash_shard(tmp_path / "s.safetensors") == rec
@@ -101,6 +108,31 @@ def test_checksums_catch_data_and_header_changes(tmp_path):
     assert got["size"] != rec["size"] and got["data_digest"] != rec["data_digest"]
     p.write_bytes(bytes(data))
     assert writer.hash_shard(p) == rec
+
+
+def test_digest_kinds(tmp_path, monkeypatch):
+    """With the extension a shard gets CRC-32C digests ("crc32c:" prefix); without it zlib's CRC-32
+    (a bare hex digest, as releases before 0.3 wrote), and either is re-checked by its own kind."""
+    ts = _tensors(3)
+    recs = {}
+    for hidden in (False, True):
+        with monkeypatch.context() as m:
+            if hidden:
+                m.setattr(writer.kernels, "ext", lambda: None)
+            p = tmp_path / f"s{int(hidden)}.safetensors"
+            sf = writer.ShardFile(p, _plan(ts), {"format": "pt"})
+            for n, t in ts.items():
+                assert sf.write(n, t) == _ref_crc(sf.digest_kind, t.contiguous().view(torch.uint8).numpy().tobytes()
+                                                  if t.numel() else b"")
+            recs[hidden] = (p, sf.digest_kind, sf.finish({}))
+    p, kind, rec = recs[True]
+    assert kind == "crc32" and not rec["data_digest"].startswith("crc32c:")
+    assert writer.hash_shard(p, rec["data_digest"]) == rec  # checked with the extension loaded
+    p, kind, rec = recs[False]
+    if writer.kernels.ext() is not None:
+        assert kind == "crc32c" and rec["data_digest"].startswith("crc32c:")
+    assert writer.hash_shard(p, rec["data_digest"]) == rec
+    assert writer.hash_shard(p, recs[True][2]["data_digest"])["data_digest"] != rec["data_digest"]
 
 
 def test_internal_mistakes_are_refused(tmp_path):
