@@ -6,7 +6,7 @@
 //
 // The requant search follows w4a8._search_chunk candidate for candidate: the same float32
 // operations produce the same candidate scales and the same q, and each candidate's error is
-// the float64 sum of (s * q - x)^2, whose differences are exact (see Group). Only the order of
+// the float64 sum of (s * q - x)^2, whose differences are exact (see TieRule). Only the order of
 // that sum differs from torch's, so the decision is the tie rule of w4a8._first_within_tie (the
 // first candidate within 2^-30 of the smallest error), taken here unless some error lies within
 // the rounding bound of the rule's threshold; such a group (in practice none) is flagged (bit 0
@@ -177,6 +177,12 @@ at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads) {
 // AWQ GEMM qweight [K, N/8], packed along N: nibble i of word j holds logical column 8j + kAwqOrder[i]
 constexpr int kAwqOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 
+// column c of the 8 output rows of word j, one nibble at a time (the edges the tiles leave)
+inline void awq_word(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j, int64_t c) {
+  const uint32_t v = w[c * nw + j];
+  for (int i = 0; i < 8; ++i) o[(8 * j + kAwqOrder[i]) * k + c] = (v >> (4 * i)) & 0xF;
+}
+
 // transpose 8 vectors of 32 bytes: afterwards 8-byte unit u of d[m] holds byte p of a[0..7] (in
 // order), p = 16 * (u / 2) + 2 * m + u % 2 (the unpacks work on each 128-bit half)
 inline void transpose8x32(const u8x32* a, u8x32* d) {
@@ -226,12 +232,8 @@ I4P_CLONES void unpack_awq_block(const uint32_t* w, uint8_t* o, int64_t k, int64
     }
     for (int64_t m = 0; m < 64; ++m) std::memcpy(o + (8 * j0 + m) * k + c0, tile[m], cb);
   }
-  for (int64_t c = k8; c < k; ++c) {
-    for (int64_t jj = 0; jj < 8; ++jj) {
-      const uint32_t v = w[c * nw + j0 + jj];
-      for (int i = 0; i < 8; ++i) o[(8 * (j0 + jj) + kAwqOrder[i]) * k + c] = (v >> (4 * i)) & 0xF;
-    }
-  }
+  for (int64_t c = k8; c < k; ++c)
+    for (int64_t j = j0; j < j0 + 8; ++j) awq_word(w, o, k, nw, j, c);
 }
 
 at::Tensor unpack_awq(const at::Tensor& qweight, int64_t threads) {
@@ -243,12 +245,8 @@ at::Tensor unpack_awq(const at::Tensor& qweight, int64_t threads) {
   for_rows(nb, 1, threads, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) unpack_awq_block(w, o, k, nw, 8 * b);
   });
-  for (int64_t j = nb * 8; j < nw; ++j) {  // the last words when N/8 is not a multiple of 8
-    for (int64_t c = 0; c < k; ++c) {
-      const uint32_t v = w[c * nw + j];
-      for (int i = 0; i < 8; ++i) o[(8 * j + kAwqOrder[i]) * k + c] = (v >> (4 * i)) & 0xF;
-    }
-  }
+  for (int64_t j = nb * 8; j < nw; ++j)  // the last words when N/8 is not a multiple of 8
+    for (int64_t c = 0; c < k; ++c) awq_word(w, o, k, nw, j, c);
   return out;
 }
 
@@ -368,10 +366,9 @@ inline float qround1(float t) {
 }
 
 typedef double f64x8 __attribute__((vector_size(64)));
-typedef int64_t i64x8 __attribute__((vector_size(64)));
 
 // sum over the group of (s * clamp(round(x / s)) - x)^2 as the oracle takes it: q in float32,
-// then s * q - x in float64 (exact: see Group), squared and summed in float64
+// then s * q - x in float64 (exact: see TieRule), squared and summed in float64
 inline double group_sse(const float* x, int64_t n, float s) {
   const float r = 1.0f / s;  // torch: s.reciprocal()
   const v8f vr = splat(r);
@@ -391,34 +388,30 @@ inline double group_sse(const float* x, int64_t n, float s) {
   return (((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))) + tail;
 }
 
-// Rounding bound on one computed sum of squared errors e2 of a group of n values (torch's or
-// ours). Each difference s * q - x is exact in float64: q * s has at most 28 significant bits,
-// and where q != 0, |x| >= s / 2 and |x| <= 12 s (every candidate is >= 0.64 * base >= amax / 13)
-// keep the difference within 53 bits; where q = 0 it is -x. So only the squares and the sum round:
-// |computed - exact| <= (n + 2) u e2 in any summation order; slope() = (2n + 16) u leaves room.
-// Groups outside [1e-18, 1e17] go to torch anyway (Decision::begin's guard).
-struct Group {
-  int64_t n;
-  double slope() const { return (2.0 * static_cast<double>(n) + 16.0) * kU; }
-};
-
 // helpers of the I4P_CLONES functions are forced inline: a call would run their default build
 #define I4P_INLINE inline __attribute__((always_inline))
 #define I4P_LAMBDA_INLINE __attribute__((always_inline))
 
 constexpr double kTie = 0x1p-30;  // w4a8.TIE
 
-// The decision of w4a8._first_within_tie on errors that may differ from torch's by the bound
-// of Group: the first candidate within kTie of the smallest error (t = min (1 + kTie)). It is
-// torch's decision too unless the winner lies near t (e > t (1 - a4)) or an earlier candidate
-// with another scale does (e < t (1 + a4)); a4 = 4 slope() covers both sides' roundings, and
+// Rounding bound on one computed sum of squared errors e2 of a group of n values (torch's or
+// ours). Each difference s * q - x is exact in float64: q * s has at most 28 significant bits,
+// and where q != 0, |x| >= s / 2 and |x| <= 12 s (every candidate is >= 0.64 * base >= amax / 13)
+// keep the difference within 53 bits; where q = 0 it is -x. So only the squares and the sum round:
+// |computed - exact| <= (n + 2) u e2 in any summation order; A = (2n + 16) u leaves room.
+// Groups outside [1e-18, 1e17] go to torch anyway (Decision::begin's guard).
+//
+// The decision of w4a8._first_within_tie on errors that may differ from torch's by that bound:
+// the first candidate within kTie of the smallest error (t = min (1 + kTie)). It is torch's
+// decision too unless the winner lies near t (e > t (1 - a4)) or an earlier candidate with
+// another scale does (e < t (1 + a4)); a4 = 4 A covers both sides' roundings, and
 // keeping a4 far below kTie means exact ties (e == min, as bf16 scales on a grid of codes
 // give) are never near t. Such a close call is flagged: torch decides the group.
 struct TieRule {
   double a4 = 0.0;
   bool never = true;  // a4 too near kTie (groups of ~2^19 and more): everything is a close call
   explicit TieRule(int64_t n) {
-    a4 = 4.0 * Group{n}.slope();
+    a4 = 4.0 * (2.0 * static_cast<double>(n) + 16.0) * kU;
     never = !(8.0 * a4 < kTie);
   }
   // the winner's index; amb is set on a close call
@@ -474,7 +467,7 @@ struct Decision {
     const float rtn = amax / 7.0f;
     flag = 0;
     amb = false;
-    // far outside any real weight (the exactness argument of Group needs normal floats): torch decides
+    // far outside any real weight (the exactness argument of TieRule needs normal floats): torch decides
     if (!zero && (amax < 1e-18f || amax > 1e17f)) flag |= kAmbiguous;
     if (!p.search) {
       cand[0] = ship(p, rtn);
@@ -702,10 +695,9 @@ I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, con
 // ---- histogram evaluation: int4 codes, the group inside one source group
 //
 // Such a group holds at most 16 distinct values x_c = (c - z) * s, so every candidate's error is
-// sum_c count[c] * d_c^2 with d_c the very float32 value the element loop computes for x_c. The
-// weighted sum is taken in double: it is closer to the exact sum than the element loop's float32
-// sum, so the bound of Group (which covers either) still guards every decision, and ambiguous
-// groups still go to torch. The final q is a 16-entry table code -> q.
+// sum_c count[c] * d_c^2 with d_c the exact float64 difference the element loop computes for x_c.
+// The weighted sum rounds differently from the element loop's (and torch's) sum, within the
+// bound of TieRule, which still guards every decision. The final q is a 16-entry table code -> q.
 
 namespace hist {
 
@@ -1035,7 +1027,7 @@ I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, double* b
   const v8f amax = wmax < -wmin ? -wmin : wmax;  // std::max(wmax, -wmin)
   const i32x8 zero = amax == splat(0.0f);
   const v8f rtn = amax / splat(7.0f);
-  // far outside any real weight (the exactness argument of Group needs normal floats): torch decides
+  // far outside any real weight (the exactness argument of TieRule needs normal floats): torch decides
   const i32x8 guard = ~zero & ((amax < splat(1e-18f)) | (amax > splat(1e17f)));
   v8f best_s;
   f64x8 base_e;

@@ -52,6 +52,18 @@ def close_info(a: dict, b: dict, rel: float = 1e-5) -> None:
             assert x == y, (key, x, y)
 
 
+def to_w4a8_matches_twin(monkeypatch, ql, target, *, twin_ql=None, where=None):
+    """to_w4a8 with the extension and its torch twin (on ``twin_ql``, default ``ql``): same path,
+    same bytes, same error figures. Returns the extension's result."""
+    out = w4a8.to_w4a8(ql, target)
+    ref = twin(monkeypatch, w4a8.to_w4a8, ql if twin_ql is None else twin_ql, target)
+    assert out.path == ref.path, where
+    assert same_bytes(out.q, ref.q), (where, target)
+    assert same_bytes(out.scales, ref.scales), (where, target)
+    close_info(out.error, ref.error)
+    return out
+
+
 def words(gen, *shape):
     return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=gen)
 
@@ -210,12 +222,7 @@ def test_to_w4a8_matches_twin(monkeypatch, case):
     c = dict(case)
     target = c.pop("target")
     ql = _ql(seed=7, **c)
-    out = w4a8.to_w4a8(ql, target)
-    ref = twin(monkeypatch, w4a8.to_w4a8, ql, target)
-    assert out.path == ref.path
-    assert same_bytes(out.q, ref.q)
-    assert same_bytes(out.scales, ref.scales)
-    close_info(out.error, ref.error)
+    to_w4a8_matches_twin(monkeypatch, ql, target)
 
 
 def test_lossless_max_abs_is_exact(monkeypatch):
@@ -245,12 +252,7 @@ def test_fixture_modules_match_twin(monkeypatch, name):
             ql0 = twin(monkeypatch, reader.read, spec)
             assert same_bytes(ql.codes, ql0.codes), spec.name
             for target in sorted({w4a8.resolve_group_size(None, spec.group_size, spec.k), -1}):
-                out = w4a8.to_w4a8(ql, target)
-                ref = twin(monkeypatch, w4a8.to_w4a8, ql0, target)
-                assert out.path == ref.path, spec.name
-                assert same_bytes(out.q, ref.q), (spec.name, target)
-                assert same_bytes(out.scales, ref.scales), (spec.name, target)
-                close_info(out.error, ref.error)
+                to_w4a8_matches_twin(monkeypatch, ql, target, twin_ql=ql0, where=spec.name)
 
 
 # ------------------------------------------------------------------------------------ requant from codes
@@ -349,12 +351,7 @@ def test_to_w4a8_asym_from_codes_matches_twin(monkeypatch, case):
     c = dict(case)
     target = c.pop("target")
     ql = _rand_code_ql(seed=21, **c)
-    out = w4a8.to_w4a8(ql, target)
-    ref = twin(monkeypatch, w4a8.to_w4a8, ql, target)
-    assert out.path == ref.path == "requant"
-    assert same_bytes(out.q, ref.q)
-    assert same_bytes(out.scales, ref.scales)
-    close_info(out.error, ref.error)
+    assert to_w4a8_matches_twin(monkeypatch, ql, target).path == "requant"
 
 
 @pytest.mark.parametrize("lo,hi,sym", [(7, 9, True), (7, 9, False), (7, 10, False), (0, 3, False)])
@@ -370,10 +367,7 @@ def test_requant_from_codes_few_codes_near_ties(monkeypatch, lo, hi, sym):
         assert _exact_ties(ql, 128) > 50  # the data does hold ties between distinct scales
         assert sum(len(c) for c in calls) == 0
     if not sym:
-        out = w4a8.to_w4a8(ql, 128)
-        ref = twin(monkeypatch, w4a8.to_w4a8, ql, 128)
-        assert same_bytes(out.q, ref.q) and same_bytes(out.scales, ref.scales)
-        close_info(out.error, ref.error)
+        to_w4a8_matches_twin(monkeypatch, ql, 128)
 
 
 def _exact_ties(ql, g: int) -> int:
