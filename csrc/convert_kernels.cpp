@@ -26,6 +26,9 @@
 #include <limits>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <nmmintrin.h>
 #define I4P_CRC_X86 1
@@ -39,6 +42,10 @@ namespace {
 #else
 #define I4P_CLONES
 #endif
+// helpers of the I4P_CLONES functions are forced inline: a call runs their default (SSE2) build,
+// which GCC 13 did for the byte transposes (AWQ unpack 13x slower; GCC 12 inlined them)
+#define I4P_INLINE inline __attribute__((always_inline))
+#define I4P_LAMBDA_INLINE __attribute__((always_inline))
 
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: (t + kMagic) - kMagic rounds half to even, |t| <= 2^22
 constexpr float kTiny = 1.1754943508222875e-38f;  // 2^-126, w4a8.TINY
@@ -55,7 +62,7 @@ void for_rows(int64_t n, int64_t grain, int64_t threads, const F& f) {
 }
 
 // byte i of the result = nibble i of w
-inline uint64_t spread_nibbles(uint32_t w) {
+I4P_INLINE uint64_t spread_nibbles(uint32_t w) {
   uint64_t v = w;
   v = (v | (v << 16)) & 0x0000FFFF0000FFFFull;
   v = (v | (v << 8)) & 0x00FF00FF00FF00FFull;
@@ -83,35 +90,35 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 // interleave the low (lo) or high (hi) halves of units of 1, 2, 4, 8 bytes of a and b, each
 // 128-bit half on its own (what x86's unpack instructions do)
-inline u8x32 lo8(u8x32 a, u8x32 b) {
+I4P_INLINE u8x32 lo8(u8x32 a, u8x32 b) {
   return I4P_SHUF8(a, b, 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                    16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55);
 }
-inline u8x32 hi8(u8x32 a, u8x32 b) {
+I4P_INLINE u8x32 hi8(u8x32 a, u8x32 b) {
   return I4P_SHUF8(a, b, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63);
 }
-inline u8x32 lo16(u8x32 a, u8x32 b) {
+I4P_INLINE u8x32 lo16(u8x32 a, u8x32 b) {
   return I4P_SHUF8(a, b, 0, 1, 32, 33, 2, 3, 34, 35, 4, 5, 36, 37, 6, 7, 38, 39,
                    16, 17, 48, 49, 18, 19, 50, 51, 20, 21, 52, 53, 22, 23, 54, 55);
 }
-inline u8x32 hi16(u8x32 a, u8x32 b) {
+I4P_INLINE u8x32 hi16(u8x32 a, u8x32 b) {
   return I4P_SHUF8(a, b, 8, 9, 40, 41, 10, 11, 42, 43, 12, 13, 44, 45, 14, 15, 46, 47,
                    24, 25, 56, 57, 26, 27, 58, 59, 28, 29, 60, 61, 30, 31, 62, 63);
 }
-inline u8x32 lo32(u8x32 a, u8x32 b) {
+I4P_INLINE u8x32 lo32(u8x32 a, u8x32 b) {
   return I4P_SHUF8(a, b, 0, 1, 2, 3, 32, 33, 34, 35, 4, 5, 6, 7, 36, 37, 38, 39,
                    16, 17, 18, 19, 48, 49, 50, 51, 20, 21, 22, 23, 52, 53, 54, 55);
 }
-inline u8x32 hi32(u8x32 a, u8x32 b) {
+I4P_INLINE u8x32 hi32(u8x32 a, u8x32 b) {
   return I4P_SHUF8(a, b, 8, 9, 10, 11, 40, 41, 42, 43, 12, 13, 14, 15, 44, 45, 46, 47,
                    24, 25, 26, 27, 56, 57, 58, 59, 28, 29, 30, 31, 60, 61, 62, 63);
 }
-inline u8x32 lo64(u8x32 a, u8x32 b) {
+I4P_INLINE u8x32 lo64(u8x32 a, u8x32 b) {
   return I4P_SHUF8(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35, 36, 37, 38, 39,
                    16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55);
 }
-inline u8x32 hi64(u8x32 a, u8x32 b) {
+I4P_INLINE u8x32 hi64(u8x32 a, u8x32 b) {
   return I4P_SHUF8(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
                    24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63);
 }
@@ -178,54 +185,102 @@ at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads) {
 constexpr int kAwqOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 
 // column c of the 8 output rows of word j, one nibble at a time (the edges the tiles leave)
-inline void awq_word(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j, int64_t c) {
+I4P_INLINE void awq_word(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j, int64_t c) {
   const uint32_t v = w[c * nw + j];
   for (int i = 0; i < 8; ++i) o[(8 * j + kAwqOrder[i]) * k + c] = (v >> (4 * i)) & 0xF;
 }
 
-// transpose 8 vectors of 32 bytes: afterwards 8-byte unit u of d[m] holds byte p of a[0..7] (in
-// order), p = 16 * (u / 2) + 2 * m + u % 2 (the unpacks work on each 128-bit half)
-inline void transpose8x32(const u8x32* a, u8x32* d) {
-  u8x32 b[8], c[8];
-  for (int s = 0; s < 4; ++s) {
-    b[2 * s] = lo8(a[2 * s], a[2 * s + 1]);
-    b[2 * s + 1] = hi8(a[2 * s], a[2 * s + 1]);
+// 16-byte units for the AWQ transpose. On x86 they are the SSE2 unpack instructions themselves:
+// GCC 13 lowered the same transpose written as generic 32-byte shuffles to scalar moves (AWQ
+// unpack 1 against 4.7 Gparam/s on the lent Xeon; GCC 12 emitted the unpacks)
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
+#if defined(__SSE2__)
+#define I4P_UNPACK(name, op) \
+  I4P_INLINE u8x16 name(u8x16 a, u8x16 b) { return (u8x16)op((__m128i)a, (__m128i)b); }
+I4P_UNPACK(lo8x16, _mm_unpacklo_epi8)
+I4P_UNPACK(hi8x16, _mm_unpackhi_epi8)
+I4P_UNPACK(lo16x16, _mm_unpacklo_epi16)
+I4P_UNPACK(hi16x16, _mm_unpackhi_epi16)
+I4P_UNPACK(lo32x16, _mm_unpacklo_epi32)
+I4P_UNPACK(hi32x16, _mm_unpackhi_epi32)
+#undef I4P_UNPACK
+#else
+#define I4P_SHUF16(a, b, ...) I4P_SHUF(u8x16, a, b, __VA_ARGS__)
+I4P_INLINE u8x16 lo8x16(u8x16 a, u8x16 b) { return I4P_SHUF16(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23); }
+I4P_INLINE u8x16 hi8x16(u8x16 a, u8x16 b) {
+  return I4P_SHUF16(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+I4P_INLINE u8x16 lo16x16(u8x16 a, u8x16 b) { return I4P_SHUF16(a, b, 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23); }
+I4P_INLINE u8x16 hi16x16(u8x16 a, u8x16 b) {
+  return I4P_SHUF16(a, b, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31);
+}
+I4P_INLINE u8x16 lo32x16(u8x16 a, u8x16 b) { return I4P_SHUF16(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23); }
+I4P_INLINE u8x16 hi32x16(u8x16 a, u8x16 b) {
+  return I4P_SHUF16(a, b, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+#undef I4P_SHUF16
+#endif
+
+// transpose 8 vectors of 16 bytes: afterwards 8-byte unit u of d[i] holds byte 2i + u of a[0..7]
+I4P_INLINE void transpose8x16(const u8x16* a, u8x16* d) {
+  u8x16 b[8], c[8];
+  for (int s = 0; s < 4; ++s) {  // b[2s], b[2s + 1]: bytes 0-7, 8-15 of a[2s], a[2s + 1] in pairs
+    b[2 * s] = lo8x16(a[2 * s], a[2 * s + 1]);
+    b[2 * s + 1] = hi8x16(a[2 * s], a[2 * s + 1]);
   }
-  for (int h = 0; h < 2; ++h) {  // h: vectors t = 0..3, then 4..7
-    c[4 * h] = lo16(b[4 * h], b[4 * h + 2]);
-    c[4 * h + 1] = hi16(b[4 * h], b[4 * h + 2]);
-    c[4 * h + 2] = lo16(b[4 * h + 1], b[4 * h + 3]);
-    c[4 * h + 3] = hi16(b[4 * h + 1], b[4 * h + 3]);
+  for (int h = 0; h < 2; ++h) {  // c[4h + m]: bytes 4m..4m+3 of a[4h..4h+3] in fours
+    c[4 * h] = lo16x16(b[4 * h], b[4 * h + 2]);
+    c[4 * h + 1] = hi16x16(b[4 * h], b[4 * h + 2]);
+    c[4 * h + 2] = lo16x16(b[4 * h + 1], b[4 * h + 3]);
+    c[4 * h + 3] = hi16x16(b[4 * h + 1], b[4 * h + 3]);
   }
   for (int m = 0; m < 4; ++m) {
-    d[2 * m] = lo32(c[m], c[m + 4]);
-    d[2 * m + 1] = hi32(c[m], c[m + 4]);
+    d[2 * m] = lo32x16(c[m], c[m + 4]);
+    d[2 * m + 1] = hi32x16(c[m], c[m + 4]);
   }
 }
 
+I4P_INLINE void store_unit(uint8_t* dst, u8x16 v, int u) {
+#if defined(__SSE2__)
+  if (u == 0) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), (__m128i)v);
+  } else {
+    _mm_storeh_pd(reinterpret_cast<double*>(dst), _mm_castsi128_pd((__m128i)v));
+  }
+#else
+  const uint64_t x = ((u64x2)v)[u];
+  std::memcpy(dst, &x, 8);
+#endif
+}
+
 // words [j0, j0 + 8) of every row: 64 output rows built in a tile of kCols columns (whole cache
-// lines), then copied out; a vector load takes 8 words of a row, a byte transpose turns 8 rows
-// of them into 8 columns of every output row
+// lines), then copied out. Four words of 8 rows at a time: byte b of them holds word b / 4's
+// nibbles 2 (b % 4) and 2 (b % 4) + 1, and a byte transpose turns the rows into 8 columns of
+// output rows
 I4P_CLONES void unpack_awq_block(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j0) {
   constexpr int64_t kCols = 64;
   alignas(64) uint8_t tile[64][kCols];
   const int64_t k8 = k / 8 * 8;
+  const u8x16 low = (u8x16)(u64x2{} + 0x0F0F0F0F0F0F0F0Full);
   for (int64_t c0 = 0; c0 < k8; c0 += kCols) {
     const int64_t cb = std::min(kCols, k8 - c0);
     for (int64_t tg = 0; tg < cb; tg += 8) {
-      u8x32 lo[8], hi[8], d[8];
-      for (int t = 0; t < 8; ++t) {
-        u8x32 v;
-        std::memcpy(&v, w + (c0 + tg + t) * nw + j0, 32);
-        lo[t] = v & 0x0F;  // byte b of word jj: nibble 2b; of hi: nibble 2b + 1
-        hi[t] = (u8x32)((u32x8)v >> 4) & 0x0F;
-      }
-      for (int half = 0; half < 2; ++half) {
-        transpose8x32(half ? hi : lo, d);
-        for (int m = 0; m < 8; ++m) {
-          for (int u = 0; u < 4; ++u) {
-            const int p = 16 * (u / 2) + 2 * m + u % 2, jj = p / 4, nib = 2 * (p % 4) + half;
-            std::memcpy(&tile[8 * jj + kAwqOrder[nib]][tg], reinterpret_cast<const uint8_t*>(&d[m]) + 8 * u, 8);
+      for (int h = 0; h < 2; ++h) {  // words j0 + 4h .. j0 + 4h + 3
+        u8x16 a[2][8], d[8];
+        for (int t = 0; t < 8; ++t) {
+          u8x16 v;
+          std::memcpy(&v, w + (c0 + tg + t) * nw + j0 + 4 * h, 16);
+          a[0][t] = v & low;
+          a[1][t] = (u8x16)((u64x2)v >> 4) & low;
+        }
+        for (int nh = 0; nh < 2; ++nh) {  // low, then high nibble of each byte
+          transpose8x16(a[nh], d);
+          for (int i = 0; i < 8; ++i) {
+            for (int u = 0; u < 2; ++u) {
+              const int b = 16 * h + 2 * i + u, nib = 2 * (b % 4) + nh;
+              store_unit(&tile[8 * (b / 4) + kAwqOrder[nib]][tg], d[i], u);
+            }
           }
         }
       }
@@ -292,7 +347,7 @@ std::vector<at::Tensor> lossless(const at::Tensor& codes, int64_t g, int64_t thr
 
 // ------------------------------------------------------------------------------------ requant
 
-inline float ship_bf16(float x) {
+I4P_INLINE float ship_bf16(float x) {
   // float32 -> bfloat16 (round to nearest even) -> float32, as c10::BFloat16 does for finite x
   uint32_t u;
   std::memcpy(&u, &x, 4);
@@ -319,7 +374,7 @@ struct Req {
   double* rowstats = nullptr;  // [N, 6]: dd, ww, vv, wv, baseline sse, max_abs (see ReqRow)
 };
 
-inline float ship(const Req& p, float x) {
+I4P_INLINE float ship(const Req& p, float x) {
   const float y = p.bf16 ? ship_bf16(x) : x;
   return y < kTiny ? kTiny : y;  // clamp_min(TINY)
 }
@@ -338,28 +393,28 @@ typedef uint64_t u64x4 __attribute__((vector_size(32)));
 // x in every lane; not written {x, x, ...}: GCC 12 assembles that lane by lane (through the stack)
 // in target_clones functions, where a shuffle of lane 0 gives one broadcast
 typedef float v4f_splat __attribute__((vector_size(16)));
-inline v8f splat(float x) {
+I4P_INLINE v8f splat(float x) {
   const v4f_splat v = {x, 0.0f, 0.0f, 0.0f};
   return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 #else
-inline v8f splat(float x) { return x - v8f{}; }
+I4P_INLINE v8f splat(float x) { return x - v8f{}; }
 #endif
-inline v8f load8(const float* p) {
+I4P_INLINE v8f load8(const float* p) {
   v8f v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
-inline float hsum(v8f a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+I4P_INLINE float hsum(v8f a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
 
 // clamp to [-8, 7] first, then round half to even: the same integers as torch's round_().clamp_()
-inline v8f qround(v8f t) {
+I4P_INLINE v8f qround(v8f t) {
   const v8f lo = splat(-8.0f), hi = splat(7.0f), mg = splat(kMagic);
   t = t < lo ? lo : t;
   t = t > hi ? hi : t;
   return (t + mg) - mg;
 }
-inline float qround1(float t) {
+I4P_INLINE float qround1(float t) {
   t = t < -8.0f ? -8.0f : t;
   t = t > 7.0f ? 7.0f : t;
   return (t + kMagic) - kMagic;
@@ -369,7 +424,7 @@ typedef double f64x8 __attribute__((vector_size(64)));
 
 // sum over the group of (s * clamp(round(x / s)) - x)^2 as the oracle takes it: q in float32,
 // then s * q - x in float64 (exact: see TieRule), squared and summed in float64
-inline double group_sse(const float* x, int64_t n, float s) {
+I4P_INLINE double group_sse(const float* x, int64_t n, float s) {
   const float r = 1.0f / s;  // torch: s.reciprocal()
   const v8f vr = splat(r);
   const double sd = s;
@@ -388,9 +443,6 @@ inline double group_sse(const float* x, int64_t n, float s) {
   return (((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))) + tail;
 }
 
-// helpers of the I4P_CLONES functions are forced inline: a call would run their default build
-#define I4P_INLINE inline __attribute__((always_inline))
-#define I4P_LAMBDA_INLINE __attribute__((always_inline))
 
 constexpr double kTie = 0x1p-30;  // w4a8.TIE
 
@@ -715,10 +767,10 @@ constexpr bool kEnabled = __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__;
 
 // four rounds of "interleave two vectors, add" (bytes, pairs, quads, halves; each 128-bit half
 // on its own, as the unpack instructions work) sum 16 vectors across the bytes of each half
-inline u8x32 zip8(u8x32 a, u8x32 b) { return lo8(a, b) + hi8(a, b); }
-inline u8x32 zip16(u8x32 a, u8x32 b) { return lo16(a, b) + hi16(a, b); }
-inline u8x32 zip32(u8x32 a, u8x32 b) { return lo32(a, b) + hi32(a, b); }
-inline u8x32 zip64(u8x32 a, u8x32 b) { return lo64(a, b) + hi64(a, b); }
+I4P_INLINE u8x32 zip8(u8x32 a, u8x32 b) { return lo8(a, b) + hi8(a, b); }
+I4P_INLINE u8x32 zip16(u8x32 a, u8x32 b) { return lo16(a, b) + hi16(a, b); }
+I4P_INLINE u8x32 zip32(u8x32 a, u8x32 b) { return lo32(a, b) + hi32(a, b); }
+I4P_INLINE u8x32 zip64(u8x32 a, u8x32 b) { return lo64(a, b) + hi64(a, b); }
 
 // byte v of each 128-bit half: how many of the 32 * M bytes at c equal v (M <= 4: every count
 // <= 128 fits a byte); orv collects the bits of every byte (codes above 15 are caught later).
@@ -793,7 +845,7 @@ I4P_INLINE bool count_codes(const uint8_t* c, int64_t n, const uint8_t (*keys)[3
   return (((o[0] | o[1]) | (o[2] | o[3])) & 0xF0F0F0F0F0F0F0F0ull) == 0 && (ors & 0xF0u) == 0;
 }
 
-inline float hmin(v8f a) {
+I4P_INLINE float hmin(v8f a) {
   v8f b = I4P_SHUF(i32x8, a, a, 4, 5, 6, 7, 0, 1, 2, 3);
   a = a < b ? a : b;
   b = I4P_SHUF(i32x8, a, a, 2, 3, 0, 1, 6, 7, 4, 5);
@@ -802,7 +854,7 @@ inline float hmin(v8f a) {
   a = a < b ? a : b;
   return a[0];
 }
-inline float hmax(v8f a) {
+I4P_INLINE float hmax(v8f a) {
   v8f b = I4P_SHUF(i32x8, a, a, 4, 5, 6, 7, 0, 1, 2, 3);
   a = a > b ? a : b;
   b = I4P_SHUF(i32x8, a, a, 2, 3, 0, 1, 6, 7, 4, 5);
@@ -815,13 +867,13 @@ inline float hmax(v8f a) {
 typedef double f64x4 __attribute__((vector_size(32)));
 typedef double f64x2 __attribute__((vector_size(16)));
 // in halves as vectors: picking lanes one by one costs twice the instructions
-inline double hsum8(f64x8 a) {
+I4P_INLINE double hsum8(f64x8 a) {
   const f64x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   const f64x2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
   return c[0] + c[1];
 }
 // the three sums at once
-inline void hsum3(f64x8 a, f64x8 b, f64x8 c, double& sa, double& sb, double& sc) {
+I4P_INLINE void hsum3(f64x8 a, f64x8 b, f64x8 c, double& sa, double& sb, double& sc) {
   const f64x4 a4 = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   const f64x4 b4 = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
   const f64x4 c4 = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
@@ -834,15 +886,15 @@ inline void hsum3(f64x8 a, f64x8 b, f64x8 c, double& sa, double& sb, double& sc)
   sc = t[2];
 }
 #else
-inline double hsum8(f64x8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
-inline void hsum3(f64x8 a, f64x8 b, f64x8 c, double& sa, double& sb, double& sc) {
+I4P_INLINE double hsum8(f64x8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+I4P_INLINE void hsum3(f64x8 a, f64x8 b, f64x8 c, double& sa, double& sb, double& sc) {
   sa = hsum8(a);
   sb = hsum8(b);
   sc = hsum8(c);
 }
 #endif
 
-inline v8f qclamp(v8f t) {
+I4P_INLINE v8f qclamp(v8f t) {
   const v8f lo = splat(-8.0f), hi = splat(7.0f);
   t = t < lo ? lo : t;
   return t > hi ? hi : t;
@@ -1161,8 +1213,6 @@ I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
   if (batch.n > 0) hist::run(p, w, batch);
 }
 
-#undef I4P_INLINE
-#undef I4P_LAMBDA_INLINE
 
 std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& zeros,
                                 const at::Tensor& sscale, const at::Tensor& gidx, int64_t src_group, int64_t g,
@@ -1251,7 +1301,7 @@ struct RowAcc {
 };
 
 // target group j of row r, whose q^2 sum and max are sq and m: check, cast, accumulate
-inline void lossless_group(const Lossless& p, int64_t r, int64_t j, int32_t sq, int32_t m, RowAcc& a) {
+I4P_INLINE void lossless_group(const Lossless& p, int64_t r, int64_t j, int32_t sq, int32_t m, RowAcc& a) {
   if (a.status != kOk) return;
   const int64_t groups = p.k / p.g, sg = (j * p.g) / p.src_group;
   if (((j + 1) * p.g - 1) / p.src_group != sg || sg >= p.gs_count) {
@@ -1282,7 +1332,7 @@ inline void lossless_group(const Lossless& p, int64_t r, int64_t j, int32_t sq, 
 }
 
 // 8 codes (one word) -> 8 int8 q = u - 8
-inline void word_q(uint32_t w, int8_t* dst) {
+I4P_INLINE void word_q(uint32_t w, int8_t* dst) {
   // u + 0x78 never carries out of its byte (u <= 15); ^ 0x80 then subtracts 0x80 mod 256: u - 8
   const uint64_t q = (spread_nibbles(w) + 0x7878787878787878ull) ^ 0x8080808080808080ull;
   std::memcpy(dst, &q, 8);
@@ -1290,7 +1340,7 @@ inline void word_q(uint32_t w, int8_t* dst) {
 
 // sum and max of q^2 over g int8 values (a plain loop the compiler vectorises; faster than
 // per-nibble tables on the packed words)
-inline void q_stats(const int8_t* q, int64_t g, int32_t& sq, int32_t& m) {
+I4P_INLINE void q_stats(const int8_t* q, int64_t g, int32_t& sq, int32_t& m) {
   int32_t s = 0, mx = 0;
   for (int64_t i = 0; i < g; ++i) {
     const int32_t v = q[i];
