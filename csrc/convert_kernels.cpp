@@ -128,19 +128,21 @@ I4P_INLINE u8x32 hi64(u8x32 a, u8x32 b) {
 // GPTQ qweight [K/8, N], packed along K -> codes uint8 [N, K]. Eight words of a row (64 codes, a
 // whole cache line of the output) at a time: 8-byte writes straight into rows K bytes apart
 // thrash L1 when K is a multiple of 2 KB
-I4P_CLONES void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64_t kw, int64_t r0, int64_t r1) {
+// (output row r at o + (r - o0) * K: the whole tensor, or requant_job's block of rows)
+I4P_CLONES void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64_t kw, int64_t r0, int64_t r1,
+                                 int64_t o0) {
   const int64_t k = kw * 8, kw8 = kw / 8 * 8;
   for (int64_t j = 0; j < kw8; j += 8) {
     for (int64_t r = r0; r < r1; ++r) {
       uint64_t v[8];
       for (int t = 0; t < 8; ++t) v[t] = spread_nibbles(w[(j + t) * n + r]);
-      std::memcpy(o + r * k + 8 * j, v, sizeof(v));
+      std::memcpy(o + (r - o0) * k + 8 * j, v, sizeof(v));
     }
   }
   for (int64_t j = kw8; j < kw; ++j) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint64_t v = spread_nibbles(w[j * n + r]);
-      std::memcpy(o + r * k + 8 * j, &v, 8);
+      std::memcpy(o + (r - o0) * k + 8 * j, &v, 8);
     }
   }
 }
@@ -151,11 +153,28 @@ at::Tensor unpack_gptq(const at::Tensor& qweight, int64_t threads) {
   auto out = at::empty({n, k}, at::kByte);
   const uint32_t* w = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
   uint8_t* o = out.data_ptr<uint8_t>();
-  for_rows(n, 64, threads, [&](int64_t r0, int64_t r1) { unpack_gptq_rows(w, o, n, kw, r0, r1); });
+  for_rows(n, 64, threads, [&](int64_t r0, int64_t r1) { unpack_gptq_rows(w, o, n, kw, r0, r1, 0); });
   return out;
 }
 
-// compressed-tensors weight_packed [N, ceil(K/8)], packed along K -> codes uint8 [N, K]
+// compressed-tensors weight_packed [N, ceil(K/8)], packed along K -> codes uint8 [N, K] (rows
+// [r0, r1), output row r at o + (r - o0) * K)
+void unpack_ct_rows(const uint32_t* w, int64_t kw, int64_t k, uint8_t* o, int64_t r0, int64_t r1, int64_t o0) {
+  const int64_t full = k / 8;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint32_t* src = w + r * kw;
+    uint8_t* dst = o + (r - o0) * k;
+    for (int64_t j = 0; j < full; ++j) {
+      const uint64_t v = spread_nibbles(src[j]);
+      std::memcpy(dst + 8 * j, &v, 8);
+    }
+    if (full * 8 < k) {
+      const uint64_t v = spread_nibbles(src[full]);
+      std::memcpy(dst + 8 * full, &v, k - 8 * full);
+    }
+  }
+}
+
 at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads) {
   check_words(packed, "weight_packed");
   const int64_t n = packed.size(0), kw = packed.size(1);
@@ -163,31 +182,18 @@ at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads) {
   auto out = at::empty({n, k}, at::kByte);
   const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
   uint8_t* o = out.data_ptr<uint8_t>();
-  const int64_t full = k / 8;
-  for_rows(n, 16, threads, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint32_t* src = w + r * kw;
-      uint8_t* dst = o + r * k;
-      for (int64_t j = 0; j < full; ++j) {
-        const uint64_t v = spread_nibbles(src[j]);
-        std::memcpy(dst + 8 * j, &v, 8);
-      }
-      if (full * 8 < k) {
-        const uint64_t v = spread_nibbles(src[full]);
-        std::memcpy(dst + 8 * full, &v, k - 8 * full);
-      }
-    }
-  });
+  for_rows(n, 16, threads, [&](int64_t r0, int64_t r1) { unpack_ct_rows(w, kw, k, o, r0, r1, 0); });
   return out;
 }
 
 // AWQ GEMM qweight [K, N/8], packed along N: nibble i of word j holds logical column 8j + kAwqOrder[i]
 constexpr int kAwqOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 
-// column c of the 8 output rows of word j, one nibble at a time (the edges the tiles leave)
-I4P_INLINE void awq_word(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j, int64_t c) {
+// column c of the 8 output rows of word j, one nibble at a time (the edges the tiles leave);
+// output row r at o + (r - o0) * K
+I4P_INLINE void awq_word(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j, int64_t c, int64_t o0) {
   const uint32_t v = w[c * nw + j];
-  for (int i = 0; i < 8; ++i) o[(8 * j + kAwqOrder[i]) * k + c] = (v >> (4 * i)) & 0xF;
+  for (int i = 0; i < 8; ++i) o[(8 * j + kAwqOrder[i] - o0) * k + c] = (v >> (4 * i)) & 0xF;
 }
 
 // 16-byte units for the AWQ transpose. On x86 they are the SSE2 unpack instructions themselves:
@@ -258,7 +264,7 @@ I4P_INLINE void store_unit(uint8_t* dst, u8x16 v, int u) {
 // lines), then copied out. Four words of 8 rows at a time: byte b of them holds word b / 4's
 // nibbles 2 (b % 4) and 2 (b % 4) + 1, and a byte transpose turns the rows into 8 columns of
 // output rows
-I4P_CLONES void unpack_awq_block(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j0) {
+I4P_CLONES void unpack_awq_block(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j0, int64_t o0) {
   constexpr int64_t kCols = 64;
   alignas(64) uint8_t tile[64][kCols];
   const int64_t k8 = k / 8 * 8;
@@ -285,10 +291,18 @@ I4P_CLONES void unpack_awq_block(const uint32_t* w, uint8_t* o, int64_t k, int64
         }
       }
     }
-    for (int64_t m = 0; m < 64; ++m) std::memcpy(o + (8 * j0 + m) * k + c0, tile[m], cb);
+    for (int64_t m = 0; m < 64; ++m) std::memcpy(o + (8 * j0 + m - o0) * k + c0, tile[m], cb);
   }
   for (int64_t c = k8; c < k; ++c)
-    for (int64_t j = j0; j < j0 + 8; ++j) awq_word(w, o, k, nw, j, c);
+    for (int64_t j = j0; j < j0 + 8; ++j) awq_word(w, o, k, nw, j, c, o0);
+}
+
+// words [j0, j1) (output rows [8 j0, 8 j1)): tiles of 8 words, the rest word by word
+void unpack_awq_words(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j0, int64_t j1, int64_t o0) {
+  int64_t j = j0;
+  for (; j + 8 <= j1; j += 8) unpack_awq_block(w, o, k, nw, j, o0);
+  for (; j < j1; ++j)
+    for (int64_t c = 0; c < k; ++c) awq_word(w, o, k, nw, j, c, o0);
 }
 
 at::Tensor unpack_awq(const at::Tensor& qweight, int64_t threads) {
@@ -297,11 +311,8 @@ at::Tensor unpack_awq(const at::Tensor& qweight, int64_t threads) {
   auto out = at::empty({n, k}, at::kByte);
   const uint32_t* w = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
   uint8_t* o = out.data_ptr<uint8_t>();
-  for_rows(nb, 1, threads, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) unpack_awq_block(w, o, k, nw, 8 * b);
-  });
-  for (int64_t j = nb * 8; j < nw; ++j)  // the last words when N/8 is not a multiple of 8
-    for (int64_t c = 0; c < k; ++c) awq_word(w, o, k, nw, j, c);
+  for_rows(nb, 1, threads, [&](int64_t b0, int64_t b1) { unpack_awq_words(w, o, k, nw, 8 * b0, 8 * b1, 0); });
+  unpack_awq_words(w, o, k, nw, 8 * nb, nw, 0);  // the last words when N/8 is not a multiple of 8
   return out;
 }
 
@@ -360,7 +371,8 @@ I4P_INLINE float ship_bf16(float x) {
 
 struct Req {
   const float* w = nullptr;  // float source [N, K], or
-  const uint8_t* codes = nullptr;  // codes [N, K] with
+  const uint8_t* codes = nullptr;  // codes [N, K] (rows from codes_r0 on: requant_job's blocks) with
+  int64_t codes_r0 = 0;
   const uint8_t* zeros = nullptr;  // zeros [N, Gs] (null: 8)
   const float* sscale = nullptr;  // source scales [N, Gs]
   const int64_t* gidx = nullptr;  // [K] (null: k / src_group)
@@ -640,7 +652,7 @@ I4P_INLINE void non_finite_group(const Req& p, int64_t r, int64_t j) {
 
 // x[i] for i in [i0, i1): the source dequantised as w4a8._source_rows does ((codes - z) * s)
 I4P_INLINE void dequant_range(const Req& p, int64_t r, int64_t i0, int64_t i1, float* x) {
-  const uint8_t* c = p.codes + r * p.k;
+  const uint8_t* c = p.codes + (r - p.codes_r0) * p.k;
   const float* sc = p.sscale + r * p.src_groups;
   const uint8_t* z = p.zeros ? p.zeros + r * p.src_groups : nullptr;
   if (p.gidx) {
@@ -753,7 +765,6 @@ I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, con
 
 namespace hist {
 
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x32_unaligned __attribute__((vector_size(32), aligned(1)));
 
 // the table tricks below read bytes of wider lanes: little-endian only (else the element path)
@@ -968,7 +979,7 @@ enum Prepared { kQueued, kDone, kElements };
 // for a NaN/Inf (handled), kElements for a code above 15
 I4P_INLINE Prepared prepare(const Req& p, Batch& b, int64_t r, int64_t j, int64_t sg) {
   const int64_t k = p.k, g = p.g;
-  const uint8_t* c = p.codes + r * k + j * g;
+  const uint8_t* c = p.codes + (r - p.codes_r0) * k + j * g;
   v8f c0, c1;
   if (!count_codes(c, g, b.keys, c0, c1)) return kElements;
   const float zz = p.zeros ? static_cast<float>(p.zeros[r * p.src_groups + sg]) : 8.0f;
@@ -1154,7 +1165,7 @@ I4P_INLINE void run(const Req& p, Search& w, Batch& b) {
                                60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     u8x16 lut;
     std::memcpy(&lut, &tb, sizeof(lut));
-    const uint8_t* c = p.codes + r * k + j * g;
+    const uint8_t* c = p.codes + (r - p.codes_r0) * k + j * g;
     int8_t* qg = p.q + r * k + j * g;
     int64_t t = 0;
 #if defined(__GNUC__) && !defined(__clang__)
@@ -1271,6 +1282,107 @@ std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, co
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(p.k, 1));
   for_rows(p.n, grain, threads, [&](int64_t r0, int64_t r1) { requant_rows(p, r0, r1); });
   return {q, s, flags, rowstats};
+}
+
+// requant_job's answers; all but kJobOk send the job to the general path (check_scales, w4a8.to_w4a8)
+constexpr int64_t kJobOk = 0;
+constexpr int64_t kJobScales = 1;  // a scale that is not finite and positive: checked and explained there
+constexpr int64_t kJobSymmetric = 2;  // every zero point 8: a lossless source
+constexpr int64_t kJobRedo = 3;  // a NaN/Inf weight, or a decision for the torch twin
+constexpr int64_t kJobRows = 64;  // rows unpacked at a time (8 AWQ words; 128 KB of codes at K = 2048)
+
+// One requant job of an asymmetric source in one call: scale checks, codes from the packed words
+// (layout 1 compressed-tensors [N, K/8], 2 GPTQ [K/8, N], 3 AWQ [K, N/8]; 0: codes [N, K]) unpacked
+// 64 rows at a time into a buffer that stays in cache, the scale search, the error sums and the
+// scale cast. Returns (status, q int8 [N, K], scales [N, K/g] bf16 or float32, sums [6] as
+// requant's row stats, zero groups [1]); see w4a8.requant_fast.
+std::vector<at::Tensor> requant_job(int64_t layout, const at::Tensor& data, int64_t n, int64_t k,
+                                    const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
+                                    bool bf16, bool search, const at::Tensor& coarse, const at::Tensor& fine,
+                                    int64_t threads) {
+  TORCH_CHECK(data.is_contiguous() && data.dim() == 2, "requant_job: expected a contiguous 2-D tensor");
+  if (layout == 0) {
+    TORCH_CHECK(data.scalar_type() == at::kByte && data.size(0) == n && data.size(1) == k,
+                "codes: expected uint8 [N, K]");
+  } else {
+    TORCH_CHECK(data.scalar_type() == at::kInt, "packed words: expected int32");
+    const bool ok = layout == 1   ? (data.size(0) == n && data.size(1) * 8 >= k)
+                    : layout == 2 ? (data.size(1) == n && data.size(0) * 8 == k)
+                                  : (layout == 3 && data.size(0) == k && data.size(1) * 8 == n);
+    TORCH_CHECK(ok, "packed words: shape does not match [N, K] for layout ", layout);
+  }
+  TORCH_CHECK(g > 0 && k % g == 0, "requant_job: group ", g, " does not divide K=", k);
+  TORCH_CHECK(src_group > 0, "requant_job: bad source group ", src_group);
+  auto sf = sscale.to(at::kFloat).contiguous();
+  TORCH_CHECK(sf.dim() == 2 && sf.size(0) == n && (k + src_group - 1) / src_group <= sf.size(1),
+              "scales: expected [N, G]");
+  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous() && zeros.dim() == 2 && zeros.size(0) == n &&
+                  zeros.size(1) == sf.size(1), "zeros: expected contiguous uint8 [N, G]");
+  auto answer = [](int64_t status) {
+    return std::vector<at::Tensor>{at::full({1}, status, at::kLong), at::Tensor(), at::Tensor(), at::Tensor(),
+                                   at::Tensor()};
+  };
+  const float* sp = sf.data_ptr<float>();
+  bool scales_ok = true;
+  for (int64_t i = 0; i < sf.numel(); ++i) scales_ok &= sp[i] > 0.0f && sp[i] <= std::numeric_limits<float>::max();
+  if (!scales_ok) return answer(kJobScales);
+  const uint8_t* zp = zeros.data_ptr<uint8_t>();
+  if (std::all_of(zp, zp + zeros.numel(), [](uint8_t z) { return z == 8; })) return answer(kJobSymmetric);
+
+  Req p;
+  p.n = n;
+  p.k = k;
+  p.sscale = sp;
+  p.src_groups = sf.size(1);
+  p.src_group = src_group;
+  p.zeros = zp;
+  p.g = g;
+  p.bf16 = bf16;
+  p.search = search;
+  auto cc = coarse.to(at::kFloat).contiguous();
+  auto ff = fine.to(at::kFloat).contiguous();
+  p.coarse.assign(cc.data_ptr<float>(), cc.data_ptr<float>() + cc.numel());
+  p.fine.assign(ff.data_ptr<float>(), ff.data_ptr<float>() + ff.numel());
+  auto q = at::empty({n, k}, at::kChar);
+  auto s = at::empty({n, k / g}, at::kFloat);
+  auto flags = at::empty({n, k / g}, at::kByte);
+  auto rowstats = at::empty({n, 6}, at::kDouble);
+  p.q = q.data_ptr<int8_t>();
+  p.s = s.data_ptr<float>();
+  p.flags = flags.data_ptr<uint8_t>();
+  p.rowstats = rowstats.data_ptr<double>();
+  const uint32_t* w = layout == 0 ? nullptr : reinterpret_cast<const uint32_t*>(data.data_ptr<int32_t>());
+  for_rows((n + kJobRows - 1) / kJobRows, 1, threads, [&](int64_t b0, int64_t b1) {
+    Req pb = p;
+    std::vector<uint8_t> buf(layout == 0 ? 0 : kJobRows * k);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * kJobRows, r1 = std::min(n, r0 + kJobRows);
+      if (layout == 0) {
+        pb.codes = data.data_ptr<uint8_t>();
+      } else {
+        if (layout == 1) unpack_ct_rows(w, data.size(1), k, buf.data(), r0, r1, r0);
+        if (layout == 2) unpack_gptq_rows(w, buf.data(), n, k / 8, r0, r1, r0);
+        if (layout == 3) unpack_awq_words(w, buf.data(), k, n / 8, r0 / 8, r1 / 8, r0);
+        pb.codes = buf.data();
+        pb.codes_r0 = r0;
+      }
+      requant_rows(pb, r0, r1);
+    }
+  });
+  const uint8_t* f = p.flags;
+  int64_t zero_groups = 0;
+  for (int64_t i = 0; i < flags.numel(); ++i) {
+    if (f[i] & (kAmbiguous | kNonFinite)) return answer(kJobRedo);
+    zero_groups += (f[i] & kZero) != 0;
+  }
+  auto tot = at::zeros({6}, at::kDouble);
+  double* t = tot.data_ptr<double>();
+  for (int64_t r = 0; r < n; ++r) {
+    for (int i = 0; i < 5; ++i) t[i] += p.rowstats[r * 6 + i];
+    t[5] = std::max(t[5], p.rowstats[r * 6 + 5]);
+  }
+  return {at::full({1}, kJobOk, at::kLong), q, bf16 ? s.to(at::kBFloat16) : s, tot,
+          at::full({1}, zero_groups, at::kLong)};
 }
 
 // ------------------------------------------------------------------------------------ lossless, one call
@@ -1582,6 +1694,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lossless_job", &lossless_job, "one lossless job: checks, q, cast scales, error (see w4a8.lossless_fast)",
         nogil);
   m.def("requant", &requant, "scale-search requantisation (see w4a8.requantize)", nogil);
+  m.def("requant_job", &requant_job, "one requant job of an asymmetric source (see w4a8.requant_fast)", nogil);
   m.def(
       "crc32c",
       [](py::buffer b, int64_t crc) {

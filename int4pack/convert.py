@@ -26,7 +26,7 @@ from .formats import Reader
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .target_config import w4a8_quant_config
-from .w4a8 import W4A8Linear, fold_act_order, lossless_fast, to_w4a8
+from .w4a8 import W4A8Linear, fold_act_order, lossless_fast, requant_fast, to_w4a8
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
 
 __all__ = ["convert", "run_job", "check_scales", "REPORT_NAME", "NullProgress"]
@@ -99,9 +99,12 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
         return [(job.source, ckpt.slice(job.source))], {}  # streamed by the writer in chunks
     roles = plan.layout.roles
     if job.kind == "linear":
-        ql = reader.read(job.specs[0], unpack=False)  # codes may stay packed (and mapped) for the one-pass kernel
+        ql = reader.read(job.specs[0], unpack=False)  # codes may stay packed (and mapped) for the one-pass kernels
         try:
-            w = lossless_fast(ql, plan.group_size)  # the common case in one C++ pass, checks included
+            # the common cases in one C++ pass each, checks included
+            w = lossless_fast(ql, plan.group_size)
+            if w is None:
+                w = requant_fast(ql, plan.group_size)
             if w is None:
                 ql = ql.unpacked()
         finally:

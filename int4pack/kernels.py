@@ -16,7 +16,8 @@ import torch
 
 from . import _ext
 
-__all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "kernel_threads", "crc32c"]
+__all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "requant_info",
+           "search_points", "kernel_threads", "crc32c"]
 
 
 def ext():
@@ -142,14 +143,7 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     from . import w4a8 as W
 
     gs = k if g == -1 else g
-    coarse = W.COARSE_RATIOS.float().contiguous()
-    if search and W.FINE_POINTS > 0 and len(W.COARSE_RATIOS) > 1:
-        step = float(W.COARSE_RATIOS[1] - W.COARSE_RATIOS[0])
-        fine = torch.linspace(-step, step, W.FINE_POINTS + 2)[1:-1].float().contiguous()
-    else:
-        fine = _EMPTY_F32
-    if not search:
-        coarse = _EMPTY_F32
+    coarse, fine = search_points(search)
     th = kernel_threads()
     if w is not None:
         wf = w.float().contiguous()
@@ -187,19 +181,38 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     if amb.numel():
         _redo_with_torch(amb, groups, q, s, rs, g, gs, search, name)
     scales = s.to(W._out_scale_dtype(g))
+    sums = rs[:, :5].sum(dim=0).tolist() + [float(rs[:, 5].max()) if n else 0.0]
+    return q, scales, requant_info(search, sums, int(((flags & 4) != 0).sum()))
+
+
+def search_points(search: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' candidate ratios: (coarse, fine offsets around the coarse winner), as float32."""
+    from . import w4a8 as W
+
+    if not search:
+        return _EMPTY_F32, _EMPTY_F32
+    coarse = W.COARSE_RATIOS.float().contiguous()
+    if W.FINE_POINTS > 0 and len(W.COARSE_RATIOS) > 1:
+        step = float(W.COARSE_RATIOS[1] - W.COARSE_RATIOS[0])
+        return coarse, torch.linspace(-step, step, W.FINE_POINTS + 2)[1:-1].float().contiguous()
+    return coarse, _EMPTY_F32
+
+
+def requant_info(search: bool, sums, zero_groups: int) -> dict:
+    """The requant path's info from the kernels' sums (dd, ww, vv, wv, baseline sse, max_abs)."""
+    from . import w4a8 as W
+
     st = W._Stats()
-    st.dd, st.ww, st.vv, st.wv, base_sse = (float(v) for v in rs[:, :5].sum(dim=0))
-    st.max_abs = float(rs[:, 5].max()) if n else 0.0
+    st.dd, st.ww, st.vv, st.wv, base_sse, st.max_abs = (float(v) for v in sums)
     err = st.result()
     err["baseline_rel_l2"] = math.sqrt(base_sse / st.ww) if st.ww > 0 else 0.0
-    info = {
+    return {
         "search": search,
         "candidates": 1 if not search else len(W.COARSE_RATIOS) + 1 + W.FINE_POINTS,
-        "zero_groups": int(((flags & 4) != 0).sum()),
+        "zero_groups": zero_groups,
         "zero_group_scale": W.ZERO_GROUP_SCALE,
         **err,
     }
-    return q, scales, info
 
 
 def _redo_with_torch(amb: torch.Tensor, groups, q, s, rs, g: int, gs: int, search: bool, name) -> None:

@@ -55,7 +55,8 @@ class QuantLinear:
     g_idx: torch.Tensor | None = None  # int64 [K]; None means k // group_size
     bias: torch.Tensor | None = None  # [N] source dtype
     # (layout, int32 words) while the codes are still packed: 1 compressed-tensors [N, K/8], 2 GPTQ
-    # [K/8, N]; see Reader.read(unpack=False), which lets the one-pass lossless kernel skip the unpack
+    # [K/8, N], 3 AWQ [K, N/8]; see Reader.read(unpack=False), which lets the one-pass kernels
+    # (w4a8.lossless_fast, w4a8.requant_fast) read the words
     packed: tuple[int, torch.Tensor] | None = None
 
     def unpacked(self) -> "QuantLinear":
@@ -64,7 +65,10 @@ class QuantLinear:
             return self
         from . import kernels
         layout, words = self.packed
-        codes = kernels.unpack_ct(words, self.spec.k) if layout == 1 else kernels.unpack_gptq(words)
+        if layout == 1:
+            codes = kernels.unpack_ct(words, self.spec.k)
+        else:
+            codes = kernels.unpack_gptq(words) if layout == 2 else kernels.unpack_awq(words)
         return replace(self, codes=codes, packed=None)
 
     def group_index(self) -> torch.Tensor:

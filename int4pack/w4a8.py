@@ -455,6 +455,10 @@ def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
     n, k = ql.spec.n, ql.spec.k
     if m is None or ql.g_idx is not None or ql.scales.dim() != 2 or not ql.scales.is_floating_point():
         return None
+    if ql.codes is None and ql.packed[0] == 3:  # AWQ words: the lossless kernel does not read them
+        if ql.zeros is not None:
+            return None  # asymmetric (the readers drop zeros that are all 8)
+        ql = ql.unpacked()
     if ql.codes is None:  # still packed: the kernel reads the words
         layout, data = ql.packed
     else:
@@ -475,6 +479,40 @@ def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
     return _lossless_result(ql, q, s.to(_out_scale_dtype(g)), g, st.result())
 
 
+def requant_fast(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear | None:
+    """An asymmetric source's requant in one C++ pass; None when it does not apply.
+
+    ``ql`` may still hold its codes packed. Scale checks, unpack (64 rows at a time, in cache), the
+    scale search, the error sums and the scale cast run in one call without the GIL. Applies to a
+    source with zero points other than 8, no g_idx, and scales that are finite and positive; it
+    also hands back the rare job with a NaN/Inf weight or a decision for the torch twin. Anything
+    else returns None and the general path (``check_scales`` + ``to_w4a8``) decides and explains.
+    Same bytes as ``to_w4a8`` (tests/test_kernels.py compares them).
+    """
+    m = _kernels.ext()
+    n, k = ql.spec.n, ql.spec.k
+    if (m is None or ql.zeros is None or ql.zeros.dtype != torch.uint8 or ql.g_idx is not None
+            or ql.scales.dim() != 2 or not ql.scales.is_floating_point()):
+        return None
+    if ql.codes is None:
+        layout, data = ql.packed
+    else:
+        layout, data = 0, ql.codes
+        if data.dtype != torch.uint8 or tuple(data.shape) != (n, k) or not data.is_contiguous():
+            return None
+    g = _normalize_group(group_size, k)
+    gs = k if g == -1 else g
+    src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
+    coarse, fine = _kernels.search_points(search)
+    status, q, s, sums, zero_groups = m.requant_job(layout, data, n, k, ql.scales, ql.zeros.contiguous(), src_group,
+                                                    gs, g != -1, search, coarse, fine, _kernels.kernel_threads())
+    if int(status) != 0:
+        return None
+    info = _kernels.requant_info(search, sums.tolist(), int(zero_groups))
+    info["exact_ints"] = False
+    return W4A8Linear(ql.spec.name, q, s, g, ql.bias, "requant", info)
+
+
 def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: int, err: dict) -> W4A8Linear:
     err["baseline_rel_l2"] = None
     err["exact_ints"] = True
@@ -492,6 +530,8 @@ def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Lin
                          tensor=ql.spec.name)
     g = _normalize_group(group_size, k)
     fast = lossless_fast(ql, g)
+    if fast is None:
+        fast = requant_fast(ql, g, search=search)
     if fast is not None:
         return fast
     _check_finite(ql.scales, "scales", ql.spec.name)

@@ -33,7 +33,7 @@ from int4pack import _ext, kernels  # noqa: E402
 from int4pack.checkpoint import Checkpoint  # noqa: E402
 from int4pack.convert import check_scales  # noqa: E402
 from int4pack.plan import make_plan  # noqa: E402
-from int4pack.w4a8 import lossless_fast, to_w4a8  # noqa: E402
+from int4pack.w4a8 import lossless_fast, requant_fast, to_w4a8  # noqa: E402
 from int4pack.writer import _CHECKSUMS, digest_kind, to_bytes  # noqa: E402
 
 
@@ -93,6 +93,8 @@ def _run(jobs, ck, plan, check) -> dict:
             outs = []
             for ql in qls:  # what convert.run_job does for a linear job (codes may stay packed)
                 w = lossless_fast(ql, plan.group_size)
+                if w is None:
+                    w = requant_fast(ql, plan.group_size)
                 if w is None:
                     ql = ql.unpacked()
                     check_scales(ql)

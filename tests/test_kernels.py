@@ -9,6 +9,7 @@ with INT4PACK_NO_EXT=1) they skip: there is nothing to compare.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -251,8 +252,14 @@ def test_fixture_modules_match_twin(monkeypatch, name):
             ql = reader.read(spec)
             ql0 = twin(monkeypatch, reader.read, spec)
             assert same_bytes(ql.codes, ql0.codes), spec.name
+            packed = reader.read(spec, unpack=False)  # what convert hands the one-pass kernels
             for target in sorted({w4a8.resolve_group_size(None, spec.group_size, spec.k), -1}):
-                to_w4a8_matches_twin(monkeypatch, ql, target, twin_ql=ql0, where=spec.name)
+                out = to_w4a8_matches_twin(monkeypatch, ql, target, twin_ql=ql0, where=spec.name)
+                fast = w4a8.lossless_fast(packed, target) or w4a8.requant_fast(packed, target)
+                if fast is not None:
+                    assert fast.path == out.path, spec.name
+                    assert same_bytes(fast.q, out.q) and same_bytes(fast.scales, out.scales), spec.name
+                    close_info(fast.error, out.error)
 
 
 # ------------------------------------------------------------------------------------ requant from codes
@@ -492,3 +499,84 @@ def test_requant_from_codes_g_idx_uses_elements(monkeypatch):
     ql = _rand_code_ql(32, 512, 64, 91)
     g_idx = (torch.arange(512) // 64)[torch.randperm(512, generator=gen)]
     _requant_matches(_code_ql(ql.codes, ql.scales, ql.zeros, 64, g_idx=g_idx), 128)
+
+
+# ------------------------------------------------------------------------------------ requant_fast
+#
+# One C++ call per requant job of an asymmetric source, reading the packed words as convert
+# hands them over (64 rows unpacked at a time). The words here come from a nibble-by-nibble packer
+# written for the test; the reference is to_w4a8's torch twin on the codes.
+
+def _pack(codes: torch.Tensor, layout: int) -> torch.Tensor:
+    """codes uint8 [N, K] -> int32 words: 1 compressed-tensors [N, ceil(K/8)], 2 GPTQ [K/8, N],
+    3 AWQ [K, N/8] (nibble i of word j holds column 8j + AWQ_ORDER[i])."""
+    c = codes.to(torch.int64)
+    n, k = c.shape
+    shifts = 4 * torch.arange(8)
+    if layout == 1:
+        w = (torch.nn.functional.pad(c, (0, -k % 8)).view(n, -1, 8) << shifts).sum(-1)
+    elif layout == 2:
+        w = (c.t().reshape(k // 8, 8, n) << shifts[:, None]).sum(1)
+    else:
+        w = (c.t().reshape(k, n // 8, 8)[..., AWQ_ORDER] << shifts).sum(-1)
+    return ((w + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+REQUANT_JOB_CASES = [
+    dict(layout=3, n=72, k=256, group=128, target=128),  # AWQ: a tile of 8 words and one word; rows 64 + 8
+    dict(layout=3, n=136, k=200, group=200, target=-1),  # AWQ: K not a multiple of 8, channel target
+    dict(layout=2, n=130, k=512, group=128, target=64),  # GPTQ: three row blocks, finer target groups
+    dict(layout=2, n=40, k=768, group=128, target=128),
+    dict(layout=1, n=70, k=200, group=200, target=-1),  # compressed-tensors: K not a multiple of 8
+    dict(layout=1, n=64, k=512, group=64, target=128),  # target groups across source groups: elements
+    dict(layout=0, n=37, k=768, group=128, target=128),  # codes already unpacked (what to_w4a8 passes)
+]
+
+
+@pytest.mark.parametrize("case", REQUANT_JOB_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_requant_fast_from_words_matches_twin(monkeypatch, case):
+    c = dict(case)
+    layout, target = c.pop("layout"), c.pop("target")
+    ql = _rand_code_ql(seed=121, **c)
+    packed = ql
+    if layout:
+        packed = replace(ql, codes=None, packed=(layout, _pack(ql.codes, layout)))
+        assert torch.equal(packed.unpacked().codes, ql.codes)  # the test's packer agrees with the readers'
+    fast = w4a8.requant_fast(packed, target)
+    ref = twin(monkeypatch, w4a8.to_w4a8, ql, target)
+    assert fast is not None and fast.path == ref.path == "requant"
+    assert same_bytes(fast.q, ref.q) and same_bytes(fast.scales, ref.scales)
+    close_info(fast.error, ref.error)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_requant_fast_threads(monkeypatch, threads):
+    ql = _rand_code_ql(200, 256, 128, 131)
+    packed = replace(ql, codes=None, packed=(3, _pack(ql.codes, 3)))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fast = w4a8.requant_fast(packed, 128)
+    finally:
+        torch.set_num_threads(old)
+    ref = twin(monkeypatch, w4a8.to_w4a8, ql, 128)
+    assert same_bytes(fast.q, ref.q) and same_bytes(fast.scales, ref.scales)
+
+
+def test_requant_fast_leaves_the_rest_to_the_general_path():
+    ql = _rand_code_ql(16, 256, 128, 141)
+    for bad in (0.0, -0.01, float("nan"), float("inf")):  # check_scales decides (a zero scale may be valid)
+        scales = ql.scales.clone()
+        scales[3, 1] = bad
+        assert w4a8.requant_fast(replace(ql, scales=scales), 128) is None, bad
+    all8 = replace(ql, zeros=torch.full_like(ql.zeros, 8))  # symmetric after all: lossless
+    assert w4a8.requant_fast(all8, 128) is None and w4a8.to_w4a8(all8, 128).path == "lossless"
+    assert w4a8.requant_fast(replace(ql, zeros=None), 128) is None
+    g_idx = torch.arange(256) // 128
+    assert w4a8.requant_fast(replace(ql, g_idx=g_idx.flip(0)), 128) is None
+    # (c - z) * s overflows float32: a NaN/Inf weight, which the general path reports
+    codes, zeros, scales = ql.codes.clone(), ql.zeros.clone(), ql.scales.float()
+    codes[4, :2] = torch.tensor([0, 15], dtype=torch.uint8)
+    zeros[4, 0] = 0
+    scales[4, 0] = 3e38
+    assert w4a8.requant_fast(_code_ql(codes, scales, zeros, 128), 128) is None

@@ -103,11 +103,16 @@ class AWQReader:
         return FormatVerdict(format="awq", detail="awq gemm", evidence=evidence,
                              extra={"version": self.version})
 
-    def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:  # AWQ is asymmetric: always unpacked
+    def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         ck = self.ckpt
-        codes = kernels.unpack_awq(ck.view(f"{spec.name}.qweight"))  # [N, K]
-        ck.release(f"{spec.name}.qweight")  # (read mapped: no copy of the packed words)
+        qweight = ck.view(f"{spec.name}.qweight")  # mapped; convert releases it after the job
+        packed = None
+        if unpack:
+            codes = kernels.unpack_awq(qweight)  # [N, K]
+            ck.release(f"{spec.name}.qweight")  # (no copy of the packed words was made)
+        else:
+            codes, packed = None, (3, kernels.words(qweight))
         zeros = kernels.unpack_awq(ck.get(f"{spec.name}.qzeros"))  # same layout as qweight: [N, G]
         scales = owned(ck.get(f"{spec.name}.scales").t())
         bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
-        return QuantLinear(spec, codes, scales, None if bool((zeros == 8).all()) else zeros, None, bias)
+        return QuantLinear(spec, codes, scales, None if bool((zeros == 8).all()) else zeros, None, bias, packed=packed)
