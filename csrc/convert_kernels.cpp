@@ -42,8 +42,7 @@ namespace {
 #else
 #define I4P_CLONES
 #endif
-// helpers of the I4P_CLONES functions are forced inline: a call runs their default (SSE2) build,
-// which GCC 13 did for the byte transposes (AWQ unpack 13x slower; GCC 12 inlined them)
+// helpers of the I4P_CLONES functions are forced inline: a call would run their default build
 #define I4P_INLINE inline __attribute__((always_inline))
 #define I4P_LAMBDA_INLINE __attribute__((always_inline))
 

@@ -484,9 +484,9 @@ def requant_fast(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4
 
     ``ql`` may still hold its codes packed. Scale checks, unpack (64 rows at a time, in cache), the
     scale search, the error sums and the scale cast run in one call without the GIL. Applies to a
-    source with zero points other than 8, no g_idx, and scales that are finite and positive; it
-    also hands back the rare job with a NaN/Inf weight or a decision for the torch twin. Anything
-    else returns None and the general path (``check_scales`` + ``to_w4a8``) decides and explains.
+    source with zero points other than 8, no g_idx, and scales that are finite and positive, and
+    returns None for anything else, including the rare job with a NaN/Inf weight or a decision
+    left to the torch twin: the general path (``check_scales`` + ``to_w4a8``) decides and explains.
     Same bytes as ``to_w4a8`` (tests/test_kernels.py compares them).
     """
     m = _kernels.ext()
