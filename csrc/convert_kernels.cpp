@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -1224,6 +1225,27 @@ I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
 }
 
 
+// the search settings of p (whose n and k are set) and its outputs: q, s, flags, row stats
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> req_setup(Req& p, int64_t g, bool bf16, bool search,
+                                                                     const at::Tensor& coarse, const at::Tensor& fine) {
+  p.g = g;
+  p.bf16 = bf16;
+  p.search = search;
+  auto cc = coarse.to(at::kFloat).contiguous();
+  auto ff = fine.to(at::kFloat).contiguous();
+  p.coarse.assign(cc.data_ptr<float>(), cc.data_ptr<float>() + cc.numel());
+  p.fine.assign(ff.data_ptr<float>(), ff.data_ptr<float>() + ff.numel());
+  auto q = at::empty({p.n, p.k}, at::kChar);
+  auto s = at::empty({p.n, p.k / g}, at::kFloat);
+  auto flags = at::empty({p.n, p.k / g}, at::kByte);
+  auto rowstats = at::empty({p.n, 6}, at::kDouble);
+  p.q = q.data_ptr<int8_t>();
+  p.s = s.data_ptr<float>();
+  p.flags = flags.data_ptr<uint8_t>();
+  p.rowstats = rowstats.data_ptr<double>();
+  return {q, s, flags, rowstats};
+}
+
 std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& zeros,
                                 const at::Tensor& sscale, const at::Tensor& gidx, int64_t src_group, int64_t g,
                                 bool bf16, bool search, const at::Tensor& coarse, const at::Tensor& fine,
@@ -1263,24 +1285,27 @@ std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, co
     }
   }
   TORCH_CHECK(g > 0 && p.k % g == 0, "requant: group ", g, " does not divide K=", p.k);
-  p.g = g;
-  p.bf16 = bf16;
-  p.search = search;
-  auto cc = coarse.to(at::kFloat).contiguous();
-  auto ff = fine.to(at::kFloat).contiguous();
-  p.coarse.assign(cc.data_ptr<float>(), cc.data_ptr<float>() + cc.numel());
-  p.fine.assign(ff.data_ptr<float>(), ff.data_ptr<float>() + ff.numel());
-  auto q = at::empty({p.n, p.k}, at::kChar);
-  auto s = at::empty({p.n, p.k / g}, at::kFloat);
-  auto flags = at::empty({p.n, p.k / g}, at::kByte);
-  auto rowstats = at::empty({p.n, 6}, at::kDouble);
-  p.q = q.data_ptr<int8_t>();
-  p.s = s.data_ptr<float>();
-  p.flags = flags.data_ptr<uint8_t>();
-  p.rowstats = rowstats.data_ptr<double>();
+  auto [q, s, flags, rowstats] = req_setup(p, g, bf16, search, coarse, fine);
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(p.k, 1));
   for_rows(p.n, grain, threads, [&](int64_t r0, int64_t r1) { requant_rows(p, r0, r1); });
   return {q, s, flags, rowstats};
+}
+
+// a job's source codes: 0 codes uint8 [N, K], or words of layout 1 compressed-tensors [N, K/8],
+// 2 GPTQ [K/8, N], 3 AWQ [K, N/8] (up to the caller's last layout)
+void check_job_data(int64_t layout, const at::Tensor& data, int64_t n, int64_t k, int64_t last) {
+  TORCH_CHECK(data.is_contiguous() && data.dim() == 2, "job data: expected a contiguous 2-D tensor");
+  TORCH_CHECK(layout >= 0 && layout <= last, "job data: layout ", layout, " is not read here");
+  if (layout == 0) {
+    TORCH_CHECK(data.scalar_type() == at::kByte && data.size(0) == n && data.size(1) == k,
+                "codes: expected uint8 [N, K]");
+    return;
+  }
+  TORCH_CHECK(data.scalar_type() == at::kInt, "packed words: expected int32");
+  const bool ok = layout == 1   ? (data.size(0) == n && data.size(1) * 8 >= k)
+                  : layout == 2 ? (data.size(1) == n && data.size(0) * 8 == k)
+                                : (data.size(0) == k && data.size(1) * 8 == n);
+  TORCH_CHECK(ok, "packed words: shape does not match [N, K] for layout ", layout);
 }
 
 // requant_job's answers; all but kJobOk send the job to the general path (check_scales, w4a8.to_w4a8)
@@ -1299,17 +1324,7 @@ std::vector<at::Tensor> requant_job(int64_t layout, const at::Tensor& data, int6
                                     const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
                                     bool bf16, bool search, const at::Tensor& coarse, const at::Tensor& fine,
                                     int64_t threads) {
-  TORCH_CHECK(data.is_contiguous() && data.dim() == 2, "requant_job: expected a contiguous 2-D tensor");
-  if (layout == 0) {
-    TORCH_CHECK(data.scalar_type() == at::kByte && data.size(0) == n && data.size(1) == k,
-                "codes: expected uint8 [N, K]");
-  } else {
-    TORCH_CHECK(data.scalar_type() == at::kInt, "packed words: expected int32");
-    const bool ok = layout == 1   ? (data.size(0) == n && data.size(1) * 8 >= k)
-                    : layout == 2 ? (data.size(1) == n && data.size(0) * 8 == k)
-                                  : (layout == 3 && data.size(0) == k && data.size(1) * 8 == n);
-    TORCH_CHECK(ok, "packed words: shape does not match [N, K] for layout ", layout);
-  }
+  check_job_data(layout, data, n, k, 3);
   TORCH_CHECK(g > 0 && k % g == 0, "requant_job: group ", g, " does not divide K=", k);
   TORCH_CHECK(src_group > 0, "requant_job: bad source group ", src_group);
   auto sf = sscale.to(at::kFloat).contiguous();
@@ -1335,21 +1350,7 @@ std::vector<at::Tensor> requant_job(int64_t layout, const at::Tensor& data, int6
   p.src_groups = sf.size(1);
   p.src_group = src_group;
   p.zeros = zp;
-  p.g = g;
-  p.bf16 = bf16;
-  p.search = search;
-  auto cc = coarse.to(at::kFloat).contiguous();
-  auto ff = fine.to(at::kFloat).contiguous();
-  p.coarse.assign(cc.data_ptr<float>(), cc.data_ptr<float>() + cc.numel());
-  p.fine.assign(ff.data_ptr<float>(), ff.data_ptr<float>() + ff.numel());
-  auto q = at::empty({n, k}, at::kChar);
-  auto s = at::empty({n, k / g}, at::kFloat);
-  auto flags = at::empty({n, k / g}, at::kByte);
-  auto rowstats = at::empty({n, 6}, at::kDouble);
-  p.q = q.data_ptr<int8_t>();
-  p.s = s.data_ptr<float>();
-  p.flags = flags.data_ptr<uint8_t>();
-  p.rowstats = rowstats.data_ptr<double>();
+  auto [q, s, flags, rowstats] = req_setup(p, g, bf16, search, coarse, fine);
   const uint32_t* w = layout == 0 ? nullptr : reinterpret_cast<const uint32_t*>(data.data_ptr<int32_t>());
   for_rows((n + kJobRows - 1) / kJobRows, 1, threads, [&](int64_t b0, int64_t b1) {
     Req pb = p;
@@ -1527,16 +1528,7 @@ I4P_CLONES void lossless_gptq_rows(const Lossless& p, const uint32_t* w, int64_t
 std::vector<at::Tensor> lossless_job(int64_t layout, const at::Tensor& data, int64_t n, int64_t k,
                                      const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
                                      bool bf16, int64_t threads) {
-  TORCH_CHECK(data.is_contiguous() && data.dim() == 2, "lossless_job: expected a contiguous 2-D tensor");
-  if (layout == 0) {
-    TORCH_CHECK(data.scalar_type() == at::kByte && data.size(0) == n && data.size(1) == k,
-                "codes: expected uint8 [N, K]");
-  } else {
-    TORCH_CHECK(data.scalar_type() == at::kInt, "packed words: expected int32");
-    const bool ok = layout == 1 ? (data.size(0) == n && data.size(1) * 8 >= k)
-                                : (layout == 2 && data.size(1) == n && data.size(0) * 8 == k);
-    TORCH_CHECK(ok, "packed words: shape does not match [N, K] for layout ", layout);
-  }
+  check_job_data(layout, data, n, k, 2);
   TORCH_CHECK(g > 0 && k % g == 0, "lossless_job: group ", g, " does not divide K=", k);
   TORCH_CHECK(src_group > 0, "lossless_job: bad source group ", src_group);
   auto sf = sscale.to(at::kFloat).contiguous();

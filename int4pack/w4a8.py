@@ -459,12 +459,10 @@ def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
         if ql.zeros is not None:
             return None  # asymmetric (the readers drop zeros that are all 8)
         ql = ql.unpacked()
-    if ql.codes is None:  # still packed: the kernel reads the words
-        layout, data = ql.packed
-    else:
-        layout, data = 0, ql.codes
-        if data.dtype != torch.uint8 or tuple(data.shape) != (n, k) or not data.is_contiguous():
-            return None
+    job_data = _job_data(ql)  # still packed: the kernel reads the words
+    if job_data is None:
+        return None
+    layout, data = job_data
     g = _normalize_group(group_size, k)
     zeros = _NO_ZEROS if ql.zeros is None else ql.zeros
     if zeros.dtype != torch.uint8:
@@ -477,6 +475,17 @@ def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
     st = _Stats()
     st.dd, st.ww, st.vv, st.wv, st.max_abs = tot.tolist()
     return _lossless_result(ql, q, s.to(_out_scale_dtype(g)), g, st.result())
+
+
+def _job_data(ql: QuantLinear) -> tuple[int, torch.Tensor] | None:
+    """(layout, tensor) as the one-pass kernels take a source's codes: its packed words, or
+    (0, codes); None when the codes are not contiguous uint8 [N, K]."""
+    if ql.codes is None:
+        return ql.packed
+    c = ql.codes
+    if c.dtype != torch.uint8 or tuple(c.shape) != (ql.spec.n, ql.spec.k) or not c.is_contiguous():
+        return None
+    return 0, c
 
 
 def requant_fast(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear | None:
@@ -494,12 +503,10 @@ def requant_fast(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4
     if (m is None or ql.zeros is None or ql.zeros.dtype != torch.uint8 or ql.g_idx is not None
             or ql.scales.dim() != 2 or not ql.scales.is_floating_point()):
         return None
-    if ql.codes is None:
-        layout, data = ql.packed
-    else:
-        layout, data = 0, ql.codes
-        if data.dtype != torch.uint8 or tuple(data.shape) != (n, k) or not data.is_contiguous():
-            return None
+    job_data = _job_data(ql)
+    if job_data is None:
+        return None
+    layout, data = job_data
     g = _normalize_group(group_size, k)
     gs = k if g == -1 else g
     src_group = ql.spec.group_size if ql.spec.group_size > 0 else k

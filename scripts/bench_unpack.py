@@ -11,24 +11,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_requant import best_time  # noqa: E402  (scripts/ is this script's first sys.path entry)
 from int4pack import kernels  # noqa: E402
-
-
-def best_of(f, reps: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main() -> None:
@@ -46,7 +36,7 @@ def main() -> None:
         src, dst = torch.empty(n, k, dtype=torch.uint8), torch.empty(n, k, dtype=torch.uint8)
         cases = {"gptq": lambda: kernels.unpack_gptq(gptq), "awq": lambda: kernels.unpack_awq(awq),
                  "ct": lambda: kernels.unpack_ct(ct, k), "copy": lambda: dst.copy_(src)}
-        rates = {name: n * k / best_of(f, a.reps) / 1e9 for name, f in cases.items()}
+        rates = {name: n * k / best_time(f, a.reps) / 1e9 for name, f in cases.items()}
         print(f"N={n:5d} K={k:5d}  " + "  ".join(f"{name} {r:6.2f}" for name, r in rates.items()) + "  Gparam/s")
 
 
