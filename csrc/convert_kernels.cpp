@@ -13,13 +13,15 @@
 // of `flags`) and the caller redoes it with the torch code. The result is byte-identical to the
 // oracle whatever torch's summation order is.
 // From int4 codes, a target group inside one source group takes at most 16 values: its errors
-// come from the histogram of its codes, 8 groups at a time (namespace hist); anything else
-// goes through the values one by one (element_group).
+// come from the histogram of its codes, 8 groups at a time (namespace hist), in float32 where
+// the decision is clear by a margin that covers float32 rounding, else in float64 as above
+// (hist::search32); anything else goes through the values one by one (element_group).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -51,6 +53,11 @@ constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: (t + kMagic) - kMagic roun
 constexpr float kTiny = 1.1754943508222875e-38f;  // 2^-126, w4a8.TINY
 constexpr double kU = 0x1p-53;  // float64 unit roundoff
 constexpr uint8_t kAmbiguous = 1, kNonFinite = 2, kZero = 4;
+
+// histogram batches searched in float32 and in float64 (hist::search), for tests and benchmarks;
+// g_search64 forces the float64 search (tests compare both with the oracle)
+std::atomic<int64_t> g_batches32{0}, g_batches64{0};
+std::atomic<bool> g_search64{false};
 
 template <class F>
 void for_rows(int64_t n, int64_t grain, int64_t threads, const F& f) {
@@ -379,6 +386,7 @@ struct Req {
   int64_t src_groups = 1, src_group = 1;
   int64_t n = 0, k = 0, g = 0;  // g: target group width (K for channel)
   bool bf16 = true, search = true;
+  bool search64 = false;  // g_search64 when the call began
   std::vector<float> coarse, fine;
   int8_t* q = nullptr;
   float* s = nullptr;
@@ -590,6 +598,8 @@ struct Search {
   // may be less aligned than the AVX2 clone assumes, so vectors go through load8 / store8)
   std::vector<float> bcand, bcand2;
   std::vector<double> berr, berr2;
+  std::vector<float> berr32, berr32b;  // float32 errors of hist::search32
+  int64_t batches32 = 0, batches64 = 0;  // added to g_batches* by requant_rows
   Decision d;
   TieRule tie;
   static int padded(int m) { return (m + 7) / 8 * 8 + 8; }
@@ -604,6 +614,8 @@ struct Search {
     berr.assign(bcand.size(), 0.0);
     bcand2.assign(static_cast<size_t>(b) * kSlots, 1.0f);
     berr2.assign(bcand2.size(), 0.0);
+    berr32.assign(bcand.size(), 0.0f);
+    berr32b.assign(bcand2.size(), 0.0f);
     float* q = pool.data();
     d.tie = tie;
     d.cand = q;
@@ -1072,6 +1084,132 @@ I4P_INLINE v8f pick8(const TieRule& tie, const float* cand, const double* err, i
   return cw;
 }
 
+// ---- the search in float32, where its decision is clear
+//
+// The decision needs the order of the candidates' exact errors E only where two scales' errors lie
+// within kTie of each other (TieRule). In float32 (8 lanes an instruction, no conversions) each
+// lane's error e lies within 20 u E + 2^-122 of E (u = 2^-24, see batch_sse32). So where every
+// candidate with another scale than the smallest e's has e > min e * kClear + kAbs, the exact errors
+// of those scales exceed the winner's by more than 2^-19 relative: no tie rule or summation order
+// (torch's included) picks another scale, and the first candidate of the winner's scale is the
+// decision. A batch where some lane is not that clear, or holds a group outside [2^-40, 2^40]
+// (where the bounds need not hold), runs the float64 search instead (search below).
+constexpr float kClear = 1.0f + 0x1p-16f;
+constexpr float kAbs = 0x1p-120f;
+constexpr float kClearMin = 0x1p-40f, kClearMax = 0x1p40f;
+
+// batch_sse in float32. d = (q * sh - x) + q * sl with sh = s less its 4 low mantissa bits, sl =
+// s - sh: both products are exact (|q| <= 8), and q * sh - x is exact where the two lie within a
+// factor 2 of each other (Sterbenz: q = 0 gives -x; an unclamped q, or a clamped one with |x| <=
+// 12.6 s, see TieRule), else its rounding is relative to a difference larger than half of either:
+// d is within 3 u |d|. Squares, weights and the 16 sums add 17 u (whatever the compiler fuses
+// into FMAs only drops roundings); with amax in [2^-40, 2^40], underflow adds at most 2^-122 and
+// nothing overflows.
+I4P_INLINE v8f batch_sse32(const Batch& b, const v8f* wf, v8f s) {
+  const v8f r = splat(1.0f) / s;  // torch: s.reciprocal()
+  const v8f lo = load8(b.qlo), hi = load8(b.qhi), mg = splat(kMagic);
+  const v8f sh = (v8f)((u32x8)s & 0xFFFFFFF0u), sl = s - sh;
+  v8f a0 = {}, a1 = {};
+  for (int c = 0; c < 16; c += 2) {
+    const v8f xa = load8(b.xs[c]), xb = load8(b.xs[c + 1]);
+    v8f ta = xa * r, tb = xb * r;  // qround, with lo and hi
+    ta = ta < lo ? lo : ta;
+    tb = tb < lo ? lo : tb;
+    ta = ta > hi ? hi : ta;
+    tb = tb > hi ? hi : tb;
+    const v8f qa = (ta + mg) - mg, qb = (tb + mg) - mg;
+    const v8f da = (qa * sh - xa) + qa * sl, db = (qb * sh - xb) + qb * sl;
+    a0 += da * da * wf[c];
+    a1 += db * db * wf[c + 1];
+  }
+  return a0 + a1;
+}
+
+// the winner of float32 errors err[0..m) ([candidate][lane]) in every lane: its scale, index (w)
+// and error (ew); false when a lane is neither clear and inside nor zero (whose decision is moot)
+I4P_INLINE bool pick32(const float* cand, const float* err, int m, i32x8 inside, i32x8 zero, v8f& cw, i32x8& w,
+                       v8f& ew) {
+  constexpr int L = Batch::kLanes;
+  v8f mn = load8(err);
+  for (int c = 1; c < m; ++c) mn = load8(err + L * c) < mn ? load8(err + L * c) : mn;
+  i32x8 found = {};
+  w = i32x8{};
+  cw = load8(cand);
+  for (int c = 0; c < m; ++c) {
+    const i32x8 take = (load8(err + L * c) == mn) & ~found;
+    w = take ? i32x8{} + c : w;
+    cw = take ? load8(cand + L * c) : cw;
+    found |= take;
+  }
+  const v8f bound = mn * splat(kClear) + splat(kAbs);
+  i32x8 clear = inside;
+  for (int c = 0; c < m; ++c) clear &= (load8(cand + L * c) == cw) | (load8(err + L * c) > bound);
+  ew = mn;
+  const u64x4 all = (u64x4)(clear | zero);
+  return ((all[0] & all[1]) & (all[2] & all[3])) == ~0ull;
+}
+
+// search's candidates, evaluated in float32; false (and nothing decided) where a lane is not clear
+I4P_INLINE bool search32(const Req& p, Search& w, const Batch& b, v8f base, v8f ratio0, i32x8 inside, i32x8 zero,
+                         v8f& best_s) {
+  constexpr int L = Batch::kLanes;
+  const int nc = w.nc, nf = w.nf;
+  v8f wf[16];
+  for (int c = 0; c < 16; ++c) {
+    wf[c] = __builtin_convertvector(load8d(b.ws[c]), v8f);
+  }
+  float* cand = w.bcand.data();  // [candidate][lane]
+  float* err = w.berr32.data();
+  store8(cand, ship8(p, base * ratio0));
+  for (int c = 1; c < nc; ++c) store8(cand + L * c, ship8(p, base * p.coarse[c - 1]));
+  for (int c = 0; c < nc; ++c) store8(err + L * c, batch_sse32(b, wf, load8(cand + L * c)));
+  i32x8 wi;
+  v8f ew;
+  if (!pick32(cand, err, nc, inside, zero, best_s, wi, ew)) return false;
+  if (nf > 0 && nc > 2) {
+    v8f rho = ratio0;
+    for (int c = 1; c < nc; ++c) rho = wi == c ? splat(p.coarse[c - 1]) : rho;
+    float* cand2 = w.bcand2.data();
+    float* err2 = w.berr32b.data();
+    store8(cand2, best_s);
+    store8(err2, ew);
+    for (int f = 0; f < nf; ++f) {
+      const v8f s = ship8(p, base * (rho + p.fine[f]));
+      store8(cand2 + L * (f + 1), s);
+      store8(err2 + L * (f + 1), batch_sse32(b, wf, s));
+    }
+    if (!pick32(cand2, err2, nf + 1, inside, zero, best_s, wi, ew)) return false;
+  }
+  return true;
+}
+
+// the float64 search of the batch's lanes (TieRule's decision; close calls or'ed into amb)
+I4P_INLINE void search64(const Req& p, Search& w, const Batch& b, v8f base, v8f ratio0, v8f& best_s, f64x8& base_e,
+                         i32x8& amb) {
+  constexpr int L = Batch::kLanes;
+  const int nc = w.nc, nf = w.nf;
+  float* cand = w.bcand.data();  // [candidate][lane]
+  double* err = w.berr.data();
+  store8(cand, ship8(p, base * ratio0));
+  for (int c = 1; c < nc; ++c) store8(cand + L * c, ship8(p, base * p.coarse[c - 1]));
+  for (int c = 0; c < nc; ++c) store8d(err + L * c, batch_sse(b, load8(cand + L * c)));
+  base_e = load8d(err);
+  i32x8 wi;
+  double* err2 = w.berr2.data();  // its first row: the coarse winner's error
+  best_s = pick8(w.tie, cand, err, nc, wi, err2, amb);
+  if (nf > 0 && nc > 2) {
+    v8f rho = ratio0;
+    for (int c = 1; c < nc; ++c) rho = wi == c ? splat(p.coarse[c - 1]) : rho;
+    // the coarse winner first, then the fine candidates (Decision::coarse)
+    float* cand2 = w.bcand2.data();
+    store8(cand2, best_s);
+    for (int f = 0; f < nf; ++f) store8(cand2 + L * (f + 1), ship8(p, base * (rho + p.fine[f])));
+    for (int f = 0; f < nf; ++f) store8d(err2 + L * (f + 1), batch_sse(b, load8(cand2 + L * (f + 1))));
+    alignas(64) double ew[L];
+    best_s = pick8(w.tie, cand2, err2, nf + 1, wi, ew, amb);
+  }
+}
+
 // Decision (the scalar search of the element path) for the batch's groups, a group in each lane:
 // the same operations lane by lane, the same results
 I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, double* base_out, uint8_t* flags) {
@@ -1085,7 +1223,6 @@ I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, double* b
       b.ws[v][l] = 0.0;
     }
   }
-  const int nc = w.nc, nf = w.nf;
   const v8f wmin = load8(b.wmin), wmax = load8(b.wmax);
   const v8f amax = wmax < -wmin ? -wmin : wmax;  // std::max(wmax, -wmin)
   const i32x8 zero = amax == splat(0.0f);
@@ -1099,29 +1236,17 @@ I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, double* b
     best_s = ship8(p, rtn);
     base_e = batch_sse(b, best_s);
   } else {
-    float* cand = w.bcand.data();  // [candidate][lane]
-    double* err = w.berr.data();
     v8f base = wmax / splat(7.0f), b8 = wmin / splat(-8.0f);
     base = base < b8 ? b8 : base;  // std::max(wmax / 7, wmin / -8)
     base = base > splat(0.0f) ? base : splat(1.0f);
     const v8f ratio0 = rtn / base;
-    store8(cand, ship8(p, base * ratio0));
-    for (int c = 1; c < nc; ++c) store8(cand + L * c, ship8(p, base * p.coarse[c - 1]));
-    for (int c = 0; c < nc; ++c) store8d(err + L * c, batch_sse(b, load8(cand + L * c)));
-    base_e = load8d(err);
-    i32x8 wi;
-    double* err2 = w.berr2.data();  // its first row: the coarse winner's error
-    best_s = pick8(w.tie, cand, err, nc, wi, err2, amb);
-    if (nf > 0 && nc > 2) {
-      v8f rho = ratio0;
-      for (int c = 1; c < nc; ++c) rho = wi == c ? splat(p.coarse[c - 1]) : rho;
-      // the coarse winner first, then the fine candidates (Decision::coarse)
-      float* cand2 = w.bcand2.data();
-      store8(cand2, best_s);
-      for (int f = 0; f < nf; ++f) store8(cand2 + L * (f + 1), ship8(p, base * (rho + p.fine[f])));
-      for (int f = 0; f < nf; ++f) store8d(err2 + L * (f + 1), batch_sse(b, load8(cand2 + L * (f + 1))));
-      alignas(64) double ew[L];
-      best_s = pick8(w.tie, cand2, err2, nf + 1, wi, ew, amb);
+    const i32x8 inside = (amax >= splat(kClearMin)) & (amax <= splat(kClearMax));
+    if (!p.search64 && !w.tie.never && search32(p, w, b, base, ratio0, inside, zero, best_s)) {
+      base_e = batch_sse(b, load8(w.bcand.data()));  // cand[0], the RTN scale: the baseline's error
+      ++w.batches32;
+    } else {
+      search64(p, w, b, base, ratio0, best_s, base_e, amb);
+      ++w.batches64;
     }
   }
   best_s = zero ? splat(1.0f) : best_s;
@@ -1222,6 +1347,8 @@ I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
     }
   }
   if (batch.n > 0) hist::run(p, w, batch);
+  g_batches32 += w.batches32;
+  g_batches64 += w.batches64;
 }
 
 
@@ -1231,6 +1358,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> req_setup(Req& p, int
   p.g = g;
   p.bf16 = bf16;
   p.search = search;
+  p.search64 = g_search64.load();
   auto cc = coarse.to(at::kFloat).contiguous();
   auto ff = fine.to(at::kFloat).contiguous();
   p.coarse.assign(cc.data_ptr<float>(), cc.data_ptr<float>() + cc.numel());
@@ -1686,6 +1814,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         nogil);
   m.def("requant", &requant, "scale-search requantisation (see w4a8.requantize)", nogil);
   m.def("requant_job", &requant_job, "one requant job of an asymmetric source (see w4a8.requant_fast)", nogil);
+  m.def(
+      "search_batches", []() { return std::make_tuple(g_batches32.load(), g_batches64.load()); },
+      "histogram batches searched so far in float32 and in float64 (the close calls, or all when forced)");
+  m.def(
+      "force_search64", [](bool on) { return g_search64.exchange(on); },
+      "tests: search every batch in float64 from the next call on; returns the previous setting");
   m.def(
       "crc32c",
       [](py::buffer b, int64_t crc) {

@@ -65,6 +65,23 @@ def to_w4a8_matches_twin(monkeypatch, ql, target, *, twin_ql=None, where=None):
     return out
 
 
+@pytest.fixture(params=["float32", "float64"])
+def search_in(request):
+    """Runs the test with the histogram search as it decides (float32 where clear, float64 for
+    close calls), then with every batch forced through the float64 search."""
+    before = EXT.force_search64(request.param == "float64")
+    yield request.param
+    EXT.force_search64(before)
+
+
+def batches(fn, *args, **kw):
+    """fn's result, and how many histogram batches it searched in float32 and in float64."""
+    a32, a64 = EXT.search_batches()
+    out = fn(*args, **kw)
+    b32, b64 = EXT.search_batches()
+    return out, b32 - a32, b64 - a64
+
+
 def words(gen, *shape):
     return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=gen)
 
@@ -346,7 +363,7 @@ HIST_CASES = [
 
 @pytest.mark.parametrize("case", HIST_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("search", [True, False])
-def test_requant_from_codes_matches_oracle(case, search):
+def test_requant_from_codes_matches_oracle(search_in, case, search):
     c = dict(case)
     target = c.pop("target")
     _requant_matches(_rand_code_ql(seed=11, **c), target, search)
@@ -362,7 +379,7 @@ def test_to_w4a8_asym_from_codes_matches_twin(monkeypatch, case):
 
 
 @pytest.mark.parametrize("lo,hi,sym", [(7, 9, True), (7, 9, False), (7, 10, False), (0, 3, False)])
-def test_requant_from_codes_few_codes_near_ties(monkeypatch, lo, hi, sym):
+def test_requant_from_codes_few_codes_near_ties(search_in, monkeypatch, lo, hi, sym):
     """Two to three codes per group: candidate errors tie exactly (bf16 scales over a grid of
     codes). The tie rule (first within w4a8.TIE) decides them the same in C++ as in torch, so
     none is handed over and the bytes still match."""
@@ -393,6 +410,29 @@ def _exact_ties(ql, g: int) -> int:
     return int((at_min & (cands != first)).any(dim=-1).sum())
 
 
+def test_float32_search_takes_clear_batches_only():
+    """Which batches the float32 search decides (the bytes match the oracle either way: the tests
+    above run in both modes). Random codes: nearly all. Exact ties between distinct scales (bf16
+    scales over a grid of two codes): every batch holding one goes to float64, as do groups
+    outside [2^-40, 2^40]. RTN searches nothing."""
+    n_batches = 768 * 2048 // 128 // 8
+    ql = _rand_code_ql(768, 2048, 128, 41)
+    _, n32, n64 = batches(kernels.requant, 768, 2048, 128, search=True, name=None, ql=ql)
+    assert n32 + n64 == n_batches and n64 <= 0.02 * n_batches, (n32, n64)
+    _, n32, n64 = batches(kernels.requant, 768, 2048, 128, search=False, name=None, ql=ql)
+    assert n32 == n64 == 0
+    ties = _rand_code_ql(256, 512, 128, 31, lo=7, hi=9, sym=True)
+    tied = _exact_ties(ties, 128)
+    assert tied > 50
+    _, n32, n64 = batches(kernels.requant, 256, 512, 128, search=True, name=None, ql=ties)
+    assert n32 + n64 == 256 * 512 // 128 // 8 and n64 >= -(-tied // 8) and n32 > 0, (tied, n32, n64)
+    # amax = |c - z| * scale, |c - z| in [8, 15] for these groups: 2^-40 ~ 9.1e-13, 2^40 ~ 1.1e12
+    for scale, clear in ((1e-14, False), (1e-11, True), (1e10, True), (2e11, False)):
+        x = _rand_code_ql(64, 256, 128, 61, scale=(scale, 3 * scale), dtype=torch.float32)
+        _, n32, n64 = batches(kernels.requant, 64, 256, 128, search=True, name=None, ql=x)
+        assert n32 + n64 == 16 and (n64 == 16 if not clear else n64 < 2), (scale, n32, n64)
+
+
 def test_requant_channel_groups_past_the_tie_rule_go_to_torch(monkeypatch):
     """K = 2^18 channel groups: the rounding bound of a sum that long comes near w4a8.TIE, so
     every decision is a close call and torch takes each group (bytes still identical)."""
@@ -402,7 +442,7 @@ def test_requant_channel_groups_past_the_tie_rule_go_to_torch(monkeypatch):
     assert sum(len(c) for c in calls) == 2
 
 
-def test_requant_from_codes_many_groups(monkeypatch):
+def test_requant_from_codes_many_groups(search_in, monkeypatch):
     """Qwen3-MoE expert shape: the C++ decides (nearly) every group itself, torch's bytes all the same."""
     calls = _count_redo(monkeypatch)
     ql = _rand_code_ql(768, 2048, 128, 41)
@@ -412,7 +452,7 @@ def test_requant_from_codes_many_groups(monkeypatch):
     assert info["rel_l2"] < info["baseline_rel_l2"]
 
 
-def test_requant_from_codes_constant_groups():
+def test_requant_from_codes_constant_groups(search_in):
     gen = torch.Generator().manual_seed(51)
     n, k, group = 24, 512, 128
     zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=gen)
@@ -430,14 +470,14 @@ def test_requant_from_codes_constant_groups():
 
 
 @pytest.mark.parametrize("scale", [1e-21, 3e-20, 1e-19, 2e-19, 1e16, 3e16, 1e17, 1e18, 1e25])
-def test_requant_from_codes_extreme_scales(monkeypatch, scale):
+def test_requant_from_codes_extreme_scales(search_in, monkeypatch, scale):
     """Around the guard (amax < 1e-18 or > 1e17: torch decides) and far outside it."""
     ql = _rand_code_ql(16, 256, 128, 61, scale=(scale, 3 * scale), dtype=torch.float32)
     _requant_matches(ql, 128, float64_stats=True)
     _requant_matches(ql, -1, float64_stats=True)
 
 
-def test_requant_from_codes_each_code_maps_right():
+def test_requant_from_codes_each_code_maps_right(search_in):
     """Every code of a group lands on its own q: a table off by one shifts the bytes."""
     n, k, group = 16, 256, 128
     base = torch.arange(16, dtype=torch.uint8).repeat(k // 16)
@@ -534,7 +574,7 @@ REQUANT_JOB_CASES = [
 
 
 @pytest.mark.parametrize("case", REQUANT_JOB_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_requant_fast_from_words_matches_twin(monkeypatch, case):
+def test_requant_fast_from_words_matches_twin(search_in, monkeypatch, case):
     c = dict(case)
     layout, target = c.pop("layout"), c.pop("target")
     ql = _rand_code_ql(seed=121, **c)
