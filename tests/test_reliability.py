@@ -438,6 +438,55 @@ def test_stale_extension_build_lock_from_a_killed_run_is_cleared(tmp_path, monke
     assert seen == {"lock_left": False}
 
 
+def test_extension_finished_build_is_imported_without_cpp_extension(monkeypatch):
+    """A finished build is imported straight from its cache folder: cpp_extension.load (setuptools
+    and a ninja run, 0.2-0.6 s a process) is not called again."""
+    import sys
+
+    from torch.utils import cpp_extension
+
+    from int4pack import _ext, kernels
+
+    if kernels.ext() is None:
+        pytest.skip("convert_kernels extension unavailable")
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda *a, **kw: calls.append(a) or None)
+    monkeypatch.setattr(sys, "modules", {k: v for k, v in sys.modules.items() if not k.startswith("int4pack_convert")})
+    mod = _ext._build("convert_kernels", _ext.csrc_dir() / "convert_kernels.cpp")
+    assert calls == []
+    assert mod.crc32c(b"123456789", 0) == 0xE3069283
+
+
+def test_extension_build_marker_only_after_a_load(tmp_path, monkeypatch):
+    """The marker that lets later runs skip cpp_extension is written once a build loaded; a marker
+    whose library is gone (or does not load) sends the next run back to cpp_extension."""
+    from torch.utils import cpp_extension
+
+    from int4pack import _ext
+
+    monkeypatch.setenv("INT4PACK_CACHE", str(tmp_path))
+    src = tmp_path / "csrc" / "demo.cpp"
+    src.parent.mkdir()
+    src.write_text("// demo\n")
+    calls = []
+
+    def failing_load(name, **kw):
+        calls.append(name)
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    with pytest.raises(RuntimeError):
+        _ext._build("demo", src)
+    assert list(tmp_path.glob("ext/*/.int4pack.built")) == []
+    monkeypatch.setattr(cpp_extension, "load", lambda name, **kw: calls.append(name) or "module")
+    assert _ext._build("demo", src) == "module"
+    (marker,) = tmp_path.glob("ext/*/.int4pack.built")
+    assert _ext._build("demo", src) == "module"  # marker, but no library in the folder: built again
+    assert len(calls) == 3 and marker.is_file()
+    (marker.parent / f"{calls[0]}.so").write_bytes(b"not an ELF file")
+    assert _ext._build("demo", src) == "module" and len(calls) == 4
+
+
 # --------------------------------------------------------------------------- fuzz the readers
 
 _FUZZ_BASE = "ct_qwen3moe_w4a16_asym_g32"
