@@ -130,80 +130,7 @@ I4P_INLINE u8x32 hi64(u8x32 a, u8x32 b) {
                    24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63);
 }
 
-// ------------------------------------------------------------------------------------ unpacking
-
-// GPTQ qweight [K/8, N], packed along K -> codes uint8 [N, K]. Eight words of a row (64 codes, a
-// whole cache line of the output) at a time: 8-byte writes straight into rows K bytes apart
-// thrash L1 when K is a multiple of 2 KB
-// (output row r at o + (r - o0) * K: the whole tensor, or requant_job's block of rows)
-I4P_CLONES void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64_t kw, int64_t r0, int64_t r1,
-                                 int64_t o0) {
-  const int64_t k = kw * 8, kw8 = kw / 8 * 8;
-  for (int64_t j = 0; j < kw8; j += 8) {
-    for (int64_t r = r0; r < r1; ++r) {
-      uint64_t v[8];
-      for (int t = 0; t < 8; ++t) v[t] = spread_nibbles(w[(j + t) * n + r]);
-      std::memcpy(o + (r - o0) * k + 8 * j, v, sizeof(v));
-    }
-  }
-  for (int64_t j = kw8; j < kw; ++j) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint64_t v = spread_nibbles(w[j * n + r]);
-      std::memcpy(o + (r - o0) * k + 8 * j, &v, 8);
-    }
-  }
-}
-
-at::Tensor unpack_gptq(const at::Tensor& qweight, int64_t threads) {
-  check_words(qweight, "qweight");
-  const int64_t kw = qweight.size(0), n = qweight.size(1), k = kw * 8;
-  auto out = at::empty({n, k}, at::kByte);
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
-  uint8_t* o = out.data_ptr<uint8_t>();
-  for_rows(n, 64, threads, [&](int64_t r0, int64_t r1) { unpack_gptq_rows(w, o, n, kw, r0, r1, 0); });
-  return out;
-}
-
-// compressed-tensors weight_packed [N, ceil(K/8)], packed along K -> codes uint8 [N, K] (rows
-// [r0, r1), output row r at o + (r - o0) * K)
-void unpack_ct_rows(const uint32_t* w, int64_t kw, int64_t k, uint8_t* o, int64_t r0, int64_t r1, int64_t o0) {
-  const int64_t full = k / 8;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint32_t* src = w + r * kw;
-    uint8_t* dst = o + (r - o0) * k;
-    for (int64_t j = 0; j < full; ++j) {
-      const uint64_t v = spread_nibbles(src[j]);
-      std::memcpy(dst + 8 * j, &v, 8);
-    }
-    if (full * 8 < k) {
-      const uint64_t v = spread_nibbles(src[full]);
-      std::memcpy(dst + 8 * full, &v, k - 8 * full);
-    }
-  }
-}
-
-at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads) {
-  check_words(packed, "weight_packed");
-  const int64_t n = packed.size(0), kw = packed.size(1);
-  TORCH_CHECK(k >= 0 && k <= kw * 8, "weight_packed: K=", k, " does not fit ", kw, " words");
-  auto out = at::empty({n, k}, at::kByte);
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
-  uint8_t* o = out.data_ptr<uint8_t>();
-  for_rows(n, 16, threads, [&](int64_t r0, int64_t r1) { unpack_ct_rows(w, kw, k, o, r0, r1, 0); });
-  return out;
-}
-
-// AWQ GEMM qweight [K, N/8], packed along N: nibble i of word j holds logical column 8j + kAwqOrder[i]
-constexpr int kAwqOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-
-// column c of the 8 output rows of word j, one nibble at a time (the edges the tiles leave);
-// output row r at o + (r - o0) * K
-I4P_INLINE void awq_word(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j, int64_t c, int64_t o0) {
-  const uint32_t v = w[c * nw + j];
-  for (int i = 0; i < 8; ++i) o[(8 * j + kAwqOrder[i] - o0) * k + c] = (v >> (4 * i)) & 0xF;
-}
-
-// 16-byte units for the AWQ transpose. On x86 they are the SSE2 unpack instructions themselves:
+// 16-byte units for the unpack kernels. On x86 they are the SSE2 unpack instructions themselves:
 // GCC 13 lowered the same transpose written as generic 32-byte shuffles to scalar moves (AWQ
 // unpack 1 against 4.7 Gparam/s on the lent Xeon; GCC 12 emitted the unpacks)
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -235,6 +162,120 @@ I4P_INLINE u8x16 hi32x16(u8x16 a, u8x16 b) {
 #undef I4P_SHUF16
 #endif
 
+I4P_INLINE void store_unit(uint8_t* dst, u8x16 v, int u) {
+#if defined(__SSE2__)
+  if (u == 0) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), (__m128i)v);
+  } else {
+    _mm_storeh_pd(reinterpret_cast<double*>(dst), _mm_castsi128_pd((__m128i)v));
+  }
+#else
+  const uint64_t x = ((u64x2)v)[u];
+  std::memcpy(dst, &x, 8);
+#endif
+}
+
+
+// 4 words -> their 32 nibbles as bytes, in order: a holds words 0 and 1, b words 2 and 3 (byte u
+// of a word holds its nibbles 2u, low, and 2u + 1, high)
+I4P_INLINE void nibbles4(const uint32_t* w, u8x16& a, u8x16& b) {
+  u8x16 v;
+  std::memcpy(&v, w, 16);
+  const u8x16 lo = v & 0x0F, hi = (u8x16)((u64x2)v >> 4) & 0x0F;
+  a = lo8x16(lo, hi);
+  b = hi8x16(lo, hi);
+}
+
+// the words of 4 consecutive rows, one word each, as 8 bytes per row (rows K bytes apart), less bias
+I4P_INLINE void nibbles4_rows(const uint32_t* w, uint8_t* dst, int64_t k, uint8_t bias) {
+  u8x16 a, b;
+  nibbles4(w, a, b);
+  a -= bias;
+  b -= bias;
+  store_unit(dst, a, 0);
+  store_unit(dst + k, a, 1);
+  store_unit(dst + 2 * k, b, 0);
+  store_unit(dst + 3 * k, b, 1);
+}
+
+// ------------------------------------------------------------------------------------ unpacking
+
+// GPTQ qweight [K/8, N], packed along K -> codes uint8 [N, K]. Four rows at a time, eight words
+// of each (64 codes, a whole cache line of each row's output): 8-byte writes straight down rows
+// K bytes apart thrash L1 when K is a multiple of 2 KB
+// (output row r at o + (r - o0) * K: the whole tensor, or requant_job's block of rows)
+I4P_CLONES void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64_t kw, int64_t r0, int64_t r1,
+                                 int64_t o0) {
+  const int64_t k = kw * 8, kw8 = kw / 8 * 8, r4 = r0 + (r1 - r0) / 4 * 4;
+  for (int64_t j = 0; j < kw8; j += 8) {
+    for (int64_t r = r0; r < r4; r += 4) {
+      for (int t = 0; t < 8; ++t) nibbles4_rows(w + (j + t) * n + r, o + (r - o0) * k + 8 * (j + t), k, 0);
+    }
+  }
+  for (int64_t j = 0; j < kw; ++j) {
+    for (int64_t r = (j < kw8 ? r4 : r0); r < r1; ++r) {  // the rows past the fours, then the last words
+      const uint64_t v = spread_nibbles(w[j * n + r]);
+      std::memcpy(o + (r - o0) * k + 8 * j, &v, 8);
+    }
+  }
+}
+
+at::Tensor unpack_gptq(const at::Tensor& qweight, int64_t threads) {
+  check_words(qweight, "qweight");
+  const int64_t kw = qweight.size(0), n = qweight.size(1), k = kw * 8;
+  auto out = at::empty({n, k}, at::kByte);
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
+  uint8_t* o = out.data_ptr<uint8_t>();
+  for_rows(n, 64, threads, [&](int64_t r0, int64_t r1) { unpack_gptq_rows(w, o, n, kw, r0, r1, 0); });
+  return out;
+}
+
+// compressed-tensors weight_packed [N, ceil(K/8)], packed along K -> codes uint8 [N, K] (rows
+// [r0, r1), output row r at o + (r - o0) * K)
+I4P_CLONES void unpack_ct_rows(const uint32_t* w, int64_t kw, int64_t k, uint8_t* o, int64_t r0, int64_t r1,
+                               int64_t o0) {
+  const int64_t full = k / 8, full4 = full / 4 * 4;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint32_t* src = w + r * kw;
+    uint8_t* dst = o + (r - o0) * k;
+    for (int64_t j = 0; j < full4; j += 4) {
+      u8x16 a, b;
+      nibbles4(src + j, a, b);
+      std::memcpy(dst + 8 * j, &a, 16);
+      std::memcpy(dst + 8 * j + 16, &b, 16);
+    }
+    for (int64_t j = full4; j < full; ++j) {
+      const uint64_t v = spread_nibbles(src[j]);
+      std::memcpy(dst + 8 * j, &v, 8);
+    }
+    if (full * 8 < k) {
+      const uint64_t v = spread_nibbles(src[full]);
+      std::memcpy(dst + 8 * full, &v, k - 8 * full);
+    }
+  }
+}
+
+at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads) {
+  check_words(packed, "weight_packed");
+  const int64_t n = packed.size(0), kw = packed.size(1);
+  TORCH_CHECK(k >= 0 && k <= kw * 8, "weight_packed: K=", k, " does not fit ", kw, " words");
+  auto out = at::empty({n, k}, at::kByte);
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
+  uint8_t* o = out.data_ptr<uint8_t>();
+  for_rows(n, 16, threads, [&](int64_t r0, int64_t r1) { unpack_ct_rows(w, kw, k, o, r0, r1, 0); });
+  return out;
+}
+
+// AWQ GEMM qweight [K, N/8], packed along N: nibble i of word j holds logical column 8j + kAwqOrder[i]
+constexpr int kAwqOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+// column c of the 8 output rows of word j, one nibble at a time (the edges the tiles leave);
+// output row r at o + (r - o0) * K
+I4P_INLINE void awq_word(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j, int64_t c, int64_t o0) {
+  const uint32_t v = w[c * nw + j];
+  for (int i = 0; i < 8; ++i) o[(8 * j + kAwqOrder[i] - o0) * k + c] = (v >> (4 * i)) & 0xF;
+}
+
 // transpose 8 vectors of 16 bytes: afterwards 8-byte unit u of d[i] holds byte 2i + u of a[0..7]
 I4P_INLINE void transpose8x16(const u8x16* a, u8x16* d) {
   u8x16 b[8], c[8];
@@ -252,19 +293,6 @@ I4P_INLINE void transpose8x16(const u8x16* a, u8x16* d) {
     d[2 * m] = lo32x16(c[m], c[m + 4]);
     d[2 * m + 1] = hi32x16(c[m], c[m + 4]);
   }
-}
-
-I4P_INLINE void store_unit(uint8_t* dst, u8x16 v, int u) {
-#if defined(__SSE2__)
-  if (u == 0) {
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), (__m128i)v);
-  } else {
-    _mm_storeh_pd(reinterpret_cast<double*>(dst), _mm_castsi128_pd((__m128i)v));
-  }
-#else
-  const uint64_t x = ((u64x2)v)[u];
-  std::memcpy(dst, &x, 8);
-#endif
 }
 
 // words [j0, j0 + 8) of every row: 64 output rows built in a tile of kCols columns (whole cache
@@ -1608,12 +1636,23 @@ I4P_CLONES void lossless_codes_rows(const Lossless& p, const uint8_t* c, int64_t
 // compressed-tensors weight_packed [N, K/8]: row r's words are contiguous
 I4P_CLONES void lossless_ct_rows(const Lossless& p, const uint32_t* w, int64_t kw, int64_t r0, int64_t r1,
                                  RowAcc* acc) {
-  const int64_t k = p.k, g = p.g, groups = k / g, wpg = g / 8;
+  const int64_t k = p.k, g = p.g, groups = k / g, kw4 = k / 32 * 4;
   for (int64_t r = r0; r < r1; ++r) {
     const uint32_t* src = w + r * kw;
     int8_t* dst = p.q + r * k;
+    // the whole row first: statistics read right behind 16-byte stores would wait on each
+    // (a load spanning two stores is not forwarded; lossless ran at 4.5 against 6.4 Gparam/s)
+    int64_t t = 0;
+    for (; t < kw4; t += 4) {
+      u8x16 a, b;
+      nibbles4(src + t, a, b);
+      a -= 8;
+      b -= 8;
+      std::memcpy(dst + 8 * t, &a, 16);
+      std::memcpy(dst + 8 * t + 16, &b, 16);
+    }
+    for (; t < k / 8; ++t) word_q(src[t], dst + 8 * t);
     for (int64_t j = 0; j < groups && acc[r].status == kOk; ++j) {
-      for (int64_t t = j * wpg; t < (j + 1) * wpg; ++t) word_q(src[t], dst + 8 * t);
       int32_t sq, m;
       q_stats(dst + j * g, g, sq, m);
       lossless_group(p, r, j, sq, m, acc[r]);
@@ -1630,12 +1669,15 @@ I4P_CLONES void lossless_gptq_rows(const Lossless& p, const uint32_t* w, int64_t
   // out whole: writing 8 bytes at a time straight into rows K bytes apart thrashed L1 when K is a
   // multiple of 2 KB (every row's line falls in the same few sets)
   std::vector<int8_t> tile(nb * g);
+  uint8_t* tile_u8 = reinterpret_cast<uint8_t*>(tile.data());
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t r0 = b * nb, r1 = std::min(n, r0 + nb);
     for (int64_t j = 0; j * g < k; ++j) {
+      const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
       for (int64_t t = 0; t < wpg; ++t) {
         const uint32_t* src = w + (j * wpg + t) * n;
-        for (int64_t r = r0; r < r1; ++r) word_q(src[r], tile.data() + (r - r0) * g + 8 * t);
+        for (int64_t r = r0; r < r4; r += 4) nibbles4_rows(src + r, tile_u8 + (r - r0) * g + 8 * t, g, 8);
+        for (int64_t r = r4; r < r1; ++r) word_q(src[r], tile.data() + (r - r0) * g + 8 * t);
       }
       for (int64_t r = r0; r < r1; ++r) {
         const int8_t* row = tile.data() + (r - r0) * g;

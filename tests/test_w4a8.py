@@ -614,9 +614,10 @@ def _pack_words(codes: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", [1, 2])
-@pytest.mark.parametrize("src_g,g,dtype", [(128, 128, torch.float16), (128, 32, torch.float16), (64, 64, BF16),
-                                           (256, -1, torch.float32)])
-def test_lossless_fast_on_packed_words(monkeypatch, layout, src_g, g, dtype):
+@pytest.mark.parametrize("src_g,g,dtype,n,k", [(128, 128, torch.float16, 40, 256), (128, 32, torch.float16, 40, 256),
+                                               (64, 64, BF16, 40, 256), (256, -1, torch.float32, 40, 256),
+                                               (200, -1, torch.float32, 42, 200)])  # rows past fours, words past 4s
+def test_lossless_fast_on_packed_words(monkeypatch, layout, src_g, g, dtype, n, k):
     """The kernel reading compressed-tensors [N, K/8] or GPTQ [K/8, N] words gives the same bytes as
     the general path on the unpacked codes."""
     from dataclasses import replace
@@ -625,7 +626,7 @@ def test_lossless_fast_on_packed_words(monkeypatch, layout, src_g, g, dtype):
     from int4pack.w4a8 import lossless_fast
     if kernels.ext() is None:
         pytest.skip("convert_kernels extension unavailable")
-    ql = _with_scale_dtype(rand_ql("m", 40, 256, src_g, seed=7 + layout), dtype, rough=True)
+    ql = _with_scale_dtype(rand_ql("m", n, k, src_g, seed=7 + layout), dtype, rough=True)
     words = _pack_words(ql.codes)  # [N, K/8]
     if layout == 2:  # GPTQ: the same words along K, stored [K/8, N]
         words = words.t().contiguous()
