@@ -1270,7 +1270,8 @@ I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, double* b
     const v8f ratio0 = rtn / base;
     const i32x8 inside = (amax >= splat(kClearMin)) & (amax <= splat(kClearMax));
     if (!p.search64 && !w.tie.never && search32(p, w, b, base, ratio0, inside, zero, best_s)) {
-      base_e = batch_sse(b, load8(w.bcand.data()));  // cand[0], the RTN scale: the baseline's error
+      // cand[0] is the RTN scale: its float32 error is the baseline's (reported only; within 2^-19)
+      base_e = __builtin_convertvector(load8(w.berr32.data()), f64x8);
       ++w.batches32;
     } else {
       search64(p, w, b, base, ratio0, best_s, base_e, amb);
