@@ -3,12 +3,12 @@
 
 profile_convert.py times a worker's stages in isolation; this runs the real convert (OUT is
 replaced) with its functions wrapped, and prints per kind of event (job = read + compute of one
-job, write = one tensor into the page cache, its wait for the writer's lock included, flush / finish = the finisher's write-back and shard
-close, init = opening a shard) the count, the wall and CPU seconds summed over threads, and when
-the first started and the last ended; then --bucket-second slices with how many threads were busy
-in each kind, and the first events in order. A run whose workers wait shows up as slices where
-job + write stay under --threads (for instance the writes queueing on the writer's lock, or a
-stall before the first job, which is how the 0.4-0.6 s extension load was found).
+job; write = one tensor into the page cache, waiting for the writer's lock included; flush and
+finish = the finisher's write-back and shard close; init = opening a shard) the count, the wall
+and CPU seconds summed over threads, and when the first started and the last ended; then
+--bucket-second slices with how many threads were busy in each kind, and the first events in
+order. A run whose workers wait shows up as slices where job + write stay under --threads (or
+as a stall before the first job: that is how the 0.4-0.6 s extension load was found).
 """
 
 from __future__ import annotations
