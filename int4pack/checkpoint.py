@@ -48,6 +48,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # not named by Python before 3.13
+_FAULT_AROUND = 1 << 21  # a fault maps resident pages around it: up to a whole large folio (<= 2 MB)
 _ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
@@ -435,9 +436,14 @@ class Checkpoint:
         m = self._maps.get(t.file) if t is not None else None
         if m is None or t.end <= t.begin:
             return
-        lo = t.begin - t.begin % mmap.PAGESIZE
+        # whole 2 MB blocks: a fault (a populate too) maps the resident pages around it, up to a
+        # large folio (512 KB here), so a neighbour read after this tensor was released mapped
+        # its pages back and they stayed (the RSS grew with the model). A neighbour still in use
+        # just maps its pages again on its next touch (the mapping is never written)
+        lo = t.begin - t.begin % _FAULT_AROUND
+        hi = min(len(m), -(-t.end // _FAULT_AROUND) * _FAULT_AROUND)
         try:
-            m.madvise(mmap.MADV_DONTNEED, lo, t.end - lo)
+            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
         except (OSError, ValueError, AttributeError):
             pass
 

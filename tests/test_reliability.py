@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -485,6 +486,40 @@ def test_extension_build_marker_only_after_a_load(tmp_path, monkeypatch):
     assert len(calls) == 3 and marker.is_file()
     (marker.parent / f"{calls[0]}.so").write_bytes(b"not an ELF file")
     assert _ext._build("demo", src) == "module" and len(calls) == 4
+
+
+def _mapped_pages(m, lo: int, hi: int) -> int:
+    """How many pages of bytes [lo, hi) of mmap m are mapped in this process (/proc/self/pagemap)."""
+    import ctypes
+    import struct
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    first, last = (base + lo) // 4096, (base + hi - 1) // 4096
+    with open("/proc/self/pagemap", "rb") as pm:
+        pm.seek(first * 8)
+        data = pm.read((last - first + 1) * 8)
+    return sum(struct.unpack_from("<Q", data, 8 * i)[0] >> 63 for i in range(last - first + 1))
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc/self/pagemap")
+def test_released_tensors_keep_no_pages_mapped(tmp_path):
+    """view() then release() of neighbouring tensors in file order, as convert's workers read them:
+    mapping a tensor maps the resident pages of the 64 KB blocks around it (fault-around), so a
+    released neighbour's pages came back and stayed (the RSS grew with the model's size). None of
+    the released tensors may keep a page mapped."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text("{}")
+    names = [f"t{i:03d}" for i in range(48)]
+    save_file({n: torch.full((5000,), i, dtype=torch.int32) for i, n in enumerate(names)},  # 20000 B each
+              str(tmp_path / "model.safetensors"))
+    with Checkpoint(tmp_path) as ck:
+        for i, n in enumerate(names):
+            assert int(ck.view(n).sum()) == 5000 * i
+            ck.release(n)
+        m = ck._maps["model.safetensors"]
+        first, last = ck.info(names[0]), ck.info(names[-1])
+        assert _mapped_pages(m, first.begin, last.end) == 0
 
 
 # --------------------------------------------------------------------------- fuzz the readers
