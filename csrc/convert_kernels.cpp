@@ -989,6 +989,16 @@ I4P_INLINE f64x8 load8d(const double* p) {
 I4P_INLINE void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 I4P_INLINE void store8d(double* p, f64x8 v) { std::memcpy(p, &v, sizeof(v)); }
 
+// qround of two vectors, with the bounds lo, hi (from Batch::qlo / qhi) and kMagic in mg
+I4P_INLINE void qround2(v8f& ta, v8f& tb, v8f lo, v8f hi, v8f mg) {
+  ta = ta < lo ? lo : ta;
+  tb = tb < lo ? lo : tb;
+  ta = ta > hi ? hi : ta;
+  tb = tb > hi ? hi : tb;
+  ta = (ta + mg) - mg;
+  tb = (tb + mg) - mg;
+}
+
 // sum over each lane's group of (s * clamp(round(x / s)) - x)^2 at that lane's scale s: group_sse's
 // float64 difference of each code (q from float32), squared and weighted by its count
 I4P_INLINE f64x8 batch_sse(const Batch& b, v8f s) {
@@ -1000,12 +1010,9 @@ I4P_INLINE f64x8 batch_sse(const Batch& b, v8f s) {
   I4P_UNROLL16
   for (int c = 0; c < 16; c += 2) {
     const v8f xa = load8(b.xs[c]), xb = load8(b.xs[c + 1]);
-    v8f ta = xa * r, tb = xb * r;  // qround, with lo and hi
-    ta = ta < lo ? lo : ta;
-    tb = tb < lo ? lo : tb;
-    ta = ta > hi ? hi : ta;
-    tb = tb > hi ? hi : tb;
-    const f64x8 qa = __builtin_convertvector((ta + mg) - mg, f64x8), qb = __builtin_convertvector((tb + mg) - mg, f64x8);
+    v8f ta = xa * r, tb = xb * r;
+    qround2(ta, tb, lo, hi, mg);
+    const f64x8 qa = __builtin_convertvector(ta, f64x8), qb = __builtin_convertvector(tb, f64x8);
     const f64x8 ea = qa * sd - load8d(b.xd[c]), eb = qb * sd - load8d(b.xd[c + 1]);
     a0 += ea * ea * load8d(b.ws[c]);
     a1 += eb * eb * load8d(b.ws[c + 1]);
@@ -1140,12 +1147,8 @@ I4P_INLINE v8f batch_sse32(const Batch& b, const v8f* wf, v8f s) {
   v8f a0 = {}, a1 = {};
   for (int c = 0; c < 16; c += 2) {
     const v8f xa = load8(b.xs[c]), xb = load8(b.xs[c + 1]);
-    v8f ta = xa * r, tb = xb * r;  // qround, with lo and hi
-    ta = ta < lo ? lo : ta;
-    tb = tb < lo ? lo : tb;
-    ta = ta > hi ? hi : ta;
-    tb = tb > hi ? hi : tb;
-    const v8f qa = (ta + mg) - mg, qb = (tb + mg) - mg;
+    v8f qa = xa * r, qb = xb * r;
+    qround2(qa, qb, lo, hi, mg);
     const v8f da = (qa * sh - xa) + qa * sl, db = (qb * sh - xb) + qb * sl;
     a0 += da * da * wf[c];
     a1 += db * db * wf[c + 1];
