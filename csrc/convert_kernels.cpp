@@ -175,7 +175,6 @@ I4P_INLINE void store_unit(uint8_t* dst, u8x16 v, int u) {
 #endif
 }
 
-
 // 4 words -> their 32 nibbles as bytes, in order: a holds words 0 and 1, b words 2 and 3 (byte u
 // of a word holds its nibbles 2u, low, and 2u + 1, high)
 I4P_INLINE void nibbles4(const uint32_t* w, u8x16& a, u8x16& b) {
