@@ -50,6 +50,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # not named by Python before 3.13
 _FAULT_AROUND = 1 << 21  # a fault maps resident pages around it: up to a whole large folio (<= 2 MB)
 _ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+_DTYPE_KEY = {k: k for k in DTYPES}  # the shared name string instead of one per tensor from JSON
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 
@@ -57,7 +58,7 @@ MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 SOURCE_QUANT_FILES = {"quantize_config.json", "quant_config.json", "recipe.yaml"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: one per source tensor, alive for the whole run
 class TensorInfo:
     """Where one tensor lives; read from the shard header only."""
 
@@ -335,14 +336,16 @@ class Checkpoint:
                                  hint="The download is incomplete or damaged; fetch the shard again.")
             header, meta, start = read_header(sp)
             self.shard_metadata[shard] = meta
+            shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape: they repeat per expert
             for name, info in header.items():
                 if name in self.tensors:
                     raise InputError(
                         f"tensor {name!r} is stored twice: in {self.tensors[name].file} and {shard}",
                         path=str(sp), tensor=name, hint="The checkpoint is inconsistent; re-download it.")
                 b, e = info["data_offsets"]
-                self.tensors[name] = TensorInfo(name, shard, info["dtype"], tuple(info["shape"]),
-                                                start + b, start + e)
+                shape = tuple(info["shape"])
+                self.tensors[name] = TensorInfo(name, shard, _DTYPE_KEY[info["dtype"]],
+                                                shapes.setdefault(shape, shape), start + b, start + e)
         if wmap is not None:
             for name, shard in wmap.items():
                 if name not in self.tensors:

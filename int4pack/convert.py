@@ -7,6 +7,7 @@ files, report -> atomic rename.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import re
@@ -14,6 +15,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -43,6 +45,31 @@ class NullProgress:
     def advance(self, nbytes: int, ntensors: int) -> None: ...
 
     def stop(self) -> None: ...
+
+
+def _load_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (AttributeError, OSError, TypeError):
+        return None
+
+
+_MALLOC_TRIM = _load_trim()
+
+
+def _trim_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc, ~1 ms). An arena keeps what its thread freed (only
+    a free top above M_TRIM_THRESHOLD goes back: 32 MB once a 16 MB copy buffer was freed), so the
+    workers' arenas crept up as they fragmented, and a shard close's header and JSON stayed in the
+    finisher's arena. Called every FLUSH_BYTES and at each shard close; jobs then refault a few
+    of those pages (~5 more minor faults per job)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _flush_and_trim(f: ShardFile) -> None:  # finisher thread
+    f.flush()
+    _trim_heap()
 
 
 def _fmt(x: float | None) -> str | None:
@@ -147,11 +174,30 @@ def report_json(obj, level: int = 0, depth: int = 2) -> str:
     json.dumps(indent=...) runs the pure-Python encoder: on a 30B model's report (~20k modules)
     that cost more than a second; this keeps the C encoder for every line.
     """
+    return "".join(_report_pieces(obj, level, depth))
+
+
+def _report_pieces(obj, level: int = 0, depth: int = 2):
+    """report_json's text in pieces, so a large report is written without a copy of it in memory."""
     if isinstance(obj, dict) and obj and level < depth:
-        pad = "  " * (level + 1)
-        lines = [f"{pad}{json.dumps(str(k))}: {report_json(v, level + 1, depth)}" for k, v in sorted(obj.items())]
-        return "{\n" + ",\n".join(lines) + "\n" + "  " * level + "}"
-    return json.dumps(obj, sort_keys=True, separators=(", ", ": "))
+        pad, sep = "  " * (level + 1), "{\n"
+        for k, v in sorted(obj.items()):
+            yield f"{sep}{pad}{json.dumps(str(k))}: "
+            yield from _report_pieces(v, level + 1, depth)
+            sep = ",\n"
+        yield "\n" + "  " * level + "}"
+    else:
+        yield json.dumps(obj, sort_keys=True, separators=(", ", ": "))
+
+
+def _index_pieces(total_size: int, weight_map: dict[str, str]):
+    """json.dumps({"metadata": ..., "weight_map": sorted}, indent=2) + newline, in pieces."""
+    yield f'{{\n  "metadata": {{\n    "total_size": {int(total_size)}\n  }},\n  "weight_map": {{'
+    sep = "\n"
+    for name in sorted(weight_map):
+        yield f"{sep}    {json.dumps(name)}: {json.dumps(weight_map[name])}"
+        sep = ",\n"
+    yield "\n  }\n}\n" if weight_map else "}\n}\n"
 
 
 def _ignore_list(plan: Plan, ckpt: Checkpoint) -> list[str]:
@@ -248,9 +294,11 @@ def convert(
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
-        index = {"metadata": {"total_size": sum(t.nbytes for t in plan.outputs)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        od.write_file("model.safetensors.index.json", (json.dumps(index, indent=2) + "\n").encode())
+        # written in pieces: the index and the report grow with the model, and the end of a run
+        # (with the plan still alive) is where the peak RSS was
+        od.write_file("model.safetensors.index.json",
+                      _index_pieces(sum(t.nbytes for t in plan.outputs), weight_map))
+        del weight_map
         od.write_file("config.json", (json.dumps(_out_config(plan, ckpt), indent=2) + "\n").encode())
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
@@ -261,7 +309,7 @@ def convert(
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
         report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}
-        od.write_file(REPORT_NAME, (report_json(report) + "\n").encode())
+        od.write_file(REPORT_NAME, chain(_report_pieces(report), ("\n",)))
         od.commit()
     report["output"] = str(Path(out))
     report["seconds"] = round(time.perf_counter() - t0, 3)
@@ -279,14 +327,14 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     rename = rename or {}
     trusted = od.trusted_shards()
     shard_of = {t.name: n for n, s in zip(names, shards) for t in s}
-    size_of = {t.name: t.nbytes for t in plan.outputs}
     stats: dict[str, dict] = dict(od.progress.get("jobs", {}))
     todo = [j for j in plan.jobs if any(shard_of[t.name] not in trusted for t in j.outputs)]
-    skipped = sum(size_of[n] for n, sh in shard_of.items() if sh in trusted)
-    progress.start(sum(size_of.values()), len(size_of), skipped)
+    skipped = sum(t.nbytes for n, s in zip(names, shards) if n in trusted for t in s)
+    progress.start(sum(t.nbytes for s in shards for t in s), len(shard_of), skipped)
     meta = _base_meta(plan)
     workers = threads or max(1, min(4, torch.get_num_threads()))
-    planned = {n: [OutTensor(rename.get(t.name, t.name), t.dtype, t.shape) for t in s]
+    # the plan's own OutTensors where the name is kept (a copy of each would live for the whole run)
+    planned = {n: [OutTensor(rename[t.name], t.dtype, t.shape) if t.name in rename else t for t in s]
                for n, s in zip(names, shards) if n not in trusted}
     left = {n: len(ts) for n, ts in planned.items()}  # tensors not yet consumed, per shard
     unflushed = dict.fromkeys(planned, 0)  # bytes consumed since the shard's last flush
@@ -318,6 +366,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         od.progress["shards"][shard] = files[shard].finish(results)
         od.progress["jobs"].update(job_stats)  # kept for --resume
         od.save_progress()
+        _trim_heap()
 
     def consume(job: Job, job_stats: dict, written: set) -> None:
         want = {t.name for t in job.outputs if shard_of[t.name] not in trusted}
@@ -337,13 +386,13 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
                 res[out_name] = {"path": "copy"}
             elif leaf == "weight" and mod in job_stats:
                 res[out_name] = {k: v for k, v in job_stats[mod].items() if k in ("path", "rel_l2", "max_abs")}
-            progress.advance(size_of[t.name], 1)
+            progress.advance(t.nbytes, 1)
             left[shard] -= 1
-            unflushed[shard] += size_of[t.name]
+            unflushed[shard] += t.nbytes
             if unflushed[shard] >= FLUSH_BYTES and left[shard]:
                 # write back while the workers compute: a 5 GB shard's single fsync at the end
                 # would otherwise hold the run up for seconds (the page cache lets it all pile up)
-                closing.append(finisher.submit(files[shard].flush))
+                closing.append(finisher.submit(_flush_and_trim, files[shard]))
                 unflushed[shard] = 0
             if left[shard] == 0:
                 closing.append(finisher.submit(close_shard, shard, shard_results.pop(shard, {}), dict(pending_stats)))

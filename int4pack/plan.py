@@ -11,11 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from ._version import __version__
 from .architectures import Layout, discover
-from .checkpoint import Checkpoint, TensorInfo
+from .checkpoint import _ITEMSIZE, Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
 from .formats import open_reader
 from .records import FormatVerdict, LinearSpec
@@ -26,22 +25,26 @@ __all__ = ["OutTensor", "Job", "Plan", "make_plan", "parse_size", "parse_group_s
 DENSE_MODES = ("w4a8", "bf16")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: the plan holds a few per module for the whole run
 class OutTensor:
     name: str
     dtype: str  # safetensors dtype name
     shape: tuple[int, ...]
+    nbytes: int = field(init=False, repr=False, compare=False)  # asked for per tensor many times
 
-    @cached_property  # asked for per tensor many times by the writer
-    def nbytes(self) -> int:
-        from .checkpoint import _ITEMSIZE
+    def __post_init__(self) -> None:
         n = _ITEMSIZE[self.dtype]
         for s in self.shape:
             n *= s
-        return n
+        object.__setattr__(self, "nbytes", n)
+        if type(self.shape) is tuple:  # one tuple per distinct shape: they repeat per expert
+            object.__setattr__(self, "shape", _SHAPES.setdefault(self.shape, self.shape))
 
 
-@dataclass
+_SHAPES: dict[tuple, tuple] = {}
+
+
+@dataclass(slots=True)
 class Job:
     """One unit of work: copy a tensor, convert a linear, or convert an MLP triple (fold)."""
 
@@ -245,10 +248,11 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
 
     jobs: list[Job] = []
     accounted: dict[str, str] = {}
-    consumed: dict[str, str] = {}
+    consumed: dict[str, str] = {}  # source tensor -> "converted:<module>", one string per module
     for s in specs.values():
+        fate = f"converted:{s.name}"
         for key in s.keys:
-            consumed[key] = s.name
+            consumed[key] = fate
 
     def bias_dtype(s: LinearSpec) -> str | None:
         key = f"{s.name}.bias"
@@ -280,7 +284,7 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
             done.add(name)
     for key in sorted(ckpt.tensors):
         if key in consumed:
-            accounted[key] = f"converted:{consumed[key]}"
+            accounted[key] = consumed[key]
             continue
         t: TensorInfo = ckpt.tensors[key]
         jobs.append(Job("copy", [OutTensor(key, t.dtype, t.shape)], source=key, in_bytes=t.nbytes))

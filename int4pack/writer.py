@@ -21,6 +21,7 @@ import shutil
 import threading
 import time
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ except ValueError:
     _SLOW_WRITE_S = 0.0
 _META_RESERVE_PER_TENSOR = 200  # bytes of header reserved for each tensor's result entry
 _META_RESERVE_BASE = 8192
+_SPACES = memoryview(b" " * 65536)
 
 
 def assign_shards(outputs: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
@@ -85,14 +87,28 @@ def to_bytes(t: torch.Tensor | memoryview | bytes) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def _header_bytes(entries: dict, meta: dict[str, str], length: int | None = None) -> bytes:
-    hdr = {"__metadata__": meta, **entries}
-    raw = json.dumps(hdr, separators=(",", ":"), ensure_ascii=True).encode()
-    if length is None:
-        length = (len(raw) + 7) // 8 * 8
-    if len(raw) > length:
-        raise OutputError(f"internal: shard header grew past its reserved {length} bytes")
-    return raw + b" " * (length - len(raw))
+def _header_raw(planned: dict[str, tuple[OutTensor, int]], meta: dict[str, str]) -> bytes:
+    """json.dumps({"__metadata__": meta, name: entry, ...}, separators=(",", ":")), built from the
+    planned tensors and their data offsets only when it is written."""
+    parts = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"))]
+    for name, (t, off) in planned.items():
+        parts.append(f',{json.dumps(name)}:{{"dtype":{json.dumps(t.dtype)},"shape":'
+                     f'{json.dumps(list(t.shape), separators=(",", ":"))},"data_offsets":[{off},{off + t.nbytes}]}}')
+    parts.append("}")
+    return "".join(parts).encode()
+
+
+def json_pieces(obj, depth: int = 2) -> Iterator[str]:
+    """json.dumps(obj, sort_keys=True) in pieces: dicts with string keys split down to ``depth``."""
+    if isinstance(obj, dict) and obj and depth > 0 and all(type(k) is str for k in obj):
+        sep = "{"
+        for k, v in sorted(obj.items()):
+            yield f"{sep}{json.dumps(k)}: "
+            yield from json_pieces(v, depth - 1)
+            sep = ", "
+        yield "}"
+    else:
+        yield json.dumps(obj, sort_keys=True)
 
 
 def _disk_error(path: Path, e: OSError) -> OutputError:
@@ -117,16 +133,16 @@ class ShardFile:
         self.tmp = path.with_name(path.name + ".tmp")
         self.tensors = tensors
         self.meta = dict(meta)
-        self.entries: dict[str, dict] = {}
+        # name -> (planned tensor, data offset): no header entry dicts (~400 B per tensor, kept all run)
+        self._planned: dict[str, tuple[OutTensor, int]] = {}
         off = 0
         for t in tensors:
-            self.entries[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+            self._planned[t.name] = (t, off)
             off += t.nbytes
         self.data_size = off
-        self._planned = {t.name: t for t in tensors}
         reserve = _META_RESERVE_BASE + _META_RESERVE_PER_TENSOR * len(tensors)
-        probe = _header_bytes(self.entries, {**self.meta, "int4pack.tensors": " " * reserve})
-        self.header_len = len(probe)
+        probe = _header_raw(self._planned, {**self.meta, "int4pack.tensors": " " * reserve})
+        self.header_len = (len(probe) + 7) // 8 * 8
         self.digest_kind = digest_kind()  # crc32c with the extension, else zlib's crc32
         self.crc: dict[str, int] = {}  # tensor -> CRC of its bytes, once written
         self._lock = threading.Lock()
@@ -149,7 +165,7 @@ class ShardFile:
 
     def write(self, name: str, data) -> int:
         """Write one planned tensor (a tensor, bytes, or chunked TensorBytes); returns its CRC."""
-        want = self._planned.get(name)
+        want, begin = self._planned.get(name, (None, 0))
         if want is None:
             raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
         if isinstance(data, torch.Tensor):
@@ -164,7 +180,7 @@ class ShardFile:
         got = len(buf) if buf is not None else data.nbytes
         if got != want.nbytes:
             raise OutputError(f"internal: {name} has {got} bytes, planned {want.nbytes}", tensor=name)
-        off = 8 + self.header_len + self.entries[name]["data_offsets"][0]
+        off = 8 + self.header_len + begin
         crc = 0
         check = _CHECKSUMS[self.digest_kind][1]
         try:
@@ -180,7 +196,7 @@ class ShardFile:
         with self._lock:
             if name in self.crc:
                 raise OutputError(f"internal: {name} written twice in {self.path.name}", tensor=name)
-            self.crc[name] = crc
+            self.crc[want.name] = crc  # the plan's name string: the caller's may be a fresh copy
         return crc
 
     def flush(self) -> None:
@@ -195,17 +211,29 @@ class ShardFile:
         if not self.complete():
             raise OutputError(f"internal: {self.path.name} finished with {len(self.crc)}/{len(self.tensors)} tensors")
         meta = {**self.meta, "int4pack.tensors": json.dumps(results, sort_keys=True, separators=(",", ":"))}
-        header = _header_bytes(self.entries, meta, self.header_len)
+        raw = _header_raw(self._planned, meta)
+        if len(raw) > self.header_len:
+            raise OutputError(f"internal: shard header grew past its reserved {self.header_len} bytes")
+        digest = hashlib.sha256(raw)
         try:
-            self._pwrite(memoryview(len(header).to_bytes(8, "little") + header), 0)
+            # length, header, then the rest of the reserved slot in spaces: no joined copy of a header
+            # that grows with the shard (and its padding, ~100 B per tensor)
+            self._pwrite(memoryview(self.header_len.to_bytes(8, "little")), 0)
+            self._pwrite(memoryview(raw), 8)
+            off = 8 + len(raw)
+            while off < 8 + self.header_len:
+                pad = _SPACES[: 8 + self.header_len - off]
+                digest.update(pad)
+                self._pwrite(pad, off)
+                off += len(pad)
             os.fsync(self._fh.fileno())
             self._fh.close()
             os.replace(self.tmp, self.path)
         except OSError as e:
             self.abort()
             raise _disk_error(self.path, e) from e
-        return {"size": 8 + len(header) + self.data_size,
-                "header_sha256": hashlib.sha256(header).hexdigest(),
+        return {"size": 8 + self.header_len + self.data_size,
+                "header_sha256": digest.hexdigest(),
                 "data_digest": _data_digest((self.crc[t.name] for t in self.tensors), self.digest_kind)}
 
     def abort(self) -> None:
@@ -337,12 +365,8 @@ class OutputDir:
         return od
 
     def save_progress(self) -> None:
-        tmp = self.work / (PROGRESS + ".tmp")
-        try:
-            tmp.write_text(json.dumps(self.progress, sort_keys=True))
-            os.replace(tmp, self.work / PROGRESS)
-        except OSError as e:
-            raise _disk_error(tmp, e) from e
+        # in pieces: its per-module results grow with the model and it is rewritten at every shard
+        self.write_file(PROGRESS, json_pieces(self.progress))
 
     def trusted_shards(self) -> set[str]:
         """Finished shards whose bytes still match their recorded checksums."""
@@ -358,11 +382,17 @@ class OutputDir:
             p.unlink(missing_ok=True)
         return ok
 
-    def write_file(self, name: str, data: bytes) -> None:
+    def write_file(self, name: str, data: bytes | Iterable[str]) -> None:
+        """Write ``name`` atomically: bytes, or text given in pieces (UTF-8)."""
         p = self.work / name
         tmp = p.with_name(p.name + ".tmp")
         try:
-            tmp.write_bytes(data)
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                tmp.write_bytes(data)
+            else:
+                with open(tmp, "w", encoding="utf-8") as fh:
+                    for piece in data:
+                        fh.write(piece)
             os.replace(tmp, p)
         except OSError as e:
             raise _disk_error(p, e) from e

@@ -20,7 +20,6 @@ import torch
 from safetensors.torch import save_file
 
 H, I, E, G = 2048, 768, 128, 128
-ATTN = {"q_proj": (4096, H), "k_proj": (512, H), "v_proj": (512, H), "o_proj": (H, 4096)}
 FORMATS = ("gptq-sym", "gptq-asym", "awq", "ct")
 
 
@@ -70,10 +69,13 @@ def quant_config(fmt: str) -> dict:
             "ignore": ["lm_head", "re:.*mlp\\.gate$"], "version": "0.20.0"}
 
 
-def make(out: Path, fmt: str, layers: int, seed: int = 0, vocab: int = 4096) -> int:
-    """Write the checkpoint; returns its size in bytes."""
+def make(out: Path, fmt: str, layers: int, seed: int = 0, vocab: int = 4096, *, hidden: int = H,
+         inter: int = I, experts: int = E) -> int:
+    """Write the checkpoint; returns its size in bytes. ``hidden``, ``inter`` and ``experts`` (multiples
+    of 128 for the first two) shrink it for tests that need many small modules."""
     if fmt not in FORMATS:
         raise SystemExit(f"--format must be one of {FORMATS}")
+    attn = {"q_proj": (4096, hidden), "k_proj": (512, hidden), "v_proj": (512, hidden), "o_proj": (hidden, 4096)}
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     fdt = torch.float16 if fmt in ("awq",) else torch.bfloat16
@@ -83,31 +85,33 @@ def make(out: Path, fmt: str, layers: int, seed: int = 0, vocab: int = 4096) -> 
     for li in range(layers):
         t: dict[str, torch.Tensor] = {}
         p = f"model.layers.{li}"
-        for proj, (n, k) in ATTN.items():
+        for proj, (n, k) in attn.items():
             t.update(linear(fmt, f"{p}.self_attn.{proj}", n, k, gen))
-        for e in range(E):
-            for proj, (n, k) in {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}.items():
+        for e in range(experts):
+            for proj, (n, k) in {"gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+                                 "down_proj": (hidden, inter)}.items():
                 t.update(linear(fmt, f"{p}.mlp.experts.{e}.{proj}", n, k, gen))
-        t[f"{p}.mlp.gate.weight"] = (torch.randn(E, H, generator=gen) * 0.02).to(fdt)
+        t[f"{p}.mlp.gate.weight"] = (torch.randn(experts, hidden, generator=gen) * 0.02).to(fdt)
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            t[f"{p}.{norm}.weight"] = torch.ones(H, dtype=fdt)
+            t[f"{p}.{norm}.weight"] = torch.ones(hidden, dtype=fdt)
         for qk in ("q_norm", "k_norm"):
             t[f"{p}.self_attn.{qk}.weight"] = torch.ones(128, dtype=fdt)
         name = f"model-{li + 1:05d}-of-{nshards:05d}.safetensors"
         save_file(t, str(out / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in t})
         total += (out / name).stat().st_size
-    t = {"model.embed_tokens.weight": (torch.randn(vocab, H, generator=gen) * 0.02).to(fdt),
-         "lm_head.weight": (torch.randn(vocab, H, generator=gen) * 0.02).to(fdt),
-         "model.norm.weight": torch.ones(H, dtype=fdt)}
+    t = {"model.embed_tokens.weight": (torch.randn(vocab, hidden, generator=gen) * 0.02).to(fdt),
+         "lm_head.weight": (torch.randn(vocab, hidden, generator=gen) * 0.02).to(fdt),
+         "model.norm.weight": torch.ones(hidden, dtype=fdt)}
     name = f"model-{nshards:05d}-of-{nshards:05d}.safetensors"
     save_file(t, str(out / name), metadata={"format": "pt"})
     weight_map.update({k: name for k in t})
     total += (out / name).stat().st_size
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=1))
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
-           "intermediate_size": 6144, "moe_intermediate_size": I, "num_experts": E, "num_experts_per_tok": 8,
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+           "intermediate_size": 6144, "moe_intermediate_size": inter, "num_experts": experts,
+           "num_experts_per_tok": min(8, experts),
            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
            "vocab_size": vocab, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": str(fdt).replace("torch.", ""),
