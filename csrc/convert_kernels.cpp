@@ -144,6 +144,8 @@ I4P_UNPACK(lo16x16, _mm_unpacklo_epi16)
 I4P_UNPACK(hi16x16, _mm_unpackhi_epi16)
 I4P_UNPACK(lo32x16, _mm_unpacklo_epi32)
 I4P_UNPACK(hi32x16, _mm_unpackhi_epi32)
+I4P_UNPACK(lo64x16, _mm_unpacklo_epi64)
+I4P_UNPACK(hi64x16, _mm_unpackhi_epi64)
 #undef I4P_UNPACK
 #else
 #define I4P_SHUF16(a, b, ...) I4P_SHUF(u8x16, a, b, __VA_ARGS__)
@@ -158,6 +160,10 @@ I4P_INLINE u8x16 hi16x16(u8x16 a, u8x16 b) {
 I4P_INLINE u8x16 lo32x16(u8x16 a, u8x16 b) { return I4P_SHUF16(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23); }
 I4P_INLINE u8x16 hi32x16(u8x16 a, u8x16 b) {
   return I4P_SHUF16(a, b, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+I4P_INLINE u8x16 lo64x16(u8x16 a, u8x16 b) { return I4P_SHUF16(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); }
+I4P_INLINE u8x16 hi64x16(u8x16 a, u8x16 b) {
+  return I4P_SHUF16(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 #undef I4P_SHUF16
 #endif
@@ -177,44 +183,68 @@ I4P_INLINE void store_unit(uint8_t* dst, u8x16 v, int u) {
 
 // 4 words -> their 32 nibbles as bytes, in order: a holds words 0 and 1, b words 2 and 3 (byte u
 // of a word holds its nibbles 2u, low, and 2u + 1, high)
-I4P_INLINE void nibbles4(const uint32_t* w, u8x16& a, u8x16& b) {
-  u8x16 v;
-  std::memcpy(&v, w, 16);
+I4P_INLINE void nibbles4v(u8x16 v, u8x16& a, u8x16& b) {
   const u8x16 lo = v & 0x0F, hi = (u8x16)((u64x2)v >> 4) & 0x0F;
   a = lo8x16(lo, hi);
   b = hi8x16(lo, hi);
 }
 
-// the words of 4 consecutive rows, one word each, as 8 bytes per row (rows K bytes apart), less bias
-I4P_INLINE void nibbles4_rows(const uint32_t* w, uint8_t* dst, int64_t k, uint8_t bias) {
-  u8x16 a, b;
-  nibbles4(w, a, b);
-  a -= bias;
-  b -= bias;
-  store_unit(dst, a, 0);
-  store_unit(dst + k, a, 1);
-  store_unit(dst + 2 * k, b, 0);
-  store_unit(dst + 3 * k, b, 1);
+I4P_INLINE void nibbles4(const uint32_t* w, u8x16& a, u8x16& b) {
+  u8x16 v;
+  std::memcpy(&v, w, 16);
+  nibbles4v(v, a, b);
+}
+
+// GPTQ words t..t+3 of rows r..r+3 ([K/8, N]: w at word (t, r), rows N words apart) -> each row's
+// 32 codes less bias, stored whole at dst + i * k: a 4 x 4 transpose of the words, then 16-byte
+// stores (one word per row at a time took twice the stores)
+I4P_INLINE void gptq_quad(const uint32_t* w, int64_t n, uint8_t* dst, int64_t k, uint8_t bias) {
+  u8x16 x0, x1, x2, x3;
+  std::memcpy(&x0, w, 16);
+  std::memcpy(&x1, w + n, 16);
+  std::memcpy(&x2, w + 2 * n, 16);
+  std::memcpy(&x3, w + 3 * n, 16);
+  const u8x16 a0 = lo32x16(x0, x1), a1 = hi32x16(x0, x1), a2 = lo32x16(x2, x3), a3 = hi32x16(x2, x3);
+  const u8x16 rows[4] = {lo64x16(a0, a2), hi64x16(a0, a2), lo64x16(a1, a3), hi64x16(a1, a3)};
+  for (int i = 0; i < 4; ++i) {
+    u8x16 a, b;
+    nibbles4v(rows[i], a, b);
+    a -= bias;
+    b -= bias;
+    std::memcpy(dst + i * k, &a, 16);
+    std::memcpy(dst + i * k + 16, &b, 16);
+  }
 }
 
 // ------------------------------------------------------------------------------------ unpacking
 
-// GPTQ qweight [K/8, N], packed along K -> codes uint8 [N, K]. Four rows at a time, eight words
-// of each (64 codes, a whole cache line of each row's output): 8-byte writes straight down rows
-// K bytes apart thrash L1 when K is a multiple of 2 KB
-// (output row r at o + (r - o0) * K: the whole tensor, or requant_job's block of rows)
+// GPTQ qweight [K/8, N], packed along K -> codes uint8 [N, K] less bias, rows [r0, r1) (output row r
+// at o + (r - o0) * K: the whole tensor, or requant_job's block of rows). Blocks of 16 rows, whose
+// words t..t+7 fill one cache line of each output row in turn: each input line is used up at once,
+// and no line of the output is left half written while 16 others are (rows K bytes apart share
+// L1 sets when K is a multiple of 2 KB)
 I4P_CLONES void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64_t kw, int64_t r0, int64_t r1,
-                                 int64_t o0) {
-  const int64_t k = kw * 8, kw8 = kw / 8 * 8, r4 = r0 + (r1 - r0) / 4 * 4;
-  for (int64_t j = 0; j < kw8; j += 8) {
-    for (int64_t r = r0; r < r4; r += 4) {
-      for (int t = 0; t < 8; ++t) nibbles4_rows(w + (j + t) * n + r, o + (r - o0) * k + 8 * (j + t), k, 0);
+                                 int64_t o0, uint8_t bias = 0) {
+  const int64_t k = kw * 8, r4 = r0 + (r1 - r0) / 4 * 4, kw4 = kw / 4 * 4, kw8 = kw / 8 * 8;
+  for (int64_t b0 = r0; b0 < r4; b0 += 16) {
+    const int64_t b1 = std::min(r4, b0 + 16);
+    for (int64_t t = 0; t < kw8; t += 8) {
+      for (int64_t r = b0; r < b1; r += 4) {
+        uint8_t* dst = o + (r - o0) * k + 8 * t;
+        gptq_quad(w + t * n + r, n, dst, k, bias);
+        gptq_quad(w + (t + 4) * n + r, n, dst + 32, k, bias);
+      }
+    }
+    for (int64_t t = kw8; t < kw4; t += 4) {
+      for (int64_t r = b0; r < b1; r += 4) gptq_quad(w + t * n + r, n, o + (r - o0) * k + 8 * t, k, bias);
     }
   }
-  for (int64_t j = 0; j < kw; ++j) {
-    for (int64_t r = (j < kw8 ? r4 : r0); r < r1; ++r) {  // the rows past the fours, then the last words
-      const uint64_t v = spread_nibbles(w[j * n + r]);
-      std::memcpy(o + (r - o0) * k + 8 * j, &v, 8);
+  const uint64_t ones = 0x0101010101010101ull;
+  for (int64_t r = r0; r < r1; ++r) {  // the words past the fours, then the rows past the fours
+    for (int64_t t = (r < r4 ? kw4 : 0); t < kw; ++t) {
+      // (u | 0x80) - bias never borrows from the next byte; ^ 0x80 leaves u - bias mod 256
+      const uint64_t v = ((spread_nibbles(w[t * n + r]) | 0x80 * ones) - bias * ones) ^ (0x80 * ones);
+      std::memcpy(o + (r - o0) * k + 8 * t, &v, 8);
     }
   }
 }
@@ -1559,23 +1589,28 @@ enum LosslessStatus : int64_t { kOk = 0, kBadScale = 1, kAsym = 2, kCastOverflow
 struct Lossless {
   const uint8_t* z = nullptr;  // zeros [N, Gs] or null (all 8)
   const float* ss = nullptr;  // source scales [N, Gs]
-  int64_t gs_count = 1, src_group = 1, k = 0, g = 0;
+  const int64_t* sg = nullptr;  // source group of each target group; -1 where it spans two
+  int64_t gs_count = 1, k = 0, g = 0;
   bool bf16 = true;
   int8_t* q = nullptr;
   float* out_s = nullptr;  // [N, K/g] shipped values
 };
 
-// row accumulators: dd, ww, vv, wv, max_abs
+// row accumulators: dd, ww, vv, wv, max_abs (a local copy per row, so they stay in registers)
 struct RowAcc {
   double v[5] = {0, 0, 0, 0, 0};
   int64_t status = kOk;
 };
 
+// sqrt(m) for the largest q^2 of a group, exact: m is a square (q^2 <= 64 for 4-bit codes)
+constexpr double kRoots[65] = {0, 1, 0, 0, 2, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0,
+                               0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8};
+
 // target group j of row r, whose q^2 sum and max are sq and m: check, cast, accumulate
 I4P_INLINE void lossless_group(const Lossless& p, int64_t r, int64_t j, int32_t sq, int32_t m, RowAcc& a) {
   if (a.status != kOk) return;
-  const int64_t groups = p.k / p.g, sg = (j * p.g) / p.src_group;
-  if (((j + 1) * p.g - 1) / p.src_group != sg || sg >= p.gs_count) {
+  const int64_t groups = p.k / p.g, sg = p.sg[j];
+  if (sg < 0) {
     a.status = kSpans;
     return;
   }
@@ -1595,11 +1630,12 @@ I4P_INLINE void lossless_group(const Lossless& p, int64_t r, int64_t j, int32_t 
   }
   p.out_s[r * groups + j] = sb;
   const double sd = s, sbd = sb, diff = sbd - sd, w = sq;
+  const double root = m <= 64 ? kRoots[m] : std::sqrt(static_cast<double>(m));  // vsqrtsd stalled the loop
   a.v[0] += diff * diff * w;
   a.v[1] += sd * sd * w;
   a.v[2] += sbd * sbd * w;
   a.v[3] += sd * sbd * w;
-  a.v[4] = std::max(a.v[4], std::fabs(diff) * std::sqrt(static_cast<double>(m)));
+  a.v[4] = std::max(a.v[4], std::fabs(diff) * root);
 }
 
 // 8 codes (one word) -> 8 int8 q = u - 8
@@ -1609,8 +1645,7 @@ I4P_INLINE void word_q(uint32_t w, int8_t* dst) {
   std::memcpy(dst, &q, 8);
 }
 
-// sum and max of q^2 over g int8 values (a plain loop the compiler vectorises; faster than
-// per-nibble tables on the packed words)
+// sum and max of q^2 over g int8 values (a plain loop the compiler vectorises)
 I4P_INLINE void q_stats(const int8_t* q, int64_t g, int32_t& sq, int32_t& m) {
   int32_t s = 0, mx = 0;
   for (int64_t i = 0; i < g; ++i) {
@@ -1622,24 +1657,83 @@ I4P_INLINE void q_stats(const int8_t* q, int64_t g, int32_t& sq, int32_t& m) {
   m = mx;
 }
 
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+// the sum and the max of the 16 lanes, reduced by halves (GCC turned a lane loop into scalar extracts)
+I4P_INLINE void reduce16(u16x16 s, u16x16 mx, int32_t& sum, int32_t& max) {
+  u16x8 s8, m8, hi;
+  std::memcpy(&s8, &s, 16);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&s) + 16, 16);
+  s8 += hi;
+  std::memcpy(&m8, &mx, 16);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&mx) + 16, 16);
+  m8 = m8 > hi ? m8 : hi;
+  typedef uint16_t u16x8m __attribute__((vector_size(16)));
+  s8 += __builtin_shuffle(s8, u16x8m{4, 5, 6, 7, 0, 1, 2, 3});
+  m8 = m8 > __builtin_shuffle(m8, u16x8m{4, 5, 6, 7, 0, 1, 2, 3}) ? m8 : __builtin_shuffle(m8, u16x8m{4, 5, 6, 7, 0, 1, 2, 3});
+  s8 += __builtin_shuffle(s8, u16x8m{2, 3, 0, 1, 6, 7, 4, 5});
+  m8 = m8 > __builtin_shuffle(m8, u16x8m{2, 3, 0, 1, 6, 7, 4, 5}) ? m8 : __builtin_shuffle(m8, u16x8m{2, 3, 0, 1, 6, 7, 4, 5});
+  sum = static_cast<int32_t>(s8[0]) + s8[1];
+  max = std::max(m8[0], m8[1]);
+}
+
+// q_stats for q in [-8, 7] (4-bit codes less 8): squares and their sums in unsigned 16-bit lanes,
+// 16 values a step (the plain loop widened every square to 32 bits). g <= 512 keeps every partial
+// sum of reduce16 within 16 bits: 8 lanes of <= 32 squares of <= 64
+I4P_INLINE void q4_stats(const int8_t* q, int64_t g, int32_t& sq, int32_t& m) {
+  if (g > 512 || g % 16) {
+    q_stats(q, g, sq, m);
+    return;
+  }
+  u16x16 acc = {}, mx = {};
+  for (int64_t i = 0; i < g; i += 16) {
+    i8x16 v;
+    std::memcpy(&v, q + i, 16);
+    i16x16 w = __builtin_convertvector(v, i16x16);
+    const u16x16 w2 = (u16x16)(w * w);
+    acc += w2;
+    mx = mx > w2 ? mx : w2;
+  }
+  reduce16(acc, mx, sq, m);
+}
+
+// the statistics, checks and scales of rows [r0, r1), whose q is written
+I4P_INLINE void lossless_stats_rows(const Lossless& p, int64_t r0, int64_t r1, RowAcc* acc) {
+  const int64_t k = p.k, g = p.g, groups = k / g;
+  for (int64_t r = r0; r < r1; ++r) {
+    RowAcc a = acc[r];
+    for (int64_t j = 0; j < groups && a.status == kOk; ++j) {
+      int32_t sq, m;
+      q4_stats(p.q + r * k + j * g, g, sq, m);
+      lossless_group(p, r, j, sq, m, a);
+    }
+    acc[r] = a;
+  }
+}
+
 I4P_CLONES void lossless_codes_rows(const Lossless& p, const uint8_t* c, int64_t r0, int64_t r1, RowAcc* acc) {
   const int64_t k = p.k, g = p.g, groups = k / g;
   for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t j = 0; j < groups && acc[r].status == kOk; ++j) {
+    RowAcc a = acc[r];
+    for (int64_t j = 0; j < groups && a.status == kOk; ++j) {
       const uint8_t* src = c + r * k + j * g;
       int8_t* dst = p.q + r * k + j * g;
       for (int64_t i = 0; i < g; ++i) dst[i] = static_cast<int8_t>(static_cast<int32_t>(src[i]) - 8);
       int32_t sq, m;
-      q_stats(dst, g, sq, m);
-      lossless_group(p, r, j, sq, m, acc[r]);
+      q_stats(dst, g, sq, m);  // codes of any value: not only 4-bit ones
+      lossless_group(p, r, j, sq, m, a);
     }
+    acc[r] = a;
   }
 }
 
 // compressed-tensors weight_packed [N, K/8]: row r's words are contiguous
 I4P_CLONES void lossless_ct_rows(const Lossless& p, const uint32_t* w, int64_t kw, int64_t r0, int64_t r1,
                                  RowAcc* acc) {
-  const int64_t k = p.k, g = p.g, groups = k / g, kw4 = k / 32 * 4;
+  const int64_t k = p.k, kw4 = k / 32 * 4;
   for (int64_t r = r0; r < r1; ++r) {
     const uint32_t* src = w + r * kw;
     int8_t* dst = p.q + r * k;
@@ -1655,41 +1749,19 @@ I4P_CLONES void lossless_ct_rows(const Lossless& p, const uint32_t* w, int64_t k
       std::memcpy(dst + 8 * t + 16, &b, 16);
     }
     for (; t < k / 8; ++t) word_q(src[t], dst + 8 * t);
-    for (int64_t j = 0; j < groups && acc[r].status == kOk; ++j) {
-      int32_t sq, m;
-      q_stats(dst + j * g, g, sq, m);
-      lossless_group(p, r, j, sq, m, acc[r]);
-    }
+    lossless_stats_rows(p, r, r + 1, acc);
   }
 }
 
-// GPTQ qweight [K/8, N]: word (t, r) holds columns 8t..8t+7 of row r; blocks of rows keep the
-// writes of one block inside a few KB
+// GPTQ qweight [K/8, N]: blocks of 16 rows unpacked straight into q (unpack_gptq_rows), then
+// their statistics while the block is still in cache
 I4P_CLONES void lossless_gptq_rows(const Lossless& p, const uint32_t* w, int64_t n, int64_t b0, int64_t b1,
-                                   int64_t nb, RowAcc* acc) {
-  const int64_t k = p.k, g = p.g, wpg = g / 8;
-  // one target group of nb rows is built in a contiguous tile, then each row's g bytes are copied
-  // out whole: writing 8 bytes at a time straight into rows K bytes apart thrashed L1 when K is a
-  // multiple of 2 KB (every row's line falls in the same few sets)
-  std::vector<int8_t> tile(nb * g);
-  uint8_t* tile_u8 = reinterpret_cast<uint8_t*>(tile.data());
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t r0 = b * nb, r1 = std::min(n, r0 + nb);
-    for (int64_t j = 0; j * g < k; ++j) {
-      const int64_t r4 = r0 + (r1 - r0) / 4 * 4;
-      for (int64_t t = 0; t < wpg; ++t) {
-        const uint32_t* src = w + (j * wpg + t) * n;
-        for (int64_t r = r0; r < r4; r += 4) nibbles4_rows(src + r, tile_u8 + (r - r0) * g + 8 * t, g, 8);
-        for (int64_t r = r4; r < r1; ++r) word_q(src[r], tile.data() + (r - r0) * g + 8 * t);
-      }
-      for (int64_t r = r0; r < r1; ++r) {
-        const int8_t* row = tile.data() + (r - r0) * g;
-        std::memcpy(p.q + r * k + j * g, row, g);
-        int32_t sq, m;
-        q_stats(row, g, sq, m);
-        lossless_group(p, r, j, sq, m, acc[r]);
-      }
-    }
+                                   RowAcc* acc) {
+  constexpr int64_t kBlock = 16;
+  for (int64_t r0 = b0 * kBlock; r0 < std::min(n, b1 * kBlock); r0 += kBlock) {
+    const int64_t r1 = std::min(n, r0 + kBlock);
+    unpack_gptq_rows(w, reinterpret_cast<uint8_t*>(p.q), n, p.k / 8, r0, r1, 0, 8);
+    lossless_stats_rows(p, r0, r1, acc);
   }
 }
 
@@ -1719,7 +1791,13 @@ std::vector<at::Tensor> lossless_job(int64_t layout, const at::Tensor& data, int
     if (i < nz) return {at::full({1}, int64_t{kAsym}, at::kLong), at::Tensor(), at::Tensor(), at::Tensor()};
   }
   p.ss = sf.data_ptr<float>();
-  p.src_group = src_group;
+  // each target group's source group, once per job (two divisions per group were ~10% of the job)
+  std::vector<int64_t> sgs(k / g);
+  for (int64_t j = 0; j < k / g; ++j) {
+    const int64_t sg = (j * g) / src_group;
+    sgs[j] = ((j + 1) * g - 1) / src_group != sg || sg >= p.gs_count ? -1 : sg;
+  }
+  p.sg = sgs.data();
   p.k = k;
   p.g = g;
   p.bf16 = bf16;
@@ -1743,9 +1821,7 @@ std::vector<at::Tensor> lossless_job(int64_t layout, const at::Tensor& data, int
              [&](int64_t r0, int64_t r1) { lossless_ct_rows(p, w, kw, r0, r1, acc.data()); });
   } else {
     const uint32_t* w = reinterpret_cast<const uint32_t*>(data.data_ptr<int32_t>());
-    constexpr int64_t NB = 64;
-    for_rows((n + NB - 1) / NB, 1, threads,
-             [&](int64_t b0, int64_t b1) { lossless_gptq_rows(p, w, n, b0, b1, NB, acc.data()); });
+    for_rows((n + 15) / 16, 1, threads, [&](int64_t b0, int64_t b1) { lossless_gptq_rows(p, w, n, b0, b1, acc.data()); });
   }
   auto tot = at::zeros({5}, at::kDouble);
   int64_t worst = kOk;

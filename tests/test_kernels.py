@@ -107,7 +107,8 @@ def test_crc32c_matches_bitwise_definition(monkeypatch, n):
 
 # ------------------------------------------------------------------------------------ unpacking
 
-@pytest.mark.parametrize("shape", [(1, 8), (16, 96), (256, 768), (3, 40), (21, 70), (96, 2048)])
+# (kw, n): 4 x 4 word transposes in blocks of 16 rows, word octets then a last four, then tails
+@pytest.mark.parametrize("shape", [(1, 8), (16, 96), (256, 768), (3, 40), (21, 70), (12, 44), (96, 2048)])
 def test_unpack_gptq_matches_twin(monkeypatch, shape):
     w = words(torch.Generator().manual_seed(1), *shape)
     fast = kernels.unpack_gptq(w)

@@ -616,7 +616,8 @@ def _pack_words(codes: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("layout", [1, 2])
 @pytest.mark.parametrize("src_g,g,dtype,n,k", [(128, 128, torch.float16, 40, 256), (128, 32, torch.float16, 40, 256),
                                                (64, 64, BF16, 40, 256), (256, -1, torch.float32, 40, 256),
-                                               (200, -1, torch.float32, 42, 200)])  # rows past fours, words past 4s
+                                               (200, -1, torch.float32, 42, 200),  # rows past fours, words past 4s
+                                               (96, -1, torch.float32, 44, 96)])  # a block of 12 rows, a last four words
 def test_lossless_fast_on_packed_words(monkeypatch, layout, src_g, g, dtype, n, k):
     """The kernel reading compressed-tensors [N, K/8] or GPTQ [K/8, N] words gives the same bytes as
     the general path on the unpacked codes."""
