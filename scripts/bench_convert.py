@@ -16,6 +16,11 @@ parent's high-water mark into a forked child across exec, so a child of this (to
 checkpoint-writing) script reported ~600 MB for a 16 MB copy loop.
 
 --profile also prints, per format and size, where convert's time goes (scripts/profile_convert.py).
+
+--compare-tree DIR also times convert from another int4pack checkout (e.g. the previous commit:
+`git worktree add /tmp/prev HEAD~1`) on the same input, alternating with this one, and reports
+this tree's speed over that one's: the only honest before/after on a machine whose speed drifts
+between calls.
 """
 
 from __future__ import annotations
@@ -74,7 +79,9 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "in": n_in, "rss_mb": pea
 """
 
 CONVERT = PEAK + r"""
-import sys, time, json
+import os, sys, time, json
+if os.environ.get("INT4PACK_BENCH_TREE"):  # --compare-tree: ahead of the cwd, which -c puts first
+    sys.path.insert(0, os.environ["INT4PACK_BENCH_TREE"])
 import int4pack
 src, dst, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 t0 = time.perf_counter()
@@ -82,7 +89,7 @@ r = int4pack.convert(src, dst, threads=threads)
 p = r["plan"]
 print(json.dumps({"seconds": time.perf_counter() - t0, "plan_seconds": r.get("seconds_plan"),
                   "out_bytes": p["out_bytes"], "paths": p["paths"],
-                  "rss_mb": peak_mb()}))
+                  "rss_mb": peak_mb(), "module": int4pack.__file__}))
 """
 
 
@@ -90,6 +97,13 @@ print(json.dumps({"seconds": time.perf_counter() - t0, "plan_seconds": r.get("se
 _RM = "import shutil, sys\nshutil.rmtree(sys.argv[2], ignore_errors=True)\nimport os\nos.sync()\n"
 CONVERT_RM = _RM + CONVERT
 BASELINE_RM = _RM + BASELINE
+
+
+def _tree_env(tree: Path | None) -> dict | None:
+    """The environment that makes a child import int4pack from ``tree`` (None: this checkout)."""
+    if tree is None:
+        return None
+    return {**os.environ, "INT4PACK_BENCH_TREE": str(tree.resolve())}
 
 
 def _run(code: str, *args, env=None) -> dict:
@@ -105,9 +119,9 @@ def _run(code: str, *args, env=None) -> dict:
     return out
 
 
-def _best(code: str, repeat: int, *args) -> dict:
+def _best(code: str, repeat: int, *args, env=None) -> dict:
     """The fastest of ``repeat`` runs (these machines are shared: the minimum is the least disturbed)."""
-    runs = [_run(code, *args) for _ in range(repeat)]
+    runs = [_run(code, *args, env=env) for _ in range(repeat)]
     best = min(runs, key=lambda r: r["seconds"])
     best["all_seconds"] = [round(r["seconds"], 2) for r in runs]
     return best
@@ -136,7 +150,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="time each case this many times, keep the fastest")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--profile", action="store_true", help="also print where convert's time goes")
+    ap.add_argument("--compare-tree", type=Path, default=None,
+                    help="another int4pack checkout to time on the same inputs (see above)")
     a = ap.parse_args()
+    if a.compare_tree is not None and not (a.compare_tree / "int4pack" / "__init__.py").is_file():
+        raise SystemExit(f"--compare-tree {a.compare_tree}: no int4pack package there")
     from int4pack import kernels
     print("convert_kernels extension:", "loaded" if kernels.ext() is not None else "not available (torch twins)")
     work = a.workdir or Path(tempfile.mkdtemp(prefix="int4pack-bench-"))
@@ -152,7 +170,17 @@ def main() -> None:
             for th in a.threads:
                 dst = work / "out"
                 shutil.rmtree(dst, ignore_errors=True)
-                conv = _best(CONVERT_RM, a.repeat, src, dst, th)
+                other = None
+                if a.compare_tree is None:
+                    conv = _best(CONVERT_RM, a.repeat, src, dst, th)
+                else:  # alternate the two trees, so a drift of the machine hits both alike
+                    runs = [(_run(CONVERT_RM, src, dst, th), _run(CONVERT_RM, src, dst, th,
+                                                                  env=_tree_env(a.compare_tree)))
+                            for _ in range(a.repeat)]
+                    conv = min((r[0] for r in runs), key=lambda r: r["seconds"])
+                    other = min((r[1] for r in runs), key=lambda r: r["seconds"])
+                    conv["all_seconds"] = [round(r[0]["seconds"], 2) for r in runs]
+                    other["all_seconds"] = [round(r[1]["seconds"], 2) for r in runs]
                 base = _best(BASELINE_RM, a.repeat, src, dst, conv["out_bytes"])
                 shutil.rmtree(dst, ignore_errors=True)
                 row = {"format": fmt, "in_gb": round(size / 1e9, 2), "threads": th,
@@ -163,6 +191,11 @@ def main() -> None:
                        "convert_all_s": conv["all_seconds"], "baseline_all_s": base["all_seconds"],
                        "rss_mb": round(conv["rss_mb"]), "baseline_rss_mb": round(base["rss_mb"]),
                        "paths": conv["paths"]}
+                if other is not None:
+                    row.update({"other_tree": str(a.compare_tree), "other_mparam_s": round(params / other["seconds"] / 1e6, 1),
+                                "other_convert_s": round(other["seconds"], 2), "other_all_s": other["all_seconds"],
+                                "other_rss_mb": round(other["rss_mb"]), "other_module": other["module"],
+                                "speedup_vs_other": round(other["seconds"] / conv["seconds"], 3)})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if a.profile:
@@ -177,6 +210,13 @@ def main() -> None:
         print(f"| {r['format']} | {r['in_gb']} | {r['threads']} | {r['mparam_s']} | {r['convert_s']} | "
               f"{r['baseline_s']} | {r['ratio']} | {r['convert_cpu_user_s']}+{r['convert_cpu_sys_s']} | "
               f"{r['rss_mb']} | {r['baseline_rss_mb']} |")
+    if a.compare_tree is not None:
+        print()
+        print(f"| format | input GB | threads | Mparam/s this tree | Mparam/s {a.compare_tree} | speedup | peak RSS MB this / that |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['format']} | {r['in_gb']} | {r['threads']} | {r['mparam_s']} | {r['other_mparam_s']} | "
+                  f"{r['speedup_vs_other']} | {r['rss_mb']} / {r['other_rss_mb']} |")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     if not a.workdir:
