@@ -18,7 +18,8 @@ checkpoint-writing) script reported ~600 MB for a 16 MB copy loop.
 --profile also prints, per format and size, where convert's time goes (scripts/profile_convert.py).
 
 --compare-tree DIR also times convert from another int4pack checkout (e.g. the previous commit:
-`git worktree add /tmp/prev HEAD~1`) on the same input, alternating with this one, and reports
+`git worktree add /tmp/prev HEAD~1`) on the same input, alternating with this one (ABBA: use an
+even --repeat), and reports
 this tree's speed over that one's: the only honest before/after on a machine whose speed drifts
 between calls.
 """
@@ -173,10 +174,14 @@ def main() -> None:
                 other = None
                 if a.compare_tree is None:
                     conv = _best(CONVERT_RM, a.repeat, src, dst, th)
-                else:  # alternate the two trees, so a drift of the machine hits both alike
-                    runs = [(_run(CONVERT_RM, src, dst, th), _run(CONVERT_RM, src, dst, th,
-                                                                  env=_tree_env(a.compare_tree)))
-                            for _ in range(a.repeat)]
+                else:  # alternate the two trees, first one then the other (ABBA), so a drift of the
+                    # machine, and the slower first run after the previous case, hit both alike
+                    runs = []
+                    for i in range(a.repeat):
+                        pair = [None, None]
+                        for which in ((0, 1) if i % 2 == 0 else (1, 0)):
+                            pair[which] = _run(CONVERT_RM, src, dst, th, env=_tree_env(a.compare_tree if which else None))
+                        runs.append(pair)
                     conv = min((r[0] for r in runs), key=lambda r: r["seconds"])
                     other = min((r[1] for r in runs), key=lambda r: r["seconds"])
                     conv["all_seconds"] = [round(r[0]["seconds"], 2) for r in runs]
