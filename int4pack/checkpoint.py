@@ -11,6 +11,8 @@ import json
 import mmap
 import os
 import struct
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -260,6 +262,15 @@ class TensorBytes:
             yield mv[:n]
 
 
+def _close_fds(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
+
+
 class Checkpoint:
     """Config, index and lazily read tensors of one checkpoint folder."""
 
@@ -281,7 +292,16 @@ class Checkpoint:
         self.shard_metadata: dict[str, dict[str, str]] = {}
         self.index_path: Path | None = None
         self._load_index()
+        self._start_io()
+
+    def _start_io(self) -> None:
+        """The mappings and descriptors of the lazy reads (verify sets up a header-only reader too)."""
         self._maps: dict[str, mmap.mmap] = {}
+        # one read-only descriptor per shard for the positional reads: an open and close per
+        # small tensor (scales, zeros, g_idx: three a module) was a third of a GPTQ module's read
+        self._fds: dict[str, int] = {}
+        self._fds_lock = threading.Lock()
+        weakref.finalize(self, _close_fds, self._fds)  # a Checkpoint dropped without close()
 
     # -- discovery -----------------------------------------------------------------
     def _find_quant_config(self) -> dict | None:
@@ -453,25 +473,32 @@ class Checkpoint:
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> None:
         """Fill ``buf`` with the tensor's bytes from ``offset`` on (positional reads, thread-safe)."""
         t = self.info(name)
-        path = self.folder / t.file
         pos, want, done = t.begin + offset, len(buf), 0
         if offset < 0 or offset + want > t.nbytes:
             raise ValueError(f"read of {want} bytes at {offset} outside {name!r} ({t.nbytes} bytes)")
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise InputError(f"{t.file}: cannot read ({e.strerror})", path=str(path)) from e
+        fd = self._fd(t.file)
         try:
             while done < want:
                 k = os.preadv(fd, [buf[done:]], pos + done)
                 if k <= 0:
-                    raise InputError(f"{t.file}: truncated while reading {name!r}", path=str(path), tensor=name,
-                                     hint="The shard changed or is truncated; download it again.")
+                    raise InputError(f"{t.file}: truncated while reading {name!r}", path=str(self.folder / t.file),
+                                     tensor=name, hint="The shard changed or is truncated; download it again.")
                 done += k
         except OSError as e:
-            raise InputError(f"{t.file}: cannot read ({e.strerror})", path=str(path)) from e
-        finally:
-            os.close(fd)
+            raise InputError(f"{t.file}: cannot read ({e.strerror})", path=str(self.folder / t.file)) from e
+
+    def _fd(self, shard: str) -> int:
+        fd = self._fds.get(shard)
+        if fd is None:
+            path = self.folder / shard
+            with self._fds_lock:
+                fd = self._fds.get(shard)
+                if fd is None:
+                    try:
+                        fd = self._fds[shard] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                    except OSError as e:
+                        raise InputError(f"{shard}: cannot read ({e.strerror})", path=str(path)) from e
+        return fd
 
     def slice(self, name: str) -> "TensorBytes":
         """The tensor's bytes left on disk, for streaming copies in bounded memory."""
@@ -485,6 +512,8 @@ class Checkpoint:
             except BufferError:  # a tensor still references it; the GC will unmap it
                 pass
         self._maps.clear()
+        with self._fds_lock:
+            _close_fds(self._fds)
 
     def __enter__(self) -> "Checkpoint":
         return self

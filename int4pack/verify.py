@@ -310,7 +310,8 @@ def _check_prepacked(t: _Target, problems: _Problems, counts: dict) -> dict[str,
             continue
         # a lazy reader over this one file (Checkpoint wants a config.json; the blobs have none)
         sub = Checkpoint.__new__(Checkpoint)
-        sub.folder, sub._maps, sub.tensors = folder, {}, {}
+        sub.folder, sub.tensors = folder, {}
+        sub._start_io()
         _, _, start = read_header(f)
         for name, info in header.items():
             b, e = info["data_offsets"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..checkpoint import Checkpoint
+from ..checkpoint import DTYPES, Checkpoint
 from ..errors import InputError, RefusedError
 
 __all__ = [
@@ -20,6 +22,7 @@ __all__ = [
     "owned",
     "read_g_idx",
     "is_trivial_g_idx",
+    "g_idx_unless_trivial",
     "cfg_int",
     "require_bits4",
 ]
@@ -91,6 +94,22 @@ def read_g_idx(ckpt: Checkpoint, name: str, k: int, groups: int) -> torch.Tensor
 
 def is_trivial_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
     return bool(torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=torch.int64) // group_size))
+
+
+@functools.lru_cache(maxsize=32)
+def _trivial_g_idx(k: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.arange(k, dtype=torch.int64) // group_size).to(dtype)
+
+
+def g_idx_unless_trivial(ckpt: Checkpoint, name: str, k: int, groups: int, group_size: int) -> torch.Tensor | None:
+    """read_g_idx, or None for the usual arange(K) // group_size: compared as stored against a cached
+    copy first (the conversion and range checks cost more than the module's other reads)."""
+    t = ckpt.info(name)
+    if t.dtype in ("I32", "I64") and tuple(t.shape) == (k,) and k and group_size > 0 and (k - 1) // group_size < groups:
+        if torch.equal(ckpt.get(name), _trivial_g_idx(k, group_size, DTYPES[t.dtype])):
+            return None
+    g = read_g_idx(ckpt, name, k, groups)
+    return None if is_trivial_g_idx(g, group_size) else g
 
 
 def cfg_int(cfg: dict, *keys: str, default: int | None = None) -> int | None:

@@ -16,7 +16,7 @@ from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
-    cfg_bool, check_dtype, check_shape, is_trivial_g_idx, owned, prefixes_with, read_g_idx,
+    cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, is_trivial_g_idx, owned, prefixes_with, read_g_idx,
                       unpack_cols, unpack_rows)
 
 __all__ = ["CompressedTensorsReader", "Scheme"]
@@ -361,8 +361,7 @@ class CompressedTensorsReader:
         zeros = self._zeros(spec, scales.shape[1])
         g_idx = None
         if f"{spec.name}.weight_g_idx" in ck.tensors:
-            g = read_g_idx(ck, f"{spec.name}.weight_g_idx", spec.k, spec.groups)
-            g_idx = None if is_trivial_g_idx(g, spec.group_size) else g
+            g_idx = g_idx_unless_trivial(ck, f"{spec.name}.weight_g_idx", spec.k, spec.groups, spec.group_size)
         bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
         return QuantLinear(spec, codes, scales, zeros, g_idx, bias, packed)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint
@@ -16,7 +17,7 @@ from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
-    as_uint32, cfg_bool, cfg_int, check_dtype, check_shape, is_trivial_g_idx, need, owned,
+    as_uint32, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, is_trivial_g_idx, need, owned,
                       prefixes_with, read_g_idx, require_bits4, unpack_cols, unpack_rows)
 
 __all__ = ["GPTQReader", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
@@ -257,6 +258,18 @@ class GPTQReader:
         return FormatVerdict(format="gptq", detail=f"gptq {conv} zero points", evidence=evidence,
                              warnings=warnings, extra={"zero_convention": conv, "label": label})
 
+    def _zeros(self, spec: LinearSpec, raw: torch.Tensor, conv: str) -> torch.Tensor:
+        """qzeros [G, N/8] -> zero points uint8 [N, G]. Words in uint32 (numpy: the v1 whole-word add
+        wraps mod 2^32 by definition), nibbles by the compressed-tensors unpack (the same layout:
+        packed along the row): a chain of int64 torch ops took ~2x the asym read's time."""
+        w = raw.contiguous().numpy().view(np.uint32)
+        if conv == "v1":
+            # a 0xF nibble: its four bits all set (bit 4i of w & w>>1 & w>>2 & w>>3)
+            if not spec.sym and bool(((w & (w >> 1) & (w >> 2) & (w >> 3)) & 0x11111111).any()):
+                spec.notes.append("v1 zero nibble 0xF (zero point 0) decoded with whole-word carry")
+            w = w + np.uint32(V1_OFFSET)
+        return kernels.unpack_ct(torch.from_numpy(w.view(np.int32)), spec.n).t().contiguous()  # [N, G]
+
     # -- interface -------------------------------------------------------------------------
     def linears(self) -> dict[str, LinearSpec]:
         self._check_config()
@@ -288,18 +301,12 @@ class GPTQReader:
             (raw == (0x77777777 if conv == "v1" else 0x88888888 - (1 << 32))).all())
         zeros = None
         if not all8:
-            words = as_uint32(raw)
-            if conv == "v1":
-                if not spec.sym and bool((unpack_cols(words) == 0xF).any()):
-                    spec.notes.append("v1 zero nibble 0xF (zero point 0) decoded with whole-word carry")
-                words = (words + V1_OFFSET) & 0xFFFFFFFF
-            zeros = unpack_cols(words)[:, : spec.n].t().contiguous()  # [N, G]
+            zeros = self._zeros(spec, raw, conv)
             if bool((zeros == 8).all()):
                 zeros = None
         scales = owned(ck.get(f"{spec.name}.scales").t())
         g_idx = None
         if f"{spec.name}.g_idx" in ck.tensors:
-            g = read_g_idx(ck, f"{spec.name}.g_idx", spec.k, spec.groups)
-            g_idx = None if is_trivial_g_idx(g, spec.group_size) else g
+            g_idx = g_idx_unless_trivial(ck, f"{spec.name}.g_idx", spec.k, spec.groups, spec.group_size)
         bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
         return QuantLinear(spec, codes, scales, zeros, g_idx, bias, packed)

@@ -196,6 +196,8 @@ def test_v1_zero_point_zero_borrows(make_ckpt):
     z = rng.integers(4, 12, (4, 16))
     z[1, 3] = 0
     z[2, 8] = 0
+    z[3, 7] = 0  # a word's top nibble: the subtraction wraps the word mod 2^32, the decode wraps back
+    z[0, 15] = 0
     t, truth = gptq_tensors(rng, M0, zeros=z, store="v2")
     t[f"{M0}.qzeros"] = ((t[f"{M0}.qzeros"].view(np.uint32).astype(np.int64) - 0x11111111) % 2**32
                          ).astype(np.uint32).view(np.int32)
@@ -207,6 +209,7 @@ def test_v1_zero_point_zero_borrows(make_ckpt):
     q = reader.read(reader.linears()[M0])
     np.testing.assert_array_equal(q.zeros.numpy(), z.T)
     np.testing.assert_allclose(q.dequantize().numpy(), truth, rtol=1e-6)
+    assert any("0xF" in n for n in reader.linears()[M0].notes)  # the module's own note, from its read
 
 
 def test_split_across_shards_with_bias_and_descact(make_ckpt):
