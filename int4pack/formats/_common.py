@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from ..checkpoint import DTYPES, Checkpoint
@@ -14,7 +15,10 @@ __all__ = [
     "AWQ_ORDER",
     "unpack_cols",
     "unpack_rows",
+    "nibble_rows",
     "as_uint32",
+    "all_bytes",
+    "read_transposed",
     "prefixes_with",
     "need",
     "check_shape",
@@ -47,7 +51,34 @@ def unpack_cols(words: torch.Tensor, shifts: tuple[int, ...] = NATURAL_SHIFTS) -
 
 def unpack_rows(words: torch.Tensor) -> torch.Tensor:
     """[A, B] words packed along dim 0 -> uint8 [8A, B] in natural nibble order."""
-    return unpack_cols(words.t()).t().contiguous()
+    w = words.numpy().view(np.uint32) if words.dtype == torch.int32 else as_uint32(words).numpy().astype(np.uint32)
+    return torch.from_numpy(nibble_rows(w))
+
+
+_ROW_SHIFTS = np.array(NATURAL_SHIFTS, dtype=np.uint32)[:, None]
+
+
+def nibble_rows(w: np.ndarray) -> np.ndarray:
+    """uint32 [A, B] -> uint8 [8A, B]: row 8a+m is nibble m of row a (numpy: a third of torch's int64 chain)."""
+    return ((w[:, None, :] >> _ROW_SHIFTS) & 0xF).astype(np.uint8).reshape(8 * w.shape[0], w.shape[1])
+
+
+def all_bytes(data: bytearray, byte: int) -> bool:
+    """Every byte is ``byte``: one memcmp (a uniform word such as 0x88888888 reads so in any byte order)."""
+    return data == bytes((byte,)) * len(data)
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def read_transposed(ckpt: Checkpoint, name: str) -> torch.Tensor:
+    """A 2-D tensor transposed, contiguous, in memory of its own: [G, N] scales -> [N, G].
+
+    The copy goes through numpy as same-size integers (no bf16 there): half of torch's time."""
+    t = ckpt.info(name)
+    dt = DTYPES[t.dtype]
+    words = np.frombuffer(ckpt.read_bytes(name), _UINT[dt.itemsize]).reshape(t.shape)
+    return torch.from_numpy(np.ascontiguousarray(words.T)).view(dt)
 
 
 def prefixes_with(ckpt: Checkpoint, suffix: str) -> list[str]:
@@ -97,16 +128,16 @@ def is_trivial_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
 
 
 @functools.lru_cache(maxsize=32)
-def _trivial_g_idx(k: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    return (torch.arange(k, dtype=torch.int64) // group_size).to(dtype)
+def _trivial_g_idx(k: int, group_size: int, dtype: torch.dtype) -> bytes:
+    return (torch.arange(k, dtype=torch.int64) // group_size).to(dtype).numpy().tobytes()
 
 
 def g_idx_unless_trivial(ckpt: Checkpoint, name: str, k: int, groups: int, group_size: int) -> torch.Tensor | None:
-    """read_g_idx, or None for the usual arange(K) // group_size: compared as stored against a cached
-    copy first (the conversion and range checks cost more than the module's other reads)."""
+    """read_g_idx, or None for the usual arange(K) // group_size: its bytes compared as stored against a
+    cached copy first (the conversion and range checks cost more than the module's other reads)."""
     t = ckpt.info(name)
     if t.dtype in ("I32", "I64") and tuple(t.shape) == (k,) and k and group_size > 0 and (k - 1) // group_size < groups:
-        if torch.equal(ckpt.get(name), _trivial_g_idx(k, group_size, DTYPES[t.dtype])):
+        if ckpt.read_bytes(name) == _trivial_g_idx(k, group_size, DTYPES[t.dtype]):
             return None
     g = read_g_idx(ckpt, name, k, groups)
     return None if is_trivial_g_idx(g, group_size) else g

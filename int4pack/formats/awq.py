@@ -6,13 +6,16 @@ marlin, exllama) are refused by name.
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from ..checkpoint import Checkpoint
 from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
-    AWQ_ORDER, cfg_bool, cfg_int, check_dtype, check_shape, need, owned, prefixes_with,
-                      require_bits4)
+    AWQ_ORDER, all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, need, prefixes_with, read_transposed,
+    require_bits4)
 
 __all__ = ["AWQReader", "AWQ_SHIFTS"]
 
@@ -112,7 +115,11 @@ class AWQReader:
             ck.release(f"{spec.name}.qweight")  # (no copy of the packed words was made)
         else:
             codes, packed = None, (3, kernels.words(qweight))
-        zeros = kernels.unpack_awq(ck.get(f"{spec.name}.qzeros"))  # same layout as qweight: [N, G]
-        scales = owned(ck.get(f"{spec.name}.scales").t())
-        bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
-        return QuantLinear(spec, codes, scales, None if bool((zeros == 8).all()) else zeros, None, bias, packed=packed)
+        words = ck.read_bytes(f"{spec.name}.qzeros")
+        zeros = None
+        if not all_bytes(words, 0x88):  # not every zero 8 (N is a multiple of 8: no padding nibbles)
+            zw = torch.from_numpy(np.frombuffer(words, np.int32).reshape(spec.groups, spec.n // 8))
+            zeros = kernels.unpack_awq(zw)  # same layout as qweight: [N, G]
+        scales = read_transposed(ck, f"{spec.name}.scales")
+        bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
+        return QuantLinear(spec, codes, scales, zeros, None, bias, packed=packed)

@@ -17,7 +17,7 @@ from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
     cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, is_trivial_g_idx, owned, prefixes_with, read_g_idx,
-                      unpack_cols, unpack_rows)
+    unpack_rows)
 
 __all__ = ["CompressedTensorsReader", "Scheme"]
 
@@ -354,15 +354,14 @@ class CompressedTensorsReader:
             ck.release(f"{spec.name}.weight_packed")
         else:
             codes = self._int_codes(f"{spec.name}.weight")
-        scales = ck.get(f"{spec.name}.weight_scale")
+        scales = ck.get(f"{spec.name}.weight_scale")  # [N, G], already in memory of its own
         if scales.numel() == 1:  # tensor strategy: one scale, broadcast as a channel scale
-            scales = scales.reshape(1, 1).expand(spec.n, 1)
-        scales = owned(scales)
+            scales = owned(scales.reshape(1, 1).expand(spec.n, 1))
         zeros = self._zeros(spec, scales.shape[1])
         g_idx = None
         if f"{spec.name}.weight_g_idx" in ck.tensors:
             g_idx = g_idx_unless_trivial(ck, f"{spec.name}.weight_g_idx", spec.k, spec.groups, spec.group_size)
-        bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
+        bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
         return QuantLinear(spec, codes, scales, zeros, g_idx, bias, packed)
 
     def _int_codes(self, name: str) -> torch.Tensor:
@@ -387,6 +386,5 @@ class CompressedTensorsReader:
                                  f"[-8, 7]", tensor=name, hint="The zero points are corrupt.")
             z = (zp + 8).to(torch.uint8)
             if z.shape[0] == 1:
-                z = z.expand(spec.n, groups)
-        z = owned(z)
+                z = owned(z.expand(spec.n, groups))
         return None if bool((z == 8).all()) else z

@@ -17,8 +17,8 @@ from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
-    as_uint32, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, is_trivial_g_idx, need, owned,
-                      prefixes_with, read_g_idx, require_bits4, unpack_cols, unpack_rows)
+    all_bytes, as_uint32, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, is_trivial_g_idx, need,
+    nibble_rows, prefixes_with, read_g_idx, read_transposed, require_bits4, unpack_cols, unpack_rows)
 
 __all__ = ["GPTQReader", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
 
@@ -37,6 +37,8 @@ _SAMPLE = 8
 _V2_BELOW, _V1_ABOVE = 0.3, 0.7  # mean(u - stored zero) thresholds
 _SANE = (-0.5, 1.5)  # outside this neither convention explains the data
 _SCALE_DTYPES = ("F16", "BF16", "F32")
+# byte -> 1 where either nibble is 0xF (a v1 zero point of 0): one table pass over the qzeros bytes
+_HAS_F_NIBBLE = bytes(int(b & 0xF == 0xF or b >> 4 == 0xF) for b in range(256))
 
 
 def _flatten(x) -> list[str]:
@@ -45,6 +47,21 @@ def _flatten(x) -> list[str]:
     if isinstance(x, str):
         return [x]
     return [s for item in x for s in _flatten(item)]
+
+
+def _zeros(spec: LinearSpec, words: bytearray, conv: str) -> torch.Tensor | None:
+    """qzeros bytes (words [G, ceil(N/8)], packed along N) -> zero points uint8 [N, G]; None when all are 8.
+    Words in uint32: the v1 whole-word add wraps mod 2^32 by definition."""
+    if all_bytes(words, 0x77 if conv == "v1" else 0x88):  # symmetric: every word 0x77777777 / 0x88888888
+        return None
+    w = np.frombuffer(words, np.uint32).reshape(spec.groups, -(-spec.n // 8))
+    if conv == "v1":
+        if not spec.sym and 1 in words.translate(_HAS_F_NIBBLE):
+            spec.notes.append("v1 zero nibble 0xF (zero point 0) decoded with whole-word carry")
+        w = w + np.uint32(V1_OFFSET)
+    z = nibble_rows(w.T)[: spec.n]
+    # words not all uniform means some zero is not 8, unless it sits in the last word's padding
+    return None if spec.n % 8 and bool((z == 8).all()) else torch.from_numpy(z)
 
 
 class GPTQReader:
@@ -258,18 +275,6 @@ class GPTQReader:
         return FormatVerdict(format="gptq", detail=f"gptq {conv} zero points", evidence=evidence,
                              warnings=warnings, extra={"zero_convention": conv, "label": label})
 
-    def _zeros(self, spec: LinearSpec, raw: torch.Tensor, conv: str) -> torch.Tensor:
-        """qzeros [G, N/8] -> zero points uint8 [N, G]. Words in uint32 (numpy: the v1 whole-word add
-        wraps mod 2^32 by definition), nibbles by the compressed-tensors unpack (the same layout:
-        packed along the row): a chain of int64 torch ops took ~2x the asym read's time."""
-        w = raw.contiguous().numpy().view(np.uint32)
-        if conv == "v1":
-            # a 0xF nibble: its four bits all set (bit 4i of w & w>>1 & w>>2 & w>>3)
-            if not spec.sym and bool(((w & (w >> 1) & (w >> 2) & (w >> 3)) & 0x11111111).any()):
-                spec.notes.append("v1 zero nibble 0xF (zero point 0) decoded with whole-word carry")
-            w = w + np.uint32(V1_OFFSET)
-        return kernels.unpack_ct(torch.from_numpy(w.view(np.int32)), spec.n).t().contiguous()  # [N, G]
-
     # -- interface -------------------------------------------------------------------------
     def linears(self) -> dict[str, LinearSpec]:
         self._check_config()
@@ -295,18 +300,10 @@ class GPTQReader:
             ck.release(f"{spec.name}.qweight")
         else:
             codes, packed = None, (2, kernels.words(qweight))
-        raw = ck.get(f"{spec.name}.qzeros")
-        # the symmetric case in one comparison: every word 0x88888888 (0x77777777 as v1 stores it)
-        all8 = spec.n % 8 == 0 and raw.dtype == torch.int32 and bool(
-            (raw == (0x77777777 if conv == "v1" else 0x88888888 - (1 << 32))).all())
-        zeros = None
-        if not all8:
-            zeros = self._zeros(spec, raw, conv)
-            if bool((zeros == 8).all()):
-                zeros = None
-        scales = owned(ck.get(f"{spec.name}.scales").t())
+        zeros = _zeros(spec, ck.read_bytes(f"{spec.name}.qzeros"), conv)
+        scales = read_transposed(ck, f"{spec.name}.scales")
         g_idx = None
         if f"{spec.name}.g_idx" in ck.tensors:
             g_idx = g_idx_unless_trivial(ck, f"{spec.name}.g_idx", spec.k, spec.groups, spec.group_size)
-        bias = owned(ck.get(f"{spec.name}.bias")) if spec.has_bias else None
+        bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
         return QuantLinear(spec, codes, scales, zeros, g_idx, bias, packed)

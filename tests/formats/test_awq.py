@@ -120,6 +120,19 @@ def test_synthetic_sharded_with_bias(make_ckpt):
     np.testing.assert_array_equal(q.bias.numpy(), t[f"{M}.bias"])
 
 
+def test_zero_points_all_8_are_dropped_and_one_off_is_kept(make_ckpt):
+    t, truth = awq_tensors(np.random.default_rng(2))
+    z = np.full((2, 16), 8)
+    t[f"{M}.qzeros"] = pack_awq(z)
+    reader = open_reader(Checkpoint(make_ckpt(t, cfg(), name="all8")))
+    assert reader.read(reader.linears()[M]).zeros is None
+    z[1, 13] = 9
+    t[f"{M}.qzeros"] = pack_awq(z)
+    reader = open_reader(Checkpoint(make_ckpt(t, cfg(), name="one_off")))
+    q = reader.read(reader.linears()[M])
+    np.testing.assert_array_equal(q.zeros.numpy(), z.T)
+
+
 @pytest.mark.parametrize("version", ["gemv", "GEMV_FAST", "marlin", "exllama", "something"])
 def test_other_versions_refused(make_ckpt, version):
     t, _ = awq_tensors(np.random.default_rng(1))

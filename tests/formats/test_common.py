@@ -1,4 +1,5 @@
-"""formats/_common.py: the g_idx read that skips the trivial index, and the checkpoint's reads under it."""
+"""formats/_common.py: the g_idx read that skips the trivial index, the checkpoint's reads under it, and the
+small helpers the readers share."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError
-from int4pack.formats._common import g_idx_unless_trivial
+from int4pack.formats._common import all_bytes, g_idx_unless_trivial, nibble_rows, read_transposed, unpack_rows
 
 K, GROUP = 64, 16
 
@@ -52,3 +54,117 @@ def test_reads_share_one_descriptor_per_shard_and_close_it(make_ckpt):
         os.fstat(next(iter(fds.values())))  # closed
     assert ck.get("m.other").tolist() == list(range(6))  # and reopened on demand
     ck.close()
+
+
+# -- reads into memory of their own, every dtype ------------------------------------------------------
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The stored bits as integers of the same size (compares NaNs and -0.0 exactly)."""
+    size = t.element_size()
+    return t.reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size])
+
+
+STORED = {
+    "bf16": torch.randn(3, 5).to(torch.bfloat16),
+    "f16": torch.tensor([[1.5, -0.0, float("nan")]], dtype=torch.float16),
+    "f32": torch.randn(4, 2),
+    "f64": torch.randn(2),
+    "i64": torch.tensor([-(2**40), 7]),
+    "i8": torch.tensor([-128, 5, 127], dtype=torch.int8),
+    "u8": torch.arange(250, 256, dtype=torch.uint8),
+    "bool": torch.tensor([True, False, True]),
+    "f8": torch.tensor([0.5, -2.0, 448.0]).to(torch.float8_e4m3fn),
+    "scalar": torch.tensor(3.25),
+    "empty": torch.empty(0, 4, dtype=torch.float16),
+}
+
+
+def test_get_and_read_bytes_return_the_stored_bits_in_private_memory(make_ckpt):
+    ck = Checkpoint(make_ckpt(dict(STORED), {"quant_method": "gptq"}))
+    for name, want in STORED.items():
+        got = ck.get(name)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(_bits(got), _bits(want)), name
+        assert bytes(ck.read_bytes(name)) == bytes(_bits(want).numpy().tobytes()), name
+    a, b = ck.get("f32"), ck.read_bytes("f32")
+    a.fill_(0)
+    b[:] = bytes(len(b))
+    assert torch.equal(ck.get("f32"), STORED["f32"])  # neither write reached the next read
+    assert bytes(ck.read_bytes("f32")) == STORED["f32"].numpy().tobytes()
+    ck.close()
+
+
+def test_read_into_checks_the_range_and_reads_at_an_offset(make_ckpt):
+    ck = Checkpoint(make_ckpt({"t": np.arange(8, dtype=np.int32)}, {"quant_method": "gptq"}))
+    buf = bytearray(8)
+    ck.read_into("t", memoryview(buf), 12)
+    assert np.frombuffer(buf, np.int32).tolist() == [3, 4]
+    with pytest.raises(ValueError, match="outside"):
+        ck.read_into("t", memoryview(buf), 28)
+    ck.close()
+
+
+def test_a_shard_truncated_after_opening_names_the_file(make_ckpt):
+    folder = make_ckpt({"a": np.arange(4, dtype=np.int32), "b": np.arange(1000, dtype=np.int32)},
+                       {"quant_method": "gptq"})
+    ck = Checkpoint(folder)
+    assert ck.get("a").tolist() == [0, 1, 2, 3]  # the descriptor is open now
+    shard = folder / "model.safetensors"
+    os.truncate(shard, ck.info("b").begin + 100)
+    with pytest.raises(InputError, match="model.safetensors: truncated while reading 'b'") as e:
+        ck.get("b")
+    assert e.value.path == str(shard)
+    with pytest.raises(InputError, match="truncated"):
+        ck.read_bytes("b")
+    ck.close()
+
+
+# -- helpers of the readers ------------------------------------------------------------------------
+def ref_nibble_rows(words: np.ndarray) -> np.ndarray:
+    """[A, B] words -> [8A, B]: python ints, row 8a+m is (word >> 4m) & 0xF of row a."""
+    a, b = words.shape
+    out = np.zeros((8 * a, b), np.uint8)
+    for r in range(a):
+        for c in range(b):
+            w = int(words[r, c]) % 2**32
+            for m in range(8):
+                out[8 * r + m, c] = (w >> (4 * m)) & 0xF
+    return out
+
+
+def test_unpack_rows_against_python_ints():
+    rng = np.random.default_rng(5)
+    w = rng.integers(-(2**31), 2**31, (3, 5), dtype=np.int64).astype(np.int32)
+    w[0, :3] = [-1, -(2**31), 0x0FFFFFFF]
+    ref = ref_nibble_rows(w)
+    assert np.array_equal(unpack_rows(torch.from_numpy(w)).numpy(), ref)
+    assert np.array_equal(unpack_rows(torch.from_numpy(w.astype(np.int64))).numpy(), ref)  # low 32 bits
+    wt = torch.from_numpy(np.ascontiguousarray(w.T)).t()  # a strided view
+    assert np.array_equal(unpack_rows(wt).numpy(), ref)
+    assert np.array_equal(nibble_rows(w.view(np.uint32)), ref)
+    assert unpack_rows(torch.zeros(0, 5, dtype=torch.int32)).shape == (0, 5)
+
+
+def test_all_bytes():
+    assert all_bytes(bytearray(b"\x88" * 12), 0x88) and all_bytes(bytearray(), 0x88)
+    assert not all_bytes(bytearray(b"\x88" * 11 + b"\x89"), 0x88)
+    assert not all_bytes(bytearray(b"\x77" * 12), 0x88)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 10), (1, 7), (5, 1)])
+def test_read_transposed_is_a_private_contiguous_transpose(make_ckpt, dtype, shape):
+    s = torch.randn(shape).to(dtype)
+    ck = Checkpoint(make_ckpt({"s": s}, {"quant_method": "gptq"}))
+    got = read_transposed(ck, "s")
+    assert got.dtype == dtype and got.shape == shape[::-1] and got.is_contiguous()
+    assert torch.equal(_bits(got), _bits(s.t().contiguous()))
+    got.fill_(0)  # its own memory, even where the transpose needed no copy (a dimension of 1)
+    assert torch.equal(read_transposed(ck, "s"), s.t())
+    ck.close()
+
+
+def test_non_trivial_g_idx_out_of_range_is_refused(make_ckpt):
+    g = (np.arange(K) // GROUP).astype(np.int32)
+    g[5] = -1
+    with pytest.raises(InputError, match=r"out of range \[-1, 3\]"):
+        g_idx_unless_trivial(_ckpt(make_ckpt, g), "m.g_idx", K, K // GROUP, GROUP)

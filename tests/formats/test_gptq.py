@@ -10,6 +10,8 @@ from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import open_reader
 from int4pack.formats.gptq import GPTQReader
+from int4pack.formats.gptq import _zeros as gptq_zeros
+from int4pack.records import LinearSpec
 
 GPTQ_FIXTURES = ["gptq_q3_sym", "gptq_q3_asym", "gptq_q3_descact", "gptq_mixtral_sym"]
 
@@ -210,6 +212,66 @@ def test_v1_zero_point_zero_borrows(make_ckpt):
     np.testing.assert_array_equal(q.zeros.numpy(), z.T)
     np.testing.assert_allclose(q.dequantize().numpy(), truth, rtol=1e-6)
     assert any("0xF" in n for n in reader.linears()[M0].notes)  # the module's own note, from its read
+
+
+# words where the whole-word v1 add carries between nibbles and wraps past 2^32
+EDGE_WORDS = [0xFFFFFFFF, 0xEFFFFFFF, 0xF0000000, 0x0FFFFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0x00000000,
+              0xEEEEEEEE, 0x6F6F6F6F]
+
+
+def _spec(n: int, groups: int = 2, sym: bool = False) -> LinearSpec:
+    return LinearSpec(name=M0, fmt="gptq", n=n, k=16 * groups, bits=4, group_size=16, sym=sym, act_order=False,
+                      keys=(), scale_dtype="F16")
+
+
+def _zeros(words, n: int, conv: str, sym: bool = False):
+    """The reader's zero points [N, G] of uint32 qzeros words [G, ceil(N/8)], and the spec it noted on."""
+    w = np.asarray(words, dtype=np.uint32)
+    spec = _spec(n, w.shape[0], sym)
+    return gptq_zeros(spec, bytearray(w.tobytes()), conv), spec
+
+
+def ref_zeros(words, n: int, conv: str) -> np.ndarray:
+    """[N, G] with python ints: v1 adds 0x11111111 to the whole word mod 2^32, then nibble c % 8 of word c // 8."""
+    out = np.zeros((n, len(words)), np.uint8)
+    for g, row in enumerate(words):
+        for c in range(n):
+            w = (int(row[c // 8]) + (0x11111111 if conv == "v1" else 0)) % 2**32
+            out[c, g] = (w >> (4 * (c % 8))) & 0xF
+    return out
+
+
+def test_v1_whole_word_add_wraps_like_python_ints():
+    words = [EDGE_WORDS, EDGE_WORDS[::-1]]
+    z, spec = _zeros(words, 80, "v1")
+    np.testing.assert_array_equal(z.numpy(), ref_zeros(words, 80, "v1"))
+    assert z.shape == (80, 2) and z.is_contiguous()
+    assert any("0xF" in note for note in spec.notes)
+    z2, spec2 = _zeros(words, 80, "v2")
+    np.testing.assert_array_equal(z2.numpy(), ref_zeros(words, 80, "v2"))
+    assert not spec2.notes  # the 0xF note is the v1 decode's
+
+
+@pytest.mark.parametrize("word,f_nibble", [(0x6E6E6E6E, False), (0x0000000F, True), (0xF0000000, True),
+                                           (0x000F0000, True), (0x12345678, False)])
+def test_v1_note_only_for_a_0xf_nibble(word, f_nibble):
+    z, spec = _zeros([[word, 0x66666666]], 16, "v1")
+    np.testing.assert_array_equal(z.numpy(), ref_zeros([[word, 0x66666666]], 16, "v1"))
+    assert any("0xF" in note for note in spec.notes) == f_nibble
+    _, sym_spec = _zeros([[word, 0x66666666]], 16, "v1", sym=True)
+    assert not sym_spec.notes  # a symmetric module is not noted
+
+
+@pytest.mark.parametrize("conv,sym_word", [("v1", 0x77777777), ("v2", 0x88888888)])
+def test_zeros_all_8_are_none_padding_aside(conv, sym_word):
+    assert _zeros([[sym_word] * 2] * 2, 16, conv)[0] is None
+    # N = 12: the last word's top four nibbles are padding; they do not count
+    pad = (sym_word & 0xFFFF) | 0x12340000
+    assert _zeros([[sym_word, pad]] * 2, 12, conv)[0] is None
+    words = [[sym_word, pad], [sym_word, pad ^ 0x1]]  # one real zero point off 8
+    z, _ = _zeros(words, 12, conv)
+    np.testing.assert_array_equal(z.numpy(), ref_zeros(words, 12, conv))
+    assert int(z[8, 1]) != 8 and int((z != 8).sum()) == 1
 
 
 def test_split_across_shards_with_bias_and_descact(make_ckpt):
