@@ -218,6 +218,15 @@ I4P_INLINE void gptq_quad(const uint32_t* w, int64_t n, uint8_t* dst, int64_t k,
 
 // ------------------------------------------------------------------------------------ unpacking
 
+// word rows fetched ahead by the unpack kernels whose rows are far apart (GPTQ, AWQ)
+constexpr int64_t kPrefetchRows = 64;
+
+// the cache lines of [p, p + bytes) (bytes <= 64: the first and the last line)
+I4P_INLINE void prefetch_span(const void* p, int64_t bytes) {
+  __builtin_prefetch(p);
+  __builtin_prefetch(static_cast<const uint8_t*>(p) + bytes - 1);
+}
+
 // GPTQ qweight [K/8, N], packed along K -> codes uint8 [N, K] less bias, rows [r0, r1) (output row r
 // at o + (r - o0) * K: the whole tensor, or requant_job's block of rows). Blocks of 16 rows, whose
 // words t..t+7 fill one cache line of each output row in turn: each input line is used up at once,
@@ -229,6 +238,17 @@ I4P_CLONES void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64
   for (int64_t b0 = r0; b0 < r4; b0 += 16) {
     const int64_t b1 = std::min(r4, b0 + 16);
     for (int64_t t = 0; t < kw8; t += 8) {
+      // each word row is a page or more away from the last: no hardware prefetcher follows, and
+      // from the page cache (not in any CPU cache) the loads stalled. Fetch kPrefetchRows ahead,
+      // into the next 16 rows at the end of this block (the caller's next block when b0 is its last)
+      for (int64_t i = 0; i < 8; ++i) {
+        int64_t pt = t + kPrefetchRows + i, pr = b0;
+        if (pt >= kw8) {
+          pt -= kw8;
+          pr += 16;
+        }
+        if (pr < n && pt < kw8) prefetch_span(w + pt * n + pr, 4 * std::min<int64_t>(16, n - pr));
+      }
       for (int64_t r = b0; r < b1; r += 4) {
         uint8_t* dst = o + (r - o0) * k + 8 * t;
         gptq_quad(w + t * n + r, n, dst, k, bias);
@@ -336,6 +356,9 @@ I4P_CLONES void unpack_awq_block(const uint32_t* w, uint8_t* o, int64_t k, int64
   for (int64_t c0 = 0; c0 < k8; c0 += kCols) {
     const int64_t cb = std::min(kCols, k8 - c0);
     for (int64_t tg = 0; tg < cb; tg += 8) {
+      // rows a page or more apart, out of the page cache: see unpack_gptq_rows
+      for (int64_t t = c0 + tg + kPrefetchRows; t < std::min(k8, c0 + tg + kPrefetchRows + 8); ++t)
+        prefetch_span(w + t * nw + j0, 32);
       for (int h = 0; h < 2; ++h) {  // words j0 + 4h .. j0 + 4h + 3
         u8x16 a[2][8], d[8];
         for (int t = 0; t < 8; ++t) {
