@@ -1003,23 +1003,24 @@ I4P_INLINE v8f qclamp(v8f t) {
   return t > hi ? hi : t;
 }
 
-// the 16 values of a group and their counts; an absent code repeats a present code's value
-// (with count 0) so that every lane is finite when the group is
 // 8 groups side by side, one in each lane, for the search (every step of it is then vector work
-// over the groups, where one group alone is a chain of scalar steps); codes in lanes for the
-// final q and statistics
+// over the groups, where one group alone is a chain of scalar steps). prepare() stores what each
+// group is (counts of its codes, zero point, scale); values() builds the lanes from them for the
+// whole batch at once (building them group by group was a fifth of the requant time, most of it
+// scalar stores into the lanes). The value of code c is x_c = (c - z) * s; an absent code takes a
+// present code's value (count 0), so that every lane is finite when the group is
 struct Batch {
   static constexpr int kLanes = 8;
   int n = 0;
   int64_t r[kLanes], j[kLanes];  // the groups (of any rows)
   // (plain arrays: see Search::bcand)
-  float x[kLanes][16];  // x_c of each group; an absent code repeats a present value
-  double w[kLanes][16];  // count[c]
-  float xs[16][kLanes];  // the same, groups in lanes
-  double xd[16][kLanes];  // and in float64
+  float cnt[kLanes][16];  // count of each code
+  float z[kLanes], s[kLanes], fill[kLanes];  // zero point, scale, the first code's value
+  bool bad[kLanes];  // a group holding a NaN/Inf: handled by values(), nothing left to write
+  float wf[16][kLanes];  // counts, groups in lanes
+  float xs[16][kLanes];  // x_c, groups in lanes
+  double xd[16][kLanes];  // both in float64, for the float64 search only (widen)
   double ws[16][kLanes];
-  float wmin[kLanes], wmax[kLanes];
-  double xx[kLanes];
   // -8 and 7 for qround, read from memory: GCC 12 clamps to a constant with a compare and a blend
   // each, to a loaded bound with one vmaxps / vminps (the same values: t < lo ? lo : t)
   float qlo[kLanes], qhi[kLanes];
@@ -1074,8 +1075,8 @@ I4P_INLINE f64x8 batch_sse(const Batch& b, v8f s) {
 
 enum Prepared { kQueued, kDone, kElements };
 
-// group j of row r from its codes: histogram, values and range into lane b.n (kQueued); kDone
-// for a NaN/Inf (handled), kElements for a code above 15
+// group j of row r from its codes: its histogram, zero point and scale into lane b.n (kQueued);
+// kElements for a code above 15
 I4P_INLINE Prepared prepare(const Req& p, Batch& b, int64_t r, int64_t j, int64_t sg) {
   const int64_t k = p.k, g = p.g;
   const uint8_t* c = p.codes + (r - p.codes_r0) * k + j * g;
@@ -1083,38 +1084,59 @@ I4P_INLINE Prepared prepare(const Req& p, Batch& b, int64_t r, int64_t j, int64_
   if (!count_codes(c, g, b.keys, c0, c1)) return kElements;
   const float zz = p.zeros ? static_cast<float>(p.zeros[r * p.src_groups + sg]) : 8.0f;
   const float sj = p.sscale[r * p.src_groups + sg];
-  const v8f vz = splat(zz), vs = splat(sj);
-  const v8f iota = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f};
-  const v8f fill = splat((static_cast<float>(c[0]) - zz) * sj);  // the first code is present
-  const v8f x0 = c0 == splat(0.0f) ? fill : (iota - vz) * vs;  // (codes.float() - z) * s
-  const v8f x1 = c1 == splat(0.0f) ? fill : ((iota + splat(8.0f)) - vz) * vs;
-  // every lane holds a value of the group: min, max and the NaN/Inf check over the lanes
-  const float wmin = hmin(x0 < x1 ? x0 : x1), wmax = hmax(x0 > x1 ? x0 : x1);
-  if (!(hsum(x0 * splat(0.0f) + x1 * splat(0.0f)) == 0.0f)) {
-    non_finite_group(p, r, j);
-    return kDone;
-  }
   const int l = b.n++;
   b.r[l] = r;
-  const f64x8 w0 = __builtin_convertvector(c0, f64x8), w1 = __builtin_convertvector(c1, f64x8);
-  const f64x8 y0 = __builtin_convertvector(x0, f64x8), y1 = __builtin_convertvector(x1, f64x8);
   b.j[l] = j;
-  store8(b.x[l], x0);
-  store8(b.x[l] + 8, x1);
-  store8d(b.w[l], w0);
-  store8d(b.w[l] + 8, w1);
-  b.wmin[l] = wmin;
-  b.wmax[l] = wmax;
-  b.xx[l] = hsum8(y0 * y0 * w0 + y1 * y1 * w1);
+  b.z[l] = zz;
+  b.s[l] = sj;
+  b.fill[l] = (static_cast<float>(c[0]) - zz) * sj;  // the first code is present
+  b.bad[l] = false;
+  store8(b.cnt[l], c0);
+  store8(b.cnt[l] + 8, c1);
   for (int v = 0; v < 8; ++v) {
-    b.xs[v][l] = x0[v];
-    b.xs[v + 8][l] = x1[v];
-    b.xd[v][l] = y0[v];
-    b.xd[v + 8][l] = y1[v];
-    b.ws[v][l] = w0[v];
-    b.ws[v + 8][l] = w1[v];
+    b.wf[v][l] = c0[v];
+    b.wf[v + 8][l] = c1[v];
   }
   return kQueued;
+}
+
+// x_c of code c (0..15) of every lane: (codes.float() - z) * s, an absent code's the fill
+I4P_INLINE v8f lane_values(const Batch& b, int c, v8f vz, v8f vs, v8f fill) {
+  return load8(b.wf[c]) == splat(0.0f) ? fill : (splat(static_cast<float>(c)) - vz) * vs;
+}
+
+// the lanes' values xs, and their min and max over each group. A group holding a NaN/Inf is
+// handled here (non_finite_group) and its lane becomes a zero group that run() skips
+I4P_INLINE void values(const Req& p, Batch& b, v8f& wmin, v8f& wmax) {
+  constexpr int L = Batch::kLanes;
+  const v8f vz = load8(b.z), vs = load8(b.s), fill = load8(b.fill);
+  v8f mn = fill, mx = fill, fin = {};
+  for (int c = 0; c < 16; ++c) {
+    const v8f x = lane_values(b, c, vz, vs, fill);
+    store8(b.xs[c], x);
+    mn = x < mn ? x : mn;
+    mx = x > mx ? x : mx;
+    fin += x * splat(0.0f);  // NaN where some value is not finite
+  }
+  if (!(hsum(fin) == 0.0f)) {
+    for (int l = 0; l < b.n; ++l) {
+      if (fin[l] == 0.0f) continue;
+      non_finite_group(p, b.r[l], b.j[l]);
+      b.bad[l] = true;
+      mn[l] = mx[l] = 0.0f;
+      for (int c = 0; c < 16; ++c) b.xs[c][l] = b.wf[c][l] = 0.0f;
+    }
+  }
+  wmin = mn;
+  wmax = mx;
+}
+
+// xd and ws, for the float64 search
+I4P_INLINE void widen(Batch& b) {
+  for (int c = 0; c < 16; ++c) {
+    store8d(b.xd[c], __builtin_convertvector(load8(b.xs[c]), f64x8));
+    store8d(b.ws[c], __builtin_convertvector(load8(b.wf[c]), f64x8));
+  }
 }
 
 typedef double f64x4 __attribute__((vector_size(32)));
@@ -1238,9 +1260,7 @@ I4P_INLINE bool search32(const Req& p, Search& w, const Batch& b, v8f base, v8f 
   constexpr int L = Batch::kLanes;
   const int nc = w.nc, nf = w.nf;
   v8f wf[16];
-  for (int c = 0; c < 16; ++c) {
-    wf[c] = __builtin_convertvector(load8d(b.ws[c]), v8f);
-  }
+  for (int c = 0; c < 16; ++c) wf[c] = load8(b.wf[c]);
   float* cand = w.bcand.data();  // [candidate][lane]
   float* err = w.berr32.data();
   store8(cand, ship8(p, base * ratio0));
@@ -1298,15 +1318,11 @@ I4P_INLINE void search64(const Req& p, Search& w, const Batch& b, v8f base, v8f 
 I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, double* base_out, uint8_t* flags) {
   constexpr int L = Batch::kLanes;
   for (int l = b.n; l < L; ++l) {  // unused lanes: zero groups, finite throughout
-    b.wmin[l] = b.wmax[l] = 0.0f;
-    b.xx[l] = 0.0;
-    for (int v = 0; v < 16; ++v) {
-      b.xs[v][l] = 0.0f;
-      b.xd[v][l] = 0.0;
-      b.ws[v][l] = 0.0;
-    }
+    b.z[l] = b.s[l] = b.fill[l] = 0.0f;
+    for (int v = 0; v < 16; ++v) b.wf[v][l] = 0.0f;
   }
-  const v8f wmin = load8(b.wmin), wmax = load8(b.wmax);
+  v8f wmin, wmax;
+  values(p, b, wmin, wmax);
   const v8f amax = wmax < -wmin ? -wmin : wmax;  // std::max(wmax, -wmin)
   const i32x8 zero = amax == splat(0.0f);
   const v8f rtn = amax / splat(7.0f);
@@ -1317,6 +1333,7 @@ I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, double* b
   i32x8 amb = {};
   if (!p.search) {
     best_s = ship8(p, rtn);
+    widen(b);
     base_e = batch_sse(b, best_s);
   } else {
     v8f base = wmax / splat(7.0f), b8 = wmin / splat(-8.0f);
@@ -1329,6 +1346,7 @@ I4P_INLINE void search(const Req& p, Search& w, Batch& b, float* best, double* b
       base_e = __builtin_convertvector(load8(w.berr32.data()), f64x8);
       ++w.batches32;
     } else {
+      widen(b);
       search64(p, w, b, base, ratio0, best_s, base_e, amb);
       ++w.batches64;
     }
@@ -1348,13 +1366,19 @@ I4P_INLINE void run(const Req& p, Search& w, Batch& b) {
   alignas(64) double base_e[Batch::kLanes];
   uint8_t flags[Batch::kLanes];
   search(p, w, b, best, base_e, flags);
+  const v8f iota = {0.0f, 1.0f, 2.0f, 3.0f, 4.0f, 5.0f, 6.0f, 7.0f};
   for (int i = 0; i < b.n; ++i) {
+    if (b.bad[i]) continue;
     const int64_t r = b.r[i], j = b.j[i];
     ReqRow acc{p.rowstats + r * 6};
     const float best_s = best[i];
     const uint8_t flag = flags[i];
-    const v8f x0 = load8(b.x[i]), x1 = load8(b.x[i] + 8);
-    const f64x8 w0 = load8d(b.w[i]), w1 = load8d(b.w[i] + 8);
+    // the group's values as lane_values makes them, codes in lanes
+    const v8f c0 = load8(b.cnt[i]), c1 = load8(b.cnt[i] + 8);
+    const v8f vz = splat(b.z[i]), vs = splat(b.s[i]), fill = splat(b.fill[i]);
+    const v8f x0 = c0 == splat(0.0f) ? fill : (iota - vz) * vs;
+    const v8f x1 = c1 == splat(0.0f) ? fill : ((iota + splat(8.0f)) - vz) * vs;
+    const f64x8 w0 = __builtin_convertvector(c0, f64x8), w1 = __builtin_convertvector(c1, f64x8);
     // the final q of each code, and the statistics against the float source
     const float rs = 1.0f / best_s;
     const v8f vrs = splat(rs), vb = splat(best_s), mg = splat(kMagic);
@@ -1368,7 +1392,7 @@ I4P_INLINE void run(const Req& p, Search& w, Batch& b) {
     const v8f a0 = (v8f)((u32x8)d0 & 0x7FFFFFFFu), a1 = (v8f)((u32x8)d1 & 0x7FFFFFFFu);  // |d|
     double gdd, gvv, gwv;
     hsum3(e0 * e0 * w0 + e1 * e1 * w1, t0 * t0 * w0 + t1 * t1 * w1, t0 * y0 * w0 + t1 * y1 * w1, gdd, gvv, gwv);
-    acc.add(flag, gdd, b.xx[i], gvv, gwv, base_e[i], hmax(a0 > a1 ? a0 : a1));
+    acc.add(flag, gdd, hsum8(y0 * y0 * w0 + y1 * y1 * w1), gvv, gwv, base_e[i], hmax(a0 > a1 ? a0 : a1));
     // code -> q table: the low byte of each lane of m0, m1 (q + 1.5 * 2^23 holds q in two's complement)
     const u8x32 tb = I4P_SHUF8((u8x32)m0, (u8x32)m1, 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56,
                                60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
