@@ -948,15 +948,6 @@ I4P_INLINE bool count_codes(const uint8_t* c, int64_t n, const uint8_t (*keys)[3
   return (((o[0] | o[1]) | (o[2] | o[3])) & 0xF0F0F0F0F0F0F0F0ull) == 0 && (ors & 0xF0u) == 0;
 }
 
-I4P_INLINE float hmin(v8f a) {
-  v8f b = I4P_SHUF(i32x8, a, a, 4, 5, 6, 7, 0, 1, 2, 3);
-  a = a < b ? a : b;
-  b = I4P_SHUF(i32x8, a, a, 2, 3, 0, 1, 6, 7, 4, 5);
-  a = a < b ? a : b;
-  b = I4P_SHUF(i32x8, a, a, 1, 0, 3, 2, 5, 4, 7, 6);
-  a = a < b ? a : b;
-  return a[0];
-}
 I4P_INLINE float hmax(v8f a) {
   v8f b = I4P_SHUF(i32x8, a, a, 4, 5, 6, 7, 0, 1, 2, 3);
   a = a > b ? a : b;
