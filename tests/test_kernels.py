@@ -621,3 +621,22 @@ def test_requant_fast_leaves_the_rest_to_the_general_path():
     zeros[4, 0] = 0
     scales[4, 0] = 3e38
     assert w4a8.requant_fast(_code_ql(codes, scales, zeros, 128), 128) is None
+
+
+def test_search_points_follow_the_settings(monkeypatch):
+    """The candidate ratios are made once per setting, and follow a changed (or edited) setting."""
+    c, f = kernels.search_points(True)
+    assert torch.equal(c, w4a8.COARSE_RATIOS.float())
+    step = float(w4a8.COARSE_RATIOS[1]) - float(w4a8.COARSE_RATIOS[0])
+    want = [step * x for x in (-0.6, -0.2, 0.2, 0.6)]  # FINE_POINTS = 4 inside (-step, step)
+    assert f.tolist() == pytest.approx(want, rel=1e-6)
+    assert kernels.search_points(True)[0] is c  # made once
+    monkeypatch.setattr(w4a8, "FINE_POINTS", 2)
+    assert kernels.search_points(True)[1].tolist() == pytest.approx([-step / 3, step / 3], rel=1e-6)
+    ratios = torch.tensor([1.0, 1.25])
+    monkeypatch.setattr(w4a8, "COARSE_RATIOS", ratios)
+    assert kernels.search_points(True)[0].tolist() == [1.0, 1.25]
+    ratios[1] = 1.5  # edited in place
+    c, f = kernels.search_points(True)
+    assert c.tolist() == [1.0, 1.5] and f.tolist() == pytest.approx([-0.5 / 3, 0.5 / 3], rel=1e-6)
+    assert [t.numel() for t in kernels.search_points(False)] == [0, 0]
