@@ -35,6 +35,8 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <nmmintrin.h>
 #define I4P_CRC_X86 1
+#include <immintrin.h>
+#define I4P_AWQ_AVX2 1  // unpack_awq_block_avx2, picked at run time
 #endif
 
 namespace {
@@ -384,9 +386,79 @@ I4P_CLONES void unpack_awq_block(const uint32_t* w, uint8_t* o, int64_t k, int64
     for (int64_t j = j0; j < j0 + 8; ++j) awq_word(w, o, k, nw, j, c, o0);
 }
 
+#ifdef I4P_AWQ_AVX2
+// unpack_awq_block in AVX2 with few shuffles: the SSE2 byte transposes are all shuffles, and the
+// Xeons' one shuffle port made the AWQ unpack 2-4x slower there than on AMD (300-550 us an expert).
+// 8 rows of the 8 words: an 8 x 8 transpose of nibbles inside each 32-bit lane by masks and shifts
+// (no shuffles) leaves, for each nibble i, 8 columns of output row 8 (j0 + l) + kAwqOrder[i] in
+// lane l; 8 such row blocks, transposed as 32-bit elements, make 64 columns of each output row:
+// whole cache lines, stored straight into the output
+// exchange the bits of m in b with those sh bits higher in a
+template <int sh>
+__attribute__((target("avx2"), always_inline)) inline void awq_swap(__m256i& a, __m256i& b, __m256i m) {
+  const __m256i d = _mm256_and_si256(_mm256_xor_si256(_mm256_srli_epi32(a, sh), b), m);
+  b = _mm256_xor_si256(b, d);
+  a = _mm256_xor_si256(a, _mm256_slli_epi32(d, sh));
+}
+
+__attribute__((target("avx2"))) void unpack_awq_block_avx2(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw,
+                                                           int64_t j0, int64_t o0) {
+  const int64_t k64 = k / 64 * 64;
+  const __m256i m16 = _mm256_set1_epi32(0x0000FFFF), m8 = _mm256_set1_epi32(0x00FF00FF);
+  const __m256i m4 = _mm256_set1_epi32(0x0F0F0F0F);
+  alignas(32) __m256i t[8][8];  // t[i][b]: nibble i of rows c0 + 8b .. c0 + 8b + 7, lane l = word j0 + l
+  for (int64_t c0 = 0; c0 < k64; c0 += 64) {
+    for (int64_t c = c0 + kPrefetchRows; c < std::min(k, c0 + kPrefetchRows + 64); ++c)
+      prefetch_span(w + c * nw + j0, 32);  // rows a page or more apart: see unpack_gptq_rows
+    for (int b = 0; b < 8; ++b) {
+      __m256i r[8];
+      for (int i = 0; i < 8; ++i)
+        r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (c0 + 8 * b + i) * nw + j0));
+      // swap the off-diagonal blocks of 4, 2, then 1 nibbles between rows 4, 2, then 1 apart
+      for (int x = 0; x < 4; ++x) awq_swap<16>(r[x], r[x + 4], m16);
+      for (int x : {0, 1, 4, 5}) awq_swap<8>(r[x], r[x + 2], m8);
+      for (int x : {0, 2, 4, 6}) awq_swap<4>(r[x], r[x + 1], m4);
+      for (int i = 0; i < 8; ++i) t[i][b] = r[i];  // r[i]: nibble i, row c0 + 8b + m in nibble m
+    }
+    for (int i = 0; i < 8; ++i) {
+      const __m256i* a = t[i];  // 8 x 8 transpose of 32-bit elements: u[l] element b = a[b] lane l
+      const __m256i p0 = _mm256_unpacklo_epi32(a[0], a[1]), p1 = _mm256_unpackhi_epi32(a[0], a[1]);
+      const __m256i p2 = _mm256_unpacklo_epi32(a[2], a[3]), p3 = _mm256_unpackhi_epi32(a[2], a[3]);
+      const __m256i p4 = _mm256_unpacklo_epi32(a[4], a[5]), p5 = _mm256_unpackhi_epi32(a[4], a[5]);
+      const __m256i p6 = _mm256_unpacklo_epi32(a[6], a[7]), p7 = _mm256_unpackhi_epi32(a[6], a[7]);
+      const __m256i q0 = _mm256_unpacklo_epi64(p0, p2), q1 = _mm256_unpackhi_epi64(p0, p2);
+      const __m256i q2 = _mm256_unpacklo_epi64(p1, p3), q3 = _mm256_unpackhi_epi64(p1, p3);
+      const __m256i q4 = _mm256_unpacklo_epi64(p4, p6), q5 = _mm256_unpackhi_epi64(p4, p6);
+      const __m256i q6 = _mm256_unpacklo_epi64(p5, p7), q7 = _mm256_unpackhi_epi64(p5, p7);
+      const __m256i u[8] = {_mm256_permute2x128_si256(q0, q4, 0x20), _mm256_permute2x128_si256(q1, q5, 0x20),
+                            _mm256_permute2x128_si256(q2, q6, 0x20), _mm256_permute2x128_si256(q3, q7, 0x20),
+                            _mm256_permute2x128_si256(q0, q4, 0x31), _mm256_permute2x128_si256(q1, q5, 0x31),
+                            _mm256_permute2x128_si256(q2, q6, 0x31), _mm256_permute2x128_si256(q3, q7, 0x31)};
+      for (int l = 0; l < 8; ++l) {
+        // 64 nibbles in column order -> bytes; the unpacks work per 128-bit half, hence the permutes
+        const __m256i lo = _mm256_and_si256(u[l], m4), hi = _mm256_and_si256(_mm256_srli_epi32(u[l], 4), m4);
+        const __m256i x = _mm256_unpacklo_epi8(lo, hi), y = _mm256_unpackhi_epi8(lo, hi);
+        uint8_t* dst = o + (8 * (j0 + l) + kAwqOrder[i] - o0) * k + c0;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permute2x128_si256(x, y, 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), _mm256_permute2x128_si256(x, y, 0x31));
+      }
+    }
+  }
+  for (int64_t c = k64; c < k; ++c)
+    for (int64_t j = j0; j < j0 + 8; ++j) awq_word(w, o, k, nw, j, c, o0);
+}
+
+std::atomic<bool> g_awq_avx2{__builtin_cpu_supports("avx2") != 0};
+#endif
+
 // words [j0, j1) (output rows [8 j0, 8 j1)): tiles of 8 words, the rest word by word
 void unpack_awq_words(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j0, int64_t j1, int64_t o0) {
   int64_t j = j0;
+#ifdef I4P_AWQ_AVX2
+  if (g_awq_avx2.load(std::memory_order_relaxed)) {
+    for (; j + 8 <= j1; j += 8) unpack_awq_block_avx2(w, o, k, nw, j, o0);
+  }
+#endif
   for (; j + 8 <= j1; j += 8) unpack_awq_block(w, o, k, nw, j, o0);
   for (; j < j1; ++j)
     for (int64_t c = 0; c < k; ++c) awq_word(w, o, k, nw, j, c, o0);
@@ -1976,6 +2048,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "search_batches", []() { return std::make_tuple(g_batches32.load(), g_batches64.load()); },
       "histogram batches searched so far in float32 and in float64 (the close calls, or all when forced)");
+  m.def(
+      "use_awq_avx2",
+      [](bool on) {
+#ifdef I4P_AWQ_AVX2
+        return g_awq_avx2.exchange(on && __builtin_cpu_supports("avx2"));
+#else
+        return false;
+#endif
+      },
+      "tests: the AVX2 AWQ unpack on (where the CPU has it) or off; returns the previous setting");
   m.def(
       "force_search64", [](bool on) { return g_search64.exchange(on); },
       "tests: search every batch in float64 from the next call on; returns the previous setting");

@@ -118,8 +118,21 @@ def test_unpack_gptq_matches_twin(monkeypatch, shape):
     assert torch.equal(ref, unpack_rows(w).t().contiguous())
 
 
-@pytest.mark.parametrize("shape", [(8, 1), (128, 96), (2048, 96), (13, 5), (77, 17), (200, 24)])
-def test_unpack_awq_matches_twin(monkeypatch, shape):
+@pytest.fixture(params=["avx2", "sse2"])
+def awq_kernel(request):
+    """Both builds of the AWQ unpack: the AVX2 one (where the CPU has it) and the portable one."""
+    ext = kernels.ext()
+    old = ext.use_awq_avx2(request.param == "avx2")
+    if request.param == "avx2" and not ext.use_awq_avx2(True):
+        ext.use_awq_avx2(old)
+        pytest.skip("this CPU has no AVX2")
+    yield request.param
+    ext.use_awq_avx2(old)
+
+
+# (K, N/8): tiles of 8 words (and of 64 rows in the AVX2 build), then words and rows past them
+@pytest.mark.parametrize("shape", [(8, 1), (128, 96), (2048, 96), (13, 5), (77, 17), (200, 24), (64, 8)])
+def test_unpack_awq_matches_twin(monkeypatch, awq_kernel, shape):
     w = words(torch.Generator().manual_seed(2), *shape)
     fast = kernels.unpack_awq(w)
     assert same_bytes(fast, twin(monkeypatch, kernels.unpack_awq, w))
@@ -575,7 +588,7 @@ REQUANT_JOB_CASES = [
 
 
 @pytest.mark.parametrize("case", REQUANT_JOB_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_requant_fast_from_words_matches_twin(search_in, monkeypatch, case):
+def test_requant_fast_from_words_matches_twin(search_in, awq_kernel, monkeypatch, case):
     c = dict(case)
     layout, target = c.pop("layout"), c.pop("target")
     ql = _rand_code_ql(seed=121, **c)
