@@ -387,12 +387,6 @@ I4P_CLONES void unpack_awq_block(const uint32_t* w, uint8_t* o, int64_t k, int64
 }
 
 #ifdef I4P_AWQ_AVX2
-// unpack_awq_block in AVX2 with few shuffles: the SSE2 byte transposes are all shuffles, and the
-// Xeons' one shuffle port made the AWQ unpack 2-4x slower there than on AMD (300-550 us an expert).
-// 8 rows of the 8 words: an 8 x 8 transpose of nibbles inside each 32-bit lane by masks and shifts
-// (no shuffles) leaves, for each nibble i, 8 columns of output row 8 (j0 + l) + kAwqOrder[i] in
-// lane l; 8 such row blocks, transposed as 32-bit elements, make 64 columns of each output row:
-// whole cache lines, stored straight into the output
 // exchange the bits of m in b with those sh bits higher in a
 template <int sh>
 __attribute__((target("avx2"), always_inline)) inline void awq_swap(__m256i& a, __m256i& b, __m256i m) {
@@ -401,6 +395,12 @@ __attribute__((target("avx2"), always_inline)) inline void awq_swap(__m256i& a, 
   a = _mm256_xor_si256(a, _mm256_slli_epi32(d, sh));
 }
 
+// unpack_awq_block in AVX2 with few shuffles: the SSE2 byte transposes are all shuffles, and the
+// Xeons' one shuffle port made the AWQ unpack 2-4x slower there than on AMD (300-550 us an expert).
+// 8 rows of the 8 words: an 8 x 8 transpose of nibbles inside each 32-bit lane by masks and shifts
+// (no shuffles) leaves, for each nibble i, 8 columns of output row 8 (j0 + l) + kAwqOrder[i] in
+// lane l; 8 such row blocks, transposed as 32-bit elements, make 64 columns of each output row:
+// whole cache lines, stored straight into the output
 __attribute__((target("avx2"))) void unpack_awq_block_avx2(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw,
                                                            int64_t j0, int64_t o0) {
   const int64_t k64 = k / 64 * 64;
@@ -448,7 +448,11 @@ __attribute__((target("avx2"))) void unpack_awq_block_avx2(const uint32_t* w, ui
     for (int64_t j = j0; j < j0 + 8; ++j) awq_word(w, o, k, nw, j, c, o0);
 }
 
-std::atomic<bool> g_awq_avx2{__builtin_cpu_supports("avx2") != 0};
+bool cpu_has_avx2() {
+  __builtin_cpu_init();  // this runs from a static initializer: libgcc's own may not have run yet
+  return __builtin_cpu_supports("avx2") != 0;
+}
+std::atomic<bool> g_awq_avx2{cpu_has_avx2()};
 #endif
 
 // words [j0, j1) (output rows [8 j0, 8 j1)): tiles of 8 words, the rest word by word
@@ -1136,7 +1140,7 @@ I4P_INLINE f64x8 batch_sse(const Batch& b, v8f s) {
   return a0 + a1;
 }
 
-enum Prepared { kQueued, kDone, kElements };
+enum Prepared { kQueued, kElements };
 
 // group j of row r from its codes: its histogram, zero point and scale into lane b.n (kQueued);
 // kElements for a code above 15
@@ -1171,7 +1175,6 @@ I4P_INLINE v8f lane_values(const Batch& b, int c, v8f vz, v8f vs, v8f fill) {
 // the lanes' values xs, and their min and max over each group. A group holding a NaN/Inf is
 // handled here (non_finite_group) and its lane becomes a zero group that run() skips
 I4P_INLINE void values(const Req& p, Batch& b, v8f& wmin, v8f& wmax) {
-  constexpr int L = Batch::kLanes;
   const v8f vz = load8(b.z), vs = load8(b.s), fill = load8(b.fill);
   v8f mn = fill, mx = fill, fin = {};
   for (int c = 0; c < 16; ++c) {
@@ -2052,7 +2055,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "use_awq_avx2",
       [](bool on) {
 #ifdef I4P_AWQ_AVX2
-        return g_awq_avx2.exchange(on && __builtin_cpu_supports("avx2"));
+        return g_awq_avx2.exchange(on && cpu_has_avx2());
 #else
         return false;
 #endif
