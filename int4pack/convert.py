@@ -47,28 +47,14 @@ class NullProgress:
     def stop(self) -> None: ...
 
 
-def _libc(name: str):
+def _load_trim():
     try:
-        return getattr(ctypes.CDLL(None), name)  # glibc
+        return ctypes.CDLL(None).malloc_trim  # glibc
     except (AttributeError, OSError, TypeError):
         return None
 
 
-_MALLOC_TRIM = _libc("malloc_trim")
-_MALLOPT = _libc("mallopt")
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-JOB_BUFFER_BYTES = 32 << 20  # buffers up to this size come from the heap (glibc's largest mmap threshold)
-
-
-def _keep_job_buffers() -> None:
-    """Let a job's buffers (q, codes, scales) reuse the heap pages the last job freed. With glibc's
-    sliding thresholds an arena handed its free top back to the OS after most jobs, and the next
-    job faulted its 1.5 MB q in again: ~250 minor faults a job, and with them 40% of the lossless
-    job's time on the lent Xeon. Process-wide and left set (glibc has no getter to restore from);
-    the finisher's malloc_trim still returns free pages every FLUSH_BYTES."""
-    if _MALLOPT is not None:
-        _MALLOPT(_M_MMAP_THRESHOLD, JOB_BUFFER_BYTES)
-        _MALLOPT(_M_TRIM_THRESHOLD, 2 * JOB_BUFFER_BYTES)
+_MALLOC_TRIM = _load_trim()
 
 
 def _trim_heap() -> None:
@@ -419,7 +405,6 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     # the plan's ~10^5 objects never die during the run: keep the cyclic GC from rescanning them
     # on every collection (it was ~10% of convert's CPU time)
     gc.freeze()
-    _keep_job_buffers()
     pool = ThreadPoolExecutor(max_workers=workers)
     finisher = ThreadPoolExecutor(max_workers=1)
     closing: list = []

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from int4pack import _ext, kernels  # noqa: E402
 from int4pack.checkpoint import Checkpoint  # noqa: E402
-from int4pack.convert import _keep_job_buffers, check_scales  # noqa: E402
+from int4pack.convert import check_scales  # noqa: E402
 from int4pack.plan import make_plan  # noqa: E402
 from int4pack.w4a8 import lossless_fast, requant_fast, to_w4a8  # noqa: E402
 from int4pack.writer import _CHECKSUMS, digest_kind, to_bytes  # noqa: E402
@@ -45,7 +45,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="workers in this process (convert's pool)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    _keep_job_buffers()  # the allocator settings convert's workers run with
     ext = kernels.ext()
     print(f"extension: {'loaded' if ext is not None else 'MISSING: ' + str(_ext.build_error('convert_kernels'))}")
     with Checkpoint(a.src) as ck:

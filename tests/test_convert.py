@@ -4,7 +4,6 @@ own dequantisation of the source gives (independent decoders in tests/_reference
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 from pathlib import Path
 
@@ -199,17 +198,6 @@ def test_two_runs_are_byte_identical(tmp_path):
     assert fa == sorted(p.name for p in b.iterdir()) and len([f for f in fa if f.endswith(".safetensors")]) > 1
     for f in fa:
         assert hashlib.sha256((a / f).read_bytes()).digest() == hashlib.sha256((b / f).read_bytes()).digest(), f
-
-
-def test_job_buffers_stay_on_the_heap(tmp_path, monkeypatch):
-    """convert sets glibc's thresholds before its workers start (fixed: no more sliding trims)."""
-    C = importlib.import_module("int4pack.convert")  # the module (int4pack.convert is the function)
-    if C._MALLOPT is None:
-        pytest.skip("not glibc: no mallopt")
-    calls = []
-    monkeypatch.setattr(C, "_MALLOPT", lambda opt, value: calls.append((opt, value)) or 1)
-    int4pack.convert(FIXTURES / "awq_q3", tmp_path / "o")
-    assert calls == [(-3, 32 << 20), (-1, 64 << 20)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
 
 
 def test_source_folder_untouched(tmp_path):
