@@ -185,28 +185,26 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     return q, scales, requant_info(search, sums, int(((flags & 4) != 0).sum()))
 
 
-_POINTS: dict = {}  # (ratios tensor, its version, fine points) -> search_points' answer
+_points = None  # the last setting and its answer: (ratios tensor, its version, fine points, answer)
 
 
 def search_points(search: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' candidate ratios: (coarse, fine offsets around the coarse winner), as float32.
     Made once per setting (a linspace and copies were ~0.1 ms of every requant job)."""
+    global _points
     from . import w4a8 as W
 
     if not search:
         return _EMPTY_F32, _EMPTY_F32
-    ratios = W.COARSE_RATIOS
-    key = (id(ratios), ratios._version, W.FINE_POINTS)
-    got = _POINTS.get(key)
-    if got is not None and got[0] is ratios:
-        return got[1]
+    ratios, fine_points, last = W.COARSE_RATIOS, W.FINE_POINTS, _points
+    if last is not None and last[0] is ratios and last[1] == ratios._version and last[2] == fine_points:
+        return last[3]
     coarse = ratios.float().contiguous().clone()
     fine = _EMPTY_F32
-    if W.FINE_POINTS > 0 and len(ratios) > 1:
+    if fine_points > 0 and len(ratios) > 1:
         step = float(ratios[1] - ratios[0])
-        fine = torch.linspace(-step, step, W.FINE_POINTS + 2)[1:-1].float().contiguous()
-    _POINTS.clear()  # one setting at a time; the tensor held keeps its id from being reused
-    _POINTS[key] = (ratios, (coarse, fine))
+        fine = torch.linspace(-step, step, fine_points + 2)[1:-1].float().contiguous()
+    _points = (ratios, ratios._version, fine_points, (coarse, fine))
     return coarse, fine
 
 
