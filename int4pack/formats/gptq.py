@@ -39,6 +39,7 @@ _SANE = (-0.5, 1.5)  # outside this neither convention explains the data
 _SCALE_DTYPES = ("F16", "BF16", "F32")
 # byte -> 1 where either nibble is 0xF (a v1 zero point of 0): one table pass over the qzeros bytes
 _HAS_F_NIBBLE = bytes(int(b & 0xF == 0xF or b >> 4 == 0xF) for b in range(256))
+_V1_F_NOTE = "v1 zero nibble 0xF (zero point 0) decoded with whole-word carry"
 
 
 def _flatten(x) -> list[str]:
@@ -56,8 +57,8 @@ def _zeros(spec: LinearSpec, words: bytearray, conv: str) -> torch.Tensor | None
         return None
     w = np.frombuffer(words, np.uint32).reshape(spec.groups, -(-spec.n // 8))
     if conv == "v1":
-        if not spec.sym and 1 in words.translate(_HAS_F_NIBBLE):
-            spec.notes.append("v1 zero nibble 0xF (zero point 0) decoded with whole-word carry")
+        if not spec.sym and _V1_F_NOTE not in spec.notes and 1 in words.translate(_HAS_F_NIBBLE):
+            spec.notes.append(_V1_F_NOTE)  # once, however often the module is read
         w = w + np.uint32(V1_OFFSET)
     z = nibble_rows(w.T)[: spec.n]
     # words not all uniform means some zero is not 8, unless it sits in the last word's padding

@@ -247,6 +247,8 @@ def test_v1_whole_word_add_wraps_like_python_ints():
     np.testing.assert_array_equal(z.numpy(), ref_zeros(words, 80, "v1"))
     assert z.shape == (80, 2) and z.is_contiguous()
     assert any("0xF" in note for note in spec.notes)
+    gptq_zeros(spec, bytearray(np.asarray(words, dtype=np.uint32).tobytes()), "v1")  # the module read again
+    assert sum("0xF" in note for note in spec.notes) == 1  # noted once
     z2, spec2 = _zeros(words, 80, "v2")
     np.testing.assert_array_equal(z2.numpy(), ref_zeros(words, 80, "v2"))
     assert not spec2.notes  # the 0xF note is the v1 decode's
