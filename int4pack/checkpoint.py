@@ -332,13 +332,17 @@ class Checkpoint:
             if not isinstance(wmap, dict) or not wmap:
                 raise InputError(f"{idx.name}: has no weight_map", path=str(idx),
                                  hint="Re-download the index file.")
+            plain: set[str] = set()  # shard names already checked (a Path per tensor was ~10% of the plan)
             for name, shard in wmap.items():
+                if isinstance(shard, str) and shard in plain:
+                    continue
                 # a plain file name in this folder: never a path that leaves it
                 if not isinstance(shard, str) or not shard or Path(shard).name != shard or shard in (".", ".."):
                     raise InputError(f"{idx.name}: tensor {name!r} is mapped to {shard!r}, which is not a file "
                                      "name in the checkpoint folder", path=str(idx), tensor=name,
                                      hint="The index is corrupt; re-download it.")
-            shards = sorted(set(wmap.values()))
+                plain.add(shard)
+            shards = sorted(plain)
         else:
             wmap = None
             shards = sorted(p.name for p in self.folder.glob("*.safetensors"))

@@ -16,8 +16,7 @@ from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
-    cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, is_trivial_g_idx, owned, prefixes_with, read_g_idx,
-    unpack_rows)
+    cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, owned, prefixes_with, unpack_rows)
 
 __all__ = ["CompressedTensorsReader", "Scheme"]
 
@@ -291,7 +290,7 @@ class CompressedTensorsReader:
         act_order = False
         gi = f"{module}.weight_g_idx"
         if gi in ck.tensors:
-            act_order = not is_trivial_g_idx(read_g_idx(ck, gi, k, groups), group)
+            act_order = g_idx_unless_trivial(ck, gi, k, groups, group) is not None
             keys.append(gi)
         b = f"{module}.bias"
         has_bias = b in ck.tensors

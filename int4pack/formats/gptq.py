@@ -17,8 +17,8 @@ from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
-    all_bytes, as_uint32, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, is_trivial_g_idx, need,
-    nibble_rows, prefixes_with, read_g_idx, read_transposed, require_bits4, unpack_cols, unpack_rows)
+    all_bytes, as_uint32, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, need,
+    nibble_rows, prefixes_with, read_transposed, require_bits4, unpack_cols, unpack_rows)
 
 __all__ = ["GPTQReader", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
 
@@ -168,8 +168,7 @@ class GPTQReader:
         act_order = False
         g_name = f"{name}.g_idx"
         if g_name in ck.tensors:
-            g_idx = read_g_idx(ck, g_name, k, groups)
-            act_order = not is_trivial_g_idx(g_idx, group)
+            act_order = g_idx_unless_trivial(ck, g_name, k, groups, group) is not None
             keys.append(g_name)
         elif eff["desc_act"]:
             notes.append("desc_act is set but there is no g_idx; groups taken as contiguous")

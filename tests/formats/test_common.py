@@ -3,6 +3,7 @@ small helpers the readers share."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -116,6 +117,22 @@ def test_a_shard_truncated_after_opening_names_the_file(make_ckpt):
     with pytest.raises(InputError, match="truncated"):
         ck.read_bytes("b")
     ck.close()
+
+
+@pytest.mark.parametrize("bad", ["../model-b.safetensors", "sub/model-b.safetensors", "..", ""])
+def test_an_index_entry_that_is_not_a_file_name_here_is_refused_by_tensor(make_ckpt, bad):
+    # the shard-name check runs once per distinct name: a bad name after many good ones still stops it
+    tensors = {f"t{i}": np.arange(4, dtype=np.int32) for i in range(6)}
+    folder = make_ckpt(tensors, {"quant_method": "gptq"}, shards=[{"t0", "t1", "t2"}, {"t3", "t4", "t5"}])
+    idx = folder / "model.safetensors.index.json"
+    data = json.loads(idx.read_text())
+    ck = Checkpoint(folder)  # as written, it loads: both shards, all six tensors
+    assert sorted(ck.tensors) == sorted(tensors) and len({t.file for t in ck.tensors.values()}) == 2
+    ck.close()
+    data["weight_map"]["t4"] = bad
+    idx.write_text(json.dumps(data))
+    with pytest.raises(InputError, match=r"tensor 't4' is mapped to .*not a file name in the checkpoint folder"):
+        Checkpoint(folder)
 
 
 # -- helpers of the readers ------------------------------------------------------------------------
