@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..checkpoint import Checkpoint
@@ -106,6 +107,19 @@ def _scheme_problem(s: Scheme, w: dict) -> str | None:
     if s.strategy == "group" and not (s.group_size and s.group_size > 0):
         return f"strategy group without a positive group_size ({s.group_size!r})"
     return None
+
+
+_NUMPY_INTS = {"I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1", "U8": "u1"}
+
+
+def _small_ints(ck: Checkpoint, name: str) -> list:
+    """A small integer tensor (weight_shape) as nested lists, in its stored shape: its bytes through numpy
+    (a torch tensor per module was a third of a compressed-tensors plan); other dtypes through ``get``."""
+    t = ck.info(name)
+    dt = _NUMPY_INTS.get(t.dtype)
+    if dt is None:
+        return ck.get(name).tolist()
+    return np.frombuffer(ck.read_bytes(name), dtype=dt).reshape(t.shape).tolist()
 
 
 class CompressedTensorsReader:
@@ -235,7 +249,7 @@ class CompressedTensorsReader:
         keys = [wp]
         ws = f"{module}.weight_shape"
         if ws in ck.tensors:
-            shape = ck.get(ws).tolist()
+            shape = _small_ints(ck, ws)
             if len(shape) != 2:
                 raise InputError(f"{ws}: expected [N, K], got {shape}", tensor=ws)
             n, k = int(shape[0]), int(shape[1])

@@ -321,3 +321,22 @@ def test_static_activation_params_are_accounted(make_ckpt):
     t[f"{M}.input_scale"] = torch.ones(1, dtype=torch.bfloat16)
     spec = open_reader(Checkpoint(make_ckpt(t, cfg()))).linears()[M]
     assert f"{M}.input_scale" in spec.keys and spec.notes
+
+
+@pytest.mark.parametrize("stored", [np.array([16, 24], np.int64), np.array([16, 24], np.int32),
+                                    np.array([16, 24], np.int16), np.array([16.0, 24.0], np.float32)])
+def test_weight_shape_in_any_dtype_gives_n_and_k(make_ckpt, stored):
+    t, truth = ct_tensors(np.random.default_rng(3), n=16, k=24)
+    t[f"{M}.weight_shape"] = stored
+    r, q = read_one(make_ckpt(t, cfg({})))
+    spec = r.linears()[M]
+    assert (spec.n, spec.k) == (16, 24) and q.codes.shape == (16, 24)
+    np.testing.assert_allclose(q.dequantize().numpy(), truth, rtol=1e-6)
+
+
+@pytest.mark.parametrize("stored", [np.array([[16, 24]], np.int64), np.array([16, 24, 1], np.int32)])
+def test_weight_shape_not_two_numbers_is_refused(make_ckpt, stored):
+    t, _ = ct_tensors(np.random.default_rng(4))
+    t[f"{M}.weight_shape"] = stored
+    with pytest.raises(InputError, match=r"weight_shape: expected \[N, K\]"):
+        open_reader(Checkpoint(make_ckpt(t, cfg({})))).linears()

@@ -9,7 +9,7 @@ import torch
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import open_reader
-from int4pack.formats.gptq import GPTQReader
+from int4pack.formats.gptq import GPTQReader, _group_code_sums
 from int4pack.formats.gptq import _zeros as gptq_zeros
 from int4pack.records import LinearSpec
 
@@ -380,3 +380,25 @@ def test_string_booleans_in_config_are_read_as_written():
     assert cfg_bool({}, "sym", True) is True
     with pytest.raises(InputError, match="not true or false"):
         cfg_bool({"sym": "maybe"}, "sym", True)
+
+
+@pytest.mark.parametrize("k, n, group, permuted", [
+    (64, 5, 16, False),   # whole words per group: the packed-word sums
+    (64, 5, 16, True),    # act-order g_idx
+    (48, 3, 12, False),   # a group that is not whole words
+    (40, 4, 16, False),   # a short last group
+    (32, 2, 32, False),   # one group
+])
+def test_group_code_sums_against_python_ints(k, n, group, permuted):
+    rng = np.random.default_rng(k + n + group)
+    words = rng.integers(-2**31, 2**31, size=(k // 8, n), dtype=np.int64).astype(np.int32)  # negative words too
+    groups = -(-k // group)
+    g_idx = np.arange(k) // group
+    if permuted:
+        rng.shuffle(g_idx)
+    want = np.zeros((groups, n), np.int64)
+    for r in range(k):
+        for c in range(n):
+            want[g_idx[r], c] += (int(words[r // 8, c]) % 2**32 >> (4 * (r % 8))) & 0xF
+    got = _group_code_sums(torch.from_numpy(words), torch.from_numpy(g_idx) if permuted else None, groups, group)
+    assert got.dtype == torch.int64 and got.numpy().tolist() == want.tolist()
