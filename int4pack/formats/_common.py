@@ -15,6 +15,7 @@ __all__ = [
     "AWQ_ORDER",
     "unpack_cols",
     "unpack_rows",
+    "words_u32",
     "nibble_rows",
     "as_uint32",
     "all_bytes",
@@ -49,10 +50,14 @@ def unpack_cols(words: torch.Tensor, shifts: tuple[int, ...] = NATURAL_SHIFTS) -
     return ((w >> sh) & 0xF).to(torch.uint8).reshape(words.shape[0], -1)
 
 
+def words_u32(words: torch.Tensor) -> np.ndarray:
+    """Packed int4 words as a numpy uint32 array (a view of int32 words, no copy)."""
+    return words.numpy().view(np.uint32) if words.dtype == torch.int32 else as_uint32(words).numpy().astype(np.uint32)
+
+
 def unpack_rows(words: torch.Tensor) -> torch.Tensor:
     """[A, B] words packed along dim 0 -> uint8 [8A, B] in natural nibble order."""
-    w = words.numpy().view(np.uint32) if words.dtype == torch.int32 else as_uint32(words).numpy().astype(np.uint32)
-    return torch.from_numpy(nibble_rows(w))
+    return torch.from_numpy(nibble_rows(words_u32(words)))
 
 
 _ROW_SHIFTS = np.array(NATURAL_SHIFTS, dtype=np.uint32)[:, None]

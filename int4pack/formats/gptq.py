@@ -18,7 +18,7 @@ from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
     all_bytes, as_uint32, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, need,
-    nibble_rows, prefixes_with, read_transposed, require_bits4, unpack_cols)
+    nibble_rows, prefixes_with, read_transposed, require_bits4, unpack_cols, words_u32)
 
 __all__ = ["GPTQReader", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
 
@@ -71,7 +71,7 @@ def _group_code_sums(words: torch.Tensor, g_idx: torch.Tensor | None, groups: in
     add each word's 8 nibbles with two masks and a multiply, without unpacking (the v1/v2 check
     unpacked 8 modules in float: a quarter of a second before any work)."""
     k = words.shape[0] * 8
-    w = words.numpy().view(np.uint32) if words.dtype == torch.int32 else as_uint32(words).numpy().astype(np.uint32)
+    w = words_u32(words)
     if g_idx is None and group_size % 8 == 0 and k == groups * group_size:
         pairs = (w & np.uint32(0x0F0F0F0F)) + ((w >> np.uint32(4)) & np.uint32(0x0F0F0F0F))  # 4 bytes <= 30
         per_word = (pairs * np.uint32(0x01010101)) >> np.uint32(24)  # the top byte adds all four: <= 120
