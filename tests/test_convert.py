@@ -200,6 +200,32 @@ def test_two_runs_are_byte_identical(tmp_path):
         assert hashlib.sha256((a / f).read_bytes()).digest() == hashlib.sha256((b / f).read_bytes()).digest(), f
 
 
+def test_gc_frozen_during_the_run_and_left_as_found(tmp_path, monkeypatch):
+    """What lives before convert is kept out of the cyclic GC's scans from the plan on; afterwards the
+    freeze is undone, unless the caller had frozen objects of its own, which stay frozen."""
+    import gc
+    import sys
+
+    mod = sys.modules["int4pack.convert"]  # the module (int4pack.convert is the function)
+    real, seen = mod.make_plan, []
+
+    def spy(*a, **kw):
+        seen.append(gc.get_freeze_count())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mod, "make_plan", spy)
+    assert gc.get_freeze_count() == 0
+    int4pack.convert(FIXTURES / "gptq_q3_sym", tmp_path / "a")
+    assert seen[0] > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    mine = gc.get_freeze_count()
+    try:
+        int4pack.convert(FIXTURES / "gptq_q3_sym", tmp_path / "b")
+        assert gc.get_freeze_count() >= mine > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_source_folder_untouched(tmp_path):
     src = FIXTURES / "awq_q3"
     before = {p.name: (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest()) for p in src.iterdir()}
