@@ -2064,16 +2064,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "force_search64", [](bool on) { return g_search64.exchange(on); },
       "tests: search every batch in float64 from the next call on; returns the previous setting");
+  // a contiguous 1-D buffer's bytes
+  auto span = [](const py::buffer_info& info, const char* what) {
+    TORCH_CHECK(info.ndim <= 1 && (info.ndim == 0 || info.strides[0] == info.itemsize), what,
+                ": expected a contiguous 1-D buffer");
+    return info.size * info.itemsize;
+  };
   m.def(
       "crc32c",
-      [](py::buffer b, int64_t crc) {
+      [span](py::buffer b, int64_t crc) {
         py::buffer_info info = b.request();
-        TORCH_CHECK(info.ndim <= 1 && (info.ndim == 0 || info.strides[0] == info.itemsize),
-                    "crc32c: expected a contiguous 1-D buffer");
+        const int64_t n = span(info, "crc32c");
         const auto* p = static_cast<const uint8_t*>(info.ptr);
-        const int64_t n = info.size * info.itemsize;
         py::gil_scoped_release release;
         return static_cast<int64_t>(crc::extend(static_cast<uint32_t>(crc), p, n));
       },
       "CRC-32C of a contiguous buffer, continuing from crc (0 to start)", py::arg("data"), py::arg("crc") = 0);
+  m.def(
+      "crc32c_copy",
+      [span](py::buffer src, py::buffer dst, int64_t crc) {
+        py::buffer_info si = src.request(), di = dst.request(true);
+        const int64_t n = span(si, "crc32c_copy src"), room = span(di, "crc32c_copy dst");
+        TORCH_CHECK(room >= n, "crc32c_copy: ", n, " bytes into a buffer of ", room);
+        const auto* sp = static_cast<const uint8_t*>(si.ptr);
+        auto* dp = static_cast<uint8_t*>(di.ptr);
+        py::gil_scoped_release release;
+        // in steps that stay in cache between the copy and the CRC: one pass over the source
+        constexpr int64_t kStep = 3 * crc::kBlock * 4;
+        uint32_t c = static_cast<uint32_t>(crc);
+        for (int64_t i = 0; i < n; i += kStep) {
+          const int64_t m = std::min(kStep, n - i);
+          std::memcpy(dp + i, sp + i, m);
+          c = crc::extend(c, dp + i, m);
+        }
+        return static_cast<int64_t>(c);
+      },
+      "copy src into dst and return the CRC-32C of the copied bytes, continuing from crc (0 to start)",
+      py::arg("src"), py::arg("dst"), py::arg("crc") = 0);
 }

@@ -81,9 +81,7 @@ def crc32c(data, crc: int = 0) -> int:
     The extension runs it at memory speed (SSE4.2); the twin is a byte-table loop, only fit for
     small data (a checkpoint written without the extension gets zlib's CRC-32 digests instead).
     """
-    mv = memoryview(data)
-    if mv.ndim != 1 or mv.format != "B":
-        mv = mv.cast("B")
+    mv = _bytes_view(data)
     m = ext()
     if m is not None:
         return int(m.crc32c(mv, crc))
@@ -94,6 +92,23 @@ def crc32c(data, crc: int = 0) -> int:
     for b in mv:
         c = t[(c ^ b) & 0xFF] ^ (c >> 8)
     return c ^ 0xFFFFFFFF
+
+
+def crc32c_copy(src, dst, crc: int = 0) -> int:
+    """Copy ``src`` into the start of ``dst`` and return the CRC-32C of those bytes (continuing from
+    ``crc``): the writer's direct path, one pass over the source, without the GIL (extension)."""
+    src = _bytes_view(src)
+    m = ext()
+    if m is not None:
+        return int(m.crc32c_copy(src, dst, crc))
+    dst = _bytes_view(dst)
+    dst[: len(src)] = src
+    return crc32c(dst[: len(src)], crc)
+
+
+def _bytes_view(data) -> memoryview:
+    mv = memoryview(data)
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
 _EMPTY_U8 = torch.empty(0, dtype=torch.uint8)

@@ -122,7 +122,9 @@ class _DiskBudget:
 
 
 def _limit_disk(monkeypatch, budget: int) -> None:
-    orig = writer.ShardFile._pwrite
+    """Page-cache writes past the budget raise ENOSPC; a direct write past it writes the pages that
+    fit and comes back short, as Linux does on a full file system (tmpfs and ext4 alike)."""
+    orig, orig_direct = writer.ShardFile._pwrite, writer.ShardFile._pwrite_direct
     lock = threading.Lock()
 
     def pwrite(self, buf, offset):
@@ -133,8 +135,20 @@ def _limit_disk(monkeypatch, budget: int) -> None:
             _DiskBudget.used += n
         return orig(self, buf, offset)
 
+    def pwrite_direct(self, buf, offset):
+        with lock:
+            fits = min(len(buf), max(0, _DiskBudget.budget - _DiskBudget.used)) // 4096 * 4096
+            _DiskBudget.used += fits
+        if fits == len(buf):
+            return orig_direct(self, buf, offset)
+        if fits:
+            orig_direct(self, buf[:fits], offset)
+        self._direct = False  # what the real method does on a short write
+        return fits
+
     _DiskBudget.used, _DiskBudget.budget = 0, budget
     monkeypatch.setattr(writer.ShardFile, "_pwrite", pwrite)
+    monkeypatch.setattr(writer.ShardFile, "_pwrite_direct", pwrite_direct)
 
 
 def _try_mount_tmpfs(where: Path, size: str) -> bool:
