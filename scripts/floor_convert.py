@@ -5,9 +5,10 @@ Times, each in a fresh subprocess started after os.sync() (order rotated per rou
   convert     int4pack.convert as it is;
   write-only  the same pipeline with every job's result ready-made (zero tensors of the planned
               dtypes and shapes): no reads, no unpacking, no requant; every byte still goes through
-              the writer (checksum, pwrite, interim write-back, fsync);
-  compute     the reads and the compute with their checksums, but nothing written to the page cache
-              (ShardFile's pwrite and write-back skipped; headers, index and report still written);
+              the writer (checksum, staging, direct or page-cache writes, write-back, fsync);
+  compute     the reads and the compute with their checksums and staging copies, but no tensor data
+              written (ShardFile's page-cache and direct writes and write-back skipped; headers,
+              index and report still written);
   baseline    bench_convert's copy baseline: read the input, write as many bytes, fsync.
 convert near write-only means the writer (page cache and disk) bounds it; near compute, the CPU.
 """
@@ -43,6 +44,7 @@ if _MODE == "write-only":
 elif _MODE == "compute":
     _W.ShardFile._pwrite_data = _W.ShardFile._pwrite
     _W.ShardFile._pwrite = lambda self, buf, off: None if off >= 8 + self.header_len else self._pwrite_data(buf, off)
+    _W.ShardFile._pwrite_direct = lambda self, buf, off: len(buf)
     _W.ShardFile.flush = lambda self: None
 """
 

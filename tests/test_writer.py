@@ -173,3 +173,160 @@ def test_flushing_open_shards_changes_no_byte(tmp_path, monkeypatch):
         if p.name == writer.REPORT_NAME:
             continue  # holds timings
         assert hashlib.sha256(p.read_bytes()).digest() == hashlib.sha256((out / p.name).read_bytes()).digest(), p.name
+
+
+# ----------------------------------------------------------------------------- direct writes
+
+class _Chunked:
+    """A tensor's bytes handed over in odd-sized pieces, as checkpoint.TensorBytes hands a copied one."""
+
+    def __init__(self, raw: bytes, piece: int):
+        self.raw, self.piece, self.nbytes = raw, piece, len(raw)
+
+    def chunks(self):
+        for i in range(0, self.nbytes, self.piece):
+            yield memoryview(self.raw)[i:i + self.piece]
+
+
+def _paged_tensors(seed: int = 4) -> dict[str, torch.Tensor]:
+    """Whole-page tensors (one spans three 4 MB stages) mixed, in plan order, with odd-sized ones."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "a.norm": torch.randn(5, generator=gen),  # 20 B
+        "b.weight": torch.randint(-8, 8, (768, 2048), generator=gen, dtype=torch.int8),  # 1.5 MB
+        "b.weight_scale": torch.rand(768, 16, generator=gen).to(torch.bfloat16),  # 6 pages
+        "c.bias": torch.randn(3, generator=gen).to(torch.bfloat16),
+        "d.big": torch.randint(-128, 127, (9 << 20,), generator=gen, dtype=torch.int8),  # 2.25 stages
+        "e.empty": torch.empty(0, dtype=torch.int8),
+        "f.weight": torch.randint(-8, 8, (64, 128), generator=gen, dtype=torch.int8),  # 2 pages
+    }
+
+
+def _o_direct_works(folder: Path) -> bool:
+    """Whether this file system takes O_DIRECT, asked without the writer's code."""
+    import os
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    p = folder / "probe"
+    p.write_bytes(b"")
+    try:
+        os.close(os.open(p, os.O_WRONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        p.unlink()
+
+
+def _write_shard(path: Path, ts: dict, *, piece: int = 1_000_003) -> dict:
+    sf = writer.ShardFile(path, _plan(ts), {"format": "pt"})
+    names = list(ts)[::-1]
+
+    def put(part):
+        for n in part:
+            t = ts[n]
+            raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            sf.write(n, _Chunked(raw, piece) if n == "d.big" else t)
+
+    th = [threading.Thread(target=put, args=(names[i::2],)) for i in range(2)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    return sf.finish({})
+
+
+def _stages_idle() -> bool:
+    return len(writer._stages._free) == writer._stages._made
+
+
+def test_whole_page_tensors_lie_page_aligned_and_read_back(tmp_path, monkeypatch):
+    """The layout: data from a page boundary, whole-page tensors first (each page-aligned), the rest
+    after; contents and CRCs as an independent reader and CRC see them, written directly where the
+    file system takes O_DIRECT, and the same bytes as the page-cache-only writer."""
+    ts = _paged_tensors()
+    direct_calls = []
+    orig = writer.ShardFile._pwrite_direct
+
+    def spy(self, buf, off):
+        direct_calls.append((off, len(buf)))
+        return orig(self, buf, off)
+
+    monkeypatch.setattr(writer.ShardFile, "_pwrite_direct", spy)
+    p = tmp_path / "d.safetensors"
+    rec = _write_shard(p, ts)
+    data = p.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    assert (8 + n) % 4096 == 0
+    header = json.loads(data[8:8 + n])
+    spans = {k: v["data_offsets"] for k, v in header.items() if k != "__metadata__"}
+    paged = [k for k, t in ts.items() if t.numel() * t.element_size() % 4096 == 0]
+    assert max(spans[k][1] for k in paged) <= min(spans[k][0] for k in ts if k not in paged)
+    assert all(spans[k][0] % 4096 == 0 for k in paged)
+    got = _read_back(p)
+    for k, t in ts.items():
+        assert torch.equal(got[k], t), k
+    assert writer.hash_shard(p) == rec
+    if _o_direct_works(tmp_path):
+        assert sum(b for _, b in direct_calls) == sum(ts[k].numel() * ts[k].element_size() for k in paged)
+        assert all(off % 4096 == 0 and b % 4096 == 0 for off, b in direct_calls)
+    else:
+        assert not direct_calls
+    assert _stages_idle()
+    monkeypatch.setattr(writer, "DIRECT_IO", False)
+    q = tmp_path / "b.safetensors"
+    assert _write_shard(q, ts) == rec and q.read_bytes() == data
+
+
+def test_refused_direct_write_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    """EINVAL from a direct write (a file system that opens O_DIRECT but will not write it): the same
+    bytes end up in the file through the page cache, and direct writes stop for that file."""
+    import errno
+    import os
+
+    ts = _paged_tensors(5)
+    ref = tmp_path / "ref.safetensors"
+    with monkeypatch.context() as m:
+        m.setattr(writer, "DIRECT_IO", False)
+        rec = _write_shard(ref, ts)
+    real, direct_fds, refused = os.pwrite, set(), []
+    monkeypatch.setattr(writer, "_open_direct", lambda path: direct_fds.add(fd := os.open(path, os.O_WRONLY)) or fd)
+
+    def pwrite(fd, buf, off):
+        if fd in direct_fds:
+            refused.append(off)
+            raise OSError(errno.EINVAL, "direct write refused")
+        return real(fd, buf, off)
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    p = tmp_path / "f.safetensors"
+    assert _write_shard(p, ts) == rec and p.read_bytes() == ref.read_bytes()
+    assert len(refused) == 1  # the first refusal turns direct writes off
+    assert _stages_idle()
+
+
+def test_failed_direct_write_surfaces_and_leaves_no_shard(tmp_path, monkeypatch):
+    """An I/O error in the I/O thread (not EINVAL) stops the shard: the next write or finish raises
+    the disk error, nothing is renamed into place, and every staging buffer is given back."""
+    import errno
+    import os
+
+    real, direct_fds = os.pwrite, set()
+    monkeypatch.setattr(writer, "_open_direct", lambda path: direct_fds.add(fd := os.open(path, os.O_WRONLY)) or fd)
+
+    def pwrite(fd, buf, off):
+        if fd in direct_fds:
+            raise OSError(errno.EIO, "I/O error")
+        return real(fd, buf, off)
+
+    monkeypatch.setattr(writer.os, "pwrite", pwrite)
+    ts = _paged_tensors(6)
+    p = tmp_path / "e.safetensors"
+    sf = writer.ShardFile(p, _plan(ts), {"format": "pt"})
+    with pytest.raises(OutputError, match="cannot write"):
+        for n, t in ts.items():
+            sf.write(n, t)
+        sf.finish({})
+    sf.abort()
+    assert not p.exists() and not sf.tmp.exists()
+    assert _stages_idle()
