@@ -244,6 +244,7 @@ def test_whole_page_tensors_lie_page_aligned_and_read_back(tmp_path, monkeypatch
     """The layout: data from a page boundary, whole-page tensors first (each page-aligned), the rest
     after; contents and CRCs as an independent reader and CRC see them, written directly where the
     file system takes O_DIRECT, and the same bytes as the page-cache-only writer."""
+    monkeypatch.setattr(writer, "DIRECT_IO", True)  # whatever INT4PACK_DIRECT_IO says here
     ts = _paged_tensors()
     direct_calls = []
     orig = writer.ShardFile._pwrite_direct
