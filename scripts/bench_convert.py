@@ -136,6 +136,14 @@ def _least(seconds: list) -> float | None:
     return round(min(known), 3) if known else None
 
 
+def print_table(header: list[str], rows: list[list]) -> None:
+    """A markdown table."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(str(c) for c in r) + " |")
+
+
 def _params(folder: Path) -> int:
     """int4 parameters in the source (8 per packed int32 word of qweight/weight_packed)."""
     from safetensors import safe_open
@@ -219,21 +227,17 @@ def main() -> None:
             if not a.workdir:
                 shutil.rmtree(src, ignore_errors=True)
     print()
-    print("| format | input GB | threads | Mparam/s | convert s | baseline s | convert/baseline | convert CPU user+sys s "
-          "| peak RSS MB | baseline RSS MB | plan s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['format']} | {r['in_gb']} | {r['threads']} | {r['mparam_s']} | {r['convert_s']} | "
-              f"{r['baseline_s']} | {r['ratio']} | {r['convert_cpu_user_s']}+{r['convert_cpu_sys_s']} | "
-              f"{r['rss_mb']} | {r['baseline_rss_mb']} | {r['plan_s']} |")
+    print_table(["format", "input GB", "threads", "Mparam/s", "convert s", "baseline s", "convert/baseline",
+                 "convert CPU user+sys s", "peak RSS MB", "baseline RSS MB", "plan s"],
+                [[r["format"], r["in_gb"], r["threads"], r["mparam_s"], r["convert_s"], r["baseline_s"], r["ratio"],
+                  f"{r['convert_cpu_user_s']}+{r['convert_cpu_sys_s']}", r["rss_mb"], r["baseline_rss_mb"], r["plan_s"]]
+                 for r in rows])
     if a.compare_tree is not None:
         print()
-        print(f"| format | input GB | threads | Mparam/s this tree | Mparam/s {a.compare_tree} | speedup | peak RSS MB this / that "
-              "| plan s this / that |")
-        print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(f"| {r['format']} | {r['in_gb']} | {r['threads']} | {r['mparam_s']} | {r['other_mparam_s']} | "
-                  f"{r['speedup_vs_other']} | {r['rss_mb']} / {r['other_rss_mb']} | {r['plan_s']} / {r['other_plan_s']} |")
+        print_table(["format", "input GB", "threads", "Mparam/s this tree", f"Mparam/s {a.compare_tree}", "speedup",
+                     "peak RSS MB this / that", "plan s this / that"],
+                    [[r["format"], r["in_gb"], r["threads"], r["mparam_s"], r["other_mparam_s"], r["speedup_vs_other"],
+                      f"{r['rss_mb']} / {r['other_rss_mb']}", f"{r['plan_s']} / {r['other_plan_s']}"] for r in rows])
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     if not a.workdir:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_convert import BASELINE_RM, CONVERT_RM, _params, _run  # noqa: E402
+from bench_convert import BASELINE_RM, CONVERT_RM, _params, _run, print_table  # noqa: E402
 
 # the stubs go in ahead of bench_convert's convert child; they patch before convert is called
 STUBS = r"""
@@ -82,14 +83,11 @@ def main() -> None:
                      "cpu_user_s": round(best["cpu_user"], 2), "cpu_sys_s": round(best["cpu_sys"], 2),
                      "plan_s": best.get("plan_seconds")})
     print(f"{a.src}: {params / 1e9:.2f} Gparam, {out_bytes / 1e9:.2f} GB out, {a.threads} threads, best of {a.repeat}")
-    print("| mode | seconds | runs | Mparam/s | / convert | child CPU user+sys s | plan s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['mode']} | {r['seconds']} | {r['all_s']} | {r['mparam_s']} | {r['vs_convert']} | "
-              f"{r['cpu_user_s']}+{r['cpu_sys_s']} | {r['plan_s']} |")
+    print_table(["mode", "seconds", "runs", "Mparam/s", "/ convert", "child CPU user+sys s", "plan s"],
+                [[r["mode"], r["seconds"], r["all_s"], r["mparam_s"], r["vs_convert"],
+                  f"{r['cpu_user_s']}+{r['cpu_sys_s']}", r["plan_s"]] for r in rows])
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
-    import shutil
     shutil.rmtree(dst, ignore_errors=True)
 
 
