@@ -105,6 +105,23 @@ def test_crc32c_matches_bitwise_definition(monkeypatch, n):
         assert twin(monkeypatch, kernels.crc32c, data) == want
 
 
+@pytest.mark.parametrize("n", [0, 5, 3 * 8192 * 4 - 3, 3 * 8192 * 4 + 4096, 300_001])
+def test_crc32c_copy_copies_and_checksums(monkeypatch, n):
+    """The writer's staging copy: the bytes land at the start of dst (the rest untouched) and the CRC
+    is the bitwise definition's, continued from a previous one; the extension's steps and the twin."""
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)).numpy().tobytes()
+    head = b"previous bytes"
+    for run in ("ext", "twin"):
+        dst = bytearray(b"\xee" * (n + 100))
+        if run == "twin":
+            monkeypatch.setattr(kernels, "ext", lambda: None)
+        crc = kernels.crc32c_copy(data, memoryview(dst), bitwise_crc32c(head))
+        assert crc == bitwise_crc32c(head + data), run
+        assert bytes(dst[:n]) == data and bytes(dst[n:]) == b"\xee" * 100, run
+        with pytest.raises((RuntimeError, ValueError)):  # no room: refused, nothing written past dst
+            kernels.crc32c_copy(data + b"x", memoryview(bytearray(n)))
+
+
 # ------------------------------------------------------------------------------------ unpacking
 
 # (kw, n): 4 x 4 word transposes in blocks of 16 rows, word octets then a last four, then tails
