@@ -287,7 +287,7 @@ class ShardFile:
         """Copy ``pieces`` (one tensor of whole pages, at a page-aligned ``off``) into staging buffers,
         checksumming as they are copied, and queue each full buffer for the I/O thread; returns the
         CRC. Whole stages only, and the tensor's last: pieces of any size keep each write aligned."""
-        copy = kernels.crc32c_copy if self.digest_kind == "crc32c" else _copy_crc32
+        copy = _CHECKSUMS[self.digest_kind][2]
         stage, fill, crc = None, 0, 0
         try:
             for piece in pieces:
@@ -401,10 +401,12 @@ class ShardFile:
             pass
 
 
-# kind -> (tag hashed first, checksum(data, crc) -> crc). crc32c (hardware, in the extension) is
-# written when the extension is loaded, zlib's crc32 without it; "crc32c:" prefixes its digests,
-# and a bare hex digest (int4pack 0.1.0 before this change) is crc32
-_CHECKSUMS = {"crc32": (b"int4pack-crc32-v1", zlib.crc32), "crc32c": (b"int4pack-crc32c-v1", kernels.crc32c)}
+# kind -> (tag hashed first, checksum(data, crc) -> crc, copy_checksum(src, dst, crc) -> crc: the
+# direct writer's staging copy). crc32c (hardware, in the extension) is written when the extension
+# is loaded, zlib's crc32 without it; "crc32c:" prefixes its digests, and a bare hex digest
+# (int4pack 0.1.0 before this change) is crc32
+_CHECKSUMS = {"crc32": (b"int4pack-crc32-v1", zlib.crc32, _copy_crc32),
+              "crc32c": (b"int4pack-crc32c-v1", kernels.crc32c, kernels.crc32c_copy)}
 
 
 def digest_kind(digest: str | None = None) -> str:
