@@ -335,10 +335,10 @@ def main(argv=None) -> int:
     for f in ("ours.json", "vllm.json", "ours.safetensors", "vllm.safetensors"):
         (a.out / f).unlink(missing_ok=True)
     if not Path(a.emu).exists():
-        print(f"no emulated python at {a.emu}: run bash ../shared/tools/arm64-emu/setup.sh", file=sys.stderr)
+        print(f"no emulated python at {a.emu}: run bash tools/arm64emu/setup.sh", file=sys.stderr)
         return 2
     if not a.no_vllm and not Path(a.emu_vllm).exists():
-        print(f"no emulated vLLM at {a.emu_vllm}: run bash ../shared/tools/arm64-emu/vllm_setup.sh "
+        print(f"no emulated vLLM at {a.emu_vllm}: run bash tools/arm64emu/vllm_setup.sh "
               "(or pass --no-vllm)", file=sys.stderr)
         return 2
     env = dict(os.environ)

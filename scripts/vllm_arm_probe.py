@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Emulated side of scripts/vllm_arm_e2e.py: load one checkpoint in vLLM's CPU backend and report.
 
-Runs under the aarch64 interpreter that ../shared/tools/arm64-emu/vllm_setup.sh builds:
+Runs under the aarch64 interpreter that tools/arm64emu/vllm_setup.sh builds:
 
     /tmp/arm64emu/bin/python3-arm64-vllm0.19.1 scripts/vllm_arm_probe.py MODEL_DIR=res.json [MODEL2=res2.json ...]
 

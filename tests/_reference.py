@@ -1,4 +1,4 @@
-"""Independent reference decoders for the tests, written from ../shared/docs/formats.md.
+"""Independent reference decoders for the tests, written from docs/formats.md.
 
 They share no code with int4pack: tensors come from the safetensors library, nibbles are
 taken apart with numpy, and each format's dequantisation is the producer's formula as the
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # real producer checkpoints, see its README
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 

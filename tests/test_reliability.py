@@ -40,8 +40,7 @@ from int4pack.formats import open_reader
 from int4pack.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT.parent / "shared" / "fixtures"
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
+FIXTURES = ROOT / "tests" / "fixtures"
 
 _spec = importlib.util.spec_from_file_location("make_bad_inputs", ROOT / "scripts" / "make_bad_inputs.py")
 mbi = importlib.util.module_from_spec(_spec)

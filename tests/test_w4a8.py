@@ -24,7 +24,7 @@ from int4pack.w4a8 import (
     to_w4a8,
 )
 
-FIXTURES = Path(__file__).resolve().parent.parent.parent / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BF16 = torch.bfloat16
 
 
@@ -362,8 +362,6 @@ def decode_awq_gemm(t, prefix, k, n, g):
 
 def _fixture_weights(name, decoder):
     folder = FIXTURES / name
-    if not folder.is_dir():
-        pytest.skip(f"fixture folder {folder} is absent")
     cfg = json.loads((folder / "config.json").read_text())
     g = cfg["quantization_config"]["group_size"]
     t = _load(folder)
@@ -652,8 +650,6 @@ def test_readers_packed_records_unpack_to_the_same_codes(name):
     from int4pack.checkpoint import Checkpoint
     from int4pack.formats import open_reader
     folder = FIXTURES / name
-    if not folder.is_dir():
-        pytest.skip(f"fixture {name} missing")
     with Checkpoint(folder) as ck:
         reader = open_reader(ck)
         specs = [s for s in reader.linears().values() if not s.refused]

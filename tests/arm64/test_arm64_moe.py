@@ -5,7 +5,7 @@ Three results per case, compared on the x86 side: int4pack's op (pure-Python twi
 through KleidiAI, vLLM 0.19.1's own ``torch.ops._C.dynamic_4bit_int_moe`` on the same blobs, and
 the x86 result (torch's reference kernels), plus a float32 reference.
 
-Needs the emulated pythons from ../shared/tools/arm64-emu/setup.sh and vllm_setup.sh (run here if
+Needs the emulated pythons from tools/arm64emu/setup.sh and vllm_setup.sh (run here if
 missing; ARM64EMU_PYTHON / ARM64EMU_VLLM_PYTHON override the wrapper paths). The vLLM comparison is
 skipped, with the reason shown, only when its wrapper is absent and cannot be set up.
 INT4PACK_ARM64_QUICK=1 runs 5 cases instead of 16. About 3-5 minutes on a loaded 2-core machine
@@ -26,7 +26,7 @@ import pytest
 pytestmark = pytest.mark.arm64emu
 
 REPO = Path(__file__).resolve().parents[2]
-TOOLS = REPO.parent / "shared" / "tools" / "arm64-emu"
+TOOLS = REPO / "tools" / "arm64emu"
 EMU = Path(os.environ.get("ARM64EMU_PYTHON", "/tmp/arm64emu/bin/python3-arm64"))
 EMU_VLLM = Path(os.environ.get("ARM64EMU_VLLM_PYTHON", "/tmp/arm64emu/bin/python3-arm64-vllm0.19.1"))
 

@@ -1,7 +1,7 @@
 """Opt-in lane (``pytest -m arm64emu``): int4pack's portable blobs vs torch's real KleidiAI
 packer, byte for byte, under QEMU aarch64 emulation (scripts/arm64_pack_check.py).
 
-Needs the emulated python from ../shared/tools/arm64-emu/setup.sh (run here if missing, ~50 s;
+Needs the emulated python from tools/arm64emu/setup.sh (run here if missing, ~50 s;
 ARM64EMU_PYTHON overrides the wrapper path). INT4PACK_ARM64_QUICK=1 runs the small matrix.
 The full matrix takes ~2-5 minutes (one emulated process; import torch alone is 10-60 s).
 """
@@ -20,7 +20,7 @@ import pytest
 pytestmark = pytest.mark.arm64emu
 
 REPO = Path(__file__).resolve().parents[2]
-SETUP = REPO.parent / "shared" / "tools" / "arm64-emu" / "setup.sh"
+SETUP = REPO / "tools" / "arm64emu" / "setup.sh"
 EMU = Path(os.environ.get("ARM64EMU_PYTHON", "/tmp/arm64emu/bin/python3-arm64"))
 
 

@@ -11,19 +11,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-FIXTURES = Path(__file__).resolve().parents[2] / ".." / "shared" / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.fixture
 def fixture_dir():
-    """fixture_dir(name) -> path of a real producer fixture, or skip when the shared folder is absent."""
+    """fixture_dir(name) -> path of a real producer fixture under tests/fixtures (missing data fails)."""
 
     def get(name: str) -> Path:
-        if not FIXTURES.is_dir():
-            pytest.skip(f"real fixtures not found at {FIXTURES.resolve()} (shared/fixtures is not checked out)")
         p = FIXTURES / name
-        if not p.is_dir():
-            pytest.skip(f"fixture {name} missing under {FIXTURES.resolve()}")
+        assert p.is_dir(), f"fixture {name} missing under {FIXTURES}"
         return p
 
     return get

