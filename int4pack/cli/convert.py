@@ -15,6 +15,7 @@ import typer
 
 from ..convert import convert
 from ..output import Output, human_bytes
+from ..serve_format import ServeFormat
 from ._common import DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, make_output
 
 __all__ = ["convert_cmd", "EXAMPLES"]
@@ -31,7 +32,7 @@ EXAMPLES = """[bold]Examples[/bold]
   int4pack convert SRC OUT --group-size channel                   [dim]# fp32 channel scales[/dim]\n
   int4pack convert SRC OUT --dry-run --json                       [dim]# the plan, nothing written[/dim]\n
   int4pack convert SRC OUT --resume                               [dim]# continue an interrupted run[/dim]\n
-  int4pack convert SRC OUT --prepack kleidiai                     [dim]# + KleidiAI blobs in OUT/kleidiai/[/dim]
+  int4pack convert SRC OUT --serve-format kleidiai                [dim]# KleidiAI blobs, for int4pack's vLLM plugin[/dim]
 """
 
 
@@ -48,9 +49,10 @@ def convert_cmd(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Keep the verified shards of an interrupted run.")] = False,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,
-    prepack: Annotated[Optional[str], typer.Option(
-        help="Also write KleidiAI-packed experts to OUT/kleidiai/ (value: kleidiai), so nothing is packed "
-             "at load time.")] = None,
+    serve_format: Annotated[ServeFormat, typer.Option(
+        help="compressed-tensors: int8 weights that vLLM packs at load (needs nothing but vLLM); kleidiai: "
+             "the packed KleidiAI bytes (half the size; vLLM loads them with int4pack's plugin, "
+             "nothing packed at load).")] = ServeFormat.compressed_tensors,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = 0,
@@ -66,7 +68,7 @@ def convert_cmd(
         with o.progress("converting") as bar:
             report = convert(src, out, group_size=group_size, dense=dense.value, max_shard_size=max_shard_size,
                              dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
-                             revision=revision, prepack=prepack, progress=bar)
+                             revision=revision, serve_format=serve_format, progress=bar)
         _render(o, report)
         o.result(report)
 
@@ -88,10 +90,10 @@ def _render(o: Output, r: dict) -> None:
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
     o.text(f"  tensors: {p['tensors_in']} in -> {p['tensors_out']} out in {len(r['shards'])} shard(s); "
            f"{human_bytes(p['in_bytes'])} read -> {human_bytes(p['out_bytes'])} written")
-    if r.get("prepack"):
-        pp = r["prepack"]
-        o.text(f"  prepacked {pp['tensors']} KleidiAI tensor(s) into kleidiai/ ({pp['packer']} packer, "
-               f"layout {pp['layout']} v{pp['layout_version']})")
+    if r.get("serve_format"):
+        sv = r["serve_format"]
+        o.text(f"  serve format: {sv['format']} (layout {sv['layout']} v{sv['layout_version']}; serve with "
+               f"int4pack's vLLM plugin)")
     if r.get("dry_run"):
         o.text("[dim]dry run: nothing written[/dim]")
         return
