@@ -370,7 +370,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         with files_lock:
             f = files.get(shard)
             if f is None:
-                f = files[shard] = ShardFile(od.work / shard, planned[shard], meta)
+                f = files[shard] = ShardFile(od.work / shard, planned[shard], meta,
+                                             sf.PROVENANCE_BYTES if pack is not None else 0)
             return f
 
     def work(job: Job) -> tuple[dict, set]:

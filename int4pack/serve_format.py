@@ -41,6 +41,7 @@ __all__ = ["ServeFormat", "QUANT_METHOD", "SUFFIX", "parse_format", "packed_plan
 QUANT_METHOD = "int4pack-kleidiai"  # config.json quant_method: what the vLLM plugin registers
 SUFFIX = "weight_packed"
 VERIFIED_TORCH = ("2.9.1", "2.10.0")  # torch releases whose packer the portable one was proven against
+PROVENANCE_BYTES = 160  # header room per blob for its provenance entry (~130 bytes of JSON)
 
 
 class ServeFormat(str, Enum):
