@@ -33,28 +33,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))  # this checkout's int4pack
 sys.path.insert(0, str(HERE))
+from vllm_arm_e2e import PREFIX, plugin_env  # noqa: E402
 
 FULL_LAYERS, FULL_VOCAB, HIDDEN = 48, 151936, 2048  # Qwen3-30B-A3B
 FORMATS = ("compressed-tensors", "kleidiai")
 
 
 def wrapper(version: str) -> Path:
-    return Path(os.environ.get("ARM64EMU_PREFIX", "/tmp/arm64emu")) / "bin" / f"python3-arm64-vllm{version}"
-
-
-def plugin_site(work: Path) -> Path:
-    """A folder with int4pack's entry point for the emulated python (its site-packages is separate):
-    a dist-info whose entry_points.txt names the plugin, next to this checkout on PYTHONPATH."""
-    import tomllib
-
-    eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
-    site = work / "plugin-site"
-    d = site / "int4pack_entry_points-0.dist-info"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: int4pack-entry-points\nVersion: 0\n")
-    (d / "entry_points.txt").write_text("".join(
-        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in names.items()) for group, names in eps.items()))
-    return site
+    return PREFIX / "bin" / f"python3-arm64-vllm{version}"
 
 
 def folder_bytes(d: Path) -> int:
@@ -78,10 +64,9 @@ def prepare(layers: int, work: Path, fmt: str) -> dict:
     return rec
 
 
-def load(rec: dict, sf: str, version: str, dtype: str, site: Path, timeout: int) -> None:
+def load(rec: dict, sf: str, version: str, dtype: str, env: dict, timeout: int) -> None:
     out = Path(rec[sf]["dir"]).with_suffix(".load.json")
     out.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{site}", "INT4PACK_NO_EXT": "1"}
     cmd = [str(wrapper(version)), str(HERE / "vllm_arm_load.py"), rec[sf]["dir"], "--json", str(out), "--dtype", dtype]
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
@@ -112,13 +97,13 @@ def main() -> int:
         return 2
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    site = plugin_site(work)
+    env = plugin_env(work)  # both formats load with int4pack's plugin registered
     t0 = time.perf_counter()
     runs = []
     for L in a.layers:
         rec = prepare(L, work, a.format)
         for sf in FORMATS:  # one emulated process at a time: they share the machine's cores
-            load(rec, sf, a.vllm, a.dtype, site, a.timeout)
+            load(rec, sf, a.vllm, a.dtype, env, a.timeout)
         runs.append(rec)
 
     fails = []

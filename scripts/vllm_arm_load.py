@@ -29,11 +29,23 @@ def _peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KB on Linux
 
 
+def _in_moe_method() -> bool:
+    """Whether the caller runs inside a method of a vLLM MoE quant method (FusedMoEMethodBase)."""
+    f = sys._getframe(2)
+    while f is not None:
+        obj = f.f_locals.get("self")
+        if obj is not None and any(c.__name__ == "FusedMoEMethodBase" for c in type(obj).__mro__):
+            return True
+        f = f.f_back
+    return False
+
+
 class LoadStats:
     """Counters around vLLM's model load, for one model at a time (``reset`` between models)."""
 
     def __init__(self):
         self.shapes: dict[tuple[int, int], int] = {}
+        self.moe_shapes: dict[tuple[int, int], int] = {}  # packed from inside a MoE quant method
         self.load_seconds = None
         self.rss_before_load_mb = None
         self.peak_rss_mb = None
@@ -64,6 +76,8 @@ class LoadStats:
             def __call__(self, *a, **k):
                 key = (int(a[4]), int(a[5])) if len(a) >= 6 else (k.get("in_features"), k.get("out_features"))
                 stats.shapes[key] = stats.shapes.get(key, 0) + 1
+                if _in_moe_method():
+                    stats.moe_shapes[key] = stats.moe_shapes.get(key, 0) + 1
                 return pack(*a, **k)
 
             def __getattr__(self, n):
@@ -72,13 +86,14 @@ class LoadStats:
         setattr(torch.ops.aten, "_dyn_quant_pack_4bit_weight", _CountedPack())
 
     def result(self, model_dir: str) -> dict:
-        """The counters for the model just loaded: experts = w13 matrices ([2I, H]) packed; the shapes
-        (K x N) of every pack call (int4pack's plugin packs two 13x64 probes to check torch's layout)."""
+        """The counters for the model just loaded: experts = w13 matrices ([2I, H]) packed by a MoE
+        method; the shapes (K x N) of every pack call (int4pack's plugin packs 13x64 probes to check
+        torch's layout; attention's fused qkv can have the w13 shape too)."""
         cfg = json.load(open(os.path.join(model_dir, "config.json")))
         tc = cfg.get("text_config") or cfg
         h, inter = tc["hidden_size"], tc.get("moe_intermediate_size") or tc["intermediate_size"]
         return {"load_seconds": self.load_seconds, "rss_before_load_mb": self.rss_before_load_mb,
-                "peak_rss_mb": self.peak_rss_mb, "experts_packed_at_load": self.shapes.get((h, 2 * inter), 0),
+                "peak_rss_mb": self.peak_rss_mb, "experts_packed_at_load": self.moe_shapes.get((h, 2 * inter), 0),
                 "matrices_packed_at_load": sum(self.shapes.values()),
                 "packed_shapes": {f"{k}x{n}": c for (k, n), c in sorted(self.shapes.items())}}
 
