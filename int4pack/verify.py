@@ -159,10 +159,13 @@ class _Target:
         return self.packed.shape(m) if self.packed else tuple(self.ckpt.tensors[f"{m}.weight"].shape)
 
     def blob(self, m: str) -> torch.Tensor | None:
-        """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly)."""
+        """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly).
+        Not one with a bias inside: the references here leave biases out."""
         from . import kleidiai
 
-        return self.packed.blob(m) if self.packed and kleidiai.native_kleidiai_available() else None
+        if not (self.packed and kleidiai.native_kleidiai_available()):
+            return None
+        return None if self.packed.prov.get(f"{m}.{sf.SUFFIX}", {}).get("bias") else self.packed.blob(m)
 
     def dequant(self, m: str) -> torch.Tensor:
         q, s, g = self.weight(m)

@@ -261,3 +261,30 @@ def test_rows_not_in_whole_blocks_are_refused():
     job.specs[0].n = 12
     with pytest.raises(RefusedError, match="N=12 is not a multiple of 8"):
         sf.packed_plan(plan)
+
+
+def test_shard_headers_have_room_for_provenance(tmp_path):
+    """A blob's header entry (long name, conversion stats, provenance of a bias-carrying module with
+    6-digit shapes) fits the room packed shards reserve, which the plain reserve would not."""
+    from int4pack.errors import OutputError
+    from int4pack.plan import OutTensor
+    from int4pack.writer import ShardFile
+
+    q = torch.zeros(8, 64, dtype=torch.int8)
+    prov = sf.provenance(q, torch.ones(8, 2, dtype=torch.bfloat16), torch.ones(8), 128)
+    prov.update(n=151936, k=163840)
+    names = [f"model.language_model.layers.{i // 384}.block_sparse_moe.experts.{i % 384}.w3.{sf.SUFFIX}"
+             for i in range(600)]
+    results = {n: {"path": "requant", "rel_l2": "0.0123457", "max_abs": "0.000123457", "packed": prov} for n in names}
+    for extra, ok in ((sf.PROVENANCE_BYTES, True), (0, False)):
+        f = ShardFile(tmp_path / f"s{extra}.safetensors", [OutTensor(n, "U8", (16,)) for n in names], {"format": "pt"},
+                      extra)
+        for n in names:
+            f.write(n, torch.zeros(16, dtype=torch.uint8))
+        if ok:
+            f.finish(results)
+            with safe_open(str(tmp_path / f"s{extra}.safetensors"), framework="pt") as fh:
+                assert json.loads(fh.metadata()["int4pack.tensors"])[names[-1]]["packed"] == prov
+        else:
+            with pytest.raises(OutputError, match="grew past"):
+                f.finish(results)
