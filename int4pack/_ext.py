@@ -1,12 +1,16 @@
-"""Builds and loads the C++ hot loops in ``csrc/`` (torch extensions, compiled on first use).
+"""Builds and loads the C++ hot loops in ``int4pack/csrc/`` (torch extensions, compiled on first use).
 
-Compiling at first use (torch.utils.cpp_extension.load, ninja from PyPI) keeps the install a
-plain ``pip install``: nothing asks for torch at build time, so build isolation cannot pull a
-second torch. Each ``csrc/<name>.cpp`` is its own extension, cached per source hash and torch
-version under ``$INT4PACK_CACHE`` (default ``~/.cache/int4pack``).
+The sources ship inside the package (sdist and wheel) and compile at first use with
+torch.utils.cpp_extension and ninja from PyPI, against the torch that is installed then. So
+the install stays a plain ``pip install``: nothing asks for torch at build time, build
+isolation cannot pull a second torch, and a wheel built on one torch keeps working when the
+environment (e.g. vLLM's) brings another. Each ``csrc/<name>.cpp`` is its own extension,
+cached per source hash, torch and Python version under ``$INT4PACK_CACHE`` (default
+``~/.cache/int4pack``).
 
-``load(name)`` returns the module, or None when ``INT4PACK_NO_EXT=1`` or the build fails (the
-callers then use their pure-torch twins; ``build_error(name)`` says why).
+``load(name)`` returns the module, or None when ``INT4PACK_NO_EXT=1`` or the build fails; the
+callers then use their pure-torch twins. A failed build warns once per process
+(``SlowPathWarning``), and ``build_error(name)`` says why.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import importlib.util
 import os
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 try:
@@ -23,19 +28,21 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 
-__all__ = ["load", "build_error", "csrc_dir"]
+__all__ = ["load", "build_error", "csrc_dir", "SlowPathWarning"]
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 _errors: dict[str, str] = {}
+_warned = False
+
+
+class SlowPathWarning(RuntimeWarning):
+    """The C++ kernels could not be built: int4pack runs, several times slower."""
 
 
 def csrc_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent / "csrc", here / "csrc"):
-        if cand.is_dir():
-            return cand
-    return here.parent / "csrc"
+    """The C++ sources, shipped inside the package."""
+    return Path(__file__).resolve().parent / "csrc"
 
 
 def _cache_root() -> Path:
@@ -64,9 +71,25 @@ def load(name: str, *, required: bool = False):
             _errors[name] = f"{type(e).__name__}: {e}"
             if required:
                 raise
+            _warn_slow(name, _errors[name])
             return None
         _loaded[name] = mod
         return mod
+
+
+def _warn_slow(name: str, error: str) -> None:
+    """Say once per process that the kernels are missing, and what that costs."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    first_line = error.strip().splitlines()[0] if error.strip() else error
+    warnings.warn(
+        f"int4pack: the C++ kernels ({name}) could not be built: {first_line[:300]}. int4pack falls back "
+        "to its pure-torch code, which gives the same bytes but runs several times slower. Install a C++ "
+        "compiler (e.g. g++) with OpenMP, or set INT4PACK_EXT_VERBOSE=1 to see the build; set "
+        "INT4PACK_NO_EXT=1 to choose the slow paths without this warning.",
+        SlowPathWarning, stacklevel=3)
 
 
 def _build(name: str, src: Path):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import _ext, kernels
 from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
@@ -246,6 +247,13 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
     return cfg
 
 
+def _kernels_used() -> str:
+    """Which code computed the jobs: the C++ kernels, or their pure-torch twins and why."""
+    if kernels.ext() is not None:
+        return "c++"
+    return f"pure torch ({_ext.build_error('convert_kernels')})"
+
+
 def _base_meta(plan: Plan) -> dict[str, str]:
     return {
         "format": "pt",
@@ -324,6 +332,7 @@ def convert(
             from .prepack import prepack_kleidiai
             man = prepack_kleidiai(od.work, plan, rename)
             report["prepack"] = {k: v for k, v in man.items() if k != "tensors"} | {"tensors": len(man["tensors"])}
+        report["kernels"] = _kernels_used()
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
         report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}

@@ -696,3 +696,28 @@ def test_fuzz_tensor_data_through_convert(fuzz_dirs, tmp_path, data, flips):
             assert not out.exists()
     finally:
         shard.write_bytes(orig)
+
+
+def test_missing_kernels_warn_once_with_the_cost(tmp_path, monkeypatch):
+    """A build that cannot happen (here: no sources) says so once per process, with what it costs;
+    INT4PACK_NO_EXT=1 chooses the slow paths without a warning."""
+    import warnings
+
+    from int4pack import _ext
+
+    monkeypatch.setattr(_ext, "csrc_dir", lambda: tmp_path)
+    monkeypatch.setattr(_ext, "_loaded", {})
+    monkeypatch.setattr(_ext, "_errors", {})
+    monkeypatch.setattr(_ext, "_warned", False)
+    monkeypatch.delenv("INT4PACK_NO_EXT", raising=False)
+    with pytest.warns(_ext.SlowPathWarning, match="several times slower") as got:
+        assert _ext.load("convert_kernels") is None
+    assert len(got) == 1 and "convert_kernels" in str(got[0].message)
+    assert "FileNotFoundError" in _ext.build_error("convert_kernels")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _ext.load("convert_kernels") is None  # known failure: no second warning
+        assert _ext.load("moe") is None  # nor for the next extension
+        monkeypatch.setattr(_ext, "_warned", False)
+        monkeypatch.setenv("INT4PACK_NO_EXT", "1")
+        assert _ext.load("kleidiai_pack") is None
