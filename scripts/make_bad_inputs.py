@@ -632,8 +632,9 @@ def build_corpus(dest: str | os.PathLike, fixtures: str | os.PathLike = DEFAULT_
     case("out_contains_source", "OUT is SRC's parent, with --overwrite", exit=5, out="out_contains_source",
          args=["--overwrite"], mention=["out_contains_source"])
 
-    case("out_parent_missing", "OUT's parent folder does not exist", exit=5, out="out_parent_missing/no/such/out",
-         mention=["no/such"])
+    case("out_parent_is_file", "OUT's parent is a file (a missing parent would be created)", exit=5,
+         out="out_parent_is_file/file/out", mention=["file"])
+    (dest / "out_parent_is_file" / "file").write_text("user data\n")
 
     case("out_foreign_work_folder", "the hidden work folder exists but is not int4pack's", exit=5,
          mention=[".out.int4pack-partial"])
