@@ -30,6 +30,7 @@ import torch
 
 from . import _ext
 from .errors import InputError
+from .groups import check_group_size, is_channelwise
 
 __all__ = [
     "LAYOUT_NAME",
@@ -59,18 +60,15 @@ def _roundup(a: int, b: int) -> int:
     return (a + b - 1) // b * b
 
 
-def is_channelwise(k: int, group_size: int) -> bool:
-    return group_size == -1 or group_size == k
-
-
 def _check_shape(n: int, k: int, group_size: int) -> None:
     if n < 1 or k < 2 or k % 2:
         raise InputError(f"KleidiAI packing needs N >= 1 and an even K >= 2, got N={n}, K={k}")
     if is_channelwise(k, group_size):
         return
-    if group_size <= 0 or group_size % 32 or k % group_size:
+    why = check_group_size(group_size, k)
+    if why:
         raise InputError(
-            f"group size {group_size} is not valid for K={k}",
+            f"group size {group_size} is not valid for K={k}: {why}",
             hint="use a multiple of 32 that divides K, or -1 / K for channelwise",
         )
 

@@ -19,6 +19,7 @@ import torch
 
 from . import _ext
 from .errors import InputError
+from .groups import groupwise_problem
 
 __all__ = [
     "ACTIVATIONS",
@@ -62,9 +63,7 @@ def _check(x, topk_ids, topk_weights, w13, w2, hidden, inter, group_size, activa
         raise InputError("topk_ids and topk_weights must both be [T, K] with T = x.shape[0]")
     if w13.dim() != 2 or w2.dim() != 2 or w13.shape[0] != w2.shape[0]:
         raise InputError("w13_packed and w2_packed must be [E, ...] with the same E")
-    if group_size != -1 and (group_size <= 0 or group_size % 32 or hidden % group_size or inter % group_size
-                             or group_size >= min(hidden, inter)):
-        # g == H or I would make that matrix channelwise, which needs fp32 scales, not bf16
+    if group_size != -1 and (groupwise_problem(group_size, hidden) or groupwise_problem(group_size, inter)):
         raise InputError(f"group size {group_size} must be -1 or a multiple of 32 dividing and smaller than "
                          f"H={hidden} and I={inter}")
     if activation_kind not in ACTIVATIONS:

@@ -14,40 +14,29 @@ Three ways to get there from a ``QuantLinear``:
   rows of gate/up by the same permutation. The MLP computes the same function.
 * **requant** -- anything else (asym, AWQ, act-order on gate/up/attention, a group change):
   dequantise to float32 and search, per contiguous group, the scale that minimises
-  ``||w - s * clamp(round(w / s), -8, 7)||^2`` with ``s`` already rounded to the shipped dtype.
+  ``||w - s * clamp(round(w / s), -8, 7)||^2`` with ``s`` already rounded to the shipped dtype
+  (``scale_search``).
 
-Scale search (``requantize``): with ``base = max(max(w)/7, -min(w)/8)`` (the smallest scale
-that clips nothing), a coarse pass tries ``base * [0.70, 0.76, ..., 1.00, ..., 1.12]`` plus plain absmax
-RTN (``amax/7``, tried first so it wins ties, hence never worse than RTN beyond a tie), then a fine pass
-tries 4 ratios within one coarse step of the winner. These 13 evaluations land within ~0.3 %
-(relative rel_l2) of a 40-point grid and of a brute force over every bf16 scale (bf16 itself
-only resolves 0.4-0.8 % steps), at a third of the cost. Everything is vectorised over all
-groups of a row chunk; chunks bound the temporaries to a few MB (cache-sized, also fastest).
-
-All-zero groups get scale 1.0 and q = 0 (a neutral, finite, positive bf16/fp32 value); other
-candidate scales are clamped to >= 2**-126 (smallest normal, exact in bf16) so 1/s is finite.
-Everything is deterministic: no randomness; candidate errors within ``TIE`` (2**-30, relative) of
-the smallest tie, and ties go to the first candidate.
+Each path runs in the C++ kernels when they are built, else in torch; both give the same bytes.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from . import kernels as _kernels
-from .errors import InputError, RefusedError, UsageError
+from .errors import InputError, UsageError
+from .groups import check_group_size, normalize_group
 from .records import QuantLinear
+from .scale_search import ErrorStats, check_finite, out_scale_dtype, requant_info, search_chunk, workspace_width
 
 __all__ = [
     "W4A8Linear",
-    "parse_group_size",
-    "resolve_group_size",
-    "check_group_size",
     "lossless_possible",
     "lossless_fast",
+    "requant_fast",
     "to_w4a8",
     "requantize",
     "fold_act_order",
@@ -55,17 +44,8 @@ __all__ = [
     "error_stats",
 ]
 
-QMIN, QMAX = -8, 7
-TINY = 2.0**-126  # smallest normal fp32, exactly representable in bf16
-ZERO_GROUP_SCALE = 1.0
-# 0.70 .. 1.12 in steps of 0.06, with 1.0 (clip nothing) exactly on the grid
-COARSE_RATIOS = (1.0 + 0.06 * torch.arange(-5, 3, dtype=torch.float64)).float()
-FINE_POINTS = 4
-TIE = 2.0**-30  # candidate errors within this relative distance tie: the earlier candidate wins
-# elements of w per chunk: 1 MB of float32, so the widest temporary (9 candidates) is ~9 MB;
-# bigger chunks amortise per-op overhead better than cache-sized ones did (measured)
+# elements of w per chunk of the torch search: bounds its temporaries to a few MB
 CHUNK_ELEMS = 1 << 18
-_VALID_AUTO = (128, 64, 32)
 _NO_ZEROS = torch.empty(0, dtype=torch.uint8)
 
 
@@ -84,100 +64,7 @@ class W4A8Linear:
         return dequantize_w4a8(self.q, self.scales, self.group_size)
 
 
-# --------------------------------------------------------------------------- group size rules
-
-
-def check_group_size(g: int, k: int) -> str | None:
-    """Why ``g`` cannot be a W4A8 group size for in_features ``k`` (None when it can).
-
-    -1 (channel) always works; ``g == k`` is channelwise too (KleidiAI prefers it).
-    """
-    if isinstance(g, bool) or not isinstance(g, int):
-        return f"group size {g!r} is not an integer"
-    if g == -1:
-        return None
-    if g <= 0:
-        return f"group size {g} must be positive (or -1 for channel)"
-    if g % 32:
-        return f"group size {g} is not a multiple of 32 (KleidiAI needs 32, 64, 128, ...)"
-    if g > k:
-        return f"group size {g} is larger than K={k}"
-    if k % g:
-        return f"group size {g} does not divide K={k}"
-    return None
-
-
-def parse_group_size(requested) -> int | None:
-    """A --group-size value: None/'auto' -> None (auto); 'channel'/-1 -> -1; else the integer asked for."""
-    if requested is None:
-        return None
-    if isinstance(requested, str):
-        r = requested.strip().lower()
-        if r in ("", "auto"):
-            return None
-        if r in ("channel", "-1", "per-channel", "channelwise"):
-            return -1
-        try:
-            return int(r)
-        except ValueError:
-            pass
-    elif isinstance(requested, int) and not isinstance(requested, bool):
-        return requested
-    raise UsageError(f"--group-size {requested!r}: expected auto, channel, or a multiple of 32 such as 128",
-                     hint="Leave it at auto to keep the source's group when vLLM can run it.")
-
-
-def resolve_group_size(requested: int | str | None, source_group: int, k: int) -> int:
-    """The W4A8 group size for one linear: g (multiple of 32, divides k, < k) or -1 (channel)."""
-    try:
-        req = parse_group_size(requested)
-    except UsageError as e:  # name the linear's K, as every other refusal here does
-        raise UsageError(f"{e} (K={k})", hint=e.hint) from None
-    if req is None:
-        if source_group == -1 or source_group >= k:
-            return -1
-        if check_group_size(source_group, k) is None:
-            return source_group
-        for c in _VALID_AUTO:
-            if c < k and k % c == 0:
-                return c
-        return -1
-    if req == -1 or req == k:
-        return -1
-    reason = check_group_size(req, k)
-    if reason is None:
-        return req
-    hint = "use a multiple of 32 that divides K, 'auto', or 'channel'"
-    if req > 0 and req % 32 == 0:
-        # a sane value that this layer's K cannot take: refuse the layer, not the command line
-        raise RefusedError(f"W4A8 group size {req} is invalid for K={k}: {reason}", hint=hint)
-    raise UsageError(f"W4A8 group size {req} is invalid for K={k}: {reason}", hint=hint)
-
-
-def _normalize_group(g: int, k: int) -> int:
-    if g == k:
-        return -1
-    reason = check_group_size(g, k)
-    if reason is not None:
-        raise UsageError(f"W4A8 group size {g} is invalid for K={k}: {reason}",
-                         hint="resolve it with resolve_group_size first")
-    return g
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _is_group_scale(g: int) -> bool:
-    return g != -1
-
-
-def _ship_scale(s: torch.Tensor, g: int) -> torch.Tensor:
-    """Round float32 scales to the dtype that ships, back in float32."""
-    return s.to(torch.bfloat16).float() if _is_group_scale(g) else s
-
-
-def _out_scale_dtype(g: int) -> torch.dtype:
-    return torch.bfloat16 if _is_group_scale(g) else torch.float32
 
 
 def _rows_per_chunk(k: int) -> int:
@@ -193,49 +80,10 @@ def dequantize_w4a8(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> t
     return (q.float().view(n, k // group_size, group_size) * s.view(n, -1, 1)).view(n, k)
 
 
-class _Stats:
-    """Running sums for rel_l2 / max_abs / cosine, accumulated in float64."""
-
-    def __init__(self):
-        self.dd = self.ww = self.vv = self.wv = 0.0
-        self.max_abs = 0.0
-
-    def add(self, w: torch.Tensor, v: torch.Tensor) -> None:
-        if not w.numel():
-            return
-        d = (v - w).reshape(-1)
-        w = w.reshape(-1)
-        v = v.reshape(-1)
-        # float32 reductions (torch sums pairwise) are plenty for a report; totals go to float64
-        sums = [float(torch.dot(d, d)), float(torch.dot(w, w)), float(torch.dot(v, v)), float(torch.dot(w, v))]
-        if not all(map(math.isfinite, sums)):  # squares past float32's range (|w| ~ 1e19 and up)
-            d, w, v = d.double(), w.double(), v.double()
-            sums = [float(torch.dot(d, d)), float(torch.dot(w, w)), float(torch.dot(v, v)), float(torch.dot(w, v))]
-        self.dd += sums[0]
-        self.ww += sums[1]
-        self.vv += sums[2]
-        self.wv += sums[3]
-        lo, hi = torch.aminmax(d)
-        self.max_abs = max(self.max_abs, float(-lo), float(hi))
-
-    def result(self) -> dict:
-        ref = math.sqrt(self.ww)
-        if ref > 0:
-            rel = math.sqrt(self.dd) / ref
-        else:
-            rel = 0.0 if self.dd == 0 else math.inf
-        den = math.sqrt(self.ww * self.vv)
-        if den > 0:
-            cos = self.wv / den
-        else:
-            cos = 1.0 if self.ww == 0 and self.vv == 0 else 0.0
-        return {"rel_l2": rel, "max_abs": self.max_abs, "cosine": cos}
-
-
 def error_stats(w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int) -> dict:
     """rel_l2, max_abs, cosine of dequantize_w4a8(q, scales) against float ``w`` (row chunks)."""
     n, k = w.shape
-    st = _Stats()
+    st = ErrorStats()
     step = _rows_per_chunk(k)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -250,122 +98,31 @@ def _source_rows(ql: QuantLinear, gi: torch.Tensor, r0: int, r1: int) -> torch.T
     return (ql.codes[r0:r1].float() - z) * s
 
 
-def _check_finite(t: torch.Tensor, what: str, name: str | None) -> None:
-    if not bool(torch.isfinite(t).all()):
-        raise InputError(f"{what} of {name or 'a tensor'} contain NaN or Inf", tensor=name,
-                         hint="the source checkpoint is corrupt or was saved with overflowing scales")
-
-
 # --------------------------------------------------------------------------- scale search
-
-
-def _eval_candidates(x: torch.Tensor, negx: torch.Tensor, cands: torch.Tensor,
-                     ws: torch.Tensor) -> torch.Tensor:
-    """x [r, G, 1, g], cands [r, G, C] (shipped values) -> sum of squared errors [r, G, C], float64.
-
-    q comes from float32 (the same 1/s as the final quantisation: the error is what ships);
-    ``s * q - x`` is then exact in float64 and only the squares and the sum round, so the C++
-    twin (which sums in another order) takes the same ``_first_within_tie`` decision unless an
-    error lies within ~1e-13 (relative) of the tie threshold (see ``Group`` and ``TieRule`` in
-    csrc/convert_kernels.cpp). ``ws`` is a flat float64 workspace reused across
-    chunks: fresh multi-MB temporaries would page-fault on every chunk.
-    """
-    r, G, _, g = x.shape
-    s = cands.unsqueeze(-1)
-    t = ws[: r * G * cands.shape[-1] * g].view(r, G, cands.shape[-1], g)
-    t.copy_(torch.mul(x, s.reciprocal()).round_().clamp_(QMIN, QMAX))  # float32 q, held in float64
-    t.mul_(s.double()).add_(negx)  # s*q - w
-    return t.square_().sum(dim=-1)
-
-
-def _first_within_tie(e: torch.Tensor) -> torch.Tensor:
-    """Index [..., 1] of the first candidate whose error is within TIE (relative) of the smallest.
-
-    Errors closer than that are ties, so the earlier candidate wins whatever order each
-    implementation summed in (the C++ twin takes the same decision; see ``Group`` there).
-    """
-    t = e.amin(dim=-1, keepdim=True) * (1.0 + TIE)
-    return (e <= t).to(torch.uint8).argmax(dim=-1, keepdim=True)  # argmax: the first maximum
-
-
-def _search_chunk(w: torch.Tensor, g: int, search: bool, ws: torch.Tensor):
-    """w [r, K] float32 -> (q int8 [r, K], s float32 [r, G] shipped values, sse, baseline_sse, zero groups)."""
-    r, k = w.shape
-    gs = k if g == -1 else g
-    x = w.view(r, k // gs, 1, gs)
-    wmin, wmax = torch.aminmax(x, dim=-1)  # [r, G, 1]
-    amax = torch.maximum(wmax, -wmin)
-    zero = (amax == 0).squeeze(-1)
-    rtn = amax / 7
-    negx = -x.double()
-    if not search:
-        s = _ship_scale(rtn, g).clamp_min(TINY)
-        e = _eval_candidates(x, negx, s, ws)[..., 0]
-        best_s, base_e = s[..., 0], e
-        best_e = e
-    else:
-        base = torch.maximum(wmax / 7, wmin / -8)
-        base = torch.where(base > 0, base, torch.ones_like(base))  # zero groups: any finite base
-        ratios = torch.cat([(rtn / base), COARSE_RATIOS.expand(r, k // gs, -1)], dim=-1)
-        cands = _ship_scale(base * ratios, g).clamp_min(TINY)
-        e = _eval_candidates(x, negx, cands, ws)
-        i = _first_within_tie(e)  # RTN is first: it wins ties
-        best_s = cands.gather(-1, i)[..., 0]
-        best_e = e.gather(-1, i)[..., 0]
-        base_e = e[..., 0]
-    if search and FINE_POINTS > 0 and len(COARSE_RATIOS) > 1:
-        # fine pass: FINE_POINTS ratios strictly inside one coarse step either side of the winner
-        step = float(COARSE_RATIOS[1] - COARSE_RATIOS[0])
-        offs = torch.linspace(-step, step, FINE_POINTS + 2)[1:-1]
-        rho = ratios.gather(-1, i)
-        cands2 = _ship_scale(base * (rho + offs), g).clamp_min(TINY)
-        e2 = _eval_candidates(x, negx, cands2, ws)
-        # the coarse winner first: it keeps its place against a tie
-        e2 = torch.cat([best_e.unsqueeze(-1), e2], dim=-1)
-        j = _first_within_tie(e2)
-        best_s = torch.cat([best_s.unsqueeze(-1), cands2], dim=-1).gather(-1, j)[..., 0]
-        best_e = e2.gather(-1, j)[..., 0]
-    best_s = torch.where(zero, torch.full_like(best_s, ZERO_GROUP_SCALE), best_s)
-    q = (x[:, :, 0, :] * best_s.unsqueeze(-1).reciprocal()).round_().clamp_(QMIN, QMAX)
-    q = q.to(torch.int8).view(r, k)
-    sse = float(best_e.sum())
-    base_sse = float(base_e.sum())
-    return q, best_s, sse, base_sse, int(zero.sum())
 
 
 def _requant_rows(n: int, k: int, g: int, rows, search: bool, name: str | None):
     """Drive the search over row chunks supplied by ``rows(r0, r1)`` (float32 [r, K])."""
     gcount = 1 if g == -1 else k // g
     q = torch.empty(n, k, dtype=torch.int8)
-    scales = torch.empty(n, gcount, dtype=_out_scale_dtype(g))
-    st = _Stats()
-    sse = base_sse = 0.0
+    scales = torch.empty(n, gcount, dtype=out_scale_dtype(g))
+    st = ErrorStats()
+    base_sse = 0.0
     zero_groups = 0
     step = _rows_per_chunk(k)
-    width = 1 + (max(len(COARSE_RATIOS), FINE_POINTS) if search else 0)
-    ws = torch.empty(min(n, step) * k * width, dtype=torch.float64)
+    ws = torch.empty(min(n, step) * k * workspace_width(search), dtype=torch.float64)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         w = rows(r0, r1).float().contiguous()
-        qc, sc, e, be, zg = _search_chunk(w, g, search, ws)
+        qc, sc, _, be, zg = search_chunk(w, g, search, ws)
         # a NaN/Inf weight makes every candidate scale of its group non-finite: cheap to spot here
-        _check_finite(sc, "weights", name)
+        check_finite(sc, "weights", name)
         q[r0:r1] = qc
         scales[r0:r1] = sc.to(scales.dtype)
         st.add(w, dequantize_w4a8(qc, sc, g))
-        sse += e
         base_sse += be
         zero_groups += zg
-    err = st.result()
-    err["baseline_rel_l2"] = math.sqrt(base_sse / st.ww) if st.ww > 0 else 0.0
-    info = {
-        "search": search,
-        "candidates": 1 if not search else len(COARSE_RATIOS) + 1 + FINE_POINTS,
-        "zero_groups": zero_groups,
-        "zero_group_scale": ZERO_GROUP_SCALE,
-        **err,
-    }
-    return q, scales, info
+    return q, scales, requant_info(search, st, base_sse, zero_groups)
 
 
 def requantize(w: torch.Tensor, group_size: int, *, search: bool = True):
@@ -377,7 +134,7 @@ def requantize(w: torch.Tensor, group_size: int, *, search: bool = True):
     if w.dim() != 2:
         raise UsageError(f"requantize expects a 2-D weight, got shape {tuple(w.shape)}")
     n, k = w.shape
-    g = _normalize_group(group_size, k)
+    g = normalize_group(group_size, k)
     if not w.is_floating_point():
         raise UsageError(f"requantize expects a float weight, got {w.dtype}")
     fast = _kernels.requant(n, k, g, search=search, name=None, w=w)  # C++ twin, or None
@@ -424,15 +181,15 @@ def lossless_possible(ql: QuantLinear, g: int) -> bool:
 def _lossless(ql: QuantLinear, g: int) -> W4A8Linear:
     n, k = ql.codes.shape
     src_groups = _target_source_groups(ql, g)
-    scales = ql.scales[:, src_groups].to(_out_scale_dtype(g)).contiguous()
-    _check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
+    scales = ql.scales[:, src_groups].to(out_scale_dtype(g)).contiguous()
+    check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
     fast = _kernels.lossless(ql, scales, src_groups, g)  # C++ twin of the code below, or None
     if fast is not None:
         q, err = fast
     else:
         q = (ql.codes.to(torch.int8) - 8).contiguous()
         gi = ql.group_index()
-        st = _Stats()
+        st = ErrorStats()
         step = _rows_per_chunk(k)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
@@ -463,7 +220,7 @@ def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
     if job_data is None:
         return None
     layout, data = job_data
-    g = _normalize_group(group_size, k)
+    g = normalize_group(group_size, k)
     zeros = _NO_ZEROS if ql.zeros is None else ql.zeros
     if zeros.dtype != torch.uint8:
         return None
@@ -472,9 +229,9 @@ def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
                                        k if g == -1 else g, g != -1, _kernels.kernel_threads())
     if int(status) != 0:
         return None
-    st = _Stats()
+    st = ErrorStats()
     st.dd, st.ww, st.vv, st.wv, st.max_abs = tot.tolist()
-    return _lossless_result(ql, q, s.to(_out_scale_dtype(g)), g, st.result())
+    return _lossless_result(ql, q, s.to(out_scale_dtype(g)), g, st.result())
 
 
 def _job_data(ql: QuantLinear) -> tuple[int, torch.Tensor] | None:
@@ -507,7 +264,7 @@ def requant_fast(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4
     if job_data is None:
         return None
     layout, data = job_data
-    g = _normalize_group(group_size, k)
+    g = normalize_group(group_size, k)
     gs = k if g == -1 else g
     src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
     coarse, fine = _kernels.search_points(search)
@@ -535,13 +292,13 @@ def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Lin
     if tuple(ql.codes.shape) != (n, k):
         raise InputError(f"{ql.spec.name}: codes shape {tuple(ql.codes.shape)} != spec [{n}, {k}]",
                          tensor=ql.spec.name)
-    g = _normalize_group(group_size, k)
+    g = normalize_group(group_size, k)
     fast = lossless_fast(ql, g)
     if fast is None:
         fast = requant_fast(ql, g, search=search)
     if fast is not None:
         return fast
-    _check_finite(ql.scales, "scales", ql.spec.name)
+    check_finite(ql.scales, "scales", ql.spec.name)
     if lossless_possible(ql, g):
         return _lossless(ql, g)
     fast = _kernels.requant(n, k, g, search=search, name=ql.spec.name, ql=ql)  # C++ twin, or None
@@ -598,7 +355,7 @@ def fold_act_order(gate: QuantLinear, up: QuantLinear, down: QuantLinear,
         raise InputError(
             f"cannot fold act-order: gate/up out_features ({gate.spec.n}, {up.spec.n}) != "
             f"down in_features {i_dim} ({down.spec.name})", tensor=down.spec.name)
-    g = _normalize_group(group_size, i_dim)
+    g = normalize_group(group_size, i_dim)
     width = None if down.has_trivial_g_idx() else _equal_groups(down)
     tgt = i_dim if g == -1 else g
     if width is None or width % tgt:

@@ -11,16 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from int4pack.errors import InputError, RefusedError, UsageError
+from int4pack.errors import InputError, UsageError
 from int4pack.records import LinearSpec, QuantLinear
 from int4pack.w4a8 import (
     W4A8Linear,
-    check_group_size,
     dequantize_w4a8,
     fold_act_order,
     lossless_possible,
     requantize,
-    resolve_group_size,
     to_w4a8,
 )
 
@@ -90,45 +88,6 @@ def ql_float(ql: QuantLinear) -> torch.Tensor:
     gi = torch.arange(k) // ql.spec.group_size if ql.g_idx is None else ql.g_idx.long()
     z = torch.full_like(ql.scales, 8, dtype=torch.float64) if ql.zeros is None else ql.zeros.double()
     return (ql.codes.double() - z[:, gi]) * ql.scales.double()[:, gi]
-
-
-# ----------------------------------------------------------------------------- group size rules
-
-
-@pytest.mark.parametrize("g,k,ok", [
-    (128, 768, True), (96, 768, True), (32, 768, True), (64, 768, True), (-1, 768, True),
-    (768, 768, True), (48, 768, False), (100, 768, False), (0, 768, False), (-2, 768, False),
-    (256, 128, False), (128, 320, False), (160, 320, True),
-])
-def test_check_group_size_table(g, k, ok):
-    reason = check_group_size(g, k)
-    assert (reason is None) == ok, reason
-    if not ok:
-        assert str(g) in reason
-
-
-@pytest.mark.parametrize("req,src,k,want", [
-    (None, 32, 768, 32), ("auto", 128, 768, 128), ("auto", 96, 768, 96),
-    ("auto", -1, 768, -1), ("auto", 768, 768, -1),        # source channel stays channel
-    ("auto", 48, 768, 128), ("auto", 100, 800, 32),      # invalid source group -> largest valid
-    ("auto", 16, 96, 32), ("auto", 16, 48, -1),           # nothing divides -> channel
-    ("auto", 32, 32, -1),                                  # g == K is channelwise
-    ("channel", 32, 768, -1), (-1, 32, 768, -1), ("-1", 32, 768, -1),
-    (64, 32, 768, 64), ("128", 32, 768, 128), (96, 32, 768, 96), (768, 32, 768, -1),
-])
-def test_resolve_group_size_table(req, src, k, want):
-    assert resolve_group_size(req, src, k) == want
-
-
-@pytest.mark.parametrize("req,k,exc", [
-    (48, 768, UsageError), (100, 768, UsageError), (0, 768, UsageError), ("sixty", 768, UsageError),
-    (128, 320, RefusedError), (1024, 768, RefusedError),
-])
-def test_resolve_group_size_rejects(req, k, exc):
-    with pytest.raises(exc) as ei:
-        resolve_group_size(req, 32, k)
-    msg = str(ei.value)
-    assert f"K={k}" in msg and str(req) in msg
 
 
 # ----------------------------------------------------------------------------- hand-checkable

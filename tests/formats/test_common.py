@@ -12,7 +12,8 @@ import torch
 
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError
-from int4pack.formats._common import all_bytes, g_idx_unless_trivial, nibble_rows, read_transposed, unpack_rows
+from int4pack.formats._common import all_bytes, g_idx_unless_trivial, read_transposed
+from int4pack.nibbles import nibble_rows, unpack_rows
 
 K, GROUP = 64, 16
 
