@@ -8,14 +8,12 @@ files, report -> atomic rename.
 from __future__ import annotations
 
 import ctypes
-import gc
 import json
 import re
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 
@@ -72,22 +70,6 @@ def _trim_heap() -> None:
 def _flush_and_trim(f: ShardFile) -> None:  # finisher thread
     f.flush()
     _trim_heap()
-
-
-@contextmanager
-def _gc_frozen():
-    """Keep the cyclic GC off what was alive when convert started (torch's ~10^5 objects, imported
-    with the collector paused, sat in the young generations and the plan's first collections
-    rescanned them: 0.05-0.1 s of each library call's plan; the CLI freezes them itself).
-    Unfrozen at the end unless the caller had frozen objects of its own: theirs stay frozen, and
-    so do ours then (still freed by their reference counts)."""
-    mine = gc.get_freeze_count() == 0
-    gc.freeze()
-    try:
-        yield
-    finally:
-        if mine:
-            gc.unfreeze()
 
 
 def _fmt(x: float | None) -> str | None:
@@ -265,7 +247,6 @@ def _base_meta(plan: Plan) -> dict[str, str]:
     }
 
 
-@_gc_frozen()
 def convert(
     src: str | Path,
     out: str | Path,
@@ -378,7 +359,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             return f
 
     def work(job: Job) -> tuple[dict, set]:
-        tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
+        with kernels.threads_here(1):  # one job per worker, each single-threaded: nothing nests
+            tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
         written = set()
         for name, data in tensors:
             shard = shard_of.get(name)
@@ -425,13 +407,6 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
                 closing.append(finisher.submit(close_shard, shard, shard_results.pop(shard, {}), dict(pending_stats)))
                 pending_stats.clear()
 
-    # one job per worker, each single-threaded: --threads N uses N cores, and no intra-op thread
-    # pool nests inside the workers (OpenMP teams per worker oversubscribe and stall)
-    intra = torch.get_num_threads()
-    torch.set_num_threads(1)
-    # the plan's ~10^5 objects never die during the run: keep the cyclic GC from rescanning them
-    # on every collection (it was ~10% of convert's CPU time); convert's _gc_frozen unfreezes them
-    gc.freeze()
     pool = ThreadPoolExecutor(max_workers=workers)
     finisher = ThreadPoolExecutor(max_workers=1)
     closing: list = []
@@ -459,6 +434,5 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     finally:
         pool.shutdown(wait=True)
         finisher.shutdown(wait=True)
-        torch.set_num_threads(intra)
         progress.stop()
     return stats

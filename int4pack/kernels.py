@@ -4,11 +4,15 @@ Every function takes the same inputs as the pure-torch code it replaces and retu
 bytes; when the extension is unavailable (``INT4PACK_NO_EXT=1``, no compiler) it *is* the torch
 twin. ``tests/test_kernels.py`` compares the two byte for byte.
 
-Threads: the kernels split rows over torch's intra-op threads (``torch.get_num_threads()``);
-convert runs one job per worker thread with intra-op threads set to 1, so nothing nests.
+Threads: a kernel splits its rows over ``kernel_threads()``: torch's intra-op thread count, or
+the count the calling thread set with ``threads_here`` (convert's workers take one each, so
+nothing nests, without changing torch's process-wide setting).
 """
 
 from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -17,7 +21,7 @@ from . import scale_search as S
 from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
 
 __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "requant_info",
-           "search_points", "kernel_threads", "crc32c"]
+           "search_points", "kernel_threads", "threads_here", "crc32c"]
 
 
 def ext():
@@ -25,8 +29,23 @@ def ext():
     return _ext.load("convert_kernels")
 
 
+_here = threading.local()  # .threads: this thread's kernel thread count, when set
+
+
 def kernel_threads() -> int:
-    return max(1, torch.get_num_threads())
+    """Threads a kernel called from this thread may use."""
+    return getattr(_here, "threads", None) or max(1, torch.get_num_threads())
+
+
+@contextmanager
+def threads_here(n: int):
+    """Kernel calls made by the current thread use ``n`` threads inside the block."""
+    old = getattr(_here, "threads", None)
+    _here.threads = max(1, int(n))
+    try:
+        yield
+    finally:
+        _here.threads = old
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
