@@ -4,9 +4,9 @@ The sources ship inside the package (sdist and wheel) and compile at first use w
 torch.utils.cpp_extension and ninja from PyPI, against the torch that is installed then. So
 the install stays a plain ``pip install``: nothing asks for torch at build time, build
 isolation cannot pull a second torch, and a wheel built on one torch keeps working when the
-environment (e.g. vLLM's) brings another. Each ``csrc/<name>.cpp`` is its own extension,
-cached per source hash, torch and Python version under ``$INT4PACK_CACHE`` (default
-``~/.cache/int4pack``).
+environment (e.g. vLLM's) brings another. Each folder ``csrc/<name>/`` is one extension, its
+``*.cpp`` compiled together with its ``*.h``; a build is cached per source hash, torch and
+Python version under ``$INT4PACK_CACHE`` (default ``~/.cache/int4pack``).
 
 ``load(name)`` returns the module, or None when ``INT4PACK_NO_EXT=1`` or the build fails; the
 callers then use their pure-torch twins. A failed build warns once per process
@@ -55,7 +55,7 @@ def build_error(name: str) -> str | None:
 
 
 def load(name: str, *, required: bool = False):
-    """The compiled extension ``csrc/<name>.cpp`` (plus ``csrc/*.h``), or None."""
+    """The compiled extension ``csrc/<name>/``, or None."""
     if os.environ.get("INT4PACK_NO_EXT", "") not in {"", "0"} and not required:
         _errors.setdefault(name, "disabled by INT4PACK_NO_EXT")
         return None
@@ -64,9 +64,8 @@ def load(name: str, *, required: bool = False):
             return _loaded[name]
         if name in _errors and not required:
             return None
-        src = csrc_dir() / f"{name}.cpp"
         try:
-            mod = _build(name, src)
+            mod = _build(name, csrc_dir() / name)
         except Exception as e:  # a compiler problem must not break the pure-torch paths
             _errors[name] = f"{type(e).__name__}: {e}"
             if required:
@@ -92,15 +91,17 @@ def _warn_slow(name: str, error: str) -> None:
         SlowPathWarning, stacklevel=3)
 
 
-def _build(name: str, src: Path):
+def _build(name: str, folder: Path):
+    """Build (or import the cached build of) the extension whose sources are ``folder/*.cpp``."""
     import torch
 
-    if not src.is_file():
-        raise FileNotFoundError(src)
+    sources = sorted(folder.glob("*.cpp"))
+    if not sources:
+        raise FileNotFoundError(f"no C++ sources in {folder}")
     flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
-    headers = sorted(src.parent.glob("*.h"))
     h = hashlib.sha256()
-    for p in [src, *headers]:
+    for p in [*sources, *sorted(folder.glob("*.h"))]:
+        h.update(p.name.encode())
         h.update(p.read_bytes())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
@@ -132,10 +133,10 @@ def _build(name: str, src: Path):
             (build_dir / "lock").unlink(missing_ok=True)
         mod = cpp_extension.load(
             name=mod_name,
-            sources=[str(src)],
+            sources=[str(p) for p in sources],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(src.parent)],
+            extra_include_paths=[str(folder)],
             build_directory=str(build_dir),
             verbose=os.environ.get("INT4PACK_EXT_VERBOSE", "") not in {"", "0"},
         )

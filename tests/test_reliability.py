@@ -430,9 +430,9 @@ def test_stale_extension_build_lock_from_a_killed_run_is_cleared(tmp_path, monke
     from int4pack import _ext
 
     monkeypatch.setenv("INT4PACK_CACHE", str(tmp_path))
-    src = tmp_path / "csrc" / "demo.cpp"
-    src.parent.mkdir()
-    src.write_text("// demo\n")
+    src = tmp_path / "csrc" / "demo"
+    src.mkdir(parents=True)
+    (src / "demo.cpp").write_text("// demo\n")
     seen = {}
 
     def fake_load(name, sources, build_directory, **kw):
@@ -466,7 +466,7 @@ def test_extension_finished_build_is_imported_without_cpp_extension(monkeypatch)
     calls = []
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **kw: calls.append(a) or None)
     monkeypatch.setattr(sys, "modules", {k: v for k, v in sys.modules.items() if not k.startswith("int4pack_convert")})
-    mod = _ext._build("convert_kernels", _ext.csrc_dir() / "convert_kernels.cpp")
+    mod = _ext._build("convert_kernels", _ext.csrc_dir() / "convert_kernels")
     assert calls == []
     assert mod.crc32c(b"123456789", 0) == 0xE3069283
 
@@ -479,9 +479,9 @@ def test_extension_build_marker_only_after_a_load(tmp_path, monkeypatch):
     from int4pack import _ext
 
     monkeypatch.setenv("INT4PACK_CACHE", str(tmp_path))
-    src = tmp_path / "csrc" / "demo.cpp"
-    src.parent.mkdir()
-    src.write_text("// demo\n")
+    src = tmp_path / "csrc" / "demo"
+    src.mkdir(parents=True)
+    (src / "demo.cpp").write_text("// demo\n")
     calls = []
 
     def failing_load(name, **kw):
