@@ -1,4 +1,4 @@
-"""Fast paths of the convert hot loops (``csrc/convert_kernels*``), each beside its torch twin.
+"""Fast paths of the convert hot loops (``csrc/convert_kernels/``), each beside its torch twin.
 
 Every function takes the same inputs as the pure-torch code it replaces and returns the same
 bytes; when the extension is unavailable (``INT4PACK_NO_EXT=1``, no compiler) it *is* the torch

@@ -17,7 +17,7 @@ The byte size alone does not identify the layout: with K/g == 2 a groupwise blob
 the channelwise size (K=64, g=32), so callers must record the group size next to the blob.
 
 Three code paths produce or read the format: ``pack_reference`` (numpy, the test oracle),
-``pack_portable`` (C++ in ``csrc/kleidiai_pack.cpp``), and ``unpack``.
+``pack_portable`` (C++ in ``csrc/kleidiai_pack/kleidiai_pack.cpp``), and ``unpack``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CPU W4A8 MoE forward (vLLM's ``dynamic_4bit_int_moe_cpu`` algorithm) and its references.
 
-``moe_forward`` runs ``csrc/moe.cpp`` (experts in parallel, each through torch's
+``moe_forward`` runs ``csrc/moe/moe.cpp`` (experts in parallel, each through torch's
 ``_dyn_quant_matmul_4bit``: KleidiAI on Arm, torch's reference kernel elsewhere) or, without a
 compiler, ``moe_forward_twin``: the same algorithm as a Python loop over experts calling the same
 torch op. ``moe_reference`` is a float32 per-token computation on dequantised weights.
@@ -94,7 +94,7 @@ def _compute_dtype(dtype: torch.dtype, channelwise: bool) -> torch.dtype:
 
 def moe_forward_twin(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden: int, inter: int, group_size: int,
                      apply_router_weight_on_input: bool = False, activation_kind: int = 0) -> torch.Tensor:
-    """The same algorithm as csrc/moe.cpp, one expert at a time, in Python."""
+    """The same algorithm as csrc/moe/moe.cpp, one expert at a time, in Python."""
     t, k = topk_ids.shape
     e_count = w13_packed.shape[0]
     chan = group_size == -1

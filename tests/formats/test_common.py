@@ -1,5 +1,5 @@
 """formats/_common.py: the g_idx read that skips the trivial index, the checkpoint's reads under it, and the
-small helpers the readers share."""
+small helpers the readers share (with nibbles.py's unpacking they use)."""
 
 from __future__ import annotations
 
