@@ -11,7 +11,7 @@ Two layouts, both with ``nr=8, kr=16, sr=2`` (docs/kleidiai.md §1.5):
 Data bytes, per 32-value chunk of K, per half-chunk segment s, per row: 8 bytes, byte i holding
 the signed nibbles of k = 32c + 8s + i (low) and k + 16 (high). Rows past N repeat row N-1
 (data, scales, bias); verified byte-for-byte against torch's packer under QEMU
-(``scripts/arm64_pack_check.py``).
+(``tests/arm64/pack_check.py``).
 
 The byte size alone does not identify the layout: with K/g == 2 a groupwise blob has exactly
 the channelwise size (K=64, g=32), so callers must record the group size next to the blob.

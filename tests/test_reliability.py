@@ -1,7 +1,7 @@
 """Reliability (issue 6): bad input gets one clear error and nothing is lost; interrupted runs resume
 byte-identically; the readers only ever raise int4pack's own error type.
 
-The corpus of malformed inputs is built fresh by ``scripts/make_bad_inputs.py`` (from the real
+The corpus of malformed inputs is built fresh by ``tests/make_bad_inputs.py`` (from the real
 fixtures plus small synthetic checkpoints) into a temporary folder. Every case runs through the CLI's
 error boundary in-process (typer's CliRunner: fast), and a representative subset, the hub cases and
 the tmpfs disk-full case also through the real console entry point in a subprocess.
@@ -42,7 +42,7 @@ from int4pack.plan import make_plan
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 
-_spec = importlib.util.spec_from_file_location("make_bad_inputs", ROOT / "scripts" / "make_bad_inputs.py")
+_spec = importlib.util.spec_from_file_location("make_bad_inputs", ROOT / "tests" / "make_bad_inputs.py")
 mbi = importlib.util.module_from_spec(_spec)
 sys.modules["make_bad_inputs"] = mbi
 _spec.loader.exec_module(mbi)

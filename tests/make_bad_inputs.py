@@ -6,7 +6,7 @@ fixture (``tests/fixtures``) or from a tiny synthetic checkpoint written with sa
 the corpus is rebuilt fresh by the tests (into ``tmp_path``) and never committed.
 
 Usage:
-    python scripts/make_bad_inputs.py DEST [--fixtures PATH]
+    python tests/make_bad_inputs.py DEST [--fixtures PATH]
 
     from make_bad_inputs import build_corpus
     cases = build_corpus(dest, fixtures)       # -> list[Case]; also writes DEST/cases.json
@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 
 __all__ = ["Case", "build_corpus", "load_cases", "tree_hash", "DEFAULT_FIXTURES"]
 
-DEFAULT_FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+DEFAULT_FIXTURES = Path(__file__).resolve().parent / "fixtures"
 INDEX = "model.safetensors.index.json"
 
 
