@@ -1,4 +1,4 @@
-"""Reliability (issue 6): bad input gets one clear error and nothing is lost; interrupted runs resume
+"""Reliability: bad input gets one clear error and nothing is lost; interrupted runs resume
 byte-identically; the readers only ever raise int4pack's own error type.
 
 The corpus of malformed inputs is built fresh by ``tests/make_bad_inputs.py`` (from the real
