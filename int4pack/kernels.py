@@ -132,19 +132,16 @@ _EMPTY_I64 = torch.empty(0, dtype=torch.int64)
 
 
 def lossless(ql, scales: torch.Tensor, src_groups: torch.Tensor, g: int):
-    """Fast ``w4a8._lossless`` core: (q int8 [N, K], error dict) or None (use the torch twin).
+    """The lossless path's codes kernel (twin: ``w4a8._lossless_torch``): (q int8 [N, K], error dict).
 
     ``scales`` are the shipped target scales [N, Gt], ``src_groups`` the source group of each
     target group. The error is only the scale cast: within target group j of row n every weight
     differs by ``(u - 8) * (sb - s)``, so the sums need only sum(q^2) and max(q^2) per group.
     """
-    m = ext()
-    codes = ql.codes
-    if m is None or codes.dtype != torch.uint8 or codes.dim() != 2:
-        return None
-    n, k = codes.shape
+    codes = ql.codes.to(torch.uint8).contiguous()
+    k = codes.shape[1]
     gs = k if g == -1 else g
-    q, sq, mq = m.lossless(codes.contiguous(), gs, kernel_threads())
+    q, sq, mq = ext().lossless(codes, gs, kernel_threads())
     s = ql.scales[:, src_groups].double()  # source scale of each target group, [N, Gt]
     sb = scales.double()
     sqd = sq.double()

@@ -35,8 +35,7 @@ from .scale_search import ErrorStats, check_finite, out_scale_dtype, requant_inf
 __all__ = [
     "W4A8Linear",
     "lossless_possible",
-    "lossless_fast",
-    "requant_fast",
+    "check_scales",
     "to_w4a8",
     "requantize",
     "fold_act_order",
@@ -143,7 +142,7 @@ def requantize(w: torch.Tensor, group_size: int, *, search: bool = True):
     return _requant_rows(n, k, g, lambda r0, r1: w[r0:r1], search, None)
 
 
-# --------------------------------------------------------------------------- lossless / dispatch
+# --------------------------------------------------------------------------- the one dispatch
 
 
 def _target_source_groups(ql: QuantLinear, g: int) -> torch.Tensor | None:
@@ -164,117 +163,142 @@ def lossless_possible(ql: QuantLinear, g: int) -> bool:
 
     Needs: zero points all 8 in the data, a valid W4A8 group, and every contiguous target group
     inside one source group (equal groups and trivial g_idx is the usual case; a finer target
-    group, or channel -> group, also qualifies).
+    group, or channel -> group, also qualifies). Reads no codes: a packed record can be asked.
     """
     k = ql.spec.k
     if g == k:
         g = -1
     if check_group_size(g, k) is not None:
         return False
-    if tuple(ql.codes.shape) != (ql.spec.n, k):
-        return False
     if not ql.is_symmetric():
         return False
+    if ql.g_idx is None:  # source group i holds columns [i*src, (i+1)*src): no tensor to look at
+        src, gs = ql.spec.group_size, k if g == -1 else g
+        return src >= k or src % gs == 0
     return _target_source_groups(ql, g) is not None
 
 
-def _lossless(ql: QuantLinear, g: int) -> W4A8Linear:
-    n, k = ql.codes.shape
-    src_groups = _target_source_groups(ql, g)
-    scales = ql.scales[:, src_groups].to(out_scale_dtype(g)).contiguous()
-    check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
-    fast = _kernels.lossless(ql, scales, src_groups, g)  # C++ twin of the code below, or None
-    if fast is not None:
-        q, err = fast
-    else:
-        q = (ql.codes.to(torch.int8) - 8).contiguous()
+def check_scales(ql: QuantLinear) -> None:
+    """Refuse source scales no producer writes, naming the tensor; cheap (scales are ~1/32 of the codes).
+
+    NaN/Inf: never valid. Negative: GPTQ, AWQ and compressed-tensors all derive scales from a range
+    (max - min, clamped positive), so a sign bit means corruption or a misread layout. Zero: valid
+    only on a group whose codes all sit at its zero point (a pruned group dequantises to 0 either
+    way); a zero scale over other codes erases weights the codes still hold, e.g. a zero-filled
+    region of a damaged file.
+    """
+    s = ql.scales
+    name = next((k for k in ql.spec.keys if k.endswith((".scales", ".weight_scale"))), f"{ql.spec.name}.scales")
+    where = "re-download or re-export the checkpoint"
+
+    def first(mask: torch.Tensor) -> str:
+        n, g = (int(i) for i in mask.nonzero()[0])
+        more = int(mask.sum()) - 1
+        return f"row {n}, group {g}" + (f" (and {more} more)" if more else "")
+
+    bad = ~torch.isfinite(s)
+    if bool(bad.any()):
+        raise InputError(f"{name}: NaN or Inf scale at {first(bad)}", tensor=name,
+                         hint=f"The scales are corrupt (or overflowed their dtype when saved); {where}.")
+    if bool((s < 0).any()):
+        raise InputError(f"{name}: negative scale at {first(s < 0)}", tensor=name,
+                         hint=f"No int4 producer writes negative scales: the tensor is corrupt or not the "
+                              f"layout the config claims; {where}.")
+    zero = s == 0
+    if bool(zero.any()):
+        ql = ql.unpacked()
         gi = ql.group_index()
-        st = ErrorStats()
-        step = _rows_per_chunk(k)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            st.add(_source_rows(ql, gi, r0, r1), dequantize_w4a8(q[r0:r1], scales[r0:r1], g))
-        err = st.result()
+        z = 8 if ql.zeros is None else ql.zeros[:, gi]
+        erased = zero[:, gi] & (ql.codes != z)  # [N, K]: a code a zero scale would wipe out
+        if bool(erased.any()):
+            n, k = (int(i) for i in erased.nonzero()[0])
+            raise InputError(f"{name}: zero scale at row {n}, group {int(gi[k])} over codes that are not at the "
+                             "zero point (the weights they hold would be erased)", tensor=name,
+                             hint=f"A zero-filled or damaged region of the file; {where}.")
+
+
+def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear:
+    """The linear in W4A8: its path decided once from its data (lossless when ``lossless_possible``,
+    else requant), then that path's one implementation, in the C++ kernels when they are built and
+    in torch otherwise (the same bytes). ``ql`` may still hold its codes packed."""
+    n, k = ql.spec.n, ql.spec.k
+    if ql.codes is not None and tuple(ql.codes.shape) != (n, k):
+        raise InputError(f"{ql.spec.name}: codes shape {tuple(ql.codes.shape)} != spec [{n}, {k}]",
+                         tensor=ql.spec.name)
+    g = normalize_group(group_size, k)
+    lossless = lossless_possible(ql, g)
+    if _kernels.ext() is not None:
+        return _lossless_kernels(ql, g) if lossless else _requant_kernels(ql, g, search)
+    ql = ql.unpacked()
+    check_scales(ql)
+    return _lossless_torch(ql, g) if lossless else _requant_torch(ql, g, search)
+
+
+def _one_pass(ql: QuantLinear) -> bool:
+    """Whether the one-pass jobs take the record: no g_idx, scales a float [N, G] matrix."""
+    return ql.g_idx is None and ql.scales.dim() == 2 and ql.scales.is_floating_point()
+
+
+# --------------------------------------------------------------------------- lossless
+
+
+def _lossless_kernels(ql: QuantLinear, g: int) -> W4A8Linear:
+    """The lossless path in C++: the one-pass job (checks, q, cast scales, error) over the packed
+    words or the codes; a record the job does not take (a g_idx), or whose scale it refuses, goes
+    to ``check_scales``, which names a bad scale, and then the codes kernel (a zero scale over
+    codes at their zero point is valid)."""
+    done = lossless_fast(ql, g) if _one_pass(ql) else None
+    if done is not None:
+        return done
+    ql = ql.unpacked()
+    check_scales(ql)
+    src_groups = _target_source_groups(ql, g)
+    scales = _lossless_scales(ql, src_groups, g)
+    q, err = _kernels.lossless(ql, scales, src_groups, g)
     return _lossless_result(ql, q, scales, g, err)
 
 
-def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
-    """The common lossless case in one C++ pass, scale checks included; None when it does not apply.
+def _lossless_torch(ql: QuantLinear, g: int) -> W4A8Linear:
+    """The lossless path in torch (the kernels' twin)."""
+    n, k = ql.codes.shape
+    src_groups = _target_source_groups(ql, g)
+    scales = _lossless_scales(ql, src_groups, g)
+    q = (ql.codes.to(torch.int8) - 8).contiguous()
+    gi = ql.group_index()
+    st = ErrorStats()
+    step = _rows_per_chunk(k)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        st.add(_source_rows(ql, gi, r0, r1), dequantize_w4a8(q[r0:r1], scales[r0:r1], g))
+    return _lossless_result(ql, q, scales, g, st.result())
 
-    ``ql`` may still hold its codes packed (``ql.packed``): the kernel then reads the words directly.
 
-    Applies to a symmetric source without g_idx whose target groups each sit inside one source
-    group, with scales that are finite and positive. Anything else (or no extension) returns None
-    and the general path (``check_scales`` + ``to_w4a8``) decides and explains. Same bytes as
-    ``_lossless`` (tests/test_w4a8.py compares them).
-    """
+def _lossless_scales(ql: QuantLinear, src_groups: torch.Tensor, g: int) -> torch.Tensor:
+    scales = ql.scales[:, src_groups].to(out_scale_dtype(g)).contiguous()
+    check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
+    return scales
+
+
+def lossless_fast(ql: QuantLinear, g: int) -> W4A8Linear | None:
+    """The lossless one-pass job on a record whose codes may still be packed; None when the record
+    is not the job's (a g_idx, a zero point off 8, a target group across two source groups) or
+    the job refuses a scale (not finite and positive, or not finite once cast)."""
     m = _kernels.ext()
     n, k = ql.spec.n, ql.spec.k
-    if m is None or ql.g_idx is not None or ql.scales.dim() != 2 or not ql.scales.is_floating_point():
+    if not _one_pass(ql):
         return None
-    if ql.codes is None and ql.packed[0] == 3:  # AWQ words: the lossless kernel does not read them
-        if ql.zeros is not None:
-            return None  # asymmetric (the readers drop zeros that are all 8)
-        ql = ql.unpacked()
-    job_data = _job_data(ql)  # still packed: the kernel reads the words
-    if job_data is None:
-        return None
-    layout, data = job_data
-    g = normalize_group(group_size, k)
-    zeros = _NO_ZEROS if ql.zeros is None else ql.zeros
-    if zeros.dtype != torch.uint8:
-        return None
+    if ql.codes is None and (ql.packed[0] == 3 or k % 8 or (g != -1 and g % 8)):
+        ql = ql.unpacked()  # the job reads compressed-tensors and GPTQ words in whole words only
+    layout, data = ql.packed if ql.codes is None else (0, ql.codes.to(torch.uint8).contiguous())
+    zeros = _NO_ZEROS if ql.zeros is None else ql.zeros.to(torch.uint8).contiguous()
     src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
-    status, q, s, tot = m.lossless_job(layout, data, n, k, ql.scales, zeros.contiguous(), src_group,
+    status, q, s, tot = m.lossless_job(layout, data, n, k, ql.scales.contiguous(), zeros, src_group,
                                        k if g == -1 else g, g != -1, _kernels.kernel_threads())
     if int(status) != 0:
         return None
     st = ErrorStats()
     st.dd, st.ww, st.vv, st.wv, st.max_abs = tot.tolist()
     return _lossless_result(ql, q, s.to(out_scale_dtype(g)), g, st.result())
-
-
-def _job_data(ql: QuantLinear) -> tuple[int, torch.Tensor] | None:
-    """(layout, tensor) as the one-pass kernels take a source's codes: its packed words, or
-    (0, codes); None when the codes are not contiguous uint8 [N, K]."""
-    if ql.codes is None:
-        return ql.packed
-    c = ql.codes
-    if c.dtype != torch.uint8 or tuple(c.shape) != (ql.spec.n, ql.spec.k) or not c.is_contiguous():
-        return None
-    return 0, c
-
-
-def requant_fast(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear | None:
-    """An asymmetric source's requant in one C++ pass; None when it does not apply.
-
-    ``ql`` may still hold its codes packed. Scale checks, unpack (64 rows at a time, in cache), the
-    scale search, the error sums and the scale cast run in one call without the GIL. Applies to a
-    source with zero points other than 8, no g_idx, and scales that are finite and positive, and
-    returns None for anything else, including the rare job with a NaN/Inf weight or a decision
-    left to the torch twin: the general path (``check_scales`` + ``to_w4a8``) decides and explains.
-    Same bytes as ``to_w4a8`` (tests/test_kernels.py compares them).
-    """
-    m = _kernels.ext()
-    n, k = ql.spec.n, ql.spec.k
-    if (m is None or ql.zeros is None or ql.zeros.dtype != torch.uint8 or ql.g_idx is not None
-            or ql.scales.dim() != 2 or not ql.scales.is_floating_point()):
-        return None
-    job_data = _job_data(ql)
-    if job_data is None:
-        return None
-    layout, data = job_data
-    g = normalize_group(group_size, k)
-    gs = k if g == -1 else g
-    src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
-    coarse, fine = _kernels.search_points(search)
-    status, q, s, sums, zero_groups = m.requant_job(layout, data, n, k, ql.scales, ql.zeros.contiguous(), src_group,
-                                                    gs, g != -1, search, coarse, fine, _kernels.kernel_threads())
-    if int(status) != 0:
-        return None
-    info = _kernels.requant_info(search, sums.tolist(), int(zero_groups))
-    info["exact_ints"] = False
-    return W4A8Linear(ql.spec.name, q, s, g, ql.bias, "requant", info)
 
 
 def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: int, err: dict) -> W4A8Linear:
@@ -285,31 +309,57 @@ def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: 
     return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, path, err)
 
 
-def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear:
-    """Lossless when the data allows it (see ``lossless_possible``), else requant."""
-    n, k = ql.spec.n, ql.spec.k
+# --------------------------------------------------------------------------- requant
+
+
+def _requant_kernels(ql: QuantLinear, g: int, search: bool) -> W4A8Linear:
+    """The requant path in C++: an asymmetric record without g_idx in the one-pass job (unpack,
+    checks, search, error sums); anything else, and what the job hands back (a refused scale, a
+    NaN weight, a too-close call: rare), in the codes kernel after ``check_scales``. The codes
+    kernel leaves NaN weights to the torch twin, which names them."""
+    done = requant_fast(ql, g, search=search) if ql.zeros is not None and _one_pass(ql) else None
+    if done is not None:
+        return done
     ql = ql.unpacked()
-    if tuple(ql.codes.shape) != (n, k):
-        raise InputError(f"{ql.spec.name}: codes shape {tuple(ql.codes.shape)} != spec [{n}, {k}]",
-                         tensor=ql.spec.name)
-    g = normalize_group(group_size, k)
-    fast = lossless_fast(ql, g)
-    if fast is None:
-        fast = requant_fast(ql, g, search=search)
-    if fast is not None:
-        return fast
-    check_finite(ql.scales, "scales", ql.spec.name)
-    if lossless_possible(ql, g):
-        return _lossless(ql, g)
-    fast = _kernels.requant(n, k, g, search=search, name=ql.spec.name, ql=ql)  # C++ twin, or None
-    if fast is not None:
-        q, scales, info = fast
-    else:
-        gi = ql.group_index()
-        q, scales, info = _requant_rows(n, k, g, lambda r0, r1: _source_rows(ql, gi, r0, r1), search,
-                                       ql.spec.name)
+    check_scales(ql)
+    done = _kernels.requant(ql.spec.n, ql.spec.k, g, search=search, name=ql.spec.name, ql=ql)
+    if done is None:
+        return _requant_torch(ql, g, search)
+    q, scales, info = done
     info["exact_ints"] = False
     return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, "requant", info)
+
+
+def _requant_torch(ql: QuantLinear, g: int, search: bool) -> W4A8Linear:
+    """The requant path in torch (the kernels' twin)."""
+    gi = ql.group_index()
+    q, scales, info = _requant_rows(ql.spec.n, ql.spec.k, g, lambda r0, r1: _source_rows(ql, gi, r0, r1), search,
+                                   ql.spec.name)
+    info["exact_ints"] = False
+    return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, "requant", info)
+
+
+def requant_fast(ql: QuantLinear, g: int, *, search: bool = True) -> W4A8Linear | None:
+    """The requant one-pass job of an asymmetric record without g_idx (codes possibly packed):
+    scale checks, unpack 64 rows at a time in cache, search, error sums and scale cast in one call
+    without the GIL. None when the record is not the job's (no zero points, a g_idx) or the job
+    hands it back (see ``_requant_kernels``)."""
+    m = _kernels.ext()
+    n, k = ql.spec.n, ql.spec.k
+    if ql.zeros is None or not _one_pass(ql):
+        return None
+    layout, data = ql.packed if ql.codes is None else (0, ql.codes.to(torch.uint8).contiguous())
+    gs = k if g == -1 else g
+    src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
+    coarse, fine = _kernels.search_points(search)
+    status, q, s, sums, zero_groups = m.requant_job(layout, data, n, k, ql.scales.contiguous(),
+                                                    ql.zeros.to(torch.uint8).contiguous(), src_group, gs, g != -1,
+                                                    search, coarse, fine, _kernels.kernel_threads())
+    if int(status) != 0:
+        return None
+    info = _kernels.requant_info(search, sums.tolist(), int(zero_groups))
+    info["exact_ints"] = False
+    return W4A8Linear(ql.spec.name, q, s, g, ql.bias, "requant", info)
 
 
 # --------------------------------------------------------------------------- act-order fold

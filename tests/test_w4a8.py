@@ -479,11 +479,9 @@ def test_w4a8linear_dequantize_matches_reference():
 # ----------------------------------------------------------------------------- one-pass lossless (C++)
 
 def _general_lossless(monkeypatch, ql, g):
-    """w4a8._lossless with the extension hidden: the pure-torch path that lossless_fast replaces."""
-    from int4pack import kernels, w4a8
-    with monkeypatch.context() as m:
-        m.setattr(kernels, "ext", lambda: None)
-        return w4a8._lossless(ql, g)
+    """The lossless path in torch: the twin of lossless_fast."""
+    from int4pack import w4a8
+    return w4a8._lossless_torch(ql.unpacked(), g)
 
 
 def _with_scale_dtype(ql, dtype, *, rough=False):
@@ -537,7 +535,7 @@ def test_lossless_fast_declines_what_it_cannot_decide(what):
     from int4pack import kernels
     if kernels.ext() is None:
         pytest.skip("convert_kernels extension unavailable")
-    from int4pack.convert import check_scales
+    from int4pack.w4a8 import check_scales
     from int4pack.w4a8 import lossless_fast
     ql = rand_ql("m", 16, 128, 32, seed=3)
     g = 32
@@ -619,3 +617,38 @@ def test_readers_packed_records_unpack_to_the_same_codes(name):
             assert torch.equal(b.unpacked().codes, a.codes), s.name
             assert torch.equal(b.scales, a.scales)
             assert (a.zeros is None) == (b.zeros is None)
+
+
+# ----------------------------------------------------------------------------- the one dispatch
+
+
+@pytest.mark.parametrize("record,g,want", [
+    ("sym", 32, "lossless_fast"), ("sym", 64, "codes requant"),  # a target group across two source groups
+    ("asym", 32, "requant_fast"), ("act-order", 32, "codes requant"), ("no kernels", 32, "torch"),
+])
+def test_to_w4a8_decides_once(monkeypatch, record, g, want):
+    """to_w4a8 decides the path from the record, then runs that path's one implementation: the other
+    path's kernels are never asked (each is replaced here by a recorder that still computes)."""
+    from int4pack import kernels, w4a8
+    if kernels.ext() is None:
+        pytest.skip("convert_kernels extension unavailable")
+    called = []
+
+    def recorder(label, fn):
+        def run(*a, **kw):
+            called.append(label)
+            return fn(*a, **kw)
+        return run
+
+    monkeypatch.setattr(w4a8, "lossless_fast", recorder("lossless_fast", w4a8.lossless_fast))
+    monkeypatch.setattr(w4a8, "requant_fast", recorder("requant_fast", w4a8.requant_fast))
+    monkeypatch.setattr(kernels, "lossless", recorder("codes lossless", kernels.lossless))
+    monkeypatch.setattr(kernels, "requant", recorder("codes requant", kernels.requant))
+    g_idx = (torch.randperm(128, generator=torch.Generator().manual_seed(2)) // 32).int() if record == "act-order" \
+        else None
+    ql = rand_ql("m", 16, 128, 32, seed=5, sym=record != "asym", g_idx=g_idx)
+    if record == "no kernels":
+        monkeypatch.setattr(kernels, "ext", lambda: None)
+    out = to_w4a8(ql, g)
+    assert called == ([] if want == "torch" else [want])
+    assert out.path == ("lossless" if want in ("lossless_fast", "torch") else "requant")
