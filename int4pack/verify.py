@@ -36,7 +36,8 @@ from . import moe as moe_mod
 from .architectures import classify
 from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, Int4packError, VerifyFailed
-from .w4a8 import check_group_size, dequantize_w4a8
+from .groups import check_group_size
+from .w4a8 import dequantize_w4a8
 
 __all__ = ["verify", "target_of", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 
