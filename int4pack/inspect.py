@@ -16,10 +16,11 @@ from . import kleidiai, serve_format as sf
 from .architectures import classify, discover
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
+from .groups import groupwise_problem
+from .nibbles import AWQ_ORDER
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _MAIN_SUFFIXES = ("qweight", "weight_packed", "weight")
 
 
@@ -29,7 +30,7 @@ def kleidiai_gate(k: int, group_size: int, scale_dtype: str) -> tuple[bool, str]
         if scale_dtype != "F32":
             return False, f"channelwise needs float32 scales, got {scale_dtype}: silent float32 fallback"
         return True, "channelwise qsi4cxp (fp32 scales)"
-    if group_size % 32 or k % group_size or group_size >= k:
+    if groupwise_problem(group_size, k):
         return False, f"group {group_size} must be a multiple of 32 dividing K={k} and < K: fallback/refused"
     if scale_dtype != "BF16":
         return False, f"groupwise needs bfloat16 scales, got {scale_dtype}: silent float32 fallback"
@@ -170,7 +171,7 @@ def nibble_map(fmt: str, shape: tuple[int, ...], words: int = 2) -> list[dict]:
             if fmt == "gptq":
                 n, k = c, 8 * r + i
             elif fmt == "awq":
-                n, k = 8 * c + _AWQ_ORDER[i], r
+                n, k = 8 * c + AWQ_ORDER[i], r
             else:
                 n, k = r, 8 * c + i
             out.append({"word": [r, c], "nibble": i, "bits": f"{4 * i}..{4 * i + 3}", "byte": 4 * w + i // 2,

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 from ._version import __version__
 from .architectures import Layout, discover
-from .checkpoint import _ITEMSIZE, Checkpoint, TensorInfo
+from .checkpoint import ITEMSIZE, Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
 from .formats import open_reader
 from .records import FormatVerdict, LinearSpec
-from .w4a8 import check_group_size, parse_group_size
+from .groups import auto_group, groupwise_problem, parse_group_size
 
 __all__ = ["OutTensor", "Job", "Plan", "make_plan", "parse_size", "parse_group_size"]
 
@@ -33,7 +33,7 @@ class OutTensor:
     nbytes: int = field(init=False, repr=False, compare=False)  # asked for per tensor many times
 
     def __post_init__(self) -> None:
-        n = _ITEMSIZE[self.dtype]
+        n = ITEMSIZE[self.dtype]
         for s in self.shape:
             n *= s
         object.__setattr__(self, "nbytes", n)
@@ -149,40 +149,22 @@ def parse_size(s: str | int) -> int:
     return int(val * units[u])
 
 
-def _group_problem(g: int, k: int) -> str | None:
-    """Why g cannot be the model-wide group for a linear with in_features k."""
-    reason = check_group_size(g, k)
-    if reason is None and g == k:
-        # vLLM would pack it with bf16 scales and block == K: KleidiAI's gate refuses that and
-        # torch silently takes the 4x larger float reference path
-        return f"group size {g} equals K={k} (vLLM would take torch's slow fallback for this module)"
-    return reason
-
-
 def _choose_group(requested: int | None, specs: list[LinearSpec]) -> int:
     """One target group for the whole model (vLLM takes one scheme for all W4A8 linears)."""
     ks = sorted({s.k for s in specs})
     if requested is not None:
         if requested == -1:
             return -1
-        bad = [(s.name, s.k) for s in specs if _group_problem(requested, s.k)]
+        bad = [(s.name, s.k) for s in specs if groupwise_problem(requested, s.k)]
         if bad:
             name, k = bad[0]
             raise RefusedError(
-                f"--group-size {requested}: {_group_problem(requested, k)} ({name}; {len(bad)} module(s) affected)",
+                f"--group-size {requested}: {groupwise_problem(requested, k)} ({name}; {len(bad)} module(s) affected)",
                 tensor=name,
                 hint="Pick a multiple of 32 smaller than and dividing every in_features ("
                      + ", ".join(map(str, ks[:6])) + "), or --group-size channel.")
         return requested
-    source = sorted({(-1 if s.group_size >= s.k else s.group_size) for s in specs})
-    if len(source) == 1:
-        g = source[0]
-        if g == -1 or all(_group_problem(g, k) is None for k in ks):
-            return g
-    for g in (128, 64, 32):
-        if all(_group_problem(g, k) is None for k in ks):
-            return g
-    return -1
+    return auto_group({(-1 if s.group_size >= s.k else s.group_size) for s in specs}, ks)
 
 
 def _predict(spec: LinearSpec, g: int, folded: bool) -> str:
@@ -212,9 +194,6 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
     if dense not in DENSE_MODES:
         raise UsageError(f"--dense {dense!r}: expected one of {', '.join(DENSE_MODES)}")
     requested = parse_group_size(group_size)
-    if requested is not None and requested != -1 and (requested <= 0 or requested % 32):
-        raise UsageError(f"--group-size {requested}: must be a multiple of 32 (32, 64, 128, ...) or channel",
-                         hint="KleidiAI's groupwise kernels need groups that are multiples of 32.")
     reader = open_reader(ckpt)
     verdict = reader.verdict()
     specs = reader.linears()

@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import zlib
-from enum import Enum
 
 import torch
 
@@ -35,7 +34,7 @@ from . import kleidiai
 from .errors import InputError, RefusedError, UsageError
 from .plan import Job, OutTensor, Plan
 
-__all__ = ["ServeFormat", "QUANT_METHOD", "SUFFIX", "parse_format", "packed_plan", "job_packer",
+__all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "parse_format", "packed_plan", "job_packer",
            "serve_config", "layout_record", "read_record", "record_problems", "PackedWeights"]
 
 QUANT_METHOD = "int4pack-kleidiai"  # config.json quant_method: what the vLLM plugin registers
@@ -44,17 +43,16 @@ VERIFIED_TORCH = ("2.9.1", "2.10.0")  # torch releases whose packer the portable
 PROVENANCE_BYTES = 160  # header room per blob for its provenance entry (~130 bytes of JSON)
 
 
-class ServeFormat(str, Enum):
-    compressed_tensors = "compressed-tensors"  # int8 weights, packed by vLLM at load (needs nothing but vLLM)
-    kleidiai = "kleidiai"  # KleidiAI blobs, served by int4pack's vLLM plugin
+PLAIN = "compressed-tensors"  # int8 weights, packed by vLLM at load (needs nothing but vLLM)
+KLEIDIAI = "kleidiai"  # KleidiAI blobs, served by int4pack's vLLM plugin
+FORMATS = (PLAIN, KLEIDIAI)
 
 
-def parse_format(value) -> ServeFormat:
-    try:
-        return ServeFormat(getattr(value, "value", value) or ServeFormat.compressed_tensors)
-    except ValueError:
-        raise UsageError(f"--serve-format {value!r}: expected one of "
-                         f"{', '.join(f.value for f in ServeFormat)}") from None
+def parse_format(value) -> str:
+    value = getattr(value, "value", value) or PLAIN  # the CLI passes its enum
+    if value not in FORMATS:
+        raise UsageError(f"--serve-format {value!r}: expected one of {', '.join(FORMATS)}")
+    return value
 
 
 def _block(k: int, group_size: int) -> int:
@@ -112,7 +110,7 @@ def packed_plan(plan: Plan) -> Plan:
                     hint="Use the default --serve-format compressed-tensors for this model.")
             outs.append(OutTensor(f"{s.name}.{SUFFIX}", "U8", (kleidiai.packed_size(s.n, s.k, _block(s.k, g)),)))
         jobs.append(dataclasses.replace(j, outputs=outs))
-    return dataclasses.replace(plan, jobs=jobs, options={**plan.options, "serve_format": ServeFormat.kleidiai.value})
+    return dataclasses.replace(plan, jobs=jobs, options={**plan.options, "serve_format": KLEIDIAI})
 
 
 def _crc(t: torch.Tensor | None) -> str | None:

@@ -38,7 +38,8 @@ from . import serve_format as sf
 from .architectures import classify
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, VerifyFailed
-from .w4a8 import check_group_size, dequantize_w4a8
+from .groups import check_group_size
+from .w4a8 import dequantize_w4a8
 
 __all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 
@@ -691,8 +692,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         conv_report = _check_hashes(ckpt, problems)
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
                                 "seconds": round(time.perf_counter() - ts, 3),
-                                "serve_format": sf.ServeFormat.kleidiai.value if t.packed else
-                                sf.ServeFormat.compressed_tensors.value}
+                                "serve_format": sf.KLEIDIAI if t.packed else sf.PLAIN}
         report["layers"], report["dense"] = [], []
         report["kernel"] = _kernel_info()
         if not structural_only:
