@@ -195,16 +195,16 @@ def _window(t: torch.Tensor, rows: int = 8, cols: int = 8) -> list[list]:
     return t[:rows, :cols].tolist()
 
 
-def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int) -> dict:
+def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int, quantised: bool = True) -> dict:
+    """``quantised`` False: the checkpoint has no int4 reader (the packed serving format)."""
     from .formats import open_reader
 
     mod, leaf = _module_and_key(ckpt, tensor)
     info = ckpt.tensors[f"{mod}.{leaf}"]
     out: dict = {"tensor": info.name, "dtype": info.dtype, "shape": list(info.shape), "bytes": info.nbytes,
                  "file": info.file, "module": mod}
-    reader = open_reader(ckpt)
-    specs = reader.linears()
-    spec = specs.get(mod)
+    reader = open_reader(ckpt) if quantised else None
+    spec = reader.linears().get(mod) if reader else None
     if spec is None:
         t = ckpt.get(info.name)
         out["layout"] = "plain (not a quantised module)"
@@ -293,4 +293,5 @@ def inspect(path, tensor: str | None = None, *, revision: str | None = None, row
             m = tensor[: -len(sf.SUFFIX) - 1] if tensor.endswith(f".{sf.SUFFIX}") else tensor
             if f"{m}.{sf.SUFFIX}" in ckpt.tensors:
                 return _dump_blob(sf.PackedWeights(ckpt, rec), m, rows)
+            return _dump(ckpt, tensor, rows, cols, quantised=False)
         return _dump(ckpt, tensor, rows, cols)

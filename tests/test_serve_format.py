@@ -226,6 +226,8 @@ def test_inspect_shows_the_layout(pair):
     assert [p["part"] for p in d["first_block"][:2]] == ["quant block 0: data", "quant block 0: 8 bf16 scales"]
     plain = load_raw(plain_dir)
     assert d["window"]["q"] == plain[BLOB.replace("weight_packed", "weight")][:8, :8].tolist()
+    n = int4pack.inspect(packed_dir, "model.norm.weight")  # a tensor that is not a blob
+    assert n["layout"].startswith("plain") and n["window"] == [plain["model.norm.weight"][:8].float().tolist()]
     res = CliRunner().invoke(app, ["inspect", str(packed_dir)])
     assert res.exit_code == 0 and "kleidiai-qsi4c32p/qsi4cxp v1" in res.output and "32 KleidiAI blobs" in res.output
 
