@@ -41,3 +41,24 @@ def test_packed_checkpoints_serve_like_the_plain_ones(version, dtype, tmp_path):
         assert f["vs_plain"]["tokens_identical"] and f["vs_plain"]["logprobs_identical"], f["vs_plain"]
         assert f["passed"], f["fails"]
     assert res["ok"] and r.returncode == 0
+
+
+@pytest.mark.parametrize("version", sorted({v for v, _ in RUNS}))
+def test_the_plugin_refuses_a_cpu_without_kleidiai(version, tmp_path):
+    """On an Arm CPU without dotprod (QEMU cortex-a72) torch packs into its float reference format:
+    the plugin must refuse the packed checkpoint before loading it, saying why."""
+    wrapper = wrapper_for(version)
+    sys.path.insert(0, str(REPO / "scripts"))
+    from vllm_arm_e2e import plugin_env
+
+    import int4pack
+
+    out = tmp_path / "packed"
+    int4pack.convert(REPO / "tests" / "fixtures" / "gptq_q3_sym", out, serve_format="kleidiai")
+    res = tmp_path / "load.json"
+    env = {**plugin_env(tmp_path), "QEMU_CPU": "cortex-a72"}
+    r = subprocess.run([str(wrapper), str(REPO / "scripts" / "vllm_arm_load.py"), str(out), "--json", str(res)],
+                       env=env, capture_output=True, text=True, timeout=3600)
+    got = json.loads(res.read_text())
+    assert r.returncode == 1 and "int4pack-kleidiai checkpoint cannot be served here" in got["error"], got
+    assert "no KleidiAI path on this host" in got["error"] and "token_ids" not in got
