@@ -146,9 +146,9 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
         ql = reader.read(job.specs[0], unpack=False)  # codes may stay packed (and mapped) for the one-pass kernels
         try:
             # the common cases in one C++ pass each, checks included
-            w = lossless_fast(ql, plan.group_size)
+            w = lossless_fast(ql, job.group_size)
             if w is None:
-                w = requant_fast(ql, plan.group_size)
+                w = requant_fast(ql, job.group_size)
             if w is None:
                 ql = ql.unpacked()
         finally:
@@ -168,9 +168,9 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
             out.append((f"{ql.spec.name}.bias", ql.bias))
         return out, {ql.spec.name: {"path": "dequant", "role": roles[ql.spec.name]}}
     if job.kind == "fold":
-        ws = list(fold_act_order(qls[0], qls[1], qls[2], plan.group_size))
+        ws = list(fold_act_order(qls[0], qls[1], qls[2], job.group_size))
     else:
-        ws = [to_w4a8(qls[0], plan.group_size)]
+        ws = [to_w4a8(qls[0], job.group_size)]
     return _outputs(ws, roles)
 
 
@@ -242,18 +242,25 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
     ignore = _ignore_list(plan, ckpt)
     rename = vllm_output_names(ckpt.model_type, [f"{m}.weight" for m in ignore])
     ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
-    cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
+    if plan.group_size is not None:
+        cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
+    else:  # one config group per scheme, targets in the names vLLM loads
+        groups = {rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")]: g for m, g in plan.groups.items()}
+        cfg["quantization_config"] = w4a8_quant_config(groups, ignore)
     return cfg
 
 
 def _base_meta(plan: Plan) -> dict[str, str]:
+    g = plan.group_size
+    target = {"scheme": "W4A8", "group_size": g, "dense": plan.dense,
+              "scale_dtype": "float32" if g == -1 else "bfloat16"}
+    if g is None:  # per module: the config's groups and the report say which
+        target.update(scale_dtype="per module", group_sizes=sorted(plan.schemes()))
     return {
         "format": "pt",
         "int4pack.version": __version__,
         "int4pack.source_format": json.dumps(plan.verdict.to_dict(), sort_keys=True),
-        "int4pack.target": json.dumps({"scheme": "W4A8", "group_size": plan.group_size,
-                                       "scale_dtype": "float32" if plan.group_size == -1 else "bfloat16",
-                                       "dense": plan.dense}, sort_keys=True),
+        "int4pack.target": json.dumps(target, sort_keys=True),
     }
 
 
@@ -272,11 +279,14 @@ def convert(
     revision: str | None = None,
     prepack: str | None = None,
     progress: NullProgress | None = None,
+    strict_group_size: bool = False,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint.
 
     Returns the report (also written to ``OUT/int4pack_report.json``). With ``dry_run`` nothing is
     written and the report holds the plan. Raises Int4packError subclasses on bad input.
+    ``group_size`` is a model-wide request: modules that cannot run it take the group they can
+    (the report's ``plan.group_substitutions``), unless ``strict_group_size`` refuses instead.
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
@@ -287,7 +297,8 @@ def convert(
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
     with Checkpoint(folder) as ckpt:
-        plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src))
+        plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
+                         strict_group_size=strict_group_size)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
         report = {
@@ -299,7 +310,7 @@ def convert(
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
-            report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m)}
+            report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m), "group_size": j.group_size}
                                  for j in plan.jobs for m, p in j.paths.items()}
             report["seconds"] = round(time.perf_counter() - t0, 3)
             return report

@@ -71,7 +71,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
         plan = make_plan(ckpt, source_label=label)
         paths = {m: p for j in plan.jobs for m, p in j.paths.items()}
         out["plan"] = {"ok": True, "group_size": plan.group_size, "paths": plan.path_counts(),
-                       "scale_dtype": "F32" if plan.group_size == -1 else "BF16"}
+                       "scale_dtype": None if plan.group_size is None else "F32" if plan.group_size == -1 else "BF16",
+                       "schemes": plan.summary()["schemes"]}
     except Int4packError as e:
         paths, plan = {}, None
         out["plan"] = {"ok": False, "refused": str(e), "hint": e.hint, "exit_code": e.exit_code}
@@ -85,10 +86,12 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
             rec["refused"] = s.refused
         if is_output:
             ok, why = kleidiai_gate(s.k, s.group_size, s.scale_dtype)
-        elif plan is not None:
-            g = plan.group_size
+        elif plan is not None and name in plan.groups:
+            g = rec["target_group_size"] = plan.groups[name]
             ok, why = kleidiai_gate(s.k, g, "F32" if g == -1 else "BF16")
             why = "after convert: " + why
+        elif plan is not None:
+            ok, why = None, f"after convert: {rec['path']} (not W4A8)"
         else:
             ok, why = None, "no plan"
         rec["kleidiai"] = ok
@@ -267,11 +270,13 @@ def inspect(path, tensor: str | None = None, *, revision: str | None = None, row
             t = _Target(ckpt, _Problems())
             base = tensor.rsplit(".", 1)[0]
             if tensor.endswith(".weight_packed"):
+                mod = base
                 n, k = ckpt.tensors[f"{base}.weight"].shape
             else:
                 moe = base[: -len(".experts")]
                 slot = t.layers[moe][min(t.layers[moe])]
-                gi = ckpt.tensors[f"{slot['gate' if tensor.endswith('w13_packed') else 'down']}.weight"]
+                mod = slot["gate" if tensor.endswith("w13_packed") else "down"]
+                gi = ckpt.tensors[f"{mod}.weight"]
                 n, k = (2 * gi.shape[0], gi.shape[1]) if tensor.endswith("w13_packed") else tuple(gi.shape)
-            return _dump_blob(ckpt.folder, tensor, (n, k), t.group_for(k), rows)
+            return _dump_blob(ckpt.folder, tensor, (n, k), t.group_for(mod), rows)
         return _dump(ckpt, tensor, rows, cols)

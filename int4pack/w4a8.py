@@ -46,6 +46,7 @@ __all__ = [
     "parse_group_size",
     "resolve_group_size",
     "check_group_size",
+    "target_group_problem",
     "lossless_possible",
     "lossless_fast",
     "to_w4a8",
@@ -105,6 +106,17 @@ def check_group_size(g: int, k: int) -> str | None:
     if k % g:
         return f"group size {g} does not divide K={k}"
     return None
+
+
+def target_group_problem(g: int, k: int) -> str | None:
+    """Why a module with in_features ``k`` cannot run as W4A8 group ``g`` on KleidiAI in vLLM (None
+    when it can). Stricter than ``check_group_size``: ``g == k`` is refused, because vLLM would pack
+    it with bf16 scales and block == K, which KleidiAI's gate refuses (torch silently takes its 4x
+    larger float reference path); such a module runs as channel (-1) instead."""
+    reason = check_group_size(g, k)
+    if reason is None and g == k:
+        return f"group size {g} equals K={k} (vLLM would take torch's slow fallback for this module)"
+    return reason
 
 
 def parse_group_size(requested) -> int | None:

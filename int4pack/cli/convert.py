@@ -41,6 +41,9 @@ def convert_cmd(
     group_size: Annotated[str, typer.Option(
         "--group-size", "-g",
         help="Target group: auto (keep the source's when valid), channel, or a multiple of 32 dividing K.")] = "auto",
+    strict_group_size: Annotated[bool, typer.Option(
+        "--strict-group-size",
+        help="Refuse when a module cannot run --group-size (default: it takes the group it can, reported).")] = False,
     dense: Annotated[Dense, typer.Option(
         help="Non-expert int4 linears: w4a8 (vLLM's dense W4A8 path) or bf16 (dequantised).")] = Dense.w4a8,
     max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB.")] = "5GB",
@@ -66,7 +69,8 @@ def convert_cmd(
         with o.progress("converting") as bar:
             report = convert(src, out, group_size=group_size, dense=dense.value, max_shard_size=max_shard_size,
                              dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
-                             revision=revision, prepack=prepack, progress=bar)
+                             revision=revision, prepack=prepack, progress=bar,
+                             strict_group_size=strict_group_size)
         _render(o, report)
         o.result(report)
 
@@ -82,8 +86,11 @@ def _render(o: Output, r: dict) -> None:
     exp = "/".join(map(str, p["experts_per_layer"]))
     o.text(f"  {p['moe_layers']} MoE layers x {exp} experts, {p['shared_experts']} with shared experts, "
            f"{p['routers']} routers")
-    g = "channel (fp32 scales)" if p["group_size"] == -1 else f"{p['group_size']} (bf16 scales)"
-    o.text(f"  target: W4A8, group {g}, dense linears as {p['dense']}")
+    g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
+    o.text(f"  target: W4A8, {g} module(s), dense linears as {p['dense']}")
+    for sub in p["group_substitutions"]:
+        o.warning(f"{sub['module']} ({sub['modules']} module(s)) cannot run group {sub['requested']}: "
+                  f"{sub['reason']}; it gets {sub['scheme']}")
     paths = p["paths"]
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
     o.text(f"  tensors: {p['tensors_in']} in -> {p['tensors_out']} out in {len(r['shards'])} shard(s); "

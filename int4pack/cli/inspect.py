@@ -65,8 +65,8 @@ def _summary(o, r: dict) -> None:
                f"experts, {len(moe['routers'])} routers; roles {moe['roles']}")
     p = r["plan"]
     if p["ok"]:
-        g = "channel (fp32 scales)" if p["group_size"] == -1 else f"group {p['group_size']} (bf16 scales)"
-        o.text(f"  convert plan: target {g}; paths {p['paths']}")
+        g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
+        o.text(f"  convert plan: target {g} module(s); paths {p['paths']}")
     else:
         o.text(f"  convert plan: [red]refused[/red]: {p['refused']}")
         if p.get("hint"):
@@ -82,16 +82,16 @@ def _summary(o, r: dict) -> None:
     groups: dict[tuple, list] = {}
     for name, m in mods.items():
         key = (m["role"], m["format"], f"{m['n']}x{m['k']}", m["group_size"], "sym" if m["sym"] else "asym",
-               "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-",
+               "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-", m.get("target_group_size", "-"),
                "yes" if m["kleidiai"] else m["kleidiai_reason"])
         groups.setdefault(key, []).append(name)
-    rows = [[*k[:8], len(v), k[8]] + ([v[0]] if o.verbosity >= 1 else [])
+    rows = [[*k[:9], len(v), k[9]] + ([v[0]] if o.verbosity >= 1 else [])
             for k, v in sorted(groups.items(), key=lambda kv: kv[1][0])]
-    o.table("Quantised modules", ["role", "fmt", "NxK", "group", "sym", "act-ord", "scale", "path", "count",
-                                  "KleidiAI"] + (["example"] if o.verbosity >= 1 else []), rows)
+    o.table("Quantised modules", ["role", "fmt", "NxK", "group", "sym", "act-ord", "scale", "path", "target",
+                                  "count", "KleidiAI"] + (["example"] if o.verbosity >= 1 else []), rows)
     for k, v in groups.items():
-        if k[8] != "yes":
-            o.text(f"  [yellow]fallback[/yellow] {v[0]} (+{len(v) - 1}): {k[8]}")
+        if k[9] != "yes":
+            o.text(f"  [yellow]fallback[/yellow] {v[0]} (+{len(v) - 1}): {k[9]}")
     if o.verbosity >= 1:
         o.table("Tensors", ["name", "dtype", "shape", "bytes", "file"],
                 [[t["name"], t["dtype"], t["shape"], human_bytes(t["bytes"]), t["file"]] for t in r["tensors"]])
