@@ -225,33 +225,50 @@ class _Unit:
         sigs = {(s.k, s.group_size, s.sym, s.act_order, s.fmt, s.name in folded): s for s in specs}
         self.kinds = list(sigs.items())
         self.ks = sorted({s.k for s in specs})
+        self.sources = sorted({src for (k, src, *_) in sigs if src < k})  # real groups (not channel-like)
         cands = {-1, *_COMMON_GROUPS}
-        for (k, src, *_), _s in self.kinds:
-            if src < k:
-                cands.update(d for d in range(32, src + 1, 32) if src % d == 0)
+        for src in self.sources:
+            cands.update(d for d in range(32, src + 1, 32) if src % d == 0)
         self.keeps = {g for g in cands if self.problem(g) is None
                       and all(_predict(sp, g, sig[-1]) in KEEPS_INTS for sig, sp in self.kinds)}
 
     def problem(self, g: int) -> str | None:
         return next((why for k in self.ks if (why := target_group_problem(g, k))), None)
 
-    def least_error(self) -> int:
-        # requantising, a finer group never fits worse: 32 wherever vLLM can run it, else channel
+    def requant_group(self) -> int:
+        """Requantising, the least error vLLM can run: the source's group, else the largest group that
+        lies inside every source group (only the rounding within each source group changes), else 32
+        (finer never fits worse), else channel; a channel source stays channel."""
+        if not self.sources:
+            return -1
+        top = min(self.sources)
+        inside = [g for g in range(top - top % 32, 31, -32)
+                  if all(src % g == 0 for src in self.sources) and self.problem(g) is None]
+        if inside:
+            return inside[0]
         return 32 if self.problem(32) is None else -1
 
-    def best(self, popular: dict[int, int]) -> int:
-        """Keep the ints if any group can (the one most modules can share, then the coarsest);
-        otherwise the least error."""
+    def preferred(self, popular: dict[int, int]) -> int:
+        """Keep the ints if some group can (the one most modules can share, then channel, then the
+        coarsest); otherwise the least error."""
         if not self.keeps:
-            return self.least_error()
+            return self.requant_group()
         return max(self.keeps, key=lambda g: (popular.get(g, 0), g == -1, g))
+
+    def accepts(self, g: int) -> bool:
+        """Whether one model-wide group ``g`` costs this unit nothing: its ints kept where they can
+        be, else a group at least as fine as its own least-error one."""
+        if self.keeps:
+            return g in self.keeps
+        want = self.requant_group()
+        return self.problem(g) is None and (want == -1 or g != -1 and g <= want)
 
 
 def _choose_groups(requested: int | None, units: list[_Unit], strict: bool) -> tuple[dict[str, int], list[dict]]:
     """The target group of every W4A8 module, and the substitutions made for ``requested``.
 
-    One scheme when one keeps every module that can keep its ints (the model-wide choice of
-    ``_one_scheme``); otherwise per unit: keep the ints where some group can, else least error."""
+    One scheme when the model-wide choice (``_one_scheme``) costs no unit anything; otherwise each
+    unit's preferred group: its ints kept where some group can, else the least error."""
     popular: dict[int, int] = {}
     for u in units:
         for g in u.keeps:
@@ -259,10 +276,10 @@ def _choose_groups(requested: int | None, units: list[_Unit], strict: bool) -> t
     subs: list[dict] = []
     if requested is None:
         g0 = _one_scheme([s for u in units for s in u.specs])
-        if all(g0 in u.keeps for u in units if u.keeps):
+        if all(u.accepts(g0) for u in units):
             chosen = [g0] * len(units)
         else:
-            chosen = [u.best(popular) for u in units]
+            chosen = [u.preferred(popular) for u in units]
     elif requested == -1:
         chosen = [-1] * len(units)
     else:
@@ -282,7 +299,7 @@ def _choose_groups(requested: int | None, units: list[_Unit], strict: bool) -> t
             if why is None:
                 chosen.append(requested)
                 continue
-            g = u.best(popular)
+            g = u.preferred(popular)
             chosen.append(g)
             subs.append({"module": u.key, "modules": len(u.specs), "requested": requested, "group_size": g,
                          "scheme": scheme_label(g), "reason": why})
