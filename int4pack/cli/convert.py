@@ -88,9 +88,13 @@ def _render(o: Output, r: dict) -> None:
            f"{p['routers']} routers")
     g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
     o.text(f"  target: W4A8, {g} module(s), dense linears as {p['dense']}")
+    subs: dict[tuple, list] = {}  # one line per (reason, substitute): a large model repeats them per layer
     for sub in p["group_substitutions"]:
-        o.warning(f"{sub['module']} ({sub['modules']} module(s)) cannot run group {sub['requested']}: "
-                  f"{sub['reason']}; it gets {sub['scheme']}")
+        subs.setdefault((sub["reason"], sub["scheme"]), []).append(sub)
+    for (reason, scheme), items in subs.items():
+        more = f" and {len(items) - 1} more" if len(items) > 1 else ""
+        o.warning(f"{sum(s['modules'] for s in items)} module(s) cannot run group {items[0]['requested']} "
+                  f"({reason}): {items[0]['module']}{more} get {scheme}")
     paths = p["paths"]
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
     o.text(f"  tensors: {p['tensors_in']} in -> {p['tensors_out']} out in {len(r['shards'])} shard(s); "
