@@ -92,13 +92,13 @@ def _run(jobs, ck, plan, check) -> dict:
             t2 = clock()
             outs = []
             for ql in qls:  # what convert.run_job does for a linear job (codes may stay packed)
-                w = lossless_fast(ql, plan.group_size)
+                w = lossless_fast(ql, j.group_size)
                 if w is None:
-                    w = requant_fast(ql, plan.group_size)
+                    w = requant_fast(ql, j.group_size)
                 if w is None:
                     ql = ql.unpacked()
                     check_scales(ql)
-                    w = to_w4a8(ql, plan.group_size)
+                    w = to_w4a8(ql, j.group_size)
                 outs.append(w)
             for s in j.specs:
                 for key in s.keys:

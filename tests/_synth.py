@@ -202,10 +202,14 @@ def write_ct_qwen3moe(folder: Path, *, heads: int = 1, kv_heads: int = 1, head_d
         flt.update({f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
                     f"{p}.self_attn.q_norm.weight": torch.ones(head_dim), f"{p}.self_attn.k_norm.weight": torch.ones(head_dim),
                     f"{p}.mlp.gate.weight": torch.randn(e, h, generator=gen) * 0.02})
-    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": h,
-           "intermediate_size": 2 * inter, "moe_intermediate_size": inter, "num_experts": e, "num_experts_per_tok": 2,
-           "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-           "head_dim": head_dim, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
-           "vocab_size": vocab, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-           "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32"}
+    # the keys transformers 5.23 writes for Qwen3-MoE (as in tests/fixtures/ct_qwen3moe_w4a16)
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+           "attention_dropout": 0.0, "decoder_sparse_step": 1, "dtype": "bfloat16", "head_dim": head_dim,
+           "hidden_act": "silu", "hidden_size": h, "initializer_range": 0.02, "intermediate_size": 2 * inter,
+           "max_position_embeddings": 256, "mlp_only_layers": [], "moe_intermediate_size": inter,
+           "norm_topk_prob": False, "num_attention_heads": heads, "num_experts_per_tok": 2,
+           "num_hidden_layers": layers, "num_key_value_heads": kv_heads, "num_local_experts": e,
+           "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+           "sliding_window": None, "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False,
+           "vocab_size": vocab}
     return _write_ct(folder, cfg, lin, flt, seed, group)
