@@ -16,6 +16,7 @@ import torch
 from .architectures import discover
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
+from .w4a8 import target_group_problem
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -29,8 +30,9 @@ def kleidiai_gate(k: int, group_size: int, scale_dtype: str) -> tuple[bool, str]
         if scale_dtype != "F32":
             return False, f"channelwise needs float32 scales, got {scale_dtype}: silent float32 fallback"
         return True, "channelwise qsi4cxp (fp32 scales)"
-    if group_size % 32 or k % group_size or group_size >= k:
-        return False, f"group {group_size} must be a multiple of 32 dividing K={k} and < K: fallback/refused"
+    why = target_group_problem(group_size, k)
+    if why:
+        return False, f"{why}: fallback/refused"
     if scale_dtype != "BF16":
         return False, f"groupwise needs bfloat16 scales, got {scale_dtype}: silent float32 fallback"
     return True, f"groupwise qsi4c32p, group {group_size} (bf16 scales)"
