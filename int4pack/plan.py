@@ -196,22 +196,21 @@ def _predict(spec: LinearSpec, g: int, folded: bool) -> str:
 def _tied_units(specs: list[LinearSpec], fold_of: dict[str, list[str]]) -> list[list[LinearSpec]]:
     """Modules that must share one target group: what vLLM loads into one module (every expert of an
     MoE layer, the q/k/v of qkv_proj, gate/up of gate_up_proj) and each act-order fold's triple."""
-    parent: dict[str, str] = {}
+    key = {s.name: vllm_module(s.name) for s in specs}
+    alias: dict[str, str] = {}  # a fold joins its triple's vLLM modules under one key
 
-    def root(x: str) -> str:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
+    def rep(k: str) -> str:
+        while k in alias:
+            k = alias[k]
+        return k
 
-    for s in specs:
-        parent[root(s.name)] = root(vllm_module(s.name))
     for members in fold_of.values():
-        for m in members[1:]:
-            parent[root(m)] = root(members[0])
+        ks = sorted({rep(key[m]) for m in members})
+        for k in ks[1:]:
+            alias[k] = ks[0]
     units: dict[str, list[LinearSpec]] = {}
     for s in sorted(specs, key=lambda s: s.name):
-        units.setdefault(root(s.name), []).append(s)
+        units.setdefault(rep(key[s.name]), []).append(s)
     return list(units.values())
 
 
