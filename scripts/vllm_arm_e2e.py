@@ -410,10 +410,11 @@ def disk_groups(out_dir: Path) -> dict[str, int]:
 
 def _layer_group(groups: dict[str, int], layer: str) -> int | None:
     """The group of the tensors vLLM loads into ``layer``: itself, a fused module's first shard, or
-    an MoE layer's expert 0."""
+    an MoE layer's expert 0 (vLLM 0.32.0 names the layer ``<...>.experts.routed_experts``)."""
     parent, _, leaf = layer.rpartition(".")
     shards = {"qkv_proj": "q_proj", "gate_up_proj": "gate_proj", "fused_qkv_a_proj": "q_a_proj"}
-    for cand in (layer, f"{parent}.{shards.get(leaf, leaf)}", f"{layer}.0.gate_proj", f"{layer}.0.w1"):
+    experts = layer[: layer.rfind(".experts") + len(".experts")] if ".experts" in layer else layer
+    for cand in (layer, f"{parent}.{shards.get(leaf, leaf)}", f"{experts}.0.gate_proj", f"{experts}.0.w1"):
         if cand in groups:
             return groups[cand]
     return None
