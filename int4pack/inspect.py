@@ -16,11 +16,11 @@ import torch
 from .architectures import discover
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
-from .w4a8 import target_group_problem
+from .groups import groupwise_problem
+from .nibbles import AWQ_ORDER
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _MAIN_SUFFIXES = ("qweight", "weight_packed", "weight", "w13_packed", "w2_packed")
 
 
@@ -30,7 +30,7 @@ def kleidiai_gate(k: int, group_size: int, scale_dtype: str) -> tuple[bool, str]
         if scale_dtype != "F32":
             return False, f"channelwise needs float32 scales, got {scale_dtype}: silent float32 fallback"
         return True, "channelwise qsi4cxp (fp32 scales)"
-    why = target_group_problem(group_size, k)
+    why = groupwise_problem(group_size, k)
     if why:
         return False, f"{why}: fallback/refused"
     if scale_dtype != "BF16":
@@ -141,7 +141,7 @@ def nibble_map(fmt: str, shape: tuple[int, ...], words: int = 2) -> list[dict]:
             if fmt == "gptq":
                 n, k = c, 8 * r + i
             elif fmt == "awq":
-                n, k = 8 * c + _AWQ_ORDER[i], r
+                n, k = 8 * c + AWQ_ORDER[i], r
             else:
                 n, k = r, 8 * c + i
             out.append({"word": [r, c], "nibble": i, "bits": f"{4 * i}..{4 * i + 3}", "byte": 4 * w + i // 2,
@@ -267,9 +267,9 @@ def inspect(path, tensor: str | None = None, *, revision: str | None = None, row
         if tensor is None:
             return _summary(ckpt, str(path))
         if tensor.endswith((".w13_packed", ".w2_packed", ".weight_packed")) and tensor not in ckpt.tensors:
-            from .verify import _Target, _Problems
+            from .verify import target_of
 
-            t = _Target(ckpt, _Problems())
+            t = target_of(ckpt)
             base = tensor.rsplit(".", 1)[0]
             if tensor.endswith(".weight_packed"):
                 mod = base

@@ -14,17 +14,16 @@ from dataclasses import dataclass, field
 
 from ._version import __version__
 from .architectures import Layout, discover, vllm_module
-from .checkpoint import _ITEMSIZE, Checkpoint, TensorInfo
+from .checkpoint import ITEMSIZE, Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
 from .formats import open_reader
 from .records import FormatVerdict, LinearSpec
-from .w4a8 import parse_group_size, target_group_problem
+from .groups import AUTO_GROUPS, auto_group, groupwise_problem, parse_group_size
 
 __all__ = ["OutTensor", "Job", "Plan", "make_plan", "parse_size", "parse_group_size", "scheme_label"]
 
 DENSE_MODES = ("w4a8", "bf16")
 KEEPS_INTS = ("lossless", "reemit", "fold")  # paths that carry the source's int4 values over unchanged
-_COMMON_GROUPS = (128, 64, 32)
 
 
 @dataclass(frozen=True, slots=True)  # slots: the plan holds a few per module for the whole run
@@ -35,7 +34,7 @@ class OutTensor:
     nbytes: int = field(init=False, repr=False, compare=False)  # asked for per tensor many times
 
     def __post_init__(self) -> None:
-        n = _ITEMSIZE[self.dtype]
+        n = ITEMSIZE[self.dtype]
         for s in self.shape:
             n *= s
         object.__setattr__(self, "nbytes", n)
@@ -172,15 +171,7 @@ def scheme_label(g: int) -> str:
 def _one_scheme(specs: list[LinearSpec]) -> int:
     """The model-wide group: the source's when every module can run it, else the largest common one."""
     ks = sorted({s.k for s in specs})
-    source = sorted({(-1 if s.group_size >= s.k else s.group_size) for s in specs})
-    if len(source) == 1:
-        g = source[0]
-        if g == -1 or all(target_group_problem(g, k) is None for k in ks):
-            return g
-    for g in _COMMON_GROUPS:
-        if all(target_group_problem(g, k) is None for k in ks):
-            return g
-    return -1
+    return auto_group({(-1 if s.group_size >= s.k else s.group_size) for s in specs}, ks)
 
 
 def _predict(spec: LinearSpec, g: int, folded: bool) -> str:
@@ -225,14 +216,14 @@ class _Unit:
         self.kinds = list(sigs.items())
         self.ks = sorted({s.k for s in specs})
         self.sources = sorted({src for (k, src, *_) in sigs if src < k})  # real groups (not channel-like)
-        cands = {-1, *_COMMON_GROUPS}
+        cands = {-1, *AUTO_GROUPS}
         for src in self.sources:
             cands.update(d for d in range(32, src + 1, 32) if src % d == 0)
         self.keeps = {g for g in cands if self.problem(g) is None
                       and all(_predict(sp, g, sig[-1]) in KEEPS_INTS for sig, sp in self.kinds)}
 
     def problem(self, g: int) -> str | None:
-        return next((why for k in self.ks if (why := target_group_problem(g, k))), None)
+        return next((why for k in self.ks if (why := groupwise_problem(g, k))), None)
 
     def requant_group(self) -> int:
         """Requantising, the least error vLLM can run: the source's group, else the largest group that
@@ -326,9 +317,6 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
     if dense not in DENSE_MODES:
         raise UsageError(f"--dense {dense!r}: expected one of {', '.join(DENSE_MODES)}")
     requested = parse_group_size(group_size)
-    if requested is not None and requested != -1 and (requested <= 0 or requested % 32):
-        raise UsageError(f"--group-size {requested}: must be a multiple of 32 (32, 64, 128, ...) or channel",
-                         hint="KleidiAI's groupwise kernels need groups that are multiples of 32.")
     reader = open_reader(ckpt)
     verdict = reader.verdict()
     specs = reader.linears()

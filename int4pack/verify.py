@@ -34,11 +34,12 @@ import torch
 
 from . import moe as moe_mod
 from .architectures import classify
-from .checkpoint import Checkpoint, TensorInfo, read_header, resolve_source
+from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, Int4packError, VerifyFailed
-from .w4a8 import check_group_size, dequantize_w4a8
+from .groups import check_group_size
+from .w4a8 import dequantize_w4a8
 
-__all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
+__all__ = ["verify", "target_of", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 
 K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
 K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
@@ -340,14 +341,7 @@ def _check_prepacked(t: _Target, problems: _Problems, counts: dict) -> dict[str,
         except InputError as e:
             problems.add(where, f"unreadable or truncated: {e}")
             continue
-        # a lazy reader over this one file (Checkpoint wants a config.json; the blobs have none)
-        sub = Checkpoint.__new__(Checkpoint)
-        sub.folder, sub.tensors = folder, {}
-        sub._start_io()
-        _, _, start = read_header(f)
-        for name, info in header.items():
-            b, e = info["data_offsets"]
-            sub.tensors[name] = TensorInfo(name, f.name, info["dtype"], tuple(info["shape"]), start + b, start + e)
+        sub = Checkpoint.of_shard(f)  # a lazy reader over this one file (no config.json beside the blobs)
         for name, info in sorted(sub.tensors.items()):
             md = _blob_meta(meta, name, manifest)
             try:
@@ -356,6 +350,12 @@ def _check_prepacked(t: _Target, problems: _Problems, counts: dict) -> dict[str,
                 problems.add(f"{where}:{name}", str(e))
         sub.close()
     return found
+
+
+def target_of(ckpt: Checkpoint) -> _Target:
+    """A converted checkpoint's W4A8 scheme and MoE layers as verify reads them (``layers``,
+    ``group_for(k)``), for callers that need the layout and not a verdict."""
+    return _Target(ckpt, _Problems())
 
 
 def _check_one_blob(t, sub, name, info, md, problems, counts, found, kleidiai) -> None:

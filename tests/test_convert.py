@@ -200,30 +200,29 @@ def test_two_runs_are_byte_identical(tmp_path):
         assert hashlib.sha256((a / f).read_bytes()).digest() == hashlib.sha256((b / f).read_bytes()).digest(), f
 
 
-def test_gc_frozen_during_the_run_and_left_as_found(tmp_path, monkeypatch):
-    """What lives before convert is kept out of the cyclic GC's scans from the plan on; afterwards the
-    freeze is undone, unless the caller had frozen objects of its own, which stay frozen."""
+def test_convert_leaves_process_wide_settings_alone(tmp_path, monkeypatch):
+    """The library call changes nothing process-wide (the CLI makes those choices): the GC's frozen
+    set and torch's thread count stay as they were, also while the jobs run; the kernels called from
+    a worker take one thread each all the same."""
     import gc
     import sys
 
+    import torch
+
+    from int4pack import kernels
+
     mod = sys.modules["int4pack.convert"]  # the module (int4pack.convert is the function)
-    real, seen = mod.make_plan, []
+    real, seen = mod.run_job, []
 
     def spy(*a, **kw):
-        seen.append(gc.get_freeze_count())
+        seen.append((gc.get_freeze_count(), torch.get_num_threads(), kernels.kernel_threads()))
         return real(*a, **kw)
 
-    monkeypatch.setattr(mod, "make_plan", spy)
-    assert gc.get_freeze_count() == 0
-    int4pack.convert(FIXTURES / "gptq_q3_sym", tmp_path / "a")
-    assert seen[0] > 0 and gc.get_freeze_count() == 0
-    gc.freeze()
-    mine = gc.get_freeze_count()
-    try:
-        int4pack.convert(FIXTURES / "gptq_q3_sym", tmp_path / "b")
-        assert gc.get_freeze_count() >= mine > 0
-    finally:
-        gc.unfreeze()
+    monkeypatch.setattr(mod, "run_job", spy)
+    threads, frozen = torch.get_num_threads(), gc.get_freeze_count()
+    int4pack.convert(FIXTURES / "gptq_q3_asym", tmp_path / "a", threads=2)
+    assert seen and set(seen) == {(frozen, threads, 1)}
+    assert (gc.get_freeze_count(), torch.get_num_threads(), kernels.kernel_threads()) == (frozen, threads, threads)
 
 
 def test_source_folder_untouched(tmp_path):

@@ -10,7 +10,7 @@ Two halves in one file:
       case with ``torch.ops.aten._dyn_quant_pack_4bit_weight`` (real KleidiAI), compares bytes,
       and runs ``_dyn_quant_matmul_4bit`` on OUR blob and on torch's blob.
 
-Usage:  python scripts/arm64_pack_check.py [--out DIR] [--emu /tmp/arm64emu/bin/python3-arm64]
+Usage:  python tests/arm64/pack_check.py [--out DIR] [--emu /tmp/arm64emu/bin/python3-arm64]
                                             [--quick] [--json FILE]
 Exit status 0 only if every case is byte-identical and every matmul is within tolerance.
 """
@@ -59,7 +59,7 @@ def make(out: Path, quick: bool) -> dict:
     import torch
     from safetensors.torch import save_file
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from int4pack import kleidiai
 
     if kleidiai._ext_mod() is None:
@@ -164,7 +164,7 @@ def api_checks(meta, t) -> dict:
     """int4pack's own Arm-side API on the real thing (pure Python; INT4PACK_NO_EXT=1)."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from int4pack import kleidiai
 
     res = {"native_available": kleidiai.native_kleidiai_available(), "auto_native": 0, "unpack_ok": 0,

@@ -6,7 +6,7 @@ fixture (``tests/fixtures``) or from a tiny synthetic checkpoint written with sa
 the corpus is rebuilt fresh by the tests (into ``tmp_path``) and never committed.
 
 Usage:
-    python scripts/make_bad_inputs.py DEST [--fixtures PATH]
+    python tests/make_bad_inputs.py DEST [--fixtures PATH]
 
     from make_bad_inputs import build_corpus
     cases = build_corpus(dest, fixtures)       # -> list[Case]; also writes DEST/cases.json
@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 
 __all__ = ["Case", "build_corpus", "load_cases", "tree_hash", "DEFAULT_FIXTURES"]
 
-DEFAULT_FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
+DEFAULT_FIXTURES = Path(__file__).resolve().parent / "fixtures"
 INDEX = "model.safetensors.index.json"
 
 
@@ -635,8 +635,9 @@ def build_corpus(dest: str | os.PathLike, fixtures: str | os.PathLike = DEFAULT_
     case("out_contains_source", "OUT is SRC's parent, with --overwrite", exit=5, out="out_contains_source",
          args=["--overwrite"], mention=["out_contains_source"])
 
-    case("out_parent_missing", "OUT's parent folder does not exist", exit=5, out="out_parent_missing/no/such/out",
-         mention=["no/such"])
+    case("out_parent_is_file", "OUT's parent is a file (a missing parent would be created)", exit=5,
+         out="out_parent_is_file/file/out", mention=["file"])
+    (dest / "out_parent_is_file" / "file").write_text("user data\n")
 
     case("out_foreign_work_folder", "the hidden work folder exists but is not int4pack's", exit=5,
          mention=[".out.int4pack-partial"])

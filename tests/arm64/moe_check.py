@@ -20,7 +20,7 @@ The two emulated processes run side by side; the x86 side then compares:
                                     on near-symmetric rows);
   ours and vLLM vs float reference  the int8 activation quantisation, ~1-2 % for two matmuls.
 
-Usage:  python scripts/arm64_moe_check.py [--out DIR] [--quick] [--json FILE] [--no-vllm]
+Usage:  python tests/arm64/moe_check.py [--out DIR] [--quick] [--json FILE] [--no-vllm]
             [--emu /tmp/arm64emu/bin/python3-arm64] [--emu-vllm /tmp/arm64emu/bin/python3-arm64-vllm0.19.1]
 Exit status 0 only if every comparison is within its tolerance (and vLLM ran, unless --no-vllm).
 """
@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Tolerances, on the relative Frobenius distance of one case's [T, H] output (rel_fro) and on the
 # worst token row of a case (rel_row). Measured figures are in the README ("MoE op under emulation").
