@@ -83,8 +83,8 @@ def _summary(o, r: dict) -> None:
     # one row per distinct (role, shape, path, kleidiai): a 30B model has ~18k modules
     groups: dict[tuple, list] = {}
     for name, m in mods.items():
-        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", m["group_size"], "sym" if m["sym"] else "asym",
-               "yes" if m["act_order"] else "-", m["scale_dtype"], _path_and_target(m),
+        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), "sym" if m["sym"] else "asym",
+               "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-",
                "yes" if m["kleidiai"] else m["kleidiai_reason"])
         groups.setdefault(key, []).append(name)
     ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
@@ -109,10 +109,12 @@ def _summary(o, r: dict) -> None:
         o.text(f"  prepacked: {b['file']}: {b.get('name')} {b.get('dtype')}{b.get('shape')} {b.get('error', '')}")
 
 
-def _path_and_target(m: dict) -> str:
-    """'lossless g32' / 'requant ch': the path and the target group convert would give the module."""
+def _groups(m: dict) -> str:
+    """The source's group and, before convert, the target group it gets: '32->ch' (ch: channel)."""
+    def name(g):
+        return "ch" if g == -1 or g >= m["k"] else str(g)
     g = m.get("target_group_size")
-    return (m["path"] or "-") + ("" if g is None else " ch" if g == -1 else f" g{g}")
+    return name(m["group_size"]) + ("" if g is None else f"->{name(g)}")
 
 
 def _dump(o, r: dict) -> None:
