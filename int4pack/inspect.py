@@ -16,6 +16,7 @@ import torch
 from .architectures import discover
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
+from .serving import serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -97,6 +98,9 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = is_output
+    g_out = (next((-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()), None)
+             if is_output else (plan.group_size if plan else None))
+    out["serving"] = serving_warnings(g_out) if g_out is not None else []  # measured vLLM releases that fail
     pp = ckpt.folder / "kleidiai"
     if pp.is_dir():
         from .checkpoint import read_header

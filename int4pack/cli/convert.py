@@ -84,6 +84,8 @@ def _render(o: Output, r: dict) -> None:
            f"{p['routers']} routers")
     g = "channel (fp32 scales)" if p["group_size"] == -1 else f"{p['group_size']} (bf16 scales)"
     o.text(f"  target: W4A8, group {g}, dense linears as {p['dense']}")
+    for w in r.get("serving", []):
+        o.warning(w)
     paths = p["paths"]
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
     o.text(f"  tensors: {p['tensors_in']} in -> {p['tensors_out']} out in {len(r['shards'])} shard(s); "
