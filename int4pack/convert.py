@@ -27,6 +27,7 @@ from .errors import InputError, OutputError, UsageError
 from .formats import Reader
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
+from .serving import serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
@@ -246,6 +247,7 @@ def convert(
             "source": str(src),
             "plan": plan.summary(),
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
+            "serving": serving_warnings(plan.schemes()),  # measured vLLM releases that fail on this output
         }
         if dry_run:
             report["dry_run"] = True

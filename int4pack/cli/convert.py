@@ -111,6 +111,8 @@ def _render(o: Output, r: dict) -> None:
         more = f" and {len(items) - 1} more" if len(items) > 1 else ""
         o.warning(f"{sum(s['modules'] for s in items)} module(s) cannot run group {items[0]['requested']} "
                   f"({reason}): {items[0]['module']}{more} get {scheme}")
+    for w in r.get("serving", []):
+        o.warning(w)
     paths = p["paths"]
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
     o.text(f"  tensors: {p['tensors_in']} in -> {p['tensors_out']} out in {len(r['shards'])} shard(s); "
