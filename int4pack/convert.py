@@ -28,6 +28,7 @@ from .formats import Reader
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from . import serve_format as sf
+from .serving import serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
@@ -92,7 +93,7 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
         spec = job.specs[0]
         try:
             # the codes may stay packed (and mapped): the one-pass kernels read the words
-            ws = [to_w4a8(reader.read(spec, unpack=False), plan.group_size)]
+            ws = [to_w4a8(reader.read(spec, unpack=False), job.group_size)]
         finally:
             for key in spec.keys:
                 ckpt.release(key)  # unmap the packed words read in place; RSS stays bounded
@@ -106,7 +107,7 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
         if ql.bias is not None:
             out.append((f"{ql.spec.name}.bias", ql.bias))
         return out, {ql.spec.name: {"path": "dequant", "role": roles[ql.spec.name]}}
-    return _outputs(list(fold_act_order(qls[0], qls[1], qls[2], plan.group_size)), roles)
+    return _outputs(list(fold_act_order(qls[0], qls[1], qls[2], job.group_size)), roles)
 
 
 def _outputs(ws: list[W4A8Linear], roles: dict) -> tuple[list, dict]:
@@ -177,7 +178,11 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
     ignore = _ignore_list(plan, ckpt)
     rename = vllm_output_names(ckpt.model_type, [f"{m}.weight" for m in ignore])
     ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
-    cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
+    if plan.group_size is not None:
+        cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
+    else:  # one config group per scheme, targets in the names vLLM loads
+        groups = {rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")]: g for m, g in plan.groups.items()}
+        cfg["quantization_config"] = w4a8_quant_config(groups, ignore)
     return cfg
 
 
@@ -189,13 +194,16 @@ def _kernels_used() -> str:
 
 
 def _base_meta(plan: Plan) -> dict[str, str]:
+    g = plan.group_size
+    target = {"scheme": "W4A8", "group_size": g, "dense": plan.dense,
+              "scale_dtype": "float32" if g == -1 else "bfloat16"}
+    if g is None:  # per module: the config's groups and the report say which
+        target.update(scale_dtype="per module", group_sizes=sorted(plan.schemes()))
     return {
         "format": "pt",
         "int4pack.version": __version__,
         "int4pack.source_format": json.dumps(plan.verdict.to_dict(), sort_keys=True),
-        "int4pack.target": json.dumps({"scheme": "W4A8", "group_size": plan.group_size,
-                                       "scale_dtype": "float32" if plan.group_size == -1 else "bfloat16",
-                                       "dense": plan.dense}, sort_keys=True),
+        "int4pack.target": json.dumps(target, sort_keys=True),
     }
 
 
@@ -213,12 +221,15 @@ def convert(
     revision: str | None = None,
     serve_format: str = "compressed-tensors",
     progress: NullProgress | None = None,
+    strict_group_size: bool = False,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint, or with
     ``serve_format="kleidiai"`` to the packed serving format (serve_format.py).
 
     Returns the report (also written to ``OUT/int4pack_report.json``). With ``dry_run`` nothing is
     written and the report holds the plan. Raises Int4packError subclasses on bad input.
+    ``group_size`` is a model-wide request: modules that cannot run it take the group they can
+    (the report's ``plan.group_substitutions``), unless ``strict_group_size`` refuses instead.
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
@@ -228,7 +239,8 @@ def convert(
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
     with Checkpoint(folder) as ckpt:
-        plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src))
+        plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
+                         strict_group_size=strict_group_size)
         if packed:
             plan = sf.packed_plan(plan)
         shards = assign_shards(plan.outputs, max_bytes)
@@ -238,11 +250,12 @@ def convert(
             "source": str(src),
             "plan": plan.summary(),
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
+            "serving": serving_warnings(plan.schemes()),  # measured vLLM releases that fail on this output
         }
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
-            report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m)}
+            report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m), "group_size": j.group_size}
                                  for j in plan.jobs for m, p in j.paths.items()}
             report["seconds"] = round(time.perf_counter() - t0, 3)
             return report
@@ -252,7 +265,7 @@ def convert(
         fp += "|vllm-names" if rename else ""
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              sf.job_packer(plan.group_size) if packed else None)
+                              sf.job_packer() if packed else None)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}

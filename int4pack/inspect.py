@@ -18,6 +18,7 @@ from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
+from .serving import serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -30,8 +31,9 @@ def kleidiai_gate(k: int, group_size: int, scale_dtype: str) -> tuple[bool, str]
         if scale_dtype != "F32":
             return False, f"channelwise needs float32 scales, got {scale_dtype}: silent float32 fallback"
         return True, "channelwise qsi4cxp (fp32 scales)"
-    if groupwise_problem(group_size, k):
-        return False, f"group {group_size} must be a multiple of 32 dividing K={k} and < K: fallback/refused"
+    why = groupwise_problem(group_size, k)
+    if why:
+        return False, f"{why}: fallback/refused"
     if scale_dtype != "BF16":
         return False, f"groupwise needs bfloat16 scales, got {scale_dtype}: silent float32 fallback"
     return True, f"groupwise qsi4c32p, group {group_size} (bf16 scales)"
@@ -62,7 +64,6 @@ def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
 def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     """The summary of a packed serving checkpoint: its recorded layout and one row per blob."""
     pw = sf.PackedWeights(ckpt, rec)
-    g = pw.group_size
     out = _head(ckpt, label)
     out["format"] = {"format": sf.QUANT_METHOD, "detail": f"KleidiAI-packed W4A8, {rec.get('layout')} "
                      f"v{rec.get('layout_version')}, nr/kr/sr {rec.get('nr')}/{rec.get('kr')}/{rec.get('sr')}",
@@ -79,10 +80,11 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
             n, k = pw.shape(m)
         except InputError as e:
             mods[m] = {"role": roles.get(m) or classify(m)[0], "format": "kleidiai", "n": None, "k": None,
-                       "group_size": g, "sym": True, "act_order": False, "scale_dtype": None, "path": None,
+                       "group_size": None, "sym": True, "act_order": False, "scale_dtype": None, "path": None,
                        "kleidiai": False, "kleidiai_reason": str(e)}
             continue
-        chan = kleidiai.is_channelwise(k, pw.block(m))
+        g = pw.group(m)
+        chan = g == -1
         mods[m] = {"role": roles.get(m) or classify(m)[0], "format": "kleidiai", "n": n, "k": k, "group_size": g,
                    "sym": True, "act_order": False, "scale_dtype": "F32" if chan else "BF16",
                    "bias": bool(pw.prov[f"{m}.{sf.SUFFIX}"].get("bias")), "path": "packed",
@@ -92,6 +94,7 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = True
+    out["serving"] = serving_warnings({m["group_size"] for m in mods.values() if m["group_size"] is not None})
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
                                "fallback": sum(1 for m in mods.values() if not m["kleidiai"])}
     return out
@@ -119,7 +122,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
         plan = make_plan(ckpt, source_label=label)
         paths = {m: p for j in plan.jobs for m, p in j.paths.items()}
         out["plan"] = {"ok": True, "group_size": plan.group_size, "paths": plan.path_counts(),
-                       "scale_dtype": "F32" if plan.group_size == -1 else "BF16"}
+                       "scale_dtype": None if plan.group_size is None else "F32" if plan.group_size == -1 else "BF16",
+                       "schemes": plan.summary()["schemes"]}
     except Int4packError as e:
         paths, plan = {}, None
         out["plan"] = {"ok": False, "refused": str(e), "hint": e.hint, "exit_code": e.exit_code}
@@ -133,10 +137,12 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
             rec["refused"] = s.refused
         if is_output:
             ok, why = kleidiai_gate(s.k, s.group_size, s.scale_dtype)
-        elif plan is not None:
-            g = plan.group_size
+        elif plan is not None and name in plan.groups:
+            g = rec["target_group_size"] = plan.groups[name]
             ok, why = kleidiai_gate(s.k, g, "F32" if g == -1 else "BF16")
             why = "after convert: " + why
+        elif plan is not None:
+            ok, why = None, f"after convert: {rec['path']} (not W4A8)"
         else:
             ok, why = None, "no plan"
         rec["kleidiai"] = ok
@@ -145,6 +151,9 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = is_output
+    g_out = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
+             else set(plan.schemes()) if plan else set())
+    out["serving"] = serving_warnings(g_out)  # measured vLLM releases that fail on this output
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
               "fallback": sum(1 for m in mods.values() if m["kleidiai"] is False)}
     out["kleidiai_summary"] = counts
@@ -272,7 +281,7 @@ def _dump_blob(pw: sf.PackedWeights, m: str, rows: int) -> dict:
         parts += [("row sums fp32 (sum q*scale)", off, 32), ("bias fp32", off + 32, 32)]
         sums = raw[off:off + 32].contiguous().view(torch.float32).tolist()
     return {"tensor": name, "dtype": info.dtype, "file": info.file, "shape": list(info.shape), "n": n, "k": k,
-            "group_size": pw.group_size, "layout": "channelwise qsi4cxp" if chan else "groupwise qsi4c32p",
+            "group_size": pw.group(m), "layout": "channelwise qsi4cxp" if chan else "groupwise qsi4c32p",
             "provenance": pw.prov[name],
             "tile": {"nr": kleidiai.NR, "kr": kleidiai.KR, "sr": kleidiai.SR, "rows_per_block": kleidiai.NR,
                      "blocks": -(-n // kleidiai.NR), "bytes_per_block": per_block},

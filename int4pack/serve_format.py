@@ -59,16 +59,18 @@ def _block(k: int, group_size: int) -> int:
     return k if group_size == -1 else group_size
 
 
-def layout_record(group_size: int) -> dict:
-    """What the blobs are: recorded in config.json and checked by the plugin and verify."""
+def layout_record(group_size: int | None) -> dict:
+    """What the blobs are: recorded in config.json and checked by the plugin and verify.
+    ``group_size`` None: per module (the config groups and each blob's provenance say which)."""
+    scales = "per module" if group_size is None else "float32" if group_size == -1 else "bfloat16"
     return {"layout": kleidiai.LAYOUT_NAME, "layout_version": kleidiai.LAYOUT_VERSION,
             "nr": kleidiai.NR, "kr": kleidiai.KR, "sr": kleidiai.SR, "group_size": group_size,
-            "scale_dtype": "float32" if group_size == -1 else "bfloat16", "tensor_suffix": SUFFIX,
+            "scale_dtype": scales, "tensor_suffix": SUFFIX,
             "packer": "int4pack portable (the bytes of torch's _dyn_quant_pack_4bit_weight on Arm)",
             "verified_against_torch": list(VERIFIED_TORCH)}
 
 
-def serve_config(quant_config: dict, group_size: int) -> dict:
+def serve_config(quant_config: dict, group_size: int | None) -> dict:
     """The plain output's quantization_config, renamed to this format, with the layout record."""
     return {**quant_config, "quant_method": QUANT_METHOD, "kleidiai": layout_record(group_size)}
 
@@ -95,7 +97,6 @@ def record_problems(rec: dict) -> list[str]:
 
 def packed_plan(plan: Plan) -> Plan:
     """The plan with every W4A8 module's weight, weight_scale and bias replaced by one blob tensor."""
-    g = plan.group_size
     jobs = []
     for j in plan.jobs:
         if j.kind not in ("linear", "fold"):
@@ -108,7 +109,8 @@ def packed_plan(plan: Plan) -> Plan:
                     f"{s.name}: N={s.n} is not a multiple of {kleidiai.NR}, so its KleidiAI blob cannot be "
                     "joined with the modules vLLM fuses it with", tensor=s.name,
                     hint="Use the default --serve-format compressed-tensors for this model.")
-            outs.append(OutTensor(f"{s.name}.{SUFFIX}", "U8", (kleidiai.packed_size(s.n, s.k, _block(s.k, g)),)))
+            size = kleidiai.packed_size(s.n, s.k, _block(s.k, j.group_size))
+            outs.append(OutTensor(f"{s.name}.{SUFFIX}", "U8", (size,)))
         jobs.append(dataclasses.replace(j, outputs=outs))
     return dataclasses.replace(plan, jobs=jobs, options={**plan.options, "serve_format": KLEIDIAI})
 
@@ -128,9 +130,10 @@ def provenance(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
             "crc32_bias": _crc(None if bias is None else bias.to(torch.float32))}
 
 
-def job_packer(group_size: int):
+def job_packer():
     """run_job outputs -> packed outputs: each W4A8 module's (weight, weight_scale[, bias]) becomes
-    one blob; the module's stats gain its provenance (written to the shard header and report)."""
+    one blob, packed at its job's group; the module's stats gain its provenance (written to the
+    shard header and report)."""
 
     def pack(job: Job, tensors: list, stats: dict) -> list:
         if job.kind not in ("linear", "fold"):
@@ -143,8 +146,8 @@ def job_packer(group_size: int):
         for mod, p in parts.items():
             q, s, b = p["weight"], p["weight_scale"], p.get("bias")
             bias = None if b is None else b.to(torch.float32)
-            blob = kleidiai.pack_portable(q, s, bias, _block(q.shape[1], group_size), threads=1)
-            stats.setdefault(mod, {})["packed"] = provenance(q, s, bias, group_size)
+            blob = kleidiai.pack_portable(q, s, bias, _block(q.shape[1], job.group_size), threads=1)
+            stats.setdefault(mod, {})["packed"] = provenance(q, s, bias, job.group_size)
             out.append((f"{mod}.{SUFFIX}", blob))
         return out
 
@@ -160,7 +163,6 @@ class PackedWeights:
     def __init__(self, ckpt, record: dict):
         self.ckpt = ckpt
         self.record = record
-        self.group_size = int(record.get("group_size", -1))
         self.prov: dict[str, dict] = {}
         for meta in ckpt.shard_metadata.values():
             try:
@@ -181,8 +183,14 @@ class PackedWeights:
                              hint="The shard was not written by int4pack convert, or its header was rewritten.")
         return int(p["n"]), int(p["k"])
 
+    def group(self, m: str) -> int:
+        """Module m's group as packed (-1: channelwise), from its provenance."""
+        n, k = self.shape(m)
+        g = int(self.prov[f"{m}.{SUFFIX}"]["group_size"])
+        return -1 if g in (-1, k) else g
+
     def block(self, m: str) -> int:
-        return _block(self.shape(m)[1], self.group_size)
+        return _block(self.shape(m)[1], self.group(m))
 
     def blob(self, m: str) -> torch.Tensor:
         return self.ckpt.get(f"{m}.{SUFFIX}")

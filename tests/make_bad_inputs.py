@@ -601,11 +601,14 @@ def build_corpus(dest: str | os.PathLike, fixtures: str | os.PathLike = DEFAULT_
          mention=["--group-size 48"])
     case("group_size_0", "--group-size 0", exit=2, args=["--group-size", "0"], mention=["--group-size 0"])
     case("group_size_word", "--group-size big", exit=2, args=["--group-size", "big"], mention=["--group-size"])
-    case("group_size_not_dividing_k", "--group-size 96 does not divide K=256", exit=4, args=["--group-size", "96"],
-         mention=["--group-size 96"])
+    case("group_size_not_dividing_k", "--group-size 96 --strict-group-size: 96 does not divide K=256", exit=4,
+         args=["--group-size", "96", "--strict-group-size"], mention=["--group-size 96"])
+    case("group_size_not_dividing_k_substituted", "--group-size 96 does not divide K=256: those modules get "
+         "a group they can run, with a warning", exit=0, ok=True, args=["--group-size", "96"])
 
-    f = case("source_group_not_dividing_k_kept", "source group 96 (does not divide K=128) kept with --group-size 96",
-             base=None, exit=4, args=["--group-size", "96"], mention=["--group-size 96"])
+    f = case("source_group_not_dividing_k_kept", "source group 96 (does not divide K=128) kept with --group-size 96 "
+             "--strict-group-size", base=None, exit=4, args=["--group-size", "96", "--strict-group-size"],
+             mention=["--group-size 96"])
     _synthetic_gptq(f, group=96)
 
     f = case("source_group_not_dividing_k", "source GPTQ group 96 with K=128: valid GPTQ (last group partial); "

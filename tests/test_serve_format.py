@@ -290,3 +290,35 @@ def test_shard_headers_have_room_for_provenance(tmp_path):
         else:
             with pytest.raises(OutputError, match="grew past"):
                 f.finish(results)
+
+
+def test_two_schemes_packed(tmp_path):
+    """Per-module schemes (DeepSeek-V3 synthetic: kv_b_proj channel, the rest group 32): each blob is
+    packed at its module's group, recorded in its provenance, and verify checks it against the config
+    group that names the module."""
+    import _synth
+
+    _synth.write_ct_deepseek_v3(tmp_path / "src")
+    int4pack.convert(tmp_path / "src", tmp_path / "plain")
+    rep = int4pack.convert(tmp_path / "src", tmp_path / "packed", serve_format="kleidiai")
+    assert rep["serve_format"]["group_size"] is None and rep["serve_format"]["scale_dtype"] == "per module"
+    plain, packed = load_raw(tmp_path / "plain"), load_raw(tmp_path / "packed")
+    pw_groups = {}
+    for m in _w4a8_modules(plain):
+        q, s = plain[f"{m}.weight"], plain[f"{m}.weight_scale"]
+        block = q.shape[1] if s.dtype == torch.float32 else q.shape[1] // s.shape[1]
+        pw_groups[m] = -1 if s.dtype == torch.float32 else block
+        assert torch.equal(packed[f"{m}.weight_packed"], kleidiai.pack_reference(q, s, None, block)), m
+    assert set(pw_groups.values()) == {-1, 32}
+    r = int4pack.verify(tmp_path / "packed", against=tmp_path / "src")
+    assert r["ok"] and r["structural"]["counts"]["blobs"] == len(pw_groups)
+    assert int4pack.inspect(tmp_path / "packed", "model.layers.1.self_attn.kv_b_proj")["layout"] == \
+        "channelwise qsi4cxp"
+    # the config names o_proj (group 32 in its blob) in the channel group first: verify says so
+    cfg = json.loads((tmp_path / "packed" / "config.json").read_text())
+    groups = cfg["quantization_config"]["config_groups"]
+    chan = next(k for k, g in groups.items() if g["weights"]["strategy"] == "channel")
+    groups[chan]["targets"].insert(0, "model.layers.0.self_attn.o_proj")
+    (tmp_path / "packed" / "config.json").write_text(json.dumps(cfg))
+    r = int4pack.verify(tmp_path / "packed", structural_only=True, raise_on_failure=False)
+    assert "packed with group 32, but the config's group for the module is -1" in _problems(r), _problems(r)

