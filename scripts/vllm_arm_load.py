@@ -9,8 +9,9 @@ Runs under the aarch64 interpreter that tools/arm64emu/vllm_setup.sh builds:
 ``BaseModelLoader.load_model`` (weights read + ``process_weights_after_loading``: the load) and
 torch's ``_dyn_quant_pack_4bit_weight`` (every matrix packed meanwhile, told apart by its shape),
 and reads the process's peak RSS (getrusage; under QEMU the emulator's own memory is included,
-the same for every checkpoint) before and after the load. Then a few tokens are generated to show
-the loaded model runs. Nothing here decides pass/fail.
+the same for every checkpoint) before and after the load, and the largest anonymous and file-backed
+RSS polled during it (/proc/self/status: the file part is the checkpoint's mapped pages). Then a few
+tokens are generated to show the loaded model runs. Nothing here decides pass/fail.
 """
 
 from __future__ import annotations
@@ -27,6 +28,50 @@ T0 = time.perf_counter()
 
 def _peak_rss_mb() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KB on Linux
+
+
+def _status_mb(*keys: str) -> dict[str, float]:
+    """Current VmRSS / RssAnon / RssFile (MB) of this process (under QEMU: of the emulator)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key in keys:
+                    out[key] = round(int(val.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return out
+
+
+class _Sampler:
+    """The largest anonymous and file-backed RSS seen while a block runs (polled every 50 ms): the
+    anonymous part is memory the load needs; the file part is the checkpoint's mapped pages, which
+    the kernel can drop under pressure."""
+
+    def __init__(self):
+        self.peak: dict[str, float] = {}
+        self._stop = None
+
+    def __enter__(self):
+        import threading
+
+        self._stop = threading.Event()
+
+        def run():
+            while True:
+                for k, v in _status_mb("RssAnon", "RssFile").items():
+                    self.peak[k] = max(self.peak.get(k, 0.0), v)
+                if self._stop.wait(0.05):
+                    return
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
 
 
 def _in_moe_method() -> bool:
@@ -49,6 +94,8 @@ class LoadStats:
         self.load_seconds = None
         self.rss_before_load_mb = None
         self.peak_rss_mb = None
+        self.anon_before_load_mb = None
+        self.sampled: dict[str, float] = {}
 
     def reset(self) -> None:
         self.__init__()
@@ -62,12 +109,16 @@ class LoadStats:
 
         def timed_load(loader, *a, **k):
             stats.rss_before_load_mb = _peak_rss_mb()
+            stats.anon_before_load_mb = _status_mb("RssAnon").get("RssAnon")
             t = time.perf_counter()
+            sampler = _Sampler()
             try:
-                return load(loader, *a, **k)
+                with sampler:
+                    return load(loader, *a, **k)
             finally:
                 stats.load_seconds = round(time.perf_counter() - t, 2)
                 stats.peak_rss_mb = _peak_rss_mb()
+                stats.sampled = sampler.peak
 
         BaseModelLoader.load_model = timed_load
         pack = torch.ops.aten._dyn_quant_pack_4bit_weight
@@ -93,7 +144,9 @@ class LoadStats:
         tc = cfg.get("text_config") or cfg
         h, inter = tc["hidden_size"], tc.get("moe_intermediate_size") or tc["intermediate_size"]
         return {"load_seconds": self.load_seconds, "rss_before_load_mb": self.rss_before_load_mb,
-                "peak_rss_mb": self.peak_rss_mb, "experts_packed_at_load": self.moe_shapes.get((h, 2 * inter), 0),
+                "peak_rss_mb": self.peak_rss_mb, "anon_before_load_mb": self.anon_before_load_mb,
+                "peak_anon_rss_mb": self.sampled.get("RssAnon"), "peak_file_rss_mb": self.sampled.get("RssFile"),
+                "experts_packed_at_load": self.moe_shapes.get((h, 2 * inter), 0),
                 "matrices_packed_at_load": sum(self.shapes.values()),
                 "packed_shapes": {f"{k}x{n}": c for (k, n), c in sorted(self.shapes.items())}}
 
