@@ -4,6 +4,7 @@
 Runs under the aarch64 interpreter that tools/arm64emu/vllm_setup.sh builds:
 
     python3-arm64-vllm0.32.0 scripts/vllm_arm_load.py MODEL_DIR --json OUT [--dtype float32] [--max-tokens 4]
+        [--torch-without-kleidiai]
 
 ``LoadStats`` (also used by scripts/vllm_arm_probe.py) wraps, without changing them, vLLM's
 ``BaseModelLoader.load_model`` (weights read + ``process_weights_after_loading``: the load) and
@@ -12,6 +13,11 @@ and reads the process's peak RSS (getrusage; under QEMU the emulator's own memor
 the same for every checkpoint) before and after the load, and the largest anonymous and file-backed
 RSS polled during it (/proc/self/status: the file part is the checkpoint's mapped pages). Then a few
 tokens are generated to show the loaded model runs. Nothing here decides pass/fail.
+
+``--torch-without-kleidiai`` makes torch's ``_dyn_quant_pack_4bit_weight`` return its float32
+reference format, as a torch built without KleidiAI does (docs/kleidiai.md 1.6): a host where
+int4pack's plugin must refuse a packed checkpoint. (vLLM's aarch64 builds do not start on a CPU
+without dotprod at all: QEMU's cortex-a72 dies with SIGILL while importing them.)
 """
 
 from __future__ import annotations
@@ -151,13 +157,32 @@ class LoadStats:
                 "packed_shapes": {f"{k}x{n}": c for (k, n), c in sorted(self.shapes.items())}}
 
 
+def _without_kleidiai() -> None:
+    import torch
+
+    pack = torch.ops.aten._dyn_quant_pack_4bit_weight
+
+    class _ReferenceFormat:  # the op's other attributes stay the real op's
+        def __call__(self, weight, scales, bias, block_size, in_features, out_features):
+            parts = [weight.reshape(-1).float(), scales.reshape(-1).float()]
+            return torch.cat(parts + ([bias.reshape(-1).float()] if bias is not None else []))
+
+        def __getattr__(self, n):
+            return getattr(pack, n)
+
+    setattr(torch.ops.aten, "_dyn_quant_pack_4bit_weight", _ReferenceFormat())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--json", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--torch-without-kleidiai", action="store_true",
+                    help="torch's packer writes its float32 reference format, as without KleidiAI")
     a = ap.parse_args()
+
     out: dict = {"model_dir": a.model, "dtype": a.dtype}
     try:
         t = time.perf_counter()
@@ -168,6 +193,8 @@ def main() -> None:
         out.update(vllm=vllm.__version__, import_vllm_s=round(time.perf_counter() - t, 1), rss_after_import_mb=_peak_rss_mb())
         stats = LoadStats()
         stats.install()
+        if a.torch_without_kleidiai:
+            _without_kleidiai()
         t = time.perf_counter()
         llm = LLM(model=a.model, dtype=a.dtype, enforce_eager=True, skip_tokenizer_init=True, max_model_len=64,
                   max_num_seqs=1, max_num_batched_tokens=64, seed=0)
