@@ -1,22 +1,37 @@
-"""int4pack: int4 MoE checkpoints -> the W4A8 layout Arm CPUs run fast (KleidiAI, vLLM CPU)."""
+"""int4pack: int4 MoE checkpoints -> the W4A8 layout Arm CPUs run fast (KleidiAI, vLLM CPU).
 
-import gc as _gc
+``int4pack.convert``, ``int4pack.verify`` and ``int4pack.inspect`` are functions that mirror the
+CLI commands. They load on first use: importing the package (and so ``int4pack --help``) does
+not import torch.
+"""
 
-# torch's import makes ~10^6 long-lived objects, and the cyclic GC rescanned them over and over
-# while it ran (~0.3 s of a 1.6 s start); paused for the imports only, and left as it was found
-_gc_was_enabled = _gc.isenabled()
-_gc.disable()
-try:
-    from ._version import __version__
-    from .errors import Int4packError
+import importlib
+import sys
+import types
 
-    # the function shadows its module on purpose: int4pack.convert(src, out, ...) mirrors the CLI
-    from .convert import convert
-    from .verify import verify
-    from .inspect import inspect
-finally:
-    if _gc_was_enabled:
-        _gc.enable()
+from ._version import __version__
+from .errors import Int4packError
 
-__all__ = ["__version__", "convert", "Int4packError"]
-__all__ += ["verify", "inspect"]
+__all__ = ["__version__", "convert", "verify", "inspect", "Int4packError"]
+
+_FUNCTIONS = ("convert", "verify", "inspect")  # each the function of the module of its name
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # importing int4pack.convert binds the module to the package's name "convert": the
+        # function keeps that name, as the CLI mirror promises
+        if name in _FUNCTIONS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+def __getattr__(name):
+    if name in _FUNCTIONS:
+        function = getattr(importlib.import_module(f".{name}", __name__), name)
+        types.ModuleType.__setattr__(sys.modules[__name__], name, function)
+        return function
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,12 +1,16 @@
-"""Builds and loads the C++ hot loops in ``csrc/`` (torch extensions, compiled on first use).
+"""Builds and loads the C++ hot loops in ``int4pack/csrc/`` (torch extensions, compiled on first use).
 
-Compiling at first use (torch.utils.cpp_extension.load, ninja from PyPI) keeps the install a
-plain ``pip install``: nothing asks for torch at build time, so build isolation cannot pull a
-second torch. Each ``csrc/<name>.cpp`` is its own extension, cached per source hash and torch
-version under ``$INT4PACK_CACHE`` (default ``~/.cache/int4pack``).
+The sources ship inside the package (sdist and wheel) and compile at first use with
+torch.utils.cpp_extension and ninja from PyPI, against the torch that is installed then. So
+the install stays a plain ``pip install``: nothing asks for torch at build time, build
+isolation cannot pull a second torch, and a wheel built on one torch keeps working when the
+environment (e.g. vLLM's) brings another. Each folder ``csrc/<name>/`` is one extension, its
+``*.cpp`` compiled together with its ``*.h``; a build is cached per source hash, torch and
+Python version under ``$INT4PACK_CACHE`` (default ``~/.cache/int4pack``).
 
-``load(name)`` returns the module, or None when ``INT4PACK_NO_EXT=1`` or the build fails (the
-callers then use their pure-torch twins; ``build_error(name)`` says why).
+``load(name)`` returns the module, or None when ``INT4PACK_NO_EXT=1`` or the build fails; the
+callers then use their pure-torch twins. A failed build warns once per process
+(``SlowPathWarning``), and ``build_error(name)`` says why.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import importlib.util
 import os
 import sys
 import threading
+import warnings
 from pathlib import Path
 
 try:
@@ -23,19 +28,21 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 
-__all__ = ["load", "build_error", "csrc_dir"]
+__all__ = ["load", "build_error", "csrc_dir", "SlowPathWarning"]
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 _errors: dict[str, str] = {}
+_warned = False
+
+
+class SlowPathWarning(RuntimeWarning):
+    """The C++ kernels could not be built: int4pack runs, several times slower."""
 
 
 def csrc_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent / "csrc", here / "csrc"):
-        if cand.is_dir():
-            return cand
-    return here.parent / "csrc"
+    """The C++ sources, shipped inside the package."""
+    return Path(__file__).resolve().parent / "csrc"
 
 
 def _cache_root() -> Path:
@@ -48,7 +55,7 @@ def build_error(name: str) -> str | None:
 
 
 def load(name: str, *, required: bool = False):
-    """The compiled extension ``csrc/<name>.cpp`` (plus ``csrc/*.h``), or None."""
+    """The compiled extension ``csrc/<name>/``, or None."""
     if os.environ.get("INT4PACK_NO_EXT", "") not in {"", "0"} and not required:
         _errors.setdefault(name, "disabled by INT4PACK_NO_EXT")
         return None
@@ -57,27 +64,44 @@ def load(name: str, *, required: bool = False):
             return _loaded[name]
         if name in _errors and not required:
             return None
-        src = csrc_dir() / f"{name}.cpp"
         try:
-            mod = _build(name, src)
+            mod = _build(name, csrc_dir() / name)
         except Exception as e:  # a compiler problem must not break the pure-torch paths
             _errors[name] = f"{type(e).__name__}: {e}"
             if required:
                 raise
+            _warn_slow(name, _errors[name])
             return None
         _loaded[name] = mod
         return mod
 
 
-def _build(name: str, src: Path):
+def _warn_slow(name: str, error: str) -> None:
+    """Say once per process that the kernels are missing, and what that costs."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    first_line = error.strip().splitlines()[0] if error.strip() else error
+    warnings.warn(
+        f"int4pack: the C++ kernels ({name}) could not be built: {first_line[:300]}. int4pack falls back "
+        "to its pure-torch code, which gives the same bytes but runs several times slower. Install a C++ "
+        "compiler (e.g. g++) with OpenMP, or set INT4PACK_EXT_VERBOSE=1 to see the build; set "
+        "INT4PACK_NO_EXT=1 to choose the slow paths without this warning.",
+        SlowPathWarning, stacklevel=3)
+
+
+def _build(name: str, folder: Path):
+    """Build (or import the cached build of) the extension whose sources are ``folder/*.cpp``."""
     import torch
 
-    if not src.is_file():
-        raise FileNotFoundError(src)
+    sources = sorted(folder.glob("*.cpp"))
+    if not sources:
+        raise FileNotFoundError(f"no C++ sources in {folder}")
     flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
-    headers = sorted(src.parent.glob("*.h"))
     h = hashlib.sha256()
-    for p in [src, *headers]:
+    for p in [*sources, *sorted(folder.glob("*.h"))]:
+        h.update(p.name.encode())
         h.update(p.read_bytes())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())
@@ -109,10 +133,10 @@ def _build(name: str, src: Path):
             (build_dir / "lock").unlink(missing_ok=True)
         mod = cpp_extension.load(
             name=mod_name,
-            sources=[str(src)],
+            sources=[str(p) for p in sources],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(src.parent)],
+            extra_include_paths=[str(folder)],
             build_directory=str(build_dir),
             verbose=os.environ.get("INT4PACK_EXT_VERBOSE", "") not in {"", "0"},
         )

@@ -21,6 +21,8 @@ __all__ = [
     "classify",
     "discover",
     "vllm_output_names",
+    "VLLM_FUSED",
+    "vllm_module",
 ]
 
 # model_type -> how routed experts are spelled (all accepted for every family; the table
@@ -56,6 +58,16 @@ _FUSED_TENSOR = re.compile(
     r"\.experts\.(gate_up_proj|down_proj)(_blocks|_scales|_bias|_scale|_packed)?$"
     r"|\.(input_linear|output_linear)\.(weight|weight_packed|qweight)$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+# vLLM loads these checkpoint linears into one fused module each (the model classes'
+# packed_modules_mapping in vLLM 0.19.1 and 0.32.0): the shards of one fused module, like all
+# experts of one MoE layer, run under one quantisation scheme
+VLLM_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek MLA with q_lora_rank
+}
+_FUSED_OF = {shard: fused for fused, shards in VLLM_FUSED.items() for shard in shards}
 
 
 @dataclass
@@ -113,6 +125,17 @@ def classify(name: str) -> tuple[str, dict]:
     if _ATTN.search(name):
         return "attention", {}
     return "linear", {}
+
+
+def vllm_module(name: str) -> str:
+    """The vLLM module a quantised linear loads into: ``<moe>.experts`` for a routed expert (one
+    FusedMoE per layer), ``<parent>.qkv_proj`` for q_proj and the like, else the linear itself."""
+    m = _EXPERT.match(name)
+    if m:
+        return f"{m['moe']}.experts"
+    parent, _, leaf = name.rpartition(".")
+    fused = _FUSED_OF.get(leaf)
+    return f"{parent}.{fused}" if fused and parent else name
 
 
 def _expected_experts(cfg: dict) -> int | None:

@@ -51,7 +51,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # not named by Python before 3.13
 _FAULT_AROUND = 1 << 21  # a fault maps resident pages around it: up to a whole large folio (<= 2 MB)
-_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
 _DTYPE_KEY = {k: k for k in DTYPES}  # the shared name string instead of one per tensor from JSON
 # same-size dtypes numpy has, to read into a torch tensor through its numpy view
 _NUMPY_VIEW = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
@@ -142,9 +142,9 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
             raise InputError(
                 f"{path.name}: tensor {name!r} offsets {off} fall outside the data ({data_len} bytes)",
                 path=str(path), tensor=name, hint="The shard is truncated or corrupt; download it again.")
-        if e - b != numel * _ITEMSIZE[dt]:
+        if e - b != numel * ITEMSIZE[dt]:
             raise InputError(
-                f"{path.name}: tensor {name!r} spans {e - b} bytes but {dt}{shape} needs {numel * _ITEMSIZE[dt]}",
+                f"{path.name}: tensor {name!r} spans {e - b} bytes but {dt}{shape} needs {numel * ITEMSIZE[dt]}",
                 path=str(path), tensor=name, hint="The shard is corrupt; download it again.")
         spans.append((b, e, name))
     spans.sort()
@@ -296,8 +296,36 @@ class Checkpoint:
         self._load_index()
         self._start_io()
 
+    @classmethod
+    def of_shard(cls, path: str | os.PathLike) -> "Checkpoint":
+        """A reader over one safetensors file alone, with no config.json or index beside it (e.g. the
+        prepacked blobs in ``OUT/kleidiai/``): ``tensors``, ``view``, ``get`` and ``close`` work."""
+        path = Path(path)
+        ckpt = cls.__new__(cls)
+        ckpt.folder, ckpt.config, ckpt.quant_config, ckpt.quant_config_path = path.parent, {}, None, None
+        ckpt.tensors, ckpt.shard_metadata, ckpt.index_path = {}, {}, None
+        ckpt._add_shard(path.name)
+        ckpt._start_io()
+        return ckpt
+
+    def _add_shard(self, shard: str) -> None:
+        """Index one shard's tensors from its header."""
+        sp = self.folder / shard
+        header, meta, start = read_header(sp)
+        self.shard_metadata[shard] = meta
+        shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape: they repeat per expert
+        for name, info in header.items():
+            if name in self.tensors:
+                raise InputError(
+                    f"tensor {name!r} is stored twice: in {self.tensors[name].file} and {shard}",
+                    path=str(sp), tensor=name, hint="The checkpoint is inconsistent; re-download it.")
+            b, e = info["data_offsets"]
+            shape = tuple(info["shape"])
+            self.tensors[name] = TensorInfo(name, shard, _DTYPE_KEY[info["dtype"]],
+                                            shapes.setdefault(shape, shape), start + b, start + e)
+
     def _start_io(self) -> None:
-        """The mappings and descriptors of the lazy reads (verify sets up a header-only reader too)."""
+        """The mappings and descriptors of the lazy reads."""
         self._maps: dict[str, mmap.mmap] = {}
         # one read-only descriptor per shard for the positional reads: an open and close per
         # small tensor (scales, zeros, g_idx: three a module) was a third of a GPTQ module's read
@@ -360,18 +388,7 @@ class Checkpoint:
                 where = "listed in model.safetensors.index.json but" if wmap is not None else "found, but it"
                 raise InputError(f"{shard}: {where} {why}", path=str(sp),
                                  hint="The download is incomplete or damaged; fetch the shard again.")
-            header, meta, start = read_header(sp)
-            self.shard_metadata[shard] = meta
-            shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape: they repeat per expert
-            for name, info in header.items():
-                if name in self.tensors:
-                    raise InputError(
-                        f"tensor {name!r} is stored twice: in {self.tensors[name].file} and {shard}",
-                        path=str(sp), tensor=name, hint="The checkpoint is inconsistent; re-download it.")
-                b, e = info["data_offsets"]
-                shape = tuple(info["shape"])
-                self.tensors[name] = TensorInfo(name, shard, _DTYPE_KEY[info["dtype"]],
-                                                shapes.setdefault(shape, shape), start + b, start + e)
+            self._add_shard(shard)
         if wmap is not None:
             for name, shard in wmap.items():
                 if name not in self.tensors:
@@ -450,7 +467,7 @@ class Checkpoint:
         """
         t = self.info(name)
         dt = DTYPES[t.dtype]
-        if t.numel == 0 or t.begin % _ITEMSIZE[t.dtype]:
+        if t.numel == 0 or t.begin % ITEMSIZE[t.dtype]:
             return self.get(name)
         mv = self.raw(name)
         m = self._maps[t.file]

@@ -8,19 +8,18 @@ files, report -> atomic rename.
 from __future__ import annotations
 
 import ctypes
-import gc
 import json
 import re
 import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from itertools import chain
 from pathlib import Path
 
 import torch
 
+from . import _ext, kernels
 from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
@@ -30,10 +29,10 @@ from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .serving import serving_warnings
 from .target_config import w4a8_quant_config
-from .w4a8 import W4A8Linear, fold_act_order, lossless_fast, requant_fast, to_w4a8
+from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
 
-__all__ = ["convert", "run_job", "check_scales", "REPORT_NAME", "NullProgress"]
+__all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
 FLUSH_BYTES = 256 << 20  # write-back step of an open shard
 _NOT_LINEAR = re.compile(r"(embed|norm|wte|wpe|rotary|position)", re.I)
@@ -74,22 +73,6 @@ def _flush_and_trim(f: ShardFile) -> None:  # finisher thread
     _trim_heap()
 
 
-@contextmanager
-def _gc_frozen():
-    """Keep the cyclic GC off what was alive when convert started (torch's ~10^5 objects, imported
-    with the collector paused, sat in the young generations and the plan's first collections
-    rescanned them: 0.05-0.1 s of each library call's plan; the CLI freezes them itself).
-    Unfrozen at the end unless the caller had frozen objects of its own: theirs stay frozen, and
-    so do ours then (still freed by their reference counts)."""
-    mine = gc.get_freeze_count() == 0
-    gc.freeze()
-    try:
-        yield
-    finally:
-        if mine:
-            gc.unfreeze()
-
-
 def _fmt(x: float | None) -> str | None:
     return None if x is None else f"{x:.6g}"
 
@@ -100,66 +83,21 @@ def _w_stats(w: W4A8Linear, role: str) -> dict:
             **{k: _fmt(v) if isinstance(v, float) else v for k, v in e.items()}}
 
 
-def check_scales(ql: QuantLinear) -> None:
-    """Refuse source scales no producer writes, naming the tensor; cheap (scales are ~1/32 of the codes).
-
-    NaN/Inf: never valid. Negative: GPTQ, AWQ and compressed-tensors all derive scales from a range
-    (max - min, clamped positive), so a sign bit means corruption or a misread layout. Zero: valid
-    only on a group whose codes all sit at its zero point (a pruned group dequantises to 0 either
-    way); a zero scale over other codes erases weights the codes still hold, e.g. a zero-filled
-    region of a damaged file.
-    """
-    s = ql.scales
-    name = next((k for k in ql.spec.keys if k.endswith((".scales", ".weight_scale"))), f"{ql.spec.name}.scales")
-    where = "re-download or re-export the checkpoint"
-
-    def first(mask: torch.Tensor) -> str:
-        n, g = (int(i) for i in mask.nonzero()[0])
-        more = int(mask.sum()) - 1
-        return f"row {n}, group {g}" + (f" (and {more} more)" if more else "")
-
-    bad = ~torch.isfinite(s)
-    if bool(bad.any()):
-        raise InputError(f"{name}: NaN or Inf scale at {first(bad)}", tensor=name,
-                         hint=f"The scales are corrupt (or overflowed their dtype when saved); {where}.")
-    if bool((s < 0).any()):
-        raise InputError(f"{name}: negative scale at {first(s < 0)}", tensor=name,
-                         hint=f"No int4 producer writes negative scales: the tensor is corrupt or not the "
-                              f"layout the config claims; {where}.")
-    zero = s == 0
-    if bool(zero.any()):
-        gi = ql.group_index()
-        z = 8 if ql.zeros is None else ql.zeros[:, gi]
-        erased = zero[:, gi] & (ql.codes != z)  # [N, K]: a code a zero scale would wipe out
-        if bool(erased.any()):
-            n, k = (int(i) for i in erased.nonzero()[0])
-            raise InputError(f"{name}: zero scale at row {n}, group {int(gi[k])} over codes that are not at the "
-                             "zero point (the weights they hold would be erased)", tensor=name,
-                             hint=f"A zero-filled or damaged region of the file; {where}.")
-
-
 def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:
     """Compute one job: ([(out name, tensor or bytes)] in plan order, {module: stats})."""
     if job.kind == "copy":
         return [(job.source, ckpt.slice(job.source))], {}  # streamed by the writer in chunks
     roles = plan.layout.roles
     if job.kind == "linear":
-        ql = reader.read(job.specs[0], unpack=False)  # codes may stay packed (and mapped) for the one-pass kernels
+        spec = job.specs[0]
         try:
-            # the common cases in one C++ pass each, checks included
-            w = lossless_fast(ql, plan.group_size)
-            if w is None:
-                w = requant_fast(ql, plan.group_size)
-            if w is None:
-                ql = ql.unpacked()
+            # the codes may stay packed (and mapped): the one-pass kernels read the words
+            ws = [to_w4a8(reader.read(spec, unpack=False), job.group_size)]
         finally:
-            for key in job.specs[0].keys:
+            for key in spec.keys:
                 ckpt.release(key)  # unmap the packed words read in place; RSS stays bounded
-        if w is not None:
-            return _outputs([w], roles)
-        qls = [ql]
-    else:
-        qls: list[QuantLinear] = [reader.read(s) for s in job.specs]
+        return _outputs(ws, roles)
+    qls: list[QuantLinear] = [reader.read(s) for s in job.specs]
     for ql in qls:
         check_scales(ql)
     if job.kind == "dequant":
@@ -168,11 +106,7 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
         if ql.bias is not None:
             out.append((f"{ql.spec.name}.bias", ql.bias))
         return out, {ql.spec.name: {"path": "dequant", "role": roles[ql.spec.name]}}
-    if job.kind == "fold":
-        ws = list(fold_act_order(qls[0], qls[1], qls[2], plan.group_size))
-    else:
-        ws = [to_w4a8(qls[0], plan.group_size)]
-    return _outputs(ws, roles)
+    return _outputs(list(fold_act_order(qls[0], qls[1], qls[2], job.group_size)), roles)
 
 
 def _outputs(ws: list[W4A8Linear], roles: dict) -> tuple[list, dict]:
@@ -243,22 +177,35 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
     ignore = _ignore_list(plan, ckpt)
     rename = vllm_output_names(ckpt.model_type, [f"{m}.weight" for m in ignore])
     ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
-    cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
+    if plan.group_size is not None:
+        cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
+    else:  # one config group per scheme, targets in the names vLLM loads
+        groups = {rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")]: g for m, g in plan.groups.items()}
+        cfg["quantization_config"] = w4a8_quant_config(groups, ignore)
     return cfg
 
 
+def _kernels_used() -> str:
+    """Which code computed the jobs: the C++ kernels, or their pure-torch twins and why."""
+    if kernels.ext() is not None:
+        return "c++"
+    return f"pure torch ({_ext.build_error('convert_kernels')})"
+
+
 def _base_meta(plan: Plan) -> dict[str, str]:
+    g = plan.group_size
+    target = {"scheme": "W4A8", "group_size": g, "dense": plan.dense,
+              "scale_dtype": "float32" if g == -1 else "bfloat16"}
+    if g is None:  # per module: the config's groups and the report say which
+        target.update(scale_dtype="per module", group_sizes=sorted(plan.schemes()))
     return {
         "format": "pt",
         "int4pack.version": __version__,
         "int4pack.source_format": json.dumps(plan.verdict.to_dict(), sort_keys=True),
-        "int4pack.target": json.dumps({"scheme": "W4A8", "group_size": plan.group_size,
-                                       "scale_dtype": "float32" if plan.group_size == -1 else "bfloat16",
-                                       "dense": plan.dense}, sort_keys=True),
+        "int4pack.target": json.dumps(target, sort_keys=True),
     }
 
 
-@_gc_frozen()
 def convert(
     src: str | Path,
     out: str | Path,
@@ -273,11 +220,14 @@ def convert(
     revision: str | None = None,
     prepack: str | None = None,
     progress: NullProgress | None = None,
+    strict_group_size: bool = False,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint.
 
     Returns the report (also written to ``OUT/int4pack_report.json``). With ``dry_run`` nothing is
     written and the report holds the plan. Raises Int4packError subclasses on bad input.
+    ``group_size`` is a model-wide request: modules that cannot run it take the group they can
+    (the report's ``plan.group_substitutions``), unless ``strict_group_size`` refuses instead.
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
@@ -288,7 +238,8 @@ def convert(
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
     with Checkpoint(folder) as ckpt:
-        plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src))
+        plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
+                         strict_group_size=strict_group_size)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
         report = {
@@ -296,12 +247,12 @@ def convert(
             "source": str(src),
             "plan": plan.summary(),
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
-            "serving": serving_warnings(plan.group_size),  # measured vLLM releases that fail on this output
+            "serving": serving_warnings(plan.schemes()),  # measured vLLM releases that fail on this output
         }
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
-            report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m)}
+            report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m), "group_size": j.group_size}
                                  for j in plan.jobs for m, p in j.paths.items()}
             report["seconds"] = round(time.perf_counter() - t0, 3)
             return report
@@ -326,6 +277,7 @@ def convert(
             from .prepack import prepack_kleidiai
             man = prepack_kleidiai(od.work, plan, rename)
             report["prepack"] = {k: v for k, v in man.items() if k != "tensors"} | {"tensors": len(man["tensors"])}
+        report["kernels"] = _kernels_used()
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
         report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}
@@ -371,7 +323,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             return f
 
     def work(job: Job) -> tuple[dict, set]:
-        tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
+        with kernels.threads_here(1):  # one job per worker, each single-threaded: nothing nests
+            tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
         written = set()
         for name, data in tensors:
             shard = shard_of.get(name)
@@ -418,13 +371,6 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
                 closing.append(finisher.submit(close_shard, shard, shard_results.pop(shard, {}), dict(pending_stats)))
                 pending_stats.clear()
 
-    # one job per worker, each single-threaded: --threads N uses N cores, and no intra-op thread
-    # pool nests inside the workers (OpenMP teams per worker oversubscribe and stall)
-    intra = torch.get_num_threads()
-    torch.set_num_threads(1)
-    # the plan's ~10^5 objects never die during the run: keep the cyclic GC from rescanning them
-    # on every collection (it was ~10% of convert's CPU time); convert's _gc_frozen unfreezes them
-    gc.freeze()
     pool = ThreadPoolExecutor(max_workers=workers)
     finisher = ThreadPoolExecutor(max_workers=1)
     closing: list = []
@@ -452,6 +398,5 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     finally:
         pool.shutdown(wait=True)
         finisher.shutdown(wait=True)
-        torch.set_num_threads(intra)
         progress.stop()
     return stats

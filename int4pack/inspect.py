@@ -16,11 +16,12 @@ import torch
 from .architectures import discover
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
+from .groups import groupwise_problem
+from .nibbles import AWQ_ORDER
 from .serving import serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
-_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _MAIN_SUFFIXES = ("qweight", "weight_packed", "weight", "w13_packed", "w2_packed")
 
 
@@ -30,8 +31,9 @@ def kleidiai_gate(k: int, group_size: int, scale_dtype: str) -> tuple[bool, str]
         if scale_dtype != "F32":
             return False, f"channelwise needs float32 scales, got {scale_dtype}: silent float32 fallback"
         return True, "channelwise qsi4cxp (fp32 scales)"
-    if group_size % 32 or k % group_size or group_size >= k:
-        return False, f"group {group_size} must be a multiple of 32 dividing K={k} and < K: fallback/refused"
+    why = groupwise_problem(group_size, k)
+    if why:
+        return False, f"{why}: fallback/refused"
     if scale_dtype != "BF16":
         return False, f"groupwise needs bfloat16 scales, got {scale_dtype}: silent float32 fallback"
     return True, f"groupwise qsi4c32p, group {group_size} (bf16 scales)"
@@ -72,7 +74,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
         plan = make_plan(ckpt, source_label=label)
         paths = {m: p for j in plan.jobs for m, p in j.paths.items()}
         out["plan"] = {"ok": True, "group_size": plan.group_size, "paths": plan.path_counts(),
-                       "scale_dtype": "F32" if plan.group_size == -1 else "BF16"}
+                       "scale_dtype": None if plan.group_size is None else "F32" if plan.group_size == -1 else "BF16",
+                       "schemes": plan.summary()["schemes"]}
     except Int4packError as e:
         paths, plan = {}, None
         out["plan"] = {"ok": False, "refused": str(e), "hint": e.hint, "exit_code": e.exit_code}
@@ -86,10 +89,12 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
             rec["refused"] = s.refused
         if is_output:
             ok, why = kleidiai_gate(s.k, s.group_size, s.scale_dtype)
-        elif plan is not None:
-            g = plan.group_size
+        elif plan is not None and name in plan.groups:
+            g = rec["target_group_size"] = plan.groups[name]
             ok, why = kleidiai_gate(s.k, g, "F32" if g == -1 else "BF16")
             why = "after convert: " + why
+        elif plan is not None:
+            ok, why = None, f"after convert: {rec['path']} (not W4A8)"
         else:
             ok, why = None, "no plan"
         rec["kleidiai"] = ok
@@ -98,9 +103,9 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = is_output
-    g_out = (next((-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()), None)
-             if is_output else (plan.group_size if plan else None))
-    out["serving"] = serving_warnings(g_out) if g_out is not None else []  # measured vLLM releases that fail
+    groups = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
+              else set(plan.schemes()) if plan else set())
+    out["serving"] = serving_warnings(groups)  # measured vLLM releases that fail on these scales
     pp = ckpt.folder / "kleidiai"
     if pp.is_dir():
         from .checkpoint import read_header
@@ -140,7 +145,7 @@ def nibble_map(fmt: str, shape: tuple[int, ...], words: int = 2) -> list[dict]:
             if fmt == "gptq":
                 n, k = c, 8 * r + i
             elif fmt == "awq":
-                n, k = 8 * c + _AWQ_ORDER[i], r
+                n, k = 8 * c + AWQ_ORDER[i], r
             else:
                 n, k = r, 8 * c + i
             out.append({"word": [r, c], "nibble": i, "bits": f"{4 * i}..{4 * i + 3}", "byte": 4 * w + i // 2,
@@ -266,16 +271,18 @@ def inspect(path, tensor: str | None = None, *, revision: str | None = None, row
         if tensor is None:
             return _summary(ckpt, str(path))
         if tensor.endswith((".w13_packed", ".w2_packed", ".weight_packed")) and tensor not in ckpt.tensors:
-            from .verify import _Target, _Problems
+            from .verify import target_of
 
-            t = _Target(ckpt, _Problems())
+            t = target_of(ckpt)
             base = tensor.rsplit(".", 1)[0]
             if tensor.endswith(".weight_packed"):
+                mod = base
                 n, k = ckpt.tensors[f"{base}.weight"].shape
             else:
                 moe = base[: -len(".experts")]
                 slot = t.layers[moe][min(t.layers[moe])]
-                gi = ckpt.tensors[f"{slot['gate' if tensor.endswith('w13_packed') else 'down']}.weight"]
+                mod = slot["gate" if tensor.endswith("w13_packed") else "down"]
+                gi = ckpt.tensors[f"{mod}.weight"]
                 n, k = (2 * gi.shape[0], gi.shape[1]) if tensor.endswith("w13_packed") else tuple(gi.shape)
-            return _dump_blob(ckpt.folder, tensor, (n, k), t.group_for(k), rows)
+            return _dump_blob(ckpt.folder, tensor, (n, k), t.group_for(mod), rows)
         return _dump(ckpt, tensor, rows, cols)

@@ -1,23 +1,27 @@
-"""Fast paths of the convert hot loops (``csrc/convert_kernels.cpp``), each beside its torch twin.
+"""Fast paths of the convert hot loops (``csrc/convert_kernels/``), each beside its torch twin.
 
 Every function takes the same inputs as the pure-torch code it replaces and returns the same
 bytes; when the extension is unavailable (``INT4PACK_NO_EXT=1``, no compiler) it *is* the torch
 twin. ``tests/test_kernels.py`` compares the two byte for byte.
 
-Threads: the kernels split rows over torch's intra-op threads (``torch.get_num_threads()``);
-convert runs one job per worker thread with intra-op threads set to 1, so nothing nests.
+Threads: a kernel splits its rows over ``kernel_threads()``: torch's intra-op thread count, or
+the count the calling thread set with ``threads_here`` (convert's workers take one each, so
+nothing nests, without changing torch's process-wide setting).
 """
 
 from __future__ import annotations
 
-import math
+import threading
+from contextlib import contextmanager
 
 import torch
 
 from . import _ext
+from . import scale_search as S
+from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
 
 __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "requant_info",
-           "search_points", "kernel_threads", "crc32c"]
+           "search_points", "kernel_threads", "threads_here", "crc32c"]
 
 
 def ext():
@@ -25,8 +29,23 @@ def ext():
     return _ext.load("convert_kernels")
 
 
+_here = threading.local()  # .threads: this thread's kernel thread count, when set
+
+
 def kernel_threads() -> int:
-    return max(1, torch.get_num_threads())
+    """Threads a kernel called from this thread may use."""
+    return getattr(_here, "threads", None) or max(1, torch.get_num_threads())
+
+
+@contextmanager
+def threads_here(n: int):
+    """Kernel calls made by the current thread use ``n`` threads inside the block."""
+    old = getattr(_here, "threads", None)
+    _here.threads = max(1, int(n))
+    try:
+        yield
+    finally:
+        _here.threads = old
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
@@ -39,7 +58,6 @@ def unpack_gptq(qweight: torch.Tensor) -> torch.Tensor:
     m = ext()
     if m is not None and qweight.dim() == 2:
         return m.unpack_gptq(words(qweight), kernel_threads())
-    from .formats._common import unpack_rows
     return unpack_rows(qweight).t().contiguous()
 
 
@@ -48,8 +66,6 @@ def unpack_awq(qweight: torch.Tensor) -> torch.Tensor:
     m = ext()
     if m is not None and qweight.dim() == 2:
         return m.unpack_awq(words(qweight), kernel_threads())
-    from .formats._common import unpack_cols
-    from .formats.awq import AWQ_SHIFTS
     return unpack_cols(qweight, AWQ_SHIFTS).t().contiguous()
 
 
@@ -58,7 +74,6 @@ def unpack_ct(packed: torch.Tensor, k: int) -> torch.Tensor:
     m = ext()
     if m is not None and packed.dim() == 2 and 0 <= k <= packed.shape[1] * 8:
         return m.unpack_ct(words(packed), k, kernel_threads())
-    from .formats._common import unpack_cols
     return unpack_cols(packed)[:, :k].contiguous()
 
 
@@ -117,26 +132,21 @@ _EMPTY_I64 = torch.empty(0, dtype=torch.int64)
 
 
 def lossless(ql, scales: torch.Tensor, src_groups: torch.Tensor, g: int):
-    """Fast ``w4a8._lossless`` core: (q int8 [N, K], error dict) or None (use the torch twin).
+    """The lossless path's codes kernel (twin: ``w4a8._lossless_torch``): (q int8 [N, K], error dict).
 
     ``scales`` are the shipped target scales [N, Gt], ``src_groups`` the source group of each
     target group. The error is only the scale cast: within target group j of row n every weight
     differs by ``(u - 8) * (sb - s)``, so the sums need only sum(q^2) and max(q^2) per group.
     """
-    m = ext()
-    codes = ql.codes
-    if m is None or codes.dtype != torch.uint8 or codes.dim() != 2:
-        return None
-    from .w4a8 import _Stats
-
-    n, k = codes.shape
+    codes = ql.codes.to(torch.uint8).contiguous()
+    k = codes.shape[1]
     gs = k if g == -1 else g
-    q, sq, mq = m.lossless(codes.contiguous(), gs, kernel_threads())
+    q, sq, mq = ext().lossless(codes, gs, kernel_threads())
     s = ql.scales[:, src_groups].double()  # source scale of each target group, [N, Gt]
     sb = scales.double()
     sqd = sq.double()
     diff = sb - s
-    st = _Stats()
+    st = S.ErrorStats()
     st.dd = float((diff * diff * sqd).sum())
     st.ww = float((s * s * sqd).sum())
     st.vv = float((sb * sb * sqd).sum())
@@ -155,8 +165,6 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     mod = ext()
     if mod is None:
         return None
-    from . import w4a8 as W
-
     gs = k if g == -1 else g
     coarse, fine = search_points(search)
     th = kernel_threads()
@@ -181,7 +189,7 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
         inside = ql.g_idx is None and src > 0 and (src % gs == 0 or src >= k)
 
         def groups(r: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-            # W._source_rows at rows r, target groups j [A, gs]: the same arithmetic, element for element
+            # w4a8._source_rows at rows r, target groups j [A, gs]: the same arithmetic, element for element
             if inside:
                 sg = j * gs // src
                 z = 8.0 if ql.zeros is None else zeros[r, sg].float()[:, None]
@@ -195,7 +203,7 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     amb = (flags & 1).nonzero()
     if amb.numel():
         _redo_with_torch(amb, groups, q, s, rs, g, gs, search, name)
-    scales = s.to(W._out_scale_dtype(g))
+    scales = s.to(S.out_scale_dtype(g))
     sums = rs[:, :5].sum(dim=0).tolist() + [float(rs[:, 5].max()) if n else 0.0]
     return q, scales, requant_info(search, sums, int(((flags & 4) != 0).sum()))
 
@@ -207,11 +215,9 @@ def search_points(search: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' candidate ratios: (coarse, fine offsets around the coarse winner), as float32.
     Made once per setting (a linspace and copies were ~0.1 ms of every requant job)."""
     global _points
-    from . import w4a8 as W
-
     if not search:
         return _EMPTY_F32, _EMPTY_F32
-    ratios, fine_points, last = W.COARSE_RATIOS, W.FINE_POINTS, _points
+    ratios, fine_points, last = S.COARSE_RATIOS, S.FINE_POINTS, _points
     if last is not None and last[0] is ratios and last[1] == ratios._version and last[2] == fine_points:
         return last[3]
     coarse = ratios.float().contiguous().clone()
@@ -225,36 +231,23 @@ def search_points(search: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 def requant_info(search: bool, sums, zero_groups: int) -> dict:
     """The requant path's info from the kernels' sums (dd, ww, vv, wv, baseline sse, max_abs)."""
-    from . import w4a8 as W
-
-    st = W._Stats()
+    st = S.ErrorStats()
     st.dd, st.ww, st.vv, st.wv, base_sse, st.max_abs = (float(v) for v in sums)
-    err = st.result()
-    err["baseline_rel_l2"] = math.sqrt(base_sse / st.ww) if st.ww > 0 else 0.0
-    return {
-        "search": search,
-        "candidates": 1 if not search else len(W.COARSE_RATIOS) + 1 + W.FINE_POINTS,
-        "zero_groups": zero_groups,
-        "zero_group_scale": W.ZERO_GROUP_SCALE,
-        **err,
-    }
+    return S.requant_info(search, st, base_sse, zero_groups)
 
 
 def _redo_with_torch(amb: torch.Tensor, groups, q, s, rs, g: int, gs: int, search: bool, name) -> None:
-    """Groups whose candidate errors were too close to call in C++: decided by w4a8._search_chunk.
+    """Groups whose candidate errors were too close to call in C++: decided by scale_search.search_chunk.
 
     ``amb`` holds (row, group) pairs; ``groups(r, j)`` the source values there (float32 [A, gs]).
     The C++ left these groups out of the row sums dd, vv, wv and max_abs (ww and the baseline sum
     do not depend on the choice): they are added here, from the torch decision.
     """
-    from . import w4a8 as W
-
     r, j = amb[:, 0], amb[:, 1]
     wg = groups(r, j).contiguous()  # float32 [A, gs]
-    width = 1 + (max(len(W.COARSE_RATIOS), W.FINE_POINTS) if search else 0)
-    ws = torch.empty(wg.numel() * width, dtype=torch.float64)
-    qg, sg, _, _, _ = W._search_chunk(wg, g if g == -1 else gs, search, ws)
-    W._check_finite(sg, "weights", name)
+    ws = torch.empty(wg.numel() * S.workspace_width(search), dtype=torch.float64)
+    qg, sg, _, _, _ = S.search_chunk(wg, g if g == -1 else gs, search, ws)
+    S.check_finite(sg, "weights", name)
     q.view(q.shape[0], -1, gs)[r, j] = qg
     s[r, j] = sg[:, 0]
     # dequantize_w4a8 of each group (q * s in float32), its error against the source in float64

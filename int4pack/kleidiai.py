@@ -11,13 +11,13 @@ Two layouts, both with ``nr=8, kr=16, sr=2`` (docs/kleidiai.md §1.5):
 Data bytes, per 32-value chunk of K, per half-chunk segment s, per row: 8 bytes, byte i holding
 the signed nibbles of k = 32c + 8s + i (low) and k + 16 (high). Rows past N repeat row N-1
 (data, scales, bias); verified byte-for-byte against torch's packer under QEMU
-(``scripts/arm64_pack_check.py``).
+(``tests/arm64/pack_check.py``).
 
 The byte size alone does not identify the layout: with K/g == 2 a groupwise blob has exactly
 the channelwise size (K=64, g=32), so callers must record the group size next to the blob.
 
 Three code paths produce or read the format: ``pack_reference`` (numpy, the test oracle),
-``pack_portable`` (C++ in ``csrc/kleidiai_pack.cpp``), and ``unpack``.
+``pack_portable`` (C++ in ``csrc/kleidiai_pack/kleidiai_pack.cpp``), and ``unpack``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 from . import _ext
 from .errors import InputError
+from .groups import check_group_size, is_channelwise
 
 __all__ = [
     "LAYOUT_NAME",
@@ -59,18 +60,15 @@ def _roundup(a: int, b: int) -> int:
     return (a + b - 1) // b * b
 
 
-def is_channelwise(k: int, group_size: int) -> bool:
-    return group_size == -1 or group_size == k
-
-
 def _check_shape(n: int, k: int, group_size: int) -> None:
     if n < 1 or k < 2 or k % 2:
         raise InputError(f"KleidiAI packing needs N >= 1 and an even K >= 2, got N={n}, K={k}")
     if is_channelwise(k, group_size):
         return
-    if group_size <= 0 or group_size % 32 or k % group_size:
+    why = check_group_size(group_size, k)
+    if why:
         raise InputError(
-            f"group size {group_size} is not valid for K={k}",
+            f"group size {group_size} is not valid for K={k}: {why}",
             hint="use a multiple of 32 that divides K, or -1 / K for channelwise",
         )
 

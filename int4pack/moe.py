@@ -1,6 +1,6 @@
 """The CPU W4A8 MoE forward (vLLM's ``dynamic_4bit_int_moe_cpu`` algorithm) and its references.
 
-``moe_forward`` runs ``csrc/moe.cpp`` (experts in parallel, each through torch's
+``moe_forward`` runs ``csrc/moe/moe.cpp`` (experts in parallel, each through torch's
 ``_dyn_quant_matmul_4bit``: KleidiAI on Arm, torch's reference kernel elsewhere) or, without a
 compiler, ``moe_forward_twin``: the same algorithm as a Python loop over experts calling the same
 torch op. ``moe_reference`` is a float32 per-token computation on dequantised weights.
@@ -19,6 +19,7 @@ import torch
 
 from . import _ext
 from .errors import InputError
+from .groups import groupwise_problem
 
 __all__ = [
     "ACTIVATIONS",
@@ -62,9 +63,7 @@ def _check(x, topk_ids, topk_weights, w13, w2, hidden, inter, group_size, activa
         raise InputError("topk_ids and topk_weights must both be [T, K] with T = x.shape[0]")
     if w13.dim() != 2 or w2.dim() != 2 or w13.shape[0] != w2.shape[0]:
         raise InputError("w13_packed and w2_packed must be [E, ...] with the same E")
-    if group_size != -1 and (group_size <= 0 or group_size % 32 or hidden % group_size or inter % group_size
-                             or group_size >= min(hidden, inter)):
-        # g == H or I would make that matrix channelwise, which needs fp32 scales, not bf16
+    if group_size != -1 and (groupwise_problem(group_size, hidden) or groupwise_problem(group_size, inter)):
         raise InputError(f"group size {group_size} must be -1 or a multiple of 32 dividing and smaller than "
                          f"H={hidden} and I={inter}")
     if activation_kind not in ACTIVATIONS:
@@ -95,7 +94,7 @@ def _compute_dtype(dtype: torch.dtype, channelwise: bool) -> torch.dtype:
 
 def moe_forward_twin(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden: int, inter: int, group_size: int,
                      apply_router_weight_on_input: bool = False, activation_kind: int = 0) -> torch.Tensor:
-    """The same algorithm as csrc/moe.cpp, one expert at a time, in Python."""
+    """The same algorithm as csrc/moe/moe.cpp, one expert at a time, in Python."""
     t, k = topk_ids.shape
     e_count = w13_packed.shape[0]
     chan = group_size == -1

@@ -51,9 +51,12 @@ class Output:
     def table(self, title: str, columns: list[str], rows: list[list], *, level: int = 0) -> None:
         if self.json or self.verbosity < level:
             return
-        t = Table(title=title, title_justify="left", show_edge=False, pad_edge=False)
-        for c in columns:
-            t.add_column(c, overflow="fold")
+        # no rules, one space between columns, and only the first column (names) may fold: the
+        # tables fit an 80-column terminal without breaking a value in two
+        t = Table(title=title, title_justify="left", box=None, pad_edge=False, collapse_padding=True,
+                  header_style="bold")
+        for i, c in enumerate(columns):
+            t.add_column(c, no_wrap=i > 0, overflow="fold" if i == 0 else "ellipsis")
         for r in rows:
             t.add_row(*[str(x) for x in r])
         self.out.print(t)

@@ -43,8 +43,8 @@ def _file_for(name: str) -> str:
     return f"layer-{int(m.group(1)):05d}.safetensors" if m else "other.safetensors"
 
 
-def _global_meta(group_size: int, packer: str) -> dict[str, str]:
-    return {
+def _global_meta(group_size: int | None, packer: str) -> dict[str, str]:
+    meta = {
         "format": "int4pack-kleidiai",
         "layout": kleidiai.LAYOUT_NAME,
         "layout_version": str(kleidiai.LAYOUT_VERSION),
@@ -57,6 +57,9 @@ def _global_meta(group_size: int, packer: str) -> dict[str, str]:
         "torch_version": torch.__version__.split("+")[0],
         "matches_native_torch": ",".join(VERIFIED_TORCH),
     }
+    if group_size is None:  # modules of several schemes: each tensor's own entry holds its group
+        del meta["group_size"], meta["scale_dtype"]
+    return meta
 
 
 def _units(plan: Plan, ckpt: Checkpoint, rename: dict[str, str]) -> list[dict]:
@@ -76,14 +79,15 @@ def _units(plan: Plan, ckpt: Checkpoint, rename: dict[str, str]) -> list[dict]:
         experts.update(lay.experts[e][r] for e in ids for r in ("gate", "up", "down"))
         i_, h = ckpt.tensors[f"{gates[0]}.weight"].shape
         prefix = gates[0].rsplit(".", 2)[0]  # <...>.experts
-        units.append({"name": f"{prefix}.w13_packed", "rows": [gates, ups], "n": 2 * i_, "k": h})
-        units.append({"name": f"{prefix}.w2_packed", "rows": [downs], "n": h, "k": i_})
+        g = plan.groups[lay.experts[ids[0]]["gate"]]  # one scheme per MoE layer
+        units.append({"name": f"{prefix}.w13_packed", "rows": [gates, ups], "n": 2 * i_, "k": h, "g": g})
+        units.append({"name": f"{prefix}.w2_packed", "rows": [downs], "n": h, "k": i_, "g": g})
     for j in plan.jobs:
         if j.kind in ("linear", "fold"):
             for s in j.specs:
                 if s.name not in experts:
                     units.append({"name": f"{out(s.name)}.weight_packed", "rows": [[out(s.name)]],
-                                  "n": s.n, "k": s.k})
+                                  "n": s.n, "k": s.k, "g": plan.groups[s.name]})
     return units
 
 
@@ -126,7 +130,7 @@ def prepack_kleidiai(folder: Path, plan: Plan, rename: dict[str, str] | None = N
     """Pack every W4A8 tensor of the checkpoint being written in ``folder``; returns the manifest."""
     native = kleidiai.native_kleidiai_available()
     packer = "native" if native else "portable"
-    g = plan.group_size
+    g_all = plan.group_size  # None when modules differ: then each tensor's entry says
     dest = folder / FOLDER
     dest.mkdir(exist_ok=True)
     tensors: dict[str, dict] = {}
@@ -139,13 +143,15 @@ def prepack_kleidiai(folder: Path, plan: Plan, rename: dict[str, str] | None = N
             outs = []
             for u in us:
                 count = len(u["rows"][0])
+                g = u["g"]
                 size = kleidiai.packed_size(u["n"], u["k"], u["k"] if g == -1 else g)
                 shape = (count, size) if u["name"].endswith(("w13_packed", "w2_packed")) else (size,)
                 outs.append(OutTensor(u["name"], "U8", shape))
-            shard = ShardFile(dest / fname, outs, _global_meta(g, packer))
+            shard = ShardFile(dest / fname, outs, _global_meta(g_all, packer))
             results = {}
             for u, ot in zip(us, outs):
                 count = len(u["rows"][0])
+                g = u["g"]
                 buf = torch.empty((count, ot.shape[-1]), dtype=torch.uint8)
                 has_bias = _pack_unit(ckpt, u, g, count, native, buf)
                 shard.write(u["name"], buf.reshape(ot.shape))
@@ -155,7 +161,7 @@ def prepack_kleidiai(folder: Path, plan: Plan, rename: dict[str, str] | None = N
                 results[u["name"]] = entry
                 tensors[u["name"]] = entry
             shard.finish(results)
-    manifest = {**_global_meta(g, packer), "tensors": dict(sorted(tensors.items()))}
+    manifest = {**_global_meta(g_all, packer), "tensors": dict(sorted(tensors.items()))}
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import kernels
+
 __all__ = ["LinearSpec", "QuantLinear", "FormatVerdict"]
 
 
@@ -63,7 +65,6 @@ class QuantLinear:
         """This record with ``codes`` filled in (itself when they already are)."""
         if self.codes is not None:
             return self
-        from . import kernels
         layout, words = self.packed
         if layout == 1:
             codes = kernels.unpack_ct(words, self.spec.k)

@@ -34,11 +34,12 @@ import torch
 
 from . import moe as moe_mod
 from .architectures import classify
-from .checkpoint import Checkpoint, TensorInfo, read_header, resolve_source
+from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, Int4packError, VerifyFailed
-from .w4a8 import check_group_size, dequantize_w4a8
+from .groups import check_group_size
+from .w4a8 import dequantize_w4a8
 
-__all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
+__all__ = ["verify", "target_of", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 
 K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
 K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
@@ -107,19 +108,20 @@ class _Target:
             raise InputError(f"{ckpt.folder}: not a compressed-tensors W4A8 checkpoint "
                              f"(quant_method {q.get('quant_method')!r})",
                              hint="verify checks int4pack's output; pass the folder convert wrote.")
-        grp = next(iter(groups.values()))
-        w = grp.get("weights") or {}
-        a = grp.get("input_activations") or {}
-        fmt = grp.get("format") or q.get("format")
-        if fmt != "int-quantized":
-            problems.add("config", f"format {fmt!r}, expected 'int-quantized' (vLLM's W4A8 int layout)")
-        if w.get("num_bits") != 4 or w.get("type") != "int" or not w.get("symmetric", False):
-            problems.add("config", f"weights must be 4-bit symmetric int, config says {w}")
-        if a.get("num_bits") != 8 or a.get("strategy") != "token" or not a.get("dynamic"):
-            problems.add("config", "input_activations must be 8-bit dynamic per token (vLLM's W4A8 detection)")
-        self.group_size = -1 if w.get("strategy") == "channel" else int(w.get("group_size") or -1)
+        for gname, grp in groups.items():
+            w = grp.get("weights") or {}
+            a = grp.get("input_activations") or {}
+            fmt = grp.get("format") or q.get("format")
+            where = "config" if len(groups) == 1 else f"config group {gname}"
+            if fmt != "int-quantized":
+                problems.add(where, f"format {fmt!r}, expected 'int-quantized' (vLLM's W4A8 int layout)")
+            if w.get("num_bits") != 4 or w.get("type") != "int" or not w.get("symmetric", False):
+                problems.add(where, f"weights must be 4-bit symmetric int, config says {w}")
+            if a.get("num_bits") != 8 or a.get("strategy") != "token" or not a.get("dynamic"):
+                problems.add(where, "input_activations must be 8-bit dynamic per token (vLLM's W4A8 detection)")
         self.ignore = list(q.get("ignore") or [])
         self.modules = sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale"))
+        self.groups = _module_groups(ckpt, q, self.modules, problems)
         tc = ckpt.text_config
         self.num_experts = next((tc[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
                                  if isinstance(tc.get(k), int)), None)
@@ -137,17 +139,44 @@ class _Target:
         self.routers = {n[: -len(".gate.weight")] if n.endswith(".gate.weight") else n[: -len(".router.weight")]: n
                         for n in ckpt.tensors if n.endswith(".weight") and _ROUTER.search(n[:-7])}
 
-    def group_for(self, k: int) -> int:
-        return -1 if self.group_size in (-1, k) else self.group_size
+    def group_for(self, m: str) -> int:
+        """Module m's group from its config group; a group equal to K is channelwise."""
+        g, k = self.groups.get(m, -1), self.ckpt.tensors[f"{m}.weight"].shape[1]
+        return -1 if g in (-1, k) else g
+
+    def moe_group(self, slot: dict[str, str]) -> int:
+        """The one group vLLM's MoE kernel runs for an expert's w13 and w2 (channel only if both are)."""
+        a, b = self.group_for(slot["gate"]), self.group_for(slot["down"])
+        return a if a == b else self.groups.get(slot["gate"], -1)
 
     def weight(self, m: str) -> tuple[torch.Tensor, torch.Tensor, int]:
         q = self.ckpt.get(f"{m}.weight")
         s = self.ckpt.get(f"{m}.weight_scale")
-        return q, s, self.group_for(q.shape[1])
+        return q, s, self.group_for(m)
 
     def dequant(self, m: str) -> torch.Tensor:
         q, s, g = self.weight(m)
         return dequantize_w4a8(q, s, g)
+
+
+def _module_groups(ckpt: Checkpoint, q: dict, modules: list[str], problems: _Problems) -> dict[str, int]:
+    """Each module's group from the config group whose targets name it (vLLM resolves one per module:
+    a module named by two groups, or by none, is a problem)."""
+    from .formats.compressed_tensors import CompressedTensorsReader
+
+    schemes = CompressedTensorsReader(ckpt, q).schemes
+    out = {}
+    for m in modules:
+        ranked = sorted((r, i) for i, sc in enumerate(schemes) if (r := sc.match_rank(m)) is not None)
+        if not ranked:
+            problems.add(m, "no quantization_config group targets this module (vLLM would not quantise it)")
+            continue
+        if len(ranked) > 1 and ranked[1][0] == ranked[0][0]:
+            problems.add(m, f"targeted by config groups {schemes[ranked[0][1]].name} and "
+                            f"{schemes[ranked[1][1]].name}: one scheme per module")
+        sc = schemes[ranked[0][1]]
+        out[m] = -1 if sc.strategy == "channel" else int(sc.group_size or -1)
+    return out
 
 
 def _layer_index(prefix: str) -> int:
@@ -169,7 +198,7 @@ def _check_module(t: _Target, m: str, problems: _Problems, counts: dict) -> None
         problems.add(m, f"{wn}: {wi.dtype}{list(wi.shape)}, expected int8 [N, K]")
         return
     n, k = wi.shape
-    g = t.group_for(k)
+    g = t.group_for(m)
     if g == -1:
         want_dt, want_shape = "F32", (n, 1)
     else:
@@ -213,6 +242,10 @@ def _check_layers(t: _Target, problems: _Problems) -> None:
             lack = [r for r in ("gate", "up", "down") if r not in slot]
             if lack:
                 problems.add(f"{p}.experts.{e}", f"no W4A8 {'/'.join(lack)} projection")
+        schemes = {t.groups.get(m) for slot in experts.values() for m in slot.values()}
+        if len(schemes) > 1:  # vLLM's MoE method runs one scheme for w13 and w2 of every expert
+            problems.add(p, f"experts under several config groups (group sizes {sorted(map(str, schemes))}); "
+                            "vLLM takes one scheme per MoE layer")
 
 
 def _check_config_index(t: _Target, problems: _Problems) -> None:
@@ -308,14 +341,7 @@ def _check_prepacked(t: _Target, problems: _Problems, counts: dict) -> dict[str,
         except InputError as e:
             problems.add(where, f"unreadable or truncated: {e}")
             continue
-        # a lazy reader over this one file (Checkpoint wants a config.json; the blobs have none)
-        sub = Checkpoint.__new__(Checkpoint)
-        sub.folder, sub.tensors = folder, {}
-        sub._start_io()
-        _, _, start = read_header(f)
-        for name, info in header.items():
-            b, e = info["data_offsets"]
-            sub.tensors[name] = TensorInfo(name, f.name, info["dtype"], tuple(info["shape"]), start + b, start + e)
+        sub = Checkpoint.of_shard(f)  # a lazy reader over this one file (no config.json beside the blobs)
         for name, info in sorted(sub.tensors.items()):
             md = _blob_meta(meta, name, manifest)
             try:
@@ -324,6 +350,12 @@ def _check_prepacked(t: _Target, problems: _Problems, counts: dict) -> dict[str,
                 problems.add(f"{where}:{name}", str(e))
         sub.close()
     return found
+
+
+def target_of(ckpt: Checkpoint) -> _Target:
+    """A converted checkpoint's W4A8 scheme and MoE layers as verify reads them (``layers``,
+    ``group_for(k)``), for callers that need the layout and not a verdict."""
+    return _Target(ckpt, _Problems())
 
 
 def _check_one_blob(t, sub, name, info, md, problems, counts, found, kleidiai) -> None:
@@ -343,7 +375,8 @@ def _check_one_blob(t, sub, name, info, md, problems, counts, found, kleidiai) -
         e_count = len(experts)
         w13 = kind == "w13_packed"
         ref = experts[min(experts)]
-        gi = t.ckpt.tensors[f"{ref['gate' if w13 else 'down']}.weight"]
+        mod = ref["gate" if w13 else "down"]
+        gi = t.ckpt.tensors[f"{mod}.weight"]
         n, k = (2 * gi.shape[0], gi.shape[1]) if w13 else tuple(gi.shape)
         units = [(e, n, k) for e in range(e_count)]
     elif name.endswith(".weight_packed"):
@@ -356,7 +389,7 @@ def _check_one_blob(t, sub, name, info, md, problems, counts, found, kleidiai) -
     else:
         problems.add(where, "unexpected tensor (expected *.w13_packed, *.w2_packed or *.weight_packed)")
         return
-    g = t.group_for(k)
+    g = t.group_for(mod)
     gk = k if g == -1 else g
     if "group_size" in md and int(md["group_size"]) not in (g, gk):
         problems.add(where, f"metadata group_size {md['group_size']} != config's {g}")
@@ -546,7 +579,7 @@ def _weights_vs_source(t: _Target, src: _Source, mods: dict[str, str], report, c
             srcw = alt
     stats, problems = {}, []
     for r, m in mods.items():
-        g = t.group_for(conv[r].shape[1])
+        g = t.group_for(m)
         meas = _rel(conv[r], srcw[r])
         bud, why = _budget(m, srcw[r], g, report, src)
         stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why}
@@ -598,7 +631,7 @@ def _moe_layer(t: _Target, prefix: str, src: _Source | None, report, experts_n, 
                 qu, su, _ = t.weight(slot["up"])
                 qd, sd, _ = t.weight(slot["down"])
             inter = qd.shape[1]
-            g = t.group_for(hidden) if t.group_for(hidden) == t.group_for(inter) else t.group_size
+            g = t.moe_group(slot)
             with clock("pack"):
                 b13 = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g,
                                               None if w13p is None else w13p[i])
@@ -633,7 +666,7 @@ def _moe_layer(t: _Target, prefix: str, src: _Source | None, report, experts_n, 
             if src is not None:
                 w_var[tt, jj] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
                                                      weight_var=wv) * g2
-    g = t.group_for(hidden) if t.group_for(hidden) == t.group_for(inter) else t.group_size
+    g = t.moe_group(experts[sampled[-1]])
     if use_blobs:
         from safetensors import safe_open
 

@@ -14,40 +14,28 @@ Three ways to get there from a ``QuantLinear``:
   rows of gate/up by the same permutation. The MLP computes the same function.
 * **requant** -- anything else (asym, AWQ, act-order on gate/up/attention, a group change):
   dequantise to float32 and search, per contiguous group, the scale that minimises
-  ``||w - s * clamp(round(w / s), -8, 7)||^2`` with ``s`` already rounded to the shipped dtype.
+  ``||w - s * clamp(round(w / s), -8, 7)||^2`` with ``s`` already rounded to the shipped dtype
+  (``scale_search``).
 
-Scale search (``requantize``): with ``base = max(max(w)/7, -min(w)/8)`` (the smallest scale
-that clips nothing), a coarse pass tries ``base * [0.70, 0.76, ..., 1.00, ..., 1.12]`` plus plain absmax
-RTN (``amax/7``, tried first so it wins ties, hence never worse than RTN beyond a tie), then a fine pass
-tries 4 ratios within one coarse step of the winner. These 13 evaluations land within ~0.3 %
-(relative rel_l2) of a 40-point grid and of a brute force over every bf16 scale (bf16 itself
-only resolves 0.4-0.8 % steps), at a third of the cost. Everything is vectorised over all
-groups of a row chunk; chunks bound the temporaries to a few MB (cache-sized, also fastest).
-
-All-zero groups get scale 1.0 and q = 0 (a neutral, finite, positive bf16/fp32 value); other
-candidate scales are clamped to >= 2**-126 (smallest normal, exact in bf16) so 1/s is finite.
-Everything is deterministic: no randomness; candidate errors within ``TIE`` (2**-30, relative) of
-the smallest tie, and ties go to the first candidate.
+Each path runs in the C++ kernels when they are built, else in torch; both give the same bytes.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from . import kernels as _kernels
-from .errors import InputError, RefusedError, UsageError
+from .errors import InputError, UsageError
+from .groups import check_group_size, normalize_group
 from .records import QuantLinear
+from .scale_search import ErrorStats, check_finite, out_scale_dtype, requant_info, search_chunk, workspace_width
 
 __all__ = [
     "W4A8Linear",
-    "parse_group_size",
-    "resolve_group_size",
-    "check_group_size",
     "lossless_possible",
-    "lossless_fast",
+    "check_scales",
     "to_w4a8",
     "requantize",
     "fold_act_order",
@@ -55,17 +43,8 @@ __all__ = [
     "error_stats",
 ]
 
-QMIN, QMAX = -8, 7
-TINY = 2.0**-126  # smallest normal fp32, exactly representable in bf16
-ZERO_GROUP_SCALE = 1.0
-# 0.70 .. 1.12 in steps of 0.06, with 1.0 (clip nothing) exactly on the grid
-COARSE_RATIOS = (1.0 + 0.06 * torch.arange(-5, 3, dtype=torch.float64)).float()
-FINE_POINTS = 4
-TIE = 2.0**-30  # candidate errors within this relative distance tie: the earlier candidate wins
-# elements of w per chunk: 1 MB of float32, so the widest temporary (9 candidates) is ~9 MB;
-# bigger chunks amortise per-op overhead better than cache-sized ones did (measured)
+# elements of w per chunk of the torch search: bounds its temporaries to a few MB
 CHUNK_ELEMS = 1 << 18
-_VALID_AUTO = (128, 64, 32)
 _NO_ZEROS = torch.empty(0, dtype=torch.uint8)
 
 
@@ -84,100 +63,7 @@ class W4A8Linear:
         return dequantize_w4a8(self.q, self.scales, self.group_size)
 
 
-# --------------------------------------------------------------------------- group size rules
-
-
-def check_group_size(g: int, k: int) -> str | None:
-    """Why ``g`` cannot be a W4A8 group size for in_features ``k`` (None when it can).
-
-    -1 (channel) always works; ``g == k`` is channelwise too (KleidiAI prefers it).
-    """
-    if isinstance(g, bool) or not isinstance(g, int):
-        return f"group size {g!r} is not an integer"
-    if g == -1:
-        return None
-    if g <= 0:
-        return f"group size {g} must be positive (or -1 for channel)"
-    if g % 32:
-        return f"group size {g} is not a multiple of 32 (KleidiAI needs 32, 64, 128, ...)"
-    if g > k:
-        return f"group size {g} is larger than K={k}"
-    if k % g:
-        return f"group size {g} does not divide K={k}"
-    return None
-
-
-def parse_group_size(requested) -> int | None:
-    """A --group-size value: None/'auto' -> None (auto); 'channel'/-1 -> -1; else the integer asked for."""
-    if requested is None:
-        return None
-    if isinstance(requested, str):
-        r = requested.strip().lower()
-        if r in ("", "auto"):
-            return None
-        if r in ("channel", "-1", "per-channel", "channelwise"):
-            return -1
-        try:
-            return int(r)
-        except ValueError:
-            pass
-    elif isinstance(requested, int) and not isinstance(requested, bool):
-        return requested
-    raise UsageError(f"--group-size {requested!r}: expected auto, channel, or a multiple of 32 such as 128",
-                     hint="Leave it at auto to keep the source's group when vLLM can run it.")
-
-
-def resolve_group_size(requested: int | str | None, source_group: int, k: int) -> int:
-    """The W4A8 group size for one linear: g (multiple of 32, divides k, < k) or -1 (channel)."""
-    try:
-        req = parse_group_size(requested)
-    except UsageError as e:  # name the linear's K, as every other refusal here does
-        raise UsageError(f"{e} (K={k})", hint=e.hint) from None
-    if req is None:
-        if source_group == -1 or source_group >= k:
-            return -1
-        if check_group_size(source_group, k) is None:
-            return source_group
-        for c in _VALID_AUTO:
-            if c < k and k % c == 0:
-                return c
-        return -1
-    if req == -1 or req == k:
-        return -1
-    reason = check_group_size(req, k)
-    if reason is None:
-        return req
-    hint = "use a multiple of 32 that divides K, 'auto', or 'channel'"
-    if req > 0 and req % 32 == 0:
-        # a sane value that this layer's K cannot take: refuse the layer, not the command line
-        raise RefusedError(f"W4A8 group size {req} is invalid for K={k}: {reason}", hint=hint)
-    raise UsageError(f"W4A8 group size {req} is invalid for K={k}: {reason}", hint=hint)
-
-
-def _normalize_group(g: int, k: int) -> int:
-    if g == k:
-        return -1
-    reason = check_group_size(g, k)
-    if reason is not None:
-        raise UsageError(f"W4A8 group size {g} is invalid for K={k}: {reason}",
-                         hint="resolve it with resolve_group_size first")
-    return g
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _is_group_scale(g: int) -> bool:
-    return g != -1
-
-
-def _ship_scale(s: torch.Tensor, g: int) -> torch.Tensor:
-    """Round float32 scales to the dtype that ships, back in float32."""
-    return s.to(torch.bfloat16).float() if _is_group_scale(g) else s
-
-
-def _out_scale_dtype(g: int) -> torch.dtype:
-    return torch.bfloat16 if _is_group_scale(g) else torch.float32
 
 
 def _rows_per_chunk(k: int) -> int:
@@ -193,49 +79,10 @@ def dequantize_w4a8(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> t
     return (q.float().view(n, k // group_size, group_size) * s.view(n, -1, 1)).view(n, k)
 
 
-class _Stats:
-    """Running sums for rel_l2 / max_abs / cosine, accumulated in float64."""
-
-    def __init__(self):
-        self.dd = self.ww = self.vv = self.wv = 0.0
-        self.max_abs = 0.0
-
-    def add(self, w: torch.Tensor, v: torch.Tensor) -> None:
-        if not w.numel():
-            return
-        d = (v - w).reshape(-1)
-        w = w.reshape(-1)
-        v = v.reshape(-1)
-        # float32 reductions (torch sums pairwise) are plenty for a report; totals go to float64
-        sums = [float(torch.dot(d, d)), float(torch.dot(w, w)), float(torch.dot(v, v)), float(torch.dot(w, v))]
-        if not all(map(math.isfinite, sums)):  # squares past float32's range (|w| ~ 1e19 and up)
-            d, w, v = d.double(), w.double(), v.double()
-            sums = [float(torch.dot(d, d)), float(torch.dot(w, w)), float(torch.dot(v, v)), float(torch.dot(w, v))]
-        self.dd += sums[0]
-        self.ww += sums[1]
-        self.vv += sums[2]
-        self.wv += sums[3]
-        lo, hi = torch.aminmax(d)
-        self.max_abs = max(self.max_abs, float(-lo), float(hi))
-
-    def result(self) -> dict:
-        ref = math.sqrt(self.ww)
-        if ref > 0:
-            rel = math.sqrt(self.dd) / ref
-        else:
-            rel = 0.0 if self.dd == 0 else math.inf
-        den = math.sqrt(self.ww * self.vv)
-        if den > 0:
-            cos = self.wv / den
-        else:
-            cos = 1.0 if self.ww == 0 and self.vv == 0 else 0.0
-        return {"rel_l2": rel, "max_abs": self.max_abs, "cosine": cos}
-
-
 def error_stats(w: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, group_size: int) -> dict:
     """rel_l2, max_abs, cosine of dequantize_w4a8(q, scales) against float ``w`` (row chunks)."""
     n, k = w.shape
-    st = _Stats()
+    st = ErrorStats()
     step = _rows_per_chunk(k)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
@@ -250,122 +97,31 @@ def _source_rows(ql: QuantLinear, gi: torch.Tensor, r0: int, r1: int) -> torch.T
     return (ql.codes[r0:r1].float() - z) * s
 
 
-def _check_finite(t: torch.Tensor, what: str, name: str | None) -> None:
-    if not bool(torch.isfinite(t).all()):
-        raise InputError(f"{what} of {name or 'a tensor'} contain NaN or Inf", tensor=name,
-                         hint="the source checkpoint is corrupt or was saved with overflowing scales")
-
-
 # --------------------------------------------------------------------------- scale search
-
-
-def _eval_candidates(x: torch.Tensor, negx: torch.Tensor, cands: torch.Tensor,
-                     ws: torch.Tensor) -> torch.Tensor:
-    """x [r, G, 1, g], cands [r, G, C] (shipped values) -> sum of squared errors [r, G, C], float64.
-
-    q comes from float32 (the same 1/s as the final quantisation: the error is what ships);
-    ``s * q - x`` is then exact in float64 and only the squares and the sum round, so the C++
-    twin (which sums in another order) takes the same ``_first_within_tie`` decision unless an
-    error lies within ~1e-13 (relative) of the tie threshold (see ``Group`` and ``TieRule`` in
-    csrc/convert_kernels.cpp). ``ws`` is a flat float64 workspace reused across
-    chunks: fresh multi-MB temporaries would page-fault on every chunk.
-    """
-    r, G, _, g = x.shape
-    s = cands.unsqueeze(-1)
-    t = ws[: r * G * cands.shape[-1] * g].view(r, G, cands.shape[-1], g)
-    t.copy_(torch.mul(x, s.reciprocal()).round_().clamp_(QMIN, QMAX))  # float32 q, held in float64
-    t.mul_(s.double()).add_(negx)  # s*q - w
-    return t.square_().sum(dim=-1)
-
-
-def _first_within_tie(e: torch.Tensor) -> torch.Tensor:
-    """Index [..., 1] of the first candidate whose error is within TIE (relative) of the smallest.
-
-    Errors closer than that are ties, so the earlier candidate wins whatever order each
-    implementation summed in (the C++ twin takes the same decision; see ``Group`` there).
-    """
-    t = e.amin(dim=-1, keepdim=True) * (1.0 + TIE)
-    return (e <= t).to(torch.uint8).argmax(dim=-1, keepdim=True)  # argmax: the first maximum
-
-
-def _search_chunk(w: torch.Tensor, g: int, search: bool, ws: torch.Tensor):
-    """w [r, K] float32 -> (q int8 [r, K], s float32 [r, G] shipped values, sse, baseline_sse, zero groups)."""
-    r, k = w.shape
-    gs = k if g == -1 else g
-    x = w.view(r, k // gs, 1, gs)
-    wmin, wmax = torch.aminmax(x, dim=-1)  # [r, G, 1]
-    amax = torch.maximum(wmax, -wmin)
-    zero = (amax == 0).squeeze(-1)
-    rtn = amax / 7
-    negx = -x.double()
-    if not search:
-        s = _ship_scale(rtn, g).clamp_min(TINY)
-        e = _eval_candidates(x, negx, s, ws)[..., 0]
-        best_s, base_e = s[..., 0], e
-        best_e = e
-    else:
-        base = torch.maximum(wmax / 7, wmin / -8)
-        base = torch.where(base > 0, base, torch.ones_like(base))  # zero groups: any finite base
-        ratios = torch.cat([(rtn / base), COARSE_RATIOS.expand(r, k // gs, -1)], dim=-1)
-        cands = _ship_scale(base * ratios, g).clamp_min(TINY)
-        e = _eval_candidates(x, negx, cands, ws)
-        i = _first_within_tie(e)  # RTN is first: it wins ties
-        best_s = cands.gather(-1, i)[..., 0]
-        best_e = e.gather(-1, i)[..., 0]
-        base_e = e[..., 0]
-    if search and FINE_POINTS > 0 and len(COARSE_RATIOS) > 1:
-        # fine pass: FINE_POINTS ratios strictly inside one coarse step either side of the winner
-        step = float(COARSE_RATIOS[1] - COARSE_RATIOS[0])
-        offs = torch.linspace(-step, step, FINE_POINTS + 2)[1:-1]
-        rho = ratios.gather(-1, i)
-        cands2 = _ship_scale(base * (rho + offs), g).clamp_min(TINY)
-        e2 = _eval_candidates(x, negx, cands2, ws)
-        # the coarse winner first: it keeps its place against a tie
-        e2 = torch.cat([best_e.unsqueeze(-1), e2], dim=-1)
-        j = _first_within_tie(e2)
-        best_s = torch.cat([best_s.unsqueeze(-1), cands2], dim=-1).gather(-1, j)[..., 0]
-        best_e = e2.gather(-1, j)[..., 0]
-    best_s = torch.where(zero, torch.full_like(best_s, ZERO_GROUP_SCALE), best_s)
-    q = (x[:, :, 0, :] * best_s.unsqueeze(-1).reciprocal()).round_().clamp_(QMIN, QMAX)
-    q = q.to(torch.int8).view(r, k)
-    sse = float(best_e.sum())
-    base_sse = float(base_e.sum())
-    return q, best_s, sse, base_sse, int(zero.sum())
 
 
 def _requant_rows(n: int, k: int, g: int, rows, search: bool, name: str | None):
     """Drive the search over row chunks supplied by ``rows(r0, r1)`` (float32 [r, K])."""
     gcount = 1 if g == -1 else k // g
     q = torch.empty(n, k, dtype=torch.int8)
-    scales = torch.empty(n, gcount, dtype=_out_scale_dtype(g))
-    st = _Stats()
-    sse = base_sse = 0.0
+    scales = torch.empty(n, gcount, dtype=out_scale_dtype(g))
+    st = ErrorStats()
+    base_sse = 0.0
     zero_groups = 0
     step = _rows_per_chunk(k)
-    width = 1 + (max(len(COARSE_RATIOS), FINE_POINTS) if search else 0)
-    ws = torch.empty(min(n, step) * k * width, dtype=torch.float64)
+    ws = torch.empty(min(n, step) * k * workspace_width(search), dtype=torch.float64)
     for r0 in range(0, n, step):
         r1 = min(n, r0 + step)
         w = rows(r0, r1).float().contiguous()
-        qc, sc, e, be, zg = _search_chunk(w, g, search, ws)
+        qc, sc, _, be, zg = search_chunk(w, g, search, ws)
         # a NaN/Inf weight makes every candidate scale of its group non-finite: cheap to spot here
-        _check_finite(sc, "weights", name)
+        check_finite(sc, "weights", name)
         q[r0:r1] = qc
         scales[r0:r1] = sc.to(scales.dtype)
         st.add(w, dequantize_w4a8(qc, sc, g))
-        sse += e
         base_sse += be
         zero_groups += zg
-    err = st.result()
-    err["baseline_rel_l2"] = math.sqrt(base_sse / st.ww) if st.ww > 0 else 0.0
-    info = {
-        "search": search,
-        "candidates": 1 if not search else len(COARSE_RATIOS) + 1 + FINE_POINTS,
-        "zero_groups": zero_groups,
-        "zero_group_scale": ZERO_GROUP_SCALE,
-        **err,
-    }
-    return q, scales, info
+    return q, scales, requant_info(search, st, base_sse, zero_groups)
 
 
 def requantize(w: torch.Tensor, group_size: int, *, search: bool = True):
@@ -377,7 +133,7 @@ def requantize(w: torch.Tensor, group_size: int, *, search: bool = True):
     if w.dim() != 2:
         raise UsageError(f"requantize expects a 2-D weight, got shape {tuple(w.shape)}")
     n, k = w.shape
-    g = _normalize_group(group_size, k)
+    g = normalize_group(group_size, k)
     if not w.is_floating_point():
         raise UsageError(f"requantize expects a float weight, got {w.dtype}")
     fast = _kernels.requant(n, k, g, search=search, name=None, w=w)  # C++ twin, or None
@@ -386,7 +142,7 @@ def requantize(w: torch.Tensor, group_size: int, *, search: bool = True):
     return _requant_rows(n, k, g, lambda r0, r1: w[r0:r1], search, None)
 
 
-# --------------------------------------------------------------------------- lossless / dispatch
+# --------------------------------------------------------------------------- the one dispatch
 
 
 def _target_source_groups(ql: QuantLinear, g: int) -> torch.Tensor | None:
@@ -407,117 +163,142 @@ def lossless_possible(ql: QuantLinear, g: int) -> bool:
 
     Needs: zero points all 8 in the data, a valid W4A8 group, and every contiguous target group
     inside one source group (equal groups and trivial g_idx is the usual case; a finer target
-    group, or channel -> group, also qualifies).
+    group, or channel -> group, also qualifies). Reads no codes: a packed record can be asked.
     """
     k = ql.spec.k
     if g == k:
         g = -1
     if check_group_size(g, k) is not None:
         return False
-    if tuple(ql.codes.shape) != (ql.spec.n, k):
-        return False
     if not ql.is_symmetric():
         return False
+    if ql.g_idx is None:  # source group i holds columns [i*src, (i+1)*src): no tensor to look at
+        src, gs = ql.spec.group_size, k if g == -1 else g
+        return src >= k or src % gs == 0
     return _target_source_groups(ql, g) is not None
 
 
-def _lossless(ql: QuantLinear, g: int) -> W4A8Linear:
-    n, k = ql.codes.shape
-    src_groups = _target_source_groups(ql, g)
-    scales = ql.scales[:, src_groups].to(_out_scale_dtype(g)).contiguous()
-    _check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
-    fast = _kernels.lossless(ql, scales, src_groups, g)  # C++ twin of the code below, or None
-    if fast is not None:
-        q, err = fast
-    else:
-        q = (ql.codes.to(torch.int8) - 8).contiguous()
+def check_scales(ql: QuantLinear) -> None:
+    """Refuse source scales no producer writes, naming the tensor; cheap (scales are ~1/32 of the codes).
+
+    NaN/Inf: never valid. Negative: GPTQ, AWQ and compressed-tensors all derive scales from a range
+    (max - min, clamped positive), so a sign bit means corruption or a misread layout. Zero: valid
+    only on a group whose codes all sit at its zero point (a pruned group dequantises to 0 either
+    way); a zero scale over other codes erases weights the codes still hold, e.g. a zero-filled
+    region of a damaged file.
+    """
+    s = ql.scales
+    name = next((k for k in ql.spec.keys if k.endswith((".scales", ".weight_scale"))), f"{ql.spec.name}.scales")
+    where = "re-download or re-export the checkpoint"
+
+    def first(mask: torch.Tensor) -> str:
+        n, g = (int(i) for i in mask.nonzero()[0])
+        more = int(mask.sum()) - 1
+        return f"row {n}, group {g}" + (f" (and {more} more)" if more else "")
+
+    bad = ~torch.isfinite(s)
+    if bool(bad.any()):
+        raise InputError(f"{name}: NaN or Inf scale at {first(bad)}", tensor=name,
+                         hint=f"The scales are corrupt (or overflowed their dtype when saved); {where}.")
+    if bool((s < 0).any()):
+        raise InputError(f"{name}: negative scale at {first(s < 0)}", tensor=name,
+                         hint=f"No int4 producer writes negative scales: the tensor is corrupt or not the "
+                              f"layout the config claims; {where}.")
+    zero = s == 0
+    if bool(zero.any()):
+        ql = ql.unpacked()
         gi = ql.group_index()
-        st = _Stats()
-        step = _rows_per_chunk(k)
-        for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            st.add(_source_rows(ql, gi, r0, r1), dequantize_w4a8(q[r0:r1], scales[r0:r1], g))
-        err = st.result()
+        z = 8 if ql.zeros is None else ql.zeros[:, gi]
+        erased = zero[:, gi] & (ql.codes != z)  # [N, K]: a code a zero scale would wipe out
+        if bool(erased.any()):
+            n, k = (int(i) for i in erased.nonzero()[0])
+            raise InputError(f"{name}: zero scale at row {n}, group {int(gi[k])} over codes that are not at the "
+                             "zero point (the weights they hold would be erased)", tensor=name,
+                             hint=f"A zero-filled or damaged region of the file; {where}.")
+
+
+def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear:
+    """The linear in W4A8: its path decided once from its data (lossless when ``lossless_possible``,
+    else requant), then that path's one implementation, in the C++ kernels when they are built and
+    in torch otherwise (the same bytes). ``ql`` may still hold its codes packed."""
+    n, k = ql.spec.n, ql.spec.k
+    if ql.codes is not None and tuple(ql.codes.shape) != (n, k):
+        raise InputError(f"{ql.spec.name}: codes shape {tuple(ql.codes.shape)} != spec [{n}, {k}]",
+                         tensor=ql.spec.name)
+    g = normalize_group(group_size, k)
+    lossless = lossless_possible(ql, g)
+    if _kernels.ext() is not None:
+        return _lossless_kernels(ql, g) if lossless else _requant_kernels(ql, g, search)
+    ql = ql.unpacked()
+    check_scales(ql)
+    return _lossless_torch(ql, g) if lossless else _requant_torch(ql, g, search)
+
+
+def _one_pass(ql: QuantLinear) -> bool:
+    """Whether the one-pass jobs take the record: no g_idx, scales a float [N, G] matrix."""
+    return ql.g_idx is None and ql.scales.dim() == 2 and ql.scales.is_floating_point()
+
+
+# --------------------------------------------------------------------------- lossless
+
+
+def _lossless_kernels(ql: QuantLinear, g: int) -> W4A8Linear:
+    """The lossless path in C++: the one-pass job (checks, q, cast scales, error) over the packed
+    words or the codes; a record the job does not take (a g_idx), or whose scale it refuses, goes
+    to ``check_scales``, which names a bad scale, and then the codes kernel (a zero scale over
+    codes at their zero point is valid)."""
+    done = lossless_fast(ql, g) if _one_pass(ql) else None
+    if done is not None:
+        return done
+    ql = ql.unpacked()
+    check_scales(ql)
+    src_groups = _target_source_groups(ql, g)
+    scales = _lossless_scales(ql, src_groups, g)
+    q, err = _kernels.lossless(ql, scales, src_groups, g)
     return _lossless_result(ql, q, scales, g, err)
 
 
-def lossless_fast(ql: QuantLinear, group_size: int) -> W4A8Linear | None:
-    """The common lossless case in one C++ pass, scale checks included; None when it does not apply.
+def _lossless_torch(ql: QuantLinear, g: int) -> W4A8Linear:
+    """The lossless path in torch (the kernels' twin)."""
+    n, k = ql.codes.shape
+    src_groups = _target_source_groups(ql, g)
+    scales = _lossless_scales(ql, src_groups, g)
+    q = (ql.codes.to(torch.int8) - 8).contiguous()
+    gi = ql.group_index()
+    st = ErrorStats()
+    step = _rows_per_chunk(k)
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        st.add(_source_rows(ql, gi, r0, r1), dequantize_w4a8(q[r0:r1], scales[r0:r1], g))
+    return _lossless_result(ql, q, scales, g, st.result())
 
-    ``ql`` may still hold its codes packed (``ql.packed``): the kernel then reads the words directly.
 
-    Applies to a symmetric source without g_idx whose target groups each sit inside one source
-    group, with scales that are finite and positive. Anything else (or no extension) returns None
-    and the general path (``check_scales`` + ``to_w4a8``) decides and explains. Same bytes as
-    ``_lossless`` (tests/test_w4a8.py compares them).
-    """
+def _lossless_scales(ql: QuantLinear, src_groups: torch.Tensor, g: int) -> torch.Tensor:
+    scales = ql.scales[:, src_groups].to(out_scale_dtype(g)).contiguous()
+    check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
+    return scales
+
+
+def lossless_fast(ql: QuantLinear, g: int) -> W4A8Linear | None:
+    """The lossless one-pass job on a record whose codes may still be packed; None when the record
+    is not the job's (a g_idx, a zero point off 8, a target group across two source groups) or
+    the job refuses a scale (not finite and positive, or not finite once cast)."""
     m = _kernels.ext()
     n, k = ql.spec.n, ql.spec.k
-    if m is None or ql.g_idx is not None or ql.scales.dim() != 2 or not ql.scales.is_floating_point():
+    if not _one_pass(ql):
         return None
-    if ql.codes is None and ql.packed[0] == 3:  # AWQ words: the lossless kernel does not read them
-        if ql.zeros is not None:
-            return None  # asymmetric (the readers drop zeros that are all 8)
-        ql = ql.unpacked()
-    job_data = _job_data(ql)  # still packed: the kernel reads the words
-    if job_data is None:
-        return None
-    layout, data = job_data
-    g = _normalize_group(group_size, k)
-    zeros = _NO_ZEROS if ql.zeros is None else ql.zeros
-    if zeros.dtype != torch.uint8:
-        return None
+    if ql.codes is None and (ql.packed[0] == 3 or k % 8 or (g != -1 and g % 8)):
+        ql = ql.unpacked()  # the job reads compressed-tensors and GPTQ words in whole words only
+    layout, data = ql.packed if ql.codes is None else (0, ql.codes.to(torch.uint8).contiguous())
+    zeros = _NO_ZEROS if ql.zeros is None else ql.zeros.to(torch.uint8).contiguous()
     src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
-    status, q, s, tot = m.lossless_job(layout, data, n, k, ql.scales, zeros.contiguous(), src_group,
+    status, q, s, tot = m.lossless_job(layout, data, n, k, ql.scales.contiguous(), zeros, src_group,
                                        k if g == -1 else g, g != -1, _kernels.kernel_threads())
     if int(status) != 0:
         return None
-    st = _Stats()
+    st = ErrorStats()
     st.dd, st.ww, st.vv, st.wv, st.max_abs = tot.tolist()
-    return _lossless_result(ql, q, s.to(_out_scale_dtype(g)), g, st.result())
-
-
-def _job_data(ql: QuantLinear) -> tuple[int, torch.Tensor] | None:
-    """(layout, tensor) as the one-pass kernels take a source's codes: its packed words, or
-    (0, codes); None when the codes are not contiguous uint8 [N, K]."""
-    if ql.codes is None:
-        return ql.packed
-    c = ql.codes
-    if c.dtype != torch.uint8 or tuple(c.shape) != (ql.spec.n, ql.spec.k) or not c.is_contiguous():
-        return None
-    return 0, c
-
-
-def requant_fast(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear | None:
-    """An asymmetric source's requant in one C++ pass; None when it does not apply.
-
-    ``ql`` may still hold its codes packed. Scale checks, unpack (64 rows at a time, in cache), the
-    scale search, the error sums and the scale cast run in one call without the GIL. Applies to a
-    source with zero points other than 8, no g_idx, and scales that are finite and positive, and
-    returns None for anything else, including the rare job with a NaN/Inf weight or a decision
-    left to the torch twin: the general path (``check_scales`` + ``to_w4a8``) decides and explains.
-    Same bytes as ``to_w4a8`` (tests/test_kernels.py compares them).
-    """
-    m = _kernels.ext()
-    n, k = ql.spec.n, ql.spec.k
-    if (m is None or ql.zeros is None or ql.zeros.dtype != torch.uint8 or ql.g_idx is not None
-            or ql.scales.dim() != 2 or not ql.scales.is_floating_point()):
-        return None
-    job_data = _job_data(ql)
-    if job_data is None:
-        return None
-    layout, data = job_data
-    g = _normalize_group(group_size, k)
-    gs = k if g == -1 else g
-    src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
-    coarse, fine = _kernels.search_points(search)
-    status, q, s, sums, zero_groups = m.requant_job(layout, data, n, k, ql.scales, ql.zeros.contiguous(), src_group,
-                                                    gs, g != -1, search, coarse, fine, _kernels.kernel_threads())
-    if int(status) != 0:
-        return None
-    info = _kernels.requant_info(search, sums.tolist(), int(zero_groups))
-    info["exact_ints"] = False
-    return W4A8Linear(ql.spec.name, q, s, g, ql.bias, "requant", info)
+    return _lossless_result(ql, q, s.to(out_scale_dtype(g)), g, st.result())
 
 
 def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: int, err: dict) -> W4A8Linear:
@@ -528,31 +309,57 @@ def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: 
     return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, path, err)
 
 
-def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear:
-    """Lossless when the data allows it (see ``lossless_possible``), else requant."""
-    n, k = ql.spec.n, ql.spec.k
+# --------------------------------------------------------------------------- requant
+
+
+def _requant_kernels(ql: QuantLinear, g: int, search: bool) -> W4A8Linear:
+    """The requant path in C++: an asymmetric record without g_idx in the one-pass job (unpack,
+    checks, search, error sums); anything else, and what the job hands back (a refused scale, a
+    NaN weight, a too-close call: rare), in the codes kernel after ``check_scales``. The codes
+    kernel leaves NaN weights to the torch twin, which names them."""
+    done = requant_fast(ql, g, search=search) if ql.zeros is not None and _one_pass(ql) else None
+    if done is not None:
+        return done
     ql = ql.unpacked()
-    if tuple(ql.codes.shape) != (n, k):
-        raise InputError(f"{ql.spec.name}: codes shape {tuple(ql.codes.shape)} != spec [{n}, {k}]",
-                         tensor=ql.spec.name)
-    g = _normalize_group(group_size, k)
-    fast = lossless_fast(ql, g)
-    if fast is None:
-        fast = requant_fast(ql, g, search=search)
-    if fast is not None:
-        return fast
-    _check_finite(ql.scales, "scales", ql.spec.name)
-    if lossless_possible(ql, g):
-        return _lossless(ql, g)
-    fast = _kernels.requant(n, k, g, search=search, name=ql.spec.name, ql=ql)  # C++ twin, or None
-    if fast is not None:
-        q, scales, info = fast
-    else:
-        gi = ql.group_index()
-        q, scales, info = _requant_rows(n, k, g, lambda r0, r1: _source_rows(ql, gi, r0, r1), search,
-                                       ql.spec.name)
+    check_scales(ql)
+    done = _kernels.requant(ql.spec.n, ql.spec.k, g, search=search, name=ql.spec.name, ql=ql)
+    if done is None:
+        return _requant_torch(ql, g, search)
+    q, scales, info = done
     info["exact_ints"] = False
     return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, "requant", info)
+
+
+def _requant_torch(ql: QuantLinear, g: int, search: bool) -> W4A8Linear:
+    """The requant path in torch (the kernels' twin)."""
+    gi = ql.group_index()
+    q, scales, info = _requant_rows(ql.spec.n, ql.spec.k, g, lambda r0, r1: _source_rows(ql, gi, r0, r1), search,
+                                   ql.spec.name)
+    info["exact_ints"] = False
+    return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, "requant", info)
+
+
+def requant_fast(ql: QuantLinear, g: int, *, search: bool = True) -> W4A8Linear | None:
+    """The requant one-pass job of an asymmetric record without g_idx (codes possibly packed):
+    scale checks, unpack 64 rows at a time in cache, search, error sums and scale cast in one call
+    without the GIL. None when the record is not the job's (no zero points, a g_idx) or the job
+    hands it back (see ``_requant_kernels``)."""
+    m = _kernels.ext()
+    n, k = ql.spec.n, ql.spec.k
+    if ql.zeros is None or not _one_pass(ql):
+        return None
+    layout, data = ql.packed if ql.codes is None else (0, ql.codes.to(torch.uint8).contiguous())
+    gs = k if g == -1 else g
+    src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
+    coarse, fine = _kernels.search_points(search)
+    status, q, s, sums, zero_groups = m.requant_job(layout, data, n, k, ql.scales.contiguous(),
+                                                    ql.zeros.to(torch.uint8).contiguous(), src_group, gs, g != -1,
+                                                    search, coarse, fine, _kernels.kernel_threads())
+    if int(status) != 0:
+        return None
+    info = _kernels.requant_info(search, sums.tolist(), int(zero_groups))
+    info["exact_ints"] = False
+    return W4A8Linear(ql.spec.name, q, s, g, ql.bias, "requant", info)
 
 
 # --------------------------------------------------------------------------- act-order fold
@@ -598,7 +405,7 @@ def fold_act_order(gate: QuantLinear, up: QuantLinear, down: QuantLinear,
         raise InputError(
             f"cannot fold act-order: gate/up out_features ({gate.spec.n}, {up.spec.n}) != "
             f"down in_features {i_dim} ({down.spec.name})", tensor=down.spec.name)
-    g = _normalize_group(group_size, i_dim)
+    g = normalize_group(group_size, i_dim)
     width = None if down.has_trivial_g_idx() else _equal_groups(down)
     tgt = i_dim if g == -1 else g
     if width is None or width % tgt:

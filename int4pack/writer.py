@@ -493,9 +493,11 @@ class OutputDir:
             # --overwrite replaces a previous int4pack output, never an arbitrary folder
             raise OutputError(f"{out}: is not empty and is not an int4pack output (no {REPORT_NAME})",
                               path=str(out), hint="Pick another OUT, or remove that folder yourself.")
-        if not out.parent.is_dir():
-            raise OutputError(f"{out.parent}: parent folder does not exist", path=str(out.parent),
-                              hint="Create it first.")
+        try:  # missing parents are created, as mkdir -p would
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"{out.parent}: cannot create the output's parent folder: {e.strerror or e}",
+                              path=str(out.parent), hint="Pick an OUT whose parent can be a folder.") from e
         work = out.parent / f".{out.name}.int4pack-partial"
         progress = {"fingerprint": fingerprint, "shards": {}, "jobs": {}}
         if work.exists():

@@ -15,8 +15,6 @@ Peak RSS is the child's own VmHWM (/proc/self/status). ru_maxrss is not used: Li
 parent's high-water mark into a forked child across exec, so a child of this (torch-importing,
 checkpoint-writing) script reported ~600 MB for a 16 MB copy loop.
 
---profile also prints, per format and size, where convert's time goes (scripts/profile_convert.py).
-
 --compare-tree DIR also times convert from another int4pack checkout (e.g. the previous commit:
 `git worktree add /tmp/prev HEAD~1`) on the same input, alternating with this one (ABBA: use an
 even --repeat), and reports
@@ -166,7 +164,6 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--repeat", type=int, default=1, help="time each case this many times, keep the fastest")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    ap.add_argument("--profile", action="store_true", help="also print where convert's time goes")
     ap.add_argument("--compare-tree", type=Path, default=None,
                     help="another int4pack checkout to time on the same inputs (see above)")
     a = ap.parse_args()
@@ -222,8 +219,6 @@ def main() -> None:
                                 "other_plan_s": _least(other["plan_all"])})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if a.profile:
-                subprocess.run([sys.executable, str(HERE / "profile_convert.py"), str(src), "--jobs", "200"])
             if not a.workdir:
                 shutil.rmtree(src, ignore_errors=True)
     print()

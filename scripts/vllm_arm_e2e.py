@@ -396,13 +396,41 @@ def ref_logprobs(ref: FloatRef, prompt, gen) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------
 # checks on what vLLM reported about its layers
 # ------------------------------------------------------------------------------------------
+def disk_groups(out_dir: Path) -> dict[str, int]:
+    """{module: group (-1 channel)} as the W4A8 folder's tensors hold them (weight_scale's dtype and
+    shape), independent of how its config names them."""
+    from int4pack.checkpoint import Checkpoint
+
+    out = {}
+    with Checkpoint(out_dir) as ck:
+        for name, t in ck.tensors.items():
+            mod = name[: -len(".weight_scale")]
+            if name.endswith(".weight_scale") and f"{mod}.weight" in ck.tensors:
+                k = ck.tensors[f"{mod}.weight"].shape[1]
+                out[mod] = -1 if t.dtype == "F32" and t.shape[1] == 1 else k // t.shape[1]
+    return out
+
+
+def _layer_group(groups: dict[str, int], layer: str) -> int | None:
+    """The group of the tensors vLLM loads into ``layer``: itself, a fused module's first shard, or
+    an MoE layer's expert 0 (vLLM 0.32.0 names the layer ``<...>.experts.routed_experts``)."""
+    parent, _, leaf = layer.rpartition(".")
+    shards = {"qkv_proj": "q_proj", "gate_up_proj": "gate_proj", "fused_qkv_a_proj": "q_a_proj"}
+    experts = layer[: layer.rfind(".experts") + len(".experts")] if ".experts" in layer else layer
+    for cand in (layer, f"{parent}.{shards.get(leaf, leaf)}", f"{experts}.0.gate_proj", f"{experts}.0.w1"):
+        if cand in groups:
+            return groups[cand]
+    return None
+
+
 def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
+    """Each W4A8 layer vLLM built: its method, the group vLLM took (the one its tensors hold), and
+    packed weights of exactly the KleidiAI size for that group."""
     from int4pack.kleidiai import packed_size
 
     cfg = json.loads((out_dir / "config.json").read_text())
     tc = cfg.get("text_config") or cfg
-    qc = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]
-    g = qc["group_size"] if qc["strategy"] == "group" else -1
+    groups = disk_groups(out_dir)
     H = tc["hidden_size"]
     I = tc.get("moe_intermediate_size") or tc["intermediate_size"]
     E = tc.get("num_experts") or tc.get("num_local_experts")
@@ -415,9 +443,15 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
         fails.append(f"{len(moe)} FusedMoE layers, expected {nmoe}")
     moe_methods = sorted({v["quant_method"] for v in moe.values()})
     experts = sorted({v.get("experts_class") or "-" for v in moe.values()})
+    per_layer = {}
     for k, v in moe.items():
+        g = _layer_group(groups, k)
+        per_layer[k] = f"{v['quant_method']} g={v.get('group_size')}"
         if v["quant_method"] != MOE_METHOD:
             fails.append(f"{k}: MoE method {v['quant_method']}")
+        if g is None or v.get("group_size", g) != g:
+            fails.append(f"{k}: vLLM runs group {v.get('group_size')}, the tensors hold group {g}")
+            continue
         want13 = ["uint8", [E, packed_size(2 * I, H, g)]]
         want2 = ["uint8", [E, packed_size(H, I, g)]]
         if v.get("w13_weight_packed") != want13 or v.get("w2_weight_packed") != want2:
@@ -425,8 +459,13 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
                          f"KleidiAI size {want13}/{want2}")
     kernels = sorted({f"{v['scheme']}/{v.get('kernel')}" for v in lin.values()})
     for k, v in lin.items():
+        g = _layer_group(groups, k)
+        per_layer[k] = f"{v['scheme']}/{v.get('kernel')} g={v.get('group_size')}"
         if v["scheme"] != LINEAR_SCHEME or v.get("kernel") != LINEAR_KERNEL:
             fails.append(f"{k}: {v['scheme']}/{v.get('kernel')}")
+            continue
+        if g is None or v.get("group_size", g) != g:
+            fails.append(f"{k}: vLLM runs group {v.get('group_size')}, the tensors hold group {g}")
             continue
         n, kk = v["output_size_per_partition"], v["input_size_per_partition"]
         want = ["uint8", [packed_size(n, kk, g)]]
@@ -437,11 +476,15 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
     calls = probe.get("calls") or {}
     if not calls.get("moe_op") or not calls.get("dynamic4bit_linear"):
         fails.append(f"kernels not called: {calls}")
+    distinct = sorted(set(groups.values()))
     info = {"moe_layers": len(moe), "moe_methods": moe_methods, "experts_classes": experts,
-            "dense_w4a8_linears": len(lin), "dense_kernels": kernels, "group_size": g, "calls": calls,
+            "dense_w4a8_linears": len(lin), "dense_kernels": kernels,
+            "group_size": distinct[0] if len(distinct) == 1 else distinct, "calls": calls,
             "w13_packed": next(iter(moe.values()), {}).get("w13_weight_packed"),
             "unquantized": sorted({v["quant_method"] for v in layers.values()
                                    if "global_num_experts" not in v and "scheme" not in v})}
+    if len(distinct) > 1:  # several schemes: what vLLM built for each layer
+        info["per_layer"] = dict(sorted(per_layer.items()))
     return info, fails
 
 
@@ -666,7 +709,7 @@ def table(recs: list[dict]) -> str:
         m_ = r.get("vs_mirror") or {}
         vm = f"{m_['median_over_positions']} / {m_['max_abs_lp_diff']}" if m_ else "-"
         g = li.get("group_size")
-        glabel = "-" if g is None else ("channel" if g == -1 else f"g{g}")
+        glabel = "-" if g is None else "/".join("channel" if x == -1 else f"g{x}" for x in (g if isinstance(g, list) else [g]))
         err = "" if not r.get("error") else (r["error"][:80] + (f" @ {r['error_where']}" if r.get("error_where") else ""))
         lines.append(f"| {r['input']} | {r.get('vllm_version')} / {r.get('torch_version')} | {r.get('dtype')} | {glabel} "
                      f"| {'yes' if r.get('loaded') else 'no'} | {moe} | {w13} | {dk} | {len(r.get('tokens') or [])} "

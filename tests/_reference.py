@@ -8,6 +8,7 @@ spec states it. End-to-end tests compare int4pack's output against these.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -158,3 +159,89 @@ def bitwise_crc32c(data: bytes) -> int:
         for _ in range(8):
             c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
     return c ^ 0xFFFFFFFF
+
+
+class VllmSchemes:
+    """Which config group vLLM gives a layer, by the rules of vLLM 0.19.1 and 0.32.0
+    (model_executor/layers/quantization/compressed_tensors/utils.py and compressed_tensors.py), written
+    here from those rules without int4pack's code:
+
+    * ``ignore`` first: an exact name or ``re:`` (re.match) on the layer name; a fused layer (its last
+      name part a key of the model's packed_modules_mapping) is ignored by its shards, which must agree
+      (0.32.0 looks at the fused name itself first);
+    * then the first target, in config order, equal to the layer name or ``re:``-matching it; then
+      (0.19.1) a target contained in the class name, case-insensitively, then the fused layer's shards
+      (all must match; the first shard's target wins); 0.32.0 tries the shards before the class;
+      0.19.1 raises when nothing matches, 0.32.0 leaves the layer unquantised;
+    * an MoE layer asks for ``<prefix>.0.<gate>``, ``.0.<up>``, ``.0.<down>`` (gate_proj/up_proj/down_proj
+      in 0.19.1, the model's checkpoint names in 0.32.0) with class FusedMoE, after adding a
+      ``FusedMoE`` target that copies ``Linear``'s scheme; the three must agree.
+    """
+
+    def __init__(self, qcfg: dict, version: str, packed: dict[str, list[str]]):
+        self.version, self.packed = version, packed
+        self.ignore = list(qcfg.get("ignore") or [])
+        self.targets: dict[str, str] = {}  # target -> config group name
+        for name, grp in qcfg["config_groups"].items():
+            for t in grp["targets"]:
+                self.targets[t] = name
+
+    @staticmethod
+    def _hit(value: str, target: str, contains: bool = False) -> bool:
+        if target.startswith("re:"):
+            return re.match(target[3:], value) is not None
+        return target.lower() in value.lower() if contains else target == value
+
+    def _shards(self, name: str) -> list[str] | None:
+        last = name.split(".")[-1]
+        return [name[: -len(last)] + s for s in self.packed[last]] if last in self.packed else None
+
+    def ignored(self, name: str) -> bool:
+        direct = any(self._hit(name, t) for t in self.ignore)
+        shards = self._shards(name)
+        if shards is None or (self.version != "0.19.1" and direct) or (self.version == "0.19.1" and name in self.ignore):
+            return direct
+        flags = {any(self._hit(s, t) for t in self.ignore) for s in shards}
+        if len(flags) > 1:
+            raise ValueError(f"{name}: shards ignored and not ignored")
+        return flags.pop()
+
+    def _fused(self, name: str, targets: list[str]) -> str | None:
+        key = next((k for k in self.packed if name.endswith(k)), None)
+        if key is None:
+            return None
+        hits = [next((t for t in targets if self._hit(name.replace(key, s), t)), None) for s in self.packed[key]]
+        return hits[0] if all(hits) else None
+
+    def _target(self, name: str, cls: str, targets: list[str]) -> str | None:
+        by_name = next((t for t in targets if self._hit(name, t)), None)
+        by_class = next((t for t in targets if self._hit(cls, t, contains=True)), None)
+        steps = (by_name, by_class, self._fused(name, targets)) if self.version == "0.19.1" else \
+            (by_name, self._fused(name, targets), by_class)
+        found = next((s for s in steps if s is not None), None)
+        if found is None and self.version == "0.19.1":
+            raise ValueError(f"Unable to find matching target for {name}")
+        return found
+
+    def linear(self, name: str, cls: str = "RowParallelLinear") -> str | None:
+        """The config group of a linear layer, or None (ignored / unquantised)."""
+        if self.ignored(name):
+            return None
+        t = self._target(name, cls, list(self.targets))
+        return None if t is None else self.targets.get(t, self.targets.get("Linear"))
+
+    def moe(self, prefix: str, ckpt_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> str | None:
+        names = ("gate_proj", "up_proj", "down_proj") if self.version == "0.19.1" else ckpt_names
+        targets = list(self.targets) + (["FusedMoE"] if "Linear" in self.targets and "FusedMoE" not in self.targets
+                                        else [])
+        got = []
+        for n in names:
+            name = f"{prefix}.0.{n}"
+            if self.ignored(name):
+                got.append(None)
+                continue
+            t = self._target(name, "FusedMoE", targets)
+            got.append(None if t is None else self.targets.get(t, self.targets.get("Linear")))
+        if len(set(got)) != 1:
+            raise ValueError(f"{prefix}: MoE projections under different schemes {got}")
+        return got[0]

@@ -104,3 +104,112 @@ def write_gptq_family(folder: Path, model_type: str, *, seed: int = 0, layers: i
                                    "desc_act": False, "checkpoint_format": "gptq"}}
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
+
+
+# -- compressed-tensors pack-quantized sources (formats.md §3) -----------------------------------------
+
+
+def ct_pack_linear(name: str, w: torch.Tensor, group: int = 32) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Symmetric int4 round-to-nearest of float w [N, K] as compressed-tensors pack-quantized.
+
+    Returns (tensors, q [N, K] int in [-8, 7], scales bf16 [N, K/group]); word j of row n holds
+    q[n, 8j + i] + 8 in nibble i (low nibble first)."""
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group, group)
+    s = (wg.abs().amax(2) / 7).clamp(min=1e-8).to(torch.bfloat16)
+    q = (wg / s.float().unsqueeze(2)).round().clamp(-8, 7).reshape(n, k).to(torch.int64)
+    u = (q + 8).numpy().astype(np.uint32)
+    words = np.zeros((n, k // 8), dtype=np.uint32)
+    for i in range(8):
+        words |= u[:, i::8] << np.uint32(4 * i)
+    tensors = {f"{name}.weight_packed": torch.from_numpy(words.view(np.int32)), f"{name}.weight_scale": s,
+               f"{name}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    return tensors, q, s
+
+
+def _ct_w4a16_config(group: int, ignore: list[str]) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "version": "0.20.0",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "input_activations": None,
+                                          "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                      "strategy": "group", "group_size": group, "dynamic": False}}},
+            "ignore": ignore}
+
+
+def _write_ct(folder: Path, config: dict, linears: list[tuple[str, int, int]], floats: dict[str, torch.Tensor],
+              seed: int, group: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Quantise N(0, 0.02) weights of ``linears``, write them with ``floats``; returns {module: (q, scales)}."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors, ints = dict(floats), {}
+    for name, n, k in linears:
+        t, q, s = ct_pack_linear(name, torch.randn(n, k, generator=gen) * 0.02, group)
+        tensors.update(t)
+        ints[name] = (q, s)
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    routers = sorted(k[: -len(".weight")] for k in floats if k.endswith("mlp.gate.weight"))
+    config["quantization_config"] = _ct_w4a16_config(group, ["lm_head", *routers])
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return ints
+
+
+def write_ct_deepseek_v3(folder: Path, *, seed: int = 0, group: int = 32) -> dict:
+    """DeepSeek-V3-style MLA + MoE (symmetric int4, group 32) whose kv_b_proj has K = kv_lora_rank = 32:
+    layer 0 dense, layer 1 with 4 routed experts and a shared expert. Returns {module: (q, scales)}."""
+    h, inter, e, heads, nope, rope, v_dim, q_rank, kv_rank, vocab = 128, 64, 4, 2, 32, 32, 32, 64, 32, 128
+    gen = torch.Generator().manual_seed(seed + 1)
+    lin, flt = [], {"model.embed_tokens.weight": torch.randn(vocab, h, generator=gen) * 0.02,
+                    "model.norm.weight": torch.ones(h), "lm_head.weight": torch.randn(vocab, h, generator=gen) * 0.02}
+    for li in range(2):
+        p = f"model.layers.{li}"
+        lin += [(f"{p}.self_attn.q_a_proj", q_rank, h), (f"{p}.self_attn.q_b_proj", heads * (nope + rope), q_rank),
+                (f"{p}.self_attn.kv_a_proj_with_mqa", kv_rank + rope, h),
+                (f"{p}.self_attn.kv_b_proj", heads * (nope + v_dim), kv_rank), (f"{p}.self_attn.o_proj", h, heads * v_dim)]
+        flt.update({f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
+                    f"{p}.self_attn.q_a_layernorm.weight": torch.ones(q_rank),
+                    f"{p}.self_attn.kv_a_layernorm.weight": torch.ones(kv_rank)})
+        mlps = [f"{p}.mlp"] if li == 0 else [f"{p}.mlp.experts.{x}" for x in range(e)] + [f"{p}.mlp.shared_experts"]
+        width = 2 * inter if li == 0 else inter
+        for m in mlps:
+            lin += [(f"{m}.gate_proj", width, h), (f"{m}.up_proj", width, h), (f"{m}.down_proj", h, width)]
+        if li:
+            flt[f"{p}.mlp.gate.weight"] = torch.randn(e, h, generator=gen) * 0.02
+            flt[f"{p}.mlp.gate.e_score_correction_bias"] = torch.zeros(e)
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": h,
+           "intermediate_size": 2 * inter, "moe_intermediate_size": inter, "n_routed_experts": e, "n_shared_experts": 1,
+           "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_hidden_layers": 2, "num_attention_heads": heads,
+           "num_key_value_heads": heads, "q_lora_rank": q_rank, "kv_lora_rank": kv_rank, "qk_nope_head_dim": nope,
+           "qk_rope_head_dim": rope, "v_head_dim": v_dim, "vocab_size": vocab, "rms_norm_eps": 1e-6,
+           "hidden_act": "silu", "torch_dtype": "float32"}
+    return _write_ct(folder, cfg, lin, flt, seed, group)
+
+
+def write_ct_qwen3moe(folder: Path, *, heads: int = 1, kv_heads: int = 1, head_dim: int = 32, seed: int = 0,
+                      group: int = 32, layers: int = 2) -> dict:
+    """Qwen3-MoE (symmetric int4, group 32, H=128, 4 experts of I=64); with the default single head of
+    dim 32 o_proj has K = 32, the source group. Returns {module: (q, scales)}."""
+    h, inter, e, vocab = 128, 64, 4, 256
+    gen = torch.Generator().manual_seed(seed + 1)
+    lin, flt = [], {"model.embed_tokens.weight": torch.randn(vocab, h, generator=gen) * 0.02,
+                    "model.norm.weight": torch.ones(h), "lm_head.weight": torch.randn(vocab, h, generator=gen) * 0.02}
+    for li in range(layers):
+        p = f"model.layers.{li}"
+        lin += [(f"{p}.self_attn.q_proj", heads * head_dim, h), (f"{p}.self_attn.k_proj", kv_heads * head_dim, h),
+                (f"{p}.self_attn.v_proj", kv_heads * head_dim, h), (f"{p}.self_attn.o_proj", h, heads * head_dim)]
+        for x in range(e):
+            m = f"{p}.mlp.experts.{x}"
+            lin += [(f"{m}.gate_proj", inter, h), (f"{m}.up_proj", inter, h), (f"{m}.down_proj", h, inter)]
+        flt.update({f"{p}.input_layernorm.weight": torch.ones(h), f"{p}.post_attention_layernorm.weight": torch.ones(h),
+                    f"{p}.self_attn.q_norm.weight": torch.ones(head_dim), f"{p}.self_attn.k_norm.weight": torch.ones(head_dim),
+                    f"{p}.mlp.gate.weight": torch.randn(e, h, generator=gen) * 0.02})
+    # the keys transformers 5.23 writes for Qwen3-MoE (as in tests/fixtures/ct_qwen3moe_w4a16)
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+           "attention_dropout": 0.0, "decoder_sparse_step": 1, "dtype": "bfloat16", "head_dim": head_dim,
+           "hidden_act": "silu", "hidden_size": h, "initializer_range": 0.02, "intermediate_size": 2 * inter,
+           "max_position_embeddings": 256, "mlp_only_layers": [], "moe_intermediate_size": inter,
+           "norm_topk_prob": False, "num_attention_heads": heads, "num_experts_per_tok": 2,
+           "num_hidden_layers": layers, "num_key_value_heads": kv_heads, "num_local_experts": e,
+           "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+           "sliding_window": None, "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False,
+           "vocab_size": vocab}
+    return _write_ct(folder, cfg, lin, flt, seed, group)

@@ -88,3 +88,15 @@ def test_overwrite_replaces_only_an_int4pack_output(tmp_path):
     assert runner.invoke(app, ["convert", str(FIXTURES / "ct_qwen3moe_w4a16"), str(out), "--overwrite"]).exit_code == 0
     r = runner.invoke(app, ["convert", str(FIXTURES / "ct_qwen3moe_w4a16"), str(out), "--overwrite"])
     assert r.exit_code == 0 and (out / "int4pack_report.json").is_file()
+
+
+@needs_fixtures
+def test_group_size_substitution_warned_or_refused_with_strict(tmp_path):
+    src, out = str(FIXTURES / "gptq_q3_sym"), str(tmp_path / "o")
+    r = runner.invoke(app, ["convert", src, out, "--dry-run", "-g", "128"])
+    assert r.exit_code == 0, r.output
+    # experts (I = 128) and o_proj (K = 4 x 32 = 128) of both layers, on one line
+    assert "26 module(s) cannot run group 128 (group size 128 equals K=128" in " ".join(r.stderr.split())
+    assert "model.layers.0.mlp.experts and 3 more get group 32 (bf16 scales)" in " ".join(r.stderr.split())
+    r = runner.invoke(app, ["convert", src, out, "--dry-run", "-g", "128", "--strict-group-size"])
+    assert r.exit_code == EXIT_REFUSED and "--group-size 128" in r.output and "Traceback" not in r.output

@@ -200,30 +200,29 @@ def test_two_runs_are_byte_identical(tmp_path):
         assert hashlib.sha256((a / f).read_bytes()).digest() == hashlib.sha256((b / f).read_bytes()).digest(), f
 
 
-def test_gc_frozen_during_the_run_and_left_as_found(tmp_path, monkeypatch):
-    """What lives before convert is kept out of the cyclic GC's scans from the plan on; afterwards the
-    freeze is undone, unless the caller had frozen objects of its own, which stay frozen."""
+def test_convert_leaves_process_wide_settings_alone(tmp_path, monkeypatch):
+    """The library call changes nothing process-wide (the CLI makes those choices): the GC's frozen
+    set and torch's thread count stay as they were, also while the jobs run; the kernels called from
+    a worker take one thread each all the same."""
     import gc
     import sys
 
+    import torch
+
+    from int4pack import kernels
+
     mod = sys.modules["int4pack.convert"]  # the module (int4pack.convert is the function)
-    real, seen = mod.make_plan, []
+    real, seen = mod.run_job, []
 
     def spy(*a, **kw):
-        seen.append(gc.get_freeze_count())
+        seen.append((gc.get_freeze_count(), torch.get_num_threads(), kernels.kernel_threads()))
         return real(*a, **kw)
 
-    monkeypatch.setattr(mod, "make_plan", spy)
-    assert gc.get_freeze_count() == 0
-    int4pack.convert(FIXTURES / "gptq_q3_sym", tmp_path / "a")
-    assert seen[0] > 0 and gc.get_freeze_count() == 0
-    gc.freeze()
-    mine = gc.get_freeze_count()
-    try:
-        int4pack.convert(FIXTURES / "gptq_q3_sym", tmp_path / "b")
-        assert gc.get_freeze_count() >= mine > 0
-    finally:
-        gc.unfreeze()
+    monkeypatch.setattr(mod, "run_job", spy)
+    threads, frozen = torch.get_num_threads(), gc.get_freeze_count()
+    int4pack.convert(FIXTURES / "gptq_q3_asym", tmp_path / "a", threads=2)
+    assert seen and set(seen) == {(frozen, threads, 1)}
+    assert (gc.get_freeze_count(), torch.get_num_threads(), kernels.kernel_threads()) == (frozen, threads, threads)
 
 
 def test_source_folder_untouched(tmp_path):
@@ -261,3 +260,58 @@ def test_dense_bf16_keeps_attention_float(converted):
     assert attn == [k for k in attn if k.endswith(".weight")] and dst[attn[0]].dtype == torch.bfloat16
     assert any(i.endswith("self_attn.q_proj") for i in q["ignore"])
     assert all(".experts." in m for m in report["modules"] if report["modules"][m]["path"] != "dequant")
+
+
+def test_deepseek_v3_kv_b_channel_every_int_kept(tmp_path):
+    """A compressed-tensors group-32 DeepSeek-V3 whose kv_b_proj has K = 32: kv_b_proj goes channel
+    (fp32 scales), every other module keeps group 32, and every module's ints and scales are the
+    source's bit for bit (one model-wide group would have requantised all 26 others to channel)."""
+    import _synth
+
+    src = tmp_path / "ds"
+    ints = _synth.write_ct_deepseek_v3(src)
+    report = int4pack.convert(src, tmp_path / "out")
+    dst = load_raw(tmp_path / "out")
+    q = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert vllm_detects_w4a8(q) and len(q["config_groups"]) == 2
+    assert {v["path"] for v in report["modules"].values()} == {"lossless"} and len(ints) == 28
+    for m, (qs, s) in ints.items():
+        assert torch.equal(dst[f"{m}.weight"], qs.to(torch.int8)), m
+        if m.endswith("kv_b_proj"):
+            assert dst[f"{m}.weight_scale"].dtype == torch.float32 and report["modules"][m]["group_size"] == -1
+            assert torch.equal(dst[f"{m}.weight_scale"], s.float()), m  # one source group per row, exact
+        else:
+            assert torch.equal(dst[f"{m}.weight_scale"], s), m
+            assert report["modules"][m]["group_size"] == 32
+    assert [g["schemes"] for g in [report["plan"]]] == [[
+        {"group_size": 32, "scheme": "group 32 (bf16 scales)", "modules": 26},
+        {"group_size": -1, "scheme": "channel (fp32 scales)", "modules": 2}]]
+    meta = json.loads(next(iter(_metadata(tmp_path / "out").values()))["int4pack.target"])
+    assert meta["group_size"] is None and meta["group_sizes"] == [-1, 32]
+    assert int4pack.verify(tmp_path / "out", against=src)["ok"]
+
+
+def test_requested_group_is_substituted_and_reported(converted):
+    from int4pack.errors import RefusedError
+
+    # H = 256; I = 128 and o_proj's K = 4 x 32 = 128: 128 = K there (the slow fallback)
+    out, report = converted("gptq_q3_sym", group_size=128)
+    subs = report["plan"]["group_substitutions"]
+    assert {s["module"] for s in subs} == {f"model.layers.{i}.{m}" for i in (0, 1)
+                                           for m in ("mlp.experts", "self_attn.o_proj")}
+    assert {s["group_size"] for s in subs} == {32}
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert sorted(g["weights"]["group_size"] for g in q["config_groups"].values()) == [32, 128]
+    assert {report["modules"][m]["path"] for m in report["modules"] if ".experts." in m} == {"lossless"}
+    with pytest.raises(RefusedError, match="--group-size 128"):
+        int4pack.convert(FIXTURES / "gptq_q3_sym", out.parent / "strict", group_size=128, strict_group_size=True)
+
+
+def _metadata(folder: Path) -> dict[str, dict]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            out[f.name] = fh.metadata()
+    return out

@@ -129,3 +129,23 @@ def test_cli_json():
     assert res.exit_code == 3 and "not found" in res.output
     res = runner.invoke(app, ["inspect", str(FIXTURES / "ct018_q3_actorder")])
     assert res.exit_code == 0 and "act-order" in res.output
+
+
+def test_scheme_per_module_before_and_after_convert(tmp_path):
+    """The DeepSeek-V3-style synthetic: inspect shows each module's target group before convert, and
+    the converted checkpoint's modules under their own config groups (kv_b_proj channel, fp32)."""
+    import _synth
+
+    _synth.write_ct_deepseek_v3(tmp_path / "src")
+    r = int4pack.inspect(tmp_path / "src")
+    assert [(s["group_size"], s["modules"]) for s in r["plan"]["schemes"]] == [(32, 26), (-1, 2)]
+    target = {m: v["target_group_size"] for m, v in r["modules"].items()}
+    assert {m for m, g in target.items() if g == -1} == {f"model.layers.{i}.self_attn.kv_b_proj" for i in (0, 1)}
+    assert all(v["kleidiai"] for v in r["modules"].values())
+    int4pack.convert(tmp_path / "src", tmp_path / "out")
+    o = int4pack.inspect(tmp_path / "out")
+    kv_b = o["modules"]["model.layers.0.self_attn.kv_b_proj"]
+    assert (kv_b["group_size"], kv_b["scale_dtype"], kv_b["kleidiai"]) == (32, "F32", True)  # channel: group == K
+    assert {v["group_size"] for m, v in o["modules"].items() if "kv_b" not in m} == {32}
+    res = CliRunner().invoke(app, ["inspect", str(tmp_path / "src")])
+    assert res.exit_code == 0 and "group 32 (bf16 scales) x 26, channel (fp32 scales) x 2" in res.output

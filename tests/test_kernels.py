@@ -1,4 +1,4 @@
-"""C++ hot loops (csrc/convert_kernels.cpp) against their pure-torch twins, byte for byte.
+"""C++ hot loops (csrc/convert_kernels/) against their pure-torch twins, byte for byte.
 
 Each test runs the same public function twice, once with the extension and once with
 ``kernels.ext`` patched to None (the torch twin, which is the oracle), and compares the bytes
@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from int4pack import kernels, w4a8
+from int4pack import kernels, scale_search, w4a8
 from int4pack.checkpoint import Checkpoint
 from int4pack.formats import open_reader
-from int4pack.formats._common import AWQ_ORDER, unpack_cols, unpack_rows
+from int4pack.groups import auto_group, normalize_group
+from int4pack.nibbles import AWQ_ORDER, unpack_cols, unpack_rows
 from int4pack.records import LinearSpec, QuantLinear
 
 from _reference import bitwise_crc32c
@@ -299,7 +300,7 @@ def test_fixture_modules_match_twin(monkeypatch, name):
             ql0 = twin(monkeypatch, reader.read, spec)
             assert same_bytes(ql.codes, ql0.codes), spec.name
             packed = reader.read(spec, unpack=False)  # what convert hands the one-pass kernels
-            for target in sorted({w4a8.resolve_group_size(None, spec.group_size, spec.k), -1}):
+            for target in sorted({auto_group({-1 if spec.group_size >= spec.k else spec.group_size}, [spec.k]), -1}):
                 out = to_w4a8_matches_twin(monkeypatch, ql, target, twin_ql=ql0, where=spec.name)
                 fast = w4a8.lossless_fast(packed, target) or w4a8.requant_fast(packed, target)
                 if fast is not None:
@@ -311,7 +312,7 @@ def test_fixture_modules_match_twin(monkeypatch, name):
 # ------------------------------------------------------------------------------------ requant from codes
 #
 # The C++ evaluates a target group lying inside one source group from the histogram of its 16
-# codes (csrc/convert_kernels.cpp, namespace hist); anything else from the dequantised values.
+# codes (csrc/convert_kernels/requant.cpp, namespace hist); anything else from the dequantised values.
 # These compare both with the torch oracle: to_w4a8 against its twin, and kernels.requant(ql=...)
 # against w4a8._requant_rows on w4a8._source_rows (which also covers inputs to_w4a8 never hands
 # over, such as a symmetric source whose groups stay inside its source groups).
@@ -335,7 +336,7 @@ def _rand_code_ql(n, k, group, seed, *, sym=False, lo=0, hi=16, scale=(0.001, 0.
 
 def _oracle(ql, g, search=True):
     n, k = ql.codes.shape
-    g = w4a8._normalize_group(g, k)
+    g = normalize_group(g, k)
     gi = ql.group_index()
     return w4a8._requant_rows(n, k, g, lambda r0, r1: w4a8._source_rows(ql, gi, r0, r1), search, ql.spec.name)
 
@@ -354,7 +355,7 @@ def _float64_info(ql, q, s, g):
 
 def _requant_matches(ql, g, search=True, *, float64_stats=False):
     n, k = ql.codes.shape
-    gn = w4a8._normalize_group(g, k)
+    gn = normalize_group(g, k)
     fast = kernels.requant(n, k, gn, search=search, name=ql.spec.name, ql=ql)
     assert fast is not None
     q, s, info = fast
@@ -410,7 +411,7 @@ def test_to_w4a8_asym_from_codes_matches_twin(monkeypatch, case):
 @pytest.mark.parametrize("lo,hi,sym", [(7, 9, True), (7, 9, False), (7, 10, False), (0, 3, False)])
 def test_requant_from_codes_few_codes_near_ties(search_in, monkeypatch, lo, hi, sym):
     """Two to three codes per group: candidate errors tie exactly (bf16 scales over a grid of
-    codes). The tie rule (first within w4a8.TIE) decides them the same in C++ as in torch, so
+    codes). The tie rule (first within scale_search.TIE) decides them the same in C++ as in torch, so
     none is handed over and the bytes still match."""
     calls = _count_redo(monkeypatch)
     ql = _rand_code_ql(256, 512, 128, 31, lo=lo, hi=hi, sym=sym)
@@ -430,10 +431,10 @@ def _exact_ties(ql, g: int) -> int:
     x = w.view(n, k // g, 1, g)
     wmin, wmax = torch.aminmax(x, dim=-1)
     amax = torch.maximum(wmax, -wmin)
-    base = torch.maximum(wmax / 7, wmin / -8).clamp_min(w4a8.TINY)
-    ratios = torch.cat([amax / 7 / base, w4a8.COARSE_RATIOS.expand(n, k // g, -1)], dim=-1)
-    cands = w4a8._ship_scale(base * ratios, g).clamp_min(w4a8.TINY)
-    e = w4a8._eval_candidates(x, -x.double(), cands, torch.empty(x.numel() * cands.shape[-1], dtype=torch.float64))
+    base = torch.maximum(wmax / 7, wmin / -8).clamp_min(scale_search.TINY)
+    ratios = torch.cat([amax / 7 / base, scale_search.COARSE_RATIOS.expand(n, k // g, -1)], dim=-1)
+    cands = scale_search.ship_scale(base * ratios, g).clamp_min(scale_search.TINY)
+    e = scale_search.eval_candidates(x, -x.double(), cands, torch.empty(x.numel() * cands.shape[-1], dtype=torch.float64))
     at_min = (e == e.amin(dim=-1, keepdim=True)) & (amax > 0)
     first = cands.gather(-1, at_min.to(torch.uint8).argmax(dim=-1, keepdim=True))
     return int((at_min & (cands != first)).any(dim=-1).sum())
@@ -463,7 +464,7 @@ def test_float32_search_takes_clear_batches_only():
 
 
 def test_requant_channel_groups_past_the_tie_rule_go_to_torch(monkeypatch):
-    """K = 2^18 channel groups: the rounding bound of a sum that long comes near w4a8.TIE, so
+    """K = 2^18 channel groups: the rounding bound of a sum that long comes near scale_search.TIE, so
     every decision is a close call and torch takes each group (bytes still identical)."""
     calls = _count_redo(monkeypatch)
     ql = _rand_code_ql(2, 1 << 18, 128, 61)
@@ -495,7 +496,7 @@ def test_requant_from_codes_constant_groups(search_in):
         assert info["zero_groups"] > 0
     # zero groups ship scale 1.0 and q = 0
     q, s, _ = kernels.requant(n, k, 128, search=True, name=None, ql=ql)
-    assert bool((q[0] == 0).all()) and bool((s[0].float() == w4a8.ZERO_GROUP_SCALE).all())
+    assert bool((q[0] == 0).all()) and bool((s[0].float() == scale_search.ZERO_GROUP_SCALE).all())
 
 
 @pytest.mark.parametrize("scale", [1e-21, 3e-20, 1e-19, 2e-19, 1e16, 3e16, 1e17, 1e18, 1e25])
@@ -654,15 +655,15 @@ def test_requant_fast_leaves_the_rest_to_the_general_path():
 def test_search_points_follow_the_settings(monkeypatch):
     """The candidate ratios are made once per setting, and follow a changed (or edited) setting."""
     c, f = kernels.search_points(True)
-    assert torch.equal(c, w4a8.COARSE_RATIOS.float())
-    step = float(w4a8.COARSE_RATIOS[1]) - float(w4a8.COARSE_RATIOS[0])
+    assert torch.equal(c, scale_search.COARSE_RATIOS.float())
+    step = float(scale_search.COARSE_RATIOS[1]) - float(scale_search.COARSE_RATIOS[0])
     want = [step * x for x in (-0.6, -0.2, 0.2, 0.6)]  # FINE_POINTS = 4 inside (-step, step)
     assert f.tolist() == pytest.approx(want, rel=1e-6)
     assert kernels.search_points(True)[0] is c  # made once
-    monkeypatch.setattr(w4a8, "FINE_POINTS", 2)
+    monkeypatch.setattr(scale_search, "FINE_POINTS", 2)
     assert kernels.search_points(True)[1].tolist() == pytest.approx([-step / 3, step / 3], rel=1e-6)
     ratios = torch.tensor([1.0, 1.25])
-    monkeypatch.setattr(w4a8, "COARSE_RATIOS", ratios)
+    monkeypatch.setattr(scale_search, "COARSE_RATIOS", ratios)
     assert kernels.search_points(True)[0].tolist() == [1.0, 1.25]
     ratios[1] = 1.5  # edited in place
     c, f = kernels.search_points(True)

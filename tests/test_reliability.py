@@ -1,7 +1,7 @@
-"""Reliability (issue 6): bad input gets one clear error and nothing is lost; interrupted runs resume
+"""Reliability: bad input gets one clear error and nothing is lost; interrupted runs resume
 byte-identically; the readers only ever raise int4pack's own error type.
 
-The corpus of malformed inputs is built fresh by ``scripts/make_bad_inputs.py`` (from the real
+The corpus of malformed inputs is built fresh by ``tests/make_bad_inputs.py`` (from the real
 fixtures plus small synthetic checkpoints) into a temporary folder. Every case runs through the CLI's
 error boundary in-process (typer's CliRunner: fast), and a representative subset, the hub cases and
 the tmpfs disk-full case also through the real console entry point in a subprocess.
@@ -42,7 +42,7 @@ from int4pack.plan import make_plan
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"
 
-_spec = importlib.util.spec_from_file_location("make_bad_inputs", ROOT / "scripts" / "make_bad_inputs.py")
+_spec = importlib.util.spec_from_file_location("make_bad_inputs", ROOT / "tests" / "make_bad_inputs.py")
 mbi = importlib.util.module_from_spec(_spec)
 sys.modules["make_bad_inputs"] = mbi
 _spec.loader.exec_module(mbi)
@@ -430,9 +430,9 @@ def test_stale_extension_build_lock_from_a_killed_run_is_cleared(tmp_path, monke
     from int4pack import _ext
 
     monkeypatch.setenv("INT4PACK_CACHE", str(tmp_path))
-    src = tmp_path / "csrc" / "demo.cpp"
-    src.parent.mkdir()
-    src.write_text("// demo\n")
+    src = tmp_path / "csrc" / "demo"
+    src.mkdir(parents=True)
+    (src / "demo.cpp").write_text("// demo\n")
     seen = {}
 
     def fake_load(name, sources, build_directory, **kw):
@@ -466,7 +466,7 @@ def test_extension_finished_build_is_imported_without_cpp_extension(monkeypatch)
     calls = []
     monkeypatch.setattr(cpp_extension, "load", lambda *a, **kw: calls.append(a) or None)
     monkeypatch.setattr(sys, "modules", {k: v for k, v in sys.modules.items() if not k.startswith("int4pack_convert")})
-    mod = _ext._build("convert_kernels", _ext.csrc_dir() / "convert_kernels.cpp")
+    mod = _ext._build("convert_kernels", _ext.csrc_dir() / "convert_kernels")
     assert calls == []
     assert mod.crc32c(b"123456789", 0) == 0xE3069283
 
@@ -479,9 +479,9 @@ def test_extension_build_marker_only_after_a_load(tmp_path, monkeypatch):
     from int4pack import _ext
 
     monkeypatch.setenv("INT4PACK_CACHE", str(tmp_path))
-    src = tmp_path / "csrc" / "demo.cpp"
-    src.parent.mkdir()
-    src.write_text("// demo\n")
+    src = tmp_path / "csrc" / "demo"
+    src.mkdir(parents=True)
+    (src / "demo.cpp").write_text("// demo\n")
     calls = []
 
     def failing_load(name, **kw):
@@ -696,3 +696,28 @@ def test_fuzz_tensor_data_through_convert(fuzz_dirs, tmp_path, data, flips):
             assert not out.exists()
     finally:
         shard.write_bytes(orig)
+
+
+def test_missing_kernels_warn_once_with_the_cost(tmp_path, monkeypatch):
+    """A build that cannot happen (here: no sources) says so once per process, with what it costs;
+    INT4PACK_NO_EXT=1 chooses the slow paths without a warning."""
+    import warnings
+
+    from int4pack import _ext
+
+    monkeypatch.setattr(_ext, "csrc_dir", lambda: tmp_path)
+    monkeypatch.setattr(_ext, "_loaded", {})
+    monkeypatch.setattr(_ext, "_errors", {})
+    monkeypatch.setattr(_ext, "_warned", False)
+    monkeypatch.delenv("INT4PACK_NO_EXT", raising=False)
+    with pytest.warns(_ext.SlowPathWarning, match="several times slower") as got:
+        assert _ext.load("convert_kernels") is None
+    assert len(got) == 1 and "convert_kernels" in str(got[0].message)
+    assert "FileNotFoundError" in _ext.build_error("convert_kernels")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _ext.load("convert_kernels") is None  # known failure: no second warning
+        assert _ext.load("moe") is None  # nor for the next extension
+        monkeypatch.setattr(_ext, "_warned", False)
+        monkeypatch.setenv("INT4PACK_NO_EXT", "1")
+        assert _ext.load("kleidiai_pack") is None

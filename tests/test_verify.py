@@ -218,3 +218,59 @@ def test_cli_json_and_exit_codes(converted, tmp_path):
     res = runner.invoke(app, ["verify", str(bad), "--against", str(FIXTURES / "gptq_q3_sym"), "--no-dense"])
     assert res.exit_code == 6
     assert "FAIL" in res.output and "expert 1" in res.output
+
+
+# -- several schemes: each module checked against its own config group -------------------------------
+
+@pytest.fixture(scope="module")
+def two_schemes(tmp_path_factory) -> tuple[Path, Path]:
+    """(source, output) of the DeepSeek-V3-style synthetic: kv_b_proj channel, the rest group 32."""
+    import _synth
+
+    root = tmp_path_factory.mktemp("ds")
+    _synth.write_ct_deepseek_v3(root / "src")
+    int4pack.convert(root / "src", root / "out", prepack="kleidiai")
+    return root / "src", root / "out"
+
+
+def _edit_config(folder: Path, edit) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg["quantization_config"]["config_groups"])
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def test_two_schemes_pass_with_prepacked_blobs(two_schemes):
+    src, out = two_schemes
+    r = int4pack.verify(out, against=src)
+    assert r["ok"] and r["structural"]["counts"]["blobs"] > 0
+    assert {d["module"] for d in r["dense"]} >= {"model.layers.1.self_attn.kv_b_proj"}
+
+
+def test_module_under_the_wrong_group_fails(two_schemes, tmp_path):
+    """o_proj (group 32 in the tensors) also named by the channel group: its scales are not fp32 [N, 1]."""
+    out = _copy(two_schemes[1], tmp_path / "o")
+
+    def edit(groups):
+        groups["group_1"]["targets"].insert(0, "model.layers.0.self_attn.o_proj")
+    _edit_config(out, edit)
+    r = int4pack.verify(out, structural_only=True, raise_on_failure=False)
+    msgs = [p["message"] for p in r["structural"]["problems"] if p["where"] == "model.layers.0.self_attn.o_proj"]
+    assert any("expected F32[128, 1] (channel)" in m for m in msgs), msgs
+
+
+def test_module_no_group_names_fails(two_schemes, tmp_path):
+    out = _copy(two_schemes[1], tmp_path / "o")
+    _edit_config(out, lambda groups: groups.pop("group_1"))
+    r = int4pack.verify(out, structural_only=True, raise_on_failure=False)
+    where = {p["where"] for p in r["structural"]["problems"] if "no quantization_config group" in p["message"]}
+    assert where == {f"model.layers.{i}.self_attn.kv_b_proj" for i in (0, 1)}
+
+
+def test_experts_of_one_layer_under_two_groups_fail(two_schemes, tmp_path):
+    out = _copy(two_schemes[1], tmp_path / "o")
+    _edit_config(out, lambda groups: groups["group_1"]["targets"].append("model.layers.1.mlp.experts.0.down_proj"))
+    with pytest.raises(VerifyFailed):
+        int4pack.verify(out, structural_only=True)
+    r = int4pack.verify(out, structural_only=True, raise_on_failure=False)
+    assert any(p["where"] == "model.layers.1.mlp" and "several config groups" in p["message"]
+               for p in r["structural"]["problems"])

@@ -11,16 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from int4pack.errors import InputError, RefusedError, UsageError
+from int4pack.errors import InputError, UsageError
 from int4pack.records import LinearSpec, QuantLinear
 from int4pack.w4a8 import (
     W4A8Linear,
-    check_group_size,
     dequantize_w4a8,
     fold_act_order,
     lossless_possible,
     requantize,
-    resolve_group_size,
     to_w4a8,
 )
 
@@ -90,45 +88,6 @@ def ql_float(ql: QuantLinear) -> torch.Tensor:
     gi = torch.arange(k) // ql.spec.group_size if ql.g_idx is None else ql.g_idx.long()
     z = torch.full_like(ql.scales, 8, dtype=torch.float64) if ql.zeros is None else ql.zeros.double()
     return (ql.codes.double() - z[:, gi]) * ql.scales.double()[:, gi]
-
-
-# ----------------------------------------------------------------------------- group size rules
-
-
-@pytest.mark.parametrize("g,k,ok", [
-    (128, 768, True), (96, 768, True), (32, 768, True), (64, 768, True), (-1, 768, True),
-    (768, 768, True), (48, 768, False), (100, 768, False), (0, 768, False), (-2, 768, False),
-    (256, 128, False), (128, 320, False), (160, 320, True),
-])
-def test_check_group_size_table(g, k, ok):
-    reason = check_group_size(g, k)
-    assert (reason is None) == ok, reason
-    if not ok:
-        assert str(g) in reason
-
-
-@pytest.mark.parametrize("req,src,k,want", [
-    (None, 32, 768, 32), ("auto", 128, 768, 128), ("auto", 96, 768, 96),
-    ("auto", -1, 768, -1), ("auto", 768, 768, -1),        # source channel stays channel
-    ("auto", 48, 768, 128), ("auto", 100, 800, 32),      # invalid source group -> largest valid
-    ("auto", 16, 96, 32), ("auto", 16, 48, -1),           # nothing divides -> channel
-    ("auto", 32, 32, -1),                                  # g == K is channelwise
-    ("channel", 32, 768, -1), (-1, 32, 768, -1), ("-1", 32, 768, -1),
-    (64, 32, 768, 64), ("128", 32, 768, 128), (96, 32, 768, 96), (768, 32, 768, -1),
-])
-def test_resolve_group_size_table(req, src, k, want):
-    assert resolve_group_size(req, src, k) == want
-
-
-@pytest.mark.parametrize("req,k,exc", [
-    (48, 768, UsageError), (100, 768, UsageError), (0, 768, UsageError), ("sixty", 768, UsageError),
-    (128, 320, RefusedError), (1024, 768, RefusedError),
-])
-def test_resolve_group_size_rejects(req, k, exc):
-    with pytest.raises(exc) as ei:
-        resolve_group_size(req, 32, k)
-    msg = str(ei.value)
-    assert f"K={k}" in msg and str(req) in msg
 
 
 # ----------------------------------------------------------------------------- hand-checkable
@@ -520,11 +479,9 @@ def test_w4a8linear_dequantize_matches_reference():
 # ----------------------------------------------------------------------------- one-pass lossless (C++)
 
 def _general_lossless(monkeypatch, ql, g):
-    """w4a8._lossless with the extension hidden: the pure-torch path that lossless_fast replaces."""
-    from int4pack import kernels, w4a8
-    with monkeypatch.context() as m:
-        m.setattr(kernels, "ext", lambda: None)
-        return w4a8._lossless(ql, g)
+    """The lossless path in torch: the twin of lossless_fast."""
+    from int4pack import w4a8
+    return w4a8._lossless_torch(ql.unpacked(), g)
 
 
 def _with_scale_dtype(ql, dtype, *, rough=False):
@@ -578,7 +535,7 @@ def test_lossless_fast_declines_what_it_cannot_decide(what):
     from int4pack import kernels
     if kernels.ext() is None:
         pytest.skip("convert_kernels extension unavailable")
-    from int4pack.convert import check_scales
+    from int4pack.w4a8 import check_scales
     from int4pack.w4a8 import lossless_fast
     ql = rand_ql("m", 16, 128, 32, seed=3)
     g = 32
@@ -660,3 +617,38 @@ def test_readers_packed_records_unpack_to_the_same_codes(name):
             assert torch.equal(b.unpacked().codes, a.codes), s.name
             assert torch.equal(b.scales, a.scales)
             assert (a.zeros is None) == (b.zeros is None)
+
+
+# ----------------------------------------------------------------------------- the one dispatch
+
+
+@pytest.mark.parametrize("record,g,want", [
+    ("sym", 32, "lossless_fast"), ("sym", 64, "codes requant"),  # a target group across two source groups
+    ("asym", 32, "requant_fast"), ("act-order", 32, "codes requant"), ("no kernels", 32, "torch"),
+])
+def test_to_w4a8_decides_once(monkeypatch, record, g, want):
+    """to_w4a8 decides the path from the record, then runs that path's one implementation: the other
+    path's kernels are never asked (each is replaced here by a recorder that still computes)."""
+    from int4pack import kernels, w4a8
+    if kernels.ext() is None:
+        pytest.skip("convert_kernels extension unavailable")
+    called = []
+
+    def recorder(label, fn):
+        def run(*a, **kw):
+            called.append(label)
+            return fn(*a, **kw)
+        return run
+
+    monkeypatch.setattr(w4a8, "lossless_fast", recorder("lossless_fast", w4a8.lossless_fast))
+    monkeypatch.setattr(w4a8, "requant_fast", recorder("requant_fast", w4a8.requant_fast))
+    monkeypatch.setattr(kernels, "lossless", recorder("codes lossless", kernels.lossless))
+    monkeypatch.setattr(kernels, "requant", recorder("codes requant", kernels.requant))
+    g_idx = (torch.randperm(128, generator=torch.Generator().manual_seed(2)) // 32).int() if record == "act-order" \
+        else None
+    ql = rand_ql("m", 16, 128, 32, seed=5, sym=record != "asym", g_idx=g_idx)
+    if record == "no kernels":
+        monkeypatch.setattr(kernels, "ext", lambda: None)
+    out = to_w4a8(ql, g)
+    assert called == ([] if want == "torch" else [want])
+    assert out.path == ("lossless" if want in ("lossless_fast", "torch") else "requant")

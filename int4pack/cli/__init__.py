@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import gc
 from typing import Annotated, Optional
 
 import typer
 
 from .._version import __version__
+from ._common import help_text, own_process
 from .convert import EXAMPLES as CONVERT_EXAMPLES
 from .convert import convert_cmd
 from .inspect import EXAMPLES as INSPECT_EXAMPLES
@@ -21,8 +21,9 @@ app = typer.Typer(
     name="int4pack",
     help="Convert int4 MoE checkpoints (GPTQ, AWQ, compressed-tensors) into the W4A8 layout that "
          "Arm CPUs run fast (KleidiAI, vLLM's CPU W4A8 MoE backend).",
-    epilog="Exit codes: 0 ok, 1 internal error (a bug), 2 usage, 3 bad input, 4 refused layout, "
-           "5 output problem, 6 verification failed, 130 interrupted.",
+    epilog="Exit codes: 0 ok, 1 internal error (a bug), 2 usage error, 3 bad input, 4 refused layout, "
+           "5 output problem, 6 verification failed, 130 interrupted. Run int4pack COMMAND --help for a "
+           "command's options and examples.",
     no_args_is_help=True,
     add_completion=False,
     rich_markup_mode="rich",
@@ -45,12 +46,12 @@ def _root(
     """int4pack: convert, verify and inspect int4 MoE checkpoints."""
 
 
-app.command("convert", epilog=CONVERT_EXAMPLES, no_args_is_help=True)(convert_cmd)
-app.command("verify", epilog=VERIFY_EXAMPLES, no_args_is_help=True)(verify_cmd)
-app.command("inspect", epilog=INSPECT_EXAMPLES, no_args_is_help=True)(inspect_cmd)
+for _name, _cmd, _examples in (("convert", convert_cmd, CONVERT_EXAMPLES), ("verify", verify_cmd, VERIFY_EXAMPLES),
+                                ("inspect", inspect_cmd, INSPECT_EXAMPLES)):
+    app.command(_name, help=help_text(_cmd.__doc__), epilog=_examples, no_args_is_help=True)(_cmd)
 
 
 def main() -> None:
-    # everything imported so far lives as long as the process: later collections need not scan it
-    gc.freeze()
+    """The console script (and ``python -m int4pack``): the process is the command's own."""
+    own_process()
     app()

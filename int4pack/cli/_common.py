@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import importlib
+import inspect
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,14 +15,56 @@ import typer
 from ..errors import EXIT_INTERNAL, Int4packError
 from ..output import Output
 
-__all__ = ["JsonOpt", "VerboseOpt", "QuietOpt", "DebugOpt", "ThreadsOpt", "make_output", "error_boundary"]
+__all__ = ["JsonOpt", "VerboseOpt", "QuietOpt", "DebugOpt", "ThreadsOpt", "make_output", "error_boundary",
+           "library", "own_process", "help_text", "examples"]
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout (for machines).")]
-VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True, help="More detail (repeatable).")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Only errors.")]
-DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
-ThreadsOpt = Annotated[int | None, typer.Option("--threads", "-j", min=1,
-                                                help="Worker threads (default: up to 4, the cores available).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, for scripts.")]
+VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
+                                         help="Show more detail; repeat it for even more.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print errors only.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    "--threads", "-j", min=1, metavar="N",
+    help="How many threads to use (by default the cores available, at most 4).")]
+
+
+_process = {"owned": False}  # True once main() runs: the process is the command's alone
+
+
+def own_process() -> None:
+    """Called by the console script: process-wide settings (GC freeze) are then the CLI's to make."""
+    _process["owned"] = True
+
+
+def library(name: str):
+    """The library function ``int4pack.<name>``, imported when its command runs (so ``--help``
+    never imports torch).
+
+    torch's import creates ~10^6 objects that the cyclic GC would rescan while it runs, so the
+    GC pauses for the import. When the process is the command's own (the console script, not a
+    test calling the app), everything imported then is frozen too: it lives as long as the
+    process, and later collections need not scan it.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        module = importlib.import_module(f"int4pack.{name}")
+    finally:
+        if was_enabled:
+            gc.enable()
+    if _process["owned"]:
+        gc.freeze()
+    return getattr(module, name)
+
+
+def help_text(doc: str) -> str:
+    """A docstring as typer's rich help shows it well: each paragraph one line, wrapped by the terminal."""
+    return "\n\n".join(" ".join(par.split()) for par in inspect.cleandoc(doc).split("\n\n"))
+
+
+def examples(*pairs: tuple[str, str]) -> str:
+    """A command's epilog: each example a sentence, then the command line, indented."""
+    return "\n\n".join(["[bold]Examples[/bold]", *(f"{what}\n  [cyan]{cmd}[/cyan]" for what, cmd in pairs)])
 
 
 def make_output(json_mode: bool, verbose: int, quiet: bool, debug: bool) -> Output:

@@ -1,9 +1,4 @@
-"""``int4pack convert SRC OUT``: the CLI face of ``int4pack.convert``.
-
-Usage:
-    int4pack convert ./Qwen3-30B-A3B-GPTQ-Int4 ./out
-    int4pack convert Qwen/Qwen3-30B-A3B-GPTQ-Int4 ./out --group-size 128 --dry-run --json
-"""
+"""``int4pack convert SRC OUT``: the CLI face of ``int4pack.convert``."""
 
 from __future__ import annotations
 
@@ -13,9 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..convert import convert
 from ..output import Output, human_bytes
-from ._common import DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, make_output
+from ._common import (
+    DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, examples, library, make_output)
 
 __all__ = ["convert_cmd", "EXAMPLES"]
 
@@ -24,49 +19,74 @@ class Dense(str, Enum):
     w4a8 = "w4a8"
     bf16 = "bf16"
 
-EXAMPLES = """[bold]Examples[/bold]
 
-  int4pack convert ./Qwen3-30B-A3B-GPTQ-Int4 ./out\n
-  int4pack convert Qwen/Qwen3-30B-A3B-GPTQ-Int4 ./out            [dim]# hub repo id (huggingface_hub cache)[/dim]\n
-  int4pack convert SRC OUT --group-size channel                   [dim]# fp32 channel scales[/dim]\n
-  int4pack convert SRC OUT --dry-run --json                       [dim]# the plan, nothing written[/dim]\n
-  int4pack convert SRC OUT --resume                               [dim]# continue an interrupted run[/dim]\n
-  int4pack convert SRC OUT --prepack kleidiai                     [dim]# + KleidiAI blobs in OUT/kleidiai/[/dim]
-"""
+class Prepack(str, Enum):
+    none = "none"
+    kleidiai = "kleidiai"
+
+
+EXAMPLES = examples(
+    ("Convert a local checkpoint:", "int4pack convert ./Qwen3-30B-A3B-GPTQ-Int4 ./out"),
+    ("Convert a Hugging Face hub repo (downloaded into its cache):",
+     "int4pack convert Qwen/Qwen3-30B-A3B-GPTQ-Int4 ./out"),
+    ("Use channelwise scales (fp32) instead of groups:", "int4pack convert SRC OUT --group-size channel"),
+    ("Print the plan as JSON and write nothing:", "int4pack convert SRC OUT --dry-run --json"),
+    ("Continue a run that was interrupted:", "int4pack convert SRC OUT --resume"),
+    ("Also write the experts prepacked for KleidiAI into OUT/kleidiai/:",
+     "int4pack convert SRC OUT --prepack kleidiai"),
+)
 
 
 def convert_cmd(
-    src: Annotated[str, typer.Argument(help="Source checkpoint: a local folder or a hub repo id (owner/name).")],
-    out: Annotated[Path, typer.Argument(help="Output folder (must not exist unless --overwrite).")],
+    src: Annotated[str, typer.Argument(
+        metavar="SRC", help="The source checkpoint: a local folder or a hub repo id (owner/name).",
+        show_default=False)],
+    out: Annotated[Path, typer.Argument(
+        metavar="OUT", help="The output folder. It must not exist unless --overwrite is given; missing parent "
+                            "folders are created.", show_default=False)],
     group_size: Annotated[str, typer.Option(
-        "--group-size", "-g",
-        help="Target group: auto (keep the source's when valid), channel, or a multiple of 32 dividing K.")] = "auto",
+        "--group-size", "-g", metavar="auto|channel|N",
+        help="The target group size: auto keeps the source's when vLLM can run it, channel uses one fp32 "
+             "scale per row, and N is a multiple of 32 that divides each linear's in_features.")] = "auto",
+    strict_group_size: Annotated[bool, typer.Option(
+        "--strict-group-size",
+        help="Refuse when a module cannot run --group-size N, instead of giving it the group it can run "
+             "(reported).")] = False,
     dense: Annotated[Dense, typer.Option(
-        help="Non-expert int4 linears: w4a8 (vLLM's dense W4A8 path) or bf16 (dequantised).")] = Dense.w4a8,
-    max_shard_size: Annotated[str, typer.Option(help="Largest output shard, e.g. 5GB, 500MB.")] = "5GB",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Validate and print the plan; write nothing.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Keep the verified shards of an interrupted run.")] = False,
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision (branch, tag or commit).")] = None,
-    prepack: Annotated[Optional[str], typer.Option(
-        help="Also write KleidiAI-packed experts to OUT/kleidiai/ (value: kleidiai), so nothing is packed "
-             "at load time.")] = None,
+        help="What the non-expert int4 linears become: w4a8 (vLLM's dense W4A8 path) or bf16 "
+             "(dequantised).")] = Dense.w4a8,
+    max_shard_size: Annotated[str, typer.Option(
+        metavar="SIZE", help="The largest output shard, such as 5GB or 500MB.")] = "5GB",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the source and print the plan; write nothing.")
+                       ] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it is an earlier int4pack output.")
+                         ] = False,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Keep the shards that an interrupted run finished and verified.")] = False,
+    revision: Annotated[Optional[str], typer.Option(help="The hub revision: a branch, tag or commit.")] = None,
+    prepack: Annotated[Prepack, typer.Option(
+        help="kleidiai also writes the experts packed for KleidiAI into OUT/kleidiai/, so that nothing is "
+             "packed at load time.")] = Prepack.none,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Convert an int4 MoE checkpoint (GPTQ, AWQ, compressed-tensors) to vLLM's W4A8 layout.
+    """Convert an int4 MoE checkpoint (GPTQ, AWQ or compressed-tensors) to vLLM's W4A8 layout.
 
-    Writes a compressed-tensors int-quantized W4A8 checkpoint that vLLM's Arm CPU backend loads as
-    is, plus int4pack_report.json (per-module path and error, every source tensor's fate)."""
+    The output is a compressed-tensors int-quantized W4A8 checkpoint that vLLM's Arm CPU backend
+    loads as it is. Beside it, int4pack_report.json records how each module was converted, its
+    weight error, and what became of every source tensor.
+    """
     o = make_output(json_out, verbose, quiet, debug)
     with error_boundary(o):
+        convert = library("convert")
         with o.progress("converting") as bar:
             report = convert(src, out, group_size=group_size, dense=dense.value, max_shard_size=max_shard_size,
                              dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
-                             revision=revision, prepack=prepack, progress=bar)
+                             revision=revision, prepack=prepack.value, progress=bar,
+                             strict_group_size=strict_group_size)
         _render(o, report)
         o.result(report)
 
@@ -82,8 +102,15 @@ def _render(o: Output, r: dict) -> None:
     exp = "/".join(map(str, p["experts_per_layer"]))
     o.text(f"  {p['moe_layers']} MoE layers x {exp} experts, {p['shared_experts']} with shared experts, "
            f"{p['routers']} routers")
-    g = "channel (fp32 scales)" if p["group_size"] == -1 else f"{p['group_size']} (bf16 scales)"
-    o.text(f"  target: W4A8, group {g}, dense linears as {p['dense']}")
+    g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
+    o.text(f"  target: W4A8, {g} module(s), dense linears as {p['dense']}")
+    subs: dict[tuple, list] = {}  # one line per (reason, substitute): a large model repeats them per layer
+    for sub in p["group_substitutions"]:
+        subs.setdefault((sub["reason"], sub["scheme"]), []).append(sub)
+    for (reason, scheme), items in subs.items():
+        more = f" and {len(items) - 1} more" if len(items) > 1 else ""
+        o.warning(f"{sum(s['modules'] for s in items)} module(s) cannot run group {items[0]['requested']} "
+                  f"({reason}): {items[0]['module']}{more} get {scheme}")
     for w in r.get("serving", []):
         o.warning(w)
     paths = p["paths"]
@@ -101,10 +128,15 @@ def _render(o: Output, r: dict) -> None:
     worst = sorted(((float(v["rel_l2"]), k, v) for k, v in mods.items() if v.get("rel_l2") not in (None, "0")),
                    reverse=True)
     if worst:
-        rows = [[k, v["path"], v["rel_l2"], v.get("baseline_rel_l2") or "-"] for _, k, v in worst[:5]]
-        o.table("Largest weight errors (relative L2 vs the source's own dequantisation)",
-                ["module", "path", "rel_l2", "plain RTN"], rows, level=0)
-    o.table("Every module", ["module", "role", "path", "rel_l2", "plain RTN"],
-            [[k, v.get("role", ""), v["path"], v.get("rel_l2") or "-", v.get("baseline_rel_l2") or "-"]
-             for k, v in sorted(mods.items())], level=1)
+        o.table("Largest weight errors (relative L2 against the source's own dequantisation)",
+                ["module", "path", "rel_l2", "plain RTN"], [_error_row(k, v) for _, k, v in worst[:5]], level=0)
+    o.table("Every module", ["module", "path", "rel_l2", "plain RTN"],
+            [_error_row(k, v) for k, v in sorted(mods.items())], level=1)
     o.text(f"[green]wrote[/green] {r['output']} in {r['seconds']:.1f} s")
+
+
+def _error_row(module: str, stats: dict) -> list[str]:
+    """A module's row in the error tables: 3 significant digits (the report holds 6)."""
+    def short(x) -> str:
+        return "-" if x in (None, "") else f"{float(x):.3g}"
+    return [module, stats["path"], short(stats.get("rel_l2")), short(stats.get("baseline_rel_l2"))]

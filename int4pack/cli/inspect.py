@@ -1,44 +1,46 @@
-"""``int4pack inspect PATH [TENSOR]``: the CLI face of ``int4pack.inspect``.
-
-Usage:
-    int4pack inspect ./Qwen3-30B-A3B-GPTQ-Int4
-    int4pack inspect ./out model.layers.0.mlp.experts.0.gate_proj --json
-"""
+"""``int4pack inspect PATH [TENSOR]``: the CLI face of ``int4pack.inspect``."""
 
 from __future__ import annotations
 
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
-from ..inspect import inspect
 from ..output import human_bytes
-from ._common import DebugOpt, JsonOpt, QuietOpt, VerboseOpt, error_boundary, make_output
+from ._common import DebugOpt, JsonOpt, QuietOpt, VerboseOpt, error_boundary, examples, library, make_output
 
 __all__ = ["inspect_cmd", "EXAMPLES"]
 
-EXAMPLES = """[bold]Examples[/bold]
-
-  int4pack inspect ./Qwen3-30B-A3B-GPTQ-Int4                          [dim]# format, MoE, per-module path[/dim]\n
-  int4pack inspect ./out                                               [dim]# KleidiAI path or fallback[/dim]\n
-  int4pack inspect SRC model.layers.0.mlp.experts.0.gate_proj.qweight  [dim]# nibble layout dump[/dim]\n
-  int4pack inspect ./out model.layers.0.mlp.experts.w13_packed         [dim]# prepacked block structure[/dim]
-"""
+EXAMPLES = examples(
+    ("Show a source's format, MoE structure and what convert will do with each module:",
+     "int4pack inspect ./Qwen3-30B-A3B-GPTQ-Int4"),
+    ("Show which modules of a converted checkpoint take the KleidiAI path:", "int4pack inspect ./out"),
+    ("Show how one tensor's nibbles are laid out:",
+     "int4pack inspect SRC model.layers.0.mlp.experts.0.gate_proj.qweight"),
+    ("Show the block structure of a prepacked tensor:",
+     "int4pack inspect ./out model.layers.0.mlp.experts.w13_packed"),
+)
 
 
 def inspect_cmd(
-    path: Annotated[str, typer.Argument(help="A checkpoint folder or hub repo id (source or output).")],
-    tensor: Annotated[Optional[str], typer.Argument(help="A tensor or module name to dump.")] = None,
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision.")] = None,
+    path: Annotated[str, typer.Argument(
+        metavar="PATH", help="A checkpoint folder or hub repo id, a source or a converted one.", show_default=False)],
+    tensor: Annotated[Optional[str], typer.Argument(
+        metavar="[TENSOR]", help="A tensor or module name whose layout to show.", show_default=False)] = None,
+    revision: Annotated[Optional[str], typer.Option(help="The hub revision: a branch, tag or commit.")] = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Show a checkpoint's format, MoE structure and what convert will do with every int4 tensor;
-    or, with TENSOR, its bit layout."""
+    """Show a checkpoint's format, its MoE structure and what convert will do with every int4 tensor.
+
+    With TENSOR, show that tensor's bit layout and the first values it decodes to.
+    """
     o = make_output(json_out, verbose, quiet, debug)
     with error_boundary(o):
+        inspect = library("inspect")
         r = inspect(path, tensor, revision=revision)
         if tensor is None:
             _summary(o, r)
@@ -65,8 +67,8 @@ def _summary(o, r: dict) -> None:
                f"experts, {len(moe['routers'])} routers; roles {moe['roles']}")
     p = r["plan"]
     if p["ok"]:
-        g = "channel (fp32 scales)" if p["group_size"] == -1 else f"group {p['group_size']} (bf16 scales)"
-        o.text(f"  convert plan: target {g}; paths {p['paths']}")
+        g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
+        o.text(f"  convert plan: target {g} module(s); paths {p['paths']}")
     else:
         o.text(f"  convert plan: [red]refused[/red]: {p['refused']}")
         if p.get("hint"):
@@ -83,24 +85,38 @@ def _summary(o, r: dict) -> None:
     # one row per distinct (role, shape, path, kleidiai): a 30B model has ~18k modules
     groups: dict[tuple, list] = {}
     for name, m in mods.items():
-        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", m["group_size"], "sym" if m["sym"] else "asym",
+        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), "sym" if m["sym"] else "asym",
                "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-",
                "yes" if m["kleidiai"] else m["kleidiai_reason"])
         groups.setdefault(key, []).append(name)
-    rows = [[*k[:8], len(v), k[8]] + ([v[0]] if o.verbosity >= 1 else [])
-            for k, v in sorted(groups.items(), key=lambda kv: kv[1][0])]
-    o.table("Quantised modules", ["role", "fmt", "NxK", "group", "sym", "act-ord", "scale", "path", "count",
-                                  "KleidiAI"] + (["example"] if o.verbosity >= 1 else []), rows)
-    for k, v in groups.items():
+    ordered = sorted(groups.items(), key=lambda kv: kv[1][0])
+    rows = [[*k[:8], len(v), "yes" if k[8] == "yes" else "no"] for k, v in ordered]
+    o.table("Quantised modules", ["role", "format", "NxK", "group", "sym", "g_idx", "scale", "path", "count",
+                                  "KleidiAI"], rows)
+    for k, v in ordered:
         if k[8] != "yes":
             o.text(f"  [yellow]fallback[/yellow] {v[0]} (+{len(v) - 1}): {k[8]}")
+        elif o.verbosity >= 1:
+            o.text(f"  {k[0]} {k[2]} ({k[7]}): {v[0]} (+{len(v) - 1})")
     if o.verbosity >= 1:
-        o.table("Tensors", ["name", "dtype", "shape", "bytes", "file"],
-                [[t["name"], t["dtype"], t["shape"], human_bytes(t["bytes"]), t["file"]] for t in r["tensors"]])
+        by_file: dict[str, list] = {}
+        for t in r["tensors"]:
+            by_file.setdefault(t["file"], []).append(t)
+        for file, ts in sorted(by_file.items()):
+            o.table(f"Tensors in {file}", ["name", "dtype", "shape", "bytes"],
+                    [[t["name"], t["dtype"], t["shape"], human_bytes(t["bytes"])] for t in ts])
     else:
         o.text(f"  ({r['tensor_count']} tensors: -v lists them, --json gives everything)")
     for b in r.get("prepacked", []):
         o.text(f"  prepacked: {b['file']}: {b.get('name')} {b.get('dtype')}{b.get('shape')} {b.get('error', '')}")
+
+
+def _groups(m: dict) -> str:
+    """The source's group and, before convert, the target group it gets: '32->ch' (ch: channel)."""
+    def name(g):
+        return "ch" if g == -1 or g >= m["k"] else str(g)
+    g = m.get("target_group_size")
+    return name(m["group_size"]) + ("" if g is None else f"->{name(g)}")
 
 
 def _dump(o, r: dict) -> None:
@@ -116,7 +132,7 @@ def _dump(o, r: dict) -> None:
     if "format" in r:
         o.text(f"  {r['format']}: N={r['n']} K={r['k']} group {r['group_size']}, "
                f"{'sym' if r['sym'] else 'asym'}, act-order {r['act_order']}")
-    o.text(f"  layout: {r.get('layout')}")
+    o.text(f"  layout: {escape(str(r.get('layout')))}")
     if r.get("nibbles"):
         o.table("Nibble order of the first words", ["word", "hex", "nibble", "bits", "byte", "half", "n", "k",
                                                     "raw", "zero", "q"],

@@ -1,29 +1,26 @@
-"""``int4pack verify OUT [--against SRC]``: the CLI face of ``int4pack.verify``.
-
-Usage:
-    int4pack verify ./out --against ./Qwen3-30B-A3B-GPTQ-Int4
-    int4pack verify ./out --layers 0,12 --experts 16 --tokens 64 --json
-"""
+"""``int4pack verify OUT [--against SRC]``: the CLI face of ``int4pack.verify``."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Optional
 
 import typer
 
 from ..errors import EXIT_VERIFY
-from ..verify import verify
-from ._common import DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, make_output
+from ._common import (
+    DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, examples, library, make_output)
 
 __all__ = ["verify_cmd", "EXAMPLES"]
 
-EXAMPLES = """[bold]Examples[/bold]
-
-  int4pack verify ./out --against ./Qwen3-30B-A3B-GPTQ-Int4     [dim]# vs the source's own dequantisation[/dim]\n
-  int4pack verify ./out                                          [dim]# structure + kernel vs int4 weights[/dim]\n
-  int4pack verify ./out --layers 0,24 --experts 16 --tokens 64   [dim]# sample a big model[/dim]\n
-  int4pack verify ./out --structural-only --json
-"""
+EXAMPLES = examples(
+    ("Check a conversion against the source's own dequantised weights:",
+     "int4pack verify ./out --against ./Qwen3-30B-A3B-GPTQ-Int4"),
+    ("Check the structure, and the kernel against the int4 weights it holds:", "int4pack verify ./out"),
+    ("Sample a large model: two layers, 16 experts each, 64 tokens:",
+     "int4pack verify ./out --layers 0,24 --experts 16 --tokens 64"),
+    ("Check only the structure and print JSON:", "int4pack verify ./out --structural-only --json"),
+)
 
 
 def _f(x) -> str:
@@ -31,29 +28,38 @@ def _f(x) -> str:
 
 
 def verify_cmd(
-    out: Annotated[str, typer.Argument(help="The converted (W4A8 compressed-tensors) checkpoint.")],
+    out: Annotated[str, typer.Argument(
+        metavar="OUT", help="The converted (W4A8 compressed-tensors) checkpoint.", show_default=False)],
     against: Annotated[Optional[str], typer.Option(
-        "--against", help="The source checkpoint it was converted from (reference weights).")] = None,
-    tokens: Annotated[Optional[int], typer.Option(
-        min=1, help="Hidden-state rows per MoE layer (default: enough for >= 2 per sampled expert, >= 32).")] = None,
-    layers: Annotated[Optional[str], typer.Option(
-        help="MoE layers: all (default), a count N (seeded sample), or indices 0,12,47 (one index: 12,).")
+        "--against", metavar="SRC", help="The source checkpoint it was converted from, for reference weights.")
     ] = None,
-    experts: Annotated[Optional[int], typer.Option(min=1, help="Experts per layer to sample (default: all).")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for inputs and sampling.")] = 0,
-    structural_only: Annotated[bool, typer.Option("--structural-only", help="Skip the numerical pass.")] = False,
+    tokens: Annotated[Optional[int], typer.Option(
+        min=1, help="Hidden-state rows per MoE layer (by default enough for at least 2 per sampled expert, and "
+                    "at least 32).")] = None,
+    layers: Annotated[Optional[str], typer.Option(
+        metavar="all|N|I,J", help="The MoE layers to run: all (the default), a count N for a seeded sample, or "
+                                  "indices such as 0,12,47 (a single index as 12,).")] = None,
+    experts: Annotated[Optional[int], typer.Option(
+        min=1, help="How many experts per layer to sample (by default all).")] = None,
+    seed: Annotated[int, typer.Option(help="The seed for the inputs and the sampling.")] = 0,
+    structural_only: Annotated[bool, typer.Option(
+        "--structural-only", help="Check the structure only; skip the numerical pass.")] = False,
     no_dense: Annotated[bool, typer.Option("--no-dense", help="Skip the dense W4A8 linears.")] = False,
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision (for hub ids).")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="The hub revision: a branch, tag or commit.")] = None,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Check a converted checkpoint: structure, then per MoE layer the W4A8 kernel against float32
-    references (converted and, with --against, source weights), with a derived tolerance."""
+    """Check a converted checkpoint: its structure, then its numbers.
+
+    For each MoE layer the W4A8 kernel runs against float32 references on the converted weights
+    and, with --against, on the source's weights, within a tolerance derived from the inputs.
+    """
     o = make_output(json_out, verbose, quiet, debug)
     with error_boundary(o):
+        verify = library("verify")
         lay = None
         if layers and layers != "all":
             lay = layers if "," in layers else int(layers) if layers.isdigit() else layers
@@ -65,6 +71,12 @@ def verify_cmd(
         if not report["ok"]:
             o.err.print(f"[bold red]verify failed[/bold red]: {report['verdict']}")
             raise typer.Exit(EXIT_VERIFY)
+
+
+def _layer_index(layer: str) -> str:
+    """model.layers.12.mlp -> 12 (the table's first column stays narrow)."""
+    m = re.search(r"\.layers\.(\d+)\.", f".{layer}.")
+    return m.group(1) if m else layer
 
 
 def _render(o, r: dict) -> None:
@@ -82,15 +94,15 @@ def _render(o, r: dict) -> None:
     rows = []
     for L in r.get("layers", []):
         if L.get("skipped"):
-            rows.append([L["layer"], "-", "-", "-", "-", "-", "-", "-", "[red]skipped[/red]"])
+            rows.append([_layer_index(L["layer"]), "-", "-", "-", "-", "-", "-", "[red]skipped[/red]"])
             continue
-        rows.append([L["layer"], f"{L['experts_checked']}/{L['experts']}", L["tokens"], _f(L["rel_l2"]),
-                     _f(L["max_abs"]), f"{L['cosine']:.5f}", f"{_f(L['act_rel'])} ({_f(L['act_pred'])})",
+        rows.append([_layer_index(L["layer"]), f"{L['experts_checked']}/{L['experts']}", L["tokens"],
+                     _f(L["rel_l2"]), _f(L["max_abs"]), f"{_f(L['act_rel'])} ({_f(L['act_pred'])})",
                      f"{_f(L.get('weight_rel'))} ({_f(L.get('weight_pred'))})" if "weight_rel" in L else "-",
                      ("[green]ok[/green] " if L["ok"] else "[red]FAIL[/red] ") + _f(L["tolerance"])])
     if rows:
-        o.table("MoE layers: kernel vs float32 reference (predicted in parentheses)",
-                ["layer", "experts", "tokens", "rel_l2", "max_abs", "cosine", "act. int8", "weights", "tol"], rows)
+        o.table("MoE layers: kernel against the float32 reference (predicted in parentheses)",
+                ["layer", "experts", "tokens", "rel_l2", "max_abs", "act. int8", "weights", "tol"], rows)
     dense = r.get("dense", [])
     if dense:
         bad = [d for d in dense if not d["ok"]]

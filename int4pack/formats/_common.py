@@ -1,4 +1,4 @@
-"""Small helpers shared by the format readers: nibble unpacking, shape checks, tensor lookup."""
+"""Small helpers shared by the format readers: shape checks, tensor lookup, config values."""
 
 from __future__ import annotations
 
@@ -11,13 +11,6 @@ from ..checkpoint import DTYPES, Checkpoint
 from ..errors import InputError, RefusedError
 
 __all__ = [
-    "NATURAL_SHIFTS",
-    "AWQ_ORDER",
-    "unpack_cols",
-    "unpack_rows",
-    "words_u32",
-    "nibble_rows",
-    "as_uint32",
     "all_bytes",
     "read_transposed",
     "prefixes_with",
@@ -31,42 +24,6 @@ __all__ = [
     "cfg_int",
     "require_bits4",
 ]
-
-# nibble i of a word holds logical column i (GPTQ, compressed-tensors)
-NATURAL_SHIFTS = tuple(4 * i for i in range(8))
-# AWQ GEMM: logical column 8j + AWQ_ORDER[i] lives in nibble i of word j
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def as_uint32(words: torch.Tensor) -> torch.Tensor:
-    """int32 words as non-negative int64 (stored words are often negative)."""
-    return words.to(torch.int64) & 0xFFFFFFFF
-
-
-def unpack_cols(words: torch.Tensor, shifts: tuple[int, ...] = NATURAL_SHIFTS) -> torch.Tensor:
-    """[A, B] words -> uint8 [A, 8B]; column 8j+m is the nibble at bit shifts[m] of word j."""
-    w = as_uint32(words).unsqueeze(-1)
-    sh = torch.tensor(shifts, dtype=torch.int64)
-    return ((w >> sh) & 0xF).to(torch.uint8).reshape(words.shape[0], -1)
-
-
-def words_u32(words: torch.Tensor) -> np.ndarray:
-    """Packed int4 words as a numpy uint32 array (a view of int32 words, no copy)."""
-    return words.numpy().view(np.uint32) if words.dtype == torch.int32 else as_uint32(words).numpy().astype(np.uint32)
-
-
-def unpack_rows(words: torch.Tensor) -> torch.Tensor:
-    """[A, B] words packed along dim 0 -> uint8 [8A, B] in natural nibble order."""
-    return torch.from_numpy(nibble_rows(words_u32(words)))
-
-
-_ROW_SHIFTS = np.array(NATURAL_SHIFTS, dtype=np.uint32)[:, None]
-
-
-def nibble_rows(w: np.ndarray) -> np.ndarray:
-    """uint32 [A, B] -> uint8 [8A, B]: row 8a+m is nibble m of row a (numpy: a third of torch's int64 chain)."""
-    return ((w[:, None, :] >> _ROW_SHIFTS) & 0xF).astype(np.uint8).reshape(8 * w.shape[0], w.shape[1])
-
 
 def all_bytes(data: bytearray, byte: int) -> bool:
     """Every byte is ``byte``: one memcmp (a uniform word such as 0x88888888 reads so in any byte order)."""

@@ -14,13 +14,10 @@ from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._common import (
-    AWQ_ORDER, all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, need, prefixes_with, read_transposed,
-    require_bits4)
+    all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, need, prefixes_with, read_transposed, require_bits4)
 
-__all__ = ["AWQReader", "AWQ_SHIFTS"]
+__all__ = ["AWQReader"]
 
-# logical column 8j+m sits in nibble i with AWQ_ORDER[i] == m, i.e. at bit 4*i
-AWQ_SHIFTS = tuple(4 * AWQ_ORDER.index(m) for m in range(8))
 _REFUSED_VERSIONS = {
     "gemv": "qweight [N, K/8] packed along K with transposed, padded scales/qzeros",
     "gemv_fast": "int16 qweight interleaved by 4 with pre-scaled fp16 zeros",

@@ -16,8 +16,8 @@ from ..checkpoint import Checkpoint
 from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
-from ._common import (
-    cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, owned, prefixes_with, unpack_rows)
+from ..nibbles import unpack_rows
+from ._common import cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, owned, prefixes_with
 
 __all__ = ["CompressedTensorsReader", "Scheme"]
 

@@ -16,9 +16,10 @@ from ..checkpoint import Checkpoint
 from .. import kernels
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
+from ..nibbles import as_uint32, nibble_rows, unpack_cols, words_u32
 from ._common import (
-    all_bytes, as_uint32, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, need,
-    nibble_rows, prefixes_with, read_transposed, require_bits4, unpack_cols, words_u32)
+    all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, need, prefixes_with,
+    read_transposed, require_bits4)
 
 __all__ = ["GPTQReader", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
 

@@ -1,5 +1,5 @@
 """Opt-in lane (``pytest -m arm64emu``): the MoE op on int4pack's prepacked blobs under QEMU aarch64
-emulation, on the real KleidiAI kernels (scripts/arm64_moe_check.py).
+emulation, on the real KleidiAI kernels (tests/arm64/moe_check.py).
 
 Three results per case, compared on the x86 side: int4pack's op (pure-Python twin) on our blobs
 through KleidiAI, vLLM 0.19.1's own ``torch.ops._C.dynamic_4bit_int_moe`` on the same blobs, and
@@ -61,7 +61,7 @@ def result(emulators, tmp_path_factory):
     quick = os.environ.get("INT4PACK_ARM64_QUICK", "") not in {"", "0"}
     d = tmp_path_factory.mktemp("moe")
     out = d / "res.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "arm64_moe_check.py"), "--out", str(d / "cases"),
+    cmd = [sys.executable, str(REPO / "tests" / "arm64" / "moe_check.py"), "--out", str(d / "cases"),
            "--emu", str(emu), "--json", str(out)]
     cmd += ["--emu-vllm", str(emu_vllm)] if emu_vllm else ["--no-vllm"]
     cmd += ["--quick"] if quick else []

@@ -1,5 +1,5 @@
 """Opt-in lane (``pytest -m arm64emu``): int4pack's portable blobs vs torch's real KleidiAI
-packer, byte for byte, under QEMU aarch64 emulation (scripts/arm64_pack_check.py).
+packer, byte for byte, under QEMU aarch64 emulation (tests/arm64/pack_check.py).
 
 Needs the emulated python from tools/arm64emu/setup.sh (run here if missing, ~50 s;
 ARM64EMU_PYTHON overrides the wrapper path). INT4PACK_ARM64_QUICK=1 runs the small matrix.
@@ -38,7 +38,7 @@ def emu_python() -> Path:
 def test_portable_packer_is_byte_identical_to_kleidiai(emu_python, tmp_path):
     quick = os.environ.get("INT4PACK_ARM64_QUICK", "") not in {"", "0"}
     out = tmp_path / "res.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "arm64_pack_check.py"), "--out", str(tmp_path / "cases"),
+    cmd = [sys.executable, str(REPO / "tests" / "arm64" / "pack_check.py"), "--out", str(tmp_path / "cases"),
            "--emu", str(emu_python), "--json", str(out)] + (["--quick"] if quick else [])
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

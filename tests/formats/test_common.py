@@ -1,5 +1,5 @@
 """formats/_common.py: the g_idx read that skips the trivial index, the checkpoint's reads under it, and the
-small helpers the readers share."""
+small helpers the readers share (with nibbles.py's unpacking they use)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError
-from int4pack.formats._common import all_bytes, g_idx_unless_trivial, nibble_rows, read_transposed, unpack_rows
+from int4pack.formats._common import all_bytes, g_idx_unless_trivial, read_transposed
+from int4pack.nibbles import nibble_rows, unpack_rows
 
 K, GROUP = 64, 16
 

@@ -1,0 +1,264 @@
+// Shared by the convert_kernels sources (one torch extension, several files by kernel family):
+// includes, build macros, the row splitter, byte-vector helpers and the declarations each
+// family exposes to the others and to module.cpp.
+//
+// Every kernel has a pure-torch twin (int4pack/nibbles.py, int4pack/w4a8.py,
+// int4pack/scale_search.py, int4pack/kernels.py) that stays the oracle: tests/test_kernels.py
+// compares the bytes.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <nmmintrin.h>
+#define I4P_CRC_X86 1
+#include <immintrin.h>
+#define I4P_AWQ_AVX2 1  // unpack_awq_block_avx2, picked at run time
+#endif
+
+namespace i4p {
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// an AVX2/FMA build of the heavy loops next to the baseline one, picked at load time
+#define I4P_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define I4P_CLONES
+#endif
+// helpers of the I4P_CLONES functions are forced inline: a call would run their default build
+#define I4P_INLINE inline __attribute__((always_inline))
+#define I4P_LAMBDA_INLINE __attribute__((always_inline))
+
+template <class F>
+void for_rows(int64_t n, int64_t grain, int64_t threads, const F& f) {
+  if (threads <= 1 || n <= grain) {
+    f(0, n);
+  } else {
+    at::parallel_for(0, n, grain, f);
+  }
+}
+
+// byte i of the result = nibble i of w
+I4P_INLINE uint64_t spread_nibbles(uint32_t w) {
+  uint64_t v = w;
+  v = (v | (v << 16)) & 0x0000FFFF0000FFFFull;
+  v = (v | (v << 8)) & 0x00FF00FF00FF00FFull;
+  v = (v | (v << 4)) & 0x0F0F0F0F0F0F0F0Full;
+  return v;
+}
+
+inline void check_words(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2, what, ": expected a 2-D tensor");
+  TORCH_CHECK(t.scalar_type() == at::kInt, what, ": expected int32 words");
+  TORCH_CHECK(t.is_contiguous(), what, ": expected a contiguous tensor");
+}
+
+// ------------------------------------------------------------------------------------ byte vectors
+
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+#if defined(__clang__)
+#define I4P_SHUF(T, a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define I4P_SHUF(T, a, b, ...) __builtin_shuffle(a, b, T{__VA_ARGS__})
+#endif
+#define I4P_SHUF8(a, b, ...) I4P_SHUF(u8x32, a, b, __VA_ARGS__)
+
+// interleave the low (lo) or high (hi) halves of units of 1, 2, 4, 8 bytes of a and b, each
+// 128-bit half on its own (what x86's unpack instructions do)
+I4P_INLINE u8x32 lo8(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                   16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55);
+}
+I4P_INLINE u8x32 hi8(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47,
+                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63);
+}
+I4P_INLINE u8x32 lo16(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 1, 32, 33, 2, 3, 34, 35, 4, 5, 36, 37, 6, 7, 38, 39,
+                   16, 17, 48, 49, 18, 19, 50, 51, 20, 21, 52, 53, 22, 23, 54, 55);
+}
+I4P_INLINE u8x32 hi16(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 8, 9, 40, 41, 10, 11, 42, 43, 12, 13, 44, 45, 14, 15, 46, 47,
+                   24, 25, 56, 57, 26, 27, 58, 59, 28, 29, 60, 61, 30, 31, 62, 63);
+}
+I4P_INLINE u8x32 lo32(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 1, 2, 3, 32, 33, 34, 35, 4, 5, 6, 7, 36, 37, 38, 39,
+                   16, 17, 18, 19, 48, 49, 50, 51, 20, 21, 22, 23, 52, 53, 54, 55);
+}
+I4P_INLINE u8x32 hi32(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 8, 9, 10, 11, 40, 41, 42, 43, 12, 13, 14, 15, 44, 45, 46, 47,
+                   24, 25, 26, 27, 56, 57, 58, 59, 28, 29, 30, 31, 60, 61, 62, 63);
+}
+I4P_INLINE u8x32 lo64(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 32, 33, 34, 35, 36, 37, 38, 39,
+                   16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55);
+}
+I4P_INLINE u8x32 hi64(u8x32 a, u8x32 b) {
+  return I4P_SHUF8(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 40, 41, 42, 43, 44, 45, 46, 47,
+                   24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63);
+}
+
+// 16-byte units for the unpack kernels. On x86 they are the SSE2 unpack instructions themselves:
+// GCC 13 lowered the same transpose written as generic 32-byte shuffles to scalar moves (AWQ
+// unpack 1 against 4.7 Gparam/s on the lent Xeon; GCC 12 emitted the unpacks)
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef uint64_t u64x2 __attribute__((vector_size(16)));
+#if defined(__SSE2__)
+#define I4P_UNPACK(name, op) \
+  I4P_INLINE u8x16 name(u8x16 a, u8x16 b) { return (u8x16)op((__m128i)a, (__m128i)b); }
+I4P_UNPACK(lo8x16, _mm_unpacklo_epi8)
+I4P_UNPACK(hi8x16, _mm_unpackhi_epi8)
+I4P_UNPACK(lo16x16, _mm_unpacklo_epi16)
+I4P_UNPACK(hi16x16, _mm_unpackhi_epi16)
+I4P_UNPACK(lo32x16, _mm_unpacklo_epi32)
+I4P_UNPACK(hi32x16, _mm_unpackhi_epi32)
+I4P_UNPACK(lo64x16, _mm_unpacklo_epi64)
+I4P_UNPACK(hi64x16, _mm_unpackhi_epi64)
+#undef I4P_UNPACK
+#else
+#define I4P_SHUF16(a, b, ...) I4P_SHUF(u8x16, a, b, __VA_ARGS__)
+I4P_INLINE u8x16 lo8x16(u8x16 a, u8x16 b) { return I4P_SHUF16(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23); }
+I4P_INLINE u8x16 hi8x16(u8x16 a, u8x16 b) {
+  return I4P_SHUF16(a, b, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+I4P_INLINE u8x16 lo16x16(u8x16 a, u8x16 b) { return I4P_SHUF16(a, b, 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23); }
+I4P_INLINE u8x16 hi16x16(u8x16 a, u8x16 b) {
+  return I4P_SHUF16(a, b, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31);
+}
+I4P_INLINE u8x16 lo32x16(u8x16 a, u8x16 b) { return I4P_SHUF16(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23); }
+I4P_INLINE u8x16 hi32x16(u8x16 a, u8x16 b) {
+  return I4P_SHUF16(a, b, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+I4P_INLINE u8x16 lo64x16(u8x16 a, u8x16 b) { return I4P_SHUF16(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23); }
+I4P_INLINE u8x16 hi64x16(u8x16 a, u8x16 b) {
+  return I4P_SHUF16(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+#undef I4P_SHUF16
+#endif
+
+I4P_INLINE void store_unit(uint8_t* dst, u8x16 v, int u) {
+#if defined(__SSE2__)
+  if (u == 0) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), (__m128i)v);
+  } else {
+    _mm_storeh_pd(reinterpret_cast<double*>(dst), _mm_castsi128_pd((__m128i)v));
+  }
+#else
+  const uint64_t x = ((u64x2)v)[u];
+  std::memcpy(dst, &x, 8);
+#endif
+}
+
+// 4 words -> their 32 nibbles as bytes, in order: a holds words 0 and 1, b words 2 and 3 (byte u
+// of a word holds its nibbles 2u, low, and 2u + 1, high)
+I4P_INLINE void nibbles4v(u8x16 v, u8x16& a, u8x16& b) {
+  const u8x16 lo = v & 0x0F, hi = (u8x16)((u64x2)v >> 4) & 0x0F;
+  a = lo8x16(lo, hi);
+  b = hi8x16(lo, hi);
+}
+
+I4P_INLINE void nibbles4(const uint32_t* w, u8x16& a, u8x16& b) {
+  u8x16 v;
+  std::memcpy(&v, w, 16);
+  nibbles4v(v, a, b);
+}
+
+// GPTQ words t..t+3 of rows r..r+3 ([K/8, N]: w at word (t, r), rows N words apart) -> each row's
+// 32 codes less bias, stored whole at dst + i * k: a 4 x 4 transpose of the words, then 16-byte
+// stores (one word per row at a time took twice the stores)
+I4P_INLINE void gptq_quad(const uint32_t* w, int64_t n, uint8_t* dst, int64_t k, uint8_t bias) {
+  u8x16 x0, x1, x2, x3;
+  std::memcpy(&x0, w, 16);
+  std::memcpy(&x1, w + n, 16);
+  std::memcpy(&x2, w + 2 * n, 16);
+  std::memcpy(&x3, w + 3 * n, 16);
+  const u8x16 a0 = lo32x16(x0, x1), a1 = hi32x16(x0, x1), a2 = lo32x16(x2, x3), a3 = hi32x16(x2, x3);
+  const u8x16 rows[4] = {lo64x16(a0, a2), hi64x16(a0, a2), lo64x16(a1, a3), hi64x16(a1, a3)};
+  for (int i = 0; i < 4; ++i) {
+    u8x16 a, b;
+    nibbles4v(rows[i], a, b);
+    a -= bias;
+    b -= bias;
+    std::memcpy(dst + i * k, &a, 16);
+    std::memcpy(dst + i * k + 16, &b, 16);
+  }
+}
+
+
+I4P_INLINE float ship_bf16(float x) {
+  // float32 -> bfloat16 (round to nearest even) -> float32, as c10::BFloat16 does for finite x
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  u &= 0xFFFF0000u;
+  float y;
+  std::memcpy(&y, &u, 4);
+  return y;
+}
+
+// a job's source codes: 0 codes uint8 [N, K], or words of layout 1 compressed-tensors [N, K/8],
+// 2 GPTQ [K/8, N], 3 AWQ [K, N/8] (up to the caller's last layout)
+inline void check_job_data(int64_t layout, const at::Tensor& data, int64_t n, int64_t k, int64_t last) {
+  TORCH_CHECK(data.is_contiguous() && data.dim() == 2, "job data: expected a contiguous 2-D tensor");
+  TORCH_CHECK(layout >= 0 && layout <= last, "job data: layout ", layout, " is not read here");
+  if (layout == 0) {
+    TORCH_CHECK(data.scalar_type() == at::kByte && data.size(0) == n && data.size(1) == k,
+                "codes: expected uint8 [N, K]");
+    return;
+  }
+  TORCH_CHECK(data.scalar_type() == at::kInt, "packed words: expected int32");
+  const bool ok = layout == 1   ? (data.size(0) == n && data.size(1) * 8 >= k)
+                  : layout == 2 ? (data.size(1) == n && data.size(0) * 8 == k)
+                                : (data.size(0) == k && data.size(1) * 8 == n);
+  TORCH_CHECK(ok, "packed words: shape does not match [N, K] for layout ", layout);
+}
+
+
+// ---- unpack.cpp
+at::Tensor unpack_gptq(const at::Tensor& qweight, int64_t threads);
+at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads);
+at::Tensor unpack_awq(const at::Tensor& qweight, int64_t threads);
+// row ranges into a caller's buffer (the one-pass jobs unpack 64 rows at a time)
+void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64_t kw, int64_t r0, int64_t r1, int64_t o0,
+                      uint8_t bias = 0);
+void unpack_ct_rows(const uint32_t* w, int64_t kw, int64_t k, uint8_t* o, int64_t r0, int64_t r1, int64_t o0);
+void unpack_awq_words(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j0, int64_t j1, int64_t o0);
+bool use_awq_avx2(bool on);  // tests: returns the previous setting
+
+// ---- lossless.cpp
+std::vector<at::Tensor> lossless(const at::Tensor& codes, int64_t g, int64_t threads);
+std::vector<at::Tensor> lossless_job(int64_t layout, const at::Tensor& data, int64_t n, int64_t k,
+                                     const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
+                                     bool bf16, int64_t threads);
+
+// ---- requant.cpp
+std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& zeros,
+                                const at::Tensor& sscale, const at::Tensor& gidx, int64_t src_group, int64_t g,
+                                bool bf16, bool search, const at::Tensor& coarse, const at::Tensor& fine,
+                                int64_t threads);
+std::vector<at::Tensor> requant_job(int64_t layout, const at::Tensor& data, int64_t n, int64_t k,
+                                    const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
+                                    bool bf16, bool search, const at::Tensor& coarse, const at::Tensor& fine,
+                                    int64_t threads);
+std::tuple<int64_t, int64_t> search_batches();  // histogram batches searched in float32, float64
+bool force_search64(bool on);  // tests: returns the previous setting
+
+// ---- crc32c.cpp
+constexpr int64_t kCrcBlock = 8192;  // bytes per chain of the SSE4.2 CRC
+uint32_t crc32c_extend(uint32_t crc, const uint8_t* p, int64_t n);
+
+}  // namespace i4p

@@ -1,0 +1,104 @@
+"""The W4A8 group-size rules, in one place: what a group size may be for a linear with in_features
+K, how a ``--group-size`` value reads, and which group ``auto`` picks.
+
+-1 is channelwise: one fp32 scale per row. A group size g is a multiple of 32 (KleidiAI packs 32
+columns per block) that divides K. A group of all of K is channelwise too; as a groupwise block it
+would ship bf16 scales, which KleidiAI refuses (torch then takes its float fallback), so the
+model-wide group must stay below every K.
+"""
+
+from __future__ import annotations
+
+from .errors import UsageError
+
+__all__ = ["CHANNEL", "AUTO_GROUPS", "is_channelwise", "check_group_size", "groupwise_problem",
+           "parse_group_size", "normalize_group", "auto_group"]
+
+CHANNEL = -1
+MULTIPLE = 32
+AUTO_GROUPS = (128, 64, 32)  # what auto tries, largest first, when the source's group cannot stay
+
+
+def is_channelwise(k: int, group_size: int) -> bool:
+    """One scale per row: -1, or a group that spans all of K."""
+    return group_size == CHANNEL or group_size == k
+
+
+def check_group_size(g: int, k: int) -> str | None:
+    """Why ``g`` cannot be a W4A8 group size for in_features ``k`` (None when it can); -1 and K are
+    channelwise and always can."""
+    if isinstance(g, bool) or not isinstance(g, int):
+        return f"group size {g!r} is not an integer"
+    if g == CHANNEL:
+        return None
+    if g <= 0:
+        return f"group size {g} must be positive (or -1 for channel)"
+    if g % MULTIPLE:
+        return f"group size {g} is not a multiple of {MULTIPLE} (KleidiAI needs 32, 64, 128, ...)"
+    if g > k:
+        return f"group size {g} is larger than K={k}"
+    if k % g:
+        return f"group size {g} does not divide K={k}"
+    return None
+
+
+def groupwise_problem(g: int, k: int) -> str | None:
+    """Why ``g`` cannot be a groupwise (bf16-scale) block for in_features ``k``: check_group_size's
+    rules, and g < K (a block of all of K with bf16 scales takes torch's slow float fallback)."""
+    reason = check_group_size(g, k)
+    if reason is None and g == k:
+        return f"group size {g} equals K={k} (vLLM would take torch's slow fallback for this module)"
+    return reason
+
+
+def parse_group_size(requested) -> int | None:
+    """A ``--group-size`` value: None/'auto' -> None; 'channel'/-1 -> -1; else a positive multiple of 32."""
+    value = _parse(requested)
+    if value not in (None, CHANNEL) and (value <= 0 or value % MULTIPLE):
+        raise UsageError(f"--group-size {value}: must be a multiple of 32 (32, 64, 128, ...) or channel",
+                         hint="KleidiAI's groupwise kernels need groups that are multiples of 32.")
+    return value
+
+
+def _parse(requested) -> int | None:
+    if requested is None:
+        return None
+    if isinstance(requested, str):
+        r = requested.strip().lower()
+        if r in ("", "auto"):
+            return None
+        if r in ("channel", "-1", "per-channel", "channelwise"):
+            return CHANNEL
+        try:
+            return int(r)
+        except ValueError:
+            pass
+    elif isinstance(requested, int) and not isinstance(requested, bool):
+        return requested
+    raise UsageError(f"--group-size {requested!r}: expected auto, channel, or a multiple of 32 such as 128",
+                     hint="Leave it at auto to keep the source's group when vLLM can run it.")
+
+
+def normalize_group(g: int, k: int) -> int:
+    """A valid group for in_features ``k`` as the W4A8 code takes it: K becomes -1."""
+    if g == k:
+        return CHANNEL
+    reason = check_group_size(g, k)
+    if reason is not None:
+        raise UsageError(f"W4A8 group size {g} is invalid for K={k}: {reason}",
+                         hint="Pick a multiple of 32 that divides K, or channel.")
+    return g
+
+
+def auto_group(source_groups: set[int], ks: list[int]) -> int:
+    """The model-wide group ``auto`` picks: the source's one group when every K takes it, else the
+    largest of AUTO_GROUPS that every K takes, else channel. ``source_groups`` holds -1 for a
+    channelwise source."""
+    if len(source_groups) == 1:
+        (g,) = source_groups
+        if g == CHANNEL or all(groupwise_problem(g, k) is None for k in ks):
+            return g
+    for g in AUTO_GROUPS:
+        if all(groupwise_problem(g, k) is None for k in ks):
+            return g
+    return CHANNEL
