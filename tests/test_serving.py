@@ -55,4 +55,12 @@ def test_inspect_of_a_channel_output_warns_with_the_channel_failure(tmp_path):
 
 def test_no_warning_when_every_measured_combination_works(monkeypatch):
     monkeypatch.setattr(serving, "MEASURED", tuple(r._replace(works=True, failure="") for r in serving.MEASURED))
-    assert serving.serving_warnings({32, -1}) == []
+    assert serving.serving_warnings([32]) == [] and serving.serving_warnings([-1]) == []
+
+
+def test_a_two_scheme_output_warns_for_each_kind_of_scale():
+    """Per-module schemes: an output with group and channel modules gets the failures of both."""
+    lines = serving.serving_warnings([32, 64, -1])
+    kinds = {x.scales for x in serving.MEASURED if not x.works}
+    assert {k for k in ("group", "channel") if any(f"{k}-scale" in w for w in lines)} == kinds
+    assert len(lines) == len(set(lines))  # group 32 and 64 share one warning
