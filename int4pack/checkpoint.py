@@ -296,18 +296,6 @@ class Checkpoint:
         self._load_index()
         self._start_io()
 
-    @classmethod
-    def of_shard(cls, path: str | os.PathLike) -> "Checkpoint":
-        """A reader over one safetensors file alone, with no config.json or index beside it (e.g. the
-        prepacked blobs in ``OUT/kleidiai/``): ``tensors``, ``view``, ``get`` and ``close`` work."""
-        path = Path(path)
-        ckpt = cls.__new__(cls)
-        ckpt.folder, ckpt.config, ckpt.quant_config, ckpt.quant_config_path = path.parent, {}, None, None
-        ckpt.tensors, ckpt.shard_metadata, ckpt.index_path = {}, {}, None
-        ckpt._add_shard(path.name)
-        ckpt._start_io()
-        return ckpt
-
     def _add_shard(self, shard: str) -> None:
         """Index one shard's tensors from its header."""
         sp = self.folder / shard

@@ -27,6 +27,7 @@ from .errors import InputError, OutputError, UsageError
 from .formats import Reader
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
+from . import serve_format as sf
 from .serving import serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
@@ -218,11 +219,12 @@ def convert(
     resume: bool = False,
     threads: int | None = None,
     revision: str | None = None,
-    prepack: str | None = None,
+    serve_format: str = "compressed-tensors",
     progress: NullProgress | None = None,
     strict_group_size: bool = False,
 ) -> dict:
-    """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint.
+    """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint, or with
+    ``serve_format="kleidiai"`` to the packed serving format (serve_format.py).
 
     Returns the report (also written to ``OUT/int4pack_report.json``). With ``dry_run`` nothing is
     written and the report holds the plan. Raises Int4packError subclasses on bad input.
@@ -233,13 +235,14 @@ def convert(
     progress = progress or NullProgress()
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
-    if prepack not in (None, "", "none", "kleidiai"):
-        raise UsageError(f"--prepack {prepack!r}: expected kleidiai (or none)")
+    packed = sf.parse_format(serve_format) == sf.KLEIDIAI
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
     with Checkpoint(folder) as ckpt:
         plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
                          strict_group_size=strict_group_size)
+        if packed:
+            plan = sf.packed_plan(plan)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
         report = {
@@ -261,7 +264,8 @@ def convert(
         rename = vllm_output_names(ckpt.model_type, [t.name for t in plan.outputs])  # names vLLM loads
         fp += "|vllm-names" if rename else ""
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
-        stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename)
+        stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
+                              sf.job_packer() if packed else None)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -270,13 +274,13 @@ def convert(
         od.write_file("model.safetensors.index.json",
                       _index_pieces(sum(t.nbytes for t in plan.outputs), weight_map))
         del weight_map
-        od.write_file("config.json", (json.dumps(_out_config(plan, ckpt), indent=2) + "\n").encode())
+        cfg = _out_config(plan, ckpt)
+        if packed:
+            cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size)
+            report["serve_format"] = {"format": sf.KLEIDIAI, **cfg["quantization_config"]["kleidiai"]}
+        od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
-        if prepack == "kleidiai":
-            from .prepack import prepack_kleidiai
-            man = prepack_kleidiai(od.work, plan, rename)
-            report["prepack"] = {k: v for k, v in man.items() if k != "tensors"} | {"tensors": len(man["tensors"])}
         report["kernels"] = _kernels_used()
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
@@ -290,12 +294,13 @@ def convert(
 
 
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
-                  rename: dict[str, str] | None = None) -> dict:
+                  rename: dict[str, str] | None = None, pack=None) -> dict:
     """Compute jobs in a bounded pool; each worker writes its own tensors at their planned offsets.
     The main thread takes results in plan order (per-tensor header entries, stats, progress) and a
     finisher thread closes each shard once all its tensors are in (header, fsync, rename, progress.json),
     so neither the serial bookkeeping nor an fsync holds the workers up. Returns per-module stats.
-    ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names)."""
+    ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
+    turns a job's W4A8 tensors into KleidiAI blobs (serve_format.job_packer)."""
     rename = rename or {}
     trusted = od.trusted_shards()
     shard_of = {t.name: n for n, s in zip(names, shards) for t in s}
@@ -319,12 +324,15 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         with files_lock:
             f = files.get(shard)
             if f is None:
-                f = files[shard] = ShardFile(od.work / shard, planned[shard], meta)
+                f = files[shard] = ShardFile(od.work / shard, planned[shard], meta,
+                                             sf.PROVENANCE_BYTES if pack is not None else 0)
             return f
 
     def work(job: Job) -> tuple[dict, set]:
         with kernels.threads_here(1):  # one job per worker, each single-threaded: nothing nests
             tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
+            if pack is not None:
+                tensors = pack(job, tensors, job_stats)
         written = set()
         for name, data in tensors:
             shard = shard_of.get(name)
@@ -357,8 +365,9 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
             if job.kind == "copy":
                 res[out_name] = {"path": "copy"}
-            elif leaf == "weight" and mod in job_stats:
-                res[out_name] = {k: v for k, v in job_stats[mod].items() if k in ("path", "rel_l2", "max_abs")}
+            elif leaf in ("weight", sf.SUFFIX) and mod in job_stats:
+                res[out_name] = {k: v for k, v in job_stats[mod].items()
+                                 if k in ("path", "rel_l2", "max_abs", "packed")}
             progress.advance(t.nbytes, 1)
             left[shard] -= 1
             unflushed[shard] += t.nbytes

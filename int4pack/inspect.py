@@ -4,16 +4,16 @@ small tensors the verdicts need); and a layout dump of one tensor.
 The summary reuses the readers' format verdict (GPTQ v1/v2 evidence included), the MoE discovery
 and ``make_plan``'s per-module path prediction. For W4A8 outputs it says, per module, whether
 ``_dyn_quant_pack_4bit_weight`` takes the KleidiAI path or silently falls back, by the same rules
-as torch's gate (docs/kleidiai.md §1.3).
+as torch's gate (docs/kleidiai.md §1.3). For the packed serving format (serve_format.py) it shows the
+recorded KleidiAI layout and each blob's shape, and dumps a blob's block structure.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from .architectures import discover
+from . import kleidiai, serve_format as sf
+from .architectures import classify, discover
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
 from .groups import groupwise_problem
@@ -22,7 +22,7 @@ from .serving import serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
-_MAIN_SUFFIXES = ("qweight", "weight_packed", "weight", "w13_packed", "w2_packed")
+_MAIN_SUFFIXES = ("qweight", "weight_packed", "weight")
 
 
 def kleidiai_gate(k: int, group_size: int, scale_dtype: str) -> tuple[bool, str]:
@@ -44,13 +44,70 @@ def _tensor_rows(ckpt: Checkpoint) -> list[dict]:
             for n, t in sorted(ckpt.tensors.items())]
 
 
+def _head(ckpt: Checkpoint, label: str) -> dict:
+    return {"path": label, "folder": str(ckpt.folder), "model_type": ckpt.model_type,
+            "architectures": ckpt.config.get("architectures"), "shards": len(ckpt.shards),
+            "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values())}
+
+
+def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
+    """(the MoE structure for the summary, module -> role)."""
+    try:
+        lay = discover(ckpt.model_type, ckpt.text_config, sorted(linears), sorted(ckpt.tensors))
+    except Int4packError as e:
+        return {"error": str(e), "hint": e.hint}, {}
+    return ({"layers": [{"prefix": m.prefix, "experts": m.num_experts, "router": m.router,
+                         "shared": sorted(m.shared.values()), "shared_gate": m.shared_gate} for m in lay.moe_layers],
+             "routers": lay.routers, "roles": lay.counts()}, lay.roles)
+
+
+def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
+    """The summary of a packed serving checkpoint: its recorded layout and one row per blob."""
+    pw = sf.PackedWeights(ckpt, rec)
+    out = _head(ckpt, label)
+    out["format"] = {"format": sf.QUANT_METHOD, "detail": f"KleidiAI-packed W4A8, {rec.get('layout')} "
+                     f"v{rec.get('layout_version')}, nr/kr/sr {rec.get('nr')}/{rec.get('kr')}/{rec.get('sr')}",
+                     "evidence": [], "warnings": sf.record_problems(rec)}
+    out["quantization_config"] = ckpt.quant_config
+    out["serve_format"] = {**rec, "blobs": len(pw.modules),
+                           "blob_bytes": sum(ckpt.tensors[f"{m}.{sf.SUFFIX}"].nbytes for m in pw.modules)}
+    out["moe"], roles = _moe(ckpt, pw.modules)
+    out["plan"] = {"ok": False, "refused": f"a packed serving checkpoint ({sf.QUANT_METHOD}) is not a convert source",
+                   "hint": "Convert the original int4 checkpoint instead.", "exit_code": 4}
+    mods = {}
+    for m in pw.modules:
+        try:
+            n, k = pw.shape(m)
+        except InputError as e:
+            mods[m] = {"role": roles.get(m) or classify(m)[0], "format": "kleidiai", "n": None, "k": None,
+                       "group_size": None, "sym": True, "act_order": False, "scale_dtype": None, "path": None,
+                       "kleidiai": False, "kleidiai_reason": str(e)}
+            continue
+        g = pw.group(m)
+        chan = g == -1
+        mods[m] = {"role": roles.get(m) or classify(m)[0], "format": "kleidiai", "n": n, "k": k, "group_size": g,
+                   "sym": True, "act_order": False, "scale_dtype": "F32" if chan else "BF16",
+                   "bias": bool(pw.prov[f"{m}.{sf.SUFFIX}"].get("bias")), "path": "packed",
+                   "bytes": ckpt.tensors[f"{m}.{sf.SUFFIX}"].nbytes, "kleidiai": True,
+                   "kleidiai_reason": "packed " + ("channelwise qsi4cxp (fp32 scales)" if chan else
+                                                   f"groupwise qsi4c32p, group {g} (bf16 scales)")}
+    out["modules"] = mods
+    out["tensors"] = _tensor_rows(ckpt)
+    out["is_w4a8_output"] = True
+    out["serving"] = serving_warnings({m["group_size"] for m in mods.values() if m["group_size"] is not None})
+    out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
+                               "fallback": sum(1 for m in mods.values() if not m["kleidiai"])}
+    return out
+
+
 def _summary(ckpt: Checkpoint, label: str) -> dict:
     from .formats import open_reader
     from .plan import make_plan
 
-    out: dict = {"path": label, "folder": str(ckpt.folder), "model_type": ckpt.model_type,
-                 "architectures": ckpt.config.get("architectures"), "shards": len(ckpt.shards),
-                 "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values())}
+    rec = sf.read_record(ckpt.quant_config)
+    if rec is not None:
+        return _packed_summary(ckpt, label, rec)
+    out = _head(ckpt, label)
     specs: dict = {}
     try:
         reader = open_reader(ckpt)
@@ -60,16 +117,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
         out["format"] = {"format": "none" if ckpt.quant_config is None else "unknown", "detail": str(e),
                          "evidence": [], "warnings": []}
     out["quantization_config"] = ckpt.quant_config
-    try:
-        lay = discover(ckpt.model_type, ckpt.text_config, sorted(specs), sorted(ckpt.tensors))
-        out["moe"] = {"layers": [{"prefix": m.prefix, "experts": m.num_experts, "router": m.router,
-                                  "shared": sorted(m.shared.values()), "shared_gate": m.shared_gate}
-                                 for m in lay.moe_layers],
-                      "routers": lay.routers, "roles": lay.counts()}
-        roles = lay.roles
-    except Int4packError as e:
-        out["moe"] = {"error": str(e), "hint": e.hint}
-        roles = {}
+    out["moe"], roles = _moe(ckpt, list(specs))
     try:
         plan = make_plan(ckpt, source_label=label)
         paths = {m: p for j in plan.jobs for m, p in j.paths.items()}
@@ -106,19 +154,6 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     g_out = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
              else set(plan.schemes()) if plan else set())
     out["serving"] = serving_warnings(g_out)  # measured vLLM releases that fail on this output
-    pp = ckpt.folder / "kleidiai"
-    if pp.is_dir():
-        from .checkpoint import read_header
-
-        blobs = []
-        for f in sorted(pp.glob("*.safetensors")):
-            try:
-                header, meta, _ = read_header(f)
-                blobs += [{"file": f"kleidiai/{f.name}", "name": n, "dtype": i["dtype"], "shape": i["shape"]}
-                          for n, i in sorted(header.items())]
-            except InputError as e:
-                blobs.append({"file": f"kleidiai/{f.name}", "error": str(e)})
-        out["prepacked"] = blobs
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
               "fallback": sum(1 for m in mods.values() if m["kleidiai"] is False)}
     out["kleidiai_summary"] = counts
@@ -169,16 +204,16 @@ def _window(t: torch.Tensor, rows: int = 8, cols: int = 8) -> list[list]:
     return t[:rows, :cols].tolist()
 
 
-def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int) -> dict:
+def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int, quantised: bool = True) -> dict:
+    """``quantised`` False: the checkpoint has no int4 reader (the packed serving format)."""
     from .formats import open_reader
 
     mod, leaf = _module_and_key(ckpt, tensor)
     info = ckpt.tensors[f"{mod}.{leaf}"]
     out: dict = {"tensor": info.name, "dtype": info.dtype, "shape": list(info.shape), "bytes": info.nbytes,
                  "file": info.file, "module": mod}
-    reader = open_reader(ckpt)
-    specs = reader.linears()
-    spec = specs.get(mod)
+    reader = open_reader(ckpt) if quantised else None
+    spec = reader.linears().get(mod) if reader else None
     if spec is None:
         t = ckpt.get(info.name)
         out["layout"] = "plain (not a quantised module)"
@@ -221,47 +256,39 @@ def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int) -> dict:
     return out
 
 
-def _dump_blob(folder: Path, tensor: str, meta_n_k, group_size: int, rows: int) -> dict:
-    """Block structure of a prepacked KleidiAI blob (expert 0), decoded with kleidiai.unpack."""
-    from safetensors import safe_open
-
-    from . import kleidiai
-
-    for f in sorted((folder / "kleidiai").glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            if tensor not in fh.keys():
-                continue
-            data = fh.get_tensor(tensor)
-        n, k = meta_n_k
-        g = k if group_size == -1 else group_size
-        blob = (data[0] if data.dim() == 2 else data).contiguous()
-        q, s, bias = kleidiai.unpack(blob, n, k, g, has_bias=True, check=False)
-        r8 = -(-n // 8) * 8
-        per_block = blob.numel() // (r8 // 8)
-        raw = blob[:per_block]
-        chan = kleidiai.is_channelwise(k, g)
-        if chan:
-            dlen = -(-k // 32) * 32 // 2 * 8
-            parts = [("data", 0, dlen), ("row sums int32 x16", dlen, 32), ("scales fp32 /16", dlen + 32, 32),
-                     ("bias fp32", dlen + 64, 32)]
-            sums = raw[dlen:dlen + 32].contiguous().view(torch.int32).tolist()
-        else:
-            nb = k // g
-            dl = g // 2 * 8
-            parts = [(f"quant block {b}: data", b * (dl + 16), dl) for b in range(min(nb, 3))]
-            parts += [(f"quant block {b}: 8 bf16 scales", b * (dl + 16) + dl, 16) for b in range(min(nb, 3))]
-            off = nb * (dl + 16)
-            parts += [("row sums fp32 (sum q*scale)", off, 32), ("bias fp32", off + 32, 32)]
-            sums = raw[off:off + 32].contiguous().view(torch.float32).tolist()
-        return {"tensor": tensor, "file": f"kleidiai/{f.name}", "shape": list(data.shape), "n": n, "k": k,
-                "group_size": group_size, "layout": "channelwise qsi4cxp" if chan else "groupwise qsi4c32p",
-                "tile": {"nr": kleidiai.NR, "kr": kleidiai.KR, "sr": kleidiai.SR, "rows_per_block": 8,
-                         "blocks": r8 // 8, "bytes_per_block": per_block},
-                "first_block": [{"part": p, "offset": o, "bytes": b} for p, o, b in sorted(parts, key=lambda x: x[1])],
-                "first_bytes_hex": raw[:16].tolist(),
-                "row_sums_block0": sums, "bias_block0": bias[:8].tolist(),
-                "window": {"q": q[:rows, :8].tolist(), "scales": s.float()[:rows, :2].tolist()}}
-    raise InputError(f"{tensor!r} not found in {folder / 'kleidiai'}", tensor=tensor)
+def _dump_blob(pw: sf.PackedWeights, m: str, rows: int) -> dict:
+    """Block structure of a KleidiAI blob of the packed serving format, decoded with kleidiai.unpack."""
+    name = f"{m}.{sf.SUFFIX}"
+    info = pw.ckpt.tensors[name]
+    n, k = pw.shape(m)
+    g = pw.block(m)
+    blob = pw.blob(m)
+    q, s, bias = pw.decode(m, blob, check=False)
+    per_block = blob.numel() // (-(-n // kleidiai.NR))
+    raw = blob[:per_block]
+    chan = kleidiai.is_channelwise(k, g)
+    if chan:
+        dlen = -(-k // 32) * 32 // 2 * 8
+        parts = [("data", 0, dlen), ("row sums int32 x16", dlen, 32), ("scales fp32 /16", dlen + 32, 32),
+                 ("bias fp32", dlen + 64, 32)]
+        sums = raw[dlen:dlen + 32].contiguous().view(torch.int32).tolist()
+    else:
+        nb = k // g
+        dl = g // 2 * 8
+        parts = [(f"quant block {b}: data", b * (dl + 16), dl) for b in range(min(nb, 3))]
+        parts += [(f"quant block {b}: 8 bf16 scales", b * (dl + 16) + dl, 16) for b in range(min(nb, 3))]
+        off = nb * (dl + 16)
+        parts += [("row sums fp32 (sum q*scale)", off, 32), ("bias fp32", off + 32, 32)]
+        sums = raw[off:off + 32].contiguous().view(torch.float32).tolist()
+    return {"tensor": name, "dtype": info.dtype, "file": info.file, "shape": list(info.shape), "n": n, "k": k,
+            "group_size": pw.group(m), "layout": "channelwise qsi4cxp" if chan else "groupwise qsi4c32p",
+            "provenance": pw.prov[name],
+            "tile": {"nr": kleidiai.NR, "kr": kleidiai.KR, "sr": kleidiai.SR, "rows_per_block": kleidiai.NR,
+                     "blocks": -(-n // kleidiai.NR), "bytes_per_block": per_block},
+            "first_block": [{"part": p, "offset": o, "bytes": b} for p, o, b in sorted(parts, key=lambda x: x[1])],
+            "first_bytes_hex": raw[:16].tolist(),
+            "row_sums_block0": sums, "bias_block0": [] if bias is None else bias[:8].tolist(),
+            "window": {"q": q[:rows, :8].tolist(), "scales": s.float()[:rows, :2].tolist()}}
 
 
 def inspect(path, tensor: str | None = None, *, revision: str | None = None, rows: int = 8, cols: int = 8) -> dict:
@@ -270,19 +297,10 @@ def inspect(path, tensor: str | None = None, *, revision: str | None = None, row
     with Checkpoint(folder) as ckpt:
         if tensor is None:
             return _summary(ckpt, str(path))
-        if tensor.endswith((".w13_packed", ".w2_packed", ".weight_packed")) and tensor not in ckpt.tensors:
-            from .verify import target_of
-
-            t = target_of(ckpt)
-            base = tensor.rsplit(".", 1)[0]
-            if tensor.endswith(".weight_packed"):
-                mod = base
-                n, k = ckpt.tensors[f"{base}.weight"].shape
-            else:
-                moe = base[: -len(".experts")]
-                slot = t.layers[moe][min(t.layers[moe])]
-                mod = slot["gate" if tensor.endswith("w13_packed") else "down"]
-                gi = ckpt.tensors[f"{mod}.weight"]
-                n, k = (2 * gi.shape[0], gi.shape[1]) if tensor.endswith("w13_packed") else tuple(gi.shape)
-            return _dump_blob(ckpt.folder, tensor, (n, k), t.group_for(mod), rows)
+        rec = sf.read_record(ckpt.quant_config)
+        if rec is not None:
+            m = tensor[: -len(sf.SUFFIX) - 1] if tensor.endswith(f".{sf.SUFFIX}") else tensor
+            if f"{m}.{sf.SUFFIX}" in ckpt.tensors:
+                return _dump_blob(sf.PackedWeights(ckpt, rec), m, rows)
+            return _dump(ckpt, tensor, rows, cols, quantised=False)
         return _dump(ckpt, tensor, rows, cols)

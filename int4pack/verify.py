@@ -2,8 +2,9 @@
 
 Structural pass (always): every expert of every MoE layer, tensor dtypes/shapes against the
 config's quantization_config, int4 range, finite positive scales, config/ignore/index agreement,
-shard checksums against ``int4pack_report.json``, and prepacked KleidiAI blobs (``OUT/kleidiai/``)
-whose size, metadata and decoded contents must match the canonical tensors.
+shard checksums against ``int4pack_report.json``. In the packed serving format (serve_format.py)
+every blob's size, inner consistency and decoded values are checked against the provenance its shard
+header records, and repacking the decoded values must give the same bytes.
 
 Numerical pass, per MoE layer: unit-RMS random hidden states times the layer's input norm weight,
 routed by the layer's own router (every sampled expert is guaranteed tokens), run through the W4A8
@@ -33,13 +34,14 @@ from pathlib import Path
 import torch
 
 from . import moe as moe_mod
+from . import serve_format as sf
 from .architectures import classify
-from .checkpoint import Checkpoint, read_header, resolve_source
+from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, VerifyFailed
 from .groups import check_group_size
 from .w4a8 import dequantize_w4a8
 
-__all__ = ["verify", "target_of", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
+__all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 
 K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
 K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
@@ -104,7 +106,8 @@ class _Target:
         self.ckpt = ckpt
         q = ckpt.quant_config or {}
         groups = q.get("config_groups") or {}
-        if q.get("quant_method") != "compressed-tensors" or not groups:
+        rec = sf.read_record(q)
+        if q.get("quant_method") not in ("compressed-tensors", sf.QUANT_METHOD) or not groups:
             raise InputError(f"{ckpt.folder}: not a compressed-tensors W4A8 checkpoint "
                              f"(quant_method {q.get('quant_method')!r})",
                              hint="verify checks int4pack's output; pass the folder convert wrote.")
@@ -120,7 +123,11 @@ class _Target:
             if a.get("num_bits") != 8 or a.get("strategy") != "token" or not a.get("dynamic"):
                 problems.add(where, "input_activations must be 8-bit dynamic per token (vLLM's W4A8 detection)")
         self.ignore = list(q.get("ignore") or [])
-        self.modules = sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale"))
+        for why in sf.record_problems(rec) if rec else []:
+            problems.add("config", f"quantization_config.kleidiai: {why}")
+        self.packed = sf.PackedWeights(ckpt, rec) if rec else None  # None: int8 weights and scales
+        self.modules = (self.packed.modules if self.packed else
+                        sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale")))
         self.groups = _module_groups(ckpt, q, self.modules, problems)
         tc = ckpt.text_config
         self.num_experts = next((tc[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
@@ -141,7 +148,7 @@ class _Target:
 
     def group_for(self, m: str) -> int:
         """Module m's group from its config group; a group equal to K is channelwise."""
-        g, k = self.groups.get(m, -1), self.ckpt.tensors[f"{m}.weight"].shape[1]
+        g, k = self.groups.get(m, -1), self.shape(m)[1]
         return -1 if g in (-1, k) else g
 
     def moe_group(self, slot: dict[str, str]) -> int:
@@ -150,9 +157,24 @@ class _Target:
         return a if a == b else self.groups.get(slot["gate"], -1)
 
     def weight(self, m: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-        q = self.ckpt.get(f"{m}.weight")
-        s = self.ckpt.get(f"{m}.weight_scale")
+        if self.packed:
+            q, s, _ = self.packed.decode(m, check=False)  # checked once, in the structural pass
+        else:
+            q = self.ckpt.get(f"{m}.weight")
+            s = self.ckpt.get(f"{m}.weight_scale")
         return q, s, self.group_for(m)
+
+    def shape(self, m: str) -> tuple[int, int]:
+        return self.packed.shape(m) if self.packed else tuple(self.ckpt.tensors[f"{m}.weight"].shape)
+
+    def blob(self, m: str) -> torch.Tensor | None:
+        """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly).
+        Not one with a bias inside: the references here leave biases out."""
+        from . import kleidiai
+
+        if not (self.packed and kleidiai.native_kleidiai_available()):
+            return None
+        return None if self.packed.prov.get(f"{m}.{sf.SUFFIX}", {}).get("bias") else self.packed.blob(m)
 
     def dequant(self, m: str) -> torch.Tensor:
         q, s, g = self.weight(m)
@@ -189,6 +211,17 @@ def _layer_index(prefix: str) -> int:
 
 def _check_module(t: _Target, m: str, problems: _Problems, counts: dict) -> None:
     ck = t.ckpt
+    if t.packed:
+        probs, dec = t.packed.check_blob(m)
+        for p in probs:
+            problems.add(f"{m}.{sf.SUFFIX}", p)
+        if dec is not None:
+            counts["blobs"] += 1
+            if t.packed.group(m) != t.group_for(m):
+                problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
+                                                 f"for the module is {t.group_for(m)} (-1: channel)")
+            _check_values(m, f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX} (scales)", dec[0], dec[1].float(), problems, counts)
+        return
     wn, sn = f"{m}.weight", f"{m}.weight_scale"
     if wn not in ck.tensors:
         problems.add(m, f"{sn} present but {wn} missing")
@@ -210,11 +243,14 @@ def _check_module(t: _Target, m: str, problems: _Problems, counts: dict) -> None
         problems.add(m, f"{sn}: {si.dtype}{list(si.shape)}, expected {want_dt}{list(want_shape)} "
                         f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
         return
-    q = ck.get(wn)
+    _check_values(m, wn, sn, ck.get(wn), ck.get(sn).float(), problems, counts)
+
+
+def _check_values(m: str, wn: str, sn: str, q: torch.Tensor, s: torch.Tensor, problems: _Problems,
+                  counts: dict) -> None:
     lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
     if lo < -8 or hi > 7:
         problems.add(m, f"{wn}: values in [{lo}, {hi}], outside int4 [-8, 7]")
-    s = ck.get(sn).float()
     if not bool(torch.isfinite(s).all()):
         problems.add(m, f"{sn}: {int((~torch.isfinite(s)).sum())} non-finite scale(s)")
     elif s.numel() and float(s.min()) <= 0:
@@ -292,140 +328,6 @@ def _check_hashes(ckpt: Checkpoint, problems: _Problems) -> dict | None:
             problems.add(shard, "tensor bytes differ from what convert wrote (data checksum mismatch with "
                                 "int4pack_report.json): the shard was modified or corrupted")
     return report
-
-
-# --------------------------------------------------------------------------------- prepacked
-
-
-def _blob_meta(meta: dict[str, str], tensor: str, manifest: dict) -> dict:
-    """Metadata for one blob tensor: flat header keys, a per-tensor JSON entry, the manifest."""
-    out: dict = {}
-    for k, v in meta.items():
-        try:
-            val = json.loads(v)
-        except (TypeError, json.JSONDecodeError):
-            val = v
-        if k == tensor and isinstance(val, dict):
-            out.update(val)
-        elif not isinstance(val, dict):
-            out[k.split(".")[-1]] = val
-    ent = (manifest.get("tensors") or {}).get(tensor) if isinstance(manifest, dict) else None
-    if isinstance(ent, dict):
-        out.update(ent)
-    return out
-
-
-def _check_prepacked(t: _Target, problems: _Problems, counts: dict) -> dict[str, dict]:
-    """Check OUT/kleidiai/*.safetensors; returns {experts prefix: {"w13": path, "w2": path}}."""
-    from . import kleidiai
-
-    folder = t.ckpt.folder / "kleidiai"
-    found: dict[str, dict] = {}
-    if not folder.is_dir():
-        return found
-    manifest = {}
-    for mp in sorted(folder.glob("*.json")):
-        try:
-            data = json.loads(mp.read_text())
-            if isinstance(data, dict):
-                manifest.update(data)
-        except (OSError, json.JSONDecodeError) as e:
-            problems.add(f"kleidiai/{mp.name}", f"unreadable manifest ({e})")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        problems.add("kleidiai/", "folder exists but holds no *.safetensors")
-    for f in files:
-        where = f"kleidiai/{f.name}"
-        try:
-            header, meta, _ = read_header(f)
-        except InputError as e:
-            problems.add(where, f"unreadable or truncated: {e}")
-            continue
-        sub = Checkpoint.of_shard(f)  # a lazy reader over this one file (no config.json beside the blobs)
-        for name, info in sorted(sub.tensors.items()):
-            md = _blob_meta(meta, name, manifest)
-            try:
-                _check_one_blob(t, sub, name, info, md, problems, counts, found, kleidiai)
-            except Int4packError as e:
-                problems.add(f"{where}:{name}", str(e))
-        sub.close()
-    return found
-
-
-def target_of(ckpt: Checkpoint) -> _Target:
-    """A converted checkpoint's W4A8 scheme and MoE layers as verify reads them (``layers``,
-    ``group_for(k)``), for callers that need the layout and not a verdict."""
-    return _Target(ckpt, _Problems())
-
-
-def _check_one_blob(t, sub, name, info, md, problems, counts, found, kleidiai) -> None:
-    where = f"kleidiai:{name}"
-    for key, want in (("nr", kleidiai.NR), ("kr", kleidiai.KR), ("sr", kleidiai.SR)):
-        if key in md and int(md[key]) != want:
-            problems.add(where, f"metadata {key}={md[key]}, this packer writes {want}")
-    if "layout_version" in md and int(md["layout_version"]) != kleidiai.LAYOUT_VERSION:
-        problems.add(where, f"layout_version {md['layout_version']} != {kleidiai.LAYOUT_VERSION}")
-    if name.endswith((".w13_packed", ".w2_packed")):
-        prefix, kind = name.rsplit(".", 1)
-        moe = prefix[: -len(".experts")] if prefix.endswith(".experts") else prefix
-        experts = t.layers.get(moe)
-        if not experts:
-            problems.add(where, f"no MoE layer {moe} in the checkpoint for this blob")
-            return
-        e_count = len(experts)
-        w13 = kind == "w13_packed"
-        ref = experts[min(experts)]
-        mod = ref["gate" if w13 else "down"]
-        gi = t.ckpt.tensors[f"{mod}.weight"]
-        n, k = (2 * gi.shape[0], gi.shape[1]) if w13 else tuple(gi.shape)
-        units = [(e, n, k) for e in range(e_count)]
-    elif name.endswith(".weight_packed"):
-        mod = name[: -len(".weight_packed")]
-        if mod not in t.modules:
-            problems.add(where, f"no W4A8 module {mod} for this blob")
-            return
-        n, k = t.ckpt.tensors[f"{mod}.weight"].shape
-        units = [(None, n, k)]
-    else:
-        problems.add(where, "unexpected tensor (expected *.w13_packed, *.w2_packed or *.weight_packed)")
-        return
-    g = t.group_for(mod)
-    gk = k if g == -1 else g
-    if "group_size" in md and int(md["group_size"]) not in (g, gk):
-        problems.add(where, f"metadata group_size {md['group_size']} != config's {g}")
-    for key, want in (("n", n), ("N", n), ("k", k), ("K", k)):
-        if key in md and int(md[key]) != want:
-            problems.add(where, f"metadata {key}={md[key]} != {want}")
-    size = kleidiai.packed_size(n, k, gk)
-    want_shape = (len(units), size) if units[0][0] is not None else (size,)
-    if info.dtype != "U8" or tuple(info.shape) != want_shape:
-        problems.add(where, f"{info.dtype}{list(info.shape)}, expected U8{list(want_shape)} "
-                            f"({size} bytes per matrix for N={n}, K={k}, g={g}): truncated or wrong layout")
-        return
-    for key in ("bytes", "bytes_per_expert", "size"):
-        if key in md and int(md[key]) != size:
-            problems.add(where, f"metadata {key}={md[key]} != {size}")
-    data = sub.get(name)
-    has_bias = bool(md.get("has_bias", md.get("bias", False)))
-    for e, _, _ in units:
-        blob = data[e] if e is not None else data
-        q, s, _bias = kleidiai.unpack(blob.contiguous(), n, k, gk, has_bias=has_bias)
-        if e is None:
-            mods = [name[: -len(".weight_packed")]]
-        else:
-            slot = t.layers[moe][e]
-            mods = [slot["gate"], slot["up"]] if w13 else [slot["down"]]
-        cq = torch.cat([t.ckpt.get(f"{m}.weight") for m in mods])
-        cs = torch.cat([t.ckpt.get(f"{m}.weight_scale") for m in mods])
-        label = where if e is None else f"{where}[expert {e}]"
-        if not torch.equal(q, cq):
-            bad = int((q != cq).sum())
-            problems.add(label, f"blob decodes to {bad} int4 value(s) different from the canonical tensors")
-        if not torch.equal(s.to(cs.dtype).reshape(cs.shape), cs):
-            problems.add(label, "blob scales differ from the canonical weight_scale")
-        counts["blobs"] += 1
-    if units[0][0] is not None:
-        found.setdefault(moe, {})["w13" if w13 else "w2"] = (sub.folder / info.file, name)
 
 
 # --------------------------------------------------------------------------------- the source
@@ -588,8 +490,7 @@ def _weights_vs_source(t: _Target, src: _Source, mods: dict[str, str], report, c
     return conv, srcw, problems, stats
 
 
-def _moe_layer(t: _Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock,
-               prepacked: dict) -> dict:
+def _moe_layer(t: _Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock) -> dict:
     experts = t.layers[prefix]
     ids_all = sorted(experts)
     sampled = _pick(ids_all, experts_n, gen)
@@ -602,17 +503,14 @@ def _moe_layer(t: _Target, prefix: str, src: _Source | None, report, experts_n, 
         norm = _norm_weight(ck, prefix, _NORMS)
     k_top = min(t.top_k, e_s)
     n_tok = tokens or max(32, -(-MIN_SLOTS_PER_EXPERT * 2 * e_s // k_top))
-    x = _hidden(gen, n_tok, ck.tensors[f"{experts[ids_all[0]]['gate']}.weight"].shape[1], norm)
+    x = _hidden(gen, n_tok, t.shape(experts[ids_all[0]]["gate"])[1], norm)
     ids, wts = _route(x, rw, sampled, t.top_k, t.norm_topk, gen)
     res["tokens"] = n_tok
     res["router"] = "real" if rw is not None else "random logits"
     res["input_norm"] = norm is not None
 
-    from . import kleidiai
-
-    pp = prepacked.get(prefix)
-    use_blobs = bool(pp and "w13" in pp and "w2" in pp and kleidiai.native_kleidiai_available())
-    res["weights"] = "prepacked KleidiAI blobs" if use_blobs else "packed on the fly"
+    use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None
+    res["weights"] = "the checkpoint's KleidiAI blobs" if use_blobs else "packed on the fly"
     hidden = x.shape[1]
     k_slots = ids.shape[1]
     slots_c = torch.zeros(n_tok, k_slots, hidden)
@@ -668,14 +566,10 @@ def _moe_layer(t: _Target, prefix: str, src: _Source | None, report, experts_n, 
                                                      weight_var=wv) * g2
     g = t.moe_group(experts[sampled[-1]])
     if use_blobs:
-        from safetensors import safe_open
-
-        def blobs(entry):
-            with safe_open(str(entry[0]), framework="pt") as fh:
-                return fh.get_tensor(entry[1])[sampled].contiguous()
-
+        # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: serve_format.py)
         with clock("read"):
-            w13p, w2p = blobs(pp["w13"]), blobs(pp["w2"])
+            w13p = torch.stack([torch.cat([t.blob(experts[e]["gate"]), t.blob(experts[e]["up"])]) for e in sampled])
+            w2p = torch.stack([t.blob(experts[e]["down"]) for e in sampled])
     with clock("kernel"):
         y_k = moe_mod.moe_forward(x, ids, wts, w13p, w2p, hidden, inter, g, False, t.activation)
     y_c = (slots_c * wts.unsqueeze(2)).sum(1)
@@ -740,7 +634,9 @@ def _dense(t: _Target, m: str, src: _Source | None, report, tokens: int, gen, cl
         norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], _NORMS)
     x = _hidden(gen, tokens, k, norm)
     with clock("pack"):
-        wp = moe_mod.pack_for_matmul(q, s, g)
+        wp = t.blob(m)
+        if wp is None:
+            wp = moe_mod.pack_for_matmul(q, s, g)
     with clock("kernel"):
         y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, k if g == -1 else g, k, n)
     with clock("reference"):
@@ -829,10 +725,9 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         _check_layers(t, problems)
         _check_config_index(t, problems)
         conv_report = _check_hashes(ckpt, problems)
-        prepacked = _check_prepacked(t, problems, counts)
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
                                 "seconds": round(time.perf_counter() - ts, 3),
-                                "prepacked": sorted(prepacked)}
+                                "serve_format": sf.KLEIDIAI if t.packed else sf.PLAIN}
         report["layers"], report["dense"] = [], []
         report["kernel"] = _kernel_info()
         if not structural_only:
@@ -847,8 +742,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                         report["layers"].append({"layer": p, "kind": "moe", "ok": False, "skipped": True,
                                                  "problems": ["structural problems (see above): not run"]})
                         continue
-                    report["layers"].append(_moe_layer(t, p, src, conv_report, experts, tokens, gen, clock,
-                                                       prepacked))
+                    report["layers"].append(_moe_layer(t, p, src, conv_report, experts, tokens, gen, clock))
                 if dense:
                     idx = {_layer_index(p) for p in chosen}
                     for m in t.modules:

@@ -193,7 +193,7 @@ class ShardFile:
     and the other tensors go through the page cache, as everything does where O_DIRECT is refused.
     """
 
-    def __init__(self, path: Path, tensors: list[OutTensor], meta: dict[str, str]):
+    def __init__(self, path: Path, tensors: list[OutTensor], meta: dict[str, str], entry_bytes: int = 0):
         self.path = path
         self.tmp = path.with_name(path.name + ".tmp")
         self.tensors = _direct_first(tensors)  # file order
@@ -206,7 +206,8 @@ class ShardFile:
             off += t.nbytes
         self.data_size = off
         self.direct_bytes = sum(t.nbytes for t in self.tensors if t.nbytes % _ALIGN == 0)  # the leading span
-        reserve = _META_RESERVE_BASE + _META_RESERVE_PER_TENSOR * len(tensors)
+        # entry_bytes: more room per tensor for callers whose results say more (blob provenance)
+        reserve = _META_RESERVE_BASE + (_META_RESERVE_PER_TENSOR + entry_bytes) * len(tensors)
         probe = _header_raw(self._planned, {**self.meta, "int4pack.tensors": " " * reserve})
         # data from a page boundary (the JSON header is padded with spaces, as safetensors allows)
         self.header_len = -(-(8 + len(probe)) // _ALIGN) * _ALIGN - 8

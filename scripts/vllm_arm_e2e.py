@@ -26,6 +26,15 @@ dtype=DTYPE)``, token ids in, greedy), then checks on x86:
 The pair ct_qwen3moe_w4a16 (converted) / ct_qwen3moe_w4a8_int_g32 (the producer's own W4A8, served
 as is) must have identical tensors and identical vLLM tokens and logprobs.
 
+``--serve-format kleidiai``: every input is also converted to the packed serving format and served
+through int4pack's vLLM plugin (registered by its entry point: a dist-info under --work on the
+emulated python's PYTHONPATH, with this checkout). The same process then serves the plain W4A8
+folder, after the packed one; on top of the checks above (``KleidiAIPackedMoEMethod`` /
+``KleidiAIPackedLinearMethod`` in place of vLLM's own), the packed folder must give exactly the
+plain folder's tokens and logprobs and vLLM must pack no expert at load. Each result adds
+serve_format, experts_packed_at_load, load_seconds, peak_rss_mb (the process's peak when the
+load returned; the packed folder is loaded first) and vs_plain.
+
     python scripts/vllm_arm_e2e.py --vllm 0.32.0 --dtype bfloat16            # every fixture
     python scripts/vllm_arm_e2e.py gptq_q3_sym /models/my-gptq --vllm 0.19.1 --dtype float32
     python scripts/vllm_arm_e2e.py gptq_q3_sym --swap-gate-up ...   # negative control: must fail
@@ -63,6 +72,7 @@ FIXTURES = REPO / "tests" / "fixtures"
 PREFIX = Path(os.environ.get("ARM64EMU_PREFIX", "/tmp/arm64emu"))
 SETUP = REPO / "tools" / "arm64emu" / "vllm_setup.sh"
 PROBE = HERE / "vllm_arm_probe.py"
+SERVE_FORMATS = ("compressed-tensors", "kleidiai")
 sys.path.insert(0, str(REPO))  # this checkout's int4pack, whatever an (older) editable install maps
 
 # fixture -> what it covers (every source format, both MoE namings)
@@ -103,6 +113,7 @@ TOLERANCES = {
 }
 MOE_METHOD = "CompressedTensorsW4A8Int8MoEMethod"
 LINEAR_SCHEME, LINEAR_KERNEL = "CompressedTensorsW4A8Int", "Dynamic4bitLinearKernel"
+PACKED_MOE_METHOD, PACKED_LINEAR_METHOD = "KleidiAIPackedMoEMethod", "KleidiAIPackedLinearMethod"  # the plugin's
 GATE_UP_PAIRS = ((".gate_proj.", ".up_proj."), (".w1.", ".w3."))
 
 
@@ -398,11 +409,17 @@ def ref_logprobs(ref: FloatRef, prompt, gen) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------
 def disk_groups(out_dir: Path) -> dict[str, int]:
     """{module: group (-1 channel)} as the W4A8 folder's tensors hold them (weight_scale's dtype and
-    shape), independent of how its config names them."""
+    shape; in the packed serving format each blob's provenance), independent of how its config
+    names them."""
+    from int4pack import serve_format as sf
     from int4pack.checkpoint import Checkpoint
 
     out = {}
     with Checkpoint(out_dir) as ck:
+        rec = sf.read_record(ck.quant_config)
+        if rec is not None:
+            pw = sf.PackedWeights(ck, rec)
+            return {m: pw.group(m) for m in pw.modules}
         for name, t in ck.tensors.items():
             mod = name[: -len(".weight_scale")]
             if name.endswith(".weight_scale") and f"{mod}.weight" in ck.tensors:
@@ -423,9 +440,10 @@ def _layer_group(groups: dict[str, int], layer: str) -> int | None:
     return None
 
 
-def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
+def check_layers(probe: dict, out_dir: Path, packed: bool = False) -> tuple[dict, list[str]]:
     """Each W4A8 layer vLLM built: its method, the group vLLM took (the one its tensors hold), and
-    packed weights of exactly the KleidiAI size for that group."""
+    packed weights of exactly the KleidiAI size for that group. ``packed``: the folder is the packed
+    serving format, served by int4pack's plugin."""
     from int4pack.kleidiai import packed_size
 
     cfg = json.loads((out_dir / "config.json").read_text())
@@ -447,7 +465,7 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
     for k, v in moe.items():
         g = _layer_group(groups, k)
         per_layer[k] = f"{v['quant_method']} g={v.get('group_size')}"
-        if v["quant_method"] != MOE_METHOD:
+        if v["quant_method"] != (PACKED_MOE_METHOD if packed else MOE_METHOD):
             fails.append(f"{k}: MoE method {v['quant_method']}")
         if g is None or v.get("group_size", g) != g:
             fails.append(f"{k}: vLLM runs group {v.get('group_size')}, the tensors hold group {g}")
@@ -457,11 +475,14 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
         if v.get("w13_weight_packed") != want13 or v.get("w2_weight_packed") != want2:
             fails.append(f"{k}: packed {v.get('w13_weight_packed')}/{v.get('w2_weight_packed')}, "
                          f"KleidiAI size {want13}/{want2}")
-    kernels = sorted({f"{v['scheme']}/{v.get('kernel')}" for v in lin.values()})
+    kernels = sorted({f"{v['scheme']}/{v['quant_method'] if packed else v.get('kernel')}" for v in lin.values()})
     for k, v in lin.items():
         g = _layer_group(groups, k)
-        per_layer[k] = f"{v['scheme']}/{v.get('kernel')} g={v.get('group_size')}"
-        if v["scheme"] != LINEAR_SCHEME or v.get("kernel") != LINEAR_KERNEL:
+        per_layer[k] = f"{v['scheme']}/{v['quant_method'] if packed else v.get('kernel')} g={v.get('group_size')}"
+        if packed and (v["scheme"] != LINEAR_SCHEME or v["quant_method"] != PACKED_LINEAR_METHOD):
+            fails.append(f"{k}: {v['scheme']}/{v['quant_method']}")
+            continue
+        if not packed and (v["scheme"] != LINEAR_SCHEME or v.get("kernel") != LINEAR_KERNEL):
             fails.append(f"{k}: {v['scheme']}/{v.get('kernel')}")
             continue
         if g is None or v.get("group_size", g) != g:
@@ -474,7 +495,7 @@ def check_layers(probe: dict, out_dir: Path) -> tuple[dict, list[str]]:
     if not lin:
         fails.append("no W4A8 dense linear found")
     calls = probe.get("calls") or {}
-    if not calls.get("moe_op") or not calls.get("dynamic4bit_linear"):
+    if not calls.get("moe_op") or not calls.get("dyn_quant_matmul" if packed else "dynamic4bit_linear"):
         fails.append(f"kernels not called: {calls}")
     distinct = sorted(set(groups.values()))
     info = {"moe_layers": len(moe), "moe_methods": moe_methods, "experts_classes": experts,
@@ -506,8 +527,10 @@ def error_where(tb: str | None) -> str | None:
 # ------------------------------------------------------------------------------------------
 # driver
 # ------------------------------------------------------------------------------------------
-def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap: bool = False) -> dict:
-    """Convert (or take as is) one input; write its float folder. Returns the record."""
+def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap: bool = False,
+            serve: str = "compressed-tensors") -> dict:
+    """Convert (or take as is) one input; write its float folder. Returns the record. ``serve``
+    kleidiai: model_dir is the packed serving format, plain_dir the W4A8 folder it equals."""
     import int4pack
 
     d = work / item["key"]
@@ -515,7 +538,7 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
     src = item["src"]
     glabel = group_label(group_size)
     rec = {"input": item["input"], "key": item["key"], "source": str(src), "covers": CASES.get(src.name, "")}
-    saved = d / f"prepare_{glabel}{'_swapped' if swap else ''}.json"
+    saved = d / f"prepare_{glabel}{'_swapped' if swap else ''}{'_kleidiai' if serve == 'kleidiai' else ''}.json"
     if reuse and saved.exists() and (d / "float" / "model.safetensors").exists():
         return json.loads(saved.read_text())  # what the probe already loaded: do not rewrite it
     t = time.perf_counter()
@@ -531,14 +554,37 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
         write_swapped_copy(Path(rec["mirror_dir"]), d / f"w4a8_{glabel}_swapped")
         rec["model_dir"] = str(d / f"w4a8_{glabel}_swapped")
         rec["negative_control"] = "gate/up swapped in every expert"
+    rec["serve_format"] = serve
+    if serve == "kleidiai":
+        int4pack.convert(src, d / f"packed_{glabel}", overwrite=True, group_size=group_size, serve_format=serve)
+        rec["plain_dir"], rec["model_dir"] = rec["model_dir"], str(d / f"packed_{glabel}")
     rec["convert_s"] = round(time.perf_counter() - t, 2)
     write_float_folder(src, d / "float")
     saved.write_text(json.dumps(rec) + "\n")
     return rec
 
 
-def probe_path(work: Path, rec: dict, tag: str) -> Path:
-    return work / rec["key"] / f"probe_{tag}{'_swapped' if rec.get('negative_control') else ''}.json"
+def probe_path(work: Path, rec: dict, tag: str, plain: bool = False) -> Path:
+    """The probe output of rec's model_dir (``plain``: of the plain W4A8 folder it is compared with)."""
+    packed = rec.get("serve_format") == "kleidiai" and not plain
+    return work / rec["key"] / f"probe_{tag}{'_swapped' if rec.get('negative_control') else ''}" \
+                               f"{'_kleidiai' if packed else ''}.json"
+
+
+def plugin_env(work: Path) -> dict:
+    """Environment for an emulated vLLM with int4pack's plugin: the emulated python has a site of its
+    own, so this checkout goes on PYTHONPATH with a dist-info whose entry_points.txt is pyproject's
+    (entry points need installed metadata); only int4pack's pure-Python code runs there."""
+    import tomllib
+
+    eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
+    site = work / "plugin-site"
+    d = site / "int4pack_entry_points-0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: int4pack-entry-points\nVersion: 0\n")
+    (d / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in names.items()) for group, names in eps.items()))
+    return {**os.environ, "PYTHONPATH": f"{REPO}:{site}", "INT4PACK_NO_EXT": "1"}
 
 
 def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: str) -> None:
@@ -548,6 +594,8 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
         out = probe_path(work, rec, tag)
         out.unlink(missing_ok=True)
         todo.append(f"{rec['model_dir']}={out}")
+        if rec.get("plain_dir"):  # after the packed folder: its peak RSS is not the plain one's
+            todo.append(f"{rec['plain_dir']}={probe_path(work, rec, tag, plain=True)}")
     if not todo:
         return
     cmd = [str(wrapper), str(PROBE), *todo, "--prompt", a.prompt, "--max-tokens", str(a.max_tokens),
@@ -556,7 +604,8 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
     log_path = work / f"probe_{tag}_{ptag}.log"
     with open(log_path, "w") as log:
         try:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout * len(todo), check=False)
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout * len(todo), check=False,
+                           env=plugin_env(work) if a.serve_format == "kleidiai" else None)
         except subprocess.TimeoutExpired:
             for rec in recs:
                 rec["probe_timeout"] = a.timeout * len(todo)
@@ -584,8 +633,15 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str) -> 
     rec["timing"] = {k: p.get(k) for k in ("import_vllm_s", "init_s", "generate_s", "model_s", "process_s")}
     rec["wall_s"] = p.get("model_s")  # engine start + load + generate (vLLM import: once per process)
     li: dict = {}
+    packed = rec.get("serve_format") == "kleidiai"
+    rec.update({k: p.get(k) for k in ("experts_packed_at_load", "load_seconds", "peak_rss_mb", "quantization")})
+    if packed:
+        rec["vs_plain"] = vs_plain(p, work, rec, tag)
+        fails += rec["vs_plain"]["fails"]
+        if p.get("experts_packed_at_load") != 0 and rec["loaded"]:
+            fails.append(f"vLLM packed {p.get('experts_packed_at_load')} experts at load")
     if p.get("layers"):
-        li, f = check_layers(p, Path(rec["model_dir"]))
+        li, f = check_layers(p, Path(rec["model_dir"]), packed)
         rec["layers"] = li
         fails += f
     rec["moe_method"] = ", ".join(li.get("moe_methods") or []) or None
@@ -622,6 +678,31 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str) -> 
     rec["fails"] = fails
     rec["passed"] = not fails
     return p
+
+
+def vs_plain(p: dict, work: Path, rec: dict, tag: str) -> dict:
+    """The packed folder's vLLM output against the plain folder's: must be identical."""
+    pj = probe_path(work, rec, tag, plain=True)
+    q = json.loads(pj.read_text()) if pj.exists() else {"error": "no probe output of the plain folder"}
+    res = {"plain_dir": rec["plain_dir"], "fails": []}
+    res.update({f"plain_{k}": q.get(k) for k in ("experts_packed_at_load", "load_seconds", "peak_rss_mb",
+                                                 "quantization", "error")})
+    if q.get("quantization") not in (None, "compressed-tensors"):
+        res["fails"].append(f"the plain folder loaded as {q['quantization']} with the plugin installed")
+    if p.get("token_ids") and q.get("token_ids"):
+        res["tokens_identical"] = p["token_ids"] == q["token_ids"]
+        a = p["logprobs"] + [x for x in p["prompt_logprobs"] if x]
+        b = q["logprobs"] + [x for x in q["prompt_logprobs"] if x]
+        res["logprob_positions"] = len(a)
+        res["logprobs_identical"] = len(a) == len(b) and all(x == y for x, y in zip(a, b))
+        res["identical"] = res["tokens_identical"] and res["logprobs_identical"]
+        if not res["identical"]:
+            res["fails"].append(f"packed differs from plain: tokens {p['token_ids']} vs {q['token_ids']}, "
+                                f"logprobs identical {res['logprobs_identical']}")
+    else:
+        res["identical"] = False
+        res["fails"].append(f"no tokens to compare with the plain folder ({q.get('error') or p.get('error')})")
+    return res
 
 
 def greedy(ref: FloatRef, prompt, n) -> list[int]:
@@ -704,8 +785,8 @@ def hidden_size(d: Path) -> int:
 
 def table(recs: list[dict]) -> str:
     hdr = ("| input | vLLM / torch | dtype | group | loaded | MoE method / experts | packed w13 | dense kernel "
-           "| tokens | max \\|Δlp\\| vs float | vs mirror: median / max | passed | error |")
-    lines = [hdr, "|" + "---|" * 13]
+           "| tokens | max \\|Δlp\\| vs float | vs mirror: median / max | serve format | = plain | passed | error |")
+    lines = [hdr, "|" + "---|" * 15]
     for r in recs:
         li = r.get("layers") or {}
         moe = (r.get("moe_method") or "-") + (f" / {r['experts_class']}" if r.get("experts_class") else "")
@@ -718,7 +799,9 @@ def table(recs: list[dict]) -> str:
         err = "" if not r.get("error") else (r["error"][:80] + (f" @ {r['error_where']}" if r.get("error_where") else ""))
         lines.append(f"| {r['input']} | {r.get('vllm_version')} / {r.get('torch_version')} | {r.get('dtype')} | {glabel} "
                      f"| {'yes' if r.get('loaded') else 'no'} | {moe} | {w13} | {dk} | {len(r.get('tokens') or [])} "
-                     f"| {r.get('max_abs_logprob_diff_vs_float', '-')} | {vm} | {'yes' if r.get('passed') else 'NO'} "
+                     f"| {r.get('max_abs_logprob_diff_vs_float', '-')} | {vm} | {r.get('serve_format')} "
+                     f"| {({True: 'identical', False: 'NO'}).get((r.get('vs_plain') or {}).get('identical'), '-')} "
+                     f"| {'yes' if r.get('passed') else 'NO'} "
                      f"| {err.replace('|', '/')} |")
     return "\n".join(lines)
 
@@ -761,6 +844,8 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true", help="reuse probe outputs already in --work")
     ap.add_argument("--swap-gate-up", action="store_true", help="negative control: serve a copy with gate and up "
                     "swapped in every expert (the checks must fail)")
+    ap.add_argument("--serve-format", choices=SERVE_FORMATS, default="compressed-tensors",
+                    help="kleidiai: serve the packed format through int4pack's plugin and compare with the plain one")
     ap.add_argument("--derive-tol", action="store_true", help="x86 only: measure the tolerance basis and exit")
     ap.add_argument("--derive-prompts", type=int, default=24)
     ap.add_argument("--table", nargs="+", metavar="RESULTS_JSON", help="print one proof table over results files "
@@ -781,11 +866,14 @@ def main() -> int:
         out.write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps(res, indent=1))
         return 0
-    out = Path(a.json or HERE / "results" / f"vllm_arm_e2e_{a.vllm}_{a.dtype}_{glabel}.json")
+    if a.swap_gate_up and a.serve_format == "kleidiai":
+        ap.error("--swap-gate-up is a control of the plain format")
+    packed = "_kleidiai" if a.serve_format == "kleidiai" else ""
+    out = Path(a.json or HERE / "results" / f"vllm_arm_e2e_{a.vllm}_{a.dtype}_{glabel}{packed}.json")
     wrapper = PREFIX / "bin" / f"python3-arm64-vllm{a.vllm}"
     tag = f"{a.vllm}_{a.dtype}_{glabel}"
     t0 = time.perf_counter()
-    recs = {i["key"]: prepare(i, work, a.group_size, a.reuse, a.swap_gate_up) for i in items}
+    recs = {i["key"]: prepare(i, work, a.group_size, a.reuse, a.swap_gate_up, a.serve_format) for i in items}
     todo = [r for r in recs.values() if not (a.reuse and probe_path(work, r, tag).exists())]
     if todo and not wrapper.exists():
         print(f"missing {wrapper}: run `bash {SETUP} {a.vllm}` first", file=sys.stderr)
@@ -796,7 +884,7 @@ def main() -> int:
                       enumerate(g for g in groups if g)))
     prompt = [int(s) for s in a.prompt.split(",") if s]
     probes = {k: evaluate(r, work, prompt, a.dtype, tag) for k, r in recs.items()}
-    result = {"vllm_version": a.vllm, "dtype": a.dtype, "group_size": str(a.group_size),
+    result = {"vllm_version": a.vllm, "dtype": a.dtype, "group_size": str(a.group_size), "serve_format": a.serve_format,
               "engine": {"enforce_eager": True, "prompt": prompt, "max_tokens": a.max_tokens,
                          "qemu_cpu": next((p.get("qemu_cpu") for p in probes.values() if p.get("qemu_cpu")), None)},
               "tolerances": TOLERANCES[a.dtype],

@@ -8,8 +8,9 @@ Runs under the aarch64 interpreter that tools/arm64emu/vllm_setup.sh builds:
 It only uses vLLM's public entry point (``LLM``, token ids in, greedy) plus ``apply_model`` to
 look at what every layer got after loading: the quantisation method, the dense kernel, and the
 dtype/shape of the packed weights (so the x86 side can check them against the KleidiAI size
-formula), and counts the calls of the W4A8 MoE op and the dynamic-4bit linear kernel during
-generation. Full-vocabulary logprobs of the prompt and of every generated token are written
+formula), and counts the calls of the W4A8 MoE op, the dynamic-4bit linear kernel and the
+``_dyn_quant_matmul_4bit`` op during generation; what the load cost (scripts/vllm_arm_load.py:
+seconds, peak RSS, experts packed). Full-vocabulary logprobs of the prompt and of every generated token are written
 out so the x86 side can compare them with its own float reference. Several models can share
 one process (vLLM is imported once, the engine is torn down between them). Nothing here decides
 pass/fail; the x86 side does.
@@ -113,7 +114,7 @@ def _setup() -> dict:
 
     registry._run_in_subprocess = lambda fn: fn()
 
-    calls = {"moe_op": 0, "w4a8_moe_apply": 0, "dynamic4bit_linear": 0}
+    calls = {"moe_op": 0, "w4a8_moe_apply": 0, "dynamic4bit_linear": 0, "dyn_quant_matmul": 0}
 
     def counting(key, fn):
         def wrapper(*a, **k):
@@ -138,7 +139,22 @@ def _setup() -> dict:
             return getattr(op, n)
 
     setattr(torch.ops._C, "dynamic_4bit_int_moe", _CountedOp())
-    _STATE.update(calls=calls, import_vllm_s=round(time.perf_counter() - t, 1), vllm=vllm.__version__,
+    matmul = torch.ops.aten._dyn_quant_matmul_4bit  # the dense W4A8 linears' op, whoever calls it
+
+    class _CountedMatmul:
+        def __call__(self, *a, **k):
+            calls["dyn_quant_matmul"] += 1
+            return matmul(*a, **k)
+
+        def __getattr__(self, n):
+            return getattr(matmul, n)
+
+    setattr(torch.ops.aten, "_dyn_quant_matmul_4bit", _CountedMatmul())
+    from vllm_arm_load import LoadStats  # this folder: load seconds, peak RSS, experts packed at load
+
+    load_stats = LoadStats()
+    load_stats.install()
+    _STATE.update(calls=calls, load_stats=load_stats, import_vllm_s=round(time.perf_counter() - t, 1), vllm=vllm.__version__,
                   torch=torch.__version__, moe_op_schema=str(op.default._schema))
     return _STATE
 
@@ -151,6 +167,7 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str) -> dict:
     calls = st["calls"]
     for k in calls:
         calls[k] = 0
+    st["load_stats"].reset()
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     vocab = (cfg.get("text_config") or cfg)["vocab_size"]
     t = time.perf_counter()
@@ -158,6 +175,9 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str) -> dict:
               max_num_seqs=2, max_num_batched_tokens=128, max_logprobs=vocab, seed=0)
     try:
         res["init_s"] = round(time.perf_counter() - t, 1)
+        res["quantization"] = llm.llm_engine.model_config.quantization
+        # peak RSS: the process's, so models loaded before in the same process count (--isolate)
+        res.update(st["load_stats"].result(model_dir))
         res["layers"] = llm.apply_model(_describe)[0]
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=vocab,
                             prompt_logprobs=vocab)

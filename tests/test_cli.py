@@ -41,12 +41,12 @@ def test_help_and_version_do_not_import_torch(args):
 
 
 def test_choices_are_choices():
-    r = runner.invoke(app, ["convert", "SRC", "OUT", "--prepack", "kleidai"])
-    assert r.exit_code == EXIT_USAGE and "kleidiai" in r.output and "none" in r.output
+    r = runner.invoke(app, ["convert", "SRC", "OUT", "--serve-format", "kleidai"])
+    assert r.exit_code == EXIT_USAGE and "kleidiai" in r.output and "compressed-tensors" in r.output
     r = runner.invoke(app, ["convert", "SRC", "OUT", "--dense", "fp16"])
     assert r.exit_code == EXIT_USAGE and "bf16" in r.output
     r = runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "120"})
-    assert "none|kleidiai" in r.output and "w4a8|bf16" in r.output
+    assert "compressed-tensors|kleidiai" in r.output and "w4a8|bf16" in r.output
 
 
 @pytest.mark.parametrize("name,cmd", [("convert", convert_cmd), ("verify", verify_cmd), ("inspect", inspect_cmd)])

@@ -1,6 +1,7 @@
 """verify on converted real fixtures: passes when intact, fails with a per-layer message when a
 copy is corrupted the ways a real bug or a bad copy would (flipped nibble, scale x2, missing
-expert, truncated prepacked blob). Corrupted copies are written with the safetensors library."""
+expert). Corrupted copies are written with the safetensors library. The packed serving format's
+checks are in test_serve_format.py."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from typer.testing import CliRunner
 
 import int4pack
 from _reference import FIXTURES
-from int4pack import kleidiai
 from int4pack.cli import app
 from int4pack.errors import VerifyFailed
 
@@ -156,55 +156,6 @@ def test_missing_expert_fails(converted, tmp_path):
         int4pack.verify(out, dense=False)
 
 
-def _write_prepacked(out: Path, truncate: int = 0) -> None:
-    """OUT/kleidiai/ with stacked per-expert blobs, as convert --prepack will write them."""
-    from safetensors.torch import load_file
-
-    t = {}
-    for f in out.glob("model*.safetensors"):
-        t.update(load_file(str(f)))
-    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    g = cfg["config_groups"]["group_0"]["weights"]["group_size"]
-    blobs = {}
-    for layer in (0, 1):
-        p = f"model.layers.{layer}.mlp.experts"
-        q13 = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight"], t[f"{p}.{e}.up_proj.weight"]]) for e in range(4)])
-        s13 = torch.stack([torch.cat([t[f"{p}.{e}.gate_proj.weight_scale"], t[f"{p}.{e}.up_proj.weight_scale"]])
-                           for e in range(4)])
-        q2 = torch.stack([t[f"{p}.{e}.down_proj.weight"] for e in range(4)])
-        s2 = torch.stack([t[f"{p}.{e}.down_proj.weight_scale"] for e in range(4)])
-        blobs[f"{p}.w13_packed"] = kleidiai.pack_experts(q13, s13, None, g)
-        blobs[f"{p}.w2_packed"] = kleidiai.pack_experts(q2, s2, None, g)
-    if truncate:
-        key = "model.layers.1.mlp.experts.w2_packed"
-        blobs[key] = blobs[key][:, :-truncate].contiguous()
-    (out / "kleidiai").mkdir()
-    meta = {"layout": kleidiai.LAYOUT_NAME, "layout_version": str(kleidiai.LAYOUT_VERSION), "nr": "8", "kr": "16",
-            "sr": "2", "group_size": str(g)}
-    save_file(blobs, str(out / "kleidiai" / "model.safetensors"), metadata=meta)
-
-
-def test_prepacked_blobs_checked(converted, tmp_path):
-    out = _copy(converted("gptq_q3_sym"), tmp_path / "pp")
-    _write_prepacked(out)
-    r = int4pack.verify(out, structural_only=True)
-    assert r["ok"], _problems(r)
-    assert r["structural"]["counts"]["blobs"] == 16  # 2 layers x 2 matrices x 4 experts decoded
-
-
-def test_truncated_blob_fails(converted, tmp_path):
-    out = _copy(converted("gptq_q3_sym"), tmp_path / "pp")
-    _write_prepacked(out, truncate=16)
-    r = int4pack.verify(out, structural_only=True, raise_on_failure=False)
-    assert not r["ok"]
-    assert "model.layers.1.mlp.experts.w2_packed" in _problems(r) and "truncated" in _problems(r)
-    # a file cut short on disk
-    f = out / "kleidiai" / "model.safetensors"
-    f.write_bytes(f.read_bytes()[:-100])
-    r = int4pack.verify(out, structural_only=True, raise_on_failure=False)
-    assert not r["ok"] and "kleidiai/model.safetensors" in _problems(r)
-
-
 def test_cli_json_and_exit_codes(converted, tmp_path):
     good = converted("gptq_q3_sym")
     runner = CliRunner()
@@ -229,7 +180,7 @@ def two_schemes(tmp_path_factory) -> tuple[Path, Path]:
 
     root = tmp_path_factory.mktemp("ds")
     _synth.write_ct_deepseek_v3(root / "src")
-    int4pack.convert(root / "src", root / "out", prepack="kleidiai")
+    int4pack.convert(root / "src", root / "out")
     return root / "src", root / "out"
 
 
@@ -239,10 +190,10 @@ def _edit_config(folder: Path, edit) -> None:
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
-def test_two_schemes_pass_with_prepacked_blobs(two_schemes):
+def test_two_schemes_pass(two_schemes):
     src, out = two_schemes
     r = int4pack.verify(out, against=src)
-    assert r["ok"] and r["structural"]["counts"]["blobs"] > 0
+    assert r["ok"] and r["structural"]["counts"]["modules"] > 0
     assert {d["module"] for d in r["dense"]} >= {"model.layers.1.self_attn.kv_b_proj"}
 
 

@@ -20,8 +20,8 @@ class Dense(str, Enum):
     bf16 = "bf16"
 
 
-class Prepack(str, Enum):
-    none = "none"
+class ServeFormat(str, Enum):  # serve_format.FORMATS (the CLI's choices, without importing torch)
+    compressed_tensors = "compressed-tensors"
     kleidiai = "kleidiai"
 
 
@@ -32,8 +32,8 @@ EXAMPLES = examples(
     ("Use channelwise scales (fp32) instead of groups:", "int4pack convert SRC OUT --group-size channel"),
     ("Print the plan as JSON and write nothing:", "int4pack convert SRC OUT --dry-run --json"),
     ("Continue a run that was interrupted:", "int4pack convert SRC OUT --resume"),
-    ("Also write the experts prepacked for KleidiAI into OUT/kleidiai/:",
-     "int4pack convert SRC OUT --prepack kleidiai"),
+    ("Store the KleidiAI-packed bytes, for int4pack's vLLM plugin (half the size, nothing packed at load):",
+     "int4pack convert SRC OUT --serve-format kleidiai"),
 )
 
 
@@ -64,9 +64,10 @@ def convert_cmd(
     resume: Annotated[bool, typer.Option(
         "--resume", help="Keep the shards that an interrupted run finished and verified.")] = False,
     revision: Annotated[Optional[str], typer.Option(help="The hub revision: a branch, tag or commit.")] = None,
-    prepack: Annotated[Prepack, typer.Option(
-        help="kleidiai also writes the experts packed for KleidiAI into OUT/kleidiai/, so that nothing is "
-             "packed at load time.")] = Prepack.none,
+    serve_format: Annotated[ServeFormat, typer.Option(
+        help="compressed-tensors stores int8 weights that vLLM packs when it loads them (nothing but vLLM "
+             "needed); kleidiai stores the KleidiAI-packed bytes, half the size, which vLLM loads through "
+             "int4pack's plugin with nothing packed at load.")] = ServeFormat.compressed_tensors,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = 0,
@@ -85,7 +86,7 @@ def convert_cmd(
         with o.progress("converting") as bar:
             report = convert(src, out, group_size=group_size, dense=dense.value, max_shard_size=max_shard_size,
                              dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
-                             revision=revision, prepack=prepack.value, progress=bar,
+                             revision=revision, serve_format=serve_format.value, progress=bar,
                              strict_group_size=strict_group_size)
         _render(o, report)
         o.result(report)
@@ -117,10 +118,10 @@ def _render(o: Output, r: dict) -> None:
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
     o.text(f"  tensors: {p['tensors_in']} in -> {p['tensors_out']} out in {len(r['shards'])} shard(s); "
            f"{human_bytes(p['in_bytes'])} read -> {human_bytes(p['out_bytes'])} written")
-    if r.get("prepack"):
-        pp = r["prepack"]
-        o.text(f"  prepacked {pp['tensors']} KleidiAI tensor(s) into kleidiai/ ({pp['packer']} packer, "
-               f"layout {pp['layout']} v{pp['layout_version']})")
+    if r.get("serve_format"):
+        sv = r["serve_format"]
+        o.text(f"  serve format: {sv['format']} (layout {sv['layout']} v{sv['layout_version']}; vLLM loads it "
+               f"through int4pack's plugin)")
     if r.get("dry_run"):
         o.text("[dim]dry run: nothing written[/dim]")
         return

@@ -18,8 +18,8 @@ EXAMPLES = examples(
     ("Show which modules of a converted checkpoint take the KleidiAI path:", "int4pack inspect ./out"),
     ("Show how one tensor's nibbles are laid out:",
      "int4pack inspect SRC model.layers.0.mlp.experts.0.gate_proj.qweight"),
-    ("Show the block structure of a prepacked tensor:",
-     "int4pack inspect ./out model.layers.0.mlp.experts.w13_packed"),
+    ("Show the block structure of a KleidiAI blob (convert --serve-format kleidiai):",
+     "int4pack inspect ./out model.layers.0.mlp.experts.0.up_proj"),
 )
 
 
@@ -107,8 +107,11 @@ def _summary(o, r: dict) -> None:
                     [[t["name"], t["dtype"], t["shape"], human_bytes(t["bytes"])] for t in ts])
     else:
         o.text(f"  ({r['tensor_count']} tensors: -v lists them, --json gives everything)")
-    for b in r.get("prepacked", []):
-        o.text(f"  prepacked: {b['file']}: {b.get('name')} {b.get('dtype')}{b.get('shape')} {b.get('error', '')}")
+    sv = r.get("serve_format")
+    if sv:
+        o.text(f"  serve format: {sv['blobs']} KleidiAI blobs ({human_bytes(sv['blob_bytes'])}), layout {sv.get('layout')} "
+               f"v{sv.get('layout_version')}, nr/kr/sr {sv.get('nr')}/{sv.get('kr')}/{sv.get('sr')}, group "
+               f"{sv.get('group_size')} ({sv.get('scale_dtype')} scales); served by int4pack's vLLM plugin")
 
 
 def _groups(m: dict) -> str:
@@ -121,7 +124,7 @@ def _groups(m: dict) -> str:
 
 def _dump(o, r: dict) -> None:
     o.text(f"[bold]{r['tensor']}[/bold] {r.get('dtype', '')}{r.get('shape')} in {r.get('file')}")
-    if "tile" in r:  # prepacked blob
+    if "tile" in r:  # a KleidiAI blob
         o.text(f"  {r['layout']}, N={r['n']} K={r['k']} group {r['group_size']}; tiles {r['tile']}")
         o.table("First 8-row block", ["part", "offset", "bytes"],
                 [[p["part"], p["offset"], p["bytes"]] for p in r["first_block"]])

@@ -85,7 +85,7 @@ def _render(o, r: dict) -> None:
     o.text(f"[bold]{r['output']}[/bold]" + (f" against [bold]{r['against']}[/bold]" if r.get("against") else
                                           " (no --against: weights checked against themselves)"))
     o.text(f"  structure: {c.get('moe_layers', 0)} MoE layers, {c.get('experts', 0)} experts, "
-           f"{c.get('modules', 0)} W4A8 modules, {c.get('blobs', 0)} prepacked blobs checked: "
+           f"{c.get('modules', 0)} W4A8 modules, {c.get('blobs', 0)} KleidiAI blobs checked: "
            + ("[green]ok[/green]" if st["ok"] else f"[red]{len(st['problems'])} problem(s)[/red]"))
     for p in st["problems"][:20]:
         o.text(f"  [red]x[/red] {p['where']}: {p['message']}")

@@ -1,0 +1,136 @@
+"""The plugin's checks and loaders that need torch only (tested without vLLM).
+
+``runtime_problem``: can this process run the recorded blobs? torch's packer must write KleidiAI
+blobs here (it silently writes its float32 reference format on x86 or an Arm CPU without dotprod,
+and the packed size is how torch's matmul tells them apart), and byte for byte the recorded layout.
+
+vLLM holds one packed parameter per fused module: ``[E, bytes]`` for the experts (gate blob, up
+blob of each expert in one row), ``[bytes]`` for a dense linear (q, k, v or gate, up one after the
+other). The checkpoint has one blob per part; the loaders put each at its offset (the parts'
+blobs joined are the fused matrix's blob: serve_format.py) and remember what they filled, so a
+blob the checkpoint lacks is an error after loading, not uninitialised memory.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .. import kleidiai
+from ..serve_format import QUANT_METHOD, record_problems
+
+__all__ = ["runtime_problem", "check_runtime", "ExpertBlobs", "DenseBlobs"]
+
+_HINT = ("Serve the default output of `int4pack convert` (compressed-tensors W4A8: vLLM packs it at load), "
+         "or run on an Arm CPU with dotprod and a torch build with KleidiAI.")
+
+
+def _probe(group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(19)
+    n, k = 13, 64  # 13 rows: the padding of the last 8-row block is part of the layout too
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    s = torch.rand(n, 1 if group_size == k else k // group_size, generator=gen) * 0.01 + 0.001
+    return q, (s if group_size == k else s.to(torch.bfloat16)), torch.randn(n, generator=gen)
+
+
+def runtime_problem(record: dict) -> str | None:
+    """Why this process cannot run blobs of the recorded layout, or None."""
+    diff = record_problems(record)
+    if diff:
+        return f"the checkpoint's KleidiAI layout is not the one this int4pack knows: {'; '.join(diff)}"
+    if not kleidiai.native_kleidiai_available():
+        return (f"torch {torch.__version__} has no KleidiAI path on this host: its _dyn_quant_pack_4bit_weight "
+                "writes a float32 reference buffer of another size, which _dyn_quant_matmul_4bit cannot take "
+                "for these uint8 blobs")
+    for g in (32, 64):  # groupwise (bf16 scales), channelwise (fp32 scales)
+        q, s, b = _probe(g)
+        native, _ = kleidiai.pack(q, s, b, g, packer="native")
+        if not torch.equal(native, kleidiai.pack_reference(q, s, b, g)):
+            return (f"torch {torch.__version__} packs a {'channelwise' if g == 64 else 'groupwise'} matrix into "
+                    f"other bytes than layout {record.get('layout')} v{record.get('layout_version')} "
+                    f"({native.numel()} bytes)")
+    return None
+
+
+@lru_cache(maxsize=None)
+def _cached_problem(key: tuple) -> str | None:
+    return runtime_problem(dict(key))
+
+
+def check_runtime(record: dict) -> None:
+    """Raise a RuntimeError saying why, if this process cannot serve the recorded blobs."""
+    why = _cached_problem(tuple(sorted((k, v) for k, v in record.items() if not isinstance(v, (list, dict)))))
+    if why:
+        raise RuntimeError(f"{QUANT_METHOD} checkpoint cannot be served here: {why}. {_HINT}")
+
+
+def _check_blob(loaded: torch.Tensor, want: int, what: str) -> torch.Tensor:
+    if loaded.dtype != torch.uint8 or loaded.numel() != want:
+        raise ValueError(f"{QUANT_METHOD}: {what} is {loaded.dtype} with {loaded.numel()} elements, expected "
+                         f"uint8 with {want} bytes (the KleidiAI size). Tensor or expert parallelism over the "
+                         "packed format is not supported; serve it with tensor_parallel_size=1, or convert "
+                         "again with this int4pack.")
+    return loaded.reshape(-1)
+
+
+class ExpertBlobs:
+    """Shapes and loader of the experts' packed parameters ``w13`` [E, 2*half] and ``w2`` [E, bytes]."""
+
+    def __init__(self, experts: int, hidden: int, inter: int, group_size: int):
+        self.experts = experts
+        self.half = kleidiai.packed_size(inter, hidden, hidden if group_size == -1 else group_size)
+        self.w2 = kleidiai.packed_size(hidden, inter, inter if group_size == -1 else group_size)
+        if inter % kleidiai.NR:
+            raise ValueError(f"{QUANT_METHOD}: intermediate size {inter} is not a multiple of {kleidiai.NR}")
+        self.loaded: set[tuple[int, str]] = set()
+
+    def empty(self, which: str) -> torch.Tensor:
+        return torch.empty(self.experts, 2 * self.half if which == "w13" else self.w2, dtype=torch.uint8)
+
+    def load(self, param, loaded_weight, weight_name=None, shard_id=None, expert_id=None, return_success=False,
+             **_ignored):
+        """vLLM's expert weight_loader signature; shard w1 = gate, w3 = up, w2 = down."""
+        e = int(expert_id)
+        if not 0 <= e < self.experts:
+            raise ValueError(f"{QUANT_METHOD}: {weight_name}: expert {e} outside 0..{self.experts - 1} "
+                             "(expert parallelism is not supported)")
+        row = param.data[e]
+        dst = {"w1": row[: self.half], "w3": row[self.half:], "w2": row}[shard_id]
+        dst.copy_(_check_blob(loaded_weight, dst.numel(), f"{weight_name} (expert {e}, {shard_id})"))
+        self.loaded.add((e, shard_id))
+        return True if return_success else None
+
+    def missing(self) -> list[str]:
+        return [f"expert {e} {s}" for e in range(self.experts) for s in ("w1", "w3", "w2") if (e, s) not in self.loaded]
+
+
+class DenseBlobs:
+    """Shape and loader of a dense W4A8 linear's packed parameter, fused parts one after the other."""
+
+    _QKV = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(self, out_sizes: list[int], k: int, group_size: int):
+        block = k if group_size == -1 else group_size
+        if len(out_sizes) > 1 and any(n % kleidiai.NR for n in out_sizes):
+            raise ValueError(f"{QUANT_METHOD}: fused parts {out_sizes} are not multiples of {kleidiai.NR} rows")
+        sizes = [kleidiai.packed_size(n, k, block) for n in out_sizes]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.loaded: set[int] = set()
+
+    def empty(self) -> torch.Tensor:
+        return torch.empty(self.offsets[-1], dtype=torch.uint8)
+
+    def load(self, param, loaded_weight, loaded_shard_id=None, *_args, **_kw):
+        """vLLM's linear weight_loader signature: (param, tensor[, shard id]); no id = the whole blob."""
+        if loaded_shard_id is None:
+            parts = range(len(self.offsets) - 1)
+        else:
+            i = self._QKV.get(loaded_shard_id, loaded_shard_id)
+            parts = range(int(i), int(i) + 1)
+        lo, hi = self.offsets[parts[0]], self.offsets[parts[-1] + 1]
+        param.data[lo:hi].copy_(_check_blob(loaded_weight, hi - lo, f"part {loaded_shard_id}"))
+        self.loaded.update(parts)
+
+    def missing(self) -> list[int]:
+        return [i for i in range(len(self.offsets) - 1) if i not in self.loaded]

@@ -1,0 +1,137 @@
+"""The vLLM side: a compressed-tensors config whose W4A8 methods take KleidiAI blobs as they are.
+
+``packed_config`` builds ``KleidiAIPackedCTConfig``, vLLM's ``CompressedTensorsConfig`` parsing the
+same quantization_config as the plain checkpoint, so every layer gets exactly the method and
+kernel the plain checkpoint gets (routers and ignored layers unquantised, the same MoE method, the
+same dense kernel) except where the weights come from:
+
+* MoE layers: vLLM's own ``CompressedTensorsW4A8Int8MoEMethod``, subclassed so that
+  ``create_weights`` makes ``w13_weight_packed`` / ``w2_weight_packed`` directly as the uint8
+  ``[E, bytes]`` blobs and ``process_weights_after_loading`` packs nothing. Its forward is vLLM's,
+  untouched: ``torch.ops._C.dynamic_4bit_int_moe`` on those two tensors (0.19.1 calls it with the
+  extra ``I2`` argument from ``apply_monolithic``; 0.32 through ``CPUExpertsInt4``, built here
+  with vLLM's ``make_w4a8_int8_moe_kernel`` as its own method does after packing).
+* Dense W4A8 linears: ``weight_packed`` uint8 ``[bytes]`` fed to ``_dyn_quant_matmul_4bit`` with the
+  dtype handling of vLLM's ``Dynamic4bitLinearKernel``.
+
+Same bytes, same ops: tokens and logprobs equal the plain checkpoint's.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
+from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+from .. import serve_format as sf
+from ._layout import DenseBlobs, ExpertBlobs, check_runtime
+
+__all__ = ["packed_config", "KleidiAIPackedCTConfig", "KleidiAIPackedLinearMethod"]
+
+_VLLM_MOE = "CompressedTensorsW4A8Int8MoEMethod"
+_VLLM_LINEAR = "CompressedTensorsW4A8Int"
+
+
+def packed_config(config: dict) -> "KleidiAIPackedCTConfig":
+    record = sf.read_record(config)
+    check_runtime(record)  # before any weight is read: refuse clearly on a host that cannot run the blobs
+    plain = {k: v for k, v in config.items() if k != "kleidiai"}
+    plain["quant_method"] = "compressed-tensors"
+    cfg = KleidiAIPackedCTConfig.from_config(plain)
+    cfg.kleidiai = record
+    return cfg
+
+
+class KleidiAIPackedCTConfig(CompressedTensorsConfig):
+    kleidiai: dict = {}
+
+    def get_name(self) -> str:
+        return sf.QUANT_METHOD
+
+    def get_quant_method(self, layer, prefix: str):
+        method = super().get_quant_method(layer, prefix)
+        if type(method).__name__ == _VLLM_MOE:
+            return _packed_moe_class(type(method))(method.weight_quant, method.input_quant, method.moe)
+        if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
+            return KleidiAIPackedLinearMethod(layer.scheme.group_size)
+        return method
+
+
+class _PackedExperts:
+    """Mixed into vLLM's W4A8 MoE method: weights created and loaded as blobs, nothing packed."""
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs):
+        for what, size in (("tensor", getattr(self.moe, "tp_size", 1)), ("expert", getattr(self.moe, "ep_size", 1))):
+            if size != 1:
+                raise ValueError(f"{sf.QUANT_METHOD}: {what} parallelism ({size}) is not supported; serve with 1")
+        blobs = ExpertBlobs(num_experts, hidden_size, intermediate_size_per_partition, self.group_size)
+        for name in ("w13", "w2"):
+            p = torch.nn.Parameter(blobs.empty(name), requires_grad=False)
+            p.weight_loader = blobs.load
+            layer.register_parameter(f"{name}_weight_packed", p)
+        layer.int4pack_blobs = blobs
+        # what vLLM's method sets for its forward (0.19.1 reads them in apply_monolithic)
+        layer.w13_in_features = hidden_size
+        layer.w13_out_features = 2 * intermediate_size_per_partition
+        layer.w2_in_features = intermediate_size_per_partition
+        layer.w2_out_features = hidden_size
+        layer.group_size = self.group_size
+
+    def process_weights_after_loading(self, layer) -> None:
+        missing = layer.int4pack_blobs.missing()
+        if missing:
+            raise ValueError(f"{sf.QUANT_METHOD}: {len(missing)} expert blob(s) missing from the checkpoint "
+                             f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})")
+        del layer.int4pack_blobs
+        if getattr(self, "experts_cls", None) is None:
+            return  # vLLM 0.19.1: apply_monolithic calls the op on the layer's packed tensors
+        from vllm.model_executor.layers.fused_moe.oracle.w4a8_int8 import make_w4a8_int8_moe_kernel
+
+        self.moe_kernel = make_w4a8_int8_moe_kernel(
+            moe_quant_config=self.get_fused_moe_quant_config(layer), moe_config=self.moe,
+            experts_cls=self.experts_cls, routing_tables=layer._expert_routing_tables())
+
+
+@lru_cache(maxsize=None)
+def _packed_moe_class(base: type) -> type:
+    return type("KleidiAIPackedMoEMethod", (_PackedExperts, base), {"__doc__": _PackedExperts.__doc__})
+
+
+class KleidiAIPackedLinearMethod(LinearMethodBase):
+    """A dense W4A8 linear whose ``weight_packed`` is its KleidiAI blob."""
+
+    def __init__(self, group_size: int):
+        self.group_size = group_size  # -1: channelwise
+
+    def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
+                       input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
+        if input_size_per_partition != input_size or sum(output_partition_sizes) != output_size:
+            raise ValueError(f"{sf.QUANT_METHOD}: tensor parallelism is not supported; serve with 1")
+        blobs = DenseBlobs(list(output_partition_sizes), input_size_per_partition, self.group_size)
+        p = torch.nn.Parameter(blobs.empty(), requires_grad=False)
+        p.weight_loader = blobs.load
+        layer.register_parameter("weight_packed", p)
+        layer.int4pack_blobs = blobs
+        layer.int4pack_shape = (sum(output_partition_sizes), input_size_per_partition)
+
+    def process_weights_after_loading(self, layer) -> None:
+        missing = layer.int4pack_blobs.missing()
+        if missing:
+            raise ValueError(f"{sf.QUANT_METHOD}: blob(s) of fused part(s) {missing} missing from the checkpoint")
+        del layer.int4pack_blobs
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        # as vLLM's Dynamic4bitLinearKernel: the bias is inside the blob; groupwise bf16 and any
+        # fp16 activations go through float32 (the kernels' native inputs)
+        n, k = layer.int4pack_shape
+        dtype = x.dtype
+        work = torch.float32 if (self.group_size != -1 and dtype == torch.bfloat16) or dtype == torch.float16 else dtype
+        x2 = x.reshape(-1, k)
+        if work != dtype:
+            x2 = x2.to(work)
+        block = k if self.group_size == -1 else self.group_size
+        out = torch.ops.aten._dyn_quant_matmul_4bit(x2, layer.weight_packed, block, k, n).reshape(*x.shape[:-1], n)
+        return out.to(dtype) if work != dtype else out
