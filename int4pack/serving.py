@@ -28,10 +28,13 @@ MEASURED: tuple[Served, ...] = (
     Served("0.19.1", "2.10.0", "float32", "group", True),
     Served("0.19.1", "2.10.0", "float32", "channel", True),
     Served("0.19.1", "2.10.0", "bfloat16", "group", False,
-           "the W4A8 MoE op rejects bf16 activations (RuntimeError: _dyn_quant_matmul_4bit_cpu: expect input "
-           "to be float32 or bfloat16 tensor)"),
+           "its W4A8 MoE op (compressed_tensors_moe.py:2219, torch.ops._C.dynamic_4bit_int_moe) raises "
+           "RuntimeError: _dyn_quant_matmul_4bit_cpu : expect input to be float32 or bfloat16 tensor",
+           "expect input to be float32 or bfloat16 tensor"),
     Served("0.19.1", "2.10.0", "bfloat16", "channel", False,
-           "the W4A8 MoE op mixes bf16 and float32 (RuntimeError in index_add_: self and source dtypes differ)"),
+           "its W4A8 MoE op (compressed_tensors_moe.py:2219, torch.ops._C.dynamic_4bit_int_moe) raises "
+           "RuntimeError: index_add_(): self (BFloat16) and source (Float) must have the same scalar type",
+           "index_add_(): self (BFloat16) and source (Float) must have the same scalar type"),
     Served("0.32.0", "2.13.0", "float32", "group", True),
     Served("0.32.0", "2.13.0", "float32", "channel", True),
     Served("0.32.0", "2.13.0", "bfloat16", "group", True),

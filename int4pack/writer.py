@@ -188,8 +188,7 @@ class ShardFile:
     Tensors of whole pages lie first, from a page boundary, and are written with O_DIRECT where the
     file system takes it: the worker copies them into staging buffers (checksumming as it copies)
     and the shard's I/O thread writes those straight to the disk, with no copy into the page cache
-    and no page allocated per 4 KB there (~0.5 s of kernel CPU per 2 GB on the lent Xeon, ~1.9 s on
-    this 2-core VM), while the worker goes on computing. The header
+    and no page allocated per 4 KB there, while the worker goes on computing. The header
     and the other tensors go through the page cache, as everything does where O_DIRECT is refused.
     """
 

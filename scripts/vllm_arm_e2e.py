@@ -510,13 +510,18 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False) -> tuple[dict
 
 
 def error_where(tb: str | None) -> str | None:
-    """The innermost traceback frame inside vLLM or torch (path from the package, line, function)."""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb or "")
-    for path, line, fn in reversed(frames):
-        m = re.search(r"/((?:vllm|torch)/.+)$", path)
+    """Where a traceback failed: the innermost vLLM frame (package path, line, function), and the
+    innermost torch frame below it when the error came out of torch."""
+    frames = []
+    for path, line, fn in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb or ""):
+        m = re.search(r"/((vllm|torch)/.+)$", path)
         if m:
-            return f"{m.group(1)}:{line} ({fn})"
-    return None
+            frames.append((m.group(2), f"{m.group(1)}:{line} ({fn})"))
+    inner_vllm = max((i for i, (pkg, _) in enumerate(frames) if pkg == "vllm"), default=None)
+    if inner_vllm is None:
+        return frames[-1][1] if frames else None
+    below = [f for pkg, f in frames[inner_vllm + 1:] if pkg == "torch"]
+    return frames[inner_vllm][1] + (f" -> {below[-1]}" if below else "")
 
 
 # ------------------------------------------------------------------------------------------
@@ -790,7 +795,7 @@ def table(recs: list[dict]) -> str:
         m_ = r.get("vs_mirror") or {}
         vm = f"{m_['median_over_positions']} / {m_['max_abs_lp_diff']}" if m_ else "-"
         g = li.get("group_size")
-        glabel = "-" if g is None else ("channel" if g == -1 else f"g{g}")
+        glabel = "-" if g is None else "/".join("channel" if x == -1 else f"g{x}" for x in (g if isinstance(g, list) else [g]))
         err = "" if not r.get("error") else (r["error"][:80] + (f" @ {r['error_where']}" if r.get("error_where") else ""))
         lines.append(f"| {r['input']} | {r.get('vllm_version')} / {r.get('torch_version')} | {r.get('dtype')} | {glabel} "
                      f"| {'yes' if r.get('loaded') else 'no'} | {moe} | {w13} | {dk} | {len(r.get('tokens') or [])} "

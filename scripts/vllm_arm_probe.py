@@ -233,6 +233,7 @@ def main() -> None:
         except BaseException as e:  # report the failure as data; the x86 side decides
             R["error"] = f"{type(e).__name__}: {e}"[:2000]
             R["traceback"] = traceback.format_exc()[-4000:]
+            R.update({k: _STATE[k] for k in ("vllm", "torch", "moe_op_schema", "import_vllm_s") if k in _STATE})
             failed += 1
         R["model_s"] = round(time.perf_counter() - t0, 1)
         R["process_s"] = round(time.perf_counter() - T0, 1)

@@ -114,7 +114,7 @@ I4P_INLINE u8x32 hi64(u8x32 a, u8x32 b) {
 
 // 16-byte units for the unpack kernels. On x86 they are the SSE2 unpack instructions themselves:
 // GCC 13 lowered the same transpose written as generic 32-byte shuffles to scalar moves (AWQ
-// unpack 1 against 4.7 Gparam/s on the lent Xeon; GCC 12 emitted the unpacks)
+// unpack 1 against 4.7 Gparam/s on a Xeon; GCC 12 emitted the unpacks)
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 #if defined(__SSE2__)

@@ -1,0 +1,287 @@
+"""The structural half of ``verify``: is a converted checkpoint complete and well formed?
+
+Reads the config, index and shard headers (and the int4 tensors' values) of a W4A8 output, plain
+or in the packed serving format, and collects every problem instead of stopping at the first, so a
+user sees the whole list at once. The numerical half (verify.py) runs the kernels on what this
+module has found.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from . import serve_format as sf
+from .architectures import classify
+from .checkpoint import Checkpoint
+from .errors import InputError
+from .groups import check_group_size
+from .w4a8 import dequantize_w4a8
+
+__all__ = ["Problems", "Target", "check_structure", "layer_index"]
+
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router)$")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+class Problems:
+    """Every structural problem found, each with where it is and what is wrong."""
+
+    def __init__(self):
+        self.items: list[dict] = []
+
+    def add(self, where: str, message: str) -> None:
+        self.items.append({"where": where, "message": message})
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+
+class Target:
+    """The converted checkpoint: W4A8 scheme from its config, quantised modules, MoE layers."""
+
+    def __init__(self, ckpt: Checkpoint, problems: Problems):
+        self.ckpt = ckpt
+        q = ckpt.quant_config or {}
+        groups = q.get("config_groups") or {}
+        rec = sf.read_record(q)
+        if q.get("quant_method") not in ("compressed-tensors", sf.QUANT_METHOD) or not groups:
+            raise InputError(f"{ckpt.folder}: not a compressed-tensors W4A8 checkpoint "
+                             f"(quant_method {q.get('quant_method')!r})",
+                             hint="verify checks int4pack's output; pass the folder convert wrote.")
+        for gname, grp in groups.items():
+            w = grp.get("weights") or {}
+            a = grp.get("input_activations") or {}
+            fmt = grp.get("format") or q.get("format")
+            where = "config" if len(groups) == 1 else f"config group {gname}"
+            if fmt != "int-quantized":
+                problems.add(where, f"format {fmt!r}, expected 'int-quantized' (vLLM's W4A8 int layout)")
+            if w.get("num_bits") != 4 or w.get("type") != "int" or not w.get("symmetric", False):
+                problems.add(where, f"weights must be 4-bit symmetric int, config says {w}")
+            if a.get("num_bits") != 8 or a.get("strategy") != "token" or not a.get("dynamic"):
+                problems.add(where, "input_activations must be 8-bit dynamic per token (vLLM's W4A8 detection)")
+        self.ignore = list(q.get("ignore") or [])
+        for why in sf.record_problems(rec) if rec else []:
+            problems.add("config", f"quantization_config.kleidiai: {why}")
+        self.packed = sf.PackedWeights(ckpt, rec) if rec else None  # None: int8 weights and scales
+        self.modules = (self.packed.modules if self.packed else
+                        sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale")))
+        self.groups = _module_groups(ckpt, q, self.modules, problems)
+        tc = ckpt.text_config
+        self.num_experts = next((tc[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                                 if isinstance(tc.get(k), int)), None)
+        self.top_k = int(tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2)
+        self.norm_topk = bool(tc.get("norm_topk_prob", ckpt.model_type in ("mixtral", "phimoe")))
+        act = str(tc.get("hidden_act") or "silu")
+        self.activation = 1 if "oai" in act else 0
+        self.layers: dict[str, dict[int, dict[str, str]]] = {}
+        self.roles: dict[str, str] = {}
+        for m in self.modules:
+            role, d = classify(m)
+            self.roles[m] = role
+            if role == "expert":
+                self.layers.setdefault(d["moe"], {}).setdefault(d["e"], {})[d["proj"]] = m
+        self.routers = {n[: -len(".gate.weight")] if n.endswith(".gate.weight") else n[: -len(".router.weight")]: n
+                        for n in ckpt.tensors if n.endswith(".weight") and _ROUTER.search(n[:-7])}
+
+    def group_for(self, m: str) -> int:
+        """Module m's group from its config group; a group equal to K is channelwise."""
+        g, k = self.groups.get(m, -1), self.shape(m)[1]
+        return -1 if g in (-1, k) else g
+
+    def moe_group(self, slot: dict[str, str]) -> int:
+        """The one group vLLM's MoE kernel runs for an expert's w13 and w2 (channel only if both are)."""
+        a, b = self.group_for(slot["gate"]), self.group_for(slot["down"])
+        return a if a == b else self.groups.get(slot["gate"], -1)
+
+    def weight(self, m: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        if self.packed:
+            q, s, _ = self.packed.decode(m, check=False)  # checked once, in the structural pass
+        else:
+            q = self.ckpt.get(f"{m}.weight")
+            s = self.ckpt.get(f"{m}.weight_scale")
+        return q, s, self.group_for(m)
+
+    def shape(self, m: str) -> tuple[int, int]:
+        return self.packed.shape(m) if self.packed else tuple(self.ckpt.tensors[f"{m}.weight"].shape)
+
+    def blob(self, m: str) -> torch.Tensor | None:
+        """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly).
+        Not one with a bias inside: the references here leave biases out."""
+        from . import kleidiai
+
+        if not (self.packed and kleidiai.native_kleidiai_available()):
+            return None
+        return None if self.packed.prov.get(f"{m}.{sf.SUFFIX}", {}).get("bias") else self.packed.blob(m)
+
+    def dequant(self, m: str) -> torch.Tensor:
+        q, s, g = self.weight(m)
+        return dequantize_w4a8(q, s, g)
+
+
+def _module_groups(ckpt: Checkpoint, q: dict, modules: list[str], problems: Problems) -> dict[str, int]:
+    """Each module's group from the config group whose targets name it (vLLM resolves one per module:
+    a module named by two groups, or by none, is a problem)."""
+    from .formats.compressed_tensors import CompressedTensorsReader
+
+    schemes = CompressedTensorsReader(ckpt, q).schemes
+    out = {}
+    for m in modules:
+        ranked = sorted((r, i) for i, sc in enumerate(schemes) if (r := sc.match_rank(m)) is not None)
+        if not ranked:
+            problems.add(m, "no quantization_config group targets this module (vLLM would not quantise it)")
+            continue
+        if len(ranked) > 1 and ranked[1][0] == ranked[0][0]:
+            problems.add(m, f"targeted by config groups {schemes[ranked[0][1]].name} and "
+                            f"{schemes[ranked[1][1]].name}: one scheme per module")
+        sc = schemes[ranked[0][1]]
+        out[m] = -1 if sc.strategy == "channel" else int(sc.group_size or -1)
+    return out
+
+
+def layer_index(prefix: str) -> int:
+    m = _LAYER.search(prefix + ".")
+    return int(m.group(1)) if m else -1
+
+
+# --------------------------------------------------------------------------------- structural
+
+
+def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
+    ck = t.ckpt
+    if t.packed:
+        probs, dec = t.packed.check_blob(m)
+        for p in probs:
+            problems.add(f"{m}.{sf.SUFFIX}", p)
+        if dec is not None:
+            counts["blobs"] += 1
+            if t.packed.group(m) != t.group_for(m):
+                problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
+                                                 f"for the module is {t.group_for(m)} (-1: channel)")
+            _check_values(m, f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX} (scales)", dec[0], dec[1].float(), problems, counts)
+        return
+    wn, sn = f"{m}.weight", f"{m}.weight_scale"
+    if wn not in ck.tensors:
+        problems.add(m, f"{sn} present but {wn} missing")
+        return
+    wi, si = ck.tensors[wn], ck.tensors[sn]
+    if wi.dtype != "I8" or len(wi.shape) != 2:
+        problems.add(m, f"{wn}: {wi.dtype}{list(wi.shape)}, expected int8 [N, K]")
+        return
+    n, k = wi.shape
+    g = t.group_for(m)
+    if g == -1:
+        want_dt, want_shape = "F32", (n, 1)
+    else:
+        want_dt, want_shape = "BF16", (n, k // g if k % g == 0 else -1)
+        why = check_group_size(g, k)
+        if why:
+            problems.add(m, f"group size {g} invalid for K={k}: {why}")
+    if si.dtype != want_dt or tuple(si.shape) != want_shape:
+        problems.add(m, f"{sn}: {si.dtype}{list(si.shape)}, expected {want_dt}{list(want_shape)} "
+                        f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
+        return
+    _check_values(m, wn, sn, ck.get(wn), ck.get(sn).float(), problems, counts)
+
+
+def _check_values(m: str, wn: str, sn: str, q: torch.Tensor, s: torch.Tensor, problems: Problems,
+                  counts: dict) -> None:
+    lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
+    if lo < -8 or hi > 7:
+        problems.add(m, f"{wn}: values in [{lo}, {hi}], outside int4 [-8, 7]")
+    if not bool(torch.isfinite(s).all()):
+        problems.add(m, f"{sn}: {int((~torch.isfinite(s)).sum())} non-finite scale(s)")
+    elif s.numel() and float(s.min()) <= 0:
+        problems.add(m, f"{sn}: {int((s <= 0).sum())} scale(s) <= 0 (symmetric scales must be positive)")
+    counts["modules"] += 1
+    counts["int_values"] += q.numel()
+
+
+def _check_layers(t: Target, problems: Problems) -> None:
+    want = t.num_experts
+    prefixes = sorted(set(t.layers) | set(t.routers), key=lambda p: (layer_index(p), p))
+    for p in prefixes:
+        experts = t.layers.get(p, {})
+        if p not in t.routers:
+            problems.add(p, "experts without a router weight")
+        n = want or ((max(experts) + 1) if experts else 0)
+        missing = [e for e in range(n) if e not in experts]
+        if missing:
+            problems.add(p, f"expert(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} missing "
+                            f"({len(experts)} of {n} present; config says {want})")
+        extra = [e for e in experts if e >= n]
+        if extra:
+            problems.add(p, f"expert(s) {extra[:8]} beyond the config's {n} experts")
+        for e, slot in sorted(experts.items()):
+            lack = [r for r in ("gate", "up", "down") if r not in slot]
+            if lack:
+                problems.add(f"{p}.experts.{e}", f"no W4A8 {'/'.join(lack)} projection")
+        schemes = {t.groups.get(m) for slot in experts.values() for m in slot.values()}
+        if len(schemes) > 1:  # vLLM's MoE method runs one scheme for w13 and w2 of every expert
+            problems.add(p, f"experts under several config groups (group sizes {sorted(map(str, schemes))}); "
+                            "vLLM takes one scheme per MoE layer")
+
+
+def _check_config_index(t: Target, problems: Problems) -> None:
+    ck = t.ckpt
+    quant = set(t.modules)
+    for m in t.ignore:
+        if m in quant:
+            problems.add(m, "listed in quantization_config.ignore but stored as W4A8 (vLLM would misload it)")
+    for name, info in ck.tensors.items():
+        if name.endswith(".weight") and info.dtype == "I8" and name[:-7] not in quant:
+            problems.add(name, "int8 weight without a weight_scale")
+    nl = ck.text_config.get("num_hidden_layers")
+    if isinstance(nl, int):
+        seen = {layer_index(n) for n in ck.tensors} - {-1}
+        missing = sorted(set(range(nl)) - seen)
+        if missing:
+            problems.add("config", f"num_hidden_layers={nl} but no tensors for layer(s) {missing[:8]}")
+
+
+def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
+    """Shard checksums recorded by convert; returns the report (or None)."""
+    from . import kernels
+    from .writer import digest_kind, hash_shard
+
+    rp = ckpt.folder / "int4pack_report.json"
+    if not rp.is_file():
+        return None
+    try:
+        report = json.loads(rp.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        problems.add("int4pack_report.json", f"unreadable ({e})")
+        return None
+    for shard, rec in (report.get("shards") or {}).items():
+        if not isinstance(rec, dict) or "data_digest" not in rec:
+            continue
+        path = ckpt.folder / shard
+        if not path.is_file():
+            problems.add(shard, "listed in int4pack_report.json but missing")
+            continue
+        if digest_kind(rec["data_digest"]) == "crc32c" and kernels.ext() is None:
+            continue  # without the extension CRC-32C is a Python byte loop (hours on a large model)
+        got = hash_shard(path, rec["data_digest"])
+        if got["data_digest"] != rec["data_digest"] or got["size"] != rec.get("size", got["size"]):
+            problems.add(shard, "tensor bytes differ from what convert wrote (data checksum mismatch with "
+                                "int4pack_report.json): the shard was modified or corrupted")
+    return report
+
+
+
+
+def check_structure(ckpt: Checkpoint) -> tuple[Target, Problems, dict, dict | None]:
+    """Run every structural check on an opened checkpoint: (target, problems, counts, convert's report)."""
+    problems = Problems()
+    t = Target(ckpt, problems)
+    counts = {"modules": 0, "int_values": 0, "blobs": 0, "moe_layers": len(t.layers),
+              "experts": sum(len(v) for v in t.layers.values())}
+    for m in t.modules:
+        _check_module(t, m, problems, counts)
+    _check_layers(t, problems)
+    _check_config_index(t, problems)
+    return t, problems, counts, _check_hashes(ckpt, problems)
+
