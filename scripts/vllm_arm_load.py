@@ -182,7 +182,6 @@ def main() -> None:
     ap.add_argument("--torch-without-kleidiai", action="store_true",
                     help="torch's packer writes its float32 reference format, as without KleidiAI")
     a = ap.parse_args()
-
     out: dict = {"model_dir": a.model, "dtype": a.dtype}
     try:
         t = time.perf_counter()
