@@ -15,10 +15,10 @@ import torch
 from . import kleidiai, serve_format as sf
 from .architectures import classify, discover
 from .checkpoint import Checkpoint, resolve_source
-from .errors import InputError, Int4packError
+from .errors import InputError, Int4packError, UsageError
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
-from .serving import serving_warnings
+from .serving import serving_notes, serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -94,7 +94,9 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = True
-    out["serving"] = serving_warnings({m["group_size"] for m in mods.values() if m["group_size"] is not None})
+    gs = {m["group_size"] for m in mods.values() if m["group_size"] is not None}
+    out["serving"] = serving_warnings(gs)
+    out["serving_notes"] = serving_notes(gs)  # the same, one short line per release
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
                                "fallback": sum(1 for m in mods.values() if not m["kleidiai"])}
     return out
@@ -154,6 +156,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     g_out = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
              else set(plan.schemes()) if plan else set())
     out["serving"] = serving_warnings(g_out)  # measured vLLM releases that fail on this output
+    out["serving_notes"] = serving_notes(g_out)
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
               "fallback": sum(1 for m in mods.values() if m["kleidiai"] is False)}
     out["kleidiai_summary"] = counts
@@ -196,8 +199,13 @@ def _module_and_key(ckpt: Checkpoint, tensor: str) -> tuple[str, str]:
         if f"{tensor}.{suf}" in ckpt.tensors:
             return tensor, suf
     near = [n for n in ckpt.tensors if tensor in n][:5]
-    raise InputError(f"tensor {tensor!r} not found in {ckpt.folder}", tensor=tensor,
-                     hint=("Close matches: " + ", ".join(near)) if near else "List the tensors with inspect PATH.")
+    if not near:  # a typo: the names closest in spelling
+        import difflib
+
+        near = difflib.get_close_matches(tensor, list(ckpt.tensors), n=3, cutoff=0.8)
+    # the argument names something the checkpoint lacks: a usage error, as verify --layers 7 on 2 layers
+    raise UsageError(f"tensor {tensor!r} not found in {ckpt.folder}", tensor=tensor,
+                     hint=("Close matches: " + ", ".join(near)) if near else "List the tensors with inspect PATH -v.")
 
 
 def _window(t: torch.Tensor, rows: int = 8, cols: int = 8) -> list[list]:

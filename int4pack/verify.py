@@ -630,7 +630,7 @@ def _finish(report: dict, t0: float, clock: _Clock, raise_on_failure: bool) -> d
         report["verdict"] = "PASS: structure ok (numerical pass not run: structural only)"
     elif report.get("ok"):
         report["verdict"] = (f"PASS: structure ok, {n_l} MoE layer(s) and {len(report.get('dense', []))} dense "
-                             f"linear(s) within tolerance (worst layer rel_l2 {_fmt(worst)})")
+                             "linear(s) within tolerance" + (f" (worst layer rel_l2 {_fmt(worst)})" if n_l else ""))
     else:
         parts = []
         if report.get("nothing_checked"):
