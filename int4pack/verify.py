@@ -571,8 +571,15 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
             dense_mods = [m for m in dense_mods if layer_index(m) in idx]
         bad = {p["where"] for p in problems.items}
         dense_mods = [m for m in dense_mods if m not in bad]
+        notes = []  # a sample larger than the model checks all of it: say so rather than drop it silently
+        if isinstance(sel, int) and sel > len(moe_prefixes):
+            notes.append(f"--layers {sel}: the model has {len(moe_prefixes)} MoE layer(s); all are checked")
+        most = max((len(v) for v in t.layers.values()), default=0)
+        if experts is not None and experts > most:
+            notes.append(f"--experts {experts}: the MoE layers have {most} experts; all are checked")
         report["checked"] = {"layers": None if sel is None else (sel if isinstance(sel, list) else f"sample of {sel}"),
-                             "numerical": not structural_only, "moe_layers": [], "experts": 0, "dense": []}
+                             "numerical": not structural_only, "moe_layers": [], "experts": 0, "dense": [],
+                             "notes": notes}
         if not structural_only:
             src = _Source(against, revision) if against is not None else None
             run = [p for p in chosen if not any(w == p or w.startswith(p + ".") for w in bad)]

@@ -85,6 +85,8 @@ def _render(o, r: dict) -> None:
     o.text(f"  structure: {c.get('moe_layers', 0)} MoE layers, {c.get('experts', 0)} experts, "
            f"{c.get('modules', 0)} W4A8 modules, {c.get('blobs', 0)} KleidiAI blobs checked: "
            + ("[green]ok[/green]" if st["ok"] else f"[red]{len(st['problems'])} problem(s)[/red]"))
+    for n in r.get("checked", {}).get("notes", []):
+        o.text(f"  note: {n}")
     for p in st["problems"][:20]:
         o.text(f"  [red]x[/red] {p['where']}: {p['message']}")
     if "kernel" in r:
