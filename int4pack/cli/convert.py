@@ -98,7 +98,7 @@ def _left_behind(out: Path) -> str:
 
     work = partial_folder(out)
     if not work.is_dir():
-        return f"nothing was written ({out} does not exist)"
+        return "nothing was written yet"
     return (f"the partial output is kept in {work} ({human_bytes(folder_bytes(work))}); run the same command "
             f"with --resume to keep its finished shards, or delete that folder")
 
