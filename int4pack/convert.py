@@ -33,7 +33,8 @@ from . import serve_format as sf
 from .serving import serve_hint, serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
-from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, partial_folder, shard_names
+from .workdir import partial_folder
+from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 

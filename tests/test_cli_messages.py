@@ -150,6 +150,9 @@ def test_one_short_serving_line_and_the_next_step(tmp_path):
 
 
 def test_a_packed_output_is_refused_as_a_source_for_what_it_is(tmp_path):
+    from int4pack import formats, serve_format
+
+    assert formats.PACKED == serve_format.QUANT_METHOD
     int4pack.convert(SYM, tmp_path / "packed", serve_format="kleidiai")
     r = runner.invoke(app, ["convert", str(tmp_path / "packed"), str(tmp_path / "again")])
     assert r.exit_code == EXIT_REFUSED

@@ -94,7 +94,7 @@ def convert_cmd(
 
 def _left_behind(out: Path) -> str:
     """What an interrupted convert leaves: the hidden partial folder, its size, and how to go on."""
-    from ..writer import folder_bytes, partial_folder
+    from ..workdir import folder_bytes, partial_folder
 
     work = partial_folder(out)
     if not work.is_dir():
