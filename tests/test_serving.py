@@ -94,17 +94,15 @@ def test_routing_warnings_per_release_point_to_the_packed_format():
         assert serving.routing_warnings(mt, {"num_experts_per_tok": 2}, packed=False) == []
 
 
-def test_convert_and_inspect_warn_about_a_grouped_sigmoid_model(tmp_path):
-    """A Qwen3-MoE fixture relabelled GLM-4-MoE (same expert names, vLLM routes it DeepSeekV3)."""
-    import shutil
-
-    src = tmp_path / "glm"
-    shutil.copytree(FIXTURES / "ct_qwen3moe_w4a16", src)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(model_type="glm4_moe", **GLM)
-    (src / "config.json").write_text(json.dumps(cfg))
-    rep = int4pack.convert(src, tmp_path / "o", dry_run=True)
+def test_convert_and_inspect_warn_about_the_sigmoid_families(tmp_path):
+    """The llm-compressor GLM-4.5-style and DeepSeek-V3-style fixtures (DeepSeekV3 routing)."""
+    rep = int4pack.convert(FIXTURES / "ct_glm4moe_w4a16", tmp_path / "o", dry_run=True)
     assert [w for w in rep["serving"] if "DeepSeekV3" in w and "0.32.0 cannot serve" in w]
-    packed = int4pack.convert(src, tmp_path / "p", dry_run=True, serve_format="kleidiai")
+    assert [w for w in rep["serving"] if "0.19.1 cannot serve this output" in w and "AssertionError" in w]
+    packed = int4pack.convert(FIXTURES / "ct_glm4moe_w4a16", tmp_path / "p", dry_run=True, serve_format="kleidiai")
     assert not [w for w in packed["serving"] if "DeepSeekV3" in w]
-    assert [w for w in int4pack.inspect(src)["serving"] if "0.19.1 cannot serve this output" in w]
+    ds = int4pack.inspect(FIXTURES / "ct_deepseekv3_w4a16")["serving"]
+    assert [w for w in ds if "MLA is not supported on CPU" in w]
+    assert [w for w in ds if "0.32.0 cannot serve this output" in w and "DeepSeekV3" in w
+            and "1 of 2 groups" not in w and "2 of 4 groups" in w and "x2.5" in w]
+    assert not [w for w in ds if "0.19.1 cannot serve this output" in w]  # MLA stops it first
