@@ -53,7 +53,7 @@ def _head(ckpt: Checkpoint, label: str) -> dict:
 def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
     """(the MoE structure for the summary, module -> role)."""
     try:
-        lay = discover(ckpt.model_type, ckpt.text_config, sorted(linears), sorted(ckpt.tensors))
+        lay = discover(ckpt.family_type, ckpt.text_config, sorted(linears), sorted(ckpt.tensors))
     except Int4packError as e:
         return {"error": str(e), "hint": e.hint}, {}
     return ({"layers": [{"prefix": m.prefix, "experts": m.num_experts, "router": m.router,

@@ -91,7 +91,7 @@ class _Source:
         self.reader = open_reader(self.ckpt)
         # keyed by the output's module names (convert renames some families for vLLM)
         ren = {k[:-7]: v[:-7] for k, v in vllm_output_names(
-            self.ckpt.model_type, [f"{m}.weight" for m in self.reader.linears()]).items()}
+            self.ckpt.family_type, [f"{m}.weight" for m in self.reader.linears()]).items()}
         self.specs = {ren.get(m, m): s for m, s in self.reader.linears().items()}
         try:
             from .plan import make_plan

@@ -22,7 +22,7 @@ from .w4a8 import dequantize_w4a8
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router)$")
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
