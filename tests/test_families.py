@@ -4,6 +4,7 @@ shows its layout in inspect; the tensors that are not experts stay as they are; 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,3 +239,52 @@ def test_inspect_shows_family_layout(converted):
     src2, _, _ = converted("deepseek_v32")
     res = runner.invoke(app, ["inspect", str(src2)])
     assert "dequantised to bfloat16" in res.output and "indexer" in res.output
+
+
+# -- the fixtures made by llm-compressor on transformers' own classes (tests/fixtures/README.md) ----------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REAL = {  # fixture: (family type, routing kind, where the score bias lives)
+    "ct_minimaxm2_w4a16": ("minimax_m2", "MiniMax2", "block_sparse_moe.e_score_correction_bias"),
+    "ct_deepseekv3_w4a16": ("deepseek_v3", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_glm4moe_w4a16": ("glm4_moe", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_kimik2_w4a16": ("kimi_k2", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(REAL))
+def test_real_fixture_converts_verifies_inspects(fixture, tmp_path):
+    mt, kind, bias = REAL[fixture]
+    src = FIXTURES / fixture
+    r = int4pack.convert(src, tmp_path / "out")
+    assert r["plan"]["model_type"] == mt and r["plan"]["routing"]["kind"] == kind
+    assert r["plan"]["paths"]["lossless"] == len(r["modules"])  # sym int4 g32 -> W4A8 g32 keeps every int
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"] and all("score bias" in lay["scoring"] for lay in v["layers"]), v["verdict"]
+    s, o = _tensors(src), _tensors(tmp_path / "out")
+    fam = family(mt)
+    biases = [n for n in s if n.endswith(bias)]
+    assert biases
+    for n in biases:  # copied bit-exactly (bf16 in the MiniMax fixture, float32 in the DeepSeek ones)
+        assert o[fam.rename(n)].dtype == s[n].dtype and torch.equal(o[fam.rename(n)], s[n])
+    res = runner.invoke(app, ["inspect", str(src)])
+    assert res.exit_code == 0 and fam.name in res.output and kind in res.output, res.output
+
+
+def test_real_minimax_written_with_the_names_vllm_loads(tmp_path):
+    """llm-compressor writes block_sparse_moe.experts.E.{gate,up,down}_proj; vLLM's minimax_m2.py
+    (0.19.1 and 0.32.0) loads w1/w3/w2 only."""
+    int4pack.convert(FIXTURES / "ct_minimaxm2_w4a16", tmp_path / "out")
+    o = _tensors(tmp_path / "out")
+    s = _tensors(FIXTURES / "ct_minimaxm2_w4a16")
+    assert not any(n.endswith(("_proj.weight", "_proj.weight_scale")) and ".experts." in n for n in o)
+    p = "model.layers.1.block_sparse_moe.experts.5"
+    for src_name, out_name in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        words = s[f"{p}.{src_name}.weight_packed"].numpy().view(np.uint32)  # [N, K/8], nibble i -> k = 8j + i
+        n, k8 = words.shape
+        q = np.zeros((n, k8 * 8), dtype=np.int64)
+        for i in range(8):
+            q[:, i::8] = ((words >> np.uint32(4 * i)) & 0xF).astype(np.int64) - 8
+        assert torch.equal(o[f"{p}.{out_name}.weight"].long(), torch.from_numpy(q))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "model.layers.0.block_sparse_moe.gate" in cfg["quantization_config"]["ignore"]
