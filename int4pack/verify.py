@@ -259,7 +259,7 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
     k_top = min(t.top_k, e_s)
     n_tok = tokens or max(32, -(-MIN_SLOTS_PER_EXPERT * 2 * e_s // k_top))
     x = _hidden(gen, n_tok, t.shape(experts[ids_all[0]]["gate"])[1], norm)
-    scoring = t.routing.get("scoring_func") or "softmax"
+    scoring = t.routing.get("scoring") or "softmax"
     ids, wts = _route(x, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias)
     res["tokens"] = n_tok
     res["router"] = "real" if rw is not None else "random logits"

@@ -17,7 +17,7 @@ from _synth import E, H, NEW_FAMILIES, write_gptq_family
 from int4pack.architectures import discover
 from int4pack.cli import app
 from int4pack.errors import RefusedError
-from int4pack.families import BY_TYPE, family, name_summary, resolve_type, routing_facts
+from int4pack.families import BY_TYPE, family, name_summary, resolve_type
 from int4pack.verify import _route
 
 runner = CliRunner()
@@ -139,7 +139,7 @@ def test_qwen3_5_layout(converted):
     assert f"{p}.mlp.shared_expert_gate" in ignore and f"{p}.mlp.gate" in ignore
     assert o["mtp.layers.0.mlp.experts.3.down_proj.weight"].dtype == torch.int8
     assert "model.visual.blocks.0.attn.qkv.weight" in o
-    assert r["plan"]["routing"]["kind"] == "softmax" and r["plan"]["routing"]["renormalize"] is True
+    assert r["plan"]["routing"]["kind"] == "RenormalizeNaive" and r["plan"]["routing"]["renormalize"] is True
     # the fused-float MTP variant: its 3-D experts are copied as they are
     src2, out2, r2 = converted("qwen3_5_moe", "mtp_fused")
     o2 = _tensors(out2)
@@ -157,16 +157,25 @@ def test_wrappers_resolve_to_their_family():
 
 
 def test_routing_facts_from_configs():
-    ds = routing_facts("DeepSeekV3", {"num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+    """What each vLLM model class builds from its config (deepseek_v2.py, glm4_moe.py, minimax_m2.py)."""
+    ds = family("deepseek_v3").facts({"num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
                                       "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "norm_topk_prob": True})
-    assert ds == {"kind": "DeepSeekV3", "scoring_func": "sigmoid", "top_k": 8, "renormalize": True, "n_group": 8,
-                  "topk_group": 4, "routed_scaling_factor": 2.5, "bias": True}
+    assert ds == {"kind": "DeepSeekV3", "scoring": "sigmoid", "top_k": 8, "renormalize": True, "n_group": 8,
+                  "topk_group": 4, "scale": 2.5, "bias": True, "custom": None}
+    # DeepSeek-V2-Lite: softmax, no bias, vLLM still passes groups (1 of 1)
+    v2 = family("deepseek_v2").facts({"num_experts_per_tok": 6, "topk_method": "greedy", "norm_topk_prob": False})
+    assert (v2["kind"], v2["bias"], v2["renormalize"]) == ("Default", False, False)
+    glm = family("glm4_moe").facts({"num_experts_per_tok": 8, "n_group": 1, "topk_group": 1})
+    assert (glm["kind"], glm["scoring"], glm["bias"], glm["renormalize"]) == ("DeepSeekV3", "sigmoid", True, True)
     mm = family("minimax_m2").facts({"num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True})
-    assert (mm["kind"], mm["scoring_func"], mm["bias"], mm["n_group"], mm["renormalize"]) == \
+    assert (mm["kind"], mm["scoring"], mm["bias"], mm["n_group"], mm["renormalize"]) == \
         ("MiniMax2", "sigmoid", True, None, True)
     q = family("qwen3_moe").facts({"num_experts_per_tok": 8, "norm_topk_prob": False})
-    assert (q["scoring_func"], q["renormalize"], q["bias"]) == ("softmax", False, False)
-    assert family("llama4").facts({})["top_k"] == 1
+    assert (q["kind"], q["renormalize"], q["bias"]) == ("Default", False, False)
+    assert family("qwen3_5_moe").facts({"num_experts_per_tok": 8})["kind"] == "RenormalizeNaive"
+    assert family("mixtral").facts({"num_experts_per_tok": 2})["kind"] == "RenormalizeNaive"
+    l4 = family("llama4").facts({})
+    assert (l4["kind"], l4["top_k"]) == ("Llama4", 1)
 
 
 def test_verify_routes_sigmoid_with_bias_choosing_only():

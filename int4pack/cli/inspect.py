@@ -67,7 +67,7 @@ def _summary(o, r: dict) -> None:
         shared = sum(1 for m in moe["layers"] if m["shared"])
         if moe.get("family"):
             rt = moe.get("routing") or {}
-            how = rt.get("kind", "?") + f", {rt.get('scoring_func')}" + (" + score bias" if rt.get("bias") else "") \
+            how = rt.get("kind", "?") + f", {rt.get('scoring')}" + (" + score bias" if rt.get("bias") else "") \
                 + (f", groups {rt['n_group']}/top {rt['topk_group']}" if rt.get("n_group") else "") \
                 + (f", top-{rt['top_k']}" if rt.get("top_k") else "") + (", renormalised" if rt.get("renormalize") else "")
             o.text(f"  family: {moe['family']} ({escape(moe.get('expert_naming') or '')}); routing {how}")

@@ -9,10 +9,10 @@ from __future__ import annotations
 import re
 
 from . import deepseek, glm4_moe, gpt_oss, llama4, minimax_m2, mixtral, phimoe, qwen3_next, qwen_moe
-from ._family import CUSTOM, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, routing_facts
+from ._family import CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, kind_of, routing_facts
 
 __all__ = ["Family", "FAMILIES", "BY_TYPE", "family", "resolve_type", "supported_types", "name_summary",
-           "routing_facts", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
+           "routing_facts", "kind_of", "DEEPSEEK", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
 
 FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY, phimoe.FAMILY, *qwen_moe.FAMILIES, *deepseek.FAMILIES, *glm4_moe.FAMILIES,

