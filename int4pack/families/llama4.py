@@ -16,9 +16,10 @@ FAMILY = Family(
     experts="feed_forward.experts.E.{gate,up,down}_proj + feed_forward.shared_expert.* "
             "(router feed_forward.router; dense feed_forward.* layers between MoE layers)",
     routing=LLAMA4,
+    routing_label="Llama4 (top-1 sigmoid)",
     text_config="text_config",
     prefixes=("language_model.model.", "model.language_model.", "model."),
     kept=((r"^(?:vision_model|multi_modal_projector|model\.vision_model|model\.multi_modal_projector)\.",
            "vision encoder and projector: not experts"),),
-    serve={"0.19.1": "not measured", "0.32.0": "not measured: stock CPUExpertsInt4 refuses Llama4 routing"},
+    serve={"0.19.1": "not run", "0.32.0": "no: Llama4 routing refused (stock and plugin)"},
 )

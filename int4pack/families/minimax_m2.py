@@ -26,6 +26,5 @@ FAMILY = Family(
         (r"\.mlp\.gate(?=\.|$)", ".block_sparse_moe.gate"),
         (r"\.mlp\.e_score_correction_bias$", ".block_sparse_moe.e_score_correction_bias"),
     ),
-    serve={"0.19.1": "packed format only: stock select_experts routes it by softmax without the bias",
-           "0.32.0": "packed format only (--serve-format kleidiai): stock CPUExpertsInt4 refuses MiniMax2 routing"},
+    serve={"0.19.1": "packed format only", "0.32.0": "packed format only"},
 )

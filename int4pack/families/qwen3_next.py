@@ -24,8 +24,8 @@ _GDN = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b"
 _FLOAT_ONLY = ((r"\.shared_expert_gate$", "vLLM builds shared_expert_gate as ReplicatedLinear(quant_config=None)"),)
 _KEPT = ((r"\.linear_attn\.(?:conv1d|A_log|dt_bias|norm)", "Gated DeltaNet state parameters: copied"),
          (r"^mtp\.", "MTP block: the main model skips it; int4 experts become W4A8 for vLLM's MTP drafter"))
-_GDN_032 = "not measured (Gated DeltaNet has a CPU path: forward_cpu in qwen_gdn_linear_attn.py)"
-_GDN_019 = "not measured (0.19.1's Gated DeltaNet runs triton/FLA kernels: no CPU path found)"
+_GDN_032 = "not run (its Gated DeltaNet has a CPU path)"  # forward_cpu, qwen_gdn_linear_attn.py
+_GDN_019 = "not run (no CPU Gated DeltaNet path found)"  # gdn_linear_attn.py: triton/FLA kernels
 
 QWEN3_NEXT = Family(
     name="Qwen3-Next",

@@ -8,7 +8,7 @@ QWEN2 = Family(
     model_types=("qwen2_moe",),
     experts="mlp.experts.E.{gate,up,down}_proj + mlp.shared_expert.* + mlp.shared_expert_gate",
     routing=SOFTMAX,
-    serve={"0.19.1": "not measured", "0.32.0": "not measured"},
+    serve={"0.19.1": "not run (softmax, as Qwen3-MoE)", "0.32.0": "not run (softmax, as Qwen3-MoE)"},
 )
 
 QWEN3 = Family(
@@ -24,7 +24,7 @@ OLMOE = Family(
     model_types=("olmoe",),
     experts="mlp.experts.E.{gate,up,down}_proj",
     routing=SOFTMAX,
-    serve={"0.19.1": "not measured", "0.32.0": "not measured"},
+    serve={"0.19.1": "not run (softmax, as Qwen3-MoE)", "0.32.0": "not run (softmax, as Qwen3-MoE)"},
 )
 
 FAMILIES = (QWEN2, QWEN3, OLMOE)
