@@ -151,12 +151,15 @@ def _budget(m: str, w_src: torch.Tensor, g: int, report: dict | None, src: _Sour
 # --------------------------------------------------------------------------------- inputs
 
 
-def _norm_weight(ckpt: Checkpoint, prefix: str, names: tuple[str, ...]) -> torch.Tensor | None:
+def _norm_weight(ckpt: Checkpoint, prefix: str, names: tuple[str, ...], offset: float = 0.0) -> torch.Tensor | None:
+    """The RMSNorm gain in front of ``prefix`` (``offset`` 1: the model scales by 1 + weight, as
+    Qwen3-Next and Qwen3.5 do); None when absent or zero everywhere (it would zero the input)."""
     parent = prefix.rsplit(".", 1)[0]
     for n in names:
         key = f"{parent}.{n}.weight"
         if key in ckpt.tensors:
-            return ckpt.get(key).float()
+            g = ckpt.get(key).float() + offset
+            return g if bool(g.abs().amax() > 0) else None
     return None
 
 
@@ -252,7 +255,7 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
     router = t.routers.get(prefix)
     with clock("read"):
         rw = ck.get(router).float() if router else None
-        norm = _norm_weight(ck, prefix, _NORMS)
+        norm = _norm_weight(ck, prefix, _NORMS, t.norm_offset)
         bias_name = next((n for n in (f"{prefix}.gate.e_score_correction_bias", f"{prefix}.e_score_correction_bias")
                           if n in ck.tensors), None) if t.routing.get("bias") else None
         bias = ck.get(bias_name).float() if bias_name else None
@@ -333,6 +336,8 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
     y_s = (slots_s * wts.unsqueeze(2)).sum(1) if src is not None else y_c
 
     ref_norm = float(y_s.double().norm())
+    if ref_norm == 0.0:  # an all-zero reference compares nothing
+        res["problems"].append("the float reference output is zero everywhere: nothing was compared")
     act_rel = _rel(y_k, y_c)
     act_pred = math.sqrt(float(act_var.sum())) / max(float(y_c.double().norm()), 1e-30)
     res.update(rel_l2=_rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=_cos(y_k, y_s),
@@ -386,9 +391,9 @@ def _dense(t: Target, m: str, src: _Source | None, report, tokens: int, gen, clo
     n, k = q.shape
     norm = None
     if m.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"):
-        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], ("input_layernorm",))
+        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], ("input_layernorm",), t.norm_offset)
     elif m.rsplit(".", 1)[-1] in ("gate_proj", "up_proj"):
-        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], _NORMS)
+        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], _NORMS, t.norm_offset)
     x = _hidden(gen, tokens, k, norm)
     with clock("pack"):
         wp = t.blob(m)

@@ -79,6 +79,7 @@ class Target:
         fam = family(ckpt.family_type)
         # the family's routing facts (families/): scoring function, renormalisation, score bias
         self.routing = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
+        self.norm_offset = fam.rmsnorm_offset if fam else 0.0
         self.norm_topk = bool(tc.get("norm_topk_prob", self.routing.get("renormalize",
                                                                       ckpt.model_type in ("mixtral", "phimoe"))))
         act = str(tc.get("hidden_act") or "silu")

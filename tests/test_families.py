@@ -258,6 +258,10 @@ REAL = {  # fixture: (family type, routing kind, where the score bias lives)
     "ct_deepseekv3_w4a16": ("deepseek_v3", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
     "ct_glm4moe_w4a16": ("glm4_moe", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
     "ct_kimik2_w4a16": ("kimi_k2", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_glm4moelite_w4a16": ("glm4_moe_lite", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_qwen35moe_w4a16": ("qwen3_5_moe_text", "RenormalizeNaive", None),
+    "ct_qwen35moe_vl_w4a16": ("qwen3_5_moe", "RenormalizeNaive", None),
+    "ct_qwen3next_w4a16": ("qwen3_next", "RenormalizeNaive", None),
 }
 
 
@@ -269,15 +273,37 @@ def test_real_fixture_converts_verifies_inspects(fixture, tmp_path):
     assert r["plan"]["model_type"] == mt and r["plan"]["routing"]["kind"] == kind
     assert r["plan"]["paths"]["lossless"] == len(r["modules"])  # sym int4 g32 -> W4A8 g32 keeps every int
     v = int4pack.verify(tmp_path / "out", against=src)
-    assert v["ok"] and all("score bias" in lay["scoring"] for lay in v["layers"]), v["verdict"]
+    assert v["ok"], v["verdict"]
+    assert all(("score bias" in lay["scoring"]) == bool(bias) for lay in v["layers"])
+    assert all(lay["rel_l2"] > 0 and lay["act_pred"] > 0 for lay in v["layers"])  # something was compared
     s, o = _tensors(src), _tensors(tmp_path / "out")
     fam = family(mt)
-    biases = [n for n in s if n.endswith(bias)]
-    assert biases
-    for n in biases:  # copied bit-exactly (bf16 in the MiniMax fixture, float32 in the DeepSeek ones)
-        assert o[fam.rename(n)].dtype == s[n].dtype and torch.equal(o[fam.rename(n)], s[n])
+    # float tensors (score biases: bf16 in the MiniMax fixture, float32 in the DeepSeek ones; vision
+    # towers, Gated DeltaNet, the fused MTP block) copied bit-exactly under the names vLLM loads
+    floats = [n for n in s if not n.endswith(("weight_packed", "weight_scale", "weight_shape"))]
+    for n in floats:
+        assert o[fam.rename(n)].dtype == s[n].dtype and torch.equal(o[fam.rename(n)], s[n]), n
+    assert not bias or any(n.endswith(bias) for n in floats)
     res = runner.invoke(app, ["inspect", str(src)])
     assert res.exit_code == 0 and fam.name in res.output and kind in res.output, res.output
+
+
+def test_real_qwen3_5_keeps_what_vllm_builds_unquantised(tmp_path):
+    """The VL fixture: routers and shared_expert_gate float and ignored, the MTP block (fused 3-D
+    float experts, as Qwen3.5 releases store it) and the vision tower copied, experts W4A8."""
+    src = FIXTURES / "ct_qwen35moe_vl_w4a16"
+    r = int4pack.convert(src, tmp_path / "out")
+    o = _tensors(tmp_path / "out")
+    ignore = set(json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"])
+    p = "model.language_model.layers.1.mlp"
+    assert {f"{p}.gate", f"{p}.shared_expert_gate"} <= ignore
+    assert o[f"{p}.experts.3.down_proj.weight"].dtype == torch.int8
+    assert o[f"{p}.shared_expert.up_proj.weight"].dtype == torch.int8
+    assert r["tensors"]["mtp.layers.0.mlp.experts.gate_up_proj"] == "copied"
+    assert o["mtp.layers.0.mlp.experts.gate_up_proj"].shape == (4, 128, 128)
+    assert "model.visual.blocks.0.attn.qkv" in ignore and o["model.visual.blocks.0.attn.qkv.weight"].dtype \
+        == torch.bfloat16
+    assert r["plan"]["kept"]["vision tower: not experts"] > 0
 
 
 def test_real_minimax_written_with_the_names_vllm_loads(tmp_path):

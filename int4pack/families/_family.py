@@ -83,6 +83,7 @@ class Family:
     experts: str  # how routed experts are spelled (README table)
     routing: str  # one of the kinds above
     routing_label: str = ""  # how the README names it, where the kind alone does not say
+    rmsnorm_offset: float = 0.0  # 1.0: the model's RMSNorm scales by (1 + weight), zeros at init
     renormalize_default: bool = False  # norm_topk_prob when the config does not say
     text_config: str | None = None  # key of the language model's config in a wrapper ("text_config")
     prefixes: tuple[str, ...] = ("model.",)  # where the language model's tensors live

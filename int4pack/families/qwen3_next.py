@@ -23,7 +23,7 @@ from ._family import SOFTMAX, Family
 _GDN = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
 _FLOAT_ONLY = ((r"\.shared_expert_gate$", "vLLM builds shared_expert_gate as ReplicatedLinear(quant_config=None)"),)
 _KEPT = ((r"\.linear_attn\.(?:conv1d|A_log|dt_bias|norm)", "Gated DeltaNet state parameters: copied"),
-         (r"^mtp\.", "MTP block: the main model skips it; int4 experts become W4A8 for vLLM's MTP drafter"))
+         (r"^mtp\.", "MTP block (vLLM's main model skips it): float tensors copied, int4 experts W4A8"))
 _GDN_032 = "not run (its Gated DeltaNet has a CPU path)"  # forward_cpu, qwen_gdn_linear_attn.py
 _GDN_019 = "not run (no CPU Gated DeltaNet path found)"  # gdn_linear_attn.py: triton/FLA kernels
 
@@ -34,6 +34,7 @@ QWEN3_NEXT = Family(
             "linear_attn.in_proj_qkvz/in_proj_ba/out_proj",
     routing=SOFTMAX,
     renormalize_default=True,
+    rmsnorm_offset=1.0,  # vLLM: GemmaRMSNorm as Qwen3NextRMSNorm / Qwen3_5RMSNorm: x * (1 + weight)
     kept=_KEPT,
     float_only=_FLOAT_ONLY,
     dropped=("mtp.",),
@@ -47,6 +48,7 @@ QWEN3_5_MOE = Family(
             "mlp.shared_expert_gate; linear_attn.in_proj_{qkv,z,b,a}/out_proj; mtp.layers.N.mlp.experts.E.*",
     routing=SOFTMAX,
     renormalize_default=True,
+    rmsnorm_offset=1.0,  # vLLM: GemmaRMSNorm as Qwen3NextRMSNorm / Qwen3_5RMSNorm: x * (1 + weight)
     text_config="text_config",
     prefixes=("model.language_model.", "model."),
     kept=_KEPT + ((r"^(?:model\.)?visual\.", "vision tower: not experts"),),
