@@ -259,6 +259,7 @@ REAL = {  # fixture: (family type, routing kind, where the score bias lives)
     "ct_glm4moe_w4a16": ("glm4_moe", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
     "ct_kimik2_w4a16": ("kimi_k2", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
     "ct_glm4moelite_w4a16": ("glm4_moe_lite", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_deepseekv32_w4a16": ("deepseek_v32", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
     "ct_qwen35moe_w4a16": ("qwen3_5_moe_text", "RenormalizeNaive", None),
     "ct_qwen35moe_vl_w4a16": ("qwen3_5_moe", "RenormalizeNaive", None),
     "ct_qwen3next_w4a16": ("qwen3_next", "RenormalizeNaive", None),
