@@ -197,6 +197,10 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Pa
                              hint="Pass the checkpoint folder (the one holding config.json).")
         return p.resolve()
     s = str(src)
+    near = _did_you_mean(p)
+    if near is not None:  # a local path with a typo, not a hub repo id that happens to have one slash
+        raise InputError(f"{s}: no such folder; did you mean {near}?", path=s,
+                         hint=f"Pass {near} if that is the checkpoint.")
     if s.count("/") != 1 or s.startswith((".", "/", "~")) or any(c in s for c in " \\:"):
         raise InputError(f"{s}: no such folder, and not a hub repo id (owner/name)", path=s,
                          hint="Check the path, or pass a repo id such as Qwen/Qwen3-30B-A3B-GPTQ-Int4.")
@@ -226,6 +230,28 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Pa
                          hint="Check the network and disk space, then run again.") from e
     _check_snapshot(s, Path(local))
     return Path(local)
+
+
+def _did_you_mean(p: Path) -> str | None:
+    """The existing folder closest to a path that does not exist, if one is close: the deepest
+    existing ancestor's sub-folder nearest to the first missing part, then the rest as given."""
+    import difflib
+
+    parts = p.parts
+    for i in range(len(parts) - 1, -1 if not p.is_absolute() else 0, -1):
+        base = Path(*parts[:i])  # Path() is the current folder
+        if not base.is_dir():
+            continue
+        try:
+            names = [c.name for c in base.iterdir() if c.is_dir()]
+        except OSError:
+            return None
+        for name in difflib.get_close_matches(parts[i], names, n=3, cutoff=0.75):
+            cand = base.joinpath(name, *parts[i + 1:])
+            if cand.is_dir():
+                return str(cand)
+        return None
+    return None
 
 
 def _check_snapshot(repo: str, folder: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import re
+import shutil
 import threading
 import time
 from collections import deque
@@ -24,15 +25,16 @@ from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, OutputError, UsageError
+from .output import human_bytes
 from .formats import Reader
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from . import serve_format as sf
 from .families import family_warnings
-from .serving import routing_warnings, serving_warnings
+from .serving import routing_warnings, serve_hint, serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
-from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
+from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, partial_folder, shard_names
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
@@ -223,6 +225,7 @@ def convert(
     serve_format: str = "compressed-tensors",
     progress: NullProgress | None = None,
     strict_group_size: bool = False,
+    on_plan=None,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint, or with
     ``serve_format="kleidiai"`` to the packed serving format (serve_format.py).
@@ -231,6 +234,8 @@ def convert(
     written and the report holds the plan. Raises Int4packError subclasses on bad input.
     ``group_size`` is a model-wide request: modules that cannot run it take the group they can
     (the report's ``plan.group_substitutions``), unless ``strict_group_size`` refuses instead.
+    ``on_plan(report)`` is called once the source is validated and planned (and, with ``resume``, once
+    the kept shards are known: ``report["resume"]``), before any long work.
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
@@ -246,29 +251,45 @@ def convert(
             plan = sf.packed_plan(plan)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
+        routing = routing_warnings(ckpt.family_type, ckpt.text_config, packed) + family_warnings(ckpt.family_type)
         report = {
             "int4pack_version": __version__,
             "source": str(src),
             "plan": plan.summary(),
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
             # measured vLLM releases that fail on this output: its scales and dtypes, its routing
-            "serving": serving_warnings(plan.schemes()) + routing_warnings(ckpt.family_type, ckpt.text_config, packed)
-            + family_warnings(ckpt.family_type),
+            "serving": serving_warnings(plan.schemes()) + routing,
+            "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
+            "next": serve_hint(str(out), plan.schemes(), packed),
         }
+        if packed:
+            report["serve_format_planned"] = sf.KLEIDIAI
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
             report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m), "group_size": j.group_size}
                                  for j in plan.jobs for m, p in j.paths.items()}
             report["seconds"] = round(time.perf_counter() - t0, 3)
+            if on_plan is not None:
+                on_plan(report)
             return report
         t_plan = time.perf_counter() - t0
         fp = plan.fingerprint(ckpt)
         rename = vllm_output_names(ckpt.family_type, [t.name for t in plan.outputs])  # names vLLM loads
         fp += "|vllm-names" if rename else ""
+        had_partial = partial_folder(Path(out)).is_dir()
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
+        trusted = od.trusted_shards()
+        sizes = {n: sum(t.nbytes for t in s) for n, s in zip(names, shards)}
+        if resume:
+            report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
+                                "kept_shards": sorted(trusted), "kept_bytes": sum(sizes[n] for n in trusted)}
+        extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
+        _check_space(od, sum(v for n, v in sizes.items() if n not in trusted) + extra, fresh=not trusted)
+        if on_plan is not None:
+            on_plan(report)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              sf.job_packer() if packed else None)
+                              sf.job_packer() if packed else None, trusted)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -296,8 +317,29 @@ def convert(
     return report
 
 
+SPACE_MARGIN = 16 << 20  # index, config, report and shard headers: well under this for a 30B model
+
+
+def _check_space(od: OutputDir, need: int, *, fresh: bool) -> None:
+    """Refuse before writing when the output's file system has less free space than the plan writes."""
+    try:
+        free = shutil.disk_usage(od.work).free
+    except OSError:
+        return  # no figure to check against: the writes themselves report a full disk
+    want = need + SPACE_MARGIN
+    if free >= want:
+        return
+    if fresh:  # only the progress file is in it: leave nothing behind
+        shutil.rmtree(od.work, ignore_errors=True)
+    raise OutputError(f"{od.final.parent}: not enough free space: the output needs {human_bytes(want)} ({want} "
+                      f"bytes: {need} planned, the rest for headers, index and report), {human_bytes(free)} "
+                      f"({free} bytes) free", path=str(od.final.parent),
+                      hint="Free some space or pick an OUT on another disk (--max-shard-size does not change "
+                           "the total).")
+
+
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
-                  rename: dict[str, str] | None = None, pack=None) -> dict:
+                  rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None) -> dict:
     """Compute jobs in a bounded pool; each worker writes its own tensors at their planned offsets.
     The main thread takes results in plan order (per-tensor header entries, stats, progress) and a
     finisher thread closes each shard once all its tensors are in (header, fsync, rename, progress.json),
@@ -305,7 +347,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
     turns a job's W4A8 tensors into KleidiAI blobs (serve_format.job_packer)."""
     rename = rename or {}
-    trusted = od.trusted_shards()
+    trusted = od.trusted_shards() if trusted is None else trusted
     shard_of = {t.name: n for n, s in zip(names, shards) for t in s}
     stats: dict[str, dict] = dict(od.progress.get("jobs", {}))
     todo = [j for j in plan.jobs if any(shard_of[t.name] not in trusted for t in j.outputs)]

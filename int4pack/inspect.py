@@ -16,11 +16,11 @@ from . import kleidiai, serve_format as sf
 from .architectures import classify, discover, name_summary
 from .families import family
 from .checkpoint import Checkpoint, resolve_source
-from .errors import InputError, Int4packError
+from .errors import InputError, Int4packError, UsageError
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
 from .families import family_warnings
-from .serving import routing_warnings, serving_warnings
+from .serving import routing_warnings, serving_notes, serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -104,9 +104,11 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = True
-    out["serving"] = (serving_warnings({m["group_size"] for m in mods.values() if m["group_size"] is not None})
+    gs = {m["group_size"] for m in mods.values() if m["group_size"] is not None}
+    out["serving"] = (serving_warnings(gs)
                       + routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
                       + family_warnings(ckpt.family_type))
+    out["serving_notes"] = serving_notes(gs)  # the same, one short line per release
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
                                "fallback": sum(1 for m in mods.values() if not m["kleidiai"])}
     return out
@@ -168,6 +170,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     # measured vLLM releases that fail on this output (or the output convert writes by default)
     out["serving"] = (serving_warnings(g_out) + routing_warnings(ckpt.family_type, ckpt.text_config, packed=False)
                       + family_warnings(ckpt.family_type))
+    out["serving_notes"] = serving_notes(g_out)
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
               "fallback": sum(1 for m in mods.values() if m["kleidiai"] is False)}
     out["kleidiai_summary"] = counts
@@ -210,8 +213,13 @@ def _module_and_key(ckpt: Checkpoint, tensor: str) -> tuple[str, str]:
         if f"{tensor}.{suf}" in ckpt.tensors:
             return tensor, suf
     near = [n for n in ckpt.tensors if tensor in n][:5]
-    raise InputError(f"tensor {tensor!r} not found in {ckpt.folder}", tensor=tensor,
-                     hint=("Close matches: " + ", ".join(near)) if near else "List the tensors with inspect PATH.")
+    if not near:  # a typo: the names closest in spelling
+        import difflib
+
+        near = difflib.get_close_matches(tensor, list(ckpt.tensors), n=3, cutoff=0.8)
+    # the argument names something the checkpoint lacks: a usage error, as verify --layers 7 on 2 layers
+    raise UsageError(f"tensor {tensor!r} not found in {ckpt.folder}", tensor=tensor,
+                     hint=("Close matches: " + ", ".join(near)) if near else "List the tensors with inspect PATH -v.")
 
 
 def _window(t: torch.Tensor, rows: int = 8, cols: int = 8) -> list[list]:

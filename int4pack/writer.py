@@ -464,6 +464,20 @@ def hash_shard(path: Path, like: str | None = None) -> dict:
 CHECKSUM_KEYS = ("size", "header_sha256", "data_digest")
 
 
+def partial_folder(out: Path) -> Path:
+    """The hidden folder a run builds OUT in (kept on interrupt, for --resume)."""
+    out = Path(out).expanduser().absolute()
+    return out.parent / f".{out.name}.int4pack-partial"
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files in a folder (0 if it is gone)."""
+    try:
+        return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+    except OSError:
+        return 0
+
+
 @dataclass
 class OutputDir:
     """The final folder, its hidden work folder, and the resume state inside it."""
@@ -498,7 +512,7 @@ class OutputDir:
         except OSError as e:
             raise OutputError(f"{out.parent}: cannot create the output's parent folder: {e.strerror or e}",
                               path=str(out.parent), hint="Pick an OUT whose parent can be a folder.") from e
-        work = out.parent / f".{out.name}.int4pack-partial"
+        work = partial_folder(out)
         progress = {"fingerprint": fingerprint, "shards": {}, "jobs": {}}
         if work.exists():
             state = work / PROGRESS

@@ -88,7 +88,7 @@ def _summary(o, r: dict) -> None:
         o.text(f"  convert plan: [red]refused[/red]: {p['refused']}")
         if p.get("hint"):
             o.text(f"  hint: {p['hint']}")
-    for w in r.get("serving", []):
+    for w in r.get("serving_notes", r.get("serving", [])):
         o.warning(w)
     ks = r["kleidiai_summary"]
     o.text(f"  KleidiAI ({'this checkpoint' if r['is_w4a8_output'] else 'after convert'}): {ks['kleidiai']} "
@@ -140,15 +140,29 @@ def _groups(m: dict) -> str:
     return name(m["group_size"]) + ("" if g is None else f"->{name(g)}")
 
 
+def _floats(xs: list) -> str:
+    return "[" + ", ".join(f"{v:.4g}" for v in xs) + "]"
+
+
 def _dump(o, r: dict) -> None:
     o.text(f"[bold]{r['tensor']}[/bold] {r.get('dtype', '')}{r.get('shape')} in {r.get('file')}")
     if "tile" in r:  # a KleidiAI blob
         o.text(f"  {r['layout']}, N={r['n']} K={r['k']} group {r['group_size']}; tiles {r['tile']}")
         o.table("First 8-row block", ["part", "offset", "bytes"],
                 [[p["part"], p["offset"], p["bytes"]] for p in r["first_block"]])
-        o.text(f"  row sums (block 0): {r['row_sums_block0']}")
-        o.text(f"  bias (block 0): {r['bias_block0']}")
+        o.text(f"  row sums (block 0): {_floats(r['row_sums_block0'])}")
+        if r["bias_block0"]:
+            o.text(f"  bias (block 0): {_floats(r['bias_block0'])}")
+        else:
+            o.text("  bias: none (the module has none; the blob's bias part holds zeros)")
         o.table("Decoded q (rows 0.., k 0..7)", [f"k{i}" for i in range(len(r['window']['q'][0]))], r["window"]["q"])
+        sc = r["window"]["scales"]
+        grouped = r["layout"].startswith("group")
+        o.table(f"Decoded scales (rows 0.., {'first groups' if grouped else 'one per row'})",
+                [f"g{i}" for i in range(len(sc[0]))] if grouped else ["scale"],
+                [[f"{v:.4g}" for v in row[: None if grouped else 1]] for row in sc])
+        pv = r.get("provenance") or {}
+        o.text("  provenance (shard header): " + ", ".join(f"{k} {v}" for k, v in sorted(pv.items())))
         return
     if "format" in r:
         o.text(f"  {r['format']}: N={r['n']} K={r['k']} group {r['group_size']}, "

@@ -58,14 +58,12 @@ def verify_cmd(
     and, with --against, on the source's weights, within a tolerance derived from the inputs.
     """
     o = make_output(json_out, verbose, quiet, debug)
-    with error_boundary(o):
+    with error_boundary(o, lambda: "verify writes nothing; run it again to check from the start"):
         verify = library("verify")
-        lay = None
-        if layers and layers != "all":
-            lay = layers if "," in layers else int(layers) if layers.isdigit() else layers
-        report = verify(out, against, tokens=tokens, layers=lay, experts=experts, seed=seed, threads=threads,
-                        structural_only=structural_only, dense=not no_dense, revision=revision,
-                        raise_on_failure=False)
+        with o.verify_progress() as bar:
+            report = verify(out, against, tokens=tokens, layers=layers, experts=experts, seed=seed,
+                            threads=threads, structural_only=structural_only, dense=not no_dense,
+                            revision=revision, raise_on_failure=False, progress=bar)
         _render(o, report)
         o.result(report)
         if not report["ok"]:
@@ -87,6 +85,8 @@ def _render(o, r: dict) -> None:
     o.text(f"  structure: {c.get('moe_layers', 0)} MoE layers, {c.get('experts', 0)} experts, "
            f"{c.get('modules', 0)} W4A8 modules, {c.get('blobs', 0)} KleidiAI blobs checked: "
            + ("[green]ok[/green]" if st["ok"] else f"[red]{len(st['problems'])} problem(s)[/red]"))
+    for n in r.get("checked", {}).get("notes", []):
+        o.text(f"  note: {n}")
     for p in st["problems"][:20]:
         o.text(f"  [red]x[/red] {p['where']}: {p['message']}")
     if "kernel" in r:

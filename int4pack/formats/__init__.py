@@ -43,6 +43,13 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     qpath = str(getattr(ckpt, "quant_config_path", None) or ckpt.folder / "config.json")
     _check_types(q, qpath)
     method = str(q.get("quant_method", "")).lower()
+    from ..serve_format import QUANT_METHOD as PACKED
+
+    if method == PACKED:
+        raise RefusedError(
+            f"{ckpt.folder}: int4pack's packed serving format (quant_method {PACKED!r}, written by convert "
+            "--serve-format kleidiai): it is for serving through int4pack's vLLM plugin and cannot be a source",
+            path=str(ckpt.folder), hint="Convert from the original int4 checkpoint; int4pack verify checks this one.")
     try:
         if method == "gptq" or (not method and "bits" in q and "desc_act" in q):
             from .gptq import GPTQReader
