@@ -165,7 +165,8 @@ def _render_result(o: Output, r: dict) -> None:
         sv = r["serve_format"]
         o.text(f"  serve format: {sv['format']} (layout {sv['layout']} v{sv['layout_version']})")
     o.text(f"[green]wrote[/green] {r['output']} in {r['seconds']:.1f} s")
-    o.text(f"next: serve it with vLLM on an Arm host: {r['next']}")
+    o.text("next: serve it with vLLM on an Arm host:")
+    o.text(f"  {r['next']}")
 
 
 def _error_row(module: str, stats: dict) -> list[str]:
