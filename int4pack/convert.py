@@ -30,7 +30,8 @@ from .formats import Reader
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from . import serve_format as sf
-from .serving import serve_hint, serving_warnings
+from .families import family_warnings
+from .serving import routing_warnings, serve_hint, serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .workdir import partial_folder
@@ -179,7 +180,7 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
     if isinstance(cfg.get("text_config"), dict):
         cfg["text_config"].pop("quantization_config", None)
     ignore = _ignore_list(plan, ckpt)
-    rename = vllm_output_names(ckpt.model_type, [f"{m}.weight" for m in ignore])
+    rename = vllm_output_names(ckpt.family_type, [f"{m}.weight" for m in ignore])
     ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
     if plan.group_size is not None:
         cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
@@ -251,12 +252,15 @@ def convert(
             plan = sf.packed_plan(plan)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
+        routing = routing_warnings(ckpt.family_type, ckpt.text_config, packed) + family_warnings(ckpt.family_type)
         report = {
             "int4pack_version": __version__,
             "source": str(src),
             "plan": plan.summary(),
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
-            "serving": serving_warnings(plan.schemes()),  # measured vLLM releases that fail on this output
+            # measured vLLM releases that fail on this output: its scales and dtypes, its routing
+            "serving": serving_warnings(plan.schemes()) + routing,
+            "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
             "next": serve_hint(str(out), plan.schemes(), packed),
         }
         if packed:
@@ -272,7 +276,7 @@ def convert(
             return report
         t_plan = time.perf_counter() - t0
         fp = plan.fingerprint(ckpt)
-        rename = vllm_output_names(ckpt.model_type, [t.name for t in plan.outputs])  # names vLLM loads
+        rename = vllm_output_names(ckpt.family_type, [t.name for t in plan.outputs])  # names vLLM loads
         fp += "|vllm-names" if rename else ""
         had_partial = partial_folder(Path(out)).is_dir()
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)

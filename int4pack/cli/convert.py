@@ -107,7 +107,8 @@ def _render_plan(o: Output, r: dict) -> None:
     """What convert found and will do: printed before the long work starts."""
     p = r["plan"]
     fmt = p["format"]
-    o.text(f"[bold]{r['source']}[/bold]: {fmt['format']} ({fmt['detail']}), model_type {p['model_type']}")
+    o.text(f"[bold]{r['source']}[/bold]: {fmt['format']} ({fmt['detail']}), model_type {p['model_type']}"
+           + (f" ({p['family']})" if p.get("family") else ""))
     for ev in fmt.get("evidence", []):
         o.text(f"  evidence: {ev}", level=0)
     for w in fmt.get("warnings", []):
@@ -115,6 +116,8 @@ def _render_plan(o: Output, r: dict) -> None:
     exp = "/".join(map(str, p["experts_per_layer"]))
     o.text(f"  {p['moe_layers']} MoE layers x {exp} experts, {p['shared_experts']} with shared experts, "
            f"{p['routers']} routers")
+    for why, n in (p.get("kept") or {}).items():
+        o.text(f"  kept as is: {n} tensor(s), {why}")
     g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
     o.text(f"  target: W4A8, {g} module(s), dense linears as {p['dense']}")
     subs: dict[tuple, list] = {}  # one line per (reason, substitute): a large model repeats them per layer
@@ -124,6 +127,8 @@ def _render_plan(o: Output, r: dict) -> None:
         more = f" and {len(items) - 1} more" if len(items) > 1 else ""
         o.warning(f"{sum(s['modules'] for s in items)} module(s) cannot run group {items[0]['requested']} "
                   f"({reason}): {items[0]['module']}{more} get {scheme}")
+    for w in r.get("routing_warnings", []):
+        o.warning(w)
     paths = p["paths"]
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
     o.text(f"  tensors: {p['tensors_in']} in -> {p['tensors_out']} out in {len(r['shards'])} shard(s); "
@@ -160,7 +165,8 @@ def _render_result(o: Output, r: dict) -> None:
         sv = r["serve_format"]
         o.text(f"  serve format: {sv['format']} (layout {sv['layout']} v{sv['layout_version']})")
     o.text(f"[green]wrote[/green] {r['output']} in {r['seconds']:.1f} s")
-    o.text(f"next: serve it with vLLM on an Arm host: {r['next']}")
+    o.text("next: serve it with vLLM on an Arm host:")
+    o.text(f"  {r['next']}")
 
 
 def _error_row(module: str, stats: dict) -> list[str]:

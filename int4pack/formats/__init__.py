@@ -64,6 +64,13 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     except Int4packError as e:  # a config value the reader could not parse: name the file it is in
         e.path = e.path or qpath
         raise
+    from ..families import family
+
+    fam = family(ckpt.family_type)
+    if fam is not None and fam.refuse:  # say why the family is refused, not only that its format is
+        raise RefusedError(f"model_type {ckpt.family_type!r} ({fam.name}), quant_method "
+                           f"{q.get('quant_method')!r}: {fam.refuse}", path=qpath,
+                           hint="int4pack converts int4 GPTQ, AWQ or compressed-tensors checkpoints.")
     raise RefusedError(
         f"quant_method {q.get('quant_method')!r} is not supported", path=qpath,
         hint="Supported: gptq, awq (gemm), compressed-tensors (pack-quantized, int-quantized).")
