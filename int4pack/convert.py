@@ -34,7 +34,8 @@ from .families import family_warnings
 from .serving import routing_warnings, serve_hint, serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
-from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, partial_folder, shard_names
+from .workdir import partial_folder
+from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
@@ -285,7 +286,8 @@ def convert(
             report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
                                 "kept_shards": sorted(trusted), "kept_bytes": sum(sizes[n] for n in trusted)}
         extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
-        _check_space(od, sum(v for n, v in sizes.items() if n not in trusted) + extra, fresh=not trusted)
+        _check_space(od, sum(v for n, v in sizes.items() if n not in trusted) + extra, len(plan.outputs),
+                     fresh=not trusted)
         if on_plan is not None:
             on_plan(report)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
@@ -309,7 +311,9 @@ def convert(
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
         report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}
-        od.write_file(REPORT_NAME, chain(_report_pieces(report), ("\n",)))
+        # the file records the conversion, not this run: no path of OUT, nothing that --resume changes
+        kept = {k: v for k, v in report.items() if k not in _RUN_ONLY}
+        od.write_file(REPORT_NAME, chain(_report_pieces(kept), ("\n",)))
         od.commit()
     report["output"] = str(Path(out))
     report["seconds"] = round(time.perf_counter() - t0, 3)
@@ -317,16 +321,18 @@ def convert(
     return report
 
 
-SPACE_MARGIN = 16 << 20  # index, config, report and shard headers: well under this for a 30B model
+_RUN_ONLY = ("next", "resume", "serve_format_planned")  # in the returned report, not in the file
+SPACE_MARGIN = 1 << 20  # config and extra small files
+SPACE_PER_TENSOR = 1000  # its shard header entry, index line and report entry: a few hundred bytes
 
 
-def _check_space(od: OutputDir, need: int, *, fresh: bool) -> None:
+def _check_space(od: OutputDir, need: int, tensors: int, *, fresh: bool) -> None:
     """Refuse before writing when the output's file system has less free space than the plan writes."""
     try:
         free = shutil.disk_usage(od.work).free
     except OSError:
         return  # no figure to check against: the writes themselves report a full disk
-    want = need + SPACE_MARGIN
+    want = need + SPACE_MARGIN + SPACE_PER_TENSOR * tensors
     if free >= want:
         return
     if fresh:  # only the progress file is in it: leave nothing behind

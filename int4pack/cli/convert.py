@@ -94,11 +94,11 @@ def convert_cmd(
 
 def _left_behind(out: Path) -> str:
     """What an interrupted convert leaves: the hidden partial folder, its size, and how to go on."""
-    from ..writer import folder_bytes, partial_folder
+    from ..workdir import folder_bytes, partial_folder
 
     work = partial_folder(out)
     if not work.is_dir():
-        return f"nothing was written ({out} does not exist)"
+        return "nothing was written yet"
     return (f"the partial output is kept in {work} ({human_bytes(folder_bytes(work))}); run the same command "
             f"with --resume to keep its finished shards, or delete that folder")
 

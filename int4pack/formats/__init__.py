@@ -32,6 +32,9 @@ class Reader(Protocol):
         ...
 
 
+PACKED = "int4pack-kleidiai"  # serve_format.QUANT_METHOD (serve_format imports plan, which imports this)
+
+
 def open_reader(ckpt: Checkpoint) -> Reader:
     """Pick the reader for the checkpoint's quant_method; refuse anything else clearly."""
     q = ckpt.quant_config
@@ -43,8 +46,6 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     qpath = str(getattr(ckpt, "quant_config_path", None) or ckpt.folder / "config.json")
     _check_types(q, qpath)
     method = str(q.get("quant_method", "")).lower()
-    from ..serve_format import QUANT_METHOD as PACKED
-
     if method == PACKED:
         raise RefusedError(
             f"{ckpt.folder}: int4pack's packed serving format (quant_method {PACKED!r}, written by convert "
