@@ -122,7 +122,7 @@ def _summary(o, r: dict) -> None:
                     [[t["name"], t["dtype"], t["shape"], human_bytes(t["bytes"])] for t in ts])
     else:
         o.text(f"  ({r['tensor_count']} tensors: -v lists them, --json gives everything)")
-    if "error" in moe or o.verbosity >= 2:  # for a bug report; -v already lists every tensor
+    if "error" in moe:  # what a bug report about an unknown layout needs (-v lists every tensor)
         o.table("Tensor names (layer and expert numbers folded to N)", ["pattern", "count"],
                 [[t["pattern"], t["count"]] for t in r.get("tensor_names", [])])
     sv = r.get("serve_format")
