@@ -157,7 +157,7 @@ def _load_like_vllm(folder: Path) -> None:
     units: dict[str, list[str]] = {}
     for m in blobs:
         units.setdefault(vllm_module(m), []).append(m)
-    n_exp = cfg["num_experts"]
+    n_exp = cfg.get("num_experts") or cfg["num_local_experts"]
     for unit, mods in sorted(units.items()):
         if classify(mods[0])[0] == "expert":
             down = next(m for m in mods if m.endswith("down_proj"))
