@@ -297,7 +297,13 @@ class Checkpoint:
         self.folder = Path(folder)
         cfg_path = self.folder / "config.json"
         self._roots = _link_roots(self.folder)
-        self.check_link(cfg_path)
+        try:
+            entries = sorted(os.scandir(self.folder), key=lambda e: e.name)
+        except OSError:
+            entries = []
+        for ent in entries:  # up front: nothing is read or written before a bad link is refused
+            if ent.is_symlink() and not ent.name.startswith("."):
+                self.check_link(Path(ent.path))
         if not cfg_path.is_file():
             why = _not_a_file(cfg_path)
             raise InputError(f"{self.folder}: no config.json" if why == "is missing" else f"{cfg_path}: {why}",

@@ -678,6 +678,9 @@ def _trust_notes(t: Target, counts: dict, conv_report: dict | None, against: boo
     if t.packed:
         notes.append("each blob is checked against the provenance in its own shard header (CRCs of the values "
                      "it was packed from) and repacked byte for byte")
+        if sf.BLOB_CHECKS not in t.packed.record:
+            notes.append(f"the layout record has no {sf.BLOB_CHECKS} (written by an older int4pack): the vLLM "
+                         "plugin serves these blobs unchecked; convert again to have them checked at load")
     return notes
 
 
@@ -704,13 +707,15 @@ def _finish(report: dict, t0: float, clock: _Clock, raise_on_failure: bool) -> d
         parts = []
         if not st.get("ok", False):
             parts.append(f"{len(st.get('problems', []))} structural problem(s)")
+        if not report.get("copies", {}).get("ok", True):
+            parts.append(f"{len(report['copies']['problems'])} tensor(s) not as copied from the source")
         if fails:
             names = [r.get("layer") or r.get("module") for r in fails]
             parts.append(f"{len(fails)} layer(s)/linear(s) out of tolerance ({', '.join(names[:3])}"
                          f"{' ...' if len(names) > 3 else ''})")
         report["verdict"] = "FAIL: " + "; ".join(parts)
     if not report.get("ok") and raise_on_failure:
-        first = next((p for p in st.get("problems", [])), None)
+        first = next((p for p in st.get("problems", []) + report.get("copies", {}).get("problems", [])), None)
         detail = f"{first['where']}: {first['message']}" if first else next(
             (f"{r.get('layer') or r.get('module')}: {r['problems'][0]}" for r in fails if r.get("problems")), "")
         err = VerifyFailed(f"{report['verdict']}. First: {detail}",

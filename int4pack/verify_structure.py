@@ -159,6 +159,14 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
             problems.add(f"{m}.{sf.SUFFIX}", p)
         if dec is not None:
             counts["blobs"] += 1
+            rg = t.packed.record.get("group_size")
+            if type(rg) is int and rg != t.packed.group(m) and not (rg == t.packed.shape(m)[1]
+                                                                    and t.packed.group(m) == -1):
+                problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the layout record's "
+                                                 f"group_size is {rg}")
+            why = _blob_check_problem(t, m)
+            if why:
+                problems.add(f"{m}.{sf.SUFFIX}", why)
             if t.packed.group(m) != t.group_for(m):
                 problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
                                                  f"for the module is {t.group_for(m)} (-1: channel)")
@@ -186,6 +194,37 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
                         f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
         return
     _check_values(m, wn, sn, ck.get(wn), ck.get(sn).float(), problems, counts)
+
+
+def _blob_check_problem(t: Target, m: str) -> str | None:
+    """The layout record's blob_checks entry of module m (what the plugin checks at load) against
+    the blob's provenance; None when they agree or the record has no checks (noted by verify)."""
+    from .architectures import classify, vllm_module
+
+    checks = t.packed.record.get(sf.BLOB_CHECKS)
+    if not isinstance(checks, dict):
+        return None
+    prov = t.packed.prov[f"{m}.{sf.SUFFIX}"]
+    unit = vllm_module(m)
+    ent = (checks.get("modules") or {}).get(unit) if isinstance(checks.get("modules"), dict) else None
+    if not isinstance(ent, dict):
+        return f"quantization_config.kleidiai.{sf.BLOB_CHECKS} has no entry {unit!r} (the plugin refuses it)"
+    try:
+        role, d = classify(m)
+        leaf = m.rsplit(".", 1)[-1]
+        if role == "expert":
+            i = ("gate", "up", "down").index(d["proj"])
+            want, name_ok = ent["crc32"][d["e"]][i], ent["names"][i] == leaf
+        else:
+            i = ent["names"].index(leaf)
+            want, name_ok = ent["crc32"][i], True
+    except (KeyError, IndexError, TypeError, ValueError):
+        return f"quantization_config.kleidiai.{sf.BLOB_CHECKS}[{unit!r}] does not list this blob"
+    g = -1 if prov["group_size"] in (-1, prov["k"]) else prov["group_size"]
+    if not name_ok or ent.get("group_size") != g or (prov.get("crc32") is not None and want != prov["crc32"]):
+        return (f"quantization_config.kleidiai.{sf.BLOB_CHECKS}[{unit!r}] disagrees with the blob's provenance "
+                f"(group {ent.get('group_size')!r} vs {g}, CRC-32 {want!r} vs {prov.get('crc32')!r})")
+    return None
 
 
 def _check_values(m: str, wn: str, sn: str, q: torch.Tensor, s: torch.Tensor, problems: Problems,

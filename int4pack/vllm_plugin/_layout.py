@@ -35,6 +35,7 @@ __all__ = ["runtime_problem", "check_runtime", "ExpertBlobs", "DenseBlobs", "Blo
            "crc32_rows"]
 
 _log = logging.getLogger(__name__)
+MAX_THREADS = 16  # threads of the load-time CRC (zlib's CRC-32 releases the GIL)
 _warned_unchecked = []
 
 _HINT = ("Serve the default output of `int4pack convert` (compressed-tensors W4A8: vLLM packs it at load), "
@@ -159,7 +160,7 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
 def crc32_rows(rows: list) -> list[int]:
     """zlib CRC-32 of each buffer, on up to one thread per core (zlib releases the GIL)."""
     workers = max(1, min(len(rows), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else (os.cpu_count() or 1), 16))
+                         else (os.cpu_count() or 1), MAX_THREADS))
     if workers == 1:
         return [zlib.crc32(r) for r in rows]
     with ThreadPoolExecutor(max_workers=workers) as pool:
