@@ -76,7 +76,7 @@ def main() -> int:
             chk = _layout.blob_check(rec, unit)
             names = [chk.tensor(i)[: -len(sf.SUFFIX) - 1] for i in range(len(chk.names))]
             sizes = [blobs[n].numel() for n in names]
-            db = _layout.DenseBlobs([8], 32, g)  # only its data and offsets matter here
+            db = _layout.DenseBlobs([8], 128 if g == -1 else g, g)  # only its data and offsets matter here
             db.check = chk
             db.data = torch.cat([blobs[n] for n in names])
             db.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]

@@ -199,7 +199,7 @@ class ExpertBlobs:
         if check is not None:
             if len(check.crcs) != experts:
                 raise _bad_field(check.prefix, "crc32", f"{len(check.crcs)} experts recorded, vLLM builds {experts}")
-            check.check_group(group_size, check.tensor(0, 0).replace(".0.", ".*.", 1))
+            check.check_group(group_size, f"{check.prefix}.*.{check.names[0]}.{SUFFIX}")
 
     def empty(self, which: str) -> torch.Tensor:
         t = torch.empty(self.experts, 2 * self.half if which == "w13" else self.w2, dtype=torch.uint8)
