@@ -601,7 +601,12 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         return _finish(report, t0, clock, raise_on_failure)
     with _threads(threads), ckpt:
         ts = time.perf_counter()
-        t, problems, counts, conv_report = check_structure(ckpt)
+        try:
+            t, problems, counts, conv_report = check_structure(ckpt)
+        except InputError as e:  # a checkpoint value that leaves nothing to check (a config not W4A8...)
+            report.update(ok=False, layers=[], dense=[], structural={
+                "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
+            return _finish(report, t0, clock, raise_on_failure)
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
                                 "seconds": round(time.perf_counter() - ts, 3),
                                 "serve_format": sf.KLEIDIAI if t.packed else sf.PLAIN}

@@ -53,7 +53,14 @@ class Target:
             raise InputError(f"{ckpt.folder}: not a compressed-tensors W4A8 checkpoint "
                              f"(quant_method {q.get('quant_method')!r})",
                              hint="verify checks int4pack's output; pass the folder convert wrote.")
+        if not isinstance(groups, dict):
+            raise InputError(f"{ckpt.folder}: quantization_config.config_groups is a {type(groups).__name__}, "
+                             "not an object", hint="verify checks int4pack's output; the config was edited.")
         for gname, grp in groups.items():
+            if not isinstance(grp, dict) or not all(isinstance(grp.get(f) or {}, dict)
+                                                    for f in ("weights", "input_activations")):
+                raise InputError(f"{ckpt.folder}: quantization_config.config_groups.{gname} is not an object of "
+                                 "objects (weights, input_activations)", hint="The config was edited; convert again.")
             w = grp.get("weights") or {}
             a = grp.get("input_activations") or {}
             fmt = grp.get("format") or q.get("format")
@@ -74,7 +81,11 @@ class Target:
         tc = ckpt.text_config
         self.num_experts = next((tc[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
                                  if isinstance(tc.get(k), int)), None)
-        self.top_k = int(tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2)
+        top_k = tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2
+        if type(top_k) is not int or top_k < 1:
+            problems.add("config", f"num_experts_per_tok is {top_k!r}, not a positive integer")
+            top_k = 2
+        self.top_k = top_k
         self.norm_topk = bool(tc.get("norm_topk_prob", ckpt.model_type in ("mixtral", "phimoe")))
         act = str(tc.get("hidden_act") or "silu")
         self.activation = 1 if "oai" in act else 0
