@@ -565,7 +565,8 @@ class OutputDir:
                 ok.add(name)
                 self.kept_crcs[name] = crcs
         # forget anything we could not verify, and stray temp files
-        self.progress["shards"] = {k: v for k, v in self.progress.get("shards", {}).items() if k in ok}
+        self.progress["shards"] = {k: {c: v[c] for c in CHECKSUM_KEYS} for k, v in shards.items() if k in ok}
+        self.progress["jobs"] = {}  # a run's statistics are its own: every job runs again
         for p in self.work.glob("*.tmp"):
             p.unlink(missing_ok=True)
         return ok
