@@ -304,3 +304,13 @@ def test_hub_cache_links_into_its_blobs_are_followed(tmp_path):
     os.symlink(FIXTURES / GROUP / "config.json", snap / "extra.json")  # outside the repo
     with pytest.raises(InputError, match="extra.json"):
         int4pack.convert(snap, tmp_path / "out2")
+
+
+def test_resume_refuses_a_work_folder_of_another_user(tmp_path, monkeypatch):
+    work = tmp_path / ".out.int4pack-partial"
+    work.mkdir()
+    (work / "progress.json").write_text("{}")
+    monkeypatch.setattr(os, "getuid", lambda: work.stat().st_uid + 1)  # this process runs as someone else
+    with pytest.raises(OutputError, match="belongs to another user"):
+        int4pack.convert(FIXTURES / GROUP, tmp_path / "out", resume=True)
+    assert (work / "progress.json").read_text() == "{}"
