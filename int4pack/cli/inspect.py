@@ -135,6 +135,8 @@ def _summary(o, r: dict) -> None:
 def _groups(m: dict) -> str:
     """The source's group and, before convert, the target group it gets: '32->ch' (ch: channel)."""
     def name(g):
+        if not isinstance(g, int) or not isinstance(m.get("k"), int):
+            return "?"  # unreadable (a packed blob without usable provenance: see kleidiai_reason)
         return "ch" if g == -1 or g >= m["k"] else str(g)
     g = m.get("target_group_size")
     return name(m["group_size"]) + ("" if g is None else f"->{name(g)}")
