@@ -35,7 +35,7 @@ from .serving import routing_warnings, serve_hint, serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .workdir import partial_folder
-from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
+from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
@@ -280,7 +280,7 @@ def convert(
         fp += "|vllm-names" if rename else ""
         had_partial = partial_folder(Path(out)).is_dir()
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
-        trusted = od.trusted_shards()
+        trusted = od.trusted_shards(names)
         sizes = {n: sum(t.nbytes for t in s) for n, s in zip(names, shards)}
         if resume:
             report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
@@ -302,8 +302,12 @@ def convert(
         del weight_map
         cfg = _out_config(plan, ckpt)
         if packed:
-            cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size)
-            report["serve_format"] = {"format": sf.KLEIDIAI, **cfg["quantization_config"]["kleidiai"]}
+            blobs = {rename.get(f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX}")[: -len(sf.SUFFIX) - 1]: st["packed"]
+                     for m, st in stats.items() if isinstance(st.get("packed"), dict)}
+            cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size,
+                                                         sf.blob_checks(blobs))
+            report["serve_format"] = {"format": sf.KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
+                "kleidiai"].items() if k != sf.BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
@@ -344,6 +348,21 @@ def _check_space(od: OutputDir, need: int, tensors: int, *, fresh: bool) -> None
                            "the total).")
 
 
+def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
+    """How a kept shard's header metadata differs from what this run would write, or None."""
+    from .checkpoint import read_header
+
+    try:
+        _, got, _ = read_header(path)
+    except InputError as e:
+        return str(e)
+    want = {**meta, "int4pack.tensors": json.dumps(results, sort_keys=True, separators=(",", ":"))}
+    if got != want:
+        key = next(k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k))
+        return f"header metadata {key!r} differs"
+    return None
+
+
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
                   rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None) -> dict:
     """Compute jobs in a bounded pool; each worker writes its own tensors at their planned offsets.
@@ -353,10 +372,17 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
     turns a job's W4A8 tensors into KleidiAI blobs (serve_format.job_packer)."""
     rename = rename or {}
-    trusted = od.trusted_shards() if trusted is None else trusted
+    if trusted is None:
+        trusted = od.trusted_shards(names)
+    kept_kind = {n: digest_kind(od.progress["shards"][n].get("data_digest")) for n in trusted}
     shard_of = {t.name: n for n, s in zip(names, shards) for t in s}
-    stats: dict[str, dict] = dict(od.progress.get("jobs", {}))
-    todo = [j for j in plan.jobs if any(shard_of[t.name] not in trusted for t in j.outputs)]
+    # nothing of an interrupted run is taken on its word: every job runs again (its statistics are
+    # this run's), and a kept shard stays only if each of its tensors and its header are what the
+    # source gives now; only the writing is saved
+    stats: dict[str, dict] = {}
+    mismatched: dict[str, str] = {}  # kept shard -> the first tensor that differs
+    kept_results: dict[str, dict] = {}
+    todo = list(plan.jobs)
     skipped = sum(t.nbytes for n, s in zip(names, shards) if n in trusted for t in s)
     progress.start(sum(t.nbytes for s in shards for t in s), len(shard_of), skipped)
     meta = _base_meta(plan)
@@ -392,6 +418,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             if shard not in trusted:
                 shard_file(shard).write(rename.get(name, name), data)
                 written.add(name)
+            elif tensor_crc(data, kept_kind[shard]) != od.kept_crcs[shard].get(rename.get(name, name)):
+                mismatched.setdefault(shard, rename.get(name, name))
         return job_stats, written
 
     def close_shard(shard: str, results: dict, job_stats: dict) -> None:  # finisher thread only
@@ -409,9 +437,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         pending_stats.update(job_stats)
         for t in job.outputs:
             shard = shard_of[t.name]
-            if shard in trusted:
-                continue
-            res = shard_results.setdefault(shard, {})
+            res = kept_results.setdefault(shard, {}) if shard in trusted else shard_results.setdefault(shard, {})
             out_name = rename.get(t.name, t.name)
             mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
             if job.kind == "copy":
@@ -419,6 +445,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             elif leaf in ("weight", sf.SUFFIX) and mod in job_stats:
                 res[out_name] = {k: v for k, v in job_stats[mod].items()
                                  if k in ("path", "rel_l2", "max_abs", "packed")}
+            if shard in trusted:
+                continue
             progress.advance(t.nbytes, 1)
             left[shard] -= 1
             unflushed[shard] += t.nbytes
@@ -448,6 +476,14 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             consume(j, *fut.result())
         for fut in closing:
             fut.result()
+        for shard in sorted(trusted):
+            why = (f"tensor {mismatched[shard]} differs" if shard in mismatched else
+                   _kept_header_problem(od.work / shard, meta, kept_results.get(shard, {})))
+            if why:
+                od.drop_shard(shard)
+                raise OutputError(f"{od.work / shard}: kept from an interrupted run, but it does not hold what the "
+                                  f"source gives ({why}); it was removed", path=str(od.work / shard),
+                                  hint="Run the same command again (with --resume) to write it anew.")
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         finisher.shutdown(wait=True, cancel_futures=True)

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from . import _ext
+from . import crc as crc_mod
 from . import scale_search as S
 from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
 
@@ -77,36 +78,10 @@ def unpack_ct(packed: torch.Tensor, k: int) -> torch.Tensor:
     return unpack_cols(packed)[:, :k].contiguous()
 
 
-def _crc32c_table() -> list[int]:
-    table = []
-    for v in range(256):
-        c = v
-        for _ in range(8):
-            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
-        table.append(c)
-    return table
-
-
-_CRC32C_TABLE: list[int] = []
-
-
 def crc32c(data, crc: int = 0) -> int:
-    """CRC-32C (Castagnoli) of a contiguous buffer, continuing from ``crc`` (0 to start), like zlib.crc32.
-
-    The extension runs it at memory speed (SSE4.2); the twin is a byte-table loop, only fit for
-    small data (a checkpoint written without the extension gets zlib's CRC-32 digests instead).
-    """
-    mv = _bytes_view(data)
-    m = ext()
-    if m is not None:
-        return int(m.crc32c(mv, crc))
-    if not _CRC32C_TABLE:
-        _CRC32C_TABLE.extend(_crc32c_table())
-    t = _CRC32C_TABLE
-    c = crc ^ 0xFFFFFFFF
-    for b in mv:
-        c = t[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
+    """CRC-32C (Castagnoli) of a contiguous buffer, continuing from ``crc`` (0 to start), like zlib.crc32:
+    crc.crc32c (the extension at memory speed, else its numpy engine)."""
+    return crc_mod.crc32c(data, crc)
 
 
 def crc32c_copy(src, dst, crc: int = 0) -> int:

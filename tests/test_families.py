@@ -358,3 +358,15 @@ def test_real_gpt_oss_refused_with_the_reason():
     assert res.exit_code == 4 and "MXFP4" in res.output and "requantising" in res.output, res.output
     res = runner.invoke(app, ["inspect", str(FIXTURES / "gptoss_mxfp4")])
     assert "refused" in res.output and "model.layers.N.mlp.experts.gate_up_proj_blocks" in res.output
+
+
+def test_real_minimax_packed_serving_format(tmp_path):
+    """The packed format (served by int4pack's plugin, the only way stock vLLM-CPU runs MiniMax2
+    routing) under the names vLLM loads, verified against the llm-compressor source."""
+    src = FIXTURES / "ct_minimaxm2_w4a16"
+    int4pack.convert(src, tmp_path / "out", serve_format="kleidiai")
+    o = _tensors(tmp_path / "out")
+    assert any(n.startswith("model.layers.1.block_sparse_moe.experts.7.w3.") for n in o)
+    assert not any(".up_proj." in n for n in o)
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"] and v["structural"]["serve_format"] == "kleidiai", v["verdict"]

@@ -122,7 +122,7 @@ def _summary(o, r: dict) -> None:
                     [[t["name"], t["dtype"], t["shape"], human_bytes(t["bytes"])] for t in ts])
     else:
         o.text(f"  ({r['tensor_count']} tensors: -v lists them, --json gives everything)")
-    if "error" in moe or o.verbosity >= 2:  # for a bug report; -v already lists every tensor
+    if "error" in moe:  # what a bug report about an unknown layout needs (-v lists every tensor)
         o.table("Tensor names (layer and expert numbers folded to N)", ["pattern", "count"],
                 [[t["pattern"], t["count"]] for t in r.get("tensor_names", [])])
     sv = r.get("serve_format")
@@ -135,6 +135,8 @@ def _summary(o, r: dict) -> None:
 def _groups(m: dict) -> str:
     """The source's group and, before convert, the target group it gets: '32->ch' (ch: channel)."""
     def name(g):
+        if not isinstance(g, int) or not isinstance(m.get("k"), int):
+            return "?"  # unreadable (a packed blob without usable provenance: see kleidiai_reason)
         return "ch" if g == -1 or g >= m["k"] else str(g)
     g = m.get("target_group_size")
     return name(m["group_size"]) + ("" if g is None else f"->{name(g)}")

@@ -89,6 +89,14 @@ def _render(o, r: dict) -> None:
         o.text(f"  note: {n}")
     for p in st["problems"][:20]:
         o.text(f"  [red]x[/red] {p['where']}: {p['message']}")
+    cp = r.get("copies")
+    if cp is not None:
+        o.text(f"  copied tensors: {cp['checked']} compared byte for byte with the source: "
+               + ("[green]ok[/green]" if cp["ok"] else f"[red]{len(cp['problems'])} problem(s)[/red]"))
+        for p in cp["problems"][:20]:
+            o.text(f"  [red]x[/red] {p['where']}: {p['message']}")
+    for note in r.get("trust", []):
+        o.text(f"  [dim]note:[/dim] {note}")
     if "kernel" in r:
         o.text(f"  kernel: {r['kernel']['matmul']}, MoE op {r['kernel']['moe_op']}", level=1)
     rows = []

