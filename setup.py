@@ -15,6 +15,11 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools < 70.1
+    from wheel.bdist_wheel import bdist_wheel
+
 ROOT = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("int4pack_build", ROOT / "int4pack" / "_build.py")
 _build = importlib.util.module_from_spec(_spec)
@@ -41,9 +46,17 @@ class BuildKernels(build_ext):
             print(f"WARNING: int4pack: the C++ kernels were not built: {e}", file=sys.stderr)
 
 
+class PlatformWheel(bdist_wheel):
+    """py3-none-<platform>: the library depends on no Python ABI, so one wheel per platform serves
+    every Python (prebuilt wheels: pyproject's [tool.cibuildwheel])."""
+
+    def get_tag(self):
+        return "py3", "none", super().get_tag()[2]
+
+
 setup(
     # optional: setuptools copies the library into the source tree for an editable install only when
     # it was built
     ext_modules=[Extension("int4pack._kernels", sources=[], optional=True)],
-    cmdclass={"build_ext": BuildKernels},
+    cmdclass={"build_ext": BuildKernels, "bdist_wheel": PlatformWheel},
 )

@@ -41,6 +41,7 @@ _SIGNATURES = {
     "i4p_lossless_job": ([_i, _p, _i, _i, _i, _i, _p, _i, _p, _i, _i, _i, _p, _p, _p, _i], _i),
     "i4p_requant": ([ctypes.POINTER(_ReqArgs), _p, _p, _p, _p, _i], _i),
     "i4p_requant_job": ([_i, _p, _i, _i, ctypes.POINTER(_ReqArgs), _p, _p, _p, _p, _p, _p, _i], _i),
+    "i4p_requant_supported": ([], _i),
     "i4p_search_batches": ([_p], None),
     "i4p_force_search64": ([_i], _i),
     "i4p_use_awq_avx2": ([_i], _i),
@@ -108,6 +109,11 @@ def _bytes(buf, writable: bool = False):
 
 class ConvertKernels(_Lib):
     """The convert hot loops (csrc/convert_kernels)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        super().__init__(lib)
+        # False on x86-64 CPUs without AVX2/FMA: the requant kernels are built for x86-64-v3 only
+        self.requant_ok = bool(lib.i4p_requant_supported())
 
     def unpack_gptq(self, qweight: torch.Tensor, threads: int) -> torch.Tensor:
         _need(qweight, "qweight", torch.int32)
@@ -228,7 +234,9 @@ class ConvertKernels(_Lib):
     def requant_job(self, layout: int, data: torch.Tensor, n: int, k: int, sscale: torch.Tensor, zeros: torch.Tensor,
                     src_group: int, g: int, bf16: bool, search: bool, coarse, fine, threads: int):
         """(status [1] int64, q int8 [N, K], scales [N, K/g] bf16 or float32, sums [6] float64, zero
-        groups [1] int64); all but status None unless status is 0."""
+        groups [1] int64); all but status None unless status is 0 (3: take the general path)."""
+        if not self.requant_ok:
+            return torch.tensor([3], dtype=torch.int64), None, None, None, None
         self._job_data(layout, data)
         sf = self._source(n, sscale, zeros, "requant_job")
         if g <= 0 or k % g:

@@ -163,7 +163,7 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     (extension missing, or a NaN/Inf in the weights, which the twin reports).
     """
     mod = ext()
-    if mod is None:
+    if mod is None or not mod.requant_ok:
         return None
     gs = k if g == -1 else g
     coarse, fine = search_points(search)

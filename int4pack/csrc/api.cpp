@@ -112,6 +112,8 @@ I4P_EXPORT int64_t i4p_requant_job(int64_t layout, const void* data, int64_t d0,
   return guarded([&] { return requant_job(layout, data, d0, d1, *a, q, s, flags, rowstats, tot, zero_groups, threads); });
 }
 
+I4P_EXPORT int64_t i4p_requant_supported() { return requant_supported(); }
+
 I4P_EXPORT void i4p_search_batches(int64_t* out) { search_batches(out); }
 
 I4P_EXPORT int64_t i4p_force_search64(int64_t on) { return force_search64(on != 0); }

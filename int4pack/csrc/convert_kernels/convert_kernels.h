@@ -242,6 +242,7 @@ void requant(const ReqArgs& a, int8_t* q, float* s, uint8_t* flags, double* rows
 int64_t requant_job(int64_t layout, const void* data, int64_t d0, int64_t d1, const ReqArgs& a, int8_t* q,
                     float* s, uint8_t* flags, double* rowstats, double* tot, int64_t* zero_groups,
                     int64_t threads);
+bool requant_supported();  // whether this CPU runs requant_rows (see requant.cpp)
 void search_batches(int64_t* out);  // histogram batches searched in float32, float64
 bool force_search64(bool on);  // tests: returns the previous setting
 

@@ -983,7 +983,27 @@ I4P_INLINE void run(const Req& p, Search& w, Batch& b) {
 
 }  // namespace hist
 
-I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
+// x86-64 (GCC): requant_rows is built for x86-64-v3 (AVX2, FMA, BMI2) only, not as target clones:
+// the baseline SSE2 clone of its 32-byte vector code was 0.5 MB of code that took GCC 57 of the
+// file's 70 s to compile. requant_supported() says whether this CPU runs it; where not (x86-64
+// CPUs from before 2013), the callers take the pure-torch requant.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define I4P_REQUANT_V3 1
+#define I4P_REQUANT_TARGET __attribute__((target("arch=x86-64-v3")))
+#else
+#define I4P_REQUANT_TARGET
+#endif
+
+bool requant_supported() {
+#ifdef I4P_REQUANT_V3
+  static const bool ok = __builtin_cpu_supports("x86-64-v3");
+  return ok;
+#else
+  return true;
+#endif
+}
+
+I4P_REQUANT_TARGET void requant_rows(const Req& p, int64_t r0, int64_t r1) {
   const int64_t k = p.k, g = p.g, groups = k / g;
   // the histogram evaluation takes the codes of a group lying in one source group; whatever
   // else (float source, g_idx, a group across source groups, a code above 15) is dequantised
@@ -1043,6 +1063,7 @@ void req_setup(Req& p, const ReqArgs& a, int8_t* q, float* s, uint8_t* flags, do
 // scales [N, Gs], g_idx [K] or null, else source groups of src_group columns). Fills q int8 [N, K],
 // s float32 [N, K/g], flags uint8 [N, K/g] and rowstats float64 [N, 6].
 void requant(const ReqArgs& a, int8_t* q, float* s, uint8_t* flags, double* rowstats, int64_t threads) {
+  I4P_CHECK(requant_supported(), "requant: this CPU lacks AVX2/FMA (x86-64-v3)");
   Req p;
   p.n = a.n;
   p.k = a.k;
@@ -1089,6 +1110,7 @@ int64_t requant_job(int64_t layout, const void* data, int64_t d0, int64_t d1, co
                     float* s, uint8_t* flags, double* rowstats, double* tot, int64_t* zero_groups,
                     int64_t threads) {
   const int64_t n = a.n, k = a.k, g = a.g, src_group = a.src_group;
+  I4P_CHECK(requant_supported(), "requant_job: this CPU lacks AVX2/FMA (x86-64-v3)");
   check_job_data(layout, d0, d1, n, k, 3);
   I4P_CHECK(g > 0 && k % g == 0, "requant_job: group ", g, " does not divide K=", k);
   I4P_CHECK(src_group > 0, "requant_job: bad source group ", src_group);
