@@ -1,8 +1,8 @@
 """Fast paths of the convert hot loops (``csrc/convert_kernels/``), each beside its torch twin.
 
 Every function takes the same inputs as the pure-torch code it replaces and returns the same
-bytes; when the extension is unavailable (``INT4PACK_NO_EXT=1``, no compiler) it *is* the torch
-twin. ``tests/test_kernels.py`` compares the two byte for byte.
+bytes; when the C++ library is unavailable (``INT4PACK_NO_EXT=1``, not built: see ``_ext``) it
+*is* the torch twin. ``tests/test_kernels.py`` compares the two byte for byte.
 
 Threads: a kernel splits its rows over ``kernel_threads()``: torch's intra-op thread count, or
 the count the calling thread set with ``threads_here`` (convert's workers take one each, so
@@ -25,7 +25,7 @@ __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless",
 
 
 def ext():
-    """The compiled ``convert_kernels`` module, or None (then the torch twins run)."""
+    """The C++ ``convert_kernels`` (``_native.ConvertKernels``), or None (then the torch twins run)."""
     return _ext.load("convert_kernels")
 
 
@@ -93,8 +93,8 @@ _CRC32C_TABLE: list[int] = []
 def crc32c(data, crc: int = 0) -> int:
     """CRC-32C (Castagnoli) of a contiguous buffer, continuing from ``crc`` (0 to start), like zlib.crc32.
 
-    The extension runs it at memory speed (SSE4.2); the twin is a byte-table loop, only fit for
-    small data (a checkpoint written without the extension gets zlib's CRC-32 digests instead).
+    The C++ library runs it at memory speed (SSE4.2); the twin is a byte-table loop in Python, only
+    fit for small data (a checkpoint written without the library gets zlib's CRC-32 digests instead).
     """
     mv = _bytes_view(data)
     m = ext()
@@ -111,7 +111,7 @@ def crc32c(data, crc: int = 0) -> int:
 
 def crc32c_copy(src, dst, crc: int = 0) -> int:
     """Copy ``src`` into the start of ``dst`` and return the CRC-32C of those bytes (continuing from
-    ``crc``): the writer's direct path, one pass over the source, without the GIL (extension)."""
+    ``crc``): the writer's direct path, one pass over the source, without the GIL (C++ library)."""
     src = _bytes_view(src)
     m = ext()
     if m is not None:
@@ -160,7 +160,7 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     """Fast ``w4a8._requant_rows`` on a float ``w`` [N, K] or a QuantLinear ``ql``.
 
     Returns (q, scales, info) with the torch twin's bytes and info keys, or None to use the twin
-    (extension missing, or a NaN/Inf in the weights, which the twin reports).
+    (library missing, a CPU it cannot run on, or a NaN/Inf in the weights, which the twin reports).
     """
     mod = ext()
     if mod is None or not mod.requant_ok:

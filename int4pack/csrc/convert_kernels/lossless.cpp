@@ -124,11 +124,15 @@ I4P_INLINE void reduce16(u16x16 s, u16x16 mx, int32_t& sum, int32_t& max) {
   std::memcpy(&m8, &mx, 16);
   std::memcpy(&hi, reinterpret_cast<const char*>(&mx) + 16, 16);
   m8 = m8 > hi ? m8 : hi;
-  typedef uint16_t u16x8m __attribute__((vector_size(16)));
-  s8 += __builtin_shuffle(s8, u16x8m{4, 5, 6, 7, 0, 1, 2, 3});
-  m8 = m8 > __builtin_shuffle(m8, u16x8m{4, 5, 6, 7, 0, 1, 2, 3}) ? m8 : __builtin_shuffle(m8, u16x8m{4, 5, 6, 7, 0, 1, 2, 3});
-  s8 += __builtin_shuffle(s8, u16x8m{2, 3, 0, 1, 6, 7, 4, 5});
-  m8 = m8 > __builtin_shuffle(m8, u16x8m{2, 3, 0, 1, 6, 7, 4, 5}) ? m8 : __builtin_shuffle(m8, u16x8m{2, 3, 0, 1, 6, 7, 4, 5});
+  // (I4P_SHUF: GCC's __builtin_shuffle or clang's __builtin_shufflevector)
+  u16x8 t = I4P_SHUF(u16x8, s8, s8, 4, 5, 6, 7, 0, 1, 2, 3);
+  s8 += t;
+  t = I4P_SHUF(u16x8, m8, m8, 4, 5, 6, 7, 0, 1, 2, 3);
+  m8 = m8 > t ? m8 : t;
+  t = I4P_SHUF(u16x8, s8, s8, 2, 3, 0, 1, 6, 7, 4, 5);
+  s8 += t;
+  t = I4P_SHUF(u16x8, m8, m8, 2, 3, 0, 1, 6, 7, 4, 5);
+  m8 = m8 > t ? m8 : t;
   sum = static_cast<int32_t>(s8[0]) + s8[1];
   max = std::max(m8[0], m8[1]);
 }
