@@ -31,8 +31,11 @@ class BuildKernels(build_ext):
     parallel), a file name without a Python tag, and a failure that warns instead of failing."""
 
     def get_ext_filename(self, fullname):
+        # called with the full name (in-place copies) and with the last part (get_ext_fullpath)
         if fullname == "int4pack._kernels":
             return os.path.join("int4pack", _build.library_name())
+        if fullname == "_kernels":
+            return _build.library_name()
         return super().get_ext_filename(fullname)
 
     def build_extension(self, ext):
