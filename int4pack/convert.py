@@ -28,7 +28,7 @@ from .formats import Reader
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from . import serve_format as sf
-from .serving import serving_warnings
+from .serving import routing_warnings, serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
@@ -250,7 +250,8 @@ def convert(
             "source": str(src),
             "plan": plan.summary(),
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
-            "serving": serving_warnings(plan.schemes()),  # measured vLLM releases that fail on this output
+            # measured vLLM releases that fail on this output: its scales and dtypes, its routing
+            "serving": serving_warnings(plan.schemes()) + routing_warnings(ckpt.model_type, ckpt.text_config, packed),
         }
         if dry_run:
             report["dry_run"] = True

@@ -18,7 +18,7 @@ from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
-from .serving import serving_warnings
+from .serving import routing_warnings, serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -94,7 +94,8 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = True
-    out["serving"] = serving_warnings({m["group_size"] for m in mods.values() if m["group_size"] is not None})
+    out["serving"] = (serving_warnings({m["group_size"] for m in mods.values() if m["group_size"] is not None})
+                      + routing_warnings(ckpt.model_type, ckpt.text_config, packed=True))
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
                                "fallback": sum(1 for m in mods.values() if not m["kleidiai"])}
     return out
@@ -153,7 +154,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     out["is_w4a8_output"] = is_output
     g_out = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
              else set(plan.schemes()) if plan else set())
-    out["serving"] = serving_warnings(g_out)  # measured vLLM releases that fail on this output
+    # measured vLLM releases that fail on this output (or the output convert writes by default)
+    out["serving"] = serving_warnings(g_out) + routing_warnings(ckpt.model_type, ckpt.text_config, packed=False)
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
               "fallback": sum(1 for m in mods.values() if m["kleidiai"] is False)}
     out["kleidiai_summary"] = counts
