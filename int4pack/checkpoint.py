@@ -558,6 +558,13 @@ class Checkpoint:
     def model_type(self) -> str:
         return str(self.text_config.get("model_type") or self.config.get("model_type") or "")
 
+    @property
+    def family_type(self) -> str:
+        """The model type that names the family (a known wrapper's own type, else the text model's)."""
+        from .families import resolve_type
+
+        return resolve_type(self.config)
+
     def extra_files(self) -> list[str]:
         """Files to copy to the output as they are (tokenizer, generation config, ...)."""
         skip = {"config.json", "model.safetensors.index.json"} | SOURCE_QUANT_FILES

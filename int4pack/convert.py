@@ -176,7 +176,7 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
     if isinstance(cfg.get("text_config"), dict):
         cfg["text_config"].pop("quantization_config", None)
     ignore = _ignore_list(plan, ckpt)
-    rename = vllm_output_names(ckpt.model_type, [f"{m}.weight" for m in ignore])
+    rename = vllm_output_names(ckpt.family_type, [f"{m}.weight" for m in ignore])
     ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
     if plan.group_size is not None:
         cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
@@ -262,7 +262,7 @@ def convert(
             return report
         t_plan = time.perf_counter() - t0
         fp = plan.fingerprint(ckpt)
-        rename = vllm_output_names(ckpt.model_type, [t.name for t in plan.outputs])  # names vLLM loads
+        rename = vllm_output_names(ckpt.family_type, [t.name for t in plan.outputs])  # names vLLM loads
         fp += "|vllm-names" if rename else ""
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from . import kleidiai, serve_format as sf
-from .architectures import classify, discover
+from .architectures import classify, discover, name_summary
+from .families import family
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
 from .groups import groupwise_problem
@@ -46,6 +47,9 @@ def _tensor_rows(ckpt: Checkpoint) -> list[dict]:
 
 def _head(ckpt: Checkpoint, label: str) -> dict:
     return {"path": label, "folder": str(ckpt.folder), "model_type": ckpt.model_type,
+            "family_type": ckpt.family_type,
+            # names with layer/expert numbers folded to N: what a bug report about a layout needs
+            "tensor_names": [{"pattern": p, "count": c} for p, c in name_summary(ckpt.tensors)],
             "architectures": ckpt.config.get("architectures"), "shards": len(ckpt.shards),
             "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values())}
 
@@ -53,10 +57,15 @@ def _head(ckpt: Checkpoint, label: str) -> dict:
 def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
     """(the MoE structure for the summary, module -> role)."""
     try:
-        lay = discover(ckpt.model_type, ckpt.text_config, sorted(linears), sorted(ckpt.tensors))
+        lay = discover(ckpt.family_type, ckpt.text_config, sorted(linears), sorted(ckpt.tensors))
     except Int4packError as e:
         return {"error": str(e), "hint": e.hint}, {}
-    return ({"layers": [{"prefix": m.prefix, "experts": m.num_experts, "router": m.router,
+    fam = family(ckpt.family_type)
+    return ({"family": lay.family, "model_types": list(fam.model_types) if fam else [],
+             "expert_naming": fam.experts if fam else None, "routing": lay.routing, "kept": lay.kept,
+             "float_only": sorted(m for m, r in lay.roles.items() if r == "float_only"),
+             "renamed_for_vllm": bool(fam and fam.renames),
+             "layers": [{"prefix": m.prefix, "experts": m.num_experts, "router": m.router,
                          "shared": sorted(m.shared.values()), "shared_gate": m.shared_gate} for m in lay.moe_layers],
              "routers": lay.routers, "roles": lay.counts()}, lay.roles)
 

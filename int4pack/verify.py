@@ -91,7 +91,7 @@ class _Source:
         self.reader = open_reader(self.ckpt)
         # keyed by the output's module names (convert renames some families for vLLM)
         ren = {k[:-7]: v[:-7] for k, v in vllm_output_names(
-            self.ckpt.model_type, [f"{m}.weight" for m in self.reader.linears()]).items()}
+            self.ckpt.family_type, [f"{m}.weight" for m in self.reader.linears()]).items()}
         self.specs = {ren.get(m, m): s for m, s in self.reader.linears().items()}
         try:
             from .plan import make_plan
@@ -166,16 +166,22 @@ def _hidden(gen: torch.Generator, t: int, h: int, norm: torch.Tensor | None) -> 
     return x * norm if norm is not None and norm.numel() == h else x
 
 
-def _route(x, router_w, sampled: list[int], top_k: int, renorm: bool, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k among the sampled experts from the real router; every sampled expert gets slots."""
+def _route(x, router_w, sampled: list[int], top_k: int, renorm: bool, gen, scoring: str = "softmax",
+           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k among the sampled experts from the real router, scored as the family scores (softmax, or
+    sigmoid with the score bias choosing but not weighting); every sampled expert gets slots. The
+    kernel and the float reference take the same ids and weights: routing picks the inputs, the
+    comparison is of the experts."""
     t = x.shape[0]
     k = min(top_k, len(sampled))
     if router_w is not None:
         logits = x @ router_w.float()[sampled].t()
     else:
         logits = torch.randn(t, len(sampled), generator=gen)
-    probs = torch.softmax(logits, dim=1)
-    w, ids = probs.topk(k, dim=1)
+    probs = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=1)
+    choice = probs + bias.float()[sampled] if bias is not None else probs
+    ids = choice.topk(k, dim=1).indices
+    w = probs.gather(1, ids)
     # guarantee coverage: give an expert with too few slots the last slot of tokens lacking it
     for e in range(len(sampled)):
         have = int((ids == e).sum())
@@ -247,12 +253,17 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
     with clock("read"):
         rw = ck.get(router).float() if router else None
         norm = _norm_weight(ck, prefix, _NORMS)
+        bias_name = next((n for n in (f"{prefix}.gate.e_score_correction_bias", f"{prefix}.e_score_correction_bias")
+                          if n in ck.tensors), None) if t.routing.get("bias") else None
+        bias = ck.get(bias_name).float() if bias_name else None
     k_top = min(t.top_k, e_s)
     n_tok = tokens or max(32, -(-MIN_SLOTS_PER_EXPERT * 2 * e_s // k_top))
     x = _hidden(gen, n_tok, t.shape(experts[ids_all[0]]["gate"])[1], norm)
-    ids, wts = _route(x, rw, sampled, t.top_k, t.norm_topk, gen)
+    scoring = t.routing.get("scoring_func") or "softmax"
+    ids, wts = _route(x, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias)
     res["tokens"] = n_tok
     res["router"] = "real" if rw is not None else "random logits"
+    res["scoring"] = scoring + (" + score bias" if bias is not None else "")
     res["input_norm"] = norm is not None
 
     use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None

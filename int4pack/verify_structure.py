@@ -22,7 +22,7 @@ from .w4a8 import dequantize_w4a8
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router)$")
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -74,7 +74,13 @@ class Target:
         self.num_experts = next((tc[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
                                  if isinstance(tc.get(k), int)), None)
         self.top_k = int(tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2)
-        self.norm_topk = bool(tc.get("norm_topk_prob", ckpt.model_type in ("mixtral", "phimoe")))
+        from .families import family
+
+        fam = family(ckpt.family_type)
+        # the family's routing facts (families/): scoring function, renormalisation, score bias
+        self.routing = fam.facts(tc) if fam else {"scoring_func": "softmax", "bias": False}
+        self.norm_topk = bool(tc.get("norm_topk_prob", self.routing.get("renormalize",
+                                                                      ckpt.model_type in ("mixtral", "phimoe"))))
         act = str(tc.get("hidden_act") or "silu")
         self.activation = 1 if "oai" in act else 0
         self.layers: dict[str, dict[int, dict[str, str]]] = {}
@@ -205,6 +211,8 @@ def _check_layers(t: Target, problems: Problems) -> None:
     prefixes = sorted(set(t.layers) | set(t.routers), key=lambda p: (layer_index(p), p))
     for p in prefixes:
         experts = t.layers.get(p, {})
+        if not experts and any(n.startswith(f"{p}.experts.") for n in t.ckpt.tensors):
+            continue  # experts kept in float (an MTP block the main model drops): not W4A8, nothing to check
         if p not in t.routers:
             problems.add(p, "experts without a router weight")
         n = want or ((max(experts) + 1) if experts else 0)

@@ -95,7 +95,8 @@ def convert_cmd(
 def _render(o: Output, r: dict) -> None:
     p = r["plan"]
     fmt = p["format"]
-    o.text(f"[bold]{r['source']}[/bold]: {fmt['format']} ({fmt['detail']}), model_type {p['model_type']}")
+    o.text(f"[bold]{r['source']}[/bold]: {fmt['format']} ({fmt['detail']}), model_type {p['model_type']}"
+           + (f" ({p['family']})" if p.get("family") else ""))
     for ev in fmt.get("evidence", []):
         o.text(f"  evidence: {ev}", level=0)
     for w in fmt.get("warnings", []):
@@ -103,6 +104,8 @@ def _render(o: Output, r: dict) -> None:
     exp = "/".join(map(str, p["experts_per_layer"]))
     o.text(f"  {p['moe_layers']} MoE layers x {exp} experts, {p['shared_experts']} with shared experts, "
            f"{p['routers']} routers")
+    for why, n in (p.get("kept") or {}).items():
+        o.text(f"  kept as is: {n} tensor(s), {why}")
     g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
     o.text(f"  target: W4A8, {g} module(s), dense linears as {p['dense']}")
     subs: dict[tuple, list] = {}  # one line per (reason, substitute): a large model repeats them per layer

@@ -59,12 +59,27 @@ def _summary(o, r: dict) -> None:
         o.warning(w)
     moe = r["moe"]
     if "error" in moe:
-        o.text(f"  MoE: [red]{moe['error']}[/red]")
+        o.text(f"  MoE: [red]{escape(moe['error'])}[/red]")
+        if moe.get("hint"):
+            o.text(f"  hint: {escape(moe['hint'])}")
     else:
         exp = sorted({m["experts"] for m in moe["layers"]})
         shared = sum(1 for m in moe["layers"] if m["shared"])
+        if moe.get("family"):
+            rt = moe.get("routing") or {}
+            how = rt.get("kind", "?") + f", {rt.get('scoring_func')}" + (" + score bias" if rt.get("bias") else "") \
+                + (f", groups {rt['n_group']}/top {rt['topk_group']}" if rt.get("n_group") else "") \
+                + (f", top-{rt['top_k']}" if rt.get("top_k") else "") + (", renormalised" if rt.get("renormalize") else "")
+            o.text(f"  family: {moe['family']} ({escape(moe.get('expert_naming') or '')}); routing {how}")
         o.text(f"  MoE: {len(moe['layers'])} layers x {'/'.join(map(str, exp))} experts, {shared} with shared "
                f"experts, {len(moe['routers'])} routers; roles {moe['roles']}")
+        for why, n in (moe.get("kept") or {}).items():
+            o.text(f"  kept as is: {n} tensor(s), {why}")
+        if moe.get("float_only"):
+            o.text(f"  dequantised to bfloat16 (vLLM builds them unquantised): {len(moe['float_only'])} linear(s), "
+                   f"e.g. {moe['float_only'][0]}")
+        if moe.get("renamed_for_vllm"):
+            o.text("  convert writes the expert and router names vLLM loads for this family")
     p = r["plan"]
     if p["ok"]:
         g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
@@ -107,6 +122,9 @@ def _summary(o, r: dict) -> None:
                     [[t["name"], t["dtype"], t["shape"], human_bytes(t["bytes"])] for t in ts])
     else:
         o.text(f"  ({r['tensor_count']} tensors: -v lists them, --json gives everything)")
+    if "error" in moe or o.verbosity >= 1:
+        o.table("Tensor names (layer and expert numbers folded to N)", ["pattern", "count"],
+                [[t["pattern"], t["count"]] for t in r.get("tensor_names", [])])
     sv = r.get("serve_format")
     if sv:
         o.text(f"  serve format: {sv['blobs']} KleidiAI blobs ({human_bytes(sv['blob_bytes'])}), layout {sv.get('layout')} "
