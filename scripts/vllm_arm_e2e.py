@@ -977,6 +977,30 @@ def proof_table(files: list[str]) -> str:
     return "\n".join(lines)
 
 
+def portable(obj, work: Path, items: list[dict]):
+    """The results without this machine's paths: the checkout as a relative path, the scratch
+    folder as <work>, the emulated vLLM's prefix as <arm64emu>, an input outside the checkout as
+    <input>/NAME."""
+    subs = [(f"{REPO}/", ""), (str(REPO), "."), (str(work.resolve()), "<work>"), (str(work), "<work>"),
+            (str(PREFIX), "<arm64emu>")]
+    subs += [(str(i["src"]), f"<input>/{i['src'].name}") for i in items if not str(i["src"]).startswith(str(REPO))]
+    subs += [(str(Path(i["input"])), f"<input>/{i['src'].name}") for i in items if os.path.isabs(i["input"])]
+    subs.sort(key=lambda ab: -len(ab[0]))  # the longest first: a folder inside another
+
+    def walk(o):
+        if isinstance(o, str):
+            for a, b in subs:
+                o = o.replace(a, b)
+            return o
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [walk(v) for v in o]
+        return o
+
+    return walk(obj)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="*", metavar="PATH_OR_FIXTURE", help=f"default: every fixture ({', '.join(CASES)})")
@@ -1062,7 +1086,7 @@ def main() -> int:
     result["total_s"] = round(time.perf_counter() - t0, 1)
     result["ok"] = all(r["passed"] for r in recs.values()) and result.get("pair", {"ok": True})["ok"]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    out.write_text(json.dumps(portable(result, work, items), indent=1, default=str) + "\n")
     print(table(list(recs.values())))
     if "pair" in result:
         print("\npair:", json.dumps(result["pair"]))

@@ -171,6 +171,9 @@ def load(folder: Path, cfg: dict | None = None):
     cls = model_class(cfg)
     conf = cls.config_class.from_dict({k: v for k, v in cfg.items() if k != "model_type"})
     conf._attn_implementation = "eager"
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its load report of a naming tried first: the check below decides
     for names in _EXPERT_NAMINGS:  # as written, else the other expert naming (GPTQModel's Mixtral)
         model, info = cls.from_pretrained(str(folder), config=conf, dtype=torch.float64, output_loading_info=True,
                                           key_mapping=names)
