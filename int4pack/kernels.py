@@ -1,8 +1,8 @@
 """Fast paths of the convert hot loops (``csrc/convert_kernels/``), each beside its torch twin.
 
 Every function takes the same inputs as the pure-torch code it replaces and returns the same
-bytes; when the extension is unavailable (``INT4PACK_NO_EXT=1``, no compiler) it *is* the torch
-twin. ``tests/test_kernels.py`` compares the two byte for byte.
+bytes; when the C++ library is unavailable (``INT4PACK_NO_EXT=1``, not built: see ``_ext``) it
+*is* the torch twin. ``tests/test_kernels.py`` compares the two byte for byte.
 
 Threads: a kernel splits its rows over ``kernel_threads()``: torch's intra-op thread count, or
 the count the calling thread set with ``threads_here`` (convert's workers take one each, so
@@ -26,7 +26,7 @@ __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless",
 
 
 def ext():
-    """The compiled ``convert_kernels`` module, or None (then the torch twins run)."""
+    """The C++ ``convert_kernels`` (``_native.ConvertKernels``), or None (then the torch twins run)."""
     return _ext.load("convert_kernels")
 
 
@@ -86,7 +86,7 @@ def crc32c(data, crc: int = 0) -> int:
 
 def crc32c_copy(src, dst, crc: int = 0) -> int:
     """Copy ``src`` into the start of ``dst`` and return the CRC-32C of those bytes (continuing from
-    ``crc``): the writer's direct path, one pass over the source, without the GIL (extension)."""
+    ``crc``): the writer's direct path, one pass over the source, without the GIL (C++ library)."""
     src = _bytes_view(src)
     m = ext()
     if m is not None:
@@ -135,10 +135,10 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     """Fast ``w4a8._requant_rows`` on a float ``w`` [N, K] or a QuantLinear ``ql``.
 
     Returns (q, scales, info) with the torch twin's bytes and info keys, or None to use the twin
-    (extension missing, or a NaN/Inf in the weights, which the twin reports).
+    (library missing, a CPU it cannot run on, or a NaN/Inf in the weights, which the twin reports).
     """
     mod = ext()
-    if mod is None:
+    if mod is None or not mod.requant_ok:
         return None
     gs = k if g == -1 else g
     coarse, fine = search_points(search)

