@@ -22,8 +22,12 @@ rules of the hand-written reference in scripts/vllm_arm_e2e.py:
   * ``bf16``: unquantised weights are rounded to bfloat16 (the routers' score-correction bias
     stays float32, as vLLM holds it), and so is what vLLM holds in bfloat16: the input and output
     of every linear, norm and embedding, the attention block, the MoE block and the experts'
-    output, each decoder layer's output and the logits. The quantised weights stay exact
-    (int4 x scale), and inside the fused W4A8 MoE op the experts' intermediates stay unrounded.
+    output, each decoder layer's output and the logits, q and k after the rotary embedding, and
+    the router logits where vLLM's router is a linear in the model dtype (not GLM-4-MoE and
+    MiniMax-M2: ``ROUTER_FP32``). The quantised weights stay exact (int4 x scale), and inside the
+    fused W4A8 MoE op the experts' intermediates stay unrounded.
+On the Qwen3-MoE and Mixtral fixtures all three give the hand-written reference's numbers to
+1e-12 (tests/vllm/test_hf_reference.py).
 """
 
 from __future__ import annotations
