@@ -1,4 +1,4 @@
-"""The W4A8 MoE op (csrc/moe/moe.cpp and its Python twin) against two independent references:
+"""The W4A8 MoE op (moe.moe_forward: vLLM's algorithm over torch's op) against two independent references:
 
 * a per-token loop that calls torch's ``_dyn_quant_matmul_4bit`` once per (token, expert) and sums
   the slots itself (no bucketing, no index_add): equal within float rounding;
