@@ -222,6 +222,7 @@ def convert(
     serve_format: str = "compressed-tensors",
     progress: NullProgress | None = None,
     strict_group_size: bool = False,
+    tensor_parallel: int = 1,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint, or with
     ``serve_format="kleidiai"`` to the packed serving format (serve_format.py).
@@ -230,19 +231,26 @@ def convert(
     written and the report holds the plan. Raises Int4packError subclasses on bad input.
     ``group_size`` is a model-wide request: modules that cannot run it take the group they can
     (the report's ``plan.group_substitutions``), unless ``strict_group_size`` refuses instead.
+    ``tensor_parallel`` > 1 (packed format only) stores the row parallel modules split along K for
+    that many vLLM tensor parallel ranks (serve_format.py).
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
     packed = sf.parse_format(serve_format) == sf.KLEIDIAI
+    if tensor_parallel != 1 and not packed:
+        raise UsageError(f"--tensor-parallel {tensor_parallel} applies to --serve-format kleidiai only "
+                         "(vLLM splits the default format itself at load, for any tensor_parallel_size)")
+    if tensor_parallel < 1:
+        raise UsageError(f"--tensor-parallel {tensor_parallel}: must be at least 1")
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
     with Checkpoint(folder) as ckpt:
         plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
                          strict_group_size=strict_group_size)
         if packed:
-            plan = sf.packed_plan(plan)
+            plan = sf.packed_plan(plan, tensor_parallel)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
         report = {
@@ -265,7 +273,7 @@ def convert(
         fp += "|vllm-names" if rename else ""
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              sf.job_packer() if packed else None)
+                              sf.job_packer(tensor_parallel) if packed else None)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -276,7 +284,7 @@ def convert(
         del weight_map
         cfg = _out_config(plan, ckpt)
         if packed:
-            cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size)
+            cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size, tensor_parallel)
             report["serve_format"] = {"format": sf.KLEIDIAI, **cfg["quantization_config"]["kleidiai"]}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         for name in ckpt.extra_files():

@@ -9,6 +9,11 @@ blob of each expert in one row), ``[bytes]`` for a dense linear (q, k, v or gate
 other). The checkpoint has one blob per part; the loaders put each at its offset (the parts'
 blobs joined are the fused matrix's blob: serve_format.py) and remember what they filled, so a
 blob the checkpoint lacks is an error after loading, not uninitialised memory.
+
+Tensor parallelism (docs/serve-format.md): a column parallel part (q/k/v, gate/up, an expert's
+gate/up) is stored whole and each rank copies its own byte range (its rows are whole 8-row blocks);
+a row parallel matrix (o_proj, down_proj, an expert's down) is stored ``[tp, bytes]`` by
+``convert --tensor-parallel`` and each rank copies its own row. No rank keeps another's bytes.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from functools import lru_cache
 import torch
 
 from .. import kleidiai
-from ..serve_format import QUANT_METHOD, record_problems
+from ..serve_format import QUANT_METHOD, record_problems, tensor_parallel_size
 
-__all__ = ["runtime_problem", "check_runtime", "ExpertBlobs", "DenseBlobs"]
+__all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
+           "ExpertBlobs", "DenseBlobs"]
 
 _HINT = ("Serve the default output of `int4pack convert` (compressed-tensors W4A8: vLLM packs it at load), "
          "or run on an Arm CPU with dotprod and a torch build with KleidiAI.")
@@ -65,24 +71,70 @@ def check_runtime(record: dict) -> None:
         raise RuntimeError(f"{QUANT_METHOD} checkpoint cannot be served here: {why}. {_HINT}")
 
 
-def _check_blob(loaded: torch.Tensor, want: int, what: str) -> torch.Tensor:
-    if loaded.dtype != torch.uint8 or loaded.numel() != want:
-        raise ValueError(f"{QUANT_METHOD}: {what} is {loaded.dtype} with {loaded.numel()} elements, expected "
-                         f"uint8 with {want} bytes (the KleidiAI size). Tensor or expert parallelism over the "
-                         "packed format is not supported; serve it with tensor_parallel_size=1, or convert "
-                         "again with this int4pack.")
-    return loaded.reshape(-1)
+def _check_blob(loaded: torch.Tensor, want: tuple[int, ...], what: str) -> torch.Tensor:
+    if loaded.dtype != torch.uint8 or tuple(loaded.shape) != want:
+        split = (f" (one row per tensor parallel rank: convert --tensor-parallel {want[0]})" if len(want) == 2
+                 else "")
+        raise ValueError(f"{QUANT_METHOD}: {what} is {loaded.dtype} {list(loaded.shape)}, expected uint8 "
+                         f"{list(want)}{split}, the KleidiAI size for this layer. Convert again with this "
+                         "int4pack, with --tensor-parallel N for vLLM's tensor_parallel_size=N where N > 1.")
+    return loaded
+
+
+def _rows(blob: torch.Tensor, start: int, rows: int, full_rows: int) -> torch.Tensor:
+    """Rows start..start+rows (whole 8-row blocks) of a blob of full_rows rows: a byte range."""
+    per = blob.numel() // (-(-full_rows // kleidiai.NR))  # bytes per 8-row block
+    return blob[start // kleidiai.NR * per:(start + rows) // kleidiai.NR * per]
+
+
+def split_problem(what: str, rows: int, tp: int) -> str | None:
+    """Why a column parallel part with ``rows`` rows per rank cannot be a byte range, or None."""
+    if tp > 1 and rows % kleidiai.NR:
+        return (f"{QUANT_METHOD}: {what} has {rows} rows per tensor parallel rank, not a multiple of "
+                f"{kleidiai.NR} (KleidiAI's row block): tensor_parallel_size={tp} cannot split its packed "
+                "blob; serve with a tensor_parallel_size that leaves whole 8-row blocks per rank, or the "
+                "default format")
+    return None
+
+
+def check_tensor_parallel(record: dict, tp: int, what: str) -> None:
+    """A row parallel matrix stored split for N ranks serves at tensor_parallel_size N only."""
+    stored = tensor_parallel_size(record)
+    if stored != tp:
+        raise ValueError(
+            f"{QUANT_METHOD}: {what} runs with tensor_parallel_size={tp}, but the checkpoint's row parallel "
+            f"matrices (o_proj, down_proj, the experts' down) are packed for {stored or 'an unreadable size'}. "
+            f"Serve it with tensor_parallel_size={stored}, or convert again with "
+            f"`int4pack convert --serve-format kleidiai --tensor-parallel {tp}`.")
+
+
+def column_shards(rows: list[int], tp: int, rank: int, kv_replicas: int = 1, name: str = "a dense layer"
+                  ) -> list[tuple[int, int]]:
+    """(the part's rows in the checkpoint, this rank's first row) per part of a column parallel
+    layer whose rank holds ``rows`` rows per part, as vLLM narrows them: q/k/v's k and v (parts 1
+    and 2 of three) shared by ``kv_replicas`` ranks when there are fewer kv heads than ranks."""
+    out = []
+    for i, n in enumerate(rows):
+        r = kv_replicas if len(rows) == 3 and i > 0 else 1
+        why = split_problem(f"{name} (part {i})", n, tp)
+        if why:
+            raise ValueError(why)
+        out.append((n * (tp // r), (rank // r) * n))
+    return out
 
 
 class ExpertBlobs:
     """Shapes and loader of the experts' packed parameters ``w13`` [E, 2*half] and ``w2`` [E, bytes]."""
 
-    def __init__(self, experts: int, hidden: int, inter: int, group_size: int):
-        self.experts = experts
+    def __init__(self, experts: int, hidden: int, inter: int, group_size: int, tp: int = 1, rank: int = 0):
+        """``inter``: this rank's intermediate size; ``tp``, ``rank``: the tensor parallel split (w13
+        along N: a byte range of each whole gate/up blob; w2 along K: row ``rank`` of its [tp, bytes])."""
+        self.experts, self.tp, self.rank = experts, tp, rank
+        if inter % kleidiai.NR:
+            raise ValueError(split_problem("the experts' gate/up", inter, max(tp, 2)) if tp > 1 else
+                             f"{QUANT_METHOD}: intermediate size {inter} is not a multiple of {kleidiai.NR}")
         self.half = kleidiai.packed_size(inter, hidden, hidden if group_size == -1 else group_size)
         self.w2 = kleidiai.packed_size(hidden, inter, inter if group_size == -1 else group_size)
-        if inter % kleidiai.NR:
-            raise ValueError(f"{QUANT_METHOD}: intermediate size {inter} is not a multiple of {kleidiai.NR}")
         self.loaded: set[tuple[int, str]] = set()
 
     def empty(self, which: str) -> torch.Tensor:
@@ -96,8 +148,17 @@ class ExpertBlobs:
             raise ValueError(f"{QUANT_METHOD}: {weight_name}: expert {e} outside 0..{self.experts - 1} "
                              "(expert parallelism is not supported)")
         row = param.data[e]
-        dst = {"w1": row[: self.half], "w3": row[self.half:], "w2": row}[shard_id]
-        dst.copy_(_check_blob(loaded_weight, dst.numel(), f"{weight_name} (expert {e}, {shard_id})"))
+        what = f"{weight_name} (expert {e}, {shard_id})"
+        if shard_id == "w2":
+            if self.tp == 1:
+                src = _check_blob(loaded_weight, (self.w2,), what)
+            else:
+                src = _check_blob(loaded_weight, (self.tp, self.w2), what)[self.rank]
+            row.copy_(src)
+        else:
+            whole = _check_blob(loaded_weight, (self.half * self.tp,), what)
+            dst = row[: self.half] if shard_id == "w1" else row[self.half:]
+            dst.copy_(whole[self.rank * self.half:(self.rank + 1) * self.half])
         self.loaded.add((e, shard_id))
         return True if return_success else None
 
@@ -110,12 +171,19 @@ class DenseBlobs:
 
     _QKV = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, out_sizes: list[int], k: int, group_size: int):
+    def __init__(self, out_sizes: list[int], k: int, group_size: int, shards: list[tuple[int, int]] | None = None,
+                 k_split: tuple[int, int] | None = None, name: str = "a dense layer"):
+        """``out_sizes``, ``k``: this rank's rows per part and its K. ``shards``: per part (the whole
+        part's rows in the checkpoint, this rank's first row) for a column parallel split;
+        ``k_split``: (tp, rank) for a row parallel one (the checkpoint's [tp, bytes], row rank)."""
         block = k if group_size == -1 else group_size
         if len(out_sizes) > 1 and any(n % kleidiai.NR for n in out_sizes):
             raise ValueError(f"{QUANT_METHOD}: fused parts {out_sizes} are not multiples of {kleidiai.NR} rows")
         sizes = [kleidiai.packed_size(n, k, block) for n in out_sizes]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.shards = shards or [(n, 0) for n in out_sizes]
+        self.whole = [kleidiai.packed_size(full, k, block) for full, _ in self.shards]
+        self.out_sizes, self.k_split, self.name = list(out_sizes), k_split, name
         self.loaded: set[int] = set()
 
     def empty(self) -> torch.Tensor:
@@ -129,7 +197,17 @@ class DenseBlobs:
             i = self._QKV.get(loaded_shard_id, loaded_shard_id)
             parts = range(int(i), int(i) + 1)
         lo, hi = self.offsets[parts[0]], self.offsets[parts[-1] + 1]
-        param.data[lo:hi].copy_(_check_blob(loaded_weight, hi - lo, f"part {loaded_shard_id}"))
+        what = self.name if loaded_shard_id is None else f"{self.name} part {loaded_shard_id}"
+        if self.k_split is not None:  # row parallel: one part, this rank's row of [tp, bytes]
+            tp, rank = self.k_split
+            param.data[lo:hi].copy_(_check_blob(loaded_weight, (tp, hi - lo), what)[rank])
+        elif len(parts) == 1 and self.shards[parts[0]] != (self.out_sizes[parts[0]], 0):  # column parallel
+            i = parts[0]
+            whole = _check_blob(loaded_weight, (self.whole[i],), what)
+            start = self.shards[i][1]
+            param.data[lo:hi].copy_(_rows(whole, start, self.out_sizes[i], self.shards[i][0]))
+        else:
+            param.data[lo:hi].copy_(_check_blob(loaded_weight, (hi - lo,), what))
         self.loaded.update(parts)
 
     def missing(self) -> list[int]:
