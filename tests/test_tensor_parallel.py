@@ -179,3 +179,18 @@ def test_dense_loader_column_and_row_splits(outs, tp, reps):
             assert torch.equal(param.data, _ref(plain, f"{a}.o_proj", cols=(r * ko // TP, (r + 1) * ko // TP), bias=r == 0))
     with pytest.raises(ValueError, match=r"qkv_proj \(part 1\) has 4 rows per tensor parallel rank"):
         _layout.column_shards([16, 4, 4], 8, 0, 1, f"{a}.qkv_proj")
+
+
+def test_verify_passes_the_split_checkpoint_and_refuses_a_record_of_another_size(outs, tmp_path):
+    import shutil
+
+    d = outs["ct_qwen3moe_w4a16_channel"]["dirs"]["tp2"]
+    assert int4pack.verify(d, structural_only=True)["ok"]
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["kleidiai"]["tensor_parallel_size"] = 4
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = int4pack.verify(bad, structural_only=True, raise_on_failure=False)
+    text = json.dumps(r)
+    assert not r["ok"] and "stored for 2 tensor parallel rank(s), the config records tensor_parallel_size 4" in text
