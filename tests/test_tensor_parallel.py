@@ -194,3 +194,19 @@ def test_verify_passes_the_split_checkpoint_and_refuses_a_record_of_another_size
     r = int4pack.verify(bad, structural_only=True, raise_on_failure=False)
     text = json.dumps(r)
     assert not r["ok"] and "stored for 2 tensor parallel rank(s), the config records tensor_parallel_size 4" in text
+
+
+def test_cli_passes_tensor_parallel(tmp_path):
+    from typer.testing import CliRunner
+
+    from int4pack.cli import app
+
+    out = tmp_path / "o"
+    r = CliRunner().invoke(app, ["convert", str(FIXTURES / "ct_qwen3moe_w4a16"), str(out), "--serve-format",
+                                 "kleidiai", "--tensor-parallel", "2", "-q"])
+    assert r.exit_code == 0, r.output
+    rec = json.loads((out / "config.json").read_text())["quantization_config"]["kleidiai"]
+    assert rec["tensor_parallel_size"] == 2
+    r = CliRunner().invoke(app, ["convert", str(FIXTURES / "ct_qwen3moe_w4a16"), str(tmp_path / "p"),
+                                 "--tensor-parallel", "2"])
+    assert r.exit_code == 2 and "--serve-format kleidiai only" in r.output
