@@ -35,7 +35,17 @@ plain folder's tokens and logprobs and vLLM must pack no expert at load. Each re
 serve_format, experts_packed_at_load, load_seconds, peak_rss_mb (the process's peak when the
 load returned; the packed folder is loaded first) and vs_plain.
 
+``--tensor-parallel N`` / ``--pipeline-parallel N``: ``LLM(tensor_parallel_size=N,
+pipeline_parallel_size=M, distributed_executor_backend="mp")``, one emulated worker process per rank
+(spawned through the QEMU wrapper); with --serve-format kleidiai the packed folder is converted with
+``--tensor-parallel N``. Each result adds tensor_parallel_size, pipeline_parallel_size, ranks (per
+worker: tp_rank, pp_rank, peak RSS, parameter bytes, the layers and parameters it holds) and, when a
+single-process run of the same inputs is in --work, vs_single_process (tokens identical, largest
+logprob difference).
+
     python scripts/vllm_arm_e2e.py --vllm 0.32.0 --dtype bfloat16            # every fixture
+    python scripts/vllm_arm_e2e.py gptq_q3_sym --vllm 0.32.0 --dtype float32 --serve-format kleidiai \
+        --tensor-parallel 2 --work /tmp/e2e                  # after the same command without --tensor-parallel
     python scripts/vllm_arm_e2e.py gptq_q3_sym /models/my-gptq --vllm 0.19.1 --dtype float32
     python scripts/vllm_arm_e2e.py gptq_q3_sym --swap-gate-up ...   # negative control: must fail
     python scripts/vllm_arm_e2e.py --derive-tol --dtype bfloat16     # x86 only: the tolerance basis
