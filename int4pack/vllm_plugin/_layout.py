@@ -100,10 +100,13 @@ def split_problem(what: str, rows: int, tp: int) -> str | None:
 def check_tensor_parallel(record: dict, tp: int, what: str) -> None:
     """A row parallel matrix stored split for N ranks serves at tensor_parallel_size N only."""
     stored = tensor_parallel_size(record)
+    if stored == 0:
+        raise ValueError(f"{QUANT_METHOD}: the checkpoint's tensor_parallel_size record "
+                         f"{record.get('tensor_parallel_size')!r} is not a positive integer. Convert it again.")
     if stored != tp:
         raise ValueError(
             f"{QUANT_METHOD}: {what} runs with tensor_parallel_size={tp}, but the checkpoint's row parallel "
-            f"matrices (o_proj, down_proj, the experts' down) are packed for {stored or 'an unreadable size'}. "
+            f"matrices (o_proj, down_proj, the experts' down) are packed for {stored}. "
             f"Serve it with tensor_parallel_size={stored}, or convert again with "
             f"`int4pack convert --serve-format kleidiai --tensor-parallel {tp}`.")
 
