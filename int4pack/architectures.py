@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from .errors import InputError, RefusedError
+from .families import BY_TYPE, FAMILIES, Family, family, name_summary, supported_types
 
 __all__ = [
     "SUPPORTED",
@@ -23,40 +24,31 @@ __all__ = [
     "vllm_output_names",
     "VLLM_FUSED",
     "vllm_module",
+    "name_summary",
+    "BUG_REPORT_HINT",
 ]
 
-# model_type -> how routed experts are spelled (all accepted for every family; the table
-# documents what the producers write)
-SUPPORTED = {
-    "mixtral": "block_sparse_moe.experts.E.{w1,w3,w2} or (block_sparse_moe|mlp).experts.E.{gate,up,down}_proj",
-    "phimoe": "block_sparse_moe.experts.E.{w1,w3,w2}",
-    "qwen2_moe": "mlp.experts.E.{gate,up,down}_proj + mlp.shared_expert.* + mlp.shared_expert_gate",
-    "qwen3_moe": "mlp.experts.E.{gate,up,down}_proj (dense mlp_only_layers)",
-    "olmoe": "mlp.experts.E.{gate,up,down}_proj",
-    "deepseek_v2": "mlp.experts.E.* + mlp.shared_experts.* (first_k_dense_replace dense layers)",
-    "deepseek_v3": "mlp.experts.E.* + mlp.shared_experts.* (first_k_dense_replace dense layers)",
-    "glm4_moe": "mlp.experts.E.* + mlp.shared_experts.* (first_k_dense_replace dense layers)",
-}
+# model_type -> how routed experts are spelled (the families package holds the facts)
+SUPPORTED = {t: f.experts for t, f in BY_TYPE.items() if not f.refuse}
+# families known only in a fused layout int4pack does not split (named in refusals)
 FUSED = {
     "granitemoe": "fused block_sparse_moe.input_linear/output_linear",
     "granitemoeshared": "fused block_sparse_moe.input_linear/output_linear",
-    "llama4": "fused feed_forward.experts.gate_up_proj/down_proj",
-    "llama4_text": "fused feed_forward.experts.gate_up_proj/down_proj",
-    "gpt_oss": "fused, interleaved mlp.experts.gate_up_proj/down_proj",
-    "qwen3_vl_moe": "fused mlp.experts.gate_up_proj/down_proj",
 }
 
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 _EXPERT = re.compile(
-    r"^(?P<moe>.+?\.(?:mlp|block_sparse_moe))\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
-_SHARED = re.compile(r"^(?P<mlp>.+?\.mlp\.shared_experts?)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+    r"^(?P<moe>.+?\.(?:mlp|block_sparse_moe|feed_forward))\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_SHARED = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward)\.shared_experts?)\.(?P<proj>gate_proj|up_proj|down_proj)$")
 _DENSE = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward))\.(?P<proj>gate_proj|up_proj|down_proj)$")
-_ATTN = re.compile(r"\.(self_attn|attention|attn)\.")
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate|router)(\.layer)?$")
+_ATTN = re.compile(r"\.(self_attn|attention|attn|linear_attn)\.")
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|shared_expert_gate|router)(\.layer)?$")
 # tensor names that mean a fused (3-D) expert layout
 _FUSED_TENSOR = re.compile(
-    r"\.experts\.(gate_up_proj|down_proj)(_blocks|_scales|_bias|_scale|_packed)?$"
+    r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)"
+    r"(_blocks|_scales|_bias|_scale|_packed|\.weight|\.weight_packed|\.qweight|\.weight_scale|\.scales)?$"
     r"|\.(input_linear|output_linear)\.(weight|weight_packed|qweight)$")
+_FUSED_INT = re.compile(r"(_blocks|_packed|\.weight_packed|\.qweight|\.input_linear\.weight|\.output_linear\.weight)$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 # vLLM loads these checkpoint linears into one fused module each (the model classes'
@@ -66,6 +58,7 @@ VLLM_FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "gate_up_proj": ("gate_proj", "up_proj"),
     "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek MLA with q_lora_rank
+    **{k: v for f in FAMILIES for k, v in f.vllm_fused.items()},  # Gated DeltaNet, DSA indexer
 }
 _FUSED_OF = {shard: fused for fused, shards in VLLM_FUSED.items() for shard in shards}
 
@@ -99,10 +92,14 @@ class Layout:
     """Roles of every quantised linear, plus MoE layers and MLP triples."""
 
     model_type: str
-    roles: dict[str, str]  # module -> "expert" | "shared_expert" | "dense_mlp" | "attention" | "linear"
+    # module -> "expert" | "shared_expert" | "dense_mlp" | "attention" | "linear" | "float_only"
+    roles: dict[str, str]
     moe_layers: list[MoELayer]
     mlps: list[dict[str, str]]  # gate/up/down triples (experts, shared experts, dense MLPs)
     routers: list[str]  # float router tensors (names of .weight)
+    family: str = ""  # the family's name (families/)
+    routing: dict = field(default_factory=dict)  # families.routing_facts of the text config
+    kept: dict[str, int] = field(default_factory=dict)  # non-expert tensors kept as they are: reason -> count
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -152,20 +149,14 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
     Refuses unknown families and fused layouts; checks every MoE layer has every expert with
     gate, up and down.
     """
-    fused = sorted(t for t in tensor_names if _FUSED_TENSOR.search(t))
-    if model_type in FUSED or fused:
-        shown = ", ".join(fused[:3]) + (f" (+{len(fused) - 3} more)" if len(fused) > 3 else "")
-        raise RefusedError(
-            f"model_type {model_type!r}: fused expert tensors ({FUSED.get(model_type, 'fused experts')})"
-            + (f": {shown}" if shown else ""),
-            tensor=fused[0] if fused else None,
-            hint="int4pack converts per-expert layouts only; fused/3-D expert checkpoints are not supported yet.")
-    if model_type not in SUPPORTED:
-        stray = [n for n in linears if ".experts." in n][:3]
-        raise RefusedError(
-            f"model_type {model_type!r} is not a MoE family int4pack knows"
-            + (f" (expert tensors such as {stray[0]})" if stray else ""),
-            hint="Supported: " + ", ".join(sorted(SUPPORTED)) + ". Open an issue with the model's tensor names.")
+    fam = family(model_type)
+    _refuse_fused(model_type, fam, tensor_names)
+    if fam is None:
+        raise RefusedError(unknown_type_message(model_type, linears), hint=BUG_REPORT_HINT)
+    if fam.refuse:
+        shown = next((t for t in tensor_names if ".experts." in t), None)
+        raise RefusedError(f"model_type {model_type!r} ({fam.name}): {fam.refuse}", tensor=shown,
+                           hint="Supported: " + ", ".join(supported_types()) + ".")
 
     roles: dict[str, str] = {}
     layers: dict[str, MoELayer] = {}
@@ -176,6 +167,8 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
             raise RefusedError(f"{name}: an expert tensor whose naming int4pack does not know", tensor=name,
                                hint="Expected <prefix>.(mlp|block_sparse_moe).experts.<E>.(gate|up|down)_proj "
                                     "or w1/w3/w2.")
+        if role != "expert" and fam.is_float_only(name):
+            role = "float_only"  # vLLM builds it unquantised: dequantised to bfloat16 by convert
         roles[name] = role
         if role == "expert":
             lay = layers.setdefault(d["moe"], MoELayer(d["moe"]))
@@ -229,33 +222,72 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
             raise RefusedError(f"{lay.prefix}: experts without a float router (looked for {lay.prefix}.gate.weight)",
                                tensor=lay.prefix, hint="A quantised or missing router is not supported.")
     triples = [t for t in mlps.values()]
-    return Layout(model_type, roles, moe_layers, triples, routers)
+    kept: dict[str, int] = {}
+    for t in tensor_names:
+        why = fam.kept_reason(t)
+        if why:
+            kept[why] = kept.get(why, 0) + 1
+    return Layout(model_type, roles, moe_layers, triples, routers, fam.name, fam.facts(text_config), kept)
 
 
-# vLLM's model classes load only the names they map. vLLM 0.19.1 MixtralForCausalLM takes experts
-# through FusedMoE.make_expert_params_mapping(w1, w2, w3) under ``block_sparse_moe`` and the router
-# as ``block_sparse_moe.gate``; GPTQModel (transformers 5 naming) writes ``mlp.experts.E.gate_proj``
-# and ``mlp.gate``, which vLLM's loader cannot place (KeyError). Output tensors are renamed to what
-# vLLM loads; the report and ``verify --against`` keep the source names.
-_MIXTRAL_EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)(?=\.|$)")
-_MIXTRAL_ROUTER = re.compile(r"\.mlp\.gate(?=\.|$)")
-_MIXTRAL_W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w2": "w2", "w3": "w3"}
+BUG_REPORT_HINT = ("To ask for it, open an issue with the model's name and the tensor-name summary that "
+                   "`int4pack inspect <folder>` prints (the 'Tensor names' table; `--json` has it as "
+                   "tensor_names): names only, no weights.")
+
+
+def unknown_type_message(model_type: str, linears: list[str]) -> str:
+    stray = [n for n in linears if ".experts." in n][:1]
+    return (f"model_type {model_type!r} is not a MoE family int4pack knows"
+            + (f" (expert tensors such as {stray[0]})" if stray else "")
+            + "; supported model types: " + ", ".join(supported_types()))
+
+
+def _refuse_fused(model_type: str, fam: Family | None, tensor_names: list[str]) -> None:
+    """Fused (3-D) expert tensors: decided by the tensors present, never by the model type alone.
+
+    Float fused experts in a block vLLM's main model drops (an MTP block) are copied as they are;
+    int4 fused tensors are refused naming the tensor: no producer documents a 3-D int4 layout
+    (packing axis, gate/up order or interleave) that a split could follow without guessing."""
+    fused = sorted(t for t in tensor_names if _FUSED_TENSOR.search(t)
+                   and not (fam is not None and fam.is_dropped(t) and not _FUSED_INT.search(t)))
+    if not fused:
+        return
+    if fam is not None and fam.refuse:
+        raise RefusedError(f"model_type {model_type!r} ({fam.name}): {fam.refuse}: {fused[0]}", tensor=fused[0],
+                           hint="Supported: " + ", ".join(supported_types()) + ".")
+    shown = ", ".join(fused[:3]) + (f" (+{len(fused) - 3} more)" if len(fused) > 3 else "")
+    ints = [t for t in fused if _FUSED_INT.search(t)]
+    what = FUSED.get(model_type, "fused experts")
+    if ints:
+        raise RefusedError(
+            f"model_type {model_type!r}: fused expert tensors ({what}) stored as 3-D int4: {shown}",
+            tensor=ints[0],
+            hint="int4pack splits no 3-D int4 expert tensor: no producer documents its packing axis and gate/up "
+                 "order, and a guess would convert without error into a wrong model. Requantise per expert "
+                 "(llm-compressor's oneshot writes experts.E.{gate,up,down}_proj).")
+    raise RefusedError(
+        f"model_type {model_type!r}: fused expert tensors ({what}) in float, not int4: {shown}",
+        tensor=fused[0],
+        hint="These experts are not quantised; int4pack converts int4 checkpoints. Quantise per expert first "
+             "(llm-compressor's oneshot splits fused experts into experts.E.{gate,up,down}_proj).")
 
 
 def vllm_output_names(model_type: str, names) -> dict[str, str]:
-    """{source tensor name: output name} for the names vLLM would not load as they are (usually empty)."""
-    if model_type != "mixtral":
+    """{source tensor name: output name} for the names vLLM would not load as they are (usually empty):
+    the family's renames (Mixtral and MiniMax-M2 checkpoints in transformers 5 names). The report and
+    ``verify --against`` keep the source names."""
+    fam = family(model_type)
+    if fam is None or not fam.renames:
         return {}
     out = {}
     for n in names:
-        m = _MIXTRAL_EXPERT.sub(lambda x: f".block_sparse_moe.experts.{x[1]}.{_MIXTRAL_W[x[2]]}", n)
-        m = _MIXTRAL_ROUTER.sub(".block_sparse_moe.gate", m)
+        m = fam.rename(n)
         if m != n:
             out[n] = m
     clash = set(out.values()) & (set(names) - set(out))
     if clash or len(set(out.values())) != len(out):
         name = sorted(clash)[0] if clash else sorted(out)[0]
-        raise RefusedError(f"{name}: the checkpoint spells one Mixtral module two ways "
+        raise RefusedError(f"{name}: the checkpoint spells one {fam.name} module two ways "
                            "(mlp.experts.E.*_proj and block_sparse_moe.experts.E.w*)", tensor=name,
                            hint="Keep one naming per checkpoint.")
     return out

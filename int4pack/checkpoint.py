@@ -171,6 +171,17 @@ def _load_json(path: Path) -> dict:
     return data
 
 
+def _link_roots(folder: Path) -> list[Path]:
+    """Where a checkpoint's symlinks may lead: the folder itself and, for a hub cache snapshot
+    (``models--owner--name/snapshots/REV``), that repo's ``blobs/``."""
+    real = Path(os.path.realpath(folder))
+    roots = [real]
+    for f in {Path(os.path.abspath(folder)), real}:
+        if f.parent.name == "snapshots" and f.parent.parent.name.startswith(("models--", "datasets--")):
+            roots.append(Path(os.path.realpath(f.parent.parent / "blobs")))
+    return roots
+
+
 def _not_a_file(path: Path) -> str | None:
     """Why ``path`` cannot be read as a file (missing, a directory, a broken link), or None."""
     if path.is_file():
@@ -197,7 +208,14 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Pa
                              hint="Pass the checkpoint folder (the one holding config.json).")
         return p.resolve()
     s = str(src)
-    if s.count("/") != 1 or s.startswith((".", "/", "~")) or any(c in s for c in " \\:"):
+    near = _did_you_mean(p)
+    if near is not None:  # a local path with a typo, not a hub repo id that happens to have one slash
+        raise InputError(f"{s}: no such folder; did you mean {near}?", path=s,
+                         hint=f"Pass {near} if that is the checkpoint.")
+    parts = s.split("/")
+    if (s.count("/") != 1 or s.startswith((".", "/", "~")) or any(c in s for c in " \\:")
+            or any(not x or x in (".", "..") or ".." in x or "--" in x or x[0] in ".-" or x[-1] in ".-"
+                   for x in parts)):
         raise InputError(f"{s}: no such folder, and not a hub repo id (owner/name)", path=s,
                          hint="Check the path, or pass a repo id such as Qwen/Qwen3-30B-A3B-GPTQ-Int4.")
     try:
@@ -224,8 +242,33 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Pa
     except OSError as e:
         raise InputError(f"{s}: download failed ({e})", path=s,
                          hint="Check the network and disk space, then run again.") from e
+    except ValueError as e:  # huggingface_hub's HFValidationError: not a repo id it accepts
+        raise InputError(f"{s}: not a valid hub repo id ({str(e).splitlines()[0][:200]})", path=s,
+                         hint="Check the path, or pass a repo id such as Qwen/Qwen3-30B-A3B-GPTQ-Int4.") from e
     _check_snapshot(s, Path(local))
     return Path(local)
+
+
+def _did_you_mean(p: Path) -> str | None:
+    """The existing folder closest to a path that does not exist, if one is close: the deepest
+    existing ancestor's sub-folder nearest to the first missing part, then the rest as given."""
+    import difflib
+
+    parts = p.parts
+    for i in range(len(parts) - 1, -1 if not p.is_absolute() else 0, -1):
+        base = Path(*parts[:i])  # Path() is the current folder
+        if not base.is_dir():
+            continue
+        try:
+            names = [c.name for c in base.iterdir() if c.is_dir()]
+        except OSError:
+            return None
+        for name in difflib.get_close_matches(parts[i], names, n=3, cutoff=0.75):
+            cand = base.joinpath(name, *parts[i + 1:])
+            if cand.is_dir():
+                return str(cand)
+        return None
+    return None
 
 
 def _check_snapshot(repo: str, folder: Path) -> None:
@@ -279,6 +322,14 @@ class Checkpoint:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         cfg_path = self.folder / "config.json"
+        self._roots = _link_roots(self.folder)
+        try:
+            entries = sorted(os.scandir(self.folder), key=lambda e: e.name)
+        except OSError:
+            entries = []
+        for ent in entries:  # up front: nothing is read or written before a bad link is refused
+            if ent.is_symlink() and not ent.name.startswith("."):
+                self.check_link(Path(ent.path))
         if not cfg_path.is_file():
             why = _not_a_file(cfg_path)
             raise InputError(f"{self.folder}: no config.json" if why == "is missing" else f"{cfg_path}: {why}",
@@ -296,9 +347,23 @@ class Checkpoint:
         self._load_index()
         self._start_io()
 
+    def check_link(self, path: Path) -> None:
+        """Refuse a file of the checkpoint that is a symlink resolving outside the model folder
+        (or, for a hub snapshot, outside its repo's ``blobs/``): a source never reads or copies
+        a file from elsewhere."""
+        if not os.path.islink(path):
+            return
+        target = Path(os.path.realpath(path))
+        if any(target == r or r in target.parents for r in self._roots):
+            return
+        raise InputError(f"{path}: a symlink to {target}, outside the model folder", path=str(path),
+                         hint="Copy the file into the model folder (or remove the link); int4pack follows links "
+                              "only inside the folder or, for a hub snapshot, into the repo's blobs/.")
+
     def _add_shard(self, shard: str) -> None:
         """Index one shard's tensors from its header."""
         sp = self.folder / shard
+        self.check_link(sp)
         header, meta, start = read_header(sp)
         self.shard_metadata[shard] = meta
         shapes: dict[tuple, tuple] = {}  # one tuple per distinct shape: they repeat per expert
@@ -331,6 +396,7 @@ class Checkpoint:
                 return q
         for side in ("quantize_config.json", "quant_config.json"):
             p = self.folder / side
+            self.check_link(p)
             if p.is_file():
                 self.quant_config_path = p
                 return _load_json(p)
@@ -338,6 +404,7 @@ class Checkpoint:
 
     def _load_index(self) -> None:
         idx = self.folder / "model.safetensors.index.json"
+        self.check_link(idx)
         if os.path.lexists(idx) and not idx.is_file():
             raise InputError(f"{idx}: {_not_a_file(idx)}", path=str(idx),
                              hint="Re-download the index file (or remove it for a single-shard checkpoint).")
@@ -558,11 +625,20 @@ class Checkpoint:
     def model_type(self) -> str:
         return str(self.text_config.get("model_type") or self.config.get("model_type") or "")
 
+    @property
+    def family_type(self) -> str:
+        """The model type that names the family (a known wrapper's own type, else the text model's)."""
+        from .families import resolve_type
+
+        return resolve_type(self.config)
+
     def extra_files(self) -> list[str]:
         """Files to copy to the output as they are (tokenizer, generation config, ...)."""
         skip = {"config.json", "model.safetensors.index.json"} | SOURCE_QUANT_FILES
         out = []
         for p in sorted(self.folder.iterdir()):
+            if p.name not in skip and not p.name.startswith("."):
+                self.check_link(p)
             if p.is_file() and p.name not in skip and p.suffix not in {".safetensors", ".bin", ".pt", ".pth"} \
                     and not p.name.startswith("."):
                 out.append(p.name)

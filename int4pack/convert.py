@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import json
 import re
+import shutil
 import threading
 import time
 from collections import deque
@@ -24,14 +25,17 @@ from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, OutputError, UsageError
+from .output import human_bytes
 from .formats import Reader
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from . import serve_format as sf
-from .serving import serving_warnings
+from .families import family_warnings
+from .serving import routing_warnings, serve_hint, serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
-from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, shard_names
+from .workdir import partial_folder
+from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
@@ -176,7 +180,7 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
     if isinstance(cfg.get("text_config"), dict):
         cfg["text_config"].pop("quantization_config", None)
     ignore = _ignore_list(plan, ckpt)
-    rename = vllm_output_names(ckpt.model_type, [f"{m}.weight" for m in ignore])
+    rename = vllm_output_names(ckpt.family_type, [f"{m}.weight" for m in ignore])
     ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
     if plan.group_size is not None:
         cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
@@ -223,6 +227,7 @@ def convert(
     progress: NullProgress | None = None,
     strict_group_size: bool = False,
     tensor_parallel: int = 1,
+    on_plan=None,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint, or with
     ``serve_format="kleidiai"`` to the packed serving format (serve_format.py).
@@ -233,6 +238,8 @@ def convert(
     (the report's ``plan.group_substitutions``), unless ``strict_group_size`` refuses instead.
     ``tensor_parallel`` > 1 (packed format only) stores the row parallel modules split along K for
     that many vLLM tensor parallel ranks (serve_format.py).
+    ``on_plan(report)`` is called once the source is validated and planned (and, with ``resume``, once
+    the kept shards are known: ``report["resume"]``), before any long work.
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
@@ -253,27 +260,46 @@ def convert(
             plan = sf.packed_plan(plan, tensor_parallel)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
+        routing = routing_warnings(ckpt.family_type, ckpt.text_config, packed) + family_warnings(ckpt.family_type)
         report = {
             "int4pack_version": __version__,
             "source": str(src),
             "plan": plan.summary(),
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
-            "serving": serving_warnings(plan.schemes()),  # measured vLLM releases that fail on this output
+            # measured vLLM releases that fail on this output: its scales and dtypes, its routing
+            "serving": serving_warnings(plan.schemes()) + routing,
+            "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
+            "next": serve_hint(str(out), plan.schemes(), packed),
         }
+        if packed:
+            report["serve_format_planned"] = sf.KLEIDIAI
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
             report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m), "group_size": j.group_size}
                                  for j in plan.jobs for m, p in j.paths.items()}
             report["seconds"] = round(time.perf_counter() - t0, 3)
+            if on_plan is not None:
+                on_plan(report)
             return report
         t_plan = time.perf_counter() - t0
         fp = plan.fingerprint(ckpt)
-        rename = vllm_output_names(ckpt.model_type, [t.name for t in plan.outputs])  # names vLLM loads
+        rename = vllm_output_names(ckpt.family_type, [t.name for t in plan.outputs])  # names vLLM loads
         fp += "|vllm-names" if rename else ""
+        had_partial = partial_folder(Path(out)).is_dir()
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
+        trusted = od.trusted_shards(names)
+        sizes = {n: sum(t.nbytes for t in s) for n, s in zip(names, shards)}
+        if resume:
+            report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
+                                "kept_shards": sorted(trusted), "kept_bytes": sum(sizes[n] for n in trusted)}
+        extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
+        _check_space(od, sum(v for n, v in sizes.items() if n not in trusted) + extra, len(plan.outputs),
+                     fresh=not trusted)
+        if on_plan is not None:
+            on_plan(report)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              sf.job_packer(tensor_parallel) if packed else None)
+                              sf.job_packer(tensor_parallel) if packed else None, trusted)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -284,8 +310,12 @@ def convert(
         del weight_map
         cfg = _out_config(plan, ckpt)
         if packed:
-            cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size, tensor_parallel)
-            report["serve_format"] = {"format": sf.KLEIDIAI, **cfg["quantization_config"]["kleidiai"]}
+            blobs = {rename.get(f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX}")[: -len(sf.SUFFIX) - 1]: st["packed"]
+                     for m, st in stats.items() if isinstance(st.get("packed"), dict)}
+            cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size,
+                                                         sf.blob_checks(blobs), tensor_parallel)
+            report["serve_format"] = {"format": sf.KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
+                "kleidiai"].items() if k != sf.BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
@@ -293,7 +323,9 @@ def convert(
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
         report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}
-        od.write_file(REPORT_NAME, chain(_report_pieces(report), ("\n",)))
+        # the file records the conversion, not this run: no path of OUT, nothing that --resume changes
+        kept = {k: v for k, v in report.items() if k not in _RUN_ONLY}
+        od.write_file(REPORT_NAME, chain(_report_pieces(kept), ("\n",)))
         od.commit()
     report["output"] = str(Path(out))
     report["seconds"] = round(time.perf_counter() - t0, 3)
@@ -301,8 +333,46 @@ def convert(
     return report
 
 
+_RUN_ONLY = ("next", "resume", "serve_format_planned")  # in the returned report, not in the file
+SPACE_MARGIN = 1 << 20  # config and extra small files
+SPACE_PER_TENSOR = 1000  # its shard header entry, index line and report entry: a few hundred bytes
+
+
+def _check_space(od: OutputDir, need: int, tensors: int, *, fresh: bool) -> None:
+    """Refuse before writing when the output's file system has less free space than the plan writes."""
+    try:
+        free = shutil.disk_usage(od.work).free
+    except OSError:
+        return  # no figure to check against: the writes themselves report a full disk
+    want = need + SPACE_MARGIN + SPACE_PER_TENSOR * tensors
+    if free >= want:
+        return
+    if fresh:  # only the progress file is in it: leave nothing behind
+        shutil.rmtree(od.work, ignore_errors=True)
+    raise OutputError(f"{od.final.parent}: not enough free space: the output needs {human_bytes(want)} ({want} "
+                      f"bytes: {need} planned, the rest for headers, index and report), {human_bytes(free)} "
+                      f"({free} bytes) free", path=str(od.final.parent),
+                      hint="Free some space or pick an OUT on another disk (--max-shard-size does not change "
+                           "the total).")
+
+
+def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
+    """How a kept shard's header metadata differs from what this run would write, or None."""
+    from .checkpoint import read_header
+
+    try:
+        _, got, _ = read_header(path)
+    except InputError as e:
+        return str(e)
+    want = {**meta, "int4pack.tensors": json.dumps(results, sort_keys=True, separators=(",", ":"))}
+    if got != want:
+        key = next(k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k))
+        return f"header metadata {key!r} differs"
+    return None
+
+
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
-                  rename: dict[str, str] | None = None, pack=None) -> dict:
+                  rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None) -> dict:
     """Compute jobs in a bounded pool; each worker writes its own tensors at their planned offsets.
     The main thread takes results in plan order (per-tensor header entries, stats, progress) and a
     finisher thread closes each shard once all its tensors are in (header, fsync, rename, progress.json),
@@ -310,10 +380,17 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
     turns a job's W4A8 tensors into KleidiAI blobs (serve_format.job_packer)."""
     rename = rename or {}
-    trusted = od.trusted_shards()
+    if trusted is None:
+        trusted = od.trusted_shards(names)
+    kept_kind = {n: digest_kind(od.progress["shards"][n].get("data_digest")) for n in trusted}
     shard_of = {t.name: n for n, s in zip(names, shards) for t in s}
-    stats: dict[str, dict] = dict(od.progress.get("jobs", {}))
-    todo = [j for j in plan.jobs if any(shard_of[t.name] not in trusted for t in j.outputs)]
+    # nothing of an interrupted run is taken on its word: every job runs again (its statistics are
+    # this run's), and a kept shard stays only if each of its tensors and its header are what the
+    # source gives now; only the writing is saved
+    stats: dict[str, dict] = {}
+    mismatched: dict[str, str] = {}  # kept shard -> the first tensor that differs
+    kept_results: dict[str, dict] = {}
+    todo = list(plan.jobs)
     skipped = sum(t.nbytes for n, s in zip(names, shards) if n in trusted for t in s)
     progress.start(sum(t.nbytes for s in shards for t in s), len(shard_of), skipped)
     meta = _base_meta(plan)
@@ -349,6 +426,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             if shard not in trusted:
                 shard_file(shard).write(rename.get(name, name), data)
                 written.add(name)
+            elif tensor_crc(data, kept_kind[shard]) != od.kept_crcs[shard].get(rename.get(name, name)):
+                mismatched.setdefault(shard, rename.get(name, name))
         return job_stats, written
 
     def close_shard(shard: str, results: dict, job_stats: dict) -> None:  # finisher thread only
@@ -366,9 +445,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         pending_stats.update(job_stats)
         for t in job.outputs:
             shard = shard_of[t.name]
-            if shard in trusted:
-                continue
-            res = shard_results.setdefault(shard, {})
+            res = kept_results.setdefault(shard, {}) if shard in trusted else shard_results.setdefault(shard, {})
             out_name = rename.get(t.name, t.name)
             mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
             if job.kind == "copy":
@@ -376,6 +453,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             elif leaf in ("weight", sf.SUFFIX) and mod in job_stats:
                 res[out_name] = {k: v for k, v in job_stats[mod].items()
                                  if k in ("path", "rel_l2", "max_abs", "packed")}
+            if shard in trusted:
+                continue
             progress.advance(t.nbytes, 1)
             left[shard] -= 1
             unflushed[shard] += t.nbytes
@@ -405,6 +484,14 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             consume(j, *fut.result())
         for fut in closing:
             fut.result()
+        for shard in sorted(trusted):
+            why = (f"tensor {mismatched[shard]} differs" if shard in mismatched else
+                   _kept_header_problem(od.work / shard, meta, kept_results.get(shard, {})))
+            if why:
+                od.drop_shard(shard)
+                raise OutputError(f"{od.work / shard}: kept from an interrupted run, but it does not hold what the "
+                                  f"source gives ({why}); it was removed", path=str(od.work / shard),
+                                  hint="Run the same command again (with --resume) to write it anew.")
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)
         finisher.shutdown(wait=True, cancel_futures=True)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import torch
 
 from . import kleidiai, serve_format as sf
-from .architectures import classify, discover
+from .architectures import classify, discover, name_summary
+from .families import family
 from .checkpoint import Checkpoint, resolve_source
-from .errors import InputError, Int4packError
+from .errors import InputError, Int4packError, UsageError
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
-from .serving import serving_warnings
+from .families import family_warnings
+from .serving import routing_warnings, serving_notes, serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -46,6 +48,9 @@ def _tensor_rows(ckpt: Checkpoint) -> list[dict]:
 
 def _head(ckpt: Checkpoint, label: str) -> dict:
     return {"path": label, "folder": str(ckpt.folder), "model_type": ckpt.model_type,
+            "family_type": ckpt.family_type,
+            # names with layer/expert numbers folded to N: what a bug report about a layout needs
+            "tensor_names": [{"pattern": p, "count": c} for p, c in name_summary(ckpt.tensors)],
             "architectures": ckpt.config.get("architectures"), "shards": len(ckpt.shards),
             "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values())}
 
@@ -53,10 +58,15 @@ def _head(ckpt: Checkpoint, label: str) -> dict:
 def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
     """(the MoE structure for the summary, module -> role)."""
     try:
-        lay = discover(ckpt.model_type, ckpt.text_config, sorted(linears), sorted(ckpt.tensors))
+        lay = discover(ckpt.family_type, ckpt.text_config, sorted(linears), sorted(ckpt.tensors))
     except Int4packError as e:
         return {"error": str(e), "hint": e.hint}, {}
-    return ({"layers": [{"prefix": m.prefix, "experts": m.num_experts, "router": m.router,
+    fam = family(ckpt.family_type)
+    return ({"family": lay.family, "model_types": list(fam.model_types) if fam else [],
+             "expert_naming": fam.experts if fam else None, "routing": lay.routing, "kept": lay.kept,
+             "float_only": sorted(m for m, r in lay.roles.items() if r == "float_only"),
+             "renamed_for_vllm": bool(fam and fam.renames),
+             "layers": [{"prefix": m.prefix, "experts": m.num_experts, "router": m.router,
                          "shared": sorted(m.shared.values()), "shared_gate": m.shared_gate} for m in lay.moe_layers],
              "routers": lay.routers, "roles": lay.counts()}, lay.roles)
 
@@ -94,7 +104,11 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = True
-    out["serving"] = serving_warnings({m["group_size"] for m in mods.values() if m["group_size"] is not None})
+    gs = {m["group_size"] for m in mods.values() if m["group_size"] is not None}
+    out["serving"] = (serving_warnings(gs)
+                      + routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
+                      + family_warnings(ckpt.family_type))
+    out["serving_notes"] = serving_notes(gs)  # the same, one short line per release
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
                                "fallback": sum(1 for m in mods.values() if not m["kleidiai"])}
     return out
@@ -153,7 +167,10 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     out["is_w4a8_output"] = is_output
     g_out = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
              else set(plan.schemes()) if plan else set())
-    out["serving"] = serving_warnings(g_out)  # measured vLLM releases that fail on this output
+    # measured vLLM releases that fail on this output (or the output convert writes by default)
+    out["serving"] = (serving_warnings(g_out) + routing_warnings(ckpt.family_type, ckpt.text_config, packed=False)
+                      + family_warnings(ckpt.family_type))
+    out["serving_notes"] = serving_notes(g_out)
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
               "fallback": sum(1 for m in mods.values() if m["kleidiai"] is False)}
     out["kleidiai_summary"] = counts
@@ -196,8 +213,13 @@ def _module_and_key(ckpt: Checkpoint, tensor: str) -> tuple[str, str]:
         if f"{tensor}.{suf}" in ckpt.tensors:
             return tensor, suf
     near = [n for n in ckpt.tensors if tensor in n][:5]
-    raise InputError(f"tensor {tensor!r} not found in {ckpt.folder}", tensor=tensor,
-                     hint=("Close matches: " + ", ".join(near)) if near else "List the tensors with inspect PATH.")
+    if not near:  # a typo: the names closest in spelling
+        import difflib
+
+        near = difflib.get_close_matches(tensor, list(ckpt.tensors), n=3, cutoff=0.8)
+    # the argument names something the checkpoint lacks: a usage error, as verify --layers 7 on 2 layers
+    raise UsageError(f"tensor {tensor!r} not found in {ckpt.folder}", tensor=tensor,
+                     hint=("Close matches: " + ", ".join(near)) if near else "List the tensors with inspect PATH -v.")
 
 
 def _window(t: torch.Tensor, rows: int = 8, cols: int = 8) -> list[list]:

@@ -1,8 +1,8 @@
 """Fast paths of the convert hot loops (``csrc/convert_kernels/``), each beside its torch twin.
 
 Every function takes the same inputs as the pure-torch code it replaces and returns the same
-bytes; when the extension is unavailable (``INT4PACK_NO_EXT=1``, no compiler) it *is* the torch
-twin. ``tests/test_kernels.py`` compares the two byte for byte.
+bytes; when the C++ library is unavailable (``INT4PACK_NO_EXT=1``, not built: see ``_ext``) it
+*is* the torch twin. ``tests/test_kernels.py`` compares the two byte for byte.
 
 Threads: a kernel splits its rows over ``kernel_threads()``: torch's intra-op thread count, or
 the count the calling thread set with ``threads_here`` (convert's workers take one each, so
@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 
 from . import _ext
+from . import crc as crc_mod
 from . import scale_search as S
 from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
 
@@ -25,7 +26,7 @@ __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless",
 
 
 def ext():
-    """The compiled ``convert_kernels`` module, or None (then the torch twins run)."""
+    """The C++ ``convert_kernels`` (``_native.ConvertKernels``), or None (then the torch twins run)."""
     return _ext.load("convert_kernels")
 
 
@@ -77,41 +78,15 @@ def unpack_ct(packed: torch.Tensor, k: int) -> torch.Tensor:
     return unpack_cols(packed)[:, :k].contiguous()
 
 
-def _crc32c_table() -> list[int]:
-    table = []
-    for v in range(256):
-        c = v
-        for _ in range(8):
-            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
-        table.append(c)
-    return table
-
-
-_CRC32C_TABLE: list[int] = []
-
-
 def crc32c(data, crc: int = 0) -> int:
-    """CRC-32C (Castagnoli) of a contiguous buffer, continuing from ``crc`` (0 to start), like zlib.crc32.
-
-    The extension runs it at memory speed (SSE4.2); the twin is a byte-table loop, only fit for
-    small data (a checkpoint written without the extension gets zlib's CRC-32 digests instead).
-    """
-    mv = _bytes_view(data)
-    m = ext()
-    if m is not None:
-        return int(m.crc32c(mv, crc))
-    if not _CRC32C_TABLE:
-        _CRC32C_TABLE.extend(_crc32c_table())
-    t = _CRC32C_TABLE
-    c = crc ^ 0xFFFFFFFF
-    for b in mv:
-        c = t[(c ^ b) & 0xFF] ^ (c >> 8)
-    return c ^ 0xFFFFFFFF
+    """CRC-32C (Castagnoli) of a contiguous buffer, continuing from ``crc`` (0 to start), like zlib.crc32:
+    crc.crc32c (the extension at memory speed, else its numpy engine)."""
+    return crc_mod.crc32c(data, crc)
 
 
 def crc32c_copy(src, dst, crc: int = 0) -> int:
     """Copy ``src`` into the start of ``dst`` and return the CRC-32C of those bytes (continuing from
-    ``crc``): the writer's direct path, one pass over the source, without the GIL (extension)."""
+    ``crc``): the writer's direct path, one pass over the source, without the GIL (C++ library)."""
     src = _bytes_view(src)
     m = ext()
     if m is not None:
@@ -160,10 +135,10 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     """Fast ``w4a8._requant_rows`` on a float ``w`` [N, K] or a QuantLinear ``ql``.
 
     Returns (q, scales, info) with the torch twin's bytes and info keys, or None to use the twin
-    (extension missing, or a NaN/Inf in the weights, which the twin reports).
+    (library missing, a CPU it cannot run on, or a NaN/Inf in the weights, which the twin reports).
     """
     mod = ext()
-    if mod is None:
+    if mod is None or not mod.requant_ok:
         return None
     gs = k if g == -1 else g
     coarse, fine = search_points(search)

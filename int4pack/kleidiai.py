@@ -251,7 +251,7 @@ def pack_experts(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | Non
 
 def pack_portable(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,
                   threads: int | None = None) -> torch.Tensor:
-    """The C++ packer (pure-numpy reference if the extension cannot be built): uint8 1-D blob."""
+    """The C++ packer (pure-numpy reference without the C++ library): uint8 1-D blob."""
     q, scales, bias, g = _prep(q, scales, bias, group_size)
     if _ext_mod() is None:
         return pack_reference(q, scales, bias, g)

@@ -1,9 +1,9 @@
 """The CPU W4A8 MoE forward (vLLM's ``dynamic_4bit_int_moe_cpu`` algorithm) and its references.
 
-``moe_forward`` runs ``csrc/moe/moe.cpp`` (experts in parallel, each through torch's
-``_dyn_quant_matmul_4bit``: KleidiAI on Arm, torch's reference kernel elsewhere) or, without a
-compiler, ``moe_forward_twin``: the same algorithm as a Python loop over experts calling the same
-torch op. ``moe_reference`` is a float32 per-token computation on dequantised weights.
+``moe_forward`` checks its inputs and runs ``moe_forward_twin``: the algorithm as a loop over
+experts, each expert's two matmuls through torch's ``_dyn_quant_matmul_4bit`` (KleidiAI on Arm,
+torch's reference kernel elsewhere; each call uses torch's threads). ``moe_reference`` is a
+float32 per-token computation on dequantised weights.
 
 Weights go in as one packed tensor per expert, stacked ``[E, ...]``: ``w13`` is ``[2I, H]`` (gate
 rows then up rows), ``w2`` is ``[H, I]``. ``pack_for_matmul`` makes them from int4 values and
@@ -17,7 +17,6 @@ from functools import lru_cache
 
 import torch
 
-from . import _ext
 from .errors import InputError
 from .groups import groupwise_problem
 
@@ -33,16 +32,10 @@ __all__ = [
     "activation",
     "pack_for_matmul",
     "pack_experts_for_matmul",
-    "extension",
 ]
 
 ACTIVATIONS = {0: "silu", 1: "swigluoai", 2: "silu"}
 _SWIGLU_ALPHA, _SWIGLU_LIMIT = 1.702, 7.0
-
-
-def extension():
-    """The compiled op module, or None (INT4PACK_NO_EXT=1 or no compiler)."""
-    return _ext.load("moe")
 
 
 def activation(gate: torch.Tensor, up: torch.Tensor, kind: int) -> torch.Tensor:
@@ -74,18 +67,13 @@ def _check(x, topk_ids, topk_weights, w13, w2, hidden, inter, group_size, activa
 
 
 def moe_forward(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden: int, inter: int, group_size: int,
-                apply_router_weight_on_input: bool = False, activation: int = 0, *,
-                use_extension: bool | None = None) -> torch.Tensor:
+                apply_router_weight_on_input: bool = False, activation: int = 0) -> torch.Tensor:
     """out [T, H] in x's dtype. ``group_size`` -1 means channelwise (block = H for w13, I for w2)."""
     _check(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden, inter, group_size, activation)
-    mod = extension() if use_extension in (None, True) else None
-    if use_extension and mod is None:
-        raise InputError(f"the MoE extension is not available: {_ext.build_error('moe')}")
-    if mod is None:
-        return moe_forward_twin(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden, inter, group_size,
-                                apply_router_weight_on_input, activation)
-    return mod.moe_forward(x, topk_ids.long().contiguous(), topk_weights, w13_packed, w2_packed, int(hidden),
-                           int(inter), int(group_size), bool(apply_router_weight_on_input), int(activation))
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise InputError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    return moe_forward_twin(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden, inter, group_size,
+                            apply_router_weight_on_input, activation)
 
 
 def _compute_dtype(dtype: torch.dtype, channelwise: bool) -> torch.dtype:
@@ -94,7 +82,8 @@ def _compute_dtype(dtype: torch.dtype, channelwise: bool) -> torch.dtype:
 
 def moe_forward_twin(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden: int, inter: int, group_size: int,
                      apply_router_weight_on_input: bool = False, activation_kind: int = 0) -> torch.Tensor:
-    """The same algorithm as csrc/moe/moe.cpp, one expert at a time, in Python."""
+    """vLLM's algorithm, one expert at a time: a stable sort of the (token, slot) pairs by expert,
+    per expert y13 = x_e @ w13_e, act(gate, up) @ w2_e, the gate weights, index_add into out."""
     t, k = topk_ids.shape
     e_count = w13_packed.shape[0]
     chan = group_size == -1

@@ -17,6 +17,7 @@ from rich.progress import (
     Progress,
     TaskProgressColumn,
     TextColumn,
+    TimeElapsedColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
@@ -24,7 +25,7 @@ from rich.table import Table
 
 from .errors import Int4packError
 
-__all__ = ["Output", "RichProgress", "human_bytes"]
+__all__ = ["Output", "RichProgress", "VerifyProgress", "human_bytes"]
 
 
 def human_bytes(n: float) -> str:
@@ -92,6 +93,68 @@ class Output:
             yield p
         finally:
             p.stop()
+
+    @contextmanager
+    def verify_progress(self):
+        """A VerifyProgress on stderr when it is a terminal; silent in JSON or quiet mode."""
+        p = VerifyProgress(self.err if not self.json and self.verbosity >= 0 else None)
+        try:
+            yield p
+        finally:
+            p.stop()
+
+
+class VerifyProgress:
+    """Implements verify's progress protocol (phase/start/advance/stop): layers, experts, dense linears
+    and the elapsed time, on a terminal only (a log gets the report, not a redrawn bar)."""
+
+    def __init__(self, console: Console | None):
+        self.console = console if console is not None and console.is_terminal else None
+        self._p: Progress | None = None
+        self._task = None
+        self.n = {"layers": 0, "experts": 0, "dense": 0}
+        self.total = {"layers": 0, "experts": 0, "dense": 0}
+
+    def _open(self, description: str, total: int | None) -> None:
+        if self.console is None:
+            return
+        if self._p is None:
+            self._p = Progress(TextColumn("{task.description}"), BarColumn(bar_width=16),
+                               TextColumn("{task.fields[counts]}"), TimeElapsedColumn(),
+                               TextColumn("[dim]{task.fields[what]}"), console=self.console, transient=True)
+            self._p.start()
+            self._task = self._p.add_task(description, total=total, counts="", what="")
+        else:
+            self._p.update(self._task, description=description, total=total, completed=0)
+
+    def phase(self, what: str) -> None:
+        self._open(what, None)
+
+    def start(self, layers: int, experts: int, dense: int) -> None:
+        self.total = {"layers": layers, "experts": experts, "dense": dense}
+        self._open("verify", experts + dense)
+        self._show()
+
+    def advance(self, *, layers: int = 0, experts: int = 0, dense: int = 0, what: str = "") -> None:
+        self.n["layers"] += layers
+        self.n["experts"] += experts
+        self.n["dense"] += dense
+        self._show(experts + dense, what)
+
+    def _show(self, step: int = 0, what: str = "") -> None:
+        if self._p is None:
+            return
+        n, t = self.n, self.total
+        counts = f"layers {n['layers']}/{t['layers']}  experts {n['experts']}/{t['experts']}"
+        if t["dense"]:
+            counts += f"  dense {n['dense']}/{t['dense']}"
+        fields = {"counts": counts, **({"what": what} if what else {})}
+        self._p.update(self._task, advance=step, **fields)
+
+    def stop(self) -> None:
+        if self._p is not None:
+            self._p.stop()
+            self._p = None
 
 
 class RichProgress:

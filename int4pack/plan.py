@@ -121,6 +121,9 @@ class Plan:
             "source": self.source,
             "format": self.verdict.to_dict(),
             "model_type": lay.model_type,
+            "family": lay.family,
+            "routing": lay.routing,
+            "kept": lay.kept,
             "moe_layers": len(lay.moe_layers),
             "experts_per_layer": sorted({m.num_experts for m in lay.moe_layers}),
             "shared_experts": sum(1 for m in lay.moe_layers if m.shared),
@@ -330,12 +333,14 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
         raise RefusedError(f"{ckpt.folder}: no int4 linear found although quant_method is "
                            f"{(ckpt.quant_config or {}).get('quant_method')!r}",
                            hint="The checkpoint may not be quantised; nothing to convert.")
-    layout = discover(ckpt.model_type, ckpt.text_config, sorted(specs), sorted(ckpt.tensors))
+    layout = discover(ckpt.family_type, ckpt.text_config, sorted(specs), sorted(ckpt.tensors))
     if not layout.moe_layers:
         raise RefusedError(f"{ckpt.folder}: no routed experts found in a {ckpt.model_type!r} checkpoint",
                            hint="int4pack targets MoE checkpoints; the tensor names did not match any expert layout.")
 
-    w4a8_specs = [s for s in specs.values() if dense == "w4a8" or layout.roles[s.name] == "expert"]
+    # float_only: a linear vLLM builds without quantisation (families/): dequantised to bfloat16
+    w4a8_specs = [s for s in specs.values() if layout.roles[s.name] != "float_only"
+                  and (dense == "w4a8" or layout.roles[s.name] == "expert")]
     w4a8_names = {s.name for s in w4a8_specs}
 
     # MLP triples whose down projection carries act-order get folded together

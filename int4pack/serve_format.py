@@ -48,8 +48,9 @@ __all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "parse_form
 
 QUANT_METHOD = "int4pack-kleidiai"  # config.json quant_method: what the vLLM plugin registers
 SUFFIX = "weight_packed"
+BLOB_CHECKS = "blob_checks"  # the layout record's per-blob group and CRC-32, checked by the plugin at load
 VERIFIED_TORCH = ("2.9.1", "2.10.0")  # torch releases whose packer the portable one was proven against
-PROVENANCE_BYTES = 160  # header room per blob for its provenance entry (~130 bytes of JSON)
+PROVENANCE_BYTES = 180  # header room per blob for its provenance entry (~150 bytes of JSON)
 
 
 PLAIN = "compressed-tensors"  # int8 weights, packed by vLLM at load (needs nothing but vLLM)
@@ -92,9 +93,46 @@ def layout_record(group_size: int | None, tensor_parallel: int = 1) -> dict:
     return rec
 
 
-def serve_config(quant_config: dict, group_size: int | None, tensor_parallel: int = 1) -> dict:
-    """The plain output's quantization_config, renamed to this format, with the layout record."""
-    return {**quant_config, "quant_method": QUANT_METHOD, "kleidiai": layout_record(group_size, tensor_parallel)}
+def serve_config(quant_config: dict, group_size: int | None, checks: dict | None = None,
+                 tensor_parallel: int = 1) -> dict:
+    """The plain output's quantization_config, renamed to this format, with the layout record
+    (and the per-blob checks the plugin runs at load: ``blob_checks``)."""
+    rec = layout_record(group_size, tensor_parallel)
+    if checks is not None:
+        rec[BLOB_CHECKS] = checks
+    return {**quant_config, "quant_method": QUANT_METHOD, "kleidiai": rec}
+
+
+def blob_checks(packed: dict[str, dict]) -> dict:
+    """What the plugin checks at load, per module as vLLM builds it (``vllm_module``: one FusedMoE
+    per MoE layer, qkv_proj, gate_up_proj, or the linear itself): the group each blob was packed
+    with, and the CRC-32 of its stored bytes, in vLLM's shard order (experts: gate, up, down). A
+    K-split blob's is the CRC-32 of its whole stored ``[tp, bytes]``, the tensor every rank is handed.
+    ``packed``: output module name -> its provenance."""
+    from .architectures import VLLM_FUSED, classify, vllm_module
+
+    units: dict[str, dict] = {}
+    for m, p in sorted(packed.items()):
+        role, d = classify(m)
+        unit = vllm_module(m)
+        leaf = m.rsplit(".", 1)[-1]
+        g = -1 if p["group_size"] in (-1, p["k"]) else p["group_size"]
+        if role == "expert":
+            ent = units.setdefault(unit, {"group_size": g, "names": [None, None, None], "experts": {}})
+            i = ("gate", "up", "down").index(d["proj"])
+            ent["names"][i] = leaf
+            ent["experts"].setdefault(d["e"], [None, None, None])[i] = p["crc32"]
+        else:
+            names = list(VLLM_FUSED.get(unit.rsplit(".", 1)[-1], ())) if unit != m else [leaf]
+            ent = units.setdefault(unit, {"group_size": g, "names": names, "crc32": [None] * len(names)})
+            ent["crc32"][names.index(leaf)] = p["crc32"]
+        if ent["group_size"] != g:
+            ent["group_size"] = "mixed"  # vLLM runs one scheme per module: the plugin refuses it
+    for ent in units.values():
+        if "experts" in ent:
+            ex = ent.pop("experts")
+            ent["crc32"] = [ex.get(e, [None, None, None]) for e in range(max(ex) + 1)]
+    return {"algorithm": "crc32", "modules": units}
 
 
 def tensor_parallel_size(rec: dict) -> int:
@@ -146,9 +184,44 @@ def read_record(quant_config: dict | None) -> dict | None:
 
 
 def record_problems(rec: dict) -> list[str]:
-    """How a recorded layout differs from the one this int4pack (and torch's packer) writes."""
+    """How a recorded layout differs from the one this int4pack (and torch's packer) writes, and
+    which of its fields hold values no conversion writes."""
     want = {k: v for k, v in layout_record(0).items() if k in ("layout", "layout_version", "nr", "kr", "sr")}
-    return [f"{k} is {rec.get(k)!r}, this int4pack reads {v!r}" for k, v in want.items() if rec.get(k) != v]
+    out = [f"{k} is {rec.get(k)!r}, this int4pack reads {v!r}" for k, v in want.items() if rec.get(k) != v]
+    g, sd = rec.get("group_size"), rec.get("scale_dtype")
+    if g is not None and (type(g) is not int or not (g == -1 or (g > 0 and g % 32 == 0))):
+        out.append(f"group_size is {g!r}: expected -1 (channel), a multiple of 32, or null (per module)")
+    elif sd != layout_record(g)["scale_dtype"]:
+        out.append(f"scale_dtype is {sd!r}, but group_size {g!r} means {layout_record(g)['scale_dtype']!r}")
+    blobs = rec.get(BLOB_CHECKS)
+    if blobs is not None and not isinstance(blobs, dict):
+        out.append(f"{BLOB_CHECKS} is a {type(blobs).__name__}, not an object")
+    return out
+
+
+def _int(v) -> int | None:
+    return v if type(v) is int else None
+
+
+def provenance_problem(name: str, ent) -> str | None:
+    """Why a blob's provenance entry (its shard header's int4pack.tensors) cannot be used, or None."""
+    if not isinstance(ent, dict):
+        return f"{name}: provenance is a {type(ent).__name__}, not an object"
+    for field in ("n", "k"):
+        v = _int(ent.get(field))
+        if v is None or v <= 0:
+            return f"{name}: provenance field {field!r} is {ent.get(field)!r}, not a positive integer"
+    g = _int(ent.get("group_size"))
+    if g is None or not (g == -1 or g == ent["k"] or (g > 0 and ent["k"] % g == 0 and g % 32 == 0)):
+        return (f"{name}: provenance field 'group_size' is {ent.get('group_size')!r}: expected -1 or a multiple "
+                f"of 32 dividing K={ent['k']}")
+    if not isinstance(ent.get("bias", False), bool):
+        return f"{name}: provenance field 'bias' is {ent.get('bias')!r}, not true or false"
+    for field in ("crc32_q", "crc32_scales", "crc32_bias", "crc32"):
+        v = ent.get(field)
+        if v is not None and not (isinstance(v, str) and len(v) == 8 and all(c in "0123456789abcdef" for c in v)):
+            return f"{name}: provenance field {field!r} is {v!r}, not 8 hex digits"
+    return None
 
 
 # --------------------------------------------------------------------------------- writing
@@ -200,15 +273,19 @@ def _crc(t: torch.Tensor | None) -> str | None:
 
 
 def provenance(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-               tensor_parallel: int = 1) -> dict:
+               blob: torch.Tensor | None = None, tensor_parallel: int = 1) -> dict:
     """What a blob was packed from (kept in its shard header): shape, group, CRC-32s of the inputs
-    (of the whole matrix for a K-split one, with ``tensor_parallel``: its number of ranks)."""
+    (of the whole matrix for a K-split one, with ``tensor_parallel``: its number of ranks), and
+    (``crc32``) the CRC-32 of the blob's own stored bytes (a K-split one's whole ``[tp, bytes]``),
+    which verify and the plugin check."""
     n, k = q.shape
     out = {"n": n, "k": k, "group_size": group_size, "bias": bias is not None, "crc32_q": _crc(q),
            "crc32_scales": _crc(scales.reshape(n, -1)),
            "crc32_bias": _crc(None if bias is None else bias.to(torch.float32))}
     if tensor_parallel > 1:
         out["tensor_parallel"] = tensor_parallel
+    if blob is not None:
+        out["crc32"] = _crc(blob)
     return out
 
 
@@ -242,7 +319,7 @@ def job_packer(tensor_parallel: int = 1):
                 blob = pack_split(q, s, bias, job.group_size, tp)
             else:
                 blob = kleidiai.pack_portable(q, s, bias, _block(q.shape[1], job.group_size), threads=1)
-            stats.setdefault(mod, {})["packed"] = provenance(q, s, bias, job.group_size, tp)
+            stats.setdefault(mod, {})["packed"] = provenance(q, s, bias, job.group_size, blob, tp)
             out.append((f"{mod}.{SUFFIX}", blob))
         return out
 
@@ -259,19 +336,29 @@ class PackedWeights:
         self.ckpt = ckpt
         self.record = record
         self.prov: dict[str, dict] = {}
+        self.bad: dict[str, str] = {}  # blob -> why its provenance entry is unusable
         for meta in ckpt.shard_metadata.values():
             try:
                 entries = json.loads(meta.get("int4pack.tensors") or "{}")
             except json.JSONDecodeError:
                 continue
+            if not isinstance(entries, dict):
+                continue
             for name, ent in entries.items():
-                if isinstance(ent, dict) and isinstance(ent.get("packed"), dict):
-                    self.prov[name] = ent["packed"]
+                if isinstance(ent, dict) and "packed" in ent:
+                    why = provenance_problem(name, ent["packed"])
+                    if why:
+                        self.bad[name] = why
+                    else:
+                        self.prov[name] = ent["packed"]
         self.modules = sorted(n[: -len(SUFFIX) - 1] for n in ckpt.tensors if n.endswith(f".{SUFFIX}"))
 
     def shape(self, m: str) -> tuple[int, int]:
         """(N, K) of module m, from its provenance."""
         p = self.prov.get(f"{m}.{SUFFIX}")
+        if p is None and f"{m}.{SUFFIX}" in self.bad:
+            raise InputError(self.bad[f"{m}.{SUFFIX}"], tensor=f"{m}.{SUFFIX}",
+                             hint="The shard header was edited or damaged; convert again.")
         if p is None:
             raise InputError(f"{m}.{SUFFIX}: no provenance in its shard header (int4pack.tensors)",
                              tensor=f"{m}.{SUFFIX}",
@@ -343,12 +430,15 @@ class PackedWeights:
             return [f"{info.dtype}{list(info.shape)}, expected U8{list(want)} (the KleidiAI size for N={n}, K={k}, "
                     f"block {g}{split}): truncated or another layout"], None
         blob = self.blob(m)
+        want = self.prov[name].get("crc32")
+        stored = [f"stored bytes differ from the ones convert wrote (CRC-32 {_crc(blob)} != {want})"] \
+            if want is not None and _crc(blob) != want else []
         try:
             q, s, b = self.decode(m, blob)
         except InputError as e:
-            return [str(e)], None
+            return stored + [str(e)], None
         prov = self.prov[name]
-        problems = [f"decoded {what} differ from the ones it was packed from (CRC-32 {got} != {want})"
+        problems = stored + [f"decoded {what} differ from the ones it was packed from (CRC-32 {got} != {want})"
                     for what, got, want in (("int4 values", _crc(q), prov.get("crc32_q")),
                                             ("scales", _crc(s), prov.get("crc32_scales")),
                                             ("bias", _crc(b), prov.get("crc32_bias"))) if got != want]

@@ -26,12 +26,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from . import moe as moe_mod
 from . import serve_format as sf
 from .checkpoint import Checkpoint, resolve_source
-from .errors import InputError, Int4packError, VerifyFailed
+from .errors import InputError, Int4packError, UsageError, VerifyFailed
 from .verify_structure import Target, check_structure, layer_index
 from .w4a8 import dequantize_w4a8
 
@@ -41,6 +42,7 @@ K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and re
 K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
 LOSSLESS_BOUND = 2.0**-8  # bf16 rounding of a scale: relative error <= 2^-8 per element
 REL_MARGIN = 1e-3  # report values carry 6 digits; float32 vs float64 sums differ by ~1e-6
+MAX_BUDGET = 0.35  # no module may be further than this from its source (int4 RTN is ~0.1 on real layers)
 ABS_FLOOR = 1e-6
 MIN_SLOTS_PER_EXPERT = 2
 _NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "ffn_norm")
@@ -91,15 +93,25 @@ class _Source:
         self.reader = open_reader(self.ckpt)
         # keyed by the output's module names (convert renames some families for vLLM)
         ren = {k[:-7]: v[:-7] for k, v in vllm_output_names(
-            self.ckpt.model_type, [f"{m}.weight" for m in self.reader.linears()]).items()}
+            self.ckpt.family_type, [f"{m}.weight" for m in self.reader.linears()]).items()}
         self.specs = {ren.get(m, m): s for m, s in self.reader.linears().items()}
+        self.plan_error: str | None = None
+        self.copies: dict[str, str] = {}  # output tensor -> the source tensor it is a copy of
+        self.kept_bf16: dict[str, str] = {}  # output module kept in bf16 -> source module
         try:
             from .plan import make_plan
 
             plan = make_plan(self.ckpt)
             self.paths = {ren.get(m, m): p for j in plan.jobs for m, p in j.paths.items()}
-        except Int4packError:
+            tren = vllm_output_names(self.ckpt.model_type, [j.source for j in plan.jobs if j.kind == "copy"])
+            for j in plan.jobs:
+                if j.kind == "copy":
+                    self.copies[tren.get(j.source, j.source)] = j.source
+                elif j.kind == "dequant":
+                    self.kept_bf16[ren.get(j.specs[0].name, j.specs[0].name)] = j.specs[0].name
+        except Int4packError as e:
             self.paths = {}
+            self.plan_error = str(e)
         self._cache: dict[str, object] = {}
 
     def read(self, m: str):
@@ -124,6 +136,107 @@ class _Source:
         self.ckpt.close()
 
 
+def _same_bytes(a: Checkpoint, an: str, b: Checkpoint, bn: str) -> str | None:
+    """Why tensor an of a and bn of b differ (dtype, shape or bytes), or None."""
+    ia, ib = a.tensors[an], b.tensors[bn]
+    if ia.dtype != ib.dtype or tuple(ia.shape) != tuple(ib.shape):
+        return f"{ia.dtype}{list(ia.shape)} here, {ib.dtype}{list(ib.shape)} in the source"
+    va, vb = a.raw(an), b.raw(bn)
+    step = 1 << 24
+    for i in range(0, len(va), step):
+        if va[i:i + step] != vb[i:i + step]:
+            x = np.frombuffer(va[i:i + step], dtype=np.uint8) != np.frombuffer(vb[i:i + step], dtype=np.uint8)
+            return f"bytes differ from the source's (first at byte {i + int(x.argmax())})"
+    return None
+
+
+def _check_copies(t: Target, src: _Source, clock) -> dict:
+    """Every tensor the output should hold unchanged from the source (routers, norms, embeddings,
+    lm_head, biases, bf16-kept linears...), compared byte for byte; and no tensor the source does
+    not explain."""
+    out = t.ckpt
+    problems: list[dict] = []
+    checked = 0
+    if src.plan_error:
+        problems.append({"where": "source", "message": f"the source's own plan fails ({src.plan_error}): "
+                                                       "the copied tensors cannot be attributed"})
+        return {"ok": False, "checked": 0, "problems": problems}
+    quant = set(t.modules)
+    explained = set(src.copies)
+    with clock("read"):
+        for name, sname in sorted(src.copies.items()):
+            if name not in out.tensors:
+                problems.append({"where": name, "message": f"missing (a copy of the source's {sname})"})
+                continue
+            why = _same_bytes(out, name, src.ckpt, sname)
+            checked += 1
+            if why:
+                problems.append({"where": name, "message": f"not the source's {sname}: {why}"})
+        for m, sm in sorted(src.kept_bf16.items()):
+            ql = src.reader.read(src.reader.linears()[sm])
+            want = {f"{m}.weight": ql.dequantize().to(torch.bfloat16)}
+            if ql.bias is not None:
+                want[f"{m}.bias"] = ql.bias
+            explained.update(want)
+            for name, w in want.items():
+                checked += 1
+                if name not in out.tensors:
+                    problems.append({"where": name, "message": "missing (the source module kept in bf16)"})
+                elif not _tensor_equal(out.get(name), w):
+                    problems.append({"where": name, "message": f"differs from the source's {sm} dequantised"})
+        for m in sorted(quant):
+            if m not in src.specs:
+                continue  # reported by the numerical pass (not a quantised module of the source)
+            bias = src.read(m).bias
+            if t.packed:
+                explained.add(f"{m}.{sf.SUFFIX}")
+                continue  # a packed bias is inside the blob: compared there (_bias_vs_source)
+            explained.update({f"{m}.weight", f"{m}.weight_scale"})
+            if bias is None:
+                continue
+            explained.add(f"{m}.bias")
+            checked += 1
+            perm = src.g_idx_perm(m) if src.paths.get(m) == "fold" else None
+            if f"{m}.bias" not in out.tensors:
+                problems.append({"where": f"{m}.bias", "message": "missing (the source module has a bias)"})
+            elif not _bias_matches(out.get(f"{m}.bias"), bias, perm):
+                problems.append({"where": f"{m}.bias", "message": "differs from the source module's bias"})
+        for name in sorted(set(out.tensors) - explained):
+            mod = name.rsplit(".", 1)[0]
+            if mod in quant and (t.packed or name.endswith((".weight", ".weight_scale", ".bias"))):
+                continue  # a module the source does not quantise: the numerical pass names it
+            problems.append({"where": name, "message": "not in the source and not written by convert from it"})
+    return {"ok": not problems, "checked": checked, "problems": problems}
+
+
+def _bias_vs_source(t: Target, src: _Source, m: str) -> list[str]:
+    """A packed blob's bias (inside the blob) against the source module's."""
+    if not t.packed:
+        return []  # the plain output's biases are tensors of their own: _check_copies
+    sb = src.read(m).bias
+    has = bool(t.packed.prov.get(f"{m}.{sf.SUFFIX}", {}).get("bias"))
+    if has != (sb is not None):
+        return [f"{m}: the blob {'holds' if has else 'lacks'} a bias, the source module "
+                f"{'has none' if has else 'has one'}"]
+    if sb is None:
+        return []
+    perm = src.g_idx_perm(m) if src.paths.get(m) == "fold" else None
+    b = t.packed.decode(m, check=False)[2]
+    return [] if _bias_matches(b, sb, perm) else [f"{m}: the bias inside the blob differs from the source's"]
+
+
+def _tensor_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(torch.uint8) if a.dtype ==
+                                                                          torch.bfloat16 else a, b.view(torch.uint8)
+                                                                          if b.dtype == torch.bfloat16 else b))
+
+
+def _bias_matches(got: torch.Tensor, want: torch.Tensor, perm: torch.Tensor | None) -> bool:
+    cands = [want] + ([want[perm]] if perm is not None and perm.numel() == want.numel() else [])
+    return any(got.shape == w.shape and bool(torch.equal(got.float(), w.float())) and
+               (got.dtype == w.dtype or got.dtype == torch.float32) for w in cands)
+
+
 def _rtn_rel(w: torch.Tensor, g: int) -> float:
     """rel_l2 of plain absmax round-to-nearest at the target group (scales rounded as shipped)."""
     n, k = w.shape
@@ -135,28 +248,55 @@ def _rtn_rel(w: torch.Tensor, g: int) -> float:
     return _rel((q * s).reshape(n, k), w)
 
 
+def _report_figure(m: str, report: dict | None) -> tuple[float | None, str | None]:
+    """Convert's measured rel_l2 of module m in the checkpoint's own report: (value, problem)."""
+    mods = (report or {}).get("modules")
+    rec = mods.get(m) if isinstance(mods, dict) else None
+    if not isinstance(rec, dict) or rec.get("rel_l2") in (None, ""):
+        return None, None
+    try:
+        v = float(rec["rel_l2"])
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        return None, f"int4pack_report.json: modules.{m}.rel_l2 is {rec['rel_l2']!r}, not a number >= 0"
+    return v, None
+
+
 def _budget(m: str, w_src: torch.Tensor, g: int, report: dict | None, src: _Source) -> tuple[float, str]:
-    """Allowed weight rel_l2 of module m against the source, and where the number comes from."""
-    rec = ((report or {}).get("modules") or {}).get(m)
-    if isinstance(rec, dict) and rec.get("rel_l2") not in (None, ""):
-        return float(rec["rel_l2"]) * (1 + REL_MARGIN) + ABS_FLOOR, "report"
+    """Allowed weight rel_l2 of module m against the source, and where the number comes from.
+
+    The bound is the source's own: the path the source plans for m (recomputed from the source,
+    never read from the output) and its error bound at g; the report's figure only tightens it,
+    and MAX_BUDGET caps every budget. A forged report can make verify stricter, never looser.
+    """
     path = src.paths.get(m, "requant")
     if path == "reemit":
-        return ABS_FLOOR, "reemit (exact)"
-    if path in ("lossless", "fold"):
-        return (ABS_FLOOR if g == -1 else LOSSLESS_BOUND), f"{path} (scale cast)"
-    return _rtn_rel(w_src, g) * (1 + REL_MARGIN) + ABS_FLOOR, "requant (<= absmax RTN)"
+        bound, why = ABS_FLOOR, "reemit (exact)"
+    elif path in ("lossless", "fold"):
+        bound, why = (ABS_FLOOR if g == -1 else LOSSLESS_BOUND), f"{path} (scale cast), from the source"
+    else:
+        bound, why = _rtn_rel(w_src, g) * (1 + REL_MARGIN) + ABS_FLOOR, "requant (<= absmax RTN), from the source"
+    if bound > MAX_BUDGET:
+        bound, why = MAX_BUDGET, f"{why}, capped at {MAX_BUDGET}"
+    fig, _ = _report_figure(m, report)
+    if fig is not None and fig * (1 + REL_MARGIN) + ABS_FLOOR < bound:
+        bound, why = fig * (1 + REL_MARGIN) + ABS_FLOOR, "the report's figure (tighter than the source bound)"
+    return bound, why
 
 
 # --------------------------------------------------------------------------------- inputs
 
 
-def _norm_weight(ckpt: Checkpoint, prefix: str, names: tuple[str, ...]) -> torch.Tensor | None:
+def _norm_weight(ckpt: Checkpoint, prefix: str, names: tuple[str, ...], offset: float = 0.0) -> torch.Tensor | None:
+    """The RMSNorm gain in front of ``prefix`` (``offset`` 1: the model scales by 1 + weight, as
+    Qwen3-Next and Qwen3.5 do); None when absent or zero everywhere (it would zero the input)."""
     parent = prefix.rsplit(".", 1)[0]
     for n in names:
         key = f"{parent}.{n}.weight"
         if key in ckpt.tensors:
-            return ckpt.get(key).float()
+            g = ckpt.get(key).float() + offset
+            return g if bool(g.abs().amax() > 0) else None
     return None
 
 
@@ -166,16 +306,22 @@ def _hidden(gen: torch.Generator, t: int, h: int, norm: torch.Tensor | None) -> 
     return x * norm if norm is not None and norm.numel() == h else x
 
 
-def _route(x, router_w, sampled: list[int], top_k: int, renorm: bool, gen) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k among the sampled experts from the real router; every sampled expert gets slots."""
+def _route(x, router_w, sampled: list[int], top_k: int, renorm: bool, gen, scoring: str = "softmax",
+           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k among the sampled experts from the real router, scored as the family scores (softmax, or
+    sigmoid with the score bias choosing but not weighting); every sampled expert gets slots. The
+    kernel and the float reference take the same ids and weights: routing picks the inputs, the
+    comparison is of the experts."""
     t = x.shape[0]
     k = min(top_k, len(sampled))
     if router_w is not None:
         logits = x @ router_w.float()[sampled].t()
     else:
         logits = torch.randn(t, len(sampled), generator=gen)
-    probs = torch.softmax(logits, dim=1)
-    w, ids = probs.topk(k, dim=1)
+    probs = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=1)
+    choice = probs + bias.float()[sampled] if bias is not None else probs
+    ids = choice.topk(k, dim=1).indices
+    w = probs.gather(1, ids)
     # guarantee coverage: give an expert with too few slots the last slot of tokens lacking it
     for e in range(len(sampled)):
         have = int((ids == e).sum())
@@ -233,26 +379,34 @@ def _weights_vs_source(t: Target, src: _Source, mods: dict[str, str], report, cl
         stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why}
         if not meas <= bud:
             problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        problems += _bias_vs_source(t, src, m)
     return conv, srcw, problems, stats
 
 
-def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock) -> dict:
+def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock,
+               tick=None) -> dict:
     experts = t.layers[prefix]
     ids_all = sorted(experts)
     sampled = _pick(ids_all, experts_n, gen)
     e_s = len(sampled)
     ck = t.ckpt
-    res: dict = {"layer": prefix, "kind": "moe", "experts": len(ids_all), "experts_checked": e_s, "problems": []}
+    res: dict = {"layer": prefix, "kind": "moe", "experts": len(ids_all), "experts_checked": e_s,
+                 "experts_sampled": list(sampled), "problems": []}
     router = t.routers.get(prefix)
     with clock("read"):
         rw = ck.get(router).float() if router else None
-        norm = _norm_weight(ck, prefix, _NORMS)
+        norm = _norm_weight(ck, prefix, _NORMS, t.norm_offset)
+        bias_name = next((n for n in (f"{prefix}.gate.e_score_correction_bias", f"{prefix}.e_score_correction_bias")
+                          if n in ck.tensors), None) if t.routing.get("bias") else None
+        bias = ck.get(bias_name).float() if bias_name else None
     k_top = min(t.top_k, e_s)
     n_tok = tokens or max(32, -(-MIN_SLOTS_PER_EXPERT * 2 * e_s // k_top))
     x = _hidden(gen, n_tok, t.shape(experts[ids_all[0]]["gate"])[1], norm)
-    ids, wts = _route(x, rw, sampled, t.top_k, t.norm_topk, gen)
+    scoring = t.routing.get("scoring") or "softmax"
+    ids, wts = _route(x, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias)
     res["tokens"] = n_tok
     res["router"] = "real" if rw is not None else "random logits"
+    res["scoring"] = scoring + (" + score bias" if bias is not None else "")
     res["input_norm"] = norm is not None
 
     use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None
@@ -310,6 +464,8 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
             if src is not None:
                 w_var[tt, jj] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
                                                      weight_var=wv) * g2
+        if tick is not None:
+            tick()
     g = t.moe_group(experts[sampled[-1]])
     if use_blobs:
         # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: serve_format.py)
@@ -322,6 +478,8 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
     y_s = (slots_s * wts.unsqueeze(2)).sum(1) if src is not None else y_c
 
     ref_norm = float(y_s.double().norm())
+    if ref_norm == 0.0:  # an all-zero reference compares nothing
+        res["problems"].append("the float reference output is zero everywhere: nothing was compared")
     act_rel = _rel(y_k, y_c)
     act_pred = math.sqrt(float(act_var.sum())) / max(float(y_c.double().norm()), 1e-30)
     res.update(rel_l2=_rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=_cos(y_k, y_s),
@@ -375,9 +533,9 @@ def _dense(t: Target, m: str, src: _Source | None, report, tokens: int, gen, clo
     n, k = q.shape
     norm = None
     if m.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"):
-        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], ("input_layernorm",))
+        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], ("input_layernorm",), t.norm_offset)
     elif m.rsplit(".", 1)[-1] in ("gate_proj", "up_proj"):
-        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], _NORMS)
+        norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], _NORMS, t.norm_offset)
     x = _hidden(gen, tokens, k, norm)
     with clock("pack"):
         wp = t.blob(m)
@@ -403,6 +561,7 @@ def _dense(t: Target, m: str, src: _Source | None, report, tokens: int, gen, clo
         bud, why = _budget(m, w_s, g, report, src)
         if not meas <= bud:
             res["problems"].append(f"weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        res["problems"] += _bias_vs_source(t, src, m)
         with clock("reference"):
             y_s = x @ w_s.t()
         w_pred = bud * math.sqrt(float(w_s.double().pow(2).mean()) * float(x.double().pow(2).sum()) * n) \
@@ -423,27 +582,109 @@ def _dense(t: Target, m: str, src: _Source | None, report, tokens: int, gen, clo
 # --------------------------------------------------------------------------------- entry point
 
 
-def _select_layers(prefixes: list[str], layers, gen) -> list[str]:
-    if layers is None or layers == "all":
-        return prefixes
-    if isinstance(layers, int):
-        return _pick(prefixes, layers, gen)
+_LAYERS_HELP = "--layers takes all, a count N for a seeded sample, or layer indices such as 0,12,47 (one index as 12,)."
+
+
+def _parse_layers(layers) -> int | list[int] | None:
+    """``layers`` as given (None, "all", a count, "0,3", [0, 3]) -> None (all), a count, or sorted indices.
+    Anything else is a usage error: verify must never check less than it was asked to."""
+    if layers is None:
+        return None
+    spec = layers
     if isinstance(layers, str):
-        layers = [int(s) for s in layers.replace(" ", "").split(",") if s]
-    want = {int(v) for v in layers}
+        s = layers.replace(" ", "")
+        if s == "all":
+            return None
+        if s.isdigit():
+            layers = int(s)
+        elif "," in s:
+            parts = [x for x in s.split(",") if x]
+            bad = [x for x in parts if not x.lstrip("-").isdigit()]
+            if bad or not parts:
+                why = f"{bad[0]} is not a layer index" if bad else "no layer index given"
+                raise UsageError(f"--layers {spec}: {why}", hint=_LAYERS_HELP)
+            layers = [int(x) for x in parts]
+        else:
+            raise UsageError(f"--layers {spec}: not all, a count or a list of layer indices", hint=_LAYERS_HELP)
+    if isinstance(layers, bool) or not isinstance(layers, (int, list, tuple, set)):
+        raise UsageError(f"layers={spec!r}: not all, a count or a list of layer indices", hint=_LAYERS_HELP)
+    if isinstance(layers, int):
+        if layers < 1:
+            raise UsageError(f"--layers {spec}: a sample needs at least 1 layer (layer 0 alone is --layers 0,)",
+                             hint=_LAYERS_HELP)
+        return layers
+    try:
+        idx = sorted({int(v) for v in layers})
+    except (TypeError, ValueError):
+        raise UsageError(f"layers={spec!r}: not a list of layer indices", hint=_LAYERS_HELP) from None
+    if not idx:
+        raise UsageError("layers=[]: no layer to check", hint=_LAYERS_HELP)
+    return idx
+
+
+def _spans(idx) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5': a 48-layer model's list stays short."""
+    out, run = [], []
+    for i in sorted(idx):
+        if run and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+        run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)))
+    return ", ".join(out) or "none"
+
+
+def _missing(spec, want: list[int], have: set[int], what: str, out) -> None:
+    miss = [i for i in want if i not in have]
+    if miss:
+        raise UsageError(f"--layers {spec}: no layer {', '.join(map(str, miss))} to check in {out} ({what}: "
+                         f"{_spans(have)})",
+                         hint="Pick layer indices from that list, a count N for a seeded sample, or all.")
+
+
+def _select_layers(prefixes: list[str], sel, gen) -> list[str]:
+    if sel is None:
+        return prefixes
+    if isinstance(sel, int):
+        return _pick(prefixes, sel, gen)
+    want = set(sel)
     return [p for p in prefixes if layer_index(p) in want]
+
+
+class NullProgress:
+    """verify's progress protocol: the CLI passes a rich implementation (output.VerifyProgress)."""
+
+    def phase(self, what: str) -> None: ...
+
+    def start(self, layers: int, experts: int, dense: int) -> None: ...
+
+    def advance(self, *, layers: int = 0, experts: int = 0, dense: int = 0, what: str = "") -> None: ...
+
+    def stop(self) -> None: ...
 
 
 def verify(out, against=None, *, tokens: int | None = None, layers=None, experts: int | None = None,
            seed: int = 0, threads: int | None = None, structural_only: bool = False, dense: bool = True,
-           dense_tokens: int = 8, revision: str | None = None, raise_on_failure: bool = True) -> dict:
+           dense_tokens: int = 8, revision: str | None = None, raise_on_failure: bool = True,
+           progress: NullProgress | None = None) -> dict:
     """Check a converted W4A8 checkpoint; returns the report, raises VerifyFailed when it fails.
 
-    ``layers``: None/"all", a count (seeded sample) or layer indices ("0,3" or [0, 3]);
+    ``layers``: None/"all", a count (seeded sample) or layer indices ("0,3" or [0, 3]); an index the
+    model does not have is a UsageError, and a run that checks nothing fails;
     ``experts``: per-layer sample size (default all); ``tokens``: rows per MoE layer (default enough
-    for every sampled expert to get >= 2 slots, at least 32). The VerifyFailed carries ``.report``.
+    for every sampled expert to get >= 2 slots, at least 32). The VerifyFailed carries ``.report``;
+    the report's ``checked`` lists exactly what the numerical pass ran.
     """
     t0 = time.perf_counter()
+    progress = progress or NullProgress()
+    sel = _parse_layers(layers)
+    if experts is not None and experts < 1:
+        raise UsageError(f"--experts {experts}: must be at least 1")
+    if tokens is not None and tokens < 1:
+        raise UsageError(f"--tokens {tokens}: must be at least 1")
     folder = resolve_source(out, revision=revision)
     if not (Path(folder) / "config.json").is_file():
         raise InputError(f"{folder}: no config.json", path=str(folder))
@@ -461,47 +702,136 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                       layers=[], dense=[])
         return _finish(report, t0, clock, raise_on_failure)
     with _threads(threads), ckpt:
+        n_hidden = ckpt.text_config.get("num_hidden_layers")
+        if isinstance(sel, list) and isinstance(n_hidden, int):  # before the structural pass: it reads every byte
+            _missing(layers, sel, set(range(n_hidden)), f"num_hidden_layers {n_hidden}, layers", out)
+        progress.phase("structure")
         ts = time.perf_counter()
-        t, problems, counts, conv_report = check_structure(ckpt)
+        try:
+            t, problems, counts, conv_report = check_structure(ckpt)
+        except InputError as e:  # a checkpoint value that leaves nothing to check (a config not W4A8...)
+            report.update(ok=False, layers=[], dense=[], structural={
+                "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
+            return _finish(report, t0, clock, raise_on_failure)
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
                                 "seconds": round(time.perf_counter() - ts, 3),
                                 "serve_format": sf.KLEIDIAI if t.packed else sf.PLAIN}
         report["layers"], report["dense"] = [], []
         report["kernel"] = _kernel_info()
+        report["trust"] = _trust_notes(t, counts, conv_report, against is not None and not structural_only)
+        moe_prefixes = sorted(t.layers, key=lambda p: (layer_index(p), p))
+        dense_mods = [m for m in t.modules if t.roles[m] != "expert"] if dense else []
+        if isinstance(sel, list):  # every index must name something verify can run
+            have = {layer_index(p) for p in moe_prefixes} | {layer_index(m) for m in dense_mods}
+            _missing(layers, sel, have - {-1}, "layers with MoE experts" + (" or dense W4A8 linears" if dense else ""),
+                     out)
+        gen = torch.Generator().manual_seed(seed)
+        chosen = _select_layers(moe_prefixes, sel, gen)
+        if sel is not None:
+            idx = {layer_index(p) for p in chosen} if isinstance(sel, int) else set(sel)
+            dense_mods = [m for m in dense_mods if layer_index(m) in idx]
+        bad = {p["where"] for p in problems.items}
+        # a config-wide problem (scheme, group, layout record) leaves no layer whose numbers can be trusted
+        everywhere = any(w == "config" or w.startswith("config ") for w in bad)
+
+        def flagged(name: str) -> bool:
+            return everywhere or any(w == name or w.startswith(name + ".") for w in bad)
+
+        dense_mods = [m for m in dense_mods if not flagged(m)]
+        notes = []  # a sample larger than the model checks all of it: say so rather than drop it silently
+        if isinstance(sel, int) and sel > len(moe_prefixes):
+            notes.append(f"--layers {sel}: the model has {len(moe_prefixes)} MoE layer(s); all are checked")
+        most = max((len(v) for v in t.layers.values()), default=0)
+        if experts is not None and experts > most:
+            notes.append(f"--experts {experts}: the MoE layers have {most} experts; all are checked")
+        report["checked"] = {"layers": None if sel is None else (sel if isinstance(sel, list) else f"sample of {sel}"),
+                             "numerical": not structural_only, "moe_layers": [], "experts": 0, "dense": [],
+                             "notes": notes}
         if not structural_only:
             src = _Source(against, revision) if against is not None else None
-            gen = torch.Generator().manual_seed(seed)
-            bad = {p["where"] for p in problems.items}
+            run = [p for p in chosen if not flagged(p)]
+            progress.start(len(chosen), sum(min(len(t.layers[p]), experts or len(t.layers[p])) for p in run),
+                           len(dense_mods))
             try:
-                moe_prefixes = sorted(t.layers, key=lambda p: (layer_index(p), p))
-                chosen = _select_layers(moe_prefixes, layers, gen)
+                if src is not None:
+                    report["copies"] = _check_copies(t, src, clock)
                 for p in chosen:
-                    if any(w == p or w.startswith(p + ".") for w in bad):
+                    if p not in run:
                         report["layers"].append({"layer": p, "kind": "moe", "ok": False, "skipped": True,
                                                  "problems": ["structural problems (see above): not run"]})
+                        progress.advance(layers=1)
                         continue
-                    report["layers"].append(_moe_layer(t, p, src, conv_report, experts, tokens, gen, clock))
-                if dense:
-                    idx = {layer_index(p) for p in chosen}
-                    for m in t.modules:
-                        if t.roles[m] == "expert" or (layers is not None and layer_index(m) not in idx):
-                            continue
-                        if any(w == m for w in bad):
-                            continue
-                        report["dense"].append(_dense(t, m, src, conv_report, dense_tokens, gen, clock))
+                    progress.advance(what=p)
+                    report["layers"].append(_guarded(p, "moe", lambda: _moe_layer(
+                        t, p, src, conv_report, experts, tokens, gen, clock, tick=lambda: progress.advance(experts=1))))
+                    progress.advance(layers=1)
+                for m in dense_mods:
+                    progress.advance(what=m)
+                    report["dense"].append(_guarded(m, "dense", lambda: _dense(
+                        t, m, src, conv_report, dense_tokens, gen, clock)))
+                    progress.advance(dense=1)
             finally:
+                progress.stop()
                 if src is not None:
                     src.close()
-    report["ok"] = report["structural"]["ok"] and all(r["ok"] for r in report["layers"] + report["dense"])
+            ran = [r for r in report["layers"] if not r.get("skipped")]
+            report["checked"].update(
+                moe_layers=[layer_index(r["layer"]) for r in ran],
+                experts=sum(r["experts_checked"] for r in ran),
+                experts_by_layer={r["layer"]: r["experts_sampled"] for r in ran},
+                dense=[d["module"] for d in report["dense"] if not d.get("skipped")])
+    report["ok"] = (report["structural"]["ok"] and all(r["ok"] for r in report["layers"] + report["dense"])
+                    and report.get("copies", {}).get("ok", True))
+    if not structural_only and not report["layers"] and not report["dense"]:
+        report["ok"] = False  # a pass must mean something was checked
+        report["nothing_checked"] = True
     return _finish(report, t0, clock, raise_on_failure)
+
+
+def _guarded(name: str, kind: str, run) -> dict:
+    """One layer's numerical pass; a checkpoint value that makes it fail (a shape or group the
+    structural pass let through) fails that layer, naming it, instead of ending verify."""
+    try:
+        return run()
+    except Int4packError as e:
+        why = str(e)
+    except (RuntimeError, ValueError, IndexError) as e:
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    key = "layer" if kind == "moe" else "module"
+    return {key: name, "kind": kind, "ok": False, "skipped": True,
+            "problems": [f"the numerical pass could not run on what the checkpoint holds ({why})"]}
+
+
+def _trust_notes(t: Target, counts: dict, conv_report: dict | None, against: bool) -> list[str]:
+    """Which checks rest on figures the checkpoint records about itself (a forger can edit those)."""
+    notes = []
+    if not against:
+        notes.append("weights were checked against themselves, not against a source: pass --against SRC to "
+                     "compare every module and copied tensor with the checkpoint it came from")
+        if conv_report is not None:
+            notes.append("shard checksums are compared with int4pack_report.json, which the checkpoint carries: "
+                         "they detect damage, not a consistent forgery")
+    else:
+        notes.append("error budgets come from the source (the report's figures only tighten them); copied "
+                     "tensors are compared byte for byte with the source")
+    if conv_report is None:
+        notes.append("no int4pack_report.json: shard checksums could not be checked")
+    if t.packed:
+        notes.append("each blob is checked against the provenance in its own shard header (CRCs of the values "
+                     "it was packed from) and repacked byte for byte")
+        if sf.BLOB_CHECKS not in t.packed.record:
+            notes.append(f"the layout record has no {sf.BLOB_CHECKS} (written by an older int4pack): the vLLM "
+                         "plugin serves these blobs unchecked; convert again to have them checked at load")
+    return notes
+
 
 
 def _kernel_info() -> dict:
     from . import kleidiai
 
-    ext = moe_mod.extension()
+    # the MoE op is vLLM's algorithm in Python (moe.moe_forward) over torch's matmul op
     return {"matmul": "kleidiai" if kleidiai.native_kleidiai_available() else "torch reference (x86 fallback)",
-            "moe_op": "csrc/moe.cpp" if ext is not None else "python twin"}
+            "moe_op": "python"}
 
 
 def _finish(report: dict, t0: float, clock: _Clock, raise_on_failure: bool) -> dict:
@@ -511,25 +841,33 @@ def _finish(report: dict, t0: float, clock: _Clock, raise_on_failure: bool) -> d
     st = report.get("structural", {})
     n_l = len(report.get("layers", []))
     worst = max((r.get("rel_l2") or 0 for r in report.get("layers", [])), default=None)
-    if report.get("ok"):
+    if report.get("ok") and not report.get("checked", {}).get("numerical", True):
+        report["verdict"] = "PASS: structure ok (numerical pass not run: structural only)"
+    elif report.get("ok"):
         report["verdict"] = (f"PASS: structure ok, {n_l} MoE layer(s) and {len(report.get('dense', []))} dense "
-                             f"linear(s) within tolerance (worst layer rel_l2 {_fmt(worst)})")
+                             "linear(s) within tolerance" + (f" (worst layer rel_l2 {_fmt(worst)})" if n_l else ""))
     else:
         parts = []
+        if report.get("nothing_checked"):
+            parts.append("nothing was checked (no MoE layer and no dense W4A8 linear selected)")
         if not st.get("ok", False):
             parts.append(f"{len(st.get('problems', []))} structural problem(s)")
+        if not report.get("copies", {}).get("ok", True):
+            parts.append(f"{len(report['copies']['problems'])} tensor(s) not as copied from the source")
         if fails:
             names = [r.get("layer") or r.get("module") for r in fails]
             parts.append(f"{len(fails)} layer(s)/linear(s) out of tolerance ({', '.join(names[:3])}"
                          f"{' ...' if len(names) > 3 else ''})")
         report["verdict"] = "FAIL: " + "; ".join(parts)
     if not report.get("ok") and raise_on_failure:
-        first = next((p for p in st.get("problems", [])), None)
+        first = next((p for p in st.get("problems", []) + report.get("copies", {}).get("problems", [])), None)
         detail = f"{first['where']}: {first['message']}" if first else next(
             (f"{r.get('layer') or r.get('module')}: {r['problems'][0]}" for r in fails if r.get("problems")), "")
-        err = VerifyFailed(f"{report['verdict']}. First: {detail}",
-                           hint="Re-run convert (the output is damaged or differs from its source), or see "
-                                "--json for every per-layer figure.")
+        hint = ("Re-run convert (the output is damaged or differs from its source), or see --json for every "
+                "per-layer figure.")
+        if report.get("nothing_checked") and not detail:
+            hint = "Select layers that hold MoE experts or dense W4A8 linears (without --no-dense for the latter)."
+        err = VerifyFailed(f"{report['verdict']}." + (f" First: {detail}" if detail else ""), hint=hint)
         err.report = report
         raise err
     return report

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import torch
 
@@ -22,7 +23,7 @@ from .w4a8 import dequantize_w4a8
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe)\.(gate|router)$")
+_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -52,7 +53,14 @@ class Target:
             raise InputError(f"{ckpt.folder}: not a compressed-tensors W4A8 checkpoint "
                              f"(quant_method {q.get('quant_method')!r})",
                              hint="verify checks int4pack's output; pass the folder convert wrote.")
+        if not isinstance(groups, dict):
+            raise InputError(f"{ckpt.folder}: quantization_config.config_groups is a {type(groups).__name__}, "
+                             "not an object", hint="verify checks int4pack's output; the config was edited.")
         for gname, grp in groups.items():
+            if not isinstance(grp, dict) or not all(isinstance(grp.get(f) or {}, dict)
+                                                    for f in ("weights", "input_activations")):
+                raise InputError(f"{ckpt.folder}: quantization_config.config_groups.{gname} is not an object of "
+                                 "objects (weights, input_activations)", hint="The config was edited; convert again.")
             w = grp.get("weights") or {}
             a = grp.get("input_activations") or {}
             fmt = grp.get("format") or q.get("format")
@@ -73,8 +81,19 @@ class Target:
         tc = ckpt.text_config
         self.num_experts = next((tc[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
                                  if isinstance(tc.get(k), int)), None)
-        self.top_k = int(tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2)
-        self.norm_topk = bool(tc.get("norm_topk_prob", ckpt.model_type in ("mixtral", "phimoe")))
+        top_k = tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2
+        if type(top_k) is not int or top_k < 1:
+            problems.add("config", f"num_experts_per_tok is {top_k!r}, not a positive integer")
+            top_k = 2
+        self.top_k = top_k
+        from .families import family
+
+        fam = family(ckpt.family_type)
+        # the family's routing facts (families/): scoring function, renormalisation, score bias
+        self.routing = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
+        self.norm_offset = fam.rmsnorm_offset if fam else 0.0
+        self.norm_topk = bool(tc.get("norm_topk_prob", self.routing.get("renormalize",
+                                                                      ckpt.model_type in ("mixtral", "phimoe"))))
         act = str(tc.get("hidden_act") or "silu")
         self.activation = 1 if "oai" in act else 0
         self.layers: dict[str, dict[int, dict[str, str]]] = {}
@@ -164,6 +183,14 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
             problems.add(f"{m}.{sf.SUFFIX}", p)
         if dec is not None:
             counts["blobs"] += 1
+            rg = t.packed.record.get("group_size")
+            if type(rg) is int and rg != t.packed.group(m) and not (rg == t.packed.shape(m)[1]
+                                                                    and t.packed.group(m) == -1):
+                problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the layout record's "
+                                                 f"group_size is {rg}")
+            why = _blob_check_problem(t, m)
+            if why:
+                problems.add(f"{m}.{sf.SUFFIX}", why)
             if t.packed.group(m) != t.group_for(m):
                 problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
                                                  f"for the module is {t.group_for(m)} (-1: channel)")
@@ -193,6 +220,37 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
     _check_values(m, wn, sn, ck.get(wn), ck.get(sn).float(), problems, counts)
 
 
+def _blob_check_problem(t: Target, m: str) -> str | None:
+    """The layout record's blob_checks entry of module m (what the plugin checks at load) against
+    the blob's provenance; None when they agree or the record has no checks (noted by verify)."""
+    from .architectures import classify, vllm_module
+
+    checks = t.packed.record.get(sf.BLOB_CHECKS)
+    if not isinstance(checks, dict):
+        return None
+    prov = t.packed.prov[f"{m}.{sf.SUFFIX}"]
+    unit = vllm_module(m)
+    ent = (checks.get("modules") or {}).get(unit) if isinstance(checks.get("modules"), dict) else None
+    if not isinstance(ent, dict):
+        return f"quantization_config.kleidiai.{sf.BLOB_CHECKS} has no entry {unit!r} (the plugin refuses it)"
+    try:
+        role, d = classify(m)
+        leaf = m.rsplit(".", 1)[-1]
+        if role == "expert":
+            i = ("gate", "up", "down").index(d["proj"])
+            want, name_ok = ent["crc32"][d["e"]][i], ent["names"][i] == leaf
+        else:
+            i = ent["names"].index(leaf)
+            want, name_ok = ent["crc32"][i], True
+    except (KeyError, IndexError, TypeError, ValueError):
+        return f"quantization_config.kleidiai.{sf.BLOB_CHECKS}[{unit!r}] does not list this blob"
+    g = -1 if prov["group_size"] in (-1, prov["k"]) else prov["group_size"]
+    if not name_ok or ent.get("group_size") != g or (prov.get("crc32") is not None and want != prov["crc32"]):
+        return (f"quantization_config.kleidiai.{sf.BLOB_CHECKS}[{unit!r}] disagrees with the blob's provenance "
+                f"(group {ent.get('group_size')!r} vs {g}, CRC-32 {want!r} vs {prov.get('crc32')!r})")
+    return None
+
+
 def _check_values(m: str, wn: str, sn: str, q: torch.Tensor, s: torch.Tensor, problems: Problems,
                   counts: dict) -> None:
     lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
@@ -211,6 +269,8 @@ def _check_layers(t: Target, problems: Problems) -> None:
     prefixes = sorted(set(t.layers) | set(t.routers), key=lambda p: (layer_index(p), p))
     for p in prefixes:
         experts = t.layers.get(p, {})
+        if not experts and any(n.startswith(f"{p}.experts.") for n in t.ckpt.tensors):
+            continue  # experts kept in float (an MTP block the main model drops): not W4A8, nothing to check
         if p not in t.routers:
             problems.add(p, "experts without a router weight")
         n = want or ((max(experts) + 1) if experts else 0)
@@ -250,8 +310,7 @@ def _check_config_index(t: Target, problems: Problems) -> None:
 
 def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
     """Shard checksums recorded by convert; returns the report (or None)."""
-    from . import kernels
-    from .writer import digest_kind, hash_shard
+    from .writer import hash_shard
 
     rp = ckpt.folder / "int4pack_report.json"
     if not rp.is_file():
@@ -261,15 +320,27 @@ def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
     except (OSError, json.JSONDecodeError) as e:
         problems.add("int4pack_report.json", f"unreadable ({e})")
         return None
-    for shard, rec in (report.get("shards") or {}).items():
+    if not isinstance(report, dict):
+        problems.add("int4pack_report.json", f"a JSON {type(report).__name__}, not an object")
+        return None
+    shards = report.get("shards")
+    if not isinstance(shards, dict):
+        problems.add("int4pack_report.json", "no shards record: the shard checksums cannot be checked")
+        shards = {}
+    for shard, rec in shards.items():
         if not isinstance(rec, dict) or "data_digest" not in rec:
             continue
         path = ckpt.folder / shard
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
+            problems.add("int4pack_report.json", f"shards names {shard!r}, not a file of this folder")
+            continue
         if not path.is_file():
             problems.add(shard, "listed in int4pack_report.json but missing")
             continue
-        if digest_kind(rec["data_digest"]) == "crc32c" and kernels.ext() is None:
-            continue  # without the extension CRC-32C is a Python byte loop (hours on a large model)
+        if not isinstance(rec.get("data_digest"), str):
+            problems.add(shard, f"int4pack_report.json: shards.{shard}.data_digest is {rec['data_digest']!r}, "
+                                "not a checksum")
+            continue
         got = hash_shard(path, rec["data_digest"])
         if got["data_digest"] != rec["data_digest"] or got["size"] != rec.get("size", got["size"]):
             problems.add(shard, "tensor bytes differ from what convert wrote (data checksum mismatch with "

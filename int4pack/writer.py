@@ -32,6 +32,7 @@ import torch
 from . import kernels
 from .errors import OutputError
 from .plan import OutTensor
+from .workdir import partial_folder
 
 __all__ = [
     "PROGRESS",
@@ -409,6 +410,15 @@ _CHECKSUMS = {"crc32": (b"int4pack-crc32-v1", zlib.crc32, _copy_crc32),
               "crc32c": (b"int4pack-crc32c-v1", kernels.crc32c, kernels.crc32c_copy)}
 
 
+def tensor_crc(data, kind: str) -> int:
+    """The CRC a shard of ``kind`` records for one tensor (a tensor, bytes or chunked TensorBytes)."""
+    check = _CHECKSUMS[kind][1]
+    crc = 0
+    for piece in (data.chunks() if hasattr(data, "chunks") else (to_bytes(data),)):
+        crc = check(piece, crc)
+    return crc
+
+
 def digest_kind(digest: str | None = None) -> str:
     """The checksum kind of a recorded data_digest; with none, the kind a new shard gets."""
     if digest is None:
@@ -430,9 +440,10 @@ def _data_digest(crcs, kind: str) -> str:
     return ("crc32c:" if kind == "crc32c" else "") + h.hexdigest()
 
 
-def hash_shard(path: Path, like: str | None = None) -> dict:
+def hash_shard(path: Path, like: str | None = None, per_tensor: dict | None = None) -> dict:
     """Re-checksum a finished shard the same way finish() recorded it (data_digest None if the
-    header no longer parses); ``like`` is the recorded digest, whose kind is used."""
+    header no longer parses); ``like`` is the recorded digest, whose kind is used. ``per_tensor``,
+    if given, receives each tensor's CRC by name."""
     kind = digest_kind(like)
     check = _CHECKSUMS[kind][1]
     with open(path, "rb") as fh:
@@ -442,7 +453,8 @@ def hash_shard(path: Path, like: str | None = None) -> dict:
         out = {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "data_digest": None}
         try:
             hdr = json.loads(header)
-            spans = sorted(tuple(v["data_offsets"]) for k, v in hdr.items() if k != "__metadata__")
+            named = sorted((tuple(v["data_offsets"]), k) for k, v in hdr.items() if k != "__metadata__")
+            spans = [sp for sp, _ in named]
         except (ValueError, TypeError, KeyError, AttributeError):
             return out
         base = 8 + n
@@ -457,6 +469,8 @@ def hash_shard(path: Path, like: str | None = None) -> dict:
                 crc = check(memoryview(buf)[:k], crc)
                 off += k
             crcs.append(crc)
+    if per_tensor is not None:
+        per_tensor.update((k, c) for (_, k), c in zip(named, crcs))
     out["data_digest"] = _data_digest(crcs, kind)
     return out
 
@@ -498,11 +512,17 @@ class OutputDir:
         except OSError as e:
             raise OutputError(f"{out.parent}: cannot create the output's parent folder: {e.strerror or e}",
                               path=str(out.parent), hint="Pick an OUT whose parent can be a folder.") from e
-        work = out.parent / f".{out.name}.int4pack-partial"
+        work = partial_folder(out)
         progress = {"fingerprint": fingerprint, "shards": {}, "jobs": {}}
+        if work.is_symlink():
+            raise OutputError(f"{work}: the work folder is a symlink (to {os.readlink(work)})", path=str(work),
+                              hint="int4pack builds the output in a folder of its own; remove the link and run again.")
+        if work.exists() and hasattr(os, "getuid") and work.stat().st_uid != os.getuid():
+            raise OutputError(f"{work}: the work folder belongs to another user (uid {work.stat().st_uid})",
+                              path=str(work), hint="Remove it, or write the output elsewhere.")
         if work.exists():
             state = work / PROGRESS
-            if not state.is_file():
+            if not work.is_dir() or state.is_symlink() or not state.is_file():
                 raise OutputError(f"{work}: exists but is not an int4pack work folder", path=str(work),
                                   hint="Remove it (it is not ours) and run again.")
             old = None
@@ -510,7 +530,7 @@ class OutputDir:
                 old = json.loads(state.read_text())
             except (OSError, json.JSONDecodeError):
                 old = None
-            if resume and old and old.get("fingerprint") == fingerprint:
+            if resume and isinstance(old, dict) and old.get("fingerprint") == fingerprint:
                 progress = old
             else:
                 shutil.rmtree(work)
@@ -526,19 +546,37 @@ class OutputDir:
         # in pieces: its per-module results grow with the model and it is rewritten at every shard
         self.write_file(PROGRESS, json_pieces(self.progress))
 
-    def trusted_shards(self) -> set[str]:
-        """Finished shards whose bytes still match their recorded checksums."""
+    def trusted_shards(self, names: list[str] | None = None) -> set[str]:
+        """Finished shards whose bytes still match their recorded checksums: candidates only, which
+        convert keeps once every tensor in them matches what the source gives again (``kept_crcs``:
+        shard -> tensor -> CRC). A folder entry that is a link is never kept."""
         ok = set()
-        for name, rec in self.progress.get("shards", {}).items():
+        self.kept_crcs: dict[str, dict[str, int]] = {}
+        shards = self.progress.get("shards")
+        if not isinstance(shards, dict):
+            shards = self.progress["shards"] = {}
+        for name, rec in shards.items():
             p = self.work / name
-            if p.is_file() and p.stat().st_size == rec.get("size") and hash_shard(p, rec.get("data_digest")) == {
+            if names is not None and name not in names or not isinstance(rec, dict) or p.is_symlink():
+                continue
+            crcs: dict[str, int] = {}
+            if p.is_file() and p.stat().st_size == rec.get("size") and hash_shard(
+                    p, rec.get("data_digest") if isinstance(rec.get("data_digest"), str) else None, crcs) == {
                     k: rec.get(k) for k in CHECKSUM_KEYS}:
                 ok.add(name)
+                self.kept_crcs[name] = crcs
         # forget anything we could not verify, and stray temp files
-        self.progress["shards"] = {k: v for k, v in self.progress.get("shards", {}).items() if k in ok}
+        self.progress["shards"] = {k: {c: v[c] for c in CHECKSUM_KEYS} for k, v in shards.items() if k in ok}
+        self.progress["jobs"] = {}  # a run's statistics are its own: every job runs again
         for p in self.work.glob("*.tmp"):
             p.unlink(missing_ok=True)
         return ok
+
+    def drop_shard(self, name: str) -> None:
+        """Forget a kept shard that did not hold what the source gives (removed; the next --resume redoes it)."""
+        self.progress.get("shards", {}).pop(name, None)
+        (self.work / name).unlink(missing_ok=True)
+        self.save_progress()
 
     def write_file(self, name: str, data: bytes | Iterable[str]) -> None:
         """Write ``name`` atomically: bytes, or text given in pieces (UTF-8)."""

@@ -68,7 +68,6 @@ def main() -> None:
         t0 = time.perf_counter()
         build(folder, a.experts, a.hidden, a.inter, a.group, a.top_k, seed=0)
         t_build = time.perf_counter() - t0
-        int4pack.moe.extension()  # compile/load outside the timing
         t0 = time.perf_counter()
         r = int4pack.verify(folder, against=folder if a.against_self else None, tokens=a.tokens,
                             experts=a.sample_experts, threads=a.threads, dense=False, raise_on_failure=False)

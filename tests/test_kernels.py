@@ -9,6 +9,7 @@ with INT4PACK_NO_EXT=1) they skip: there is nothing to compare.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,8 +25,16 @@ from int4pack.records import LinearSpec, QuantLinear
 
 from _reference import bitwise_crc32c
 
+NO_EXT = os.environ.get("INT4PACK_NO_EXT", "") not in {"", "0"}
 EXT = kernels.ext()
-pytestmark = pytest.mark.skipif(EXT is None, reason="convert_kernels extension unavailable (INT4PACK_NO_EXT?)")
+pytestmark = pytest.mark.skipif(NO_EXT, reason="INT4PACK_NO_EXT chooses the pure-torch paths: nothing to compare")
+
+
+@pytest.fixture(autouse=True)
+def _library_built():
+    from int4pack import _ext
+
+    assert EXT is not None, f"the C++ kernels are missing: {_ext.build_error()}"
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
@@ -273,6 +282,26 @@ def test_to_w4a8_matches_twin(monkeypatch, case):
     target = c.pop("target")
     ql = _ql(seed=7, **c)
     to_w4a8_matches_twin(monkeypatch, ql, target)
+
+
+@pytest.mark.parametrize("case", CASES[3:], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_requant_on_a_cpu_without_avx2_takes_the_torch_twin(monkeypatch, case):
+    """Where the CPU cannot run the requant kernel (built for x86-64-v3), both requant entry points
+    hand the module to the torch twin: the same path, the same bytes, no error."""
+    c = dict(case)
+    target = c.pop("target")
+    ql = _ql(seed=5, **c)
+    ref = twin(monkeypatch, w4a8.to_w4a8, ql, target)
+    monkeypatch.setattr(EXT, "requant_ok", False)
+    called = []
+    real_call = EXT._call
+    monkeypatch.setattr(EXT, "_call", lambda name, *a: called.append(name) or real_call(name, *a))
+    out = w4a8.to_w4a8(ql, target)
+    assert out.path == ref.path == "requant"
+    assert not [c for c in called if c.startswith("i4p_requant")], called
+    assert same_bytes(out.q, ref.q) and same_bytes(out.scales, ref.scales)
+    assert EXT.requant_job(0, ql.codes, ql.spec.n, ql.spec.k, ql.scales, torch.full_like(ql.codes[:, :1], 9), 128,
+                           128, True, True, torch.empty(0), torch.empty(0), 1)[0].item() == 3
 
 
 def test_lossless_max_abs_is_exact(monkeypatch):

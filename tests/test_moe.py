@@ -85,18 +85,6 @@ def test_op_equals_per_token_reference(e, h, i, g, t, k, kind, on_input, dtype):
 
 
 @pytest.mark.parametrize("e,h,i,g,t,k,kind,on_input,dtype", CASES[:3])
-def test_twin_equals_extension(e, h, i, g, t, k, kind, on_input, dtype):
-    if moe.extension() is None:
-        pytest.skip("the C++ extension is not available here")
-    w13, w2, _, _, gen = _make(e, h, i, g, seed=7)
-    x = torch.randn(t, h, generator=gen)
-    ids, wts = _route(t, e, k, gen)
-    a = moe.moe_forward(x, ids, wts, w13, w2, h, i, g, on_input, kind, use_extension=True)
-    b = moe.moe_forward_twin(x, ids, wts, w13, w2, h, i, g, on_input, kind)
-    assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("e,h,i,g,t,k,kind,on_input,dtype", CASES[:3])
 def test_op_vs_float_reference_within_activation_bound(e, h, i, g, t, k, kind, on_input, dtype):
     w13, w2, w13f, w2f, gen = _make(e, h, i, g, seed=11)
     t = 32  # enough rows for the noise average to settle

@@ -250,9 +250,10 @@ def test_subprocess_subset(corpus, subprocess_results):
     assert "partial download" in partial
     if res["mounted"]:
         err = res["results"]["disk_full"].stderr
-        assert "no space left" in err and "--resume" in err
-        # the half-written shard was removed; only the resumable work folder is left
-        assert res["tmpfs_leftovers"] in ([], [".out.int4pack-partial"])
+        # the plan writes more than the file system holds: refused before anything is written
+        # (running out of space mid-run: test_disk_full_keeps_finished_shards_for_resume)
+        assert "not enough free space" in err and "bytes) free" in err
+        assert res["tmpfs_leftovers"] == []
 
 
 def test_legitimate_edge_cases_convert(corpus):
@@ -420,85 +421,6 @@ def test_partial_shard_and_unrecorded_shard_are_not_trusted(tmp_path):
     (work / writer.PROGRESS).write_text(json.dumps(prog))
     int4pack.convert(src, out, max_shard_size="200KB", resume=True)
     assert _same_files(out, ref)
-
-
-def test_stale_extension_build_lock_from_a_killed_run_is_cleared(tmp_path, monkeypatch):
-    """A run SIGKILLed while torch held its build 'lock' file must not make every later run wait forever
-    (found by the resume test: kills landed during a first-use extension build)."""
-    from torch.utils import cpp_extension
-
-    from int4pack import _ext
-
-    monkeypatch.setenv("INT4PACK_CACHE", str(tmp_path))
-    src = tmp_path / "csrc" / "demo"
-    src.mkdir(parents=True)
-    (src / "demo.cpp").write_text("// demo\n")
-    seen = {}
-
-    def fake_load(name, sources, build_directory, **kw):
-        seen["lock_left"] = (Path(build_directory) / "lock").exists()
-        return "module"
-
-    monkeypatch.setattr(cpp_extension, "load", fake_load)
-    real_mkdir = Path.mkdir
-
-    def mkdir_with_stale_lock(self, *a, **kw):  # the build folder as a killed build leaves it
-        real_mkdir(self, *a, **kw)
-        if self.parent.name == "ext":
-            (self / "lock").touch()
-
-    monkeypatch.setattr(Path, "mkdir", mkdir_with_stale_lock)
-    assert _ext._build("demo", src) == "module"
-    assert seen == {"lock_left": False}
-
-
-def test_extension_finished_build_is_imported_without_cpp_extension(monkeypatch):
-    """A finished build is imported straight from its cache folder: cpp_extension.load (setuptools
-    and a ninja run, 0.2-0.6 s a process) is not called again."""
-    import sys
-
-    from torch.utils import cpp_extension
-
-    from int4pack import _ext, kernels
-
-    if kernels.ext() is None:
-        pytest.skip("convert_kernels extension unavailable")
-    calls = []
-    monkeypatch.setattr(cpp_extension, "load", lambda *a, **kw: calls.append(a) or None)
-    monkeypatch.setattr(sys, "modules", {k: v for k, v in sys.modules.items() if not k.startswith("int4pack_convert")})
-    mod = _ext._build("convert_kernels", _ext.csrc_dir() / "convert_kernels")
-    assert calls == []
-    assert mod.crc32c(b"123456789", 0) == 0xE3069283
-
-
-def test_extension_build_marker_only_after_a_load(tmp_path, monkeypatch):
-    """The marker that lets later runs skip cpp_extension is written once a build loaded; a marker
-    whose library is gone (or does not load) sends the next run back to cpp_extension."""
-    from torch.utils import cpp_extension
-
-    from int4pack import _ext
-
-    monkeypatch.setenv("INT4PACK_CACHE", str(tmp_path))
-    src = tmp_path / "csrc" / "demo"
-    src.mkdir(parents=True)
-    (src / "demo.cpp").write_text("// demo\n")
-    calls = []
-
-    def failing_load(name, **kw):
-        calls.append(name)
-        raise RuntimeError("compiler exploded")
-
-    monkeypatch.setattr(cpp_extension, "load", failing_load)
-    with pytest.raises(RuntimeError):
-        _ext._build("demo", src)
-    assert list(tmp_path.glob("ext/*/.int4pack.built")) == []
-    monkeypatch.setattr(cpp_extension, "load", lambda name, **kw: calls.append(name) or "module")
-    assert _ext._build("demo", src) == "module"
-    (marker,) = tmp_path.glob("ext/*/.int4pack.built")
-    assert _ext._build("demo", src) == "module"  # marker, but no library in the folder: built again
-    assert len(calls) == 3 and marker.is_file()
-    (marker.parent / f"{calls[0]}.so").write_bytes(b"not an ELF file")
-    assert _ext._build("demo", src) == "module" and len(calls) == 4
 
 
 def _mapped_pages(m, lo: int, hi: int) -> int:
@@ -698,26 +620,98 @@ def test_fuzz_tensor_data_through_convert(fuzz_dirs, tmp_path, data, flips):
         shard.write_bytes(orig)
 
 
-def test_missing_kernels_warn_once_with_the_cost(tmp_path, monkeypatch):
-    """A build that cannot happen (here: no sources) says so once per process, with what it costs;
-    INT4PACK_NO_EXT=1 chooses the slow paths without a warning."""
-    import warnings
-
+def _fresh_ext(monkeypatch, library):
     from int4pack import _ext
 
-    monkeypatch.setattr(_ext, "csrc_dir", lambda: tmp_path)
+    monkeypatch.setattr(_ext, "library_path", lambda: library)
     monkeypatch.setattr(_ext, "_loaded", {})
-    monkeypatch.setattr(_ext, "_errors", {})
+    monkeypatch.setattr(_ext, "_error", None)
     monkeypatch.setattr(_ext, "_warned", False)
     monkeypatch.delenv("INT4PACK_NO_EXT", raising=False)
-    with pytest.warns(_ext.SlowPathWarning, match="several times slower") as got:
+    return _ext
+
+
+def test_missing_kernels_without_a_compiler_say_what_to_install_in_one_line(tmp_path, monkeypatch):
+    """No library and no compiler: one warning per process, one line, naming the cause, what to
+    install and the cost; INT4PACK_NO_EXT=1 chooses the slow paths without a warning."""
+    import warnings
+
+    from int4pack import _build
+
+    _ext = _fresh_ext(monkeypatch, tmp_path / _build.library_name())
+    monkeypatch.setenv("PATH", str(tmp_path))  # no c++, g++ or clang++ to find
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.warns(_ext.SlowPathWarning) as got:
         assert _ext.load("convert_kernels") is None
-    assert len(got) == 1 and "convert_kernels" in str(got[0].message)
-    assert "FileNotFoundError" in _ext.build_error("convert_kernels")
+    (w,) = got
+    msg = str(w.message)
+    assert "\n" not in msg and msg.startswith("no C++ compiler was found")
+    assert "apt-get install g++" in msg and "22x slower" in msg and "reinstall int4pack" in msg
+    text = warnings.formatwarning(w.message, w.category, w.filename, w.lineno, None)
+    assert text.count("\n") == 1, text  # printed as one line: no source line quoted under it
+    assert _ext.build_error("kleidiai_pack") == _ext.build_error("convert_kernels")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _ext.load("convert_kernels") is None  # known failure: no second warning
-        assert _ext.load("moe") is None  # nor for the next extension
+        assert _ext.load("kleidiai_pack") is None  # nor for the other kernels (one library)
         monkeypatch.setattr(_ext, "_warned", False)
         monkeypatch.setenv("INT4PACK_NO_EXT", "1")
         assert _ext.load("kleidiai_pack") is None
+        assert _ext.build_error() == "disabled by INT4PACK_NO_EXT"
+
+
+def test_missing_kernels_with_a_compiler_say_reinstall(tmp_path, monkeypatch):
+    from int4pack import _build
+
+    lib = tmp_path / _build.library_name()
+    _ext = _fresh_ext(monkeypatch, lib)
+    cxx = tmp_path / "bin" / "c++"
+    cxx.parent.mkdir()
+    cxx.write_text("#!/bin/sh\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("PATH", str(cxx.parent))
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.warns(_ext.SlowPathWarning, match="not built when it was installed"):
+        assert _ext.load("convert_kernels") is None
+    assert str(lib) in _ext.build_error()
+
+
+def test_unusable_or_stale_kernels_are_refused_not_run(tmp_path, monkeypatch):
+    """A file that is no library for this machine, or a library built from other sources than the
+    ones beside it, is refused (the pure-torch paths run) with the reason."""
+    from int4pack import _build, _ext, _native
+
+    real = _ext.library_path()
+    if not real.is_file():
+        pytest.fail(f"{real} is missing: pip install -e . (or python -m int4pack._build) builds it")
+    bad = tmp_path / _build.library_name()
+    bad.write_bytes(b"not an ELF file")
+    e = _fresh_ext(monkeypatch, bad)
+    with pytest.warns(e.SlowPathWarning, match="cannot be used"):
+        assert e.load("convert_kernels") is None
+    e = _fresh_ext(monkeypatch, real)
+    monkeypatch.setattr(_build, "source_hash", lambda root=None: "0123456789abcdef")
+    with pytest.warns(e.SlowPathWarning, match="built from other sources"):
+        assert e.load("convert_kernels") is None
+    monkeypatch.undo()
+    assert _native.open_library(real).i4p_abi_version() == _native.ABI_VERSION
+
+
+def test_kernel_errors_come_back_as_exceptions_with_the_message():
+    """A check that fails inside the library raises with its message (i4p_last_error), and the
+    library stays usable."""
+    import torch
+
+    from int4pack import kernels
+
+    m = kernels.ext()
+    if m is None:
+        pytest.fail("the C++ kernels are missing: pip install -e . (or python -m int4pack._build) builds them")
+    with pytest.raises(RuntimeError, match="does not fit"):
+        m.unpack_ct(torch.zeros(2, 1, dtype=torch.int32), 9, 1)
+    with pytest.raises(RuntimeError, match="layout 7 is not read here"):
+        m.lossless_job(7, torch.zeros(2, 1, dtype=torch.int32), 2, 8, torch.ones(2, 1), torch.empty(0, dtype=torch.uint8),
+                       8, 8, True, 1)
+    with pytest.raises(RuntimeError, match="qweight: expected"):
+        m.unpack_gptq(torch.zeros(2, 4, dtype=torch.int64), 1)
+    assert kernels.crc32c(b"123456789") == 0xE3069283

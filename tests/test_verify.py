@@ -121,7 +121,7 @@ def test_flipped_nibble_fails_per_layer(converted, tmp_path):
     bad = {lay["layer"]: lay for lay in r["layers"] if not lay["ok"]}
     assert list(bad) == ["model.layers.0.mlp"]
     msg = "\n".join(bad["model.layers.0.mlp"]["problems"])
-    assert f"{EXP}.2.gate_proj: weight rel_l2" in msg and "(report)" in msg
+    assert f"{EXP}.2.gate_proj: weight rel_l2" in msg and "the report's figure" in msg
     assert "expert 2: output on its" in msg  # the routed tokens' outputs deviate too
     assert "expert 0" not in msg and "expert 1" not in msg and "expert 3" not in msg
     # without convert's report the budget is the lossless path bound (2^-8): still caught

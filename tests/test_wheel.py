@@ -1,5 +1,6 @@
-"""The package as a user installs it: the sdist and the wheel carry the C++ sources, and a wheel
-installed (not editable) into a fresh virtual environment converts with the C++ kernels.
+"""The package as a user installs it: the sdist carries the C++ sources and their build, the wheel
+built from it carries the compiled library (py3-none: one wheel for every Python), and that wheel
+installed (not editable) into a fresh virtual environment converts with the C++ kernels at once.
 
 Offline: setuptools' own build backend is called in this interpreter (no build isolation, so no
 download), and the fresh environment sees this one's dependencies through a .pth file instead of
@@ -39,7 +40,7 @@ def built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "setup.py"):
         shutil.copy2(ROOT / name, src / name)
     shutil.copytree(ROOT / "int4pack", src / "int4pack", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     sdist = _backend("build_sdist", src, tmp / "dist")
@@ -59,9 +60,27 @@ def test_sdist_and_wheel_carry_every_cpp_source(built):
         in_wheel = set(zf.namelist())
     assert [p for p in CSRC if p not in in_sdist] == []
     assert [p for p in CSRC if p not in in_wheel] == []
+    assert {"setup.py", "int4pack/_build.py"} <= in_sdist
+    assert not [n for n in in_sdist if n.endswith(".so")], "the sdist must not carry a built library"
     for p in CSRC:  # the shipped text is the repository's
         with zipfile.ZipFile(wheel) as zf:
             assert zf.read(p) == (ROOT / p).read_bytes(), p
+
+
+def test_wheel_carries_the_library_for_every_python(built):
+    import platform
+
+    from int4pack import _build
+
+    _, wheel = built
+    assert wheel.name.split("-")[2:4] == ["py3", "none"], wheel.name
+    with zipfile.ZipFile(wheel) as zf:
+        libs = [n for n in zf.namelist() if n.endswith(".so")]
+        assert libs == [f"int4pack/{_build.library_name()}"], libs
+        elf = zf.read(libs[0])[:20]
+    assert elf[:4] == b"\x7fELF"
+    machine = int.from_bytes(elf[18:20], "little")  # e_machine: 62 x86-64, 183 AArch64
+    assert machine == {"x86_64": 62, "aarch64": 183}[_build.machine()], (machine, platform.machine())
 
 
 def _dependency_dirs() -> list[str]:

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from .._version import __version__
-from ._common import help_text, own_process
+from ._common import Command, Group, help_text, own_process
 from .convert import EXAMPLES as CONVERT_EXAMPLES
 from .convert import convert_cmd
 from .inspect import EXAMPLES as INSPECT_EXAMPLES
@@ -29,6 +29,7 @@ app = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
+    cls=Group,
 )
 
 
@@ -48,7 +49,7 @@ def _root(
 
 for _name, _cmd, _examples in (("convert", convert_cmd, CONVERT_EXAMPLES), ("verify", verify_cmd, VERIFY_EXAMPLES),
                                 ("inspect", inspect_cmd, INSPECT_EXAMPLES)):
-    app.command(_name, help=help_text(_cmd.__doc__), epilog=_examples, no_args_is_help=True)(_cmd)
+    app.command(_name, help=help_text(_cmd.__doc__), epilog=_examples, no_args_is_help=True, cls=Command)(_cmd)
 
 
 def main() -> None:

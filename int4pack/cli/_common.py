@@ -6,17 +6,20 @@ import gc
 import importlib
 import inspect
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from typer.core import TyperCommand, TyperGroup, TyperOption
+
 from ..errors import EXIT_INTERNAL, Int4packError
 from ..output import Output
 
 __all__ = ["JsonOpt", "VerboseOpt", "QuietOpt", "DebugOpt", "ThreadsOpt", "make_output", "error_boundary",
-           "library", "own_process", "help_text", "examples"]
+           "library", "own_process", "help_text", "examples", "Command", "Group"]
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, for scripts.")]
 VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
@@ -26,6 +29,40 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of a
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", "-j", min=1, metavar="N",
     help="How many threads to use (by default the cores available, at most 4).")]
+
+
+def _untyped(param) -> None:
+    """A flag or a counter takes no value: no <bool>/<int> after it in the help."""
+    if isinstance(param, TyperOption) and (param.is_flag or param.count) and param.metavar is None:
+        param.metavar = ""
+
+
+class Command(TyperCommand):
+    """typer's command, with flags shown as flags in --help (typer >= 0.2x prints their type)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            _untyped(p)
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        _untyped(opt)
+        return opt
+
+
+class Group(TyperGroup):
+    """The app's group, with the same flag display as Command."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for p in self.params:
+            _untyped(p)
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        _untyped(opt)
+        return opt
 
 
 _process = {"owned": False}  # True once main() runs: the process is the command's alone
@@ -72,8 +109,11 @@ def make_output(json_mode: bool, verbose: int, quiet: bool, debug: bool) -> Outp
 
 
 @contextmanager
-def error_boundary(out: Output):
-    """Known errors: message + hint, their exit code. Anything else: a bug (traceback with --debug)."""
+def error_boundary(out: Output, interrupted: Callable[[], str] | None = None):
+    """Known errors: message + hint, their exit code. Anything else: a bug (traceback with --debug).
+
+    ``interrupted`` says, on Ctrl-C, what the command left behind and how to go on (each command
+    knows its own: convert keeps a partial folder, verify and inspect write nothing)."""
     try:
         yield
     except Int4packError as e:
@@ -82,8 +122,11 @@ def error_boundary(out: Output):
         out.error(_naming_its_file(e))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        out.err.print("[yellow]interrupted[/yellow]: nothing that looks complete was left; "
-                      "re-run with --resume to continue")
+        try:
+            what = interrupted() if interrupted else "nothing was written"
+        except Exception as e:  # the message must not hide the interrupt
+            what = f"({type(e).__name__} while looking at what was left: {e})"
+        out.err.print(f"[yellow]interrupted[/yellow]: {what}")
         raise typer.Exit(130) from None
     except typer.Exit:
         raise

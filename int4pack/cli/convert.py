@@ -86,21 +86,35 @@ def convert_cmd(
     weight error, and what became of every source tensor.
     """
     o = make_output(json_out, verbose, quiet, debug)
-    with error_boundary(o):
+    with error_boundary(o, lambda: _left_behind(out)):
         convert = library("convert")
         with o.progress("converting") as bar:
             report = convert(src, out, group_size=group_size, dense=dense.value, max_shard_size=max_shard_size,
                              dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
                              revision=revision, serve_format=serve_format.value, progress=bar,
-                             strict_group_size=strict_group_size, tensor_parallel=tensor_parallel)
-        _render(o, report)
+                             strict_group_size=strict_group_size, tensor_parallel=tensor_parallel,
+                             on_plan=lambda r: _render_plan(o, r))
+        _render_result(o, report)
         o.result(report)
 
 
-def _render(o: Output, r: dict) -> None:
+def _left_behind(out: Path) -> str:
+    """What an interrupted convert leaves: the hidden partial folder, its size, and how to go on."""
+    from ..workdir import folder_bytes, partial_folder
+
+    work = partial_folder(out)
+    if not work.is_dir():
+        return "nothing was written yet"
+    return (f"the partial output is kept in {work} ({human_bytes(folder_bytes(work))}); run the same command "
+            f"with --resume to keep its finished shards, or delete that folder")
+
+
+def _render_plan(o: Output, r: dict) -> None:
+    """What convert found and will do: printed before the long work starts."""
     p = r["plan"]
     fmt = p["format"]
-    o.text(f"[bold]{r['source']}[/bold]: {fmt['format']} ({fmt['detail']}), model_type {p['model_type']}")
+    o.text(f"[bold]{r['source']}[/bold]: {fmt['format']} ({fmt['detail']}), model_type {p['model_type']}"
+           + (f" ({p['family']})" if p.get("family") else ""))
     for ev in fmt.get("evidence", []):
         o.text(f"  evidence: {ev}", level=0)
     for w in fmt.get("warnings", []):
@@ -108,6 +122,8 @@ def _render(o: Output, r: dict) -> None:
     exp = "/".join(map(str, p["experts_per_layer"]))
     o.text(f"  {p['moe_layers']} MoE layers x {exp} experts, {p['shared_experts']} with shared experts, "
            f"{p['routers']} routers")
+    for why, n in (p.get("kept") or {}).items():
+        o.text(f"  kept as is: {n} tensor(s), {why}")
     g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
     o.text(f"  target: W4A8, {g} module(s), dense linears as {p['dense']}")
     subs: dict[tuple, list] = {}  # one line per (reason, substitute): a large model repeats them per layer
@@ -117,18 +133,31 @@ def _render(o: Output, r: dict) -> None:
         more = f" and {len(items) - 1} more" if len(items) > 1 else ""
         o.warning(f"{sum(s['modules'] for s in items)} module(s) cannot run group {items[0]['requested']} "
                   f"({reason}): {items[0]['module']}{more} get {scheme}")
-    for w in r.get("serving", []):
+    for w in r.get("routing_warnings", []):
         o.warning(w)
     paths = p["paths"]
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
     o.text(f"  tensors: {p['tensors_in']} in -> {p['tensors_out']} out in {len(r['shards'])} shard(s); "
            f"{human_bytes(p['in_bytes'])} read -> {human_bytes(p['out_bytes'])} written")
-    if r.get("serve_format"):
-        sv = r["serve_format"]
-        o.text(f"  serve format: {sv['format']} (layout {sv['layout']} v{sv['layout_version']}; vLLM loads it "
-               f"through int4pack's plugin)")
+    if r.get("serve_format_planned"):
+        o.text(f"  serve format: {r['serve_format_planned']} (vLLM loads it through int4pack's plugin)")
+    rs = r.get("resume")
+    if rs is not None:
+        if rs["kept_shards"]:
+            o.text(f"  resume: kept {len(rs['kept_shards'])} of {rs['shards']} shard(s) "
+                   f"({human_bytes(rs['kept_bytes'])}) whose checksums still match; writing the rest")
+        elif rs["found"]:
+            o.text(f"  resume: no finished shard of this source and these options in {rs['partial']}; "
+                   f"starting from the beginning")
+        else:
+            o.text("  resume: no partial output found; starting from the beginning")
     if r.get("dry_run"):
+        o.text(f"  to serve it: {r['next']}")
         o.text("[dim]dry run: nothing written[/dim]")
+
+
+def _render_result(o: Output, r: dict) -> None:
+    if r.get("dry_run"):
         return
     mods = r.get("modules", {})
     worst = sorted(((float(v["rel_l2"]), k, v) for k, v in mods.items() if v.get("rel_l2") not in (None, "0")),
@@ -138,7 +167,12 @@ def _render(o: Output, r: dict) -> None:
                 ["module", "path", "rel_l2", "plain RTN"], [_error_row(k, v) for _, k, v in worst[:5]], level=0)
     o.table("Every module", ["module", "path", "rel_l2", "plain RTN"],
             [_error_row(k, v) for k, v in sorted(mods.items())], level=1)
+    if r.get("serve_format"):
+        sv = r["serve_format"]
+        o.text(f"  serve format: {sv['format']} (layout {sv['layout']} v{sv['layout_version']})")
     o.text(f"[green]wrote[/green] {r['output']} in {r['seconds']:.1f} s")
+    o.text("next: serve it with vLLM on an Arm host:")
+    o.text(f"  {r['next']}")
 
 
 def _error_row(module: str, stats: dict) -> list[str]:

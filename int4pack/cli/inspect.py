@@ -59,12 +59,27 @@ def _summary(o, r: dict) -> None:
         o.warning(w)
     moe = r["moe"]
     if "error" in moe:
-        o.text(f"  MoE: [red]{moe['error']}[/red]")
+        o.text(f"  MoE: [red]{escape(moe['error'])}[/red]")
+        if moe.get("hint"):
+            o.text(f"  hint: {escape(moe['hint'])}")
     else:
         exp = sorted({m["experts"] for m in moe["layers"]})
         shared = sum(1 for m in moe["layers"] if m["shared"])
+        if moe.get("family"):
+            rt = moe.get("routing") or {}
+            how = rt.get("kind", "?") + f", {rt.get('scoring')}" + (" + score bias" if rt.get("bias") else "") \
+                + (f", groups {rt['n_group']}/top {rt['topk_group']}" if rt.get("n_group") else "") \
+                + (f", top-{rt['top_k']}" if rt.get("top_k") else "") + (", renormalised" if rt.get("renormalize") else "")
+            o.text(f"  family: {moe['family']} ({escape(moe.get('expert_naming') or '')}); routing {how}")
         o.text(f"  MoE: {len(moe['layers'])} layers x {'/'.join(map(str, exp))} experts, {shared} with shared "
                f"experts, {len(moe['routers'])} routers; roles {moe['roles']}")
+        for why, n in (moe.get("kept") or {}).items():
+            o.text(f"  kept as is: {n} tensor(s), {why}")
+        if moe.get("float_only"):
+            o.text(f"  dequantised to bfloat16 (vLLM builds them unquantised): {len(moe['float_only'])} linear(s), "
+                   f"e.g. {moe['float_only'][0]}")
+        if moe.get("renamed_for_vllm"):
+            o.text("  convert writes the expert and router names vLLM loads for this family")
     p = r["plan"]
     if p["ok"]:
         g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
@@ -73,7 +88,7 @@ def _summary(o, r: dict) -> None:
         o.text(f"  convert plan: [red]refused[/red]: {p['refused']}")
         if p.get("hint"):
             o.text(f"  hint: {p['hint']}")
-    for w in r.get("serving", []):
+    for w in r.get("serving_notes", r.get("serving", [])):
         o.warning(w)
     ks = r["kleidiai_summary"]
     o.text(f"  KleidiAI ({'this checkpoint' if r['is_w4a8_output'] else 'after convert'}): {ks['kleidiai']} "
@@ -107,6 +122,9 @@ def _summary(o, r: dict) -> None:
                     [[t["name"], t["dtype"], t["shape"], human_bytes(t["bytes"])] for t in ts])
     else:
         o.text(f"  ({r['tensor_count']} tensors: -v lists them, --json gives everything)")
+    if "error" in moe:  # what a bug report about an unknown layout needs (-v lists every tensor)
+        o.table("Tensor names (layer and expert numbers folded to N)", ["pattern", "count"],
+                [[t["pattern"], t["count"]] for t in r.get("tensor_names", [])])
     sv = r.get("serve_format")
     if sv:
         o.text(f"  serve format: {sv['blobs']} KleidiAI blobs ({human_bytes(sv['blob_bytes'])}), layout {sv.get('layout')} "
@@ -117,9 +135,15 @@ def _summary(o, r: dict) -> None:
 def _groups(m: dict) -> str:
     """The source's group and, before convert, the target group it gets: '32->ch' (ch: channel)."""
     def name(g):
+        if not isinstance(g, int) or not isinstance(m.get("k"), int):
+            return "?"  # unreadable (a packed blob without usable provenance: see kleidiai_reason)
         return "ch" if g == -1 or g >= m["k"] else str(g)
     g = m.get("target_group_size")
     return name(m["group_size"]) + ("" if g is None else f"->{name(g)}")
+
+
+def _floats(xs: list) -> str:
+    return "[" + ", ".join(f"{v:.4g}" for v in xs) + "]"
 
 
 def _dump(o, r: dict) -> None:
@@ -128,9 +152,19 @@ def _dump(o, r: dict) -> None:
         o.text(f"  {r['layout']}, N={r['n']} K={r['k']} group {r['group_size']}; tiles {r['tile']}")
         o.table("First 8-row block", ["part", "offset", "bytes"],
                 [[p["part"], p["offset"], p["bytes"]] for p in r["first_block"]])
-        o.text(f"  row sums (block 0): {r['row_sums_block0']}")
-        o.text(f"  bias (block 0): {r['bias_block0']}")
+        o.text(f"  row sums (block 0): {_floats(r['row_sums_block0'])}")
+        if r["bias_block0"]:
+            o.text(f"  bias (block 0): {_floats(r['bias_block0'])}")
+        else:
+            o.text("  bias: none (the module has none; the blob's bias part holds zeros)")
         o.table("Decoded q (rows 0.., k 0..7)", [f"k{i}" for i in range(len(r['window']['q'][0]))], r["window"]["q"])
+        sc = r["window"]["scales"]
+        grouped = r["layout"].startswith("group")
+        o.table(f"Decoded scales (rows 0.., {'first groups' if grouped else 'one per row'})",
+                [f"g{i}" for i in range(len(sc[0]))] if grouped else ["scale"],
+                [[f"{v:.4g}" for v in row[: None if grouped else 1]] for row in sc])
+        pv = r.get("provenance") or {}
+        o.text("  provenance (shard header): " + ", ".join(f"{k} {v}" for k, v in sorted(pv.items())))
         return
     if "format" in r:
         o.text(f"  {r['format']}: N={r['n']} K={r['k']} group {r['group_size']}, "

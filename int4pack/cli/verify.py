@@ -58,14 +58,12 @@ def verify_cmd(
     and, with --against, on the source's weights, within a tolerance derived from the inputs.
     """
     o = make_output(json_out, verbose, quiet, debug)
-    with error_boundary(o):
+    with error_boundary(o, lambda: "verify writes nothing; run it again to check from the start"):
         verify = library("verify")
-        lay = None
-        if layers and layers != "all":
-            lay = layers if "," in layers else int(layers) if layers.isdigit() else layers
-        report = verify(out, against, tokens=tokens, layers=lay, experts=experts, seed=seed, threads=threads,
-                        structural_only=structural_only, dense=not no_dense, revision=revision,
-                        raise_on_failure=False)
+        with o.verify_progress() as bar:
+            report = verify(out, against, tokens=tokens, layers=layers, experts=experts, seed=seed,
+                            threads=threads, structural_only=structural_only, dense=not no_dense,
+                            revision=revision, raise_on_failure=False, progress=bar)
         _render(o, report)
         o.result(report)
         if not report["ok"]:
@@ -87,8 +85,18 @@ def _render(o, r: dict) -> None:
     o.text(f"  structure: {c.get('moe_layers', 0)} MoE layers, {c.get('experts', 0)} experts, "
            f"{c.get('modules', 0)} W4A8 modules, {c.get('blobs', 0)} KleidiAI blobs checked: "
            + ("[green]ok[/green]" if st["ok"] else f"[red]{len(st['problems'])} problem(s)[/red]"))
+    for n in r.get("checked", {}).get("notes", []):
+        o.text(f"  note: {n}")
     for p in st["problems"][:20]:
         o.text(f"  [red]x[/red] {p['where']}: {p['message']}")
+    cp = r.get("copies")
+    if cp is not None:
+        o.text(f"  copied tensors: {cp['checked']} compared byte for byte with the source: "
+               + ("[green]ok[/green]" if cp["ok"] else f"[red]{len(cp['problems'])} problem(s)[/red]"))
+        for p in cp["problems"][:20]:
+            o.text(f"  [red]x[/red] {p['where']}: {p['message']}")
+    for note in r.get("trust", []):
+        o.text(f"  [dim]note:[/dim] {note}")
     if "kernel" in r:
         o.text(f"  kernel: {r['kernel']['matmul']}, MoE op {r['kernel']['moe_op']}", level=1)
     rows = []

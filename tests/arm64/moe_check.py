@@ -148,7 +148,7 @@ def make(out: Path, quick: bool) -> dict:
                      "experts_used": int(ids.unique().numel())})
     out.mkdir(parents=True, exist_ok=True)
     save_file({k_: v.contiguous() for k_, v in tensors.items()}, str(out / "cases.safetensors"))
-    info = {"cases": meta, "x86_impl": "C++" if moe.extension() is not None else "twin",
+    info = {"cases": meta, "x86_impl": "python",
             "x86_torch": torch.__version__, "x86_pack_s": round(t_pack, 3), "x86_op_s": round(t_op, 3)}
     (out / "cases.json").write_text(json.dumps(info))
     return info
@@ -173,7 +173,7 @@ def emulated_ours(d: Path) -> dict:
     info = json.loads((d / "cases.json").read_text())
     t = load_file(str(d / "cases.safetensors"))
     res = {"machine": platform.machine(), "torch": torch.__version__, "qemu_cpu": os.environ.get("QEMU_CPU"),
-           "native_available": kleidiai.native_kleidiai_available(), "extension": moe.extension() is not None,
+           "native_available": kleidiai.native_kleidiai_available(), "extension": kleidiai._ext_mod() is not None,
            "import_torch_s": round(import_s[0], 1), "import_int4pack_s": round(import_s[1], 1),
            "blob_is_matmul_input": 0}
     outs = {}

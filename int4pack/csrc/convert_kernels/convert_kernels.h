@@ -1,14 +1,13 @@
-// Shared by the convert_kernels sources (one torch extension, several files by kernel family):
-// includes, build macros, the row splitter, byte-vector helpers and the declarations each
-// family exposes to the others and to module.cpp.
+// Shared by the convert_kernels sources (several files by kernel family, one library with the
+// KleidiAI packer): includes, build macros, byte-vector helpers and the declarations each family
+// exposes to the others and to api.cpp. No torch headers: the kernels take pointers and sizes.
 //
 // Every kernel has a pure-torch twin (int4pack/nibbles.py, int4pack/w4a8.py,
 // int4pack/scale_search.py, int4pack/kernels.py) that stays the oracle: tests/test_kernels.py
 // compares the bytes.
 #pragma once
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "../common.h"
 
 #include <algorithm>
 #include <atomic>
@@ -16,7 +15,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <tuple>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -41,15 +39,6 @@ namespace i4p {
 #define I4P_INLINE inline __attribute__((always_inline))
 #define I4P_LAMBDA_INLINE __attribute__((always_inline))
 
-template <class F>
-void for_rows(int64_t n, int64_t grain, int64_t threads, const F& f) {
-  if (threads <= 1 || n <= grain) {
-    f(0, n);
-  } else {
-    at::parallel_for(0, n, grain, f);
-  }
-}
-
 // byte i of the result = nibble i of w
 I4P_INLINE uint64_t spread_nibbles(uint32_t w) {
   uint64_t v = w;
@@ -57,12 +46,6 @@ I4P_INLINE uint64_t spread_nibbles(uint32_t w) {
   v = (v | (v << 8)) & 0x00FF00FF00FF00FFull;
   v = (v | (v << 4)) & 0x0F0F0F0F0F0F0F0Full;
   return v;
-}
-
-inline void check_words(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dim() == 2, what, ": expected a 2-D tensor");
-  TORCH_CHECK(t.scalar_type() == at::kInt, what, ": expected int32 words");
-  TORCH_CHECK(t.is_contiguous(), what, ": expected a contiguous tensor");
 }
 
 // ------------------------------------------------------------------------------------ byte vectors
@@ -210,29 +193,23 @@ I4P_INLINE float ship_bf16(float x) {
   return y;
 }
 
-// a job's source codes: 0 codes uint8 [N, K], or words of layout 1 compressed-tensors [N, K/8],
-// 2 GPTQ [K/8, N], 3 AWQ [K, N/8] (up to the caller's last layout)
-inline void check_job_data(int64_t layout, const at::Tensor& data, int64_t n, int64_t k, int64_t last) {
-  TORCH_CHECK(data.is_contiguous() && data.dim() == 2, "job data: expected a contiguous 2-D tensor");
-  TORCH_CHECK(layout >= 0 && layout <= last, "job data: layout ", layout, " is not read here");
+// a job's source codes: 0 codes uint8 [N, K], or int32 words of layout 1 compressed-tensors
+// [N, K/8], 2 GPTQ [K/8, N], 3 AWQ [K, N/8] (up to the caller's last layout); d0, d1 its shape
+inline void check_job_data(int64_t layout, int64_t d0, int64_t d1, int64_t n, int64_t k, int64_t last) {
+  I4P_CHECK(layout >= 0 && layout <= last, "job data: layout ", layout, " is not read here");
   if (layout == 0) {
-    TORCH_CHECK(data.scalar_type() == at::kByte && data.size(0) == n && data.size(1) == k,
-                "codes: expected uint8 [N, K]");
+    I4P_CHECK(d0 == n && d1 == k, "codes: expected uint8 [N, K]");
     return;
   }
-  TORCH_CHECK(data.scalar_type() == at::kInt, "packed words: expected int32");
-  const bool ok = layout == 1   ? (data.size(0) == n && data.size(1) * 8 >= k)
-                  : layout == 2 ? (data.size(1) == n && data.size(0) * 8 == k)
-                                : (data.size(0) == k && data.size(1) * 8 == n);
-  TORCH_CHECK(ok, "packed words: shape does not match [N, K] for layout ", layout);
+  const bool ok = layout == 1   ? (d0 == n && d1 * 8 >= k)
+                  : layout == 2 ? (d1 == n && d0 * 8 == k)
+                                : (d0 == k && d1 * 8 == n);
+  I4P_CHECK(ok, "packed words: shape does not match [N, K] for layout ", layout);
 }
 
 
 // ---- unpack.cpp
-at::Tensor unpack_gptq(const at::Tensor& qweight, int64_t threads);
-at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads);
-at::Tensor unpack_awq(const at::Tensor& qweight, int64_t threads);
-// row ranges into a caller's buffer (the one-pass jobs unpack 64 rows at a time)
+// row ranges into a caller's buffer (the whole tensor, or the one-pass jobs' 64 rows at a time)
 void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64_t kw, int64_t r0, int64_t r1, int64_t o0,
                       uint8_t bias = 0);
 void unpack_ct_rows(const uint32_t* w, int64_t kw, int64_t k, uint8_t* o, int64_t r0, int64_t r1, int64_t o0);
@@ -240,21 +217,33 @@ void unpack_awq_words(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int6
 bool use_awq_avx2(bool on);  // tests: returns the previous setting
 
 // ---- lossless.cpp
-std::vector<at::Tensor> lossless(const at::Tensor& codes, int64_t g, int64_t threads);
-std::vector<at::Tensor> lossless_job(int64_t layout, const at::Tensor& data, int64_t n, int64_t k,
-                                     const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
-                                     bool bf16, int64_t threads);
+void lossless_rows(const uint8_t* c, int8_t* q, int32_t* sq, int32_t* mq, int64_t r0, int64_t r1, int64_t k,
+                   int64_t g);
+// the whole lossless job (see lossless.cpp): returns its status, fills q, s and tot[5] when 0
+int64_t lossless_job(int64_t layout, const void* data, int64_t d0, int64_t d1, int64_t n, int64_t k,
+                     const float* sscale, int64_t gs_count, const uint8_t* zeros, int64_t src_group, int64_t g,
+                     bool bf16, int8_t* q, float* s, double* tot, int64_t threads);
 
 // ---- requant.cpp
-std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& zeros,
-                                const at::Tensor& sscale, const at::Tensor& gidx, int64_t src_group, int64_t g,
-                                bool bf16, bool search, const at::Tensor& coarse, const at::Tensor& fine,
-                                int64_t threads);
-std::vector<at::Tensor> requant_job(int64_t layout, const at::Tensor& data, int64_t n, int64_t k,
-                                    const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
-                                    bool bf16, bool search, const at::Tensor& coarse, const at::Tensor& fine,
-                                    int64_t threads);
-std::tuple<int64_t, int64_t> search_batches();  // histogram batches searched in float32, float64
+struct ReqArgs {  // requant's inputs (see requant.cpp); null pointers for the source not given
+  const float* w;
+  const uint8_t* codes;
+  const uint8_t* zeros;
+  const float* sscale;
+  const int64_t* gidx;
+  int64_t n, k, src_groups, src_group, g;
+  int32_t bf16, search;
+  const float* coarse;
+  int64_t n_coarse;
+  const float* fine;
+  int64_t n_fine;
+};
+void requant(const ReqArgs& a, int8_t* q, float* s, uint8_t* flags, double* rowstats, int64_t threads);
+int64_t requant_job(int64_t layout, const void* data, int64_t d0, int64_t d1, const ReqArgs& a, int8_t* q,
+                    float* s, uint8_t* flags, double* rowstats, double* tot, int64_t* zero_groups,
+                    int64_t threads);
+bool requant_supported();  // whether this CPU runs requant_rows (see requant.cpp)
+void search_batches(int64_t* out);  // histogram batches searched in float32, float64
 bool force_search64(bool on);  // tests: returns the previous setting
 
 // ---- crc32c.cpp

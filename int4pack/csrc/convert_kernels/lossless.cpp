@@ -27,24 +27,6 @@ I4P_CLONES void lossless_rows(const uint8_t* c, int8_t* q, int32_t* sq, int32_t*
   }
 }
 
-std::vector<at::Tensor> lossless(const at::Tensor& codes, int64_t g, int64_t threads) {
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "codes: expected contiguous uint8 [N, K]");
-  const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK(g > 0 && k % g == 0, "lossless: group ", g, " does not divide K=", k);
-  auto q = at::empty({n, k}, at::kChar);
-  auto sq = at::empty({n, k / g}, at::kInt);
-  auto mq = at::empty({n, k / g}, at::kInt);
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  int32_t* s = sq.data_ptr<int32_t>();
-  int32_t* m = mq.data_ptr<int32_t>();
-  for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads,
-           [&](int64_t r0, int64_t r1) { lossless_rows(c, qp, s, m, r0, r1, k, g); });
-  return {q, sq, mq};
-}
-
-
 // ------------------------------------------------------------------------------------ lossless, one call
 
 // The whole lossless job in one pass (w4a8._lossless + convert.check_scales' common case): q = codes - 8,
@@ -142,11 +124,15 @@ I4P_INLINE void reduce16(u16x16 s, u16x16 mx, int32_t& sum, int32_t& max) {
   std::memcpy(&m8, &mx, 16);
   std::memcpy(&hi, reinterpret_cast<const char*>(&mx) + 16, 16);
   m8 = m8 > hi ? m8 : hi;
-  typedef uint16_t u16x8m __attribute__((vector_size(16)));
-  s8 += __builtin_shuffle(s8, u16x8m{4, 5, 6, 7, 0, 1, 2, 3});
-  m8 = m8 > __builtin_shuffle(m8, u16x8m{4, 5, 6, 7, 0, 1, 2, 3}) ? m8 : __builtin_shuffle(m8, u16x8m{4, 5, 6, 7, 0, 1, 2, 3});
-  s8 += __builtin_shuffle(s8, u16x8m{2, 3, 0, 1, 6, 7, 4, 5});
-  m8 = m8 > __builtin_shuffle(m8, u16x8m{2, 3, 0, 1, 6, 7, 4, 5}) ? m8 : __builtin_shuffle(m8, u16x8m{2, 3, 0, 1, 6, 7, 4, 5});
+  // (I4P_SHUF: GCC's __builtin_shuffle or clang's __builtin_shufflevector)
+  u16x8 t = I4P_SHUF(u16x8, s8, s8, 4, 5, 6, 7, 0, 1, 2, 3);
+  s8 += t;
+  t = I4P_SHUF(u16x8, m8, m8, 4, 5, 6, 7, 0, 1, 2, 3);
+  m8 = m8 > t ? m8 : t;
+  t = I4P_SHUF(u16x8, s8, s8, 2, 3, 0, 1, 6, 7, 4, 5);
+  s8 += t;
+  t = I4P_SHUF(u16x8, m8, m8, 2, 3, 0, 1, 6, 7, 4, 5);
+  m8 = m8 > t ? m8 : t;
   sum = static_cast<int32_t>(s8[0]) + s8[1];
   max = std::max(m8[0], m8[1]);
 }
@@ -236,32 +222,28 @@ I4P_CLONES void lossless_gptq_rows(const Lossless& p, const uint32_t* w, int64_t
   }
 }
 
-// layout: 0 codes uint8 [N, K]; 1 compressed-tensors words [N, K/8]; 2 GPTQ words [K/8, N].
-// Source scales [N, Gs] (any float dtype), zeros uint8 [N, Gs] or empty, source groups of src_group
-// contiguous columns, target group g (K: channel), bf16 (else fp32) target scales.
-// Returns (status [1] int64, q int8 [N, K], scales [N, K/g] float32 holding the shipped values,
-// stats [5] float64: dd, ww, vv, wv, max_abs).
-std::vector<at::Tensor> lossless_job(int64_t layout, const at::Tensor& data, int64_t n, int64_t k,
-                                     const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
-                                     bool bf16, int64_t threads) {
-  check_job_data(layout, data, n, k, 2);
-  TORCH_CHECK(g > 0 && k % g == 0, "lossless_job: group ", g, " does not divide K=", k);
-  TORCH_CHECK(src_group > 0, "lossless_job: bad source group ", src_group);
-  auto sf = sscale.to(at::kFloat).contiguous();
-  TORCH_CHECK(sf.dim() == 2 && sf.size(0) == n, "scales: expected [N, G]");
+// layout: 0 codes uint8 [N, K]; 1 compressed-tensors words [N, K/8]; 2 GPTQ words [K/8, N] (data's
+// shape d0 x d1). Source scales float32 [N, Gs], zeros uint8 [N, Gs] or null, source groups of
+// src_group contiguous columns, target group g (K: channel), bf16 (else fp32) target scales.
+// Returns the status; when 0, q int8 [N, K], s [N, K/g] float32 holding the shipped values and
+// tot [5] float64 (dd, ww, vv, wv, max_abs) are filled.
+int64_t lossless_job(int64_t layout, const void* data, int64_t d0, int64_t d1, int64_t n, int64_t k,
+                     const float* sscale, int64_t gs_count, const uint8_t* zeros, int64_t src_group, int64_t g,
+                     bool bf16, int8_t* q, float* s, double* tot, int64_t threads) {
+  check_job_data(layout, d0, d1, n, k, 2);
+  I4P_CHECK(g > 0 && k % g == 0, "lossless_job: group ", g, " does not divide K=", k);
+  I4P_CHECK(src_group > 0, "lossless_job: bad source group ", src_group);
   Lossless p;
-  p.gs_count = sf.size(1);
-  if (zeros.defined() && zeros.numel() > 0) {
-    TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous() && zeros.size(0) == n &&
-                    zeros.size(1) == p.gs_count, "zeros: expected contiguous uint8 [N, G]");
-    p.z = zeros.data_ptr<uint8_t>();
-    // an asymmetric source (the requant path calls here first) leaves before any allocation
-    const int64_t nz = zeros.numel();
+  p.gs_count = gs_count;
+  if (zeros != nullptr) {
+    p.z = zeros;
+    // an asymmetric source (the requant path calls here first) leaves before any work
+    const int64_t nz = n * gs_count;
     int64_t i = 0;
     while (i < nz && p.z[i] == 8) ++i;
-    if (i < nz) return {at::full({1}, int64_t{kAsym}, at::kLong), at::Tensor(), at::Tensor(), at::Tensor()};
+    if (i < nz) return kAsym;
   }
-  p.ss = sf.data_ptr<float>();
+  p.ss = sscale;
   // each target group's source group, once per job (two divisions per group were ~10% of the job)
   std::vector<int64_t> sgs(k / g);
   for (int64_t j = 0; j < k / g; ++j) {
@@ -272,38 +254,34 @@ std::vector<at::Tensor> lossless_job(int64_t layout, const at::Tensor& data, int
   p.k = k;
   p.g = g;
   p.bf16 = bf16;
-  auto q = at::empty({n, k}, at::kChar);
-  auto s = at::empty({n, k / g}, at::kFloat);
-  p.q = q.data_ptr<int8_t>();
-  p.out_s = s.data_ptr<float>();
+  p.q = q;
+  p.out_s = s;
   std::vector<RowAcc> acc(n);
   const bool packed_ok = layout == 0 || (k % 8 == 0 && g % 8 == 0);
   if (!packed_ok) {
     acc.assign(n, RowAcc{});
     if (n) acc[0].status = kSpans;
   } else if (layout == 0) {
-    const uint8_t* c = data.data_ptr<uint8_t>();
+    const uint8_t* c = static_cast<const uint8_t*>(data);
     for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads,
              [&](int64_t r0, int64_t r1) { lossless_codes_rows(p, c, r0, r1, acc.data()); });
   } else if (layout == 1) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(data.data_ptr<int32_t>());
-    const int64_t kw = data.size(1);
+    const uint32_t* w = static_cast<const uint32_t*>(data);
+    const int64_t kw = d1;
     for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads,
              [&](int64_t r0, int64_t r1) { lossless_ct_rows(p, w, kw, r0, r1, acc.data()); });
   } else {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(data.data_ptr<int32_t>());
+    const uint32_t* w = static_cast<const uint32_t*>(data);
     for_rows((n + 15) / 16, 1, threads, [&](int64_t b0, int64_t b1) { lossless_gptq_rows(p, w, n, b0, b1, acc.data()); });
   }
-  auto tot = at::zeros({5}, at::kDouble);
   int64_t worst = kOk;
-  double* t = tot.data_ptr<double>();
+  for (int i = 0; i < 5; ++i) tot[i] = 0.0;
   for (int64_t r = 0; r < n; ++r) {
     worst = std::max(worst, acc[r].status);
-    for (int i = 0; i < 4; ++i) t[i] += acc[r].v[i];
-    t[4] = std::max(t[4], acc[r].v[4]);
+    for (int i = 0; i < 4; ++i) tot[i] += acc[r].v[i];
+    tot[4] = std::max(tot[4], acc[r].v[4]);
   }
-  auto st = at::full({1}, worst, at::kLong);
-  return {st, q, s, tot};
+  return worst;
 }
 
 }  // namespace i4p

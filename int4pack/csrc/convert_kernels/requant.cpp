@@ -983,7 +983,27 @@ I4P_INLINE void run(const Req& p, Search& w, Batch& b) {
 
 }  // namespace hist
 
-I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
+// x86-64 (GCC): requant_rows is built for x86-64-v3 (AVX2, FMA, BMI2) only, not as target clones:
+// the baseline SSE2 clone of its 32-byte vector code was 0.5 MB of code that took GCC 57 of the
+// file's 70 s to compile. requant_supported() says whether this CPU runs it; where not (x86-64
+// CPUs from before 2013), the callers take the pure-torch requant.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define I4P_REQUANT_V3 1
+#define I4P_REQUANT_TARGET __attribute__((target("arch=x86-64-v3")))
+#else
+#define I4P_REQUANT_TARGET
+#endif
+
+bool requant_supported() {
+#ifdef I4P_REQUANT_V3
+  static const bool ok = __builtin_cpu_supports("x86-64-v3");
+  return ok;
+#else
+  return true;
+#endif
+}
+
+I4P_REQUANT_TARGET void requant_rows(const Req& p, int64_t r0, int64_t r1) {
   const int64_t k = p.k, g = p.g, groups = k / g;
   // the histogram evaluation takes the codes of a group lying in one source group; whatever
   // else (float source, g_idx, a group across source groups, a code above 15) is dequantised
@@ -1023,71 +1043,52 @@ I4P_CLONES void requant_rows(const Req& p, int64_t r0, int64_t r1) {
 }
 
 
-// the search settings of p (whose n and k are set) and its outputs: q, s, flags, row stats
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> req_setup(Req& p, int64_t g, bool bf16, bool search,
-                                                                     const at::Tensor& coarse, const at::Tensor& fine) {
-  p.g = g;
-  p.bf16 = bf16;
-  p.search = search;
+// the search settings of a and the outputs of p (whose n and k are set): q, s, flags, row stats
+void req_setup(Req& p, const ReqArgs& a, int8_t* q, float* s, uint8_t* flags, double* rowstats) {
+  p.g = a.g;
+  p.bf16 = a.bf16 != 0;
+  p.search = a.search != 0;
   p.search64 = g_search64.load();
-  auto cc = coarse.to(at::kFloat).contiguous();
-  auto ff = fine.to(at::kFloat).contiguous();
-  p.coarse.assign(cc.data_ptr<float>(), cc.data_ptr<float>() + cc.numel());
-  p.fine.assign(ff.data_ptr<float>(), ff.data_ptr<float>() + ff.numel());
-  auto q = at::empty({p.n, p.k}, at::kChar);
-  auto s = at::empty({p.n, p.k / g}, at::kFloat);
-  auto flags = at::empty({p.n, p.k / g}, at::kByte);
-  auto rowstats = at::empty({p.n, 6}, at::kDouble);
-  p.q = q.data_ptr<int8_t>();
-  p.s = s.data_ptr<float>();
-  p.flags = flags.data_ptr<uint8_t>();
-  p.rowstats = rowstats.data_ptr<double>();
-  return {q, s, flags, rowstats};
+  I4P_CHECK(a.n_coarse >= 0 && a.n_fine >= 0 && (a.n_coarse == 0 || a.coarse) && (a.n_fine == 0 || a.fine),
+            "requant: bad search points");
+  p.coarse.assign(a.coarse, a.coarse + a.n_coarse);
+  p.fine.assign(a.fine, a.fine + a.n_fine);
+  p.q = q;
+  p.s = s;
+  p.flags = flags;
+  p.rowstats = rowstats;
 }
 
-std::vector<at::Tensor> requant(const at::Tensor& w, const at::Tensor& codes, const at::Tensor& zeros,
-                                const at::Tensor& sscale, const at::Tensor& gidx, int64_t src_group, int64_t g,
-                                bool bf16, bool search, const at::Tensor& coarse, const at::Tensor& fine,
-                                int64_t threads) {
+// The scale search on a float source w [N, K] or on codes [N, K] (zeros [N, Gs] or null, source
+// scales [N, Gs], g_idx [K] or null, else source groups of src_group columns). Fills q int8 [N, K],
+// s float32 [N, K/g], flags uint8 [N, K/g] and rowstats float64 [N, 6].
+void requant(const ReqArgs& a, int8_t* q, float* s, uint8_t* flags, double* rowstats, int64_t threads) {
+  I4P_CHECK(requant_supported(), "requant: this CPU lacks AVX2/FMA (x86-64-v3)");
   Req p;
-  if (w.defined() && w.numel() > 0) {
-    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous(),
-                "w: expected contiguous float32 [N, K]");
-    p.n = w.size(0);
-    p.k = w.size(1);
-    p.w = w.data_ptr<float>();
+  p.n = a.n;
+  p.k = a.k;
+  I4P_CHECK(a.n >= 0 && a.k >= 0, "requant: bad shape");
+  if (a.w != nullptr) {
+    p.w = a.w;
   } else {
-    TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous(),
-                "codes: expected contiguous uint8 [N, K]");
-    p.n = codes.size(0);
-    p.k = codes.size(1);
-    p.codes = codes.data_ptr<uint8_t>();
-    TORCH_CHECK(sscale.dim() == 2 && sscale.size(0) == p.n && sscale.scalar_type() == at::kFloat &&
-                    sscale.is_contiguous(), "scales: expected contiguous float32 [N, G]");
-    p.src_groups = sscale.size(1);
-    p.sscale = sscale.data_ptr<float>();
-    if (zeros.defined() && zeros.numel() > 0) {
-      TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous() && zeros.size(0) == p.n &&
-                      zeros.size(1) == p.src_groups, "zeros: expected contiguous uint8 [N, G]");
-      p.zeros = zeros.data_ptr<uint8_t>();
-    }
-    if (gidx.defined() && gidx.numel() > 0) {
-      TORCH_CHECK(gidx.scalar_type() == at::kLong && gidx.is_contiguous() && gidx.numel() == p.k,
-                  "g_idx: expected contiguous int64 [K]");
-      const int64_t* gp = gidx.data_ptr<int64_t>();
+    I4P_CHECK(a.codes != nullptr && a.sscale != nullptr, "requant: no source given");
+    p.codes = a.codes;
+    p.src_groups = a.src_groups;
+    p.sscale = a.sscale;
+    p.zeros = a.zeros;
+    if (a.gidx != nullptr) {
       for (int64_t i = 0; i < p.k; ++i)
-        TORCH_CHECK(gp[i] >= 0 && gp[i] < p.src_groups, "g_idx out of range");
-      p.gidx = gp;
+        I4P_CHECK(a.gidx[i] >= 0 && a.gidx[i] < p.src_groups, "g_idx out of range");
+      p.gidx = a.gidx;
     } else {
-      TORCH_CHECK(src_group > 0 && (p.k + src_group - 1) / src_group <= p.src_groups, "bad source group");
-      p.src_group = src_group;
+      I4P_CHECK(a.src_group > 0 && (p.k + a.src_group - 1) / a.src_group <= p.src_groups, "bad source group");
+      p.src_group = a.src_group;
     }
   }
-  TORCH_CHECK(g > 0 && p.k % g == 0, "requant: group ", g, " does not divide K=", p.k);
-  auto [q, s, flags, rowstats] = req_setup(p, g, bf16, search, coarse, fine);
+  I4P_CHECK(a.g > 0 && p.k % a.g == 0, "requant: group ", a.g, " does not divide K=", p.k);
+  req_setup(p, a, q, s, flags, rowstats);
   const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(p.k, 1));
   for_rows(p.n, grain, threads, [&](int64_t r0, int64_t r1) { requant_rows(p, r0, r1); });
-  return {q, s, flags, rowstats};
 }
 
 
@@ -1099,51 +1100,48 @@ constexpr int64_t kJobRedo = 3;  // a NaN/Inf weight, or a decision for the torc
 constexpr int64_t kJobRows = 64;  // rows unpacked at a time (8 AWQ words; 128 KB of codes at K = 2048)
 
 // One requant job of an asymmetric source in one call: scale checks, codes from the packed words
-// (layout 1 compressed-tensors [N, K/8], 2 GPTQ [K/8, N], 3 AWQ [K, N/8]; 0: codes [N, K]) unpacked
-// 64 rows at a time into a buffer that stays in cache, the scale search, the error sums and the
-// scale cast. Returns (status, q int8 [N, K], scales [N, K/g] bf16 or float32, sums [6] as
-// requant's row stats, zero groups [1]); see w4a8.requant_fast.
-std::vector<at::Tensor> requant_job(int64_t layout, const at::Tensor& data, int64_t n, int64_t k,
-                                    const at::Tensor& sscale, const at::Tensor& zeros, int64_t src_group, int64_t g,
-                                    bool bf16, bool search, const at::Tensor& coarse, const at::Tensor& fine,
-                                    int64_t threads) {
-  check_job_data(layout, data, n, k, 3);
-  TORCH_CHECK(g > 0 && k % g == 0, "requant_job: group ", g, " does not divide K=", k);
-  TORCH_CHECK(src_group > 0, "requant_job: bad source group ", src_group);
-  auto sf = sscale.to(at::kFloat).contiguous();
-  TORCH_CHECK(sf.dim() == 2 && sf.size(0) == n && (k + src_group - 1) / src_group <= sf.size(1),
-              "scales: expected [N, G]");
-  TORCH_CHECK(zeros.scalar_type() == at::kByte && zeros.is_contiguous() && zeros.dim() == 2 && zeros.size(0) == n &&
-                  zeros.size(1) == sf.size(1), "zeros: expected contiguous uint8 [N, G]");
-  auto answer = [](int64_t status) {
-    return std::vector<at::Tensor>{at::full({1}, status, at::kLong), at::Tensor(), at::Tensor(), at::Tensor(),
-                                   at::Tensor()};
-  };
-  const float* sp = sf.data_ptr<float>();
+// (layout 1 compressed-tensors [N, K/8], 2 GPTQ [K/8, N], 3 AWQ [K, N/8]; 0: codes [N, K]; data's
+// shape d0 x d1) unpacked 64 rows at a time into a buffer that stays in cache, the scale search,
+// the error sums. a: source scales float32 [N, Gs] and zeros uint8 [N, Gs] (both given), the
+// search settings. Returns the status; when kJobOk, q, s (float32: the caller casts to bf16),
+// tot [6] (requant's row stats summed, max_abs maxed) and zero_groups are filled (flags and
+// rowstats are workspace). See w4a8.requant_fast.
+int64_t requant_job(int64_t layout, const void* data, int64_t d0, int64_t d1, const ReqArgs& a, int8_t* q,
+                    float* s, uint8_t* flags, double* rowstats, double* tot, int64_t* zero_groups,
+                    int64_t threads) {
+  const int64_t n = a.n, k = a.k, g = a.g, src_group = a.src_group;
+  I4P_CHECK(requant_supported(), "requant_job: this CPU lacks AVX2/FMA (x86-64-v3)");
+  check_job_data(layout, d0, d1, n, k, 3);
+  I4P_CHECK(g > 0 && k % g == 0, "requant_job: group ", g, " does not divide K=", k);
+  I4P_CHECK(src_group > 0, "requant_job: bad source group ", src_group);
+  I4P_CHECK((k + src_group - 1) / src_group <= a.src_groups, "scales: expected [N, G]");
+  I4P_CHECK(a.sscale != nullptr && a.zeros != nullptr, "requant_job: scales and zeros are required");
+  const float* sp = a.sscale;
+  const int64_t ns = n * a.src_groups;
   bool scales_ok = true;
-  for (int64_t i = 0; i < sf.numel(); ++i) scales_ok &= sp[i] > 0.0f && sp[i] <= std::numeric_limits<float>::max();
-  if (!scales_ok) return answer(kJobScales);
-  const uint8_t* zp = zeros.data_ptr<uint8_t>();
-  if (std::all_of(zp, zp + zeros.numel(), [](uint8_t z) { return z == 8; })) return answer(kJobSymmetric);
+  for (int64_t i = 0; i < ns; ++i) scales_ok &= sp[i] > 0.0f && sp[i] <= std::numeric_limits<float>::max();
+  if (!scales_ok) return kJobScales;
+  const uint8_t* zp = a.zeros;
+  if (std::all_of(zp, zp + ns, [](uint8_t z) { return z == 8; })) return kJobSymmetric;
 
   Req p;
   p.n = n;
   p.k = k;
   p.sscale = sp;
-  p.src_groups = sf.size(1);
+  p.src_groups = a.src_groups;
   p.src_group = src_group;
   p.zeros = zp;
-  auto [q, s, flags, rowstats] = req_setup(p, g, bf16, search, coarse, fine);
-  const uint32_t* w = layout == 0 ? nullptr : reinterpret_cast<const uint32_t*>(data.data_ptr<int32_t>());
+  req_setup(p, a, q, s, flags, rowstats);
+  const uint32_t* w = layout == 0 ? nullptr : static_cast<const uint32_t*>(data);
   for_rows((n + kJobRows - 1) / kJobRows, 1, threads, [&](int64_t b0, int64_t b1) {
     Req pb = p;
     std::vector<uint8_t> buf(layout == 0 ? 0 : kJobRows * k);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * kJobRows, r1 = std::min(n, r0 + kJobRows);
       if (layout == 0) {
-        pb.codes = data.data_ptr<uint8_t>();
+        pb.codes = static_cast<const uint8_t*>(data);
       } else {
-        if (layout == 1) unpack_ct_rows(w, data.size(1), k, buf.data(), r0, r1, r0);
+        if (layout == 1) unpack_ct_rows(w, d1, k, buf.data(), r0, r1, r0);
         if (layout == 2) unpack_gptq_rows(w, buf.data(), n, k / 8, r0, r1, r0);
         if (layout == 3) unpack_awq_words(w, buf.data(), k, n / 8, r0 / 8, r1 / 8, r0);
         pb.codes = buf.data();
@@ -1153,23 +1151,26 @@ std::vector<at::Tensor> requant_job(int64_t layout, const at::Tensor& data, int6
     }
   });
   const uint8_t* f = p.flags;
-  int64_t zero_groups = 0;
-  for (int64_t i = 0; i < flags.numel(); ++i) {
-    if (f[i] & (kAmbiguous | kNonFinite)) return answer(kJobRedo);
-    zero_groups += (f[i] & kZero) != 0;
+  const int64_t nf = n * (k / g);
+  int64_t zeros_seen = 0;
+  for (int64_t i = 0; i < nf; ++i) {
+    if (f[i] & (kAmbiguous | kNonFinite)) return kJobRedo;
+    zeros_seen += (f[i] & kZero) != 0;
   }
-  auto tot = at::zeros({6}, at::kDouble);
-  double* t = tot.data_ptr<double>();
+  for (int i = 0; i < 6; ++i) tot[i] = 0.0;
   for (int64_t r = 0; r < n; ++r) {
-    for (int i = 0; i < 5; ++i) t[i] += p.rowstats[r * 6 + i];
-    t[5] = std::max(t[5], p.rowstats[r * 6 + 5]);
+    for (int i = 0; i < 5; ++i) tot[i] += p.rowstats[r * 6 + i];
+    tot[5] = std::max(tot[5], p.rowstats[r * 6 + 5]);
   }
-  return {at::full({1}, kJobOk, at::kLong), q, bf16 ? s.to(at::kBFloat16) : s, tot,
-          at::full({1}, zero_groups, at::kLong)};
+  *zero_groups = zeros_seen;
+  return kJobOk;
 }
 
 
-std::tuple<int64_t, int64_t> search_batches() { return std::make_tuple(g_batches32.load(), g_batches64.load()); }
+void search_batches(int64_t* out) {
+  out[0] = g_batches32.load();
+  out[1] = g_batches64.load();
+}
 
 bool force_search64(bool on) { return g_search64.exchange(on); }
 

@@ -58,16 +58,6 @@ I4P_CLONES void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64
   }
 }
 
-at::Tensor unpack_gptq(const at::Tensor& qweight, int64_t threads) {
-  check_words(qweight, "qweight");
-  const int64_t kw = qweight.size(0), n = qweight.size(1), k = kw * 8;
-  auto out = at::empty({n, k}, at::kByte);
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
-  uint8_t* o = out.data_ptr<uint8_t>();
-  for_rows(n, 64, threads, [&](int64_t r0, int64_t r1) { unpack_gptq_rows(w, o, n, kw, r0, r1, 0); });
-  return out;
-}
-
 // compressed-tensors weight_packed [N, ceil(K/8)], packed along K -> codes uint8 [N, K] (rows
 // [r0, r1), output row r at o + (r - o0) * K)
 I4P_CLONES void unpack_ct_rows(const uint32_t* w, int64_t kw, int64_t k, uint8_t* o, int64_t r0, int64_t r1,
@@ -91,17 +81,6 @@ I4P_CLONES void unpack_ct_rows(const uint32_t* w, int64_t kw, int64_t k, uint8_t
       std::memcpy(dst + 8 * full, &v, k - 8 * full);
     }
   }
-}
-
-at::Tensor unpack_ct(const at::Tensor& packed, int64_t k, int64_t threads) {
-  check_words(packed, "weight_packed");
-  const int64_t n = packed.size(0), kw = packed.size(1);
-  TORCH_CHECK(k >= 0 && k <= kw * 8, "weight_packed: K=", k, " does not fit ", kw, " words");
-  auto out = at::empty({n, k}, at::kByte);
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<int32_t>());
-  uint8_t* o = out.data_ptr<uint8_t>();
-  for_rows(n, 16, threads, [&](int64_t r0, int64_t r1) { unpack_ct_rows(w, kw, k, o, r0, r1, 0); });
-  return out;
 }
 
 // AWQ GEMM qweight [K, N/8], packed along N: nibble i of word j holds logical column 8j + kAwqOrder[i]
@@ -254,18 +233,6 @@ void unpack_awq_words(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int6
   for (; j < j1; ++j)
     for (int64_t c = 0; c < k; ++c) awq_word(w, o, k, nw, j, c, o0);
 }
-
-at::Tensor unpack_awq(const at::Tensor& qweight, int64_t threads) {
-  check_words(qweight, "qweight");
-  const int64_t k = qweight.size(0), nw = qweight.size(1), n = nw * 8, nb = nw / 8;
-  auto out = at::empty({n, k}, at::kByte);
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(qweight.data_ptr<int32_t>());
-  uint8_t* o = out.data_ptr<uint8_t>();
-  for_rows(nb, 1, threads, [&](int64_t b0, int64_t b1) { unpack_awq_words(w, o, k, nw, 8 * b0, 8 * b1, 0); });
-  unpack_awq_words(w, o, k, nw, 8 * nb, nw, 0);  // the last words when N/8 is not a multiple of 8
-  return out;
-}
-
 
 bool use_awq_avx2(bool on) {
 #ifdef I4P_AWQ_AVX2

@@ -1,18 +1,18 @@
 // KleidiAI W4A8 RHS packer (nr=8, kr=16, sr=2), written from the layout in docs/kleidiai.md §1.5.
 // Input: signed int4 values as int8 [E, N, K]. Output: uint8 [E, bytes], one blob per expert.
-// Work unit = one 8-row block of one expert; at::parallel_for spreads units over threads.
+// Work unit = one 8-row block of one expert; for_rows spreads units over threads.
 //
 // Per 32-value chunk of K, per segment s (0/1), per row r of the block: 8 bytes, byte i =
 // nib(k) | nib(k+16) << 4 with k = 32c + 8s + i, nib = the two's complement low 4 bits.
 // Rows past N repeat row N-1 (data, scales and bias alike).
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "../common.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+namespace i4p {
 namespace {
 
 constexpr int64_t kNr = 8;
@@ -131,52 +131,32 @@ void channel_block(const Job& j, int64_t e, int64_t blk) {
   for (int r = 0; r < kNr; ++r) put_f32(dst + 4 * r, j.bias ? j.bias[e * j.n + rows[r]] : 0.0f);
 }
 
-// q: int8 [E, N, K]; scales: bf16 [E, N, K/g] (groupwise) or fp32 [E, N] (channelwise);
-// bias: fp32 [E, N] or None; out: uint8 [E, bytes] preallocated by the caller.
-void pack(const torch::Tensor& q, const torch::Tensor& scales, const c10::optional<torch::Tensor>& bias,
-          int64_t group_size, torch::Tensor& out, int64_t threads) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous(), "q: contiguous int8 [E, N, K]");
-  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kByte && out.is_contiguous(), "out: contiguous uint8 [E, bytes]");
-  TORCH_CHECK(scales.is_contiguous(), "scales must be contiguous");
-  const int64_t E = q.size(0), N = q.size(1), K = q.size(2);
-  TORCH_CHECK(N >= 1 && K >= 2 && K % 2 == 0, "bad shape");
+}  // namespace
+
+// q: int8 [E, N, K]; scales: bf16 bits [E, N, K/g] (groupwise) or fp32 [E, N] (channelwise, g == K);
+// bias: fp32 [E, N] or null; out: uint8 [E, bytes] preallocated by the caller.
+void kleidiai_pack(const int8_t* q, int64_t E, int64_t N, int64_t K, const void* scales, bool scales_bf16,
+                   const float* bias, int64_t group_size, uint8_t* out, int64_t bytes, int64_t threads) {
+  I4P_CHECK(E >= 0 && N >= 1 && K >= 2 && K % 2 == 0, "bad shape");
   const bool channel = group_size == K;
-  Job j{q.data_ptr<int8_t>(), static_cast<const uint8_t*>(scales.data_ptr()), nullptr,
-        out.data_ptr<uint8_t>(), N, K, group_size, out.size(1)};
+  Job j{q, static_cast<const uint8_t*>(scales), bias, out, N, K, group_size, bytes};
   const int64_t nb = roundup(N, kNr) / kNr;
   if (channel) {
-    TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == E * N, "channelwise scales: fp32 [E, N]");
-    TORCH_CHECK(j.bytes == nb * kNr * (roundup(K, 32) / 2 + 12), "out has the wrong size");
+    I4P_CHECK(!scales_bf16, "channelwise scales: fp32 [E, N]");
+    I4P_CHECK(j.bytes == nb * kNr * (roundup(K, 32) / 2 + 12), "out has the wrong size");
   } else {
-    TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, "group size");
-    TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.numel() == E * N * (K / group_size),
-                "groupwise scales: bf16 [E, N, K/g]");
-    TORCH_CHECK(j.bytes == nb * kNr * (K / 2 + 2 * (K / group_size) + 8), "out has the wrong size");
+    I4P_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, "group size");
+    I4P_CHECK(scales_bf16, "groupwise scales: bf16 [E, N, K/g]");
+    I4P_CHECK(j.bytes == nb * kNr * (K / 2 + 2 * (K / group_size) + 8), "out has the wrong size");
   }
-  TORCH_CHECK(out.size(0) == E, "out: one row per expert");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == E * N,
-                "bias: contiguous fp32 [E, N]");
-    j.bias = bias->data_ptr<float>();
-  }
-  const int prev = at::get_num_threads();
-  if (threads > 0) at::set_num_threads(static_cast<int>(threads));
-  // grain: enough 8-row blocks to amortise scheduling (~64 KiB of input per task)
+  // grain: enough 8-row blocks to amortise a thread (~64 KiB of input per task)
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, K));
-  at::parallel_for(0, E * nb, grain, [&](int64_t lo, int64_t hi) {
+  for_rows(E * nb, grain, threads, [&](int64_t lo, int64_t hi) {
     for (int64_t u = lo; u < hi; ++u) {
       if (channel) channel_block(j, u / nb, u % nb);
       else group_block(j, u / nb, u % nb);
     }
   });
-  if (threads > 0) at::set_num_threads(prev);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "KleidiAI qsi4c32p / qsi4cxp RHS packer (int4pack)";
-  m.def("pack", &pack, "pack int8 [E,N,K] into KleidiAI blobs [E,bytes]", pybind11::arg("q"),
-        pybind11::arg("scales"), pybind11::arg("bias"), pybind11::arg("group_size"), pybind11::arg("out"),
-        pybind11::arg("threads") = 0);
-}
+}  // namespace i4p

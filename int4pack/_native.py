@@ -1,0 +1,307 @@
+"""The C++ kernels' library (``_kernels-<machine>.so``, built by ``pip install``) through ctypes.
+
+The library has a C ABI: pointers and sizes in, a status out (``csrc/api.cpp``). This module
+checks the tensors (dtype, shape, contiguity), allocates the outputs with torch and passes
+``data_ptr()``s, so the library depends on no torch or Python ABI. ctypes drops the GIL during
+each call. ``ConvertKernels`` and ``KleidiaiPack`` keep the method names and answers of the
+torch extensions they replace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import _build
+
+ABI_VERSION = 1
+
+_p = ctypes.c_void_p
+_i = ctypes.c_int64
+
+
+class _ReqArgs(ctypes.Structure):  # i4p::ReqArgs (convert_kernels.h)
+    _fields_ = [("w", _p), ("codes", _p), ("zeros", _p), ("sscale", _p), ("gidx", _p),
+                ("n", _i), ("k", _i), ("src_groups", _i), ("src_group", _i), ("g", _i),
+                ("bf16", ctypes.c_int32), ("search", ctypes.c_int32),
+                ("coarse", _p), ("n_coarse", _i), ("fine", _p), ("n_fine", _i)]
+
+
+_SIGNATURES = {
+    "i4p_abi_version": ([], _i),
+    "i4p_last_error": ([], ctypes.c_char_p),
+    "i4p_source_hash": ([], ctypes.c_char_p),
+    "i4p_unpack_gptq": ([_p, _i, _i, _p, _i], _i),
+    "i4p_unpack_ct": ([_p, _i, _i, _i, _p, _i], _i),
+    "i4p_unpack_awq": ([_p, _i, _i, _p, _i], _i),
+    "i4p_lossless": ([_p, _i, _i, _i, _p, _p, _p, _i], _i),
+    "i4p_lossless_job": ([_i, _p, _i, _i, _i, _i, _p, _i, _p, _i, _i, _i, _p, _p, _p, _i], _i),
+    "i4p_requant": ([ctypes.POINTER(_ReqArgs), _p, _p, _p, _p, _i], _i),
+    "i4p_requant_job": ([_i, _p, _i, _i, ctypes.POINTER(_ReqArgs), _p, _p, _p, _p, _p, _p, _i], _i),
+    "i4p_requant_supported": ([], _i),
+    "i4p_search_batches": ([_p], None),
+    "i4p_force_search64": ([_i], _i),
+    "i4p_use_awq_avx2": ([_i], _i),
+    "i4p_crc32c": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
+    "i4p_crc32c_copy": ([_p, _p, _i, ctypes.c_uint32], ctypes.c_uint32),
+    "i4p_kleidiai_pack": ([_p, _i, _i, _i, _p, _i, _p, _i, _p, _i, _i], _i),
+}
+
+
+def library_path() -> Path:
+    return _build.HERE / _build.library_name()
+
+
+def open_library(path: Path | None = None) -> ctypes.CDLL:
+    """Load and check the library; raises OSError (missing, unloadable) or RuntimeError (stale)."""
+    path = path or library_path()
+    lib = ctypes.CDLL(str(path))
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    if lib.i4p_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path} has interface version {lib.i4p_abi_version()}, this int4pack needs "
+                           f"{ABI_VERSION}")
+    built = lib.i4p_source_hash().decode()
+    if _build.CSRC.is_dir() and any(_build.CSRC.rglob("*.cpp")):
+        want = _build.source_hash()
+        if built != want:
+            raise RuntimeError(f"{path} was built from other sources (hash {built}, the sources beside it are "
+                               f"{want})")
+    return lib
+
+
+class _Lib:
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+
+    def _call(self, name: str, *args) -> int:
+        st = getattr(self._lib, name)(*args)
+        if st < 0:
+            raise RuntimeError(self._lib.i4p_last_error().decode(errors="replace"))
+        return st
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _need(t: torch.Tensor, what: str, dtype: torch.dtype, dim: int | None = 2) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != dtype or (dim is not None and t.dim() != dim) \
+            or not t.is_contiguous() or t.device.type != "cpu":
+        want = f"contiguous {dtype}" + ("" if dim is None else f" {dim}-D")
+        got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise RuntimeError(f"{what}: expected a {want} CPU tensor, got {got}")
+
+
+def _bytes(buf, writable: bool = False):
+    """A contiguous buffer as a uint8 numpy array over the same memory (its .ctypes.data is the address)."""
+    mv = memoryview(buf)
+    if not mv.contiguous:
+        raise ValueError("expected a contiguous buffer")
+    if writable and mv.readonly:
+        raise ValueError("expected a writable buffer")
+    return np.frombuffer(mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B"), dtype=np.uint8)
+
+
+class ConvertKernels(_Lib):
+    """The convert hot loops (csrc/convert_kernels)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        super().__init__(lib)
+        # False on x86-64 CPUs without AVX2/FMA: the requant kernels are built for x86-64-v3 only
+        self.requant_ok = bool(lib.i4p_requant_supported())
+
+    def unpack_gptq(self, qweight: torch.Tensor, threads: int) -> torch.Tensor:
+        _need(qweight, "qweight", torch.int32)
+        kw, n = qweight.shape
+        out = torch.empty(n, kw * 8, dtype=torch.uint8)
+        self._call("i4p_unpack_gptq", _ptr(qweight), kw, n, _ptr(out), threads)
+        return out
+
+    def unpack_ct(self, packed: torch.Tensor, k: int, threads: int) -> torch.Tensor:
+        _need(packed, "weight_packed", torch.int32)
+        n, kw = packed.shape
+        if not 0 <= k <= kw * 8:
+            raise RuntimeError(f"weight_packed: K={k} does not fit {kw} words")
+        out = torch.empty(n, k, dtype=torch.uint8)
+        self._call("i4p_unpack_ct", _ptr(packed), n, kw, k, _ptr(out), threads)
+        return out
+
+    def unpack_awq(self, qweight: torch.Tensor, threads: int) -> torch.Tensor:
+        _need(qweight, "qweight", torch.int32)
+        k, nw = qweight.shape
+        out = torch.empty(nw * 8, k, dtype=torch.uint8)
+        self._call("i4p_unpack_awq", _ptr(qweight), k, nw, _ptr(out), threads)
+        return out
+
+    def lossless(self, codes: torch.Tensor, g: int, threads: int):
+        _need(codes, "codes", torch.uint8)
+        n, k = codes.shape
+        if g <= 0 or k % g:
+            raise RuntimeError(f"lossless: group {g} does not divide K={k}")
+        q = torch.empty(n, k, dtype=torch.int8)
+        sq = torch.empty(n, k // g, dtype=torch.int32)
+        mq = torch.empty(n, k // g, dtype=torch.int32)
+        self._call("i4p_lossless", _ptr(codes), n, k, g, _ptr(q), _ptr(sq), _ptr(mq), threads)
+        return q, sq, mq
+
+    @staticmethod
+    def _job_data(layout: int, data: torch.Tensor) -> None:
+        _need(data, "job data" if layout == 0 else "packed words", torch.uint8 if layout == 0 else torch.int32)
+
+    @staticmethod
+    def _source(n: int, sscale: torch.Tensor, zeros: torch.Tensor | None, what: str):
+        sf = sscale.float().contiguous()
+        if sf.dim() != 2 or sf.shape[0] != n:
+            raise RuntimeError("scales: expected [N, G]")
+        if zeros is not None and zeros.numel() > 0:
+            if zeros.dtype != torch.uint8 or not zeros.is_contiguous() or tuple(zeros.shape) != tuple(sf.shape):
+                raise RuntimeError("zeros: expected contiguous uint8 [N, G]")
+        elif what == "requant_job":
+            raise RuntimeError("zeros: expected contiguous uint8 [N, G]")
+        return sf
+
+    def lossless_job(self, layout: int, data: torch.Tensor, n: int, k: int, sscale: torch.Tensor,
+                     zeros: torch.Tensor, src_group: int, g: int, bf16: bool, threads: int):
+        """(status [1] int64, q int8 [N, K], scales [N, K/g] float32 (shipped values), stats [5] float64);
+        q, scales and stats are None unless status is 0."""
+        self._job_data(layout, data)
+        sf = self._source(n, sscale, zeros, "lossless_job")
+        if g <= 0 or k % g:
+            raise RuntimeError(f"lossless_job: group {g} does not divide K={k}")
+        q = torch.empty(n, k, dtype=torch.int8)
+        s = torch.empty(n, k // g, dtype=torch.float32)
+        tot = torch.zeros(5, dtype=torch.float64)
+        st = self._call("i4p_lossless_job", layout, _ptr(data), data.shape[0], data.shape[1], n, k, _ptr(sf),
+                        sf.shape[1], _ptr(zeros), src_group, g, int(bool(bf16)), _ptr(q), _ptr(s), _ptr(tot),
+                        threads)
+        status = torch.tensor([st], dtype=torch.int64)
+        return (status, q, s, tot) if st == 0 else (status, None, None, None)
+
+    @staticmethod
+    def _req_args(n, k, g, bf16, search, coarse, fine, **kw) -> tuple[_ReqArgs, list]:
+        keep = [coarse, fine]
+        cc = coarse.float().contiguous()
+        ff = fine.float().contiguous()
+        keep += [cc, ff, *kw.values()]
+        a = _ReqArgs(n=n, k=k, g=g, bf16=int(bool(bf16)), search=int(bool(search)),
+                     coarse=_ptr(cc), n_coarse=cc.numel(), fine=_ptr(ff), n_fine=ff.numel(),
+                     src_groups=kw.get("src_groups", 1), src_group=kw.get("src_group", 1))
+        for name in ("w", "codes", "zeros", "sscale", "gidx"):
+            t = kw.get(name)
+            setattr(a, name, _ptr(t) if isinstance(t, torch.Tensor) else None)
+        return a, keep
+
+    def requant(self, w, codes, zeros, sscale, gidx, src_group: int, g: int, bf16: bool, search: bool, coarse,
+                fine, threads: int):
+        """(q int8 [N, K], scales float32 [N, K/g], flags uint8 [N, K/g], row stats float64 [N, 6])."""
+        if w is not None and w.numel() > 0:
+            _need(w, "w", torch.float32)
+            n, k = w.shape
+            src = dict(w=w)
+        else:
+            _need(codes, "codes", torch.uint8)
+            n, k = codes.shape
+            _need(sscale, "scales", torch.float32)
+            if sscale.shape[0] != n:
+                raise RuntimeError("scales: expected contiguous float32 [N, G]")
+            src = dict(codes=codes, sscale=sscale, src_groups=sscale.shape[1], src_group=src_group)
+            if zeros is not None and zeros.numel() > 0:
+                _need(zeros, "zeros", torch.uint8)
+                if tuple(zeros.shape) != tuple(sscale.shape):
+                    raise RuntimeError("zeros: expected contiguous uint8 [N, G]")
+                src["zeros"] = zeros
+            if gidx is not None and gidx.numel() > 0:
+                _need(gidx, "g_idx", torch.int64, None)
+                if gidx.numel() != k:
+                    raise RuntimeError("g_idx: expected contiguous int64 [K]")
+                src["gidx"] = gidx
+        if g <= 0 or k % g:
+            raise RuntimeError(f"requant: group {g} does not divide K={k}")
+        a, keep = self._req_args(n, k, g, bf16, search, coarse, fine, **src)
+        q = torch.empty(n, k, dtype=torch.int8)
+        s = torch.empty(n, k // g, dtype=torch.float32)
+        flags = torch.empty(n, k // g, dtype=torch.uint8)
+        rowstats = torch.empty(n, 6, dtype=torch.float64)
+        self._call("i4p_requant", ctypes.byref(a), _ptr(q), _ptr(s), _ptr(flags), _ptr(rowstats), threads)
+        del keep
+        return q, s, flags, rowstats
+
+    def requant_job(self, layout: int, data: torch.Tensor, n: int, k: int, sscale: torch.Tensor, zeros: torch.Tensor,
+                    src_group: int, g: int, bf16: bool, search: bool, coarse, fine, threads: int):
+        """(status [1] int64, q int8 [N, K], scales [N, K/g] bf16 or float32, sums [6] float64, zero
+        groups [1] int64); all but status None unless status is 0 (3: take the general path)."""
+        if not self.requant_ok:
+            return torch.tensor([3], dtype=torch.int64), None, None, None, None
+        self._job_data(layout, data)
+        sf = self._source(n, sscale, zeros, "requant_job")
+        if g <= 0 or k % g:
+            raise RuntimeError(f"requant_job: group {g} does not divide K={k}")
+        if src_group <= 0:
+            raise RuntimeError(f"requant_job: bad source group {src_group}")
+        a, keep = self._req_args(n, k, g, bf16, search, coarse, fine, sscale=sf, zeros=zeros,
+                                 src_groups=sf.shape[1], src_group=src_group)
+        q = torch.empty(n, k, dtype=torch.int8)
+        s = torch.empty(n, k // g, dtype=torch.float32)
+        flags = torch.empty(n, k // g, dtype=torch.uint8)
+        rowstats = torch.empty(n, 6, dtype=torch.float64)
+        tot = torch.zeros(6, dtype=torch.float64)
+        zg = ctypes.c_int64(0)
+        st = self._call("i4p_requant_job", layout, _ptr(data), data.shape[0], data.shape[1], ctypes.byref(a),
+                        _ptr(q), _ptr(s), _ptr(flags), _ptr(rowstats), _ptr(tot), ctypes.addressof(zg), threads)
+        del keep
+        status = torch.tensor([st], dtype=torch.int64)
+        if st != 0:
+            return status, None, None, None, None
+        # the shipped scales: torch's own float32 -> bfloat16 rounding, as the twin casts
+        return status, q, s.to(torch.bfloat16) if bf16 else s, tot, torch.tensor([zg.value], dtype=torch.int64)
+
+    def search_batches(self) -> tuple[int, int]:
+        out = (ctypes.c_int64 * 2)()
+        self._lib.i4p_search_batches(ctypes.addressof(out))
+        return int(out[0]), int(out[1])
+
+    def force_search64(self, on: bool) -> bool:
+        return bool(self._lib.i4p_force_search64(int(bool(on))))
+
+    def use_awq_avx2(self, on: bool) -> bool:
+        return bool(self._lib.i4p_use_awq_avx2(int(bool(on))))
+
+    def crc32c(self, data, crc: int = 0) -> int:
+        a = _bytes(data)
+        return int(self._lib.i4p_crc32c(a.ctypes.data, a.nbytes, crc & 0xFFFFFFFF))
+
+    def crc32c_copy(self, src, dst, crc: int = 0) -> int:
+        a, b = _bytes(src), _bytes(dst, writable=True)
+        if b.nbytes < a.nbytes:
+            raise ValueError(f"crc32c_copy: {a.nbytes} bytes into a buffer of {b.nbytes}")
+        return int(self._lib.i4p_crc32c_copy(a.ctypes.data, b.ctypes.data, a.nbytes, crc & 0xFFFFFFFF))
+
+
+class KleidiaiPack(_Lib):
+    """The KleidiAI RHS packer (csrc/kleidiai_pack)."""
+
+    def pack(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,
+             out: torch.Tensor, threads: int = 0) -> None:
+        _need(q, "q", torch.int8, 3)
+        _need(out, "out", torch.uint8, 2)
+        e, n, k = q.shape
+        if out.shape[0] != e:
+            raise RuntimeError("out: one row per expert")
+        if scales.dtype not in (torch.float32, torch.bfloat16) or not scales.is_contiguous():
+            raise RuntimeError("scales: contiguous fp32 [E, N] or bf16 [E, N, K/g]")
+        per = e * n * (1 if group_size == k else (k // group_size if group_size > 0 else 0))
+        if scales.numel() != per:
+            raise RuntimeError("scales: fp32 [E, N] or bf16 [E, N, K/g]")
+        if bias is not None:
+            _need(bias, "bias", torch.float32, None)
+            if bias.numel() != e * n:
+                raise RuntimeError("bias: contiguous fp32 [E, N]")
+        if threads <= 0:
+            threads = torch.get_num_threads()
+        self._call("i4p_kleidiai_pack", _ptr(q), e, n, k, _ptr(scales), int(scales.dtype == torch.bfloat16),
+                   _ptr(bias), group_size, _ptr(out), out.shape[1], threads)

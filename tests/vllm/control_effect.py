@@ -1,0 +1,41 @@
+"""How far the routing controls move the references (x86, no vLLM): on the lane's prompt (and 7
+greedy tokens of the float reference), the bf16 mirror against the float reference and the float64
+mirror, and the mirror of the same checkpoint with every e_score_correction_bias zeroed.
+
+    python tests/vllm/control_effect.py ct_deepseekv3_w4a16 ct_glm4moe_w4a16 --work /tmp/ctl
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import vllm_arm_e2e as E  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("inputs", nargs="+")
+ap.add_argument("--work", default="/tmp/int4pack_control_effect")
+ap.add_argument("--prompt", default="3,17,42,99,128,200,7,64")
+a = ap.parse_args()
+torch.set_num_threads(1)
+prompt = [int(x) for x in a.prompt.split(",")]
+for item in E.resolve_inputs(a.inputs):
+    rec = E.prepare(item, Path(a.work))
+    d = Path(a.work) / item["key"]
+    fl = E.reference("transformers", d / "float")
+    ids = prompt + E.greedy(fl, prompt, 7)
+    base = fl.logprobs(ids)
+    mir, m64 = E.mirrors("transformers", Path(rec["mirror_dir"]), d, True)
+    zb = E.mirrors("transformers", Path(rec["mirror_dir"]), d, True, zero_bias=True)[0]
+    lm, lz = mir.logprobs(ids), zb.logprobs(ids)
+
+    def med(x, y):
+        return round(float((x - y).abs().max(-1).values.median()), 4)
+
+    print(json.dumps({"input": item["input"], "bf16_mirror_vs_float_max": round(float((lm - base).abs().max()), 4),
+                      "bf16_mirror_vs_mirror64_median": med(lm, m64.logprobs(ids)),
+                      "zero_bias_vs_float_max": round(float((lz - base).abs().max()), 4),
+                      "zero_bias_vs_mirror_median": med(lz, lm)}), flush=True)

@@ -1,0 +1,106 @@
+"""The lane's transformers references (tests/vllm/hf_reference.py) against the hand-written float64
+forward of scripts/vllm_arm_e2e.py, an independent implementation, on the Qwen3-MoE and Mixtral
+fixtures; and the loader's refusals. Opt-in (``pytest -m lane``): needs ``pip install -e '.[lane]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+pytestmark = pytest.mark.lane
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+IDS = [3, 17, 42, 99, 128, 200, 7, 64, 5, 9, 11, 250]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """fixture -> (float folder of the source, mirror folder of its W4A8 conversion, quantised names)."""
+    import int4pack
+    import vllm_arm_e2e as E
+
+    out = {}
+    for name in ("ct_qwen3moe_w4a16", "gptq_mixtral_sym"):
+        d = tmp_path_factory.mktemp(name)
+        E.write_float_folder(E.FIXTURES / name, d / "float")
+        int4pack.convert(E.FIXTURES / name, d / "w4a8", overwrite=True)
+        w, q = E.dequantised_w4a8(d / "w4a8")
+        E.write_mirror_folder(d / "w4a8", d / "mirror", w)
+        out[name] = (d / "float", d / "mirror", q)
+    return out
+
+
+@pytest.mark.parametrize("name", ["ct_qwen3moe_w4a16", "gptq_mixtral_sym"])
+def test_transformers_reference_equals_the_hand_written_one(folders, name):
+    """Float, int8-activation mirror and its bf16 rounding: transformers' class (fused 3-D experts
+    loaded from per-expert names, a per-expert loop of ours) gives FloatRef's numbers."""
+    import vllm_arm_e2e as E
+    from hf_reference import HFRef
+
+    fl, mirror, q = folders[name]
+    cfg, mcfg = (json.loads((f / "config.json").read_text()) for f in (fl, mirror))
+    got = HFRef(fl).logprobs(IDS)
+    want = E.FloatRef(cfg, E.load_tensors(fl)).logprobs(IDS)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), float((got - want).abs().max())
+    w = E.load_tensors(mirror)
+    for bf16 in (False, True):
+        got = HFRef(mirror, q, a8=True, bf16=bf16).logprobs(IDS)
+        want = E.FloatRef(mcfg, w, q, a8=True, bf16=bf16).logprobs(IDS)
+        assert torch.allclose(got, want, rtol=0, atol=1e-12), (bf16, float((got - want).abs().max()))
+    # the mirror's int8 activations move the logprobs: the hooks are in effect
+    assert float((HFRef(mirror, q, a8=True).logprobs(IDS) - HFRef(mirror).logprobs(IDS)).abs().max()) > 1e-4
+
+
+def test_a_tensor_the_class_does_not_take_is_refused(folders, tmp_path):
+    from hf_reference import load
+
+    fl = folders["ct_qwen3moe_w4a16"][0]
+    bad = tmp_path / "bad"
+    shutil.copytree(fl, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t.pop("model.layers.1.self_attn.o_proj.weight")
+    t["model.layers.1.self_attn.extra.weight"] = torch.zeros(2, 2)
+    save_file(t, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match="did not load the folder as it is"):
+        load(bad)
+
+
+def test_a_quantised_module_the_class_lacks_is_refused(folders):
+    from hf_reference import HFRef
+
+    fl, _, q = folders["ct_qwen3moe_w4a16"]
+    with pytest.raises(ValueError, match="no linear of that name"):
+        HFRef(fl, q | {"model.layers.0.self_attn.qkv_fused"}, a8=True)
+
+
+def test_fused_experts_are_checked_against_the_per_expert_tensors(folders):
+    """The loader's own check: an expert whose fused rows differ from its per-expert tensors."""
+    from hf_reference import _check_experts, load
+
+    fl = folders["ct_qwen3moe_w4a16"][0]
+    _, experts = load(fl)
+    m = next(iter(experts.values()))
+    with torch.no_grad():
+        m.gate_up_proj[1] = m.gate_up_proj[1].flip(0)  # gate and up rows swapped
+    with pytest.raises(ValueError, match="expert 1"):
+        _check_experts(fl, experts)
+
+
+def test_float64_mode_keeps_float64_where_the_class_asks_float32():
+    from hf_reference import Exact, Float64
+
+    x = torch.tensor([1.0 + 2.0**-40], dtype=torch.float64)
+    with Float64():
+        assert x.float().dtype == torch.float64 and x.to(torch.float32).dtype == torch.float64
+        assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
+        with Exact():
+            assert x.to(torch.float32).dtype == torch.float32
