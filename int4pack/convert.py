@@ -226,6 +226,7 @@ def convert(
     serve_format: str = "compressed-tensors",
     progress: NullProgress | None = None,
     strict_group_size: bool = False,
+    tensor_parallel: int = 1,
     on_plan=None,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint, or with
@@ -235,6 +236,8 @@ def convert(
     written and the report holds the plan. Raises Int4packError subclasses on bad input.
     ``group_size`` is a model-wide request: modules that cannot run it take the group they can
     (the report's ``plan.group_substitutions``), unless ``strict_group_size`` refuses instead.
+    ``tensor_parallel`` > 1 (packed format only) stores the row parallel modules split along K for
+    that many vLLM tensor parallel ranks (serve_format.py).
     ``on_plan(report)`` is called once the source is validated and planned (and, with ``resume``, once
     the kept shards are known: ``report["resume"]``), before any long work.
     """
@@ -243,13 +246,18 @@ def convert(
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
     packed = sf.parse_format(serve_format) == sf.KLEIDIAI
+    if tensor_parallel != 1 and not packed:
+        raise UsageError(f"--tensor-parallel {tensor_parallel} applies to --serve-format kleidiai only "
+                         "(vLLM splits the default format itself at load, for any tensor_parallel_size)")
+    if tensor_parallel < 1:
+        raise UsageError(f"--tensor-parallel {tensor_parallel}: must be at least 1")
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
     with Checkpoint(folder) as ckpt:
         plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
                          strict_group_size=strict_group_size)
         if packed:
-            plan = sf.packed_plan(plan)
+            plan = sf.packed_plan(plan, tensor_parallel)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
         routing = routing_warnings(ckpt.family_type, ckpt.text_config, packed) + family_warnings(ckpt.family_type)
@@ -291,7 +299,7 @@ def convert(
         if on_plan is not None:
             on_plan(report)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              sf.job_packer() if packed else None, trusted)
+                              sf.job_packer(tensor_parallel) if packed else None, trusted)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -305,7 +313,7 @@ def convert(
             blobs = {rename.get(f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX}")[: -len(sf.SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
             cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size,
-                                                         sf.blob_checks(blobs))
+                                                         sf.blob_checks(blobs), tensor_parallel)
             report["serve_format"] = {"format": sf.KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
                 "kleidiai"].items() if k != sf.BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())

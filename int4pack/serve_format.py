@@ -20,6 +20,14 @@ vLLM loads one packed parameter per fused module (gate+up of each expert, q/k/v,
 MLPs) by placing the blobs of its parts one after the other. KleidiAI packs rows in independent
 blocks of 8 (nr), so that concatenation is the fused matrix's blob exactly when every part's N is
 a multiple of 8; ``packed_plan`` refuses other shapes.
+
+Tensor parallelism: vLLM splits each parallel linear and MoE layer either along N (column
+parallel: q/k/v, gate/up, an expert's w13) or along K (row parallel: ``o_proj``, ``down_proj``, an
+expert's w2). An N-split of a blob is a byte range when each rank's rows are a multiple of 8 (the
+plugin slices it at load). A K-split is not: ``convert --tensor-parallel N`` stores every row
+parallel module as ``[N, packed_size(rows, K/N)]``, rank r's blob in row r (the bias in rank 0's
+only: vLLM adds a row parallel bias once), and records ``tensor_parallel_size`` in the layout
+record so that the plugin refuses another size. With N = 1 nothing changes.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from .errors import InputError, RefusedError, UsageError
 from .plan import Job, OutTensor, Plan
 
 __all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "parse_format", "packed_plan", "job_packer",
-           "serve_config", "layout_record", "read_record", "record_problems", "PackedWeights"]
+           "serve_config", "layout_record", "read_record", "record_problems", "PackedWeights", "ROW_PARALLEL",
+           "is_row_parallel", "split_problem", "split_k", "tensor_parallel_size"]
 
 QUANT_METHOD = "int4pack-kleidiai"  # config.json quant_method: what the vLLM plugin registers
 SUFFIX = "weight_packed"
@@ -47,6 +56,14 @@ PROVENANCE_BYTES = 180  # header room per blob for its provenance entry (~150 by
 PLAIN = "compressed-tensors"  # int8 weights, packed by vLLM at load (needs nothing but vLLM)
 KLEIDIAI = "kleidiai"  # KleidiAI blobs, served by int4pack's vLLM plugin
 FORMATS = (PLAIN, KLEIDIAI)
+
+# module leaves vLLM splits along K under tensor parallelism (RowParallelLinear: o_proj, a dense or
+# shared MLP's down_proj; FusedMoE's w2: an expert's down_proj / w2) in the supported families
+ROW_PARALLEL = ("o_proj", "down_proj", "w2")
+
+
+def is_row_parallel(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ROW_PARALLEL
 
 
 def parse_format(value) -> str:
@@ -60,21 +77,27 @@ def _block(k: int, group_size: int) -> int:
     return k if group_size == -1 else group_size
 
 
-def layout_record(group_size: int | None) -> dict:
+def layout_record(group_size: int | None, tensor_parallel: int = 1) -> dict:
     """What the blobs are: recorded in config.json and checked by the plugin and verify.
-    ``group_size`` None: per module (the config groups and each blob's provenance say which)."""
+    ``group_size`` None: per module (the config groups and each blob's provenance say which).
+    ``tensor_parallel`` > 1: the row parallel modules are stored split for that many ranks (only then
+    recorded: a checkpoint for one rank keeps the record it always had)."""
     scales = "per module" if group_size is None else "float32" if group_size == -1 else "bfloat16"
-    return {"layout": kleidiai.LAYOUT_NAME, "layout_version": kleidiai.LAYOUT_VERSION,
-            "nr": kleidiai.NR, "kr": kleidiai.KR, "sr": kleidiai.SR, "group_size": group_size,
-            "scale_dtype": scales, "tensor_suffix": SUFFIX,
-            "packer": "int4pack portable (the bytes of torch's _dyn_quant_pack_4bit_weight on Arm)",
-            "verified_against_torch": list(VERIFIED_TORCH)}
+    rec = {"layout": kleidiai.LAYOUT_NAME, "layout_version": kleidiai.LAYOUT_VERSION,
+           "nr": kleidiai.NR, "kr": kleidiai.KR, "sr": kleidiai.SR, "group_size": group_size,
+           "scale_dtype": scales, "tensor_suffix": SUFFIX,
+           "packer": "int4pack portable (the bytes of torch's _dyn_quant_pack_4bit_weight on Arm)",
+           "verified_against_torch": list(VERIFIED_TORCH)}
+    if tensor_parallel > 1:
+        rec["tensor_parallel_size"] = tensor_parallel
+    return rec
 
 
-def serve_config(quant_config: dict, group_size: int | None, checks: dict | None = None) -> dict:
+def serve_config(quant_config: dict, group_size: int | None, checks: dict | None = None,
+                 tensor_parallel: int = 1) -> dict:
     """The plain output's quantization_config, renamed to this format, with the layout record
     (and the per-blob checks the plugin runs at load: ``blob_checks``)."""
-    rec = layout_record(group_size)
+    rec = layout_record(group_size, tensor_parallel)
     if checks is not None:
         rec[BLOB_CHECKS] = checks
     return {**quant_config, "quant_method": QUANT_METHOD, "kleidiai": rec}
@@ -83,7 +106,8 @@ def serve_config(quant_config: dict, group_size: int | None, checks: dict | None
 def blob_checks(packed: dict[str, dict]) -> dict:
     """What the plugin checks at load, per module as vLLM builds it (``vllm_module``: one FusedMoE
     per MoE layer, qkv_proj, gate_up_proj, or the linear itself): the group each blob was packed
-    with, and the CRC-32 of its stored bytes, in vLLM's shard order (experts: gate, up, down).
+    with, and the CRC-32 of its stored bytes, in vLLM's shard order (experts: gate, up, down). A
+    K-split blob's is the CRC-32 of its whole stored ``[tp, bytes]``, the tensor every rank is handed.
     ``packed``: output module name -> its provenance."""
     from .architectures import VLLM_FUSED, classify, vllm_module
 
@@ -109,6 +133,43 @@ def blob_checks(packed: dict[str, dict]) -> dict:
             ex = ent.pop("experts")
             ent["crc32"] = [ex.get(e, [None, None, None]) for e in range(max(ex) + 1)]
     return {"algorithm": "crc32", "modules": units}
+
+
+def tensor_parallel_size(rec: dict) -> int:
+    """The tensor parallel size a packed checkpoint's row parallel modules were split for (1: not split)."""
+    v = rec.get("tensor_parallel_size", 1)
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else 0  # 0: unreadable
+
+
+def split_problem(n: int, k: int, group_size: int, tp: int) -> str | None:
+    """Why an [N, K] matrix cannot be split along K into ``tp`` KleidiAI blobs, or None."""
+    if k % tp:
+        return f"K={k} is not divisible by {tp}"
+    kp = k // tp
+    if group_size != -1 and group_size != k and kp % group_size:
+        return f"each rank's K={kp} is not a multiple of the group size {group_size}"
+    if kp % 2:
+        return f"each rank's K={kp} is odd"
+    return None
+
+
+def split_k(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int, tp: int):
+    """Rank r's (q, scales, bias, block) of a K-split: columns r*K/tp.., their groups' scales
+    (channelwise: every rank keeps the row's scale), the bias on rank 0 only. A rank holding one
+    group is channelwise for KleidiAI (group == K: torch packs and multiplies it so), its bf16
+    scale as float32 (exact)."""
+    n, k = q.shape
+    kp = k // tp
+    chan = group_size in (-1, k)
+    out = []
+    for r in range(tp):
+        qs = q[:, r * kp:(r + 1) * kp]
+        ss = scales if chan else scales[:, r * kp // group_size:(r + 1) * kp // group_size]
+        if not chan and kp == group_size:
+            ss = ss.to(torch.float32)
+        out.append((qs.contiguous(), ss.contiguous(), bias if r == 0 else None,
+                    kp if chan or kp == group_size else group_size))
+    return out
 
 
 def read_record(quant_config: dict | None) -> dict | None:
@@ -166,8 +227,11 @@ def provenance_problem(name: str, ent) -> str | None:
 # --------------------------------------------------------------------------------- writing
 
 
-def packed_plan(plan: Plan) -> Plan:
-    """The plan with every W4A8 module's weight, weight_scale and bias replaced by one blob tensor."""
+def packed_plan(plan: Plan, tensor_parallel: int = 1) -> Plan:
+    """The plan with every W4A8 module's weight, weight_scale and bias replaced by one blob tensor
+    (a row parallel module's: ``[tensor_parallel, bytes]``, one blob per rank, when > 1)."""
+    if tensor_parallel < 1:
+        raise UsageError(f"--tensor-parallel {tensor_parallel}: must be at least 1")
     jobs = []
     for j in plan.jobs:
         if j.kind not in ("linear", "fold"):
@@ -180,10 +244,25 @@ def packed_plan(plan: Plan) -> Plan:
                     f"{s.name}: N={s.n} is not a multiple of {kleidiai.NR}, so its KleidiAI blob cannot be "
                     "joined with the modules vLLM fuses it with", tensor=s.name,
                     hint="Use the default --serve-format compressed-tensors for this model.")
+            if tensor_parallel > 1 and is_row_parallel(s.name):
+                why = split_problem(s.n, s.k, j.group_size, tensor_parallel)
+                if why:
+                    raise RefusedError(
+                        f"{s.name}: [{s.n}, {s.k}] cannot be split along K for {tensor_parallel} tensor parallel "
+                        f"ranks: {why}", tensor=s.name,
+                        hint="Choose a --tensor-parallel size that divides K into whole groups, or a smaller "
+                             "--group-size.")
+                kp = s.k // tensor_parallel
+                size = kleidiai.packed_size(s.n, kp, _block(kp, j.group_size))
+                outs.append(OutTensor(f"{s.name}.{SUFFIX}", "U8", (tensor_parallel, size)))
+                continue
             size = kleidiai.packed_size(s.n, s.k, _block(s.k, j.group_size))
             outs.append(OutTensor(f"{s.name}.{SUFFIX}", "U8", (size,)))
         jobs.append(dataclasses.replace(j, outputs=outs))
-    return dataclasses.replace(plan, jobs=jobs, options={**plan.options, "serve_format": KLEIDIAI})
+    opts = {**plan.options, "serve_format": KLEIDIAI}
+    if tensor_parallel > 1:
+        opts["tensor_parallel"] = tensor_parallel
+    return dataclasses.replace(plan, jobs=jobs, options=opts)
 
 
 def _crc(t: torch.Tensor | None) -> str | None:
@@ -194,22 +273,35 @@ def _crc(t: torch.Tensor | None) -> str | None:
 
 
 def provenance(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,
-               blob: torch.Tensor | None = None) -> dict:
-    """What a blob was packed from (kept in its shard header): shape, group, CRC-32s of the inputs,
-    and (``crc32``) the CRC-32 of the blob's own bytes, which the plugin checks at load."""
+               blob: torch.Tensor | None = None, tensor_parallel: int = 1) -> dict:
+    """What a blob was packed from (kept in its shard header): shape, group, CRC-32s of the inputs
+    (of the whole matrix for a K-split one, with ``tensor_parallel``: its number of ranks), and
+    (``crc32``) the CRC-32 of the blob's own stored bytes (a K-split one's whole ``[tp, bytes]``),
+    which verify and the plugin check."""
     n, k = q.shape
     out = {"n": n, "k": k, "group_size": group_size, "bias": bias is not None, "crc32_q": _crc(q),
            "crc32_scales": _crc(scales.reshape(n, -1)),
            "crc32_bias": _crc(None if bias is None else bias.to(torch.float32))}
+    if tensor_parallel > 1:
+        out["tensor_parallel"] = tensor_parallel
     if blob is not None:
         out["crc32"] = _crc(blob)
     return out
 
 
-def job_packer():
+def pack_split(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int, tp: int,
+               threads: int = 1) -> torch.Tensor:
+    """uint8 [tp, bytes]: rank r's KleidiAI blob of the K-split matrix in row r."""
+    blobs = [kleidiai.pack_portable(qs, ss, bs, block, threads=threads)
+             for qs, ss, bs, block in split_k(q, scales, bias, group_size, tp)]
+    return torch.stack(blobs)
+
+
+def job_packer(tensor_parallel: int = 1):
     """run_job outputs -> packed outputs: each W4A8 module's (weight, weight_scale[, bias]) becomes
-    one blob, packed at its job's group; the module's stats gain its provenance (written to the
-    shard header and report)."""
+    one blob, packed at its job's group (a row parallel module's: one per rank with
+    ``tensor_parallel`` > 1); the module's stats gain its provenance (written to the shard header and
+    report)."""
 
     def pack(job: Job, tensors: list, stats: dict) -> list:
         if job.kind not in ("linear", "fold"):
@@ -222,8 +314,12 @@ def job_packer():
         for mod, p in parts.items():
             q, s, b = p["weight"], p["weight_scale"], p.get("bias")
             bias = None if b is None else b.to(torch.float32)
-            blob = kleidiai.pack_portable(q, s, bias, _block(q.shape[1], job.group_size), threads=1)
-            stats.setdefault(mod, {})["packed"] = provenance(q, s, bias, job.group_size, blob)
+            tp = tensor_parallel if tensor_parallel > 1 and is_row_parallel(mod) else 1
+            if tp > 1:
+                blob = pack_split(q, s, bias, job.group_size, tp)
+            else:
+                blob = kleidiai.pack_portable(q, s, bias, _block(q.shape[1], job.group_size), threads=1)
+            stats.setdefault(mod, {})["packed"] = provenance(q, s, bias, job.group_size, blob, tp)
             out.append((f"{mod}.{SUFFIX}", blob))
         return out
 
@@ -276,16 +372,44 @@ class PackedWeights:
         return -1 if g in (-1, k) else g
 
     def block(self, m: str) -> int:
-        return _block(self.shape(m)[1], self.group(m))
+        """Module m's group as the packer takes it (channelwise: its K, per rank for a K-split)."""
+        n, k = self.shape(m)
+        return _block(k // self.split(m), self.group(m))
+
+    def split(self, m: str) -> int:
+        """How many rank blobs module m is stored as (1: one blob of the whole matrix)."""
+        v = self.prov.get(f"{m}.{SUFFIX}", {}).get("tensor_parallel", 1)
+        return int(v) if isinstance(v, int) and v >= 1 else 1
+
+    def blob_shape(self, m: str) -> tuple[int, ...]:
+        n, k = self.shape(m)
+        tp = self.split(m)
+        size = kleidiai.packed_size(n, k // tp, self.block(m))
+        return (size,) if tp == 1 else (tp, size)
 
     def blob(self, m: str) -> torch.Tensor:
         return self.ckpt.get(f"{m}.{SUFFIX}")
 
     def decode(self, m: str, blob: torch.Tensor | None = None, check: bool = True):
-        """(q int8 [N, K], scales bf16 [N, K/g] | fp32 [N, 1], bias fp32 [N] | None) of module m."""
+        """(q int8 [N, K], scales bf16 [N, K/g] | fp32 [N, 1], bias fp32 [N] | None) of module m; of
+        the whole matrix for a K-split one (its ranks' blobs joined along K)."""
         n, k = self.shape(m)
         blob = self.blob(m) if blob is None else blob
-        return kleidiai.unpack(blob, n, k, self.block(m), bool(self.prov[f"{m}.{SUFFIX}"].get("bias")), check=check)
+        has_bias = bool(self.prov[f"{m}.{SUFFIX}"].get("bias"))
+        tp = self.split(m)
+        if tp == 1:
+            return kleidiai.unpack(blob, n, k, self.block(m), has_bias, check=check)
+        parts = [kleidiai.unpack(blob[r], n, k // tp, self.block(m), has_bias and r == 0, check=check)
+                 for r in range(tp)]
+        q = torch.cat([p[0] for p in parts], dim=1)
+        if self.group(m) == -1:
+            s = parts[0][1]
+            if check and not all(torch.equal(p[1], s) for p in parts):
+                raise InputError(f"{m}.{SUFFIX}: the rank blobs of a channelwise matrix hold different scales",
+                                 tensor=f"{m}.{SUFFIX}", hint="Convert again.")
+        else:  # a rank of one group decodes as channelwise (float32 [N, 1]): back to the bf16 it was
+            s = torch.cat([p[1].to(torch.bfloat16) for p in parts], dim=1)
+        return q, s, parts[0][2]
 
     def check_blob(self, m: str) -> tuple[list[str], tuple | None]:
         """Problems of module m's blob (size, inner consistency, provenance, repacking) and its decode."""
@@ -299,10 +423,12 @@ class PackedWeights:
         except InputError as e:
             return [str(e)], None
         g = self.block(m)
-        size = kleidiai.packed_size(n, k, g)
-        if info.dtype != "U8" or tuple(info.shape) != (size,):
-            return [f"{info.dtype}{list(info.shape)}, expected U8[{size}] (the KleidiAI size for N={n}, K={k}, "
-                    f"block {g}): truncated or another layout"], None
+        tp = self.split(m)
+        want = self.blob_shape(m)
+        if info.dtype != "U8" or tuple(info.shape) != want:
+            split = f", split along K for {tp} ranks" if tp > 1 else ""
+            return [f"{info.dtype}{list(info.shape)}, expected U8{list(want)} (the KleidiAI size for N={n}, K={k}, "
+                    f"block {g}{split}): truncated or another layout"], None
         blob = self.blob(m)
         want = self.prov[name].get("crc32")
         stored = [f"stored bytes differ from the ones convert wrote (CRC-32 {_crc(blob)} != {want})"] \
@@ -316,6 +442,8 @@ class PackedWeights:
                     for what, got, want in (("int4 values", _crc(q), prov.get("crc32_q")),
                                             ("scales", _crc(s), prov.get("crc32_scales")),
                                             ("bias", _crc(b), prov.get("crc32_bias"))) if got != want]
-        if not torch.equal(kleidiai.pack_portable(q, s, b, g, threads=1), blob):
+        again = (kleidiai.pack_portable(q, s, b, g, threads=1) if tp == 1
+                 else pack_split(q, s, b, self.group(m), tp))
+        if not torch.equal(again, blob):
             problems.append("repacking the decoded values does not give the same bytes")
         return problems, (q, s, b)

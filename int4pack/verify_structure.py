@@ -129,10 +129,11 @@ class Target:
 
     def blob(self, m: str) -> torch.Tensor | None:
         """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly).
-        Not one with a bias inside: the references here leave biases out."""
+        Not one with a bias inside: the references here leave biases out; none of a checkpoint split
+        for tensor parallelism: its row parallel blobs are per rank (the kernel runs whole matrices)."""
         from . import kleidiai
 
-        if not (self.packed and kleidiai.native_kleidiai_available()):
+        if not (self.packed and kleidiai.native_kleidiai_available()) or sf.tensor_parallel_size(self.packed.record) != 1:
             return None
         return None if self.packed.prov.get(f"{m}.{sf.SUFFIX}", {}).get("bias") else self.packed.blob(m)
 
@@ -173,6 +174,11 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
     ck = t.ckpt
     if t.packed:
         probs, dec = t.packed.check_blob(m)
+        tp = sf.tensor_parallel_size(t.packed.record)
+        want = tp if sf.is_row_parallel(m) else 1  # vLLM splits only row parallel modules along K
+        if t.packed.split(m) != want:
+            probs.append(f"stored for {t.packed.split(m)} tensor parallel rank(s), the config records "
+                         f"tensor_parallel_size {tp or 'unreadable'} (row parallel modules split, others whole)")
         for p in probs:
             problems.add(f"{m}.{sf.SUFFIX}", p)
         if dec is not None:

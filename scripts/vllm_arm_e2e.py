@@ -40,7 +40,17 @@ plain folder's tokens and logprobs and vLLM must pack no expert at load. Each re
 serve_format, experts_packed_at_load, load_seconds, peak_rss_mb (the process's peak when the
 load returned; the packed folder is loaded first) and vs_plain.
 
+``--tensor-parallel N`` / ``--pipeline-parallel N``: ``LLM(tensor_parallel_size=N,
+pipeline_parallel_size=M, distributed_executor_backend="mp")``, one emulated worker process per rank
+(spawned through the QEMU wrapper); with --serve-format kleidiai the packed folder is converted with
+``--tensor-parallel N``. Each result adds tensor_parallel_size, pipeline_parallel_size, ranks (per
+worker: tp_rank, pp_rank, peak RSS, parameter bytes, the layers and parameters it holds) and, when a
+single-process run of the same inputs is in --work, vs_single_process (tokens identical, largest
+logprob difference).
+
     python scripts/vllm_arm_e2e.py --vllm 0.32.0 --dtype bfloat16            # every fixture
+    python scripts/vllm_arm_e2e.py gptq_q3_sym --vllm 0.32.0 --dtype float32 --serve-format kleidiai \
+        --tensor-parallel 2 --work /tmp/e2e                  # after the same command without --tensor-parallel
     python scripts/vllm_arm_e2e.py gptq_q3_sym /models/my-gptq --vllm 0.19.1 --dtype float32
     python scripts/vllm_arm_e2e.py gptq_q3_sym --swap-gate-up ...   # negative control: must fail
     python scripts/vllm_arm_e2e.py ct_glm4moe_w4a16 --negative-control zero-bias ...  # routing bias zeroed: must fail
@@ -534,7 +544,7 @@ def _layer_group(groups: dict[str, int], layer: str) -> int | None:
     return None
 
 
-def check_layers(probe: dict, out_dir: Path, packed: bool = False) -> tuple[dict, list[str]]:
+def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) -> tuple[dict, list[str]]:
     """Each W4A8 layer vLLM built: its method, the group vLLM took (the one its tensors hold), and
     packed weights of exactly the KleidiAI size for that group. ``packed``: the folder is the packed
     serving format, served by int4pack's plugin."""
@@ -544,7 +554,7 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False) -> tuple[dict
     tc = cfg.get("text_config") or cfg
     groups = disk_groups(out_dir)
     H = tc["hidden_size"]
-    I = tc.get("moe_intermediate_size") or tc["intermediate_size"]
+    I = (tc.get("moe_intermediate_size") or tc["intermediate_size"]) // tp  # each rank's share
     E = tc.get("num_experts") or tc.get("num_local_experts") or tc.get("n_routed_experts")
     # the MoE layers the checkpoint holds (dense first layers and MTP layers past the last are not)
     nmoe = len({int(m.group(1)) for m in map(re.compile(r"(?:^|\.)layers\.(\d+)\..*\.experts\.\d+\.").search, groups)
@@ -626,9 +636,10 @@ def error_where(tb: str | None) -> str | None:
 # driver
 # ------------------------------------------------------------------------------------------
 def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap: bool = False,
-            serve: str = "compressed-tensors", control: str | None = None) -> dict:
+            serve: str = "compressed-tensors", tp: int = 1, control: str | None = None) -> dict:
     """Convert (or take as is) one input; write its float folder. Returns the record. ``serve``
-    kleidiai: model_dir is the packed serving format, plain_dir the W4A8 folder it equals."""
+    kleidiai: model_dir is the packed serving format (``tp`` > 1: converted with --tensor-parallel
+    tp), plain_dir the W4A8 folder it equals."""
     import int4pack
 
     d = work / item["key"]
@@ -636,8 +647,9 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
     src = item["src"]
     glabel = group_label(group_size)
     rec = {"input": item["input"], "key": item["key"], "source": str(src), "covers": COVERS.get(src.name, "")}
+    ptp = f"_tp{tp}" if serve == "kleidiai" and tp > 1 else ""
     saved = d / (f"prepare_{glabel}{'_swapped' if swap else ''}{f'_{control}' if control else ''}"
-                 f"{'_kleidiai' if serve == 'kleidiai' else ''}.json")
+                 f"{'_kleidiai' if serve == 'kleidiai' else ''}{ptp}.json")
     if reuse and saved.exists() and (d / "float" / "model.safetensors").exists():
         return json.loads(saved.read_text())  # what the probe already loaded: do not rewrite it
     t = time.perf_counter()
@@ -655,8 +667,9 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
         rec["negative_control"] = "gate/up swapped in every expert"
     rec["serve_format"] = serve
     if serve == "kleidiai":
-        int4pack.convert(src, d / f"packed_{glabel}", overwrite=True, group_size=group_size, serve_format=serve)
-        rec["plain_dir"], rec["model_dir"] = rec["model_dir"], str(d / f"packed_{glabel}")
+        int4pack.convert(src, d / f"packed_{glabel}{ptp}", overwrite=True, group_size=group_size, serve_format=serve,
+                         tensor_parallel=tp)
+        rec["plain_dir"], rec["model_dir"] = rec["model_dir"], str(d / f"packed_{glabel}{ptp}")
     if control:  # vLLM serves edited copies (packed and plain alike); the references stay the model's
         for key in ("model_dir", "plain_dir"):
             if rec.get(key):
@@ -720,6 +733,37 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
         rec["process_wall_s"] = round(time.perf_counter() - t, 1)
 
 
+def rank_summary(p: dict) -> list[dict]:
+    """Per vLLM worker: its tensor/pipeline rank, memory, parameter bytes and the parameters it holds."""
+    out = []
+    for r in p.get("ranks") or []:
+        names = sorted(r.get("params") or {})
+        layers = sorted({int(m[1]) for m in (re.search(r"\.layers\.(\d+)\.", n) for n in names) if m})
+        out.append({k: r.get(k) for k in ("tp_rank", "pp_rank", "pid", "peak_rss_mb", "VmRSS", "RssAnon",
+                                          "RssFile", "param_bytes")}
+                   | {"layers": layers, "params": {n: r["params"][n] for n in names}})
+    return out
+
+
+def vs_single(p: dict, work: Path, rec: dict, base_tag: str) -> dict:
+    """A tensor/pipeline parallel run against the single-process run of the same folder kind (an
+    earlier run of this script with the same --work, without the parallel options)."""
+    pj = probe_path(work, {**rec, "model_dir": rec["model_dir"]}, base_tag)
+    if not pj.exists():
+        return {"single_probe": None, "note": f"no single-process probe at {pj}: run without --tensor-parallel/"
+                                              "--pipeline-parallel first (same --work)"}
+    q = json.loads(pj.read_text())
+    res = {"single_probe": str(pj), "single_tokens": q.get("token_ids"),
+           "tokens_identical": bool(p.get("token_ids")) and p.get("token_ids") == q.get("token_ids"),
+           "single_peak_rss_mb": q.get("peak_rss_mb"),
+           "single_param_bytes": sum(r.get("param_bytes") or 0 for r in q.get("ranks") or []) or None}
+    if p.get("logprobs") and q.get("logprobs") and len(p["logprobs"]) == len(q["logprobs"]):
+        a = p["logprobs"] + [x for x in p["prompt_logprobs"] if x]
+        b = q["logprobs"] + [x for x in q["prompt_logprobs"] if x]
+        res["max_abs_logprob_diff"] = max(abs(x[t] - y[t]) for x, y in zip(a, b) for t in x if t in y)
+    return res
+
+
 def mirrors(kind: str, w4a8: Path, d: Path, bf16: bool, swapped: bool = False, zero_bias: bool = False):
     """(the mirror, rounded to bf16 where vLLM rounds when ``bf16``; the same in float64).
     ``swapped`` / ``zero_bias``: of a broken copy (gate/up swapped; routing bias zeroed)."""
@@ -734,7 +778,8 @@ def mirrors(kind: str, w4a8: Path, d: Path, bf16: bool, swapped: bool = False, z
     return reference(kind, folder, q, a8=True, bf16=bf16), reference(kind, folder, q, a8=True)
 
 
-def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref_choice: str = "auto") -> dict:
+def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref_choice: str = "auto",
+             base_tag: str | None = None) -> dict:
     d = work / rec["key"]
     tol = TOLERANCES[dtype]
     bf16 = dtype == "bfloat16"
@@ -750,6 +795,14 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref
         fails.append("vLLM: " + p["error"][:400])
     gen = p.get("token_ids") or []
     rec["tokens"] = gen
+    rec["tensor_parallel_size"] = p.get("tensor_parallel_size", rec.get("tensor_parallel_size", 1))
+    rec["pipeline_parallel_size"] = p.get("pipeline_parallel_size", rec.get("pipeline_parallel_size", 1))
+    rec["ranks"] = rank_summary(p)
+    if base_tag and gen:
+        rec["vs_single_process"] = vs_single(p, work, rec, base_tag)
+        if not rec["vs_single_process"].get("tokens_identical", True):
+            fails.append(f"tokens {gen} differ from the single-process run's "
+                         f"{rec['vs_single_process']['single_tokens']}")
     rec["timing"] = {k: p.get(k) for k in ("import_vllm_s", "init_s", "generate_s", "model_s", "process_s")}
     rec["wall_s"] = p.get("model_s")  # engine start + load + generate (vLLM import: once per process)
     li: dict = {}
@@ -761,7 +814,7 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref
         if p.get("experts_packed_at_load") != 0 and rec["loaded"]:
             fails.append(f"vLLM packed {p.get('experts_packed_at_load')} experts at load")
     if p.get("layers"):
-        li, f = check_layers(p, Path(rec["model_dir"]), packed)
+        li, f = check_layers(p, Path(rec["model_dir"]), packed, rec["tensor_parallel_size"])
         rec["layers"] = li
         fails += f
     rec["moe_method"] = ", ".join(li.get("moe_methods") or []) or None
@@ -1024,10 +1077,12 @@ def main() -> int:
     ap.add_argument("--reference", choices=REFERENCES, default="auto", help="float reference: the hand-written "
                     f"forward ({', '.join(sorted(HAND_REF))}), transformers' model class in float64, or auto "
                     "(hand-written where it applies)")
-    ap.add_argument("--tensor-parallel", type=int, default=1, help="LLM(tensor_parallel_size=N)")
-    ap.add_argument("--pipeline-parallel", type=int, default=1, help="LLM(pipeline_parallel_size=N)")
     ap.add_argument("--serve-format", choices=SERVE_FORMATS, default="compressed-tensors",
                     help="kleidiai: serve the packed format through int4pack's plugin and compare with the plain one")
+    ap.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="LLM(tensor_parallel_size=N), one emulated worker per rank; with --serve-format kleidiai "
+                         "the packed folder is converted with --tensor-parallel N")
+    ap.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="LLM(pipeline_parallel_size=N)")
     ap.add_argument("--derive-tol", action="store_true", help="x86 only: measure the tolerance basis and exit")
     ap.add_argument("--derive-prompts", type=int, default=24)
     ap.add_argument("--table", nargs="+", metavar="RESULTS_JSON", help="print one proof table over results files "
@@ -1054,12 +1109,15 @@ def main() -> int:
     if a.swap_gate_up and a.negative_control:
         ap.error("one negative control at a time")
     packed = "_kleidiai" if a.serve_format == "kleidiai" else ""
-    out = Path(a.json or HERE / "results" / f"vllm_arm_e2e_{a.vllm}_{a.dtype}_{glabel}{packed}.json")
+    par = (f"_tp{a.tensor_parallel}" if a.tensor_parallel > 1 else "") + (
+        f"_pp{a.pipeline_parallel}" if a.pipeline_parallel > 1 else "")
+    out = Path(a.json or HERE / "results" / f"vllm_arm_e2e_{a.vllm}_{a.dtype}_{glabel}{packed}{par}.json")
     wrapper = PREFIX / "bin" / f"python3-arm64-vllm{a.vllm}"
-    tag = f"{a.vllm}_{a.dtype}_{glabel}" + (f"_tp{a.tensor_parallel}" if a.tensor_parallel > 1 else "") \
-        + (f"_pp{a.pipeline_parallel}" if a.pipeline_parallel > 1 else "")
+    base_tag = f"{a.vllm}_{a.dtype}_{glabel}"
+    tag = base_tag + par
     t0 = time.perf_counter()
-    recs = {i["key"]: prepare(i, work, a.group_size, a.reuse, a.swap_gate_up, a.serve_format, a.negative_control)
+    recs = {i["key"]: prepare(i, work, a.group_size, a.reuse, a.swap_gate_up, a.serve_format, a.tensor_parallel,
+                              a.negative_control)
             for i in items}
     for r in recs.values():
         r["tensor_parallel_size"], r["pipeline_parallel_size"] = a.tensor_parallel, a.pipeline_parallel
@@ -1072,8 +1130,10 @@ def main() -> int:
         list(pool.map(lambda ig: probe_group(ig[1], work, wrapper, a, tag, f"p{ig[0]}"),
                       enumerate(g for g in groups if g)))
     prompt = [int(s) for s in a.prompt.split(",") if s]
-    probes = {k: evaluate(r, work, prompt, a.dtype, tag, a.reference) for k, r in recs.items()}
+    probes = {k: evaluate(r, work, prompt, a.dtype, tag, a.reference, base_tag if par else None)
+              for k, r in recs.items()}
     result = {"vllm_version": a.vllm, "dtype": a.dtype, "group_size": str(a.group_size), "serve_format": a.serve_format,
+              "tensor_parallel_size": a.tensor_parallel, "pipeline_parallel_size": a.pipeline_parallel,
               "engine": {"enforce_eager": True, "prompt": prompt, "max_tokens": a.max_tokens,
                          "qemu_cpu": next((p.get("qemu_cpu") for p in probes.values() if p.get("qemu_cpu")), None)},
               "tolerances": TOLERANCES[a.dtype],

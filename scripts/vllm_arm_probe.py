@@ -87,6 +87,72 @@ def _describe(model) -> dict:
     return out
 
 
+def _rank_info(model) -> dict:
+    """This worker's rank, the parameters it holds (name: dtype, shape) and its memory: with tensor or
+    pipeline parallelism each rank is its own process and reports its own."""
+    import resource
+
+    import torch
+
+    info: dict = {"pid": os.getpid()}
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        info["tp_rank"] = ps.get_tensor_model_parallel_rank()
+        info["pp_rank"] = ps.get_pp_group().rank_in_group
+    except Exception as e:  # noqa: BLE001  reported, not fatal
+        info["rank_error"] = f"{type(e).__name__}: {e}"
+    params = {n: [_dt(p), list(p.shape)] for n, p in model.named_parameters()}
+    info["params"] = params
+    info["param_bytes"] = int(sum(p.numel() * p.element_size() for p in model.parameters()))
+    info["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssFile"):
+                    info[key] = round(int(val.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return info
+
+
+def _worker_calls(model) -> dict:
+    """In a worker process (tensor or pipeline parallel ranks run the model there, not in this
+    process): wrap the W4A8 ops with counters once, return their counts so far."""
+    import torch
+
+    st = getattr(torch, "_int4pack_probe_calls", None)
+    if st is None:
+        st = {"moe_op": 0, "dyn_quant_matmul": 0, "dynamic4bit_linear": 0}
+        torch._int4pack_probe_calls = st
+
+        def counted(key, fn):
+            class _Counted:
+                def __call__(self, *a, **k):
+                    st[key] += 1
+                    return fn(*a, **k)
+
+                def __getattr__(self, n):
+                    return getattr(fn, n)
+
+            return _Counted()
+
+        setattr(torch.ops._C, "dynamic_4bit_int_moe", counted("moe_op", torch.ops._C.dynamic_4bit_int_moe))
+        setattr(torch.ops.aten, "_dyn_quant_matmul_4bit",
+                counted("dyn_quant_matmul", torch.ops.aten._dyn_quant_matmul_4bit))
+        from vllm.model_executor.kernels.linear.mixed_precision import dynamic_4bit as d4
+
+        fn = d4.Dynamic4bitLinearKernel.apply_weights
+
+        def apply_weights(*a, **k):
+            st["dynamic4bit_linear"] += 1
+            return fn(*a, **k)
+
+        d4.Dynamic4bitLinearKernel.apply_weights = apply_weights
+    return dict(st)
+
+
 _STATE: dict = {}
 
 
@@ -159,7 +225,7 @@ def _setup() -> dict:
     return _STATE
 
 
-def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str) -> dict:
+def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str, tp: int = 1, pp: int = 1) -> dict:
     st = _setup()
     from vllm import LLM, SamplingParams
 
@@ -171,20 +237,35 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str) -> dict:
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     vocab = (cfg.get("text_config") or cfg)["vocab_size"]
     t = time.perf_counter()
+    par = {}
+    if tp * pp > 1:  # each rank its own worker process (spawned through the qemu wrapper)
+        par = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "distributed_executor_backend": "mp"}
+    res["tensor_parallel_size"], res["pipeline_parallel_size"] = tp, pp
     llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, max_model_len=128,
-              max_num_seqs=2, max_num_batched_tokens=128, max_logprobs=vocab, seed=0)
+              max_num_seqs=2, max_num_batched_tokens=128, max_logprobs=vocab, seed=0, **par)
     try:
         res["init_s"] = round(time.perf_counter() - t, 1)
         res["quantization"] = llm.llm_engine.model_config.quantization
         # peak RSS: the process's, so models loaded before in the same process count (--isolate)
         res.update(st["load_stats"].result(model_dir))
-        res["layers"] = llm.apply_model(_describe)[0]
+        layers: dict = {}
+        for part in llm.apply_model(_describe):  # pipeline ranks each describe their own layers
+            for k, v in part.items():
+                layers.setdefault(k, v)
+        res["layers"] = layers
+        res["ranks"] = llm.apply_model(_rank_info)  # one entry per worker: what each rank holds
+        if tp * pp > 1:
+            llm.apply_model(_worker_calls)
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=vocab,
                             prompt_logprobs=vocab)
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)
         res["generate_s"] = round(time.perf_counter() - t, 2)
         res["calls"] = dict(calls)
+        if tp * pp > 1:  # the ranks ran the model: their counts, summed
+            per = llm.apply_model(_worker_calls)
+            res["calls_per_rank"] = per
+            res["calls"] = {k: sum(c.get(k, 0) for c in per) for k in per[0]}
         o = outs[0]
         res["max_tokens"] = max_tokens
         res["token_ids"] = list(o.outputs[0].token_ids)
@@ -217,6 +298,8 @@ def main() -> None:
     ap.add_argument("--prompt", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tensor-parallel", type=int, default=1, help="LLM(tensor_parallel_size=N)")
+    ap.add_argument("--pipeline-parallel", type=int, default=1, help="LLM(pipeline_parallel_size=N)")
     a = ap.parse_args()
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
@@ -229,7 +312,7 @@ def main() -> None:
         R = {"machine": platform.machine(), "python": sys.version.split()[0], "qemu_cpu": os.environ.get("QEMU_CPU"),
              "model_dir": model_dir, "dtype": a.dtype, "prompt": [int(x) for x in a.prompt.split(",") if x]}
         try:
-            R.update(run(model_dir, R["prompt"], a.max_tokens, a.dtype))
+            R.update(run(model_dir, R["prompt"], a.max_tokens, a.dtype, a.tensor_parallel, a.pipeline_parallel))
         except BaseException as e:  # report the failure as data; the x86 side decides
             R["error"] = f"{type(e).__name__}: {e}"[:2000]
             R["traceback"] = traceback.format_exc()[-4000:]

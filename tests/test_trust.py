@@ -162,7 +162,7 @@ def _load_like_vllm(folder: Path) -> None:
         if classify(mods[0])[0] == "expert":
             down = next(m for m in mods if m.endswith("down_proj"))
             inter, hidden = cfg["moe_intermediate_size"], cfg["hidden_size"]
-            eb = ExpertBlobs(n_exp, hidden, inter, vllm_group, blob_check(rec, unit, experts=n_exp))
+            eb = ExpertBlobs(n_exp, hidden, inter, vllm_group, check=blob_check(rec, unit, experts=n_exp))
             params = {w: eb.empty(w) for w in ("w13", "w2")}
             for m in mods:
                 e, proj = int(m.split(".")[-2]), m.split(".")[-1]
@@ -181,7 +181,7 @@ def _load_like_vllm(folder: Path) -> None:
             k = cfg["hidden_size"] if leaf in ("qkv_proj", "gate_up_proj") else None
             if None in sizes or k is None:
                 continue  # o_proj and friends: the expert and qkv checks cover the loader here
-            db = DenseBlobs(sizes, k, vllm_group, blob_check(rec, unit, parts=len(parts)))
+            db = DenseBlobs(sizes, k, vllm_group, check=blob_check(rec, unit, parts=len(parts)))
             data = db.empty()
             for i, n in enumerate(names):
                 db.load(torch.nn.Parameter(data, requires_grad=False), blobs[n], "qkv"[i])

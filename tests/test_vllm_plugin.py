@@ -95,8 +95,9 @@ def test_expert_loader_refuses_wrong_sizes_and_reports_missing_blobs(packed):
     w13 = torch.nn.Parameter(eb.empty("w13"), requires_grad=False)
     eb.load(w13, blobs[f"{p}.0.gate_proj.weight_packed"], "x", "w1", 0)
     assert eb.missing()[:2] == ["expert 0 w3", "expert 0 w2"] and len(eb.missing()) == 11
-    half = blobs[f"{p}.0.up_proj.weight_packed"][: eb.half // 2]  # as a tensor-parallel shard would be
-    with pytest.raises(ValueError, match="Tensor or expert parallelism over the packed format is not supported"):
+    half = blobs[f"{p}.0.up_proj.weight_packed"][: eb.half // 2]  # a truncated blob
+    with pytest.raises(ValueError, match=r"x \(expert 0, w3\) is torch.uint8 \[\d+\], expected uint8 \[\d+\], the "
+                                         "KleidiAI size for this layer"):
         eb.load(w13, half, "x", "w3", 0)
     with pytest.raises(ValueError, match="expert 4 outside 0..3"):
         eb.load(w13, blobs[f"{p}.0.up_proj.weight_packed"], "x", "w3", 4)

@@ -68,6 +68,11 @@ def convert_cmd(
         help="compressed-tensors stores int8 weights that vLLM packs when it loads them (nothing but vLLM "
              "needed); kleidiai stores the KleidiAI-packed bytes, half the size, which vLLM loads through "
              "int4pack's plugin with nothing packed at load.")] = ServeFormat.compressed_tensors,
+    tensor_parallel: Annotated[int, typer.Option(
+        "--tensor-parallel", metavar="N",
+        help="With --serve-format kleidiai: store the row parallel modules (o_proj, down_proj, experts' "
+             "down) split along K for vLLM's tensor_parallel_size=N; the plugin serves the output at "
+             "that size only.")] = 1,
     threads: ThreadsOpt = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = 0,
@@ -87,7 +92,8 @@ def convert_cmd(
             report = convert(src, out, group_size=group_size, dense=dense.value, max_shard_size=max_shard_size,
                              dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
                              revision=revision, serve_format=serve_format.value, progress=bar,
-                             strict_group_size=strict_group_size, on_plan=lambda r: _render_plan(o, r))
+                             strict_group_size=strict_group_size, tensor_parallel=tensor_parallel,
+                             on_plan=lambda r: _render_plan(o, r))
         _render_result(o, report)
         o.result(report)
 

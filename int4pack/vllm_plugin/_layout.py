@@ -10,12 +10,19 @@ other). The checkpoint has one blob per part; the loaders put each at its offset
 blobs joined are the fused matrix's blob: serve_format.py) and remember what they filled, so a
 blob the checkpoint lacks is an error after loading, not uninitialised memory.
 
+Tensor parallelism (docs/serve-format.md): a column parallel part (q/k/v, gate/up, an expert's
+gate/up) is stored whole and each rank copies its own byte range (its rows are whole 8-row blocks);
+a row parallel matrix (o_proj, down_proj, an expert's down) is stored ``[tp, bytes]`` by
+``convert --tensor-parallel`` and each rank copies its own row. No rank keeps another's bytes.
+
 The bytes themselves are checked too (``BlobCheck``): the layout record's ``blob_checks`` gives,
 per module as vLLM builds it, the group each blob was packed with, which must be the group of
 vLLM's scheme for that module, and the CRC-32 of each blob's stored bytes, compared once all are
 loaded (zlib's CRC-32, which releases the GIL: one thread per core). A flipped byte, swapped
 experts, gate and up swapped, a blob from another layer or another group: refused, naming the
-tensor. Checkpoints written before the record carried these checks load with a warning.
+tensor. Under tensor parallelism a rank holds a byte range or one row of each blob, not the bytes the CRC
+was recorded for: each rank checks the whole checkpoint tensor its loader is handed instead.
+Checkpoints written before the record carried these checks load with a warning.
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ from functools import lru_cache
 import torch
 
 from .. import kleidiai
-from ..serve_format import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems
+from ..serve_format import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems, tensor_parallel_size
 
-__all__ = ["runtime_problem", "check_runtime", "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check",
-           "crc32_rows"]
+__all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
+           "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "crc32_rows"]
 
 _log = logging.getLogger(__name__)
 MAX_THREADS = 16  # threads of the load-time CRC (zlib's CRC-32 releases the GIL)
@@ -167,6 +174,10 @@ def crc32_rows(rows: list) -> list[int]:
         return list(pool.map(zlib.crc32, rows))
 
 
+def _crc_of(t: torch.Tensor) -> int:
+    return zlib.crc32(t.contiguous().reshape(-1).numpy())
+
+
 def _refuse_mismatches(bad: list[str]) -> None:
     if bad:
         raise ValueError(f"{QUANT_METHOD}: {len(bad)} blob(s) differ from the bytes convert wrote (CRC-32 recorded "
@@ -175,24 +186,75 @@ def _refuse_mismatches(bad: list[str]) -> None:
                          "again or run `int4pack verify` on it.")
 
 
-def _check_blob(loaded: torch.Tensor, want: int, what: str) -> torch.Tensor:
-    if loaded.dtype != torch.uint8 or loaded.numel() != want:
-        raise ValueError(f"{QUANT_METHOD}: {what} is {loaded.dtype} with {loaded.numel()} elements, expected "
-                         f"uint8 with {want} bytes (the KleidiAI size). Tensor or expert parallelism over the "
-                         "packed format is not supported; serve it with tensor_parallel_size=1, or convert "
-                         "again with this int4pack.")
-    return loaded.reshape(-1)
+def _check_blob(loaded: torch.Tensor, want: tuple[int, ...], what: str) -> torch.Tensor:
+    if loaded.dtype != torch.uint8 or tuple(loaded.shape) != want:
+        split = (f" (one row per tensor parallel rank: convert --tensor-parallel {want[0]})" if len(want) == 2
+                 else "")
+        raise ValueError(f"{QUANT_METHOD}: {what} is {loaded.dtype} {list(loaded.shape)}, expected uint8 "
+                         f"{list(want)}{split}, the KleidiAI size for this layer. Convert again with this "
+                         "int4pack, with --tensor-parallel N for vLLM's tensor_parallel_size=N where N > 1.")
+    return loaded
+
+
+def _rows(blob: torch.Tensor, start: int, rows: int, full_rows: int) -> torch.Tensor:
+    """Rows start..start+rows (whole 8-row blocks) of a blob of full_rows rows: a byte range."""
+    per = blob.numel() // (-(-full_rows // kleidiai.NR))  # bytes per 8-row block
+    return blob[start // kleidiai.NR * per:(start + rows) // kleidiai.NR * per]
+
+
+def split_problem(what: str, rows: int, tp: int) -> str | None:
+    """Why a column parallel part with ``rows`` rows per rank cannot be a byte range, or None."""
+    if tp > 1 and rows % kleidiai.NR:
+        return (f"{QUANT_METHOD}: {what} has {rows} rows per tensor parallel rank, not a multiple of "
+                f"{kleidiai.NR} (KleidiAI's row block): tensor_parallel_size={tp} cannot split its packed "
+                "blob; serve with a tensor_parallel_size that leaves whole 8-row blocks per rank, or the "
+                "default format")
+    return None
+
+
+def check_tensor_parallel(record: dict, tp: int, what: str) -> None:
+    """A row parallel matrix stored split for N ranks serves at tensor_parallel_size N only."""
+    stored = tensor_parallel_size(record)
+    if stored == 0:
+        raise ValueError(f"{QUANT_METHOD}: the checkpoint's tensor_parallel_size record "
+                         f"{record.get('tensor_parallel_size')!r} is not a positive integer. Convert it again.")
+    if stored != tp:
+        raise ValueError(
+            f"{QUANT_METHOD}: {what} runs with tensor_parallel_size={tp}, but the checkpoint's row parallel "
+            f"matrices (o_proj, down_proj, the experts' down) are packed for {stored}. "
+            f"Serve it with tensor_parallel_size={stored}, or convert again with "
+            f"`int4pack convert --serve-format kleidiai --tensor-parallel {tp}`.")
+
+
+def column_shards(rows: list[int], tp: int, rank: int, kv_replicas: int = 1, name: str = "a dense layer"
+                  ) -> list[tuple[int, int]]:
+    """(the part's rows in the checkpoint, this rank's first row) per part of a column parallel
+    layer whose rank holds ``rows`` rows per part, as vLLM narrows them: q/k/v's k and v (parts 1
+    and 2 of three) shared by ``kv_replicas`` ranks when there are fewer kv heads than ranks."""
+    out = []
+    for i, n in enumerate(rows):
+        r = kv_replicas if len(rows) == 3 and i > 0 else 1
+        why = split_problem(f"{name} (part {i})", n, tp)
+        if why:
+            raise ValueError(why)
+        out.append((n * (tp // r), (rank // r) * n))
+    return out
 
 
 class ExpertBlobs:
     """Shapes and loader of the experts' packed parameters ``w13`` [E, 2*half] and ``w2`` [E, bytes]."""
 
-    def __init__(self, experts: int, hidden: int, inter: int, group_size: int, check: BlobCheck | None = None):
-        self.experts = experts
+    def __init__(self, experts: int, hidden: int, inter: int, group_size: int, tp: int = 1, rank: int = 0,
+                 check: BlobCheck | None = None):
+        """``inter``: this rank's intermediate size; ``tp``, ``rank``: the tensor parallel split (w13
+        along N: a byte range of each whole gate/up blob; w2 along K: row ``rank`` of its [tp, bytes])."""
+        self.experts, self.tp, self.rank = experts, tp, rank
+        self.bad: list[str] = []  # tp > 1: tensors whose checkpoint bytes differ from the recorded CRC-32
+        if inter % kleidiai.NR:
+            raise ValueError(split_problem("the experts' gate/up", inter, max(tp, 2)) if tp > 1 else
+                             f"{QUANT_METHOD}: intermediate size {inter} is not a multiple of {kleidiai.NR}")
         self.half = kleidiai.packed_size(inter, hidden, hidden if group_size == -1 else group_size)
         self.w2 = kleidiai.packed_size(hidden, inter, inter if group_size == -1 else group_size)
-        if inter % kleidiai.NR:
-            raise ValueError(f"{QUANT_METHOD}: intermediate size {inter} is not a multiple of {kleidiai.NR}")
         self.loaded: set[tuple[int, str]] = set()
         self.check = check
         self.params: dict[str, torch.Tensor] = {}
@@ -210,6 +272,9 @@ class ExpertBlobs:
         """Every expert blob's stored bytes against its recorded CRC-32 (after loading)."""
         if self.check is None:
             return
+        if self.tp > 1:  # each blob was checked whole as its loader was handed it
+            _refuse_mismatches(self.bad)
+            return
         w13, w2 = self.params["w13"], self.params["w2"]
         rows = [w13[e, i * self.half:(i + 1) * self.half].numpy() for e in range(self.experts) for i in (0, 1)]
         rows += [w2[e].numpy() for e in range(self.experts)]
@@ -226,10 +291,28 @@ class ExpertBlobs:
             raise ValueError(f"{QUANT_METHOD}: {weight_name}: expert {e} outside 0..{self.experts - 1} "
                              "(expert parallelism is not supported)")
         row = param.data[e]
-        dst = {"w1": row[: self.half], "w3": row[self.half:], "w2": row}[shard_id]
-        dst.copy_(_check_blob(loaded_weight, dst.numel(), f"{weight_name} (expert {e}, {shard_id})"))
+        what = f"{weight_name} (expert {e}, {shard_id})"
+        if shard_id == "w2":
+            if self.tp == 1:
+                src = _check_blob(loaded_weight, (self.w2,), what)
+            else:
+                whole = _check_blob(loaded_weight, (self.tp, self.w2), what)
+                self._check_whole(whole, e, 2)
+                src = whole[self.rank]
+            row.copy_(src)
+        else:
+            whole = _check_blob(loaded_weight, (self.half * self.tp,), what)
+            if self.tp > 1:
+                self._check_whole(whole, e, 0 if shard_id == "w1" else 1)
+            dst = row[: self.half] if shard_id == "w1" else row[self.half:]
+            dst.copy_(whole[self.rank * self.half:(self.rank + 1) * self.half])
         self.loaded.add((e, shard_id))
         return True if return_success else None
+
+    def _check_whole(self, whole: torch.Tensor, e: int, part: int) -> None:
+        """tp > 1: the whole checkpoint tensor (every rank's bytes) against its recorded CRC-32."""
+        if self.check is not None and _crc_of(whole) != self.check.crcs[e][part]:
+            self.bad.append(self.check.tensor(part, e))
 
     def missing(self) -> list[str]:
         return [f"expert {e} {s}" for e in range(self.experts) for s in ("w1", "w3", "w2") if (e, s) not in self.loaded]
@@ -240,12 +323,24 @@ class DenseBlobs:
 
     _QKV = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, out_sizes: list[int], k: int, group_size: int, check: BlobCheck | None = None):
+    def __init__(self, out_sizes: list[int], k: int, group_size: int, shards: list[tuple[int, int]] | None = None,
+                 k_split: tuple[int, int] | None = None, name: str = "a dense layer",
+                 check: BlobCheck | None = None):
+        """``out_sizes``, ``k``: this rank's rows per part and its K. ``shards``: per part (the whole
+        part's rows in the checkpoint, this rank's first row) for a column parallel split;
+        ``k_split``: (tp, rank) for a row parallel one (the checkpoint's [tp, bytes], row rank)."""
         block = k if group_size == -1 else group_size
         if len(out_sizes) > 1 and any(n % kleidiai.NR for n in out_sizes):
             raise ValueError(f"{QUANT_METHOD}: fused parts {out_sizes} are not multiples of {kleidiai.NR} rows")
         sizes = [kleidiai.packed_size(n, k, block) for n in out_sizes]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        self.shards = shards or [(n, 0) for n in out_sizes]
+        self.whole = [kleidiai.packed_size(full, k, block) for full, _ in self.shards]
+        self.out_sizes, self.k_split, self.name = list(out_sizes), k_split, name
+        # split: this rank keeps a byte range or a row of each blob, so the CRC-32 is checked on the
+        # whole checkpoint tensor as the loader is handed it (self.bad), not on the parameter
+        self.split = k_split is not None or any(sh != (n, 0) for sh, n in zip(self.shards, out_sizes))
+        self.bad: list[str] = []
         self.loaded: set[int] = set()
         self.check = check
         self.data: torch.Tensor | None = None
@@ -262,6 +357,9 @@ class DenseBlobs:
         """Every part's stored bytes against its recorded CRC-32 (after loading)."""
         if self.check is None:
             return
+        if self.split:
+            _refuse_mismatches(self.bad)
+            return
         got = crc32_rows([self.data[a:b].numpy() for a, b in zip(self.offsets, self.offsets[1:])])
         _refuse_mismatches([self.check.tensor(i) for i, (a, b) in enumerate(zip(got, self.check.crcs)) if a != b])
 
@@ -273,8 +371,25 @@ class DenseBlobs:
             i = self._QKV.get(loaded_shard_id, loaded_shard_id)
             parts = range(int(i), int(i) + 1)
         lo, hi = self.offsets[parts[0]], self.offsets[parts[-1] + 1]
-        param.data[lo:hi].copy_(_check_blob(loaded_weight, hi - lo, f"part {loaded_shard_id}"))
+        what = self.name if loaded_shard_id is None else f"{self.name} part {loaded_shard_id}"
+        if self.k_split is not None:  # row parallel: one part, this rank's row of [tp, bytes]
+            tp, rank = self.k_split
+            whole = _check_blob(loaded_weight, (tp, hi - lo), what)
+            self._check_whole(whole, parts[0])
+            param.data[lo:hi].copy_(whole[rank])
+        elif len(parts) == 1 and self.shards[parts[0]] != (self.out_sizes[parts[0]], 0):  # column parallel
+            i = parts[0]
+            whole = _check_blob(loaded_weight, (self.whole[i],), what)
+            self._check_whole(whole, i)
+            start = self.shards[i][1]
+            param.data[lo:hi].copy_(_rows(whole, start, self.out_sizes[i], self.shards[i][0]))
+        else:
+            param.data[lo:hi].copy_(_check_blob(loaded_weight, (hi - lo,), what))
         self.loaded.update(parts)
+
+    def _check_whole(self, whole: torch.Tensor, part: int) -> None:
+        if self.check is not None and _crc_of(whole) != self.check.crcs[part]:
+            self.bad.append(self.check.tensor(part))
 
     def missing(self) -> list[int]:
         return [i for i in range(len(self.offsets) - 1) if i not in self.loaded]

@@ -29,7 +29,7 @@ from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
 from .. import serve_format as sf
-from ._layout import DenseBlobs, ExpertBlobs, blob_check, check_runtime
+from ._layout import DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_tensor_parallel, column_shards
 from ._routing import ACT_KIND, backend_accepts_routing, layer_routing, moe_op_args, route, vllm_select
 
 __all__ = ["packed_config", "KleidiAIPackedCTConfig", "KleidiAIPackedLinearMethod"]
@@ -89,11 +89,14 @@ class _PackedExperts:
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
-        for what, size in (("tensor", getattr(self.moe, "tp_size", 1)), ("expert", getattr(self.moe, "ep_size", 1))):
-            if size != 1:
-                raise ValueError(f"{sf.QUANT_METHOD}: {what} parallelism ({size}) is not supported; serve with 1")
+        ep = getattr(self.moe, "ep_size", 1)
+        if ep != 1 or getattr(self.moe, "use_ep", False):
+            raise ValueError(f"{sf.QUANT_METHOD}: expert parallelism ({ep}) is not supported: vLLM's CPU int4 MoE op "
+                             "(dynamic_4bit_int_moe) has no expert map. Serve without enable_expert_parallel.")
+        tp, rank = getattr(self.moe, "tp_size", 1), getattr(self.moe, "tp_rank", 0)
         record, prefix = getattr(self, "int4pack_check", ({}, ""))
-        blobs = ExpertBlobs(num_experts, hidden_size, intermediate_size_per_partition, self.group_size,
+        check_tensor_parallel(record, tp, getattr(layer, "layer_name", None) or prefix or "a MoE layer")
+        blobs = ExpertBlobs(num_experts, hidden_size, intermediate_size_per_partition, self.group_size, tp, rank,
                             blob_check(record, prefix, experts=num_experts))
         for name in ("w13", "w2"):
             p = torch.nn.Parameter(blobs.empty(name), requires_grad=False)
@@ -157,13 +160,21 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
     def __init__(self, group_size: int, check: tuple[dict, str] = ({}, "")):
         self.group_size = group_size  # -1: channelwise
         self.check = check  # (layout record, vLLM prefix): _layout.blob_check
+        self.kleidiai = check[0] or {}
 
     def create_weights(self, layer, input_size_per_partition: int, output_partition_sizes: list[int],
                        input_size: int, output_size: int, params_dtype: torch.dtype, **extra_weight_attrs):
-        if input_size_per_partition != input_size or sum(output_partition_sizes) != output_size:
-            raise ValueError(f"{sf.QUANT_METHOD}: tensor parallelism is not supported; serve with 1")
-        blobs = DenseBlobs(list(output_partition_sizes), input_size_per_partition, self.group_size,
-                           blob_check(*self.check, parts=len(output_partition_sizes)))
+        name = getattr(layer, "prefix", "") or self.check[1] or "a dense layer"
+        tp, rank = getattr(layer, "tp_size", 1), getattr(layer, "tp_rank", 0)
+        shards = k_split = None
+        if any(c.__name__ == "RowParallelLinear" for c in type(layer).__mro__):  # split along K (or tp 1)
+            check_tensor_parallel(self.kleidiai, tp, name)
+            k_split = (tp, rank) if tp > 1 else None
+        elif sum(output_partition_sizes) != output_size:  # column parallel: each rank a byte range per part
+            reps = getattr(layer, "num_kv_head_replicas", 1) if len(output_partition_sizes) == 3 else 1  # q/k/v
+            shards = column_shards(list(output_partition_sizes), tp, rank, reps, name)
+        blobs = DenseBlobs(list(output_partition_sizes), input_size_per_partition, self.group_size, shards, k_split,
+                           name, blob_check(*self.check, parts=len(output_partition_sizes)))
         p = torch.nn.Parameter(blobs.empty(), requires_grad=False)
         p.weight_loader = blobs.load
         layer.register_parameter("weight_packed", p)
