@@ -269,7 +269,10 @@ def convert(
             # measured vLLM releases that fail on this output: its scales and dtypes, its routing
             "serving": serving_warnings(plan.schemes()) + routing,
             "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
-            "next": serve_hint(str(out), plan.schemes(), packed),
+            "next": (serve_hint(str(out), plan.schemes(), packed) if packed or not any(
+                "--serve-format kleidiai" in w for w in routing) else
+                "stock vLLM cannot route this model (see the warnings): convert with --serve-format kleidiai, "
+                "then " + serve_hint(str(out), plan.schemes(), True)),
         }
         if packed:
             report["serve_format_planned"] = sf.KLEIDIAI

