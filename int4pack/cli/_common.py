@@ -37,8 +37,9 @@ def _untyped(param) -> None:
         param.metavar = ""
 
 
-class Command(TyperCommand):
-    """typer's command, with flags shown as flags in --help (typer >= 0.2x prints their type)."""
+class _FlagsAsFlags:
+    """Mixed into typer's command and group: flags shown as flags in --help (typer >= 0.2x prints
+    their type)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -51,18 +52,12 @@ class Command(TyperCommand):
         return opt
 
 
-class Group(TyperGroup):
+class Command(_FlagsAsFlags, TyperCommand):
+    """typer's command, with flags shown as flags in --help."""
+
+
+class Group(_FlagsAsFlags, TyperGroup):
     """The app's group, with the same flag display as Command."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        for p in self.params:
-            _untyped(p)
-
-    def get_help_option(self, ctx):
-        opt = super().get_help_option(ctx)
-        _untyped(opt)
-        return opt
 
 
 _process = {"owned": False}  # True once main() runs: the process is the command's alone
