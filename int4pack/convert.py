@@ -316,7 +316,7 @@ def convert(
             blobs = {rename.get(f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX}")[: -len(sf.SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
             cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size,
-                                                         sf.blob_checks(blobs), tensor_parallel)
+                                                         sf.blob_checks(blobs, ckpt.family_type), tensor_parallel)
             report["serve_format"] = {"format": sf.KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
                 "kleidiai"].items() if k != sf.BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())

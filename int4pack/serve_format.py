@@ -103,18 +103,19 @@ def serve_config(quant_config: dict, group_size: int | None, checks: dict | None
     return {**quant_config, "quant_method": QUANT_METHOD, "kleidiai": rec}
 
 
-def blob_checks(packed: dict[str, dict]) -> dict:
+def blob_checks(packed: dict[str, dict], model_type: str | None = None) -> dict:
     """What the plugin checks at load, per module as vLLM builds it (``vllm_module``: one FusedMoE
     per MoE layer, qkv_proj, gate_up_proj, or the linear itself): the group each blob was packed
     with, and the CRC-32 of its stored bytes, in vLLM's shard order (experts: gate, up, down). A
     K-split blob's is the CRC-32 of its whole stored ``[tp, bytes]``, the tensor every rank is handed.
-    ``packed``: output module name -> its provenance."""
+    ``packed``: output module name -> its provenance; ``model_type``: names modules by the prefix
+    vLLM gives them (architectures.vllm_module)."""
     from .architectures import VLLM_FUSED, classify, vllm_module
 
     units: dict[str, dict] = {}
     for m, p in sorted(packed.items()):
         role, d = classify(m)
-        unit = vllm_module(m)
+        unit = vllm_module(m, model_type)
         leaf = m.rsplit(".", 1)[-1]
         g = -1 if p["group_size"] in (-1, p["k"]) else p["group_size"]
         if role == "expert":
