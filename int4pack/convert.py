@@ -29,9 +29,10 @@ from .output import human_bytes
 from .formats import Reader
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
-from . import serve_format as sf
+from . import serve_spec as spec
+from . import blobs
 from .families import family_warnings
-from .serving import routing_warnings, serve_hint, serving_warnings
+from .vllm_compat import routing_warnings, serve_hint, serving_warnings
 from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .workdir import partial_folder
@@ -230,14 +231,14 @@ def convert(
     on_plan=None,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint, or with
-    ``serve_format="kleidiai"`` to the packed serving format (serve_format.py).
+    ``serve_format="kleidiai"`` to the packed serving format (blobs.py).
 
     Returns the report (also written to ``OUT/int4pack_report.json``). With ``dry_run`` nothing is
     written and the report holds the plan. Raises Int4packError subclasses on bad input.
     ``group_size`` is a model-wide request: modules that cannot run it take the group they can
     (the report's ``plan.group_substitutions``), unless ``strict_group_size`` refuses instead.
     ``tensor_parallel`` > 1 (packed format only) stores the row parallel modules split along K for
-    that many vLLM tensor parallel ranks (serve_format.py).
+    that many vLLM tensor parallel ranks (blobs.py).
     ``on_plan(report)`` is called once the source is validated and planned (and, with ``resume``, once
     the kept shards are known: ``report["resume"]``), before any long work.
     """
@@ -245,7 +246,7 @@ def convert(
     progress = progress or NullProgress()
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
-    packed = sf.parse_format(serve_format) == sf.KLEIDIAI
+    packed = spec.parse_format(serve_format) == spec.KLEIDIAI
     if tensor_parallel != 1 and not packed:
         raise UsageError(f"--tensor-parallel {tensor_parallel} applies to --serve-format kleidiai only "
                          "(vLLM splits the default format itself at load, for any tensor_parallel_size)")
@@ -257,7 +258,7 @@ def convert(
         plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
                          strict_group_size=strict_group_size)
         if packed:
-            plan = sf.packed_plan(plan, tensor_parallel)
+            plan = blobs.packed_plan(plan, tensor_parallel)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
         routing = routing_warnings(ckpt.family_type, ckpt.text_config, packed) + family_warnings(ckpt.family_type)
@@ -275,7 +276,7 @@ def convert(
                 "then " + serve_hint(str(out), plan.schemes(), True)),
         }
         if packed:
-            report["serve_format_planned"] = sf.KLEIDIAI
+            report["serve_format_planned"] = spec.KLEIDIAI
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
@@ -302,7 +303,7 @@ def convert(
         if on_plan is not None:
             on_plan(report)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              sf.job_packer(tensor_parallel) if packed else None, trusted)
+                              blobs.job_packer(tensor_parallel) if packed else None, trusted)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -313,12 +314,12 @@ def convert(
         del weight_map
         cfg = _out_config(plan, ckpt)
         if packed:
-            blobs = {rename.get(f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX}")[: -len(sf.SUFFIX) - 1]: st["packed"]
+            provs = {rename.get(f"{m}.{spec.SUFFIX}", f"{m}.{spec.SUFFIX}")[: -len(spec.SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
-            cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size,
-                                                         sf.blob_checks(blobs), tensor_parallel)
-            report["serve_format"] = {"format": sf.KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
-                "kleidiai"].items() if k != sf.BLOB_CHECKS}}
+            cfg["quantization_config"] = spec.serve_config(cfg["quantization_config"], plan.group_size,
+                                                         blobs.blob_checks(provs), tensor_parallel)
+            report["serve_format"] = {"format": spec.KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
+                "kleidiai"].items() if k != spec.BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
@@ -381,7 +382,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     finisher thread closes each shard once all its tensors are in (header, fsync, rename, progress.json),
     so neither the serial bookkeeping nor an fsync holds the workers up. Returns per-module stats.
     ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
-    turns a job's W4A8 tensors into KleidiAI blobs (serve_format.job_packer)."""
+    turns a job's W4A8 tensors into KleidiAI blobs (blobs.job_packer)."""
     rename = rename or {}
     if trusted is None:
         trusted = od.trusted_shards(names)
@@ -413,7 +414,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             f = files.get(shard)
             if f is None:
                 f = files[shard] = ShardFile(od.work / shard, planned[shard], meta,
-                                             sf.PROVENANCE_BYTES if pack is not None else 0)
+                                             spec.PROVENANCE_BYTES if pack is not None else 0)
             return f
 
     def work(job: Job) -> tuple[dict, set]:
@@ -453,7 +454,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
             if job.kind == "copy":
                 res[out_name] = {"path": "copy"}
-            elif leaf in ("weight", sf.SUFFIX) and mod in job_stats:
+            elif leaf in ("weight", spec.SUFFIX) and mod in job_stats:
                 res[out_name] = {k: v for k, v in job_stats[mod].items()
                                  if k in ("path", "rel_l2", "max_abs", "packed")}
             if shard in trusted:

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-from . import serve_format as sf
+from . import serve_spec as spec
+
+from . import blobs
 from .architectures import classify
 from .checkpoint import Checkpoint
 from .errors import InputError
@@ -48,8 +50,8 @@ class Target:
         self.ckpt = ckpt
         q = ckpt.quant_config or {}
         groups = q.get("config_groups") or {}
-        rec = sf.read_record(q)
-        if q.get("quant_method") not in ("compressed-tensors", sf.QUANT_METHOD) or not groups:
+        rec = spec.read_record(q)
+        if q.get("quant_method") not in ("compressed-tensors", spec.QUANT_METHOD) or not groups:
             raise InputError(f"{ckpt.folder}: not a compressed-tensors W4A8 checkpoint "
                              f"(quant_method {q.get('quant_method')!r})",
                              hint="verify checks int4pack's output; pass the folder convert wrote.")
@@ -72,9 +74,9 @@ class Target:
             if a.get("num_bits") != 8 or a.get("strategy") != "token" or not a.get("dynamic"):
                 problems.add(where, "input_activations must be 8-bit dynamic per token (vLLM's W4A8 detection)")
         self.ignore = list(q.get("ignore") or [])
-        for why in sf.record_problems(rec) if rec else []:
+        for why in spec.record_problems(rec) if rec else []:
             problems.add("config", f"quantization_config.kleidiai: {why}")
-        self.packed = sf.PackedWeights(ckpt, rec) if rec else None  # None: int8 weights and scales
+        self.packed = blobs.PackedWeights(ckpt, rec) if rec else None  # None: int8 weights and scales
         self.modules = (self.packed.modules if self.packed else
                         sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale")))
         self.groups = _module_groups(ckpt, q, self.modules, problems)
@@ -133,9 +135,9 @@ class Target:
         for tensor parallelism: its row parallel blobs are per rank (the kernel runs whole matrices)."""
         from . import kleidiai
 
-        if not (self.packed and kleidiai.native_kleidiai_available()) or sf.tensor_parallel_size(self.packed.record) != 1:
+        if not (self.packed and kleidiai.native_kleidiai_available()) or spec.tensor_parallel_size(self.packed.record) != 1:
             return None
-        return None if self.packed.prov.get(f"{m}.{sf.SUFFIX}", {}).get("bias") else self.packed.blob(m)
+        return None if self.packed.prov.get(f"{m}.{spec.SUFFIX}", {}).get("bias") else self.packed.blob(m)
 
     def dequant(self, m: str) -> torch.Tensor:
         q, s, g = self.weight(m)
@@ -174,27 +176,27 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
     ck = t.ckpt
     if t.packed:
         probs, dec = t.packed.check_blob(m)
-        tp = sf.tensor_parallel_size(t.packed.record)
-        want = tp if sf.is_row_parallel(m) else 1  # vLLM splits only row parallel modules along K
+        tp = spec.tensor_parallel_size(t.packed.record)
+        want = tp if spec.is_row_parallel(m) else 1  # vLLM splits only row parallel modules along K
         if t.packed.split(m) != want:
             probs.append(f"stored for {t.packed.split(m)} tensor parallel rank(s), the config records "
                          f"tensor_parallel_size {tp or 'unreadable'} (row parallel modules split, others whole)")
         for p in probs:
-            problems.add(f"{m}.{sf.SUFFIX}", p)
+            problems.add(f"{m}.{spec.SUFFIX}", p)
         if dec is not None:
             counts["blobs"] += 1
             rg = t.packed.record.get("group_size")
             if type(rg) is int and rg != t.packed.group(m) and not (rg == t.packed.shape(m)[1]
                                                                     and t.packed.group(m) == -1):
-                problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the layout record's "
+                problems.add(f"{m}.{spec.SUFFIX}", f"packed with group {t.packed.group(m)}, but the layout record's "
                                                  f"group_size is {rg}")
             why = _blob_check_problem(t, m)
             if why:
-                problems.add(f"{m}.{sf.SUFFIX}", why)
+                problems.add(f"{m}.{spec.SUFFIX}", why)
             if t.packed.group(m) != t.group_for(m):
-                problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
+                problems.add(f"{m}.{spec.SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
                                                  f"for the module is {t.group_for(m)} (-1: channel)")
-            _check_values(m, f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX} (scales)", dec[0], dec[1].float(), problems, counts)
+            _check_values(m, f"{m}.{spec.SUFFIX}", f"{m}.{spec.SUFFIX} (scales)", dec[0], dec[1].float(), problems, counts)
         return
     wn, sn = f"{m}.weight", f"{m}.weight_scale"
     if wn not in ck.tensors:
@@ -225,14 +227,14 @@ def _blob_check_problem(t: Target, m: str) -> str | None:
     the blob's provenance; None when they agree or the record has no checks (noted by verify)."""
     from .architectures import classify, vllm_module
 
-    checks = t.packed.record.get(sf.BLOB_CHECKS)
+    checks = t.packed.record.get(spec.BLOB_CHECKS)
     if not isinstance(checks, dict):
         return None
-    prov = t.packed.prov[f"{m}.{sf.SUFFIX}"]
+    prov = t.packed.prov[f"{m}.{spec.SUFFIX}"]
     unit = vllm_module(m)
     ent = (checks.get("modules") or {}).get(unit) if isinstance(checks.get("modules"), dict) else None
     if not isinstance(ent, dict):
-        return f"quantization_config.kleidiai.{sf.BLOB_CHECKS} has no entry {unit!r} (the plugin refuses it)"
+        return f"quantization_config.kleidiai.{spec.BLOB_CHECKS} has no entry {unit!r} (the plugin refuses it)"
     try:
         role, d = classify(m)
         leaf = m.rsplit(".", 1)[-1]
@@ -243,10 +245,10 @@ def _blob_check_problem(t: Target, m: str) -> str | None:
             i = ent["names"].index(leaf)
             want, name_ok = ent["crc32"][i], True
     except (KeyError, IndexError, TypeError, ValueError):
-        return f"quantization_config.kleidiai.{sf.BLOB_CHECKS}[{unit!r}] does not list this blob"
+        return f"quantization_config.kleidiai.{spec.BLOB_CHECKS}[{unit!r}] does not list this blob"
     g = -1 if prov["group_size"] in (-1, prov["k"]) else prov["group_size"]
     if not name_ok or ent.get("group_size") != g or (prov.get("crc32") is not None and want != prov["crc32"]):
-        return (f"quantization_config.kleidiai.{sf.BLOB_CHECKS}[{unit!r}] disagrees with the blob's provenance "
+        return (f"quantization_config.kleidiai.{spec.BLOB_CHECKS}[{unit!r}] disagrees with the blob's provenance "
                 f"(group {ent.get('group_size')!r} vs {g}, CRC-32 {want!r} vs {prov.get('crc32')!r})")
     return None
 

@@ -515,14 +515,15 @@ def disk_groups(out_dir: Path) -> dict[str, int]:
     """{module: group (-1 channel)} as the W4A8 folder's tensors hold them (weight_scale's dtype and
     shape; in the packed serving format each blob's provenance), independent of how its config
     names them."""
-    from int4pack import serve_format as sf
+    from int4pack import serve_spec as spec
+    from int4pack import blobs
     from int4pack.checkpoint import Checkpoint
 
     out = {}
     with Checkpoint(out_dir) as ck:
-        rec = sf.read_record(ck.quant_config)
+        rec = spec.read_record(ck.quant_config)
         if rec is not None:
-            pw = sf.PackedWeights(ck, rec)
+            pw = blobs.PackedWeights(ck, rec)
             return {m: pw.group(m) for m in pw.modules}
         for name, t in ck.tensors.items():
             mod = name[: -len(".weight_scale")]
@@ -863,9 +864,9 @@ def vs_plain(p: dict, work: Path, rec: dict, tag: str) -> dict:
     res["plain_error_where"] = error_where(q.get("traceback"))
     if q.get("quantization") not in (None, "compressed-tensors"):
         res["fails"].append(f"the plain folder loaded as {q['quantization']} with the plugin installed")
-    # what int4pack says stock vLLM does with the plain output of this routing (int4pack/serving.py):
+    # what int4pack says stock vLLM does with the plain output of this routing (int4pack/vllm_compat.py):
     # a refusal or other routing there is expected, and then plain cannot be the packed one's yardstick
-    from int4pack.serving import routing_warnings
+    from int4pack.vllm_compat import routing_warnings
 
     cfg = json.loads((Path(rec["plain_dir"]) / "config.json").read_text())
     tc = cfg.get("text_config") or cfg

@@ -38,9 +38,9 @@ from int4pack.cli import app
 from int4pack.errors import Int4packError
 from int4pack.formats import open_reader
 from int4pack.plan import make_plan
+from _reference import FIXTURES
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures"
 
 _spec = importlib.util.spec_from_file_location("make_bad_inputs", ROOT / "tests" / "make_bad_inputs.py")
 mbi = importlib.util.module_from_spec(_spec)

