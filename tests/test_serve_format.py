@@ -34,16 +34,10 @@ CASES = {  # fixture -> (group, bias-free): group and channel scales, both MoE n
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    cache = {}
-
+def pair(converted):
     def get(name: str) -> tuple[Path, Path, dict]:
-        if name not in cache:
-            d = tmp_path_factory.mktemp(name)
-            int4pack.convert(FIXTURES / name, d / "plain")
-            rep = int4pack.convert(FIXTURES / name, d / "packed", serve_format="kleidiai")
-            cache[name] = (d / "plain", d / "packed", rep)
-        return cache[name]
+        packed, rep = converted(name, serve_format="kleidiai")
+        return converted(name)[0], packed, rep
 
     return get
 

@@ -25,7 +25,6 @@ from int4pack import serve_spec as spec
 from int4pack.cli import app
 from int4pack.errors import InputError, OutputError
 
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
 
 GROUP = "ct_qwen3moe_w4a16"  # group 32; the experts' down_proj has K = 64 = 2 x 32
 CHANNEL = "ct_qwen3moe_w4a16_channel"  # the same shapes, channelwise

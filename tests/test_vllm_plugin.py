@@ -58,11 +58,8 @@ def test_runtime_check_refuses_a_host_or_layout_it_cannot_serve():
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    d = tmp_path_factory.mktemp("plugin")
-    int4pack.convert(FIXTURES / "awq_q3", d / "plain")
-    int4pack.convert(FIXTURES / "awq_q3", d / "packed", serve_format="kleidiai")
-    return load_raw(d / "plain"), load_raw(d / "packed")
+def packed(converted):
+    return load_raw(converted("awq_q3")[0]), load_raw(converted("awq_q3", serve_format="kleidiai")[0])
 
 
 def test_expert_loader_builds_what_vllm_packs_from_the_plain_checkpoint(packed):

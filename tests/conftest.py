@@ -1,4 +1,9 @@
-"""Shared fixtures for the format reader tests: real fixture folders and a tiny checkpoint writer."""
+"""The suite's shared fixtures: the real producer fixtures, one cache of their conversions, raw
+tensors read with the safetensors library, and a tiny checkpoint writer.
+
+``FIXTURES`` (the folder of real producer checkpoints) is defined once, in _reference.py, which
+test modules import for the reference decoders; a missing fixture folder fails, never skips.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,24 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+import int4pack
+from _reference import FIXTURES
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """converted(name, **convert_options) -> (output folder, report) of ``int4pack.convert`` on the
+    fixture ``name``, converted once per session. Read only: copy it before changing anything."""
+    cache = {}
+
+    def get(name: str, **kw):
+        key = (name, tuple(sorted(kw.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(name) / "out"
+            cache[key] = (out, int4pack.convert(FIXTURES / name, out, **kw))
+        return cache[key]
+
+    return get
 
 
 @pytest.fixture
