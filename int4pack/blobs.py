@@ -43,7 +43,8 @@ import torch
 from . import kleidiai
 from .errors import InputError, RefusedError, UsageError
 from .plan import Job, OutTensor, Plan
-from .serve_spec import KLEIDIAI, SUFFIX, block, crc, is_row_parallel, provenance, provenance_problem, split_problem
+from .serve_spec import KLEIDIAI, SUFFIX, crc, is_row_parallel, provenance, provenance_problem, split_problem
+from .groups import block
 
 __all__ = ["packed_plan", "job_packer", "blob_checks", "split_k", "pack_split", "PackedWeights"]
 

@@ -37,6 +37,7 @@ from .target_config import w4a8_quant_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .workdir import partial_folder
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
+from .groups import scale_dtype
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
@@ -201,7 +202,7 @@ def _kernels_used() -> str:
 def _base_meta(plan: Plan) -> dict[str, str]:
     g = plan.group_size
     target = {"scheme": "W4A8", "group_size": g, "dense": plan.dense,
-              "scale_dtype": "float32" if g == -1 else "bfloat16"}
+              "scale_dtype": scale_dtype(g)}
     if g is None:  # per module: the config's groups and the report say which
         target.update(scale_dtype="per module", group_sizes=sorted(plan.schemes()))
     return {

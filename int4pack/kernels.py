@@ -20,6 +20,7 @@ from . import _ext
 from . import crc as crc_mod
 from . import scale_search as S
 from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
+from .groups import block, nests
 
 __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "requant_info",
            "search_points", "kernel_threads", "threads_here", "crc32c"]
@@ -115,7 +116,7 @@ def lossless(ql, scales: torch.Tensor, src_groups: torch.Tensor, g: int):
     """
     codes = ql.codes.to(torch.uint8).contiguous()
     k = codes.shape[1]
-    gs = k if g == -1 else g
+    gs = block(k, g)
     q, sq, mq = ext().lossless(codes, gs, kernel_threads())
     s = ql.scales[:, src_groups].double()  # source scale of each target group, [N, Gt]
     sb = scales.double()
@@ -140,7 +141,7 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     mod = ext()
     if mod is None or not mod.requant_ok:
         return None
-    gs = k if g == -1 else g
+    gs = block(k, g)
     coarse, fine = search_points(search)
     th = kernel_threads()
     if w is not None:
@@ -161,7 +162,7 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
                                       search, coarse, fine, th)
         src = ql.spec.group_size
         # every target group inside one source group (the usual case): one source column each
-        inside = ql.g_idx is None and src > 0 and (src % gs == 0 or src >= k)
+        inside = ql.g_idx is None and nests(src, k, g)
 
         def groups(r: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             # w4a8._source_rows at rows r, target groups j [A, gs]: the same arithmetic, element for element

@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch
 
 from .errors import InputError
-from .groups import groupwise_problem
+from .groups import block, groupwise_problem
 
 __all__ = [
     "ACTIVATIONS",
@@ -68,7 +68,7 @@ def _check(x, topk_ids, topk_weights, w13, w2, hidden, inter, group_size, activa
 
 def moe_forward(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden: int, inter: int, group_size: int,
                 apply_router_weight_on_input: bool = False, activation: int = 0) -> torch.Tensor:
-    """out [T, H] in x's dtype. ``group_size`` -1 means channelwise (block = H for w13, I for w2)."""
+    """out [T, H] in x's dtype. ``group_size`` as groups.py has it (channelwise: one block of H for w13, of I for w2)."""
     _check(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden, inter, group_size, activation)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise InputError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -271,7 +271,7 @@ def pack_for_matmul(q: torch.Tensor, scales: torch.Tensor, group_size: int, out:
     from . import kleidiai
 
     n, k = q.shape
-    g = k if group_size == -1 else group_size
+    g = block(k, group_size)
     if kleidiai.native_kleidiai_available():
         blob, _ = kleidiai.pack(q.to(torch.int8), scales, None, g, packer="native")
         return blob

@@ -15,9 +15,10 @@ import torch
 
 from . import kleidiai
 from .errors import InputError, UsageError
+from .groups import scale_dtype
 
 __all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "BLOB_CHECKS", "PROVENANCE_BYTES",
-           "ROW_PARALLEL", "is_row_parallel", "parse_format", "block", "layout_record", "serve_config",
+           "ROW_PARALLEL", "is_row_parallel", "parse_format", "layout_record", "serve_config",
            "tensor_parallel_size", "split_problem", "read_record", "record_problems", "provenance_problem",
            "crc", "provenance"]
 
@@ -48,17 +49,12 @@ def parse_format(value) -> str:
     return value
 
 
-def block(k: int, group_size: int) -> int:
-    """The group as the packer takes it: channelwise (-1) is one group of K."""
-    return k if group_size == -1 else group_size
-
-
 def layout_record(group_size: int | None, tensor_parallel: int = 1) -> dict:
     """What the blobs are: recorded in config.json and checked by the plugin and verify.
     ``group_size`` None: per module (the config groups and each blob's provenance say which).
     ``tensor_parallel`` > 1: the row parallel modules are stored split for that many ranks (only then
     recorded: a checkpoint for one rank keeps the record it always had)."""
-    scales = "per module" if group_size is None else "float32" if group_size == -1 else "bfloat16"
+    scales = "per module" if group_size is None else scale_dtype(group_size)
     rec = {"layout": kleidiai.LAYOUT_NAME, "layout_version": kleidiai.LAYOUT_VERSION,
            "nr": kleidiai.NR, "kr": kleidiai.KR, "sr": kleidiai.SR, "group_size": group_size,
            "scale_dtype": scales, "tensor_suffix": SUFFIX,

@@ -35,6 +35,7 @@ from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError, VerifyFailed
 from .verify_structure import Target, check_structure, layer_index
 from .w4a8 import dequantize_w4a8
+from .groups import block
 
 __all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 
@@ -240,7 +241,7 @@ def _bias_matches(got: torch.Tensor, want: torch.Tensor, perm: torch.Tensor | No
 def _rtn_rel(w: torch.Tensor, g: int) -> float:
     """rel_l2 of plain absmax round-to-nearest at the target group (scales rounded as shipped)."""
     n, k = w.shape
-    gg = k if g == -1 else g
+    gg = block(k, g)
     wg = w.reshape(n, k // gg, gg)
     s = wg.abs().amax(2, keepdim=True) / 7
     s = (s.to(torch.bfloat16).float() if g != -1 else s).clamp(min=2.0**-126)
@@ -542,7 +543,7 @@ def _dense(t: Target, m: str, src: _Source | None, report, tokens: int, gen, clo
         if wp is None:
             wp = moe_mod.pack_for_matmul(q, s, g)
     with clock("kernel"):
-        y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, k if g == -1 else g, k, n)
+        y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, block(k, g), k, n)
     with clock("reference"):
         y_c = x @ w_c.t()
     step2 = moe_mod.int8_step(x) ** 2 / 12

@@ -31,6 +31,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from .. import serve_spec as spec
 from ._layout import DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_tensor_parallel, column_shards
 from ._routing import ACT_KIND, backend_accepts_routing, layer_routing, moe_op_args, route, vllm_select
+from ..groups import block
 
 __all__ = ["packed_config", "KleidiAIPackedCTConfig", "KleidiAIPackedLinearMethod"]
 
@@ -197,6 +198,6 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, k)
         if work != dtype:
             x2 = x2.to(work)
-        block = k if self.group_size == -1 else self.group_size
-        out = torch.ops.aten._dyn_quant_matmul_4bit(x2, layer.weight_packed, block, k, n).reshape(*x.shape[:-1], n)
+        out = torch.ops.aten._dyn_quant_matmul_4bit(x2, layer.weight_packed, block(k, self.group_size), k, n)
+        out = out.reshape(*x.shape[:-1], n)
         return out.to(dtype) if work != dtype else out
