@@ -28,6 +28,11 @@ __all__ = [
     "name_summary",
     "BUG_REPORT_HINT",
     "routing_from_config",
+    "ROUTER",
+    "routers",
+    "MoEConfig",
+    "moe_config",
+    "expert_count",
 ]
 
 # model_type -> how routed experts are spelled (the families package holds the facts)
@@ -336,3 +341,48 @@ def _from_family(model_type: str, cfg: dict) -> Routing | None:
     f = fam.facts(cfg)
     return Routing(f["scoring"], int(f["top_k"] or 0), f["renormalize"], bias=f["bias"], n_group=f["n_group"],
                    topk_group=f["topk_group"], scale=f["scale"], custom=f["custom"])
+
+
+# an MoE block's router weight: mlp.gate (Qwen, DeepSeek), block_sparse_moe.gate (Mixtral),
+# feed_forward.router (Llama 4), mlp.router (gpt-oss)
+ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$")
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def routers(names) -> dict[str, str]:
+    """MoE block prefix -> its router's weight tensor, among tensor ``names``."""
+    return {n[: -len(".gate.weight")] if n.endswith(".gate.weight") else n[: -len(".router.weight")]: n
+            for n in names if n.endswith(".weight") and ROUTER.search(n[:-7])}
+
+
+def expert_count(text_config: dict) -> int | None:
+    """The routed experts per MoE layer as the config names them (None when it does not)."""
+    return next((text_config[k] for k in _EXPERT_COUNT_KEYS if isinstance(text_config.get(k), int)), None)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """What a model config says about its MoE layers' forward (verify's reference, the lane's)."""
+
+    num_experts: int | None
+    top_k: int
+    routing: dict  # the family's routing facts (families/): scoring function, score bias, groups, scale
+    renormalize: bool  # top-k weights renormalised to sum 1
+    activation: int  # the W4A8 MoE op's activation kind: 0 SiLU-gated, 1 gpt-oss's clamped SwiGLU
+    norm_offset: float  # the family's RMSNorm weight offset (1.0 where weights are stored minus one)
+
+
+def moe_config(model_type: str, family_type: str, text_config: dict) -> tuple[MoEConfig, list[str]]:
+    """The MoE facts of a model config, and what in it is unusable (a default is taken instead)."""
+    tc = text_config
+    problems = []
+    top_k = tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2
+    if type(top_k) is not int or top_k < 1:
+        problems.append(f"num_experts_per_tok is {top_k!r}, not a positive integer")
+        top_k = 2
+    fam = family(family_type)
+    facts = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
+    renorm = bool(tc.get("norm_topk_prob", facts.get("renormalize", model_type in ("mixtral", "phimoe"))))
+    act = str(tc.get("hidden_act") or "silu")
+    return MoEConfig(expert_count(tc), top_k, facts, renorm, 1 if "oai" in act else 0,
+                     fam.rmsnorm_offset if fam else 0.0), problems

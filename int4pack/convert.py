@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import re
 import shutil
 import threading
 import time
@@ -33,7 +32,7 @@ from . import serve_spec as spec
 from . import blobs
 from .families import family_warnings
 from .vllm_compat import routing_warnings, serve_hint, serving_warnings
-from .target_config import w4a8_quant_config
+from .target_config import output_config
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .workdir import partial_folder
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
@@ -42,7 +41,6 @@ from .groups import scale_dtype
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
 FLUSH_BYTES = 256 << 20  # write-back step of an open shard
-_NOT_LINEAR = re.compile(r"(embed|norm|wte|wpe|rotary|position)", re.I)
 
 
 class NullProgress:
@@ -159,37 +157,10 @@ def _index_pieces(total_size: int, weight_map: dict[str, str]):
     yield "\n  }\n}\n" if weight_map else "}\n}\n"
 
 
-def _ignore_list(plan: Plan, ckpt: Checkpoint) -> list[str]:
-    """Every linear-like module left in float: routers, lm_head, unquantised and bf16-kept linears."""
-    quant = set(plan.quantized_modules())
-    ignore = set()
-    for name, t in ckpt.tensors.items():
-        if name.endswith(".weight") and len(t.shape) == 2:
-            mod = name[: -len(".weight")]
-            if mod not in quant and not _NOT_LINEAR.search(mod.rsplit(".", 1)[-1]):
-                ignore.add(mod)
-    for j in plan.jobs:
-        if j.kind == "dequant":
-            ignore.update(s.name for s in j.specs)
-    if "lm_head.weight" in ckpt.tensors or ckpt.text_config.get("tie_word_embeddings"):
-        ignore.add("lm_head")
-    return sorted(ignore)
-
-
 def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
-    cfg = json.loads(json.dumps(ckpt.config))
-    cfg.pop("compression_config", None)
-    if isinstance(cfg.get("text_config"), dict):
-        cfg["text_config"].pop("quantization_config", None)
-    ignore = _ignore_list(plan, ckpt)
-    rename = vllm_output_names(ckpt.family_type, [f"{m}.weight" for m in ignore])
-    ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
-    if plan.group_size is not None:
-        cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
-    else:  # one config group per scheme, targets in the names vLLM loads
-        groups = {rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")]: g for m, g in plan.groups.items()}
-        cfg["quantization_config"] = w4a8_quant_config(groups, ignore)
-    return cfg
+    dequant = [s.name for j in plan.jobs if j.kind == "dequant" for s in j.specs]
+    return output_config(ckpt.config, ckpt.family_type, ckpt.tensors, plan.quantized_modules(), dequant,
+                         plan.group_size, plan.groups)
 
 
 def _kernels_used() -> str:

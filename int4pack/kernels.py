@@ -222,7 +222,7 @@ def _redo_with_torch(amb: torch.Tensor, groups, q, s, rs, g: int, gs: int, searc
     r, j = amb[:, 0], amb[:, 1]
     wg = groups(r, j).contiguous()  # float32 [A, gs]
     ws = torch.empty(wg.numel() * S.workspace_width(search), dtype=torch.float64)
-    qg, sg, _, _, _ = S.search_chunk(wg, g if g == -1 else gs, search, ws)
+    qg, sg, _, _, _ = S.search_chunk(wg, g, search, ws)  # gs is block(K, g)
     S.check_finite(sg, "weights", name)
     q.view(q.shape[0], -1, gs)[r, j] = qg
     s[r, j] = sg[:, 0]

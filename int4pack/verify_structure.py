@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from . import serve_spec as spec
-
 from . import blobs
-from .architectures import classify
+from . import serve_spec as spec
+from .architectures import classify, moe_config, routers
 from .checkpoint import Checkpoint
 from .errors import InputError
 from .groups import check_group_size
@@ -25,7 +24,6 @@ from .w4a8 import dequantize_w4a8
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -80,24 +78,11 @@ class Target:
         self.modules = (self.packed.modules if self.packed else
                         sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale")))
         self.groups = _module_groups(ckpt, q, self.modules, problems)
-        tc = ckpt.text_config
-        self.num_experts = next((tc[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                                 if isinstance(tc.get(k), int)), None)
-        top_k = tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2
-        if type(top_k) is not int or top_k < 1:
-            problems.add("config", f"num_experts_per_tok is {top_k!r}, not a positive integer")
-            top_k = 2
-        self.top_k = top_k
-        from .families import family
-
-        fam = family(ckpt.family_type)
-        # the family's routing facts (families/): scoring function, renormalisation, score bias
-        self.routing = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
-        self.norm_offset = fam.rmsnorm_offset if fam else 0.0
-        self.norm_topk = bool(tc.get("norm_topk_prob", self.routing.get("renormalize",
-                                                                      ckpt.model_type in ("mixtral", "phimoe"))))
-        act = str(tc.get("hidden_act") or "silu")
-        self.activation = 1 if "oai" in act else 0
+        moe, unusable = moe_config(ckpt.model_type, ckpt.family_type, ckpt.text_config)
+        for why in unusable:
+            problems.add("config", why)
+        self.num_experts, self.top_k, self.routing = moe.num_experts, moe.top_k, moe.routing
+        self.norm_offset, self.norm_topk, self.activation = moe.norm_offset, moe.renormalize, moe.activation
         self.layers: dict[str, dict[int, dict[str, str]]] = {}
         self.roles: dict[str, str] = {}
         for m in self.modules:
@@ -105,8 +90,7 @@ class Target:
             self.roles[m] = role
             if role == "expert":
                 self.layers.setdefault(d["moe"], {}).setdefault(d["e"], {})[d["proj"]] = m
-        self.routers = {n[: -len(".gate.weight")] if n.endswith(".gate.weight") else n[: -len(".router.weight")]: n
-                        for n in ckpt.tensors if n.endswith(".weight") and _ROUTER.search(n[:-7])}
+        self.routers = routers(ckpt.tensors)
 
     def group_for(self, m: str) -> int:
         """Module m's group from its config group; a group equal to K is channelwise."""
