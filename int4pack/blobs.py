@@ -41,10 +41,11 @@ import json
 import torch
 
 from . import kleidiai
+from .architectures import VLLM_FUSED, classify, vllm_module
 from .errors import InputError, RefusedError, UsageError
+from .groups import block
 from .plan import Job, OutTensor, Plan
 from .serve_spec import KLEIDIAI, SUFFIX, crc, is_row_parallel, provenance, provenance_problem, split_problem
-from .groups import block
 
 __all__ = ["packed_plan", "job_packer", "blob_checks", "split_k", "pack_split", "PackedWeights"]
 
@@ -55,8 +56,6 @@ def blob_checks(packed: dict[str, dict]) -> dict:
     with, and the CRC-32 of its stored bytes, in vLLM's shard order (experts: gate, up, down). A
     K-split blob's is the CRC-32 of its whole stored ``[tp, bytes]``, the tensor every rank is handed.
     ``packed``: output module name -> its provenance."""
-    from .architectures import VLLM_FUSED, classify, vllm_module
-
     units: dict[str, dict] = {}
     for m, p in sorted(packed.items()):
         role, d = classify(m)

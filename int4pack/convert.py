@@ -20,23 +20,23 @@ from pathlib import Path
 import torch
 
 from . import _ext, kernels
+from . import blobs
+from . import serve_spec as spec
 from ._version import __version__
 from .architectures import vllm_output_names
-from .checkpoint import Checkpoint, resolve_source
+from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, OutputError, UsageError
-from .output import human_bytes
+from .families import family_warnings
 from .formats import Reader
+from .groups import scale_dtype
+from .output import human_bytes
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
-from . import serve_spec as spec
-from . import blobs
-from .families import family_warnings
-from .vllm_compat import routing_warnings, serve_hint, serving_warnings
 from .target_config import output_config
+from .vllm_compat import routing_warnings, serve_hint, serving_warnings
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .workdir import partial_folder
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
-from .groups import scale_dtype
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
@@ -125,17 +125,9 @@ def _outputs(ws: list[W4A8Linear], roles: dict) -> tuple[list, dict]:
     return out, stats
 
 
-def report_json(obj, level: int = 0, depth: int = 2) -> str:
-    """JSON with one line per entry down to ``depth`` (one line per module), compact below.
-
-    json.dumps(indent=...) runs the pure-Python encoder: on a 30B model's report (~20k modules)
-    that cost more than a second; this keeps the C encoder for every line.
-    """
-    return "".join(_report_pieces(obj, level, depth))
-
-
 def _report_pieces(obj, level: int = 0, depth: int = 2):
-    """report_json's text in pieces, so a large report is written without a copy of it in memory."""
+    """The report as JSON, one line per entry down to ``depth`` (one line per module), compact below;
+    in pieces, so a large report is written without a copy of it in memory, each line by the C encoder."""
     if isinstance(obj, dict) and obj and level < depth:
         pad, sep = "  " * (level + 1), "{\n"
         for k, v in sorted(obj.items()):
@@ -334,8 +326,6 @@ def _check_space(od: OutputDir, need: int, tensors: int, *, fresh: bool) -> None
 
 def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
     """How a kept shard's header metadata differs from what this run would write, or None."""
-    from .checkpoint import read_header
-
     try:
         _, got, _ = read_header(path)
     except InputError as e:

@@ -15,12 +15,12 @@ import torch
 from . import blobs, kleidiai
 from . import serve_spec as spec
 from .architectures import classify, discover, name_summary
-from .families import family
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError
+from .families import family
+from .families import family_warnings
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
-from .families import family_warnings
 from .vllm_compat import routing_warnings, serving_notes, serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]

@@ -17,9 +17,9 @@ from .architectures import Layout, discover
 from .checkpoint import ITEMSIZE, Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
 from .formats import open_reader
-from .records import FormatVerdict, LinearSpec
 from .group_choice import Unit, choose_groups, predict_path, tied_units
 from .groups import parse_group_size, scale_dtype, scheme_label
+from .records import FormatVerdict, LinearSpec
 
 __all__ = ["OutTensor", "Job", "Plan", "make_plan", "parse_size", "parse_group_size"]
 

@@ -33,9 +33,9 @@ from . import moe as moe_mod
 from . import serve_spec as spec
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError, VerifyFailed
+from .groups import block
 from .verify_structure import Target, check_structure, layer_index
 from .w4a8 import dequantize_w4a8
-from .groups import block
 
 __all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 

@@ -14,13 +14,15 @@ from pathlib import Path
 
 import torch
 
-from . import blobs
+from . import blobs, kleidiai
 from . import serve_spec as spec
-from .architectures import classify, moe_config, routers
+from .architectures import classify, moe_config, routers, vllm_module
 from .checkpoint import Checkpoint
 from .errors import InputError
+from .formats.compressed_tensors import CompressedTensorsReader
 from .groups import check_group_size
 from .w4a8 import dequantize_w4a8
+from .writer import hash_shard
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
@@ -117,8 +119,6 @@ class Target:
         """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly).
         Not one with a bias inside: the references here leave biases out; none of a checkpoint split
         for tensor parallelism: its row parallel blobs are per rank (the kernel runs whole matrices)."""
-        from . import kleidiai
-
         if not (self.packed and kleidiai.native_kleidiai_available()) or spec.tensor_parallel_size(self.packed.record) != 1:
             return None
         return None if self.packed.prov.get(f"{m}.{spec.SUFFIX}", {}).get("bias") else self.packed.blob(m)
@@ -131,8 +131,6 @@ class Target:
 def _module_groups(ckpt: Checkpoint, q: dict, modules: list[str], problems: Problems) -> dict[str, int]:
     """Each module's group from the config group whose targets name it (vLLM resolves one per module:
     a module named by two groups, or by none, is a problem)."""
-    from .formats.compressed_tensors import CompressedTensorsReader
-
     schemes = CompressedTensorsReader(ckpt, q).schemes
     out = {}
     for m in modules:
@@ -209,8 +207,6 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
 def _blob_check_problem(t: Target, m: str) -> str | None:
     """The layout record's blob_checks entry of module m (what the plugin checks at load) against
     the blob's provenance; None when they agree or the record has no checks (noted by verify)."""
-    from .architectures import classify, vllm_module
-
     checks = t.packed.record.get(spec.BLOB_CHECKS)
     if not isinstance(checks, dict):
         return None
@@ -296,8 +292,6 @@ def _check_config_index(t: Target, problems: Problems) -> None:
 
 def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
     """Shard checksums recorded by convert; returns the report (or None)."""
-    from .writer import hash_shard
-
     rp = ckpt.folder / "int4pack_report.json"
     if not rp.is_file():
         return None

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from .routing import SERVED as PACKED_ROUTES
 from .architectures import routing_from_config
 from .routing import Routing
+from .routing import SERVED as PACKED_ROUTES
 
 __all__ = ["Served", "MEASURED", "serving_warnings", "serving_notes", "serve_hint", "working_dtypes",
            "RoutingServed", "ROUTING", "routing_warnings"]

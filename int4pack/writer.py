@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from . import kernels
+from .checkpoint import DTYPE_NAMES
 from .errors import OutputError
 from .plan import OutTensor
 from .workdir import partial_folder
@@ -249,7 +250,6 @@ class ShardFile:
         if want is None:
             raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
         if isinstance(data, torch.Tensor):
-            from .checkpoint import DTYPE_NAMES
             if DTYPE_NAMES.get(data.dtype) != want.dtype or tuple(data.shape) != want.shape:
                 raise OutputError(f"internal: {name} is {data.dtype}{tuple(data.shape)}, "
                                   f"planned {want.dtype}{want.shape}", tensor=name)

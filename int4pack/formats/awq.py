@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpoint
 from .. import kernels
+from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ._common import (

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpoint
 from .. import kernels
-from ..errors import InputError, RefusedError
-from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
-from ..nibbles import unpack_rows
 from ._common import cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, owned, prefixes_with
+from ..checkpoint import Checkpoint
+from ..errors import InputError, RefusedError
+from ..nibbles import unpack_rows
+from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 
 __all__ = ["CompressedTensorsReader", "Scheme"]
 

@@ -12,11 +12,11 @@ import re
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpoint
 from .. import kernels
+from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
-from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ..nibbles import as_uint32, nibble_rows, unpack_cols, words_u32
+from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ._common import (
     all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, need, prefixes_with,
     read_transposed, require_bits4)

@@ -36,8 +36,8 @@ from functools import lru_cache
 import torch
 
 from .. import kleidiai
-from ..serve_spec import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems, tensor_parallel_size
 from ..groups import block
+from ..serve_spec import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems, tensor_parallel_size
 
 __all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
            "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "crc32_rows"]
