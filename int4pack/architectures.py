@@ -131,15 +131,19 @@ def classify(name: str) -> tuple[str, dict]:
     return "linear", {}
 
 
-def vllm_module(name: str) -> str:
+def vllm_module(name: str, model_type: str | None = None) -> str:
     """The vLLM module a quantised linear loads into: ``<moe>.experts`` for a routed expert (one
-    FusedMoE per layer), ``<parent>.qkv_proj`` for q_proj and the like, else the linear itself."""
+    FusedMoE per layer), ``<parent>.qkv_proj`` for q_proj and the like, else the linear itself.
+    With ``model_type``: named by the prefix vLLM gives the module (its quant method's name)."""
     m = _EXPERT.match(name)
     if m:
-        return f"{m['moe']}.experts"
-    parent, _, leaf = name.rpartition(".")
-    fused = _FUSED_OF.get(leaf)
-    return f"{parent}.{fused}" if fused and parent else name
+        unit = f"{m['moe']}.experts"
+    else:
+        parent, _, leaf = name.rpartition(".")
+        fused = _FUSED_OF.get(leaf)
+        unit = f"{parent}.{fused}" if fused and parent else name
+    fam = family(model_type) if model_type else None
+    return fam.vllm_prefix(unit) if fam else unit
 
 
 def _expected_experts(cfg: dict) -> int | None:

@@ -50,16 +50,17 @@ from .serve_spec import KLEIDIAI, SUFFIX, crc, is_row_parallel, provenance, prov
 __all__ = ["packed_plan", "job_packer", "blob_checks", "split_k", "pack_split", "PackedWeights"]
 
 
-def blob_checks(packed: dict[str, dict]) -> dict:
+def blob_checks(packed: dict[str, dict], model_type: str | None = None) -> dict:
     """What the plugin checks at load, per module as vLLM builds it (``vllm_module``: one FusedMoE
     per MoE layer, qkv_proj, gate_up_proj, or the linear itself): the group each blob was packed
     with, and the CRC-32 of its stored bytes, in vLLM's shard order (experts: gate, up, down). A
     K-split blob's is the CRC-32 of its whole stored ``[tp, bytes]``, the tensor every rank is handed.
-    ``packed``: output module name -> its provenance."""
+    ``packed``: output module name -> its provenance; ``model_type``: names modules by the prefix
+    vLLM gives them (architectures.vllm_module)."""
     units: dict[str, dict] = {}
     for m, p in sorted(packed.items()):
         role, d = classify(m)
-        unit = vllm_module(m)
+        unit = vllm_module(m, model_type)
         leaf = m.rsplit(".", 1)[-1]
         g = -1 if p["group_size"] in (-1, p["k"]) else p["group_size"]
         if role == "expert":

@@ -281,7 +281,7 @@ def convert(
             provs = {rename.get(f"{m}.{spec.SUFFIX}", f"{m}.{spec.SUFFIX}")[: -len(spec.SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
             cfg["quantization_config"] = spec.serve_config(cfg["quantization_config"], plan.group_size,
-                                                         blobs.blob_checks(provs), tensor_parallel)
+                                                         blobs.blob_checks(provs, ckpt.family_type), tensor_parallel)
             report["serve_format"] = {"format": spec.KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
                 "kleidiai"].items() if k != spec.BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())

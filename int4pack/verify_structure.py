@@ -211,7 +211,7 @@ def _blob_check_problem(t: Target, m: str) -> str | None:
     if not isinstance(checks, dict):
         return None
     prov = t.packed.prov[f"{m}.{spec.SUFFIX}"]
-    unit = vllm_module(m)
+    unit = vllm_module(m, t.ckpt.family_type)
     ent = (checks.get("modules") or {}).get(unit) if isinstance(checks.get("modules"), dict) else None
     if not isinstance(ent, dict):
         return f"quantization_config.kleidiai.{spec.BLOB_CHECKS} has no entry {unit!r} (the plugin refuses it)"

@@ -181,6 +181,7 @@ def _setup() -> dict:
     registry._run_in_subprocess = lambda fn: fn()
 
     calls = {"moe_op": 0, "w4a8_moe_apply": 0, "dynamic4bit_linear": 0, "dyn_quant_matmul": 0}
+    routes: list = []  # the experts each MoE op call was given, one [tokens][top-k] list per call
 
     def counting(key, fn):
         def wrapper(*a, **k):
@@ -199,6 +200,8 @@ def _setup() -> dict:
     class _CountedOp:
         def __call__(self, *a, **k):
             calls["moe_op"] += 1
+            ids = k["topk_ids"] if "topk_ids" in k else a[1]
+            routes.append([sorted(r) for r in ids.tolist()])  # sets: the kernel's order does not matter
             return op(*a, **k)
 
         def __getattr__(self, n):
@@ -220,7 +223,7 @@ def _setup() -> dict:
 
     load_stats = LoadStats()
     load_stats.install()
-    _STATE.update(calls=calls, load_stats=load_stats, import_vllm_s=round(time.perf_counter() - t, 1), vllm=vllm.__version__,
+    _STATE.update(calls=calls, routes=routes, load_stats=load_stats, import_vllm_s=round(time.perf_counter() - t, 1), vllm=vllm.__version__,
                   torch=torch.__version__, moe_op_schema=str(op.default._schema))
     return _STATE
 
@@ -258,10 +261,13 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str, tp: int 
             llm.apply_model(_worker_calls)
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=vocab,
                             prompt_logprobs=vocab)
+        st["routes"].clear()  # from here: the generation's MoE calls only (not the engine's warm-up)
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": list(prompt)}], sp, use_tqdm=False)
         res["generate_s"] = round(time.perf_counter() - t, 2)
         res["calls"] = dict(calls)
+        if tp * pp == 1:  # in one process the calls come layer by layer, step by step
+            res["routes"] = list(st["routes"])
         if tp * pp > 1:  # the ranks ran the model: their counts, summed
             per = llm.apply_model(_worker_calls)
             res["calls_per_rank"] = per

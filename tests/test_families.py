@@ -109,6 +109,26 @@ def test_minimax_names_are_what_vllm_loads(converted):
                            s["model.layers.0.block_sparse_moe.e_score_correction_bias"])
 
 
+def test_minimax_packed_checks_are_under_the_prefix_vllm_gives_the_moe_block(tmp_path):
+    """vLLM 0.19.1/0.32.0 minimax_m2.py build ``block_sparse_moe`` with prefix ``<layer>.mlp``: the
+    plugin's MoE method is handed ``model.layers.N.mlp.experts`` and must find its blob checks."""
+    from int4pack.vllm_plugin._layout import blob_check
+
+    out = tmp_path / "packed"
+    int4pack.convert(FIXTURES / "ct_minimaxm2_w4a16", out, serve_format="kleidiai")
+    cfg = json.loads((out / "config.json").read_text())
+    rec = cfg["quantization_config"]["kleidiai"]
+    mods = rec["blob_checks"]["modules"]
+    n = cfg["num_local_experts"]
+    for layer in range(cfg["num_hidden_layers"]):
+        assert f"model.layers.{layer}.block_sparse_moe.experts" not in mods
+        chk = blob_check(rec, f"model.layers.{layer}.mlp.experts", experts=n)
+        assert chk.names == ["w1", "w3", "w2"] and len(chk.crcs) == n
+    # the blobs themselves keep the names the weights load by
+    idx = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".block_sparse_moe.experts." in k for k in idx) and not any(".mlp.experts." in k for k in idx)
+
+
 def test_deepseek_v32_indexer_wk_and_weights_proj_stay_float(converted):
     """vLLM's indexer loads wk + weights_proj into wk_weights_proj built with quant_config=None: an
     int4 source is dequantised to bfloat16 (and listed in ignore); wq_b takes the model's scheme."""

@@ -104,3 +104,19 @@ def test_float64_mode_keeps_float64_where_the_class_asks_float32():
         assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
         with Exact():
             assert x.to(torch.float32).dtype == torch.float32
+
+
+def test_routes_are_recorded_per_moe_layer_and_position(folders):
+    """What the lane's routing check compares with vLLM: one [positions][top-k] list of distinct
+    experts per MoE layer, for the last forward only."""
+    from hf_reference import HFRef
+
+    fl = folders["ct_qwen3moe_w4a16"][0]
+    cfg = json.loads((fl / "config.json").read_text())
+    ref = HFRef(fl)
+    ref.logprobs(IDS[:5])
+    ref.logprobs(IDS)
+    assert len(ref.routes) == cfg["num_hidden_layers"]
+    for layer in ref.routes:
+        assert len(layer) == len(IDS)
+        assert all(len(set(r)) == cfg["num_experts_per_tok"] and max(r) < cfg["num_local_experts"] for r in layer)
