@@ -7,7 +7,7 @@ For each layer count: a synthetic GPTQ int4 checkpoint with the real shapes (scr
 128 experts, H=2048, I=768, group 128, vocab 4096), converted twice on this machine (default
 compressed-tensors W4A8, and ``--serve-format kleidiai``); each output is then loaded in the emulated
 vLLM (tools/arm64emu/vllm_setup.sh's wrapper) in a process of its own, one after the other, by
-scripts/vllm_arm_load.py: seconds in vLLM's model loader (weights read + post-load processing), the
+tests/vllm/load_stats.py: seconds in vLLM's model loader (weights read + post-load processing), the
 process's peak RSS when the load returns (vLLM's import included, the same for both), the largest
 anonymous RSS during the load (the part the kernel cannot drop; the rest is the checkpoint's mapped
 file pages), and how many experts vLLM packed. Both generate the same few tokens, which is checked.
@@ -68,7 +68,7 @@ def prepare(layers: int, work: Path, fmt: str) -> dict:
 def load(rec: dict, sf: str, version: str, dtype: str, env: dict, timeout: int) -> None:
     out = Path(rec[sf]["dir"]).with_suffix(".load.json")
     out.unlink(missing_ok=True)
-    cmd = [str(wrapper(version)), str(HERE / "vllm_arm_load.py"), rec[sf]["dir"], "--json", str(out), "--dtype", dtype]
+    cmd = [str(wrapper(version)), str(HERE.parent / "tests" / "vllm" / "load_stats.py"), rec[sf]["dir"], "--json", str(out), "--dtype", dtype]
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
     rec[sf]["vllm"] = json.loads(out.read_text()) if out.exists() else {"error": f"no output, see {out.with_suffix('.log')}"}

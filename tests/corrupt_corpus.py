@@ -11,7 +11,7 @@ so only a comparison with the source (or the bytes convert wrote) can tell.
     cases = build(dest, sources)   # -> {name: Case}; sources: {"packed": Path, "plain": Path, ...}
 
 ``Case.folder`` is the damaged checkpoint, ``Case.plugin`` True for the same-size corruptions the
-vLLM plugin must refuse at load (scripts/vllm_arm_trust.py runs those under QEMU).
+vLLM plugin must refuse at load (tests/vllm/trust_check.py runs those under QEMU).
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ experts' down_proj has K = 64 = 2 x 32; ct_qwen3moe_w4a16_channel: the same shap
 makes three corruptions of the same size with tests/corrupt_corpus.py (a flipped bit in an expert
 blob, two experts' gate blobs swapped, a group-32 blob with K = 2g in place of a channelwise one),
 then loads the intact channelwise checkpoint and the three in ONE emulated vLLM process
-(scripts/vllm_arm_probe.py: vLLM imported once) and writes what each load gave:
+(tests/vllm/probe.py: vLLM imported once) and writes what each load gave:
 
-    python scripts/vllm_arm_trust.py --vllm 0.32.0 --work /tmp/e2e-trust --json results.json
+    python tests/vllm/trust_check.py --vllm 0.32.0 --work /tmp/e2e-trust --json results.json
 
 The intact checkpoint must load and generate; each corrupted one must fail with the plugin's
 message naming the corrupted tensor. Exit 0 when that is what happened.
@@ -25,9 +25,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "scripts"))
 
 EXPECT = {  # case -> the tensor the refusal must name
     "flip_byte": "model.layers.0.mlp.experts.0.gate_proj.weight_packed",

@@ -3,10 +3,10 @@
 
 Runs under the aarch64 interpreter that tools/arm64emu/vllm_setup.sh builds:
 
-    python3-arm64-vllm0.32.0 scripts/vllm_arm_load.py MODEL_DIR --json OUT [--dtype float32] [--max-tokens 4]
+    python3-arm64-vllm0.32.0 tests/vllm/load_stats.py MODEL_DIR --json OUT [--dtype float32] [--max-tokens 4]
         [--torch-without-kleidiai]
 
-``LoadStats`` (also used by scripts/vllm_arm_probe.py) wraps, without changing them, vLLM's
+``LoadStats`` (also used by tests/vllm/probe.py) wraps, without changing them, vLLM's
 ``BaseModelLoader.load_model`` (weights read + ``process_weights_after_loading``: the load) and
 torch's ``_dyn_quant_pack_4bit_weight`` (every matrix packed meanwhile, told apart by its shape),
 and reads the process's peak RSS (getrusage; under QEMU the emulator's own memory is included,

@@ -3,13 +3,13 @@
 
 Runs under the aarch64 interpreter that tools/arm64emu/vllm_setup.sh builds:
 
-    /tmp/arm64emu/bin/python3-arm64-vllm0.19.1 scripts/vllm_arm_probe.py MODEL_DIR=res.json [MODEL2=res2.json ...]
+    /tmp/arm64emu/bin/python3-arm64-vllm0.19.1 tests/vllm/probe.py MODEL_DIR=res.json [MODEL2=res2.json ...]
 
 It only uses vLLM's public entry point (``LLM``, token ids in, greedy) plus ``apply_model`` to
 look at what every layer got after loading: the quantisation method, the dense kernel, and the
 dtype/shape of the packed weights (so the x86 side can check them against the KleidiAI size
 formula), and counts the calls of the W4A8 MoE op, the dynamic-4bit linear kernel and the
-``_dyn_quant_matmul_4bit`` op during generation; what the load cost (scripts/vllm_arm_load.py:
+``_dyn_quant_matmul_4bit`` op during generation; what the load cost (tests/vllm/load_stats.py:
 seconds, peak RSS, experts packed). Full-vocabulary logprobs of the prompt and of every generated token are written
 out so the x86 side can compare them with its own float reference. Several models can share
 one process (vLLM is imported once, the engine is torn down between them). Nothing here decides
@@ -219,7 +219,7 @@ def _setup() -> dict:
             return getattr(matmul, n)
 
     setattr(torch.ops.aten, "_dyn_quant_matmul_4bit", _CountedMatmul())
-    from vllm_arm_load import LoadStats  # this folder: load seconds, peak RSS, experts packed at load
+    from load_stats import LoadStats  # this folder: load seconds, peak RSS, experts packed at load
 
     load_stats = LoadStats()
     load_stats.install()
