@@ -132,6 +132,7 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) 
     """Each W4A8 layer vLLM built: its method, the group vLLM took (the one its tensors hold), and
     packed weights of exactly the KleidiAI size for that group. ``packed``: the folder is the packed
     serving format, served by int4pack's plugin."""
+    from int4pack.architectures import expert_count
     from int4pack.kleidiai import packed_size
 
     cfg = json.loads((out_dir / "config.json").read_text())
@@ -139,7 +140,7 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) 
     groups = disk_groups(out_dir)
     H = tc["hidden_size"]
     I = (tc.get("moe_intermediate_size") or tc["intermediate_size"]) // tp  # each rank's share
-    E = tc.get("num_experts") or tc.get("num_local_experts") or tc.get("n_routed_experts")
+    E = expert_count(tc)
     # the MoE layers the checkpoint holds (dense first layers and MTP layers past the last are not)
     nmoe = len({int(m.group(1)) for m in map(re.compile(r"(?:^|\.)layers\.(\d+)\..*\.experts\.\d+\.").search, groups)
                 if m and int(m.group(1)) < tc["num_hidden_layers"]})
