@@ -9,6 +9,9 @@ finished, which keeps offsets unchanged.
 Atomicity: the whole output is built in a hidden sibling folder and renamed at the end; a
 shard is written as ``<name>.tmp`` and renamed when complete; ``progress.json`` there records
 each finished shard's checksums so ``--resume`` can trust (after re-checking) what it keeps.
+
+Long: the shard file, its checksums and the output folder share one write path (staging
+buffers, direct writes, the header slot, the rename); split, each part would reach into the others.
 """
 
 from __future__ import annotations
