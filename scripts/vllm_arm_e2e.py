@@ -25,7 +25,7 @@ dtype=DTYPE)``, token ids in, greedy), then checks on x86:
     reference is transformers' class, the experts vLLM's MoE op was given for each (MoE layer,
     position) are the mirror's in at least TOLERANCES[dtype]["routing"] of them (the routing check
     that catches a routing bias or a scoring function dropped, which moves logprobs little). The float64
-    forward is this file's hand-written FloatRef for Qwen3-MoE and Mixtral, and transformers' own
+    forward is the hand-written FloatRef (tests/vllm/float_ref.py) for Qwen3-MoE and Mixtral, and transformers' own
     model class for every other family (tests/vllm/hf_reference.py: DeepSeek-V3/R1 with MLA,
     Kimi-K2, GLM-4.5, MiniMax-M2, ...; routing, shared experts and scaling are the class's, not
     int4pack's). On the Qwen3-MoE and Mixtral fixtures both give the same numbers; ``--reference``

@@ -1,7 +1,7 @@
 """How far the routing controls move the references (x86, no vLLM): on the lane's prompt (and 7
 greedy tokens of the float reference), the bf16 mirror against the float reference and the float64
 mirror, and the mirror of the same checkpoint with every e_score_correction_bias zeroed: logprobs,
-and the experts chosen per (MoE layer, position) (scripts/vllm_arm_e2e.py's routing check).
+and the experts chosen per (MoE layer, position) (lane_checks.py's routing check).
 
     python tests/vllm/control_effect.py ct_deepseekv3_w4a16 ct_glm4moe_w4a16 --work /tmp/ctl
 """
