@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import _ext, kernels
-from . import blobs
-from . import serve_spec as spec
+from . import _ext, blobs, kernels
 from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
@@ -32,6 +30,7 @@ from .groups import scale_dtype
 from .output import human_bytes
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
+from .serve_spec import BLOB_CHECKS, KLEIDIAI, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
 from .target_config import output_config
 from .vllm_compat import routing_warnings, serve_hint, serving_warnings
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
@@ -210,7 +209,7 @@ def convert(
     progress = progress or NullProgress()
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
-    packed = spec.parse_format(serve_format) == spec.KLEIDIAI
+    packed = parse_format(serve_format) == KLEIDIAI
     if tensor_parallel != 1 and not packed:
         raise UsageError(f"--tensor-parallel {tensor_parallel} applies to --serve-format kleidiai only "
                          "(vLLM splits the default format itself at load, for any tensor_parallel_size)")
@@ -240,7 +239,7 @@ def convert(
                 "then " + serve_hint(str(out), plan.schemes(), True)),
         }
         if packed:
-            report["serve_format_planned"] = spec.KLEIDIAI
+            report["serve_format_planned"] = KLEIDIAI
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
@@ -278,12 +277,12 @@ def convert(
         del weight_map
         cfg = _out_config(plan, ckpt)
         if packed:
-            provs = {rename.get(f"{m}.{spec.SUFFIX}", f"{m}.{spec.SUFFIX}")[: -len(spec.SUFFIX) - 1]: st["packed"]
+            provs = {rename.get(f"{m}.{SUFFIX}", f"{m}.{SUFFIX}")[: -len(SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
-            cfg["quantization_config"] = spec.serve_config(cfg["quantization_config"], plan.group_size,
+            cfg["quantization_config"] = serve_config(cfg["quantization_config"], plan.group_size,
                                                          blobs.blob_checks(provs, ckpt.family_type), tensor_parallel)
-            report["serve_format"] = {"format": spec.KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
-                "kleidiai"].items() if k != spec.BLOB_CHECKS}}
+            report["serve_format"] = {"format": KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
+                "kleidiai"].items() if k != BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
@@ -376,7 +375,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             f = files.get(shard)
             if f is None:
                 f = files[shard] = ShardFile(od.work / shard, planned[shard], meta,
-                                             spec.PROVENANCE_BYTES if pack is not None else 0)
+                                             PROVENANCE_BYTES if pack is not None else 0)
             return f
 
     def work(job: Job) -> tuple[dict, set]:
@@ -416,7 +415,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
             if job.kind == "copy":
                 res[out_name] = {"path": "copy"}
-            elif leaf in ("weight", spec.SUFFIX) and mod in job_stats:
+            elif leaf in ("weight", SUFFIX) and mod in job_stats:
                 res[out_name] = {k: v for k, v in job_stats[mod].items()
                                  if k in ("path", "rel_l2", "max_abs", "packed")}
             if shard in trusted:

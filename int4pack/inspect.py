@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from . import blobs, kleidiai
-from . import serve_spec as spec
 from .architectures import classify, discover, name_summary
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError
@@ -21,6 +20,7 @@ from .families import family
 from .families import family_warnings
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
+from .serve_spec import QUANT_METHOD, SUFFIX, read_record, record_problems
 from .vllm_compat import routing_warnings, serving_notes, serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
@@ -76,14 +76,14 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     """The summary of a packed serving checkpoint: its recorded layout and one row per blob."""
     pw = blobs.PackedWeights(ckpt, rec)
     out = _head(ckpt, label)
-    out["format"] = {"format": spec.QUANT_METHOD, "detail": f"KleidiAI-packed W4A8, {rec.get('layout')} "
+    out["format"] = {"format": QUANT_METHOD, "detail": f"KleidiAI-packed W4A8, {rec.get('layout')} "
                      f"v{rec.get('layout_version')}, nr/kr/sr {rec.get('nr')}/{rec.get('kr')}/{rec.get('sr')}",
-                     "evidence": [], "warnings": spec.record_problems(rec)}
+                     "evidence": [], "warnings": record_problems(rec)}
     out["quantization_config"] = ckpt.quant_config
     out["serve_format"] = {**rec, "blobs": len(pw.modules),
-                           "blob_bytes": sum(ckpt.tensors[f"{m}.{spec.SUFFIX}"].nbytes for m in pw.modules)}
+                           "blob_bytes": sum(ckpt.tensors[f"{m}.{SUFFIX}"].nbytes for m in pw.modules)}
     out["moe"], roles = _moe(ckpt, pw.modules)
-    out["plan"] = {"ok": False, "refused": f"a packed serving checkpoint ({spec.QUANT_METHOD}) is not a convert source",
+    out["plan"] = {"ok": False, "refused": f"a packed serving checkpoint ({QUANT_METHOD}) is not a convert source",
                    "hint": "Convert the original int4 checkpoint instead.", "exit_code": 4}
     mods = {}
     for m in pw.modules:
@@ -98,8 +98,8 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
         chan = g == -1
         mods[m] = {"role": roles.get(m) or classify(m)[0], "format": "kleidiai", "n": n, "k": k, "group_size": g,
                    "sym": True, "act_order": False, "scale_dtype": "F32" if chan else "BF16",
-                   "bias": bool(pw.prov[f"{m}.{spec.SUFFIX}"].get("bias")), "path": "packed",
-                   "bytes": ckpt.tensors[f"{m}.{spec.SUFFIX}"].nbytes, "kleidiai": True,
+                   "bias": bool(pw.prov[f"{m}.{SUFFIX}"].get("bias")), "path": "packed",
+                   "bytes": ckpt.tensors[f"{m}.{SUFFIX}"].nbytes, "kleidiai": True,
                    "kleidiai_reason": "packed " + ("channelwise qsi4cxp (fp32 scales)" if chan else
                                                    f"groupwise qsi4c32p, group {g} (bf16 scales)")}
     out["modules"] = mods
@@ -119,7 +119,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     from .formats import open_reader
     from .plan import make_plan
 
-    rec = spec.read_record(ckpt.quant_config)
+    rec = read_record(ckpt.quant_config)
     if rec is not None:
         return _packed_summary(ckpt, label, rec)
     out = _head(ckpt, label)
@@ -281,7 +281,7 @@ def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int, quantised: bool =
 
 def _dump_blob(pw: blobs.PackedWeights, m: str, rows: int) -> dict:
     """Block structure of a KleidiAI blob of the packed serving format, decoded with kleidiai.unpack."""
-    name = f"{m}.{spec.SUFFIX}"
+    name = f"{m}.{SUFFIX}"
     info = pw.ckpt.tensors[name]
     n, k = pw.shape(m)
     g = pw.block(m)
@@ -320,10 +320,10 @@ def inspect(path, tensor: str | None = None, *, revision: str | None = None, row
     with Checkpoint(folder) as ckpt:
         if tensor is None:
             return _summary(ckpt, str(path))
-        rec = spec.read_record(ckpt.quant_config)
+        rec = read_record(ckpt.quant_config)
         if rec is not None:
-            m = tensor[: -len(spec.SUFFIX) - 1] if tensor.endswith(f".{spec.SUFFIX}") else tensor
-            if f"{m}.{spec.SUFFIX}" in ckpt.tensors:
+            m = tensor[: -len(SUFFIX) - 1] if tensor.endswith(f".{SUFFIX}") else tensor
+            if f"{m}.{SUFFIX}" in ckpt.tensors:
                 return _dump_blob(blobs.PackedWeights(ckpt, rec), m, rows)
             return _dump(ckpt, tensor, rows, cols, quantised=False)
         return _dump(ckpt, tensor, rows, cols)

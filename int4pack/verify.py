@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from . import moe as moe_mod
-from . import serve_spec as spec
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError, VerifyFailed
 from .groups import block
+from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN, SUFFIX
 from .verify_structure import Target, check_structure, layer_index
 from .w4a8 import dequantize_w4a8
 
@@ -190,7 +190,7 @@ def _check_copies(t: Target, src: _Source, clock) -> dict:
                 continue  # reported by the numerical pass (not a quantised module of the source)
             bias = src.read(m).bias
             if t.packed:
-                explained.add(f"{m}.{spec.SUFFIX}")
+                explained.add(f"{m}.{SUFFIX}")
                 continue  # a packed bias is inside the blob: compared there (_bias_vs_source)
             explained.update({f"{m}.weight", f"{m}.weight_scale"})
             if bias is None:
@@ -215,7 +215,7 @@ def _bias_vs_source(t: Target, src: _Source, m: str) -> list[str]:
     if not t.packed:
         return []  # the plain output's biases are tensors of their own: _check_copies
     sb = src.read(m).bias
-    has = bool(t.packed.prov.get(f"{m}.{spec.SUFFIX}", {}).get("bias"))
+    has = bool(t.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias"))
     if has != (sb is not None):
         return [f"{m}: the blob {'holds' if has else 'lacks'} a bias, the source module "
                 f"{'has none' if has else 'has one'}"]
@@ -716,7 +716,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
             return _finish(report, t0, clock, raise_on_failure)
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
                                 "seconds": round(time.perf_counter() - ts, 3),
-                                "serve_format": spec.KLEIDIAI if t.packed else spec.PLAIN}
+                                "serve_format": KLEIDIAI if t.packed else PLAIN}
         report["layers"], report["dense"] = [], []
         report["kernel"] = _kernel_info()
         report["trust"] = _trust_notes(t, counts, conv_report, against is not None and not structural_only)
@@ -820,8 +820,8 @@ def _trust_notes(t: Target, counts: dict, conv_report: dict | None, against: boo
     if t.packed:
         notes.append("each blob is checked against the provenance in its own shard header (CRCs of the values "
                      "it was packed from) and repacked byte for byte")
-        if spec.BLOB_CHECKS not in t.packed.record:
-            notes.append(f"the layout record has no {spec.BLOB_CHECKS} (written by an older int4pack): the vLLM "
+        if BLOB_CHECKS not in t.packed.record:
+            notes.append(f"the layout record has no {BLOB_CHECKS} (written by an older int4pack): the vLLM "
                          "plugin serves these blobs unchecked; convert again to have them checked at load")
     return notes
 

@@ -99,7 +99,7 @@ def _set_prov(meta: dict, ents: dict) -> None:
 
 def _sync_checks(folder: Path) -> None:
     """Rewrite the layout record's blob_checks from the blobs as they now are (a consistent forgery)."""
-    from int4pack import serve_spec as spec
+    from int4pack import serve_spec
     from int4pack import blobs
 
     prov = {}
@@ -113,7 +113,7 @@ def _sync_checks(folder: Path) -> None:
                     prov[k[: -len(SUF) - 1]] = p
 
     def fix(cfg):
-        cfg["quantization_config"]["kleidiai"][spec.BLOB_CHECKS] = blobs.blob_checks(prov)
+        cfg["quantization_config"]["kleidiai"][serve_spec.BLOB_CHECKS] = blobs.blob_checks(prov)
 
     edit_config(folder, fix)
 
@@ -304,7 +304,7 @@ def _edit_check(cfg: dict) -> None:
 def _forge_packed(f: Path, name: str) -> None:
     """Replace an expert's int4 values by others (a 72 % error), repacked with honest provenance."""
     from int4pack import kleidiai
-    from int4pack import serve_spec as spec
+    from int4pack import serve_spec
     from int4pack import blobs
 
     def edit(t, meta):
@@ -317,7 +317,7 @@ def _forge_packed(f: Path, name: str) -> None:
         q, s, b = kleidiai.unpack(t[name], n, k, block, bool(p.get("bias")), check=False)
         q = torch.roll(q, 1, dims=1).contiguous()  # the right values in the wrong places
         t[name] = kleidiai.pack_portable(q, s, b, block, threads=1)
-        ents[name]["packed"] = {**spec.provenance(q, s, b, g, t[name])}
+        ents[name]["packed"] = {**serve_spec.provenance(q, s, b, g, t[name])}
         _set_prov(meta, ents)
         return True
 

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 import int4pack
 from _reference import FIXTURES, load_raw
 from int4pack import kleidiai
-from int4pack import serve_spec as spec
+from int4pack import serve_spec
 from int4pack import blobs
 from int4pack.cli import app
 from int4pack.errors import RefusedError, UsageError
@@ -268,12 +268,12 @@ def test_shard_headers_have_room_for_provenance(tmp_path):
     from int4pack.writer import ShardFile
 
     q = torch.zeros(8, 64, dtype=torch.int8)
-    prov = spec.provenance(q, torch.ones(8, 2, dtype=torch.bfloat16), torch.ones(8), 128)
+    prov = serve_spec.provenance(q, torch.ones(8, 2, dtype=torch.bfloat16), torch.ones(8), 128)
     prov.update(n=151936, k=163840)
-    names = [f"model.language_model.layers.{i // 384}.block_sparse_moe.experts.{i % 384}.w3.{spec.SUFFIX}"
+    names = [f"model.language_model.layers.{i // 384}.block_sparse_moe.experts.{i % 384}.w3.{serve_spec.SUFFIX}"
              for i in range(600)]
     results = {n: {"path": "requant", "rel_l2": "0.0123457", "max_abs": "0.000123457", "packed": prov} for n in names}
-    for extra, ok in ((spec.PROVENANCE_BYTES, True), (0, False)):
+    for extra, ok in ((serve_spec.PROVENANCE_BYTES, True), (0, False)):
         f = ShardFile(tmp_path / f"s{extra}.safetensors", [OutTensor(n, "U8", (16,)) for n in names], {"format": "pt"},
                       extra)
         for n in names:

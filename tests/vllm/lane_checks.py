@@ -98,13 +98,13 @@ def disk_groups(out_dir: Path) -> dict[str, int]:
     """{module: group (-1 channel)} as the W4A8 folder's tensors hold them (weight_scale's dtype and
     shape; in the packed serving format each blob's provenance), independent of how its config
     names them."""
-    from int4pack import serve_spec as spec
+    from int4pack import serve_spec
     from int4pack import blobs
     from int4pack.checkpoint import Checkpoint
 
     out = {}
     with Checkpoint(out_dir) as ck:
-        rec = spec.read_record(ck.quant_config)
+        rec = serve_spec.read_record(ck.quant_config)
         if rec is not None:
             pw = blobs.PackedWeights(ck, rec)
             return {m: pw.group(m) for m in pw.modules}
