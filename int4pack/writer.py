@@ -52,7 +52,7 @@ __all__ = [
 PROGRESS = "progress.json"
 REPORT_NAME = "int4pack_report.json"  # what marks a folder as an int4pack output
 # test hook: INT4PACK_TEST_SLOW_WRITE_MS=N sleeps N ms before each tensor is written, so that a
-# test's SIGKILL lands mid-run on small fixtures (tests/test_reliability.py); unset in normal use
+# test's SIGKILL lands mid-run on small fixtures (tests/test_resume.py); unset in normal use
 try:
     _SLOW_WRITE_S = max(0.0, float(os.environ.get("INT4PACK_TEST_SLOW_WRITE_MS") or 0) / 1000)
 except ValueError:
