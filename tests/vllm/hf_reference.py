@@ -14,7 +14,7 @@ tables, eager attention's softmax); ``Float64`` turns every such float32 request
 while the reference runs, and the rotary tables are computed again under it.
 
 The mirror (``qmods``, ``a8``, ``bf16``) is what vLLM's W4A8 kernels should compute, by the
-rules of the hand-written reference in scripts/vllm_arm_e2e.py:
+rules of the hand-written reference in float_ref.py:
   * ``a8``: the input of every quantised linear is fake-quantised per token to int8 as KleidiAI's
     LHS packing does (``fake_quant_int8_rows``), the experts' too: the model class's fused
     experts run through a per-expert loop of our own, which quantises the input of gate/up and
