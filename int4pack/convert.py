@@ -17,10 +17,10 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from . import _ext, kernels
+from . import _ext
+from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
@@ -33,9 +33,11 @@ from . import serve_format as sf
 from .families import family_warnings
 from .serving import routing_warnings, serve_hint, serving_warnings
 from .target_config import w4a8_quant_config
-from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .workdir import partial_folder
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
+
+if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
+    from .w4a8 import W4A8Linear
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
@@ -90,6 +92,8 @@ def _w_stats(w: W4A8Linear, role: str) -> dict:
 
 def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:
     """Compute one job: ([(out name, tensor or bytes)] in plan order, {module: stats})."""
+    from .w4a8 import check_scales, fold_act_order, to_w4a8
+
     if job.kind == "copy":
         return [(job.source, ckpt.slice(job.source))], {}  # streamed by the writer in chunks
     roles = plan.layout.roles
@@ -192,6 +196,8 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
 
 def _kernels_used() -> str:
     """Which code computed the jobs: the C++ kernels, or their pure-torch twins and why."""
+    from . import kernels
+
     if kernels.ext() is not None:
         return "c++"
     return f"pure torch ({_ext.build_error('convert_kernels')})"
@@ -301,6 +307,7 @@ def convert(
                      fresh=not trusted)
         if on_plan is not None:
             on_plan(report)
+        load_torch()  # the work starts: not before the plan is out (_lazy.py)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
                               sf.job_packer(tensor_parallel) if packed else None, trusted)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
@@ -382,6 +389,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     so neither the serial bookkeeping nor an fsync holds the workers up. Returns per-module stats.
     ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
     turns a job's W4A8 tensors into KleidiAI blobs (serve_format.job_packer)."""
+    from . import kernels
+
     rename = rename or {}
     if trusted is None:
         trusted = od.trusted_shards(names)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import torch
-
-from . import kernels
+from ._lazy import torch
 
 __all__ = ["LinearSpec", "QuantLinear", "FormatVerdict"]
 
@@ -65,6 +63,8 @@ class QuantLinear:
         """This record with ``codes`` filled in (itself when they already are)."""
         if self.codes is not None:
             return self
+        from . import kernels  # not at the top: the plan imports this module, and kernels imports torch
+
         layout, words = self.packed
         if layout == 1:
             codes = kernels.unpack_ct(words, self.spec.k)

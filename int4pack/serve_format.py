@@ -36,9 +36,8 @@ import dataclasses
 import json
 import zlib
 
-import torch
-
 from . import kleidiai
+from ._lazy import torch
 from .errors import InputError, RefusedError, UsageError
 from .plan import Job, OutTensor, Plan
 

@@ -27,9 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from . import kernels
+from ._lazy import torch
 from .errors import OutputError
 from .plan import OutTensor
 from .workdir import partial_folder
@@ -406,8 +404,21 @@ class ShardFile:
 # direct writer's staging copy). crc32c (hardware, in the extension) is written when the extension
 # is loaded, zlib's crc32 without it; "crc32c:" prefixes its digests, and a bare hex digest
 # (int4pack 0.1.0 before this change) is crc32
+# kernels.py imports torch: imported on first use, not with this module (convert's plan imports it)
+def _crc32c(data, crc: int = 0) -> int:
+    from . import kernels
+
+    return kernels.crc32c(data, crc)
+
+
+def _crc32c_copy(src, dst, crc: int = 0) -> int:
+    from . import kernels
+
+    return kernels.crc32c_copy(src, dst, crc)
+
+
 _CHECKSUMS = {"crc32": (b"int4pack-crc32-v1", zlib.crc32, _copy_crc32),
-              "crc32c": (b"int4pack-crc32c-v1", kernels.crc32c, kernels.crc32c_copy)}
+              "crc32c": (b"int4pack-crc32c-v1", _crc32c, _crc32c_copy)}
 
 
 def tensor_crc(data, kind: str) -> int:
@@ -422,6 +433,8 @@ def tensor_crc(data, kind: str) -> int:
 def digest_kind(digest: str | None = None) -> str:
     """The checksum kind of a recorded data_digest; with none, the kind a new shard gets."""
     if digest is None:
+        from . import kernels
+
         return "crc32c" if kernels.ext() is not None else "crc32"
     return "crc32c" if str(digest).startswith("crc32c:") else "crc32"
 
