@@ -75,7 +75,8 @@ def test_convert_prints_its_plan_before_torch_is_imported(tmp_path, fixture, fmt
     assert lines.count(_TORCH_MARK) == 1, out
     mark = lines.index(_TORCH_MARK)
     assert lines[0].startswith(f"{FIXTURES / fixture}: {fmt}"), lines[0]
-    plan = next(i for i, ln in enumerate(lines) if re.match(r"  tensors: \d+ in -> \d+ out in 1 shard\(s\); .* read -> ", ln))
+    plan_line = re.compile(r"  tensors: \d+ in -> \d+ out in 1 shard\(s\); .* read -> ")
+    plan = next(i for i, ln in enumerate(lines) if plan_line.match(ln))
     assert plan < mark < next(i for i, ln in enumerate(lines) if ln.startswith("wrote "))
     assert frozen > 100_000  # torch's objects, frozen out of the GC's scans
 
