@@ -51,10 +51,11 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-# the error figures: the C++ sums in float64, the torch twin in float32. On x86-64 the twin's sums
-# agree to 1e-5; on aarch64 (torch 2.13.0 under QEMU neoverse-n2) they are up to 2.5e-5 off, where
-# the C++ figure stays within 1e-8 of a float64 computation (the codes and scales still equal)
-TWIN_REL = 1e-4 if platform.machine().lower() in {"aarch64", "arm64"} else 1e-5
+# the error figures: the C++ sums in float64, the torch twin in float32. On x86-64 the twin agrees
+# to 1e-5; on aarch64 (torch 2.13.0 under QEMU neoverse-n2) it is up to 2e-4 off (near-tie and
+# 2^18-long channel groups), while the C++ figures there equal the x86-64 C++ figures and a float64
+# computation of the same codes and scales (the codes and scales equal the twin's in every test)
+TWIN_REL = 3e-4 if platform.machine().lower() in {"aarch64", "arm64"} else 1e-5
 
 
 def close_info(a: dict, b: dict, rel: float = TWIN_REL) -> None:
