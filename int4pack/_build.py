@@ -36,8 +36,8 @@ def machine() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
-def library_name() -> str:
-    return f"_kernels-{machine()}.so"
+def library_name(target: str | None = None) -> str:
+    return f"_kernels-{target or machine()}.so"
 
 
 def sources() -> list[Path]:
@@ -101,9 +101,19 @@ def build(out: Path, *, jobs: int | None = None, log=print) -> Path:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``python -m int4pack._build [--machine M]``. --machine names the library for another machine,
+    built by the cross compiler in $CXX; for aarch64 on an x86-64 host, PyPI's ziglang:
+    ``CXX="python -m ziglang c++ -target aarch64-linux-gnu.2.17" python -m int4pack._build --machine aarch64``
+    (glibc 2.17 and up; libc++ linked in statically)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m int4pack._build", description="Build int4pack's C++ kernels in place.")
+    ap.add_argument("--machine", help="the machine the library is for, as platform.machine() names it "
+                                      "(default: this one's); set $CXX to a compiler for it")
+    args = ap.parse_args(argv)
     try:
-        build(HERE / library_name())
+        build(HERE / library_name(args.machine))
     except RuntimeError as e:
         print(f"int4pack: {e}", file=sys.stderr)
         return 1

@@ -38,10 +38,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import torch
-
 from . import kleidiai
 from .architectures import VLLM_FUSED, classify, vllm_module
+from ._lazy import torch
 from .errors import InputError, RefusedError, UsageError
 from .groups import block
 from .plan import Job, OutTensor, Plan

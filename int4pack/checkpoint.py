@@ -19,8 +19,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
+from ._lazy import torch
 from .errors import InputError
 
 __all__ = [
@@ -33,31 +32,48 @@ __all__ = [
     "resolve_source",
 ]
 
-# safetensors dtype names <-> torch dtypes
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+# safetensors dtype names -> (the torch dtype's name, bytes per element): plain names, so that the
+# plan needs no torch (_lazy.py); DTYPES / DTYPE_NAMES (torch dtypes) are built on first use
+_DTYPE_SPECS = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "U16": ("uint16", 2),
+    "U32": ("uint32", 4),
+    "U64": ("uint64", 8),
+    "BOOL": ("bool", 1),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # not named by Python before 3.13
 _FAULT_AROUND = 1 << 21  # a fault maps resident pages around it: up to a whole large folio (<= 2 MB)
-ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
-_DTYPE_KEY = {k: k for k in DTYPES}  # the shared name string instead of one per tensor from JSON
+ITEMSIZE = {k: size for k, (_, size) in _DTYPE_SPECS.items()}
+_DTYPE_KEY = {k: k for k in _DTYPE_SPECS}  # the shared name string instead of one per tensor from JSON
 # same-size dtypes numpy has, to read into a torch tensor through its numpy view
-_NUMPY_VIEW = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
+_NUMPY_VIEW = {"BF16": "int16", "F8_E4M3": "uint8", "F8_E5M2": "uint8"}
+# the dtypes numpy reads as they are (``Checkpoint.array``)
+NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+                "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?"}
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a safetensors dtype name (imports torch)."""
+    return getattr(torch, _DTYPE_SPECS[name][0])
+
+
+def __getattr__(name: str):
+    """DTYPES (safetensors name -> torch dtype) and DTYPE_NAMES (the reverse), built on first use."""
+    if name in ("DTYPES", "DTYPE_NAMES"):
+        dtypes = {k: torch_dtype(k) for k in _DTYPE_SPECS}
+        globals().update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 
@@ -129,7 +145,7 @@ def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
             raise InputError(f"{path.name}: tensor {name!r} has a malformed header entry",
                              path=str(path), tensor=name, hint=damaged)
         dt, shape, off = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dt, str) or dt not in DTYPES:
+        if not isinstance(dt, str) or dt not in _DTYPE_SPECS:
             raise InputError(f"{path.name}: tensor {name!r} has unknown dtype {dt!r}", path=str(path),
                              tensor=name, hint=damaged)
         if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
@@ -503,11 +519,23 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         """The tensor, read into memory of its own (pread: no mapped pages stay counted in RSS)."""
         t = self.info(name)
-        out = torch.empty(t.shape, dtype=DTYPES[t.dtype])
+        out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
         if t.end > t.begin:
             # read through a numpy view of the same itemsize (numpy has no bf16/fp8): no dtype views after
-            self._read(t, out.view(_NUMPY_VIEW.get(out.dtype, out.dtype)).numpy(), 0, t.nbytes)
+            same_size = _NUMPY_VIEW.get(t.dtype)
+            self._read(t, (out.view(getattr(torch, same_size)) if same_size else out).numpy(), 0, t.nbytes)
         return out
+
+    def array(self, name: str):
+        """The tensor as a numpy array in memory of its own, without torch (the plan's small reads).
+        Raises InputError for a dtype numpy does not have (bf16, fp8)."""
+        import numpy as np
+
+        t = self.info(name)
+        dt = NUMPY_DTYPES.get(t.dtype)
+        if dt is None:
+            raise InputError(f"tensor {name!r} is {t.dtype}, which numpy cannot read", tensor=name)
+        return np.frombuffer(self.read_bytes(name), dtype=dt).reshape(t.shape)
 
     def read_bytes(self, name: str) -> bytearray:
         """The tensor's bytes in a buffer of their own: cheaper than ``get`` for a comparison or numpy."""
@@ -524,7 +552,7 @@ class Checkpoint:
         Falls back to ``get`` (a copy) where the data is not aligned for its dtype.
         """
         t = self.info(name)
-        dt = DTYPES[t.dtype]
+        dt = torch_dtype(t.dtype)
         if t.numel == 0 or t.begin % ITEMSIZE[t.dtype]:
             return self.get(name)
         mv = self.raw(name)

@@ -16,10 +16,10 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from . import _ext, blobs, kernels
+from . import _ext, blobs
+from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
@@ -33,9 +33,11 @@ from .records import QuantLinear
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
 from .target_config import output_config
 from .vllm_compat import routing_warnings, serve_hint, serving_warnings
-from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .workdir import partial_folder
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
+
+if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
+    from .w4a8 import W4A8Linear
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
@@ -89,6 +91,8 @@ def _w_stats(w: W4A8Linear, role: str) -> dict:
 
 def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:
     """Compute one job: ([(out name, tensor or bytes)] in plan order, {module: stats})."""
+    from .w4a8 import check_scales, fold_act_order, to_w4a8
+
     if job.kind == "copy":
         return [(job.source, ckpt.slice(job.source))], {}  # streamed by the writer in chunks
     roles = plan.layout.roles
@@ -156,6 +160,8 @@ def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
 
 def _kernels_used() -> str:
     """Which code computed the jobs: the C++ kernels, or their pure-torch twins and why."""
+    from . import kernels
+
     if kernels.ext() is not None:
         return "c++"
     return f"pure torch ({_ext.build_error('convert_kernels')})"
@@ -265,6 +271,7 @@ def convert(
                      fresh=not trusted)
         if on_plan is not None:
             on_plan(report)
+        load_torch()  # the work starts: not before the plan is out (_lazy.py)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
                               blobs.job_packer(tensor_parallel) if packed else None, trusted)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
@@ -344,6 +351,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     so neither the serial bookkeeping nor an fsync holds the workers up. Returns per-module stats.
     ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
     turns a job's W4A8 tensors into KleidiAI blobs (blobs.job_packer)."""
+    from . import kernels
+
     rename = rename or {}
     if trusted is None:
         trusted = od.trusted_shards(names)

@@ -26,8 +26,8 @@ import platform
 from functools import lru_cache
 
 import numpy as np
-import torch
 
+from ._lazy import torch
 from .errors import InputError
 from .groups import check_group_size, is_channelwise
 

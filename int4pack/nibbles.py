@@ -4,10 +4,11 @@ unpacking that reads them (the C++ kernels' twins, and the readers' small tensor
 from __future__ import annotations
 
 import numpy as np
-import torch
+
+from ._lazy import torch
 
 __all__ = ["NATURAL_SHIFTS", "AWQ_ORDER", "AWQ_SHIFTS", "as_uint32", "unpack_cols", "words_u32", "unpack_rows",
-           "nibble_rows"]
+           "nibble_rows", "nibble_cols"]
 
 # nibble i of a word holds logical column i (GPTQ, compressed-tensors)
 NATURAL_SHIFTS = tuple(4 * i for i in range(8))
@@ -45,3 +46,11 @@ _ROW_SHIFTS = np.array(NATURAL_SHIFTS, dtype=np.uint32)[:, None]
 def nibble_rows(w: np.ndarray) -> np.ndarray:
     """uint32 [A, B] -> uint8 [8A, B]: row 8a+m is nibble m of row a (numpy: a third of torch's int64 chain)."""
     return ((w[:, None, :] >> _ROW_SHIFTS) & 0xF).astype(np.uint8).reshape(8 * w.shape[0], w.shape[1])
+
+
+_COL_SHIFTS = np.array(NATURAL_SHIFTS, dtype=np.uint32)
+
+
+def nibble_cols(w: np.ndarray) -> np.ndarray:
+    """uint32 [A, B] -> uint8 [A, 8B]: column 8j+m is nibble m of word j (``unpack_cols`` in numpy)."""
+    return ((w[:, :, None] >> _COL_SHIFTS) & 0xF).astype(np.uint8).reshape(w.shape[0], -1)

@@ -13,9 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from enum import IntEnum
 
-import torch
-
-from . import kernels
+from ._lazy import torch
 
 __all__ = ["LinearSpec", "QuantLinear", "FormatVerdict"]
 
@@ -74,6 +72,8 @@ class QuantLinear:
         """This record with ``codes`` filled in (itself when they already are)."""
         if self.codes is not None:
             return self
+        from . import kernels  # not at the top: the plan imports this module, and kernels imports torch
+
         layout, words = self.packed
         if layout == Packing.CT:
             codes = kernels.unpack_ct(words, self.spec.k)

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from ._lazy import torch
 from .errors import RefusedError
 
 __all__ = ["Routing", "SERVED", "from_layer", "select_experts"]

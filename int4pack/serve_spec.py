@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import zlib
 
-import torch
-
 from . import kleidiai
+from ._lazy import torch
 from .errors import InputError, UsageError
 from .groups import scale_dtype
 

@@ -30,10 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from . import kernels
-from .checkpoint import DTYPE_NAMES
+from ._lazy import torch
 from .errors import OutputError
 from .plan import OutTensor
 from .workdir import partial_folder
@@ -253,6 +250,7 @@ class ShardFile:
         if want is None:
             raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
         if isinstance(data, torch.Tensor):
+            from .checkpoint import DTYPE_NAMES
             if DTYPE_NAMES.get(data.dtype) != want.dtype or tuple(data.shape) != want.shape:
                 raise OutputError(f"internal: {name} is {data.dtype}{tuple(data.shape)}, "
                                   f"planned {want.dtype}{want.shape}", tensor=name)
@@ -409,8 +407,21 @@ class ShardFile:
 # direct writer's staging copy). crc32c (hardware, in the extension) is written when the extension
 # is loaded, zlib's crc32 without it; "crc32c:" prefixes its digests, and a bare hex digest
 # (int4pack 0.1.0 before this change) is crc32
+# kernels.py imports torch: imported on first use, not with this module (convert's plan imports it)
+def _crc32c(data, crc: int = 0) -> int:
+    from . import kernels
+
+    return kernels.crc32c(data, crc)
+
+
+def _crc32c_copy(src, dst, crc: int = 0) -> int:
+    from . import kernels
+
+    return kernels.crc32c_copy(src, dst, crc)
+
+
 _CHECKSUMS = {"crc32": (b"int4pack-crc32-v1", zlib.crc32, _copy_crc32),
-              "crc32c": (b"int4pack-crc32c-v1", kernels.crc32c, kernels.crc32c_copy)}
+              "crc32c": (b"int4pack-crc32c-v1", _crc32c, _crc32c_copy)}
 
 
 def tensor_crc(data, kind: str) -> int:
@@ -425,6 +436,8 @@ def tensor_crc(data, kind: str) -> int:
 def digest_kind(digest: str | None = None) -> str:
     """The checksum kind of a recorded data_digest; with none, the kind a new shard gets."""
     if digest is None:
+        from . import kernels
+
         return "crc32c" if kernels.ext() is not None else "crc32"
     return "crc32c" if str(digest).startswith("crc32c:") else "crc32"
 

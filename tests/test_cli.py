@@ -4,6 +4,7 @@ sentences, output folders made as mkdir -p would, and tables that fit an 80-colu
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -38,6 +39,53 @@ def test_help_and_version_do_not_import_torch(args):
     mods = _imported_by(*args)
     assert "typer" in mods and "int4pack" in mods
     assert not {"torch", "numpy", "safetensors", "huggingface_hub"} & mods
+
+
+_TORCH_MARK = "<<torch imported>>"
+# runs the console script's main() with an audit hook that prints a mark into stdout when torch is imported
+_HOOKED_CLI = (
+    "import atexit, gc, sys\n"
+    "def hook(event, args):\n"
+    "    if event == 'import' and args[0] == 'torch':\n"
+    f"        print({_TORCH_MARK!r}, flush=True)\n"
+    "sys.addaudithook(hook)\n"
+    "atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr))\n"
+    "sys.argv = ['int4pack', *sys.argv[1:]]\n"
+    "from int4pack.cli import main\n"
+    "main()\n")
+
+
+def _hooked_cli(*args: str) -> tuple[str, int]:
+    r = subprocess.run([sys.executable, "-c", _HOOKED_CLI, *args], capture_output=True, text=True,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout, int(re.search(r"^frozen (\d+)$", r.stderr, re.M).group(1))
+
+
+@pytest.mark.parametrize("fixture, fmt", [("gptq_q3_sym", "gptq (gptq v1 zero points)"),
+                                          ("gptq_q3_asym", "gptq (gptq v1 zero points)"),
+                                          ("gptq_q3_descact", "gptq (gptq v1 zero points)"),
+                                          ("awq_q3", "awq (awq gemm)"),
+                                          ("ct_qwen3moe_w4a16", "compressed-tensors")])
+def test_convert_prints_its_plan_before_torch_is_imported(tmp_path, fixture, fmt):
+    """The plan (format, paths, bytes) is out before torch's ~3 s import starts; then the work
+    imports torch once, and the console script freezes what that import made."""
+    out, frozen = _hooked_cli("convert", str(FIXTURES / fixture), str(tmp_path / "out"))
+    lines = out.splitlines()
+    assert lines.count(_TORCH_MARK) == 1, out
+    mark = lines.index(_TORCH_MARK)
+    assert lines[0].startswith(f"{FIXTURES / fixture}: {fmt}"), lines[0]
+    plan_line = re.compile(r"  tensors: \d+ in -> \d+ out in 1 shard\(s\); .* read -> ")
+    plan = next(i for i, ln in enumerate(lines) if plan_line.match(ln))
+    assert plan < mark < next(i for i, ln in enumerate(lines) if ln.startswith("wrote "))
+    assert frozen > 100_000  # torch's objects, frozen out of the GC's scans
+
+
+def test_convert_dry_run_never_imports_torch(tmp_path):
+    out, _ = _hooked_cli("convert", str(FIXTURES / "gptq_q3_sym"), str(tmp_path / "out"), "--dry-run",
+                         "--serve-format", "kleidiai")
+    assert _TORCH_MARK not in out and "dry run: nothing written" in out and "serve format: kleidiai" in out
+    assert not (tmp_path / "out").exists()
 
 
 def test_choices_are_choices():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 from dataclasses import replace
 
 import pytest
@@ -48,7 +49,14 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def close_info(a: dict, b: dict, rel: float = 1e-5) -> None:
+# the error figures: the C++ sums in float64, the torch twin in float32. On x86-64 the twin agrees
+# to 1e-5; on aarch64 (torch 2.13.0 under QEMU neoverse-n2) it is up to 2e-4 off (near-tie and
+# 2^18-long channel groups), while the C++ figures there equal the x86-64 C++ figures and a float64
+# computation of the same codes and scales (the codes and scales equal the twin's in every test)
+TWIN_REL = 3e-4 if platform.machine().lower() in {"aarch64", "arm64"} else 1e-5
+
+
+def close_info(a: dict, b: dict, rel: float = TWIN_REL) -> None:
     assert a.keys() == b.keys()
     for key in a:
         x, y = a[key], b[key]
@@ -390,7 +398,7 @@ def _requant_matches(ql, g, search=True, *, float64_stats=False):
     assert same_bytes(q, q0)
     assert same_bytes(s, s0)
     if float64_stats:
-        close_info({key: info[key] for key in ("rel_l2", "max_abs", "cosine")}, _float64_info(ql, q, s, gn))
+        close_info({key: info[key] for key in ("rel_l2", "max_abs", "cosine")}, _float64_info(ql, q, s, gn), rel=1e-5)
         assert info.keys() == info0.keys() and info["zero_groups"] == info0["zero_groups"]
     else:
         close_info(info, info0)

@@ -31,3 +31,16 @@ def test_functions_keep_their_names_whatever_imports_their_modules():
     assert out[4] == _run("from int4pack._version import __version__; print(__version__)")
     code = "import int4pack as p\nprint(p.convert.__module__, p.verify.__module__, p.inspect.__module__)"
     assert _run(code) == "int4pack.convert int4pack.verify int4pack.inspect"
+
+
+def test_torch_is_imported_on_first_use_then_bound_in_every_module():
+    """The plan's modules name torch through _lazy's stand-in: importing them imports no torch; the
+    first attribute read does, and from then on each module's ``torch`` is torch itself."""
+    code = ("import importlib, sys\n"
+            "mods = [importlib.import_module(m) for m in ('int4pack.convert', 'int4pack.checkpoint', "
+            "'int4pack.formats.gptq', 'int4pack.writer', 'int4pack.blobs', 'int4pack.serve_spec', 'int4pack.routing')]\n"
+            "before = 'torch' in sys.modules\n"
+            "dt = mods[1].torch.bfloat16\n"
+            "import torch\n"
+            "print(before, dt is torch.bfloat16, all(m.torch is torch for m in mods))")
+    assert _run(code) == "False True True"

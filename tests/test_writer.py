@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 import int4pack
-from int4pack import writer
+from int4pack import kernels, writer
 from int4pack.errors import OutputError
 from int4pack.plan import OutTensor
 
@@ -117,7 +117,7 @@ def test_digest_kinds(tmp_path, monkeypatch):
     for hidden in (False, True):
         with monkeypatch.context() as m:
             if hidden:
-                m.setattr(writer.kernels, "ext", lambda: None)
+                m.setattr(kernels, "ext", lambda: None)
             p = tmp_path / f"s{int(hidden)}.safetensors"
             sf = writer.ShardFile(p, _plan(ts), {"format": "pt"})
             for n, t in ts.items():
@@ -128,7 +128,7 @@ def test_digest_kinds(tmp_path, monkeypatch):
     assert kind == "crc32" and not rec["data_digest"].startswith("crc32c:")
     assert writer.hash_shard(p, rec["data_digest"]) == rec  # checked with the extension loaded
     p, kind, rec = recs[False]
-    if writer.kernels.ext() is not None:
+    if kernels.ext() is not None:
         assert kind == "crc32c" and rec["data_digest"].startswith("crc32c:")
     assert writer.hash_shard(p, rec["data_digest"]) == rec
     assert writer.hash_shard(p, recs[True][2]["data_digest"])["data_digest"] != rec["data_digest"]

@@ -65,17 +65,19 @@ _process = {"owned": False}  # True once main() runs: the process is the command
 
 def own_process() -> None:
     """Called by the console script: process-wide settings (GC freeze) are then the CLI's to make."""
+    from .._lazy import freeze_after_import
+
     _process["owned"] = True
+    freeze_after_import()  # torch, imported when a command's work starts
 
 
 def library(name: str):
     """The library function ``int4pack.<name>``, imported when its command runs (so ``--help``
-    never imports torch).
+    never imports torch; convert imports it after printing its plan: ``_lazy.py``).
 
-    torch's import creates ~10^6 objects that the cyclic GC would rescan while it runs, so the
-    GC pauses for the import. When the process is the command's own (the console script, not a
-    test calling the app), everything imported then is frozen too: it lives as long as the
-    process, and later collections need not scan it.
+    The GC pauses for the import. When the process is the command's own (the console script, not
+    a test calling the app), everything imported then is frozen too: it lives as long as the
+    process, and later collections need not scan it (``_lazy.load_torch`` does the same for torch).
     """
     was_enabled = gc.isenabled()
     gc.disable()

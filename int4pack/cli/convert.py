@@ -20,7 +20,7 @@ class Dense(str, Enum):
     bf16 = "bf16"
 
 
-class ServeFormat(str, Enum):  # serve_format.FORMATS (the CLI's choices, without importing torch)
+class ServeFormat(str, Enum):  # serve_spec.FORMATS (the CLI's choices, without importing torch)
     compressed_tensors = "compressed-tensors"
     kleidiai = "kleidiai"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import torch
 
-from ..checkpoint import DTYPES, Checkpoint
+from .._lazy import torch
+from ..checkpoint import NUMPY_DTYPES, Checkpoint, torch_dtype
 from ..errors import InputError, RefusedError
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "read_g_idx",
     "is_trivial_g_idx",
     "g_idx_unless_trivial",
+    "nontrivial_g_idx",
     "cfg_int",
     "require_bits4",
 ]
@@ -38,7 +39,7 @@ def read_transposed(ckpt: Checkpoint, name: str) -> torch.Tensor:
 
     The copy goes through numpy as same-size integers (no bf16 there): half of torch's time."""
     t = ckpt.info(name)
-    dt = DTYPES[t.dtype]
+    dt = torch_dtype(t.dtype)
     words = np.frombuffer(ckpt.read_bytes(name), _UINT[dt.itemsize]).reshape(t.shape)
     return torch.from_numpy(np.ascontiguousarray(words.T)).view(dt)
 
@@ -74,35 +75,49 @@ def check_dtype(ckpt: Checkpoint, name: str, allowed: tuple[str, ...], what: str
                          hint="The checkpoint is not the layout its config claims.")
 
 
-def read_g_idx(ckpt: Checkpoint, name: str, k: int, groups: int) -> torch.Tensor:
-    """g_idx as int64 [K], checked for shape and range."""
+def _g_idx_array(ckpt: Checkpoint, name: str, k: int, groups: int) -> np.ndarray:
+    """g_idx as numpy int64 [K], checked for shape and range (no torch: the plan reads it)."""
     check_shape(ckpt, name, (k,), "in_features K")
     check_dtype(ckpt, name, ("I32", "I64", "I16"), "g_idx")
-    g = ckpt.get(name).to(torch.int64)
+    g = ckpt.array(name).astype(np.int64)
     if k and (int(g.min()) < 0 or int(g.max()) >= groups):
         raise InputError(f"{name}: group index out of range [{int(g.min())}, {int(g.max())}] for {groups} group(s)",
                          tensor=name, hint="g_idx must index the scales' groups; the checkpoint is corrupt.")
     return g
 
 
-def is_trivial_g_idx(g_idx: torch.Tensor, group_size: int) -> bool:
-    return bool(torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=torch.int64) // group_size))
+def read_g_idx(ckpt: Checkpoint, name: str, k: int, groups: int) -> torch.Tensor:
+    """g_idx as int64 [K], checked for shape and range."""
+    return torch.from_numpy(_g_idx_array(ckpt, name, k, groups))
+
+
+def is_trivial_g_idx(g_idx, group_size: int) -> bool:
+    """``g_idx`` (a torch tensor or numpy array) is arange(K) // group_size."""
+    g = np.asarray(g_idx)
+    return bool(np.array_equal(g, np.arange(g.size, dtype=np.int64) // group_size))
 
 
 @functools.lru_cache(maxsize=32)
-def _trivial_g_idx(k: int, group_size: int, dtype: torch.dtype) -> bytes:
-    return (torch.arange(k, dtype=torch.int64) // group_size).to(dtype).numpy().tobytes()
+def _trivial_g_idx(k: int, group_size: int, dtype: str) -> bytes:
+    return (np.arange(k, dtype=np.int64) // group_size).astype(NUMPY_DTYPES[dtype]).tobytes()
+
+
+def nontrivial_g_idx(ckpt: Checkpoint, name: str, k: int, groups: int, group_size: int) -> np.ndarray | None:
+    """The checked g_idx (numpy int64), or None for the usual arange(K) // group_size: its bytes compared
+    as stored against a cached copy first (the conversion and range checks cost more than the module's
+    other reads). No torch: the plan calls it for every module with a g_idx."""
+    t = ckpt.info(name)
+    if t.dtype in ("I32", "I64") and tuple(t.shape) == (k,) and k and group_size > 0 and (k - 1) // group_size < groups:
+        if ckpt.read_bytes(name) == _trivial_g_idx(k, group_size, t.dtype):
+            return None
+    g = _g_idx_array(ckpt, name, k, groups)
+    return None if is_trivial_g_idx(g, group_size) else g
 
 
 def g_idx_unless_trivial(ckpt: Checkpoint, name: str, k: int, groups: int, group_size: int) -> torch.Tensor | None:
-    """read_g_idx, or None for the usual arange(K) // group_size: its bytes compared as stored against a
-    cached copy first (the conversion and range checks cost more than the module's other reads)."""
-    t = ckpt.info(name)
-    if t.dtype in ("I32", "I64") and tuple(t.shape) == (k,) and k and group_size > 0 and (k - 1) // group_size < groups:
-        if ckpt.read_bytes(name) == _trivial_g_idx(k, group_size, DTYPES[t.dtype]):
-            return None
-    g = read_g_idx(ckpt, name, k, groups)
-    return None if is_trivial_g_idx(g, group_size) else g
+    """nontrivial_g_idx as a torch tensor (the readers' QuantLinear.g_idx)."""
+    g = nontrivial_g_idx(ckpt, name, k, groups, group_size)
+    return None if g is None else torch.from_numpy(g)
 
 
 def cfg_int(cfg: dict, *keys: str, default: int | None = None) -> int | None:

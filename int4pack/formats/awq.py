@@ -7,9 +7,8 @@ marlin, exllama) are refused by name.
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from .. import kernels
+from .._lazy import torch
 from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
@@ -104,6 +103,8 @@ class AWQReader:
                              extra={"version": self.version})
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
+        from .. import kernels  # torch's: imported when the work starts, not by the plan
+
         ck = self.ckpt
         qweight = ck.view(f"{spec.name}.qweight")  # mapped; convert releases it after the job
         packed = None

@@ -10,14 +10,13 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from .. import kernels
-from ._common import cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, owned, prefixes_with
+from .._lazy import torch
 from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
-from ..nibbles import unpack_rows
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
+from ..nibbles import unpack_rows
+from ._common import cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, nontrivial_g_idx, owned, prefixes_with
 
 __all__ = ["CompressedTensorsReader", "Scheme"]
 
@@ -304,7 +303,7 @@ class CompressedTensorsReader:
         act_order = False
         gi = f"{module}.weight_g_idx"
         if gi in ck.tensors:
-            act_order = g_idx_unless_trivial(ck, gi, k, groups, group) is not None
+            act_order = nontrivial_g_idx(ck, gi, k, groups, group) is not None
             keys.append(gi)
         b = f"{module}.bias"
         has_bias = b in ck.tensors
@@ -358,6 +357,8 @@ class CompressedTensorsReader:
         if spec.refused:
             raise RefusedError(f"{spec.name}: {spec.refused}", tensor=spec.name,
                                hint="Only int4 weights can be converted.")
+        from .. import kernels  # torch's: imported when the work starts, not by the plan
+
         ck = self.ckpt
         packed = None
         if spec.fmt == "ct-pack" and not unpack:

@@ -10,15 +10,14 @@ from __future__ import annotations
 import re
 
 import numpy as np
-import torch
 
-from .. import kernels
+from .._lazy import torch
 from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
-from ..nibbles import as_uint32, nibble_rows, unpack_cols, words_u32
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
+from ..nibbles import nibble_cols, nibble_rows
 from ._common import (
-    all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, need, prefixes_with,
+    all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, need, nontrivial_g_idx, prefixes_with,
     read_transposed, require_bits4)
 
 __all__ = ["GPTQReader", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
@@ -66,22 +65,25 @@ def _zeros(spec: LinearSpec, words: bytearray, conv: str) -> torch.Tensor | None
     return None if spec.n % 8 and bool((z == 8).all()) else torch.from_numpy(z)
 
 
-def _group_code_sums(words: torch.Tensor, g_idx: torch.Tensor | None, groups: int, group_size: int) -> torch.Tensor:
-    """Sum of the codes of each (group, column) of a qweight [K/8, N]: int64 [groups, N].
+def _group_code_sums(w: np.ndarray, g_idx: np.ndarray | None, groups: int, group_size: int) -> np.ndarray:
+    """Sum of the codes of each (group, column) of a qweight [K/8, N] (uint32 words): int64 [groups, N].
     ``g_idx`` None means contiguous groups of ``group_size`` rows. Contiguous groups of whole words
     add each word's 8 nibbles with two masks and a multiply, without unpacking (the v1/v2 check
-    unpacked 8 modules in float: a quarter of a second before any work)."""
-    k = words.shape[0] * 8
-    w = words_u32(words)
+    unpacked 8 modules in float: a quarter of a second before any work). numpy only: the plan runs it."""
+    k = w.shape[0] * 8
     if g_idx is None and group_size % 8 == 0 and k == groups * group_size:
         pairs = (w & np.uint32(0x0F0F0F0F)) + ((w >> np.uint32(4)) & np.uint32(0x0F0F0F0F))  # 4 bytes <= 30
         per_word = (pairs * np.uint32(0x01010101)) >> np.uint32(24)  # the top byte adds all four: <= 120
-        sums = per_word.reshape(groups, group_size // 8, -1).sum(axis=1, dtype=np.int64)
-        return torch.from_numpy(sums)
+        return per_word.reshape(groups, group_size // 8, -1).sum(axis=1, dtype=np.int64)
     if g_idx is None:
-        g_idx = torch.arange(k) // group_size
-    u = torch.from_numpy(nibble_rows(w)).to(torch.int64)  # [K, N]
-    return torch.zeros(groups, u.shape[1], dtype=torch.int64).index_add_(0, g_idx, u)
+        g_idx = np.arange(k) // group_size
+    u = nibble_rows(w).astype(np.int64)  # [K, N]
+    counts = np.bincount(g_idx, minlength=groups)
+    out = np.zeros((groups, u.shape[1]), dtype=np.int64)
+    full = counts > 0  # rows sorted by group: each non-empty group's rows are one run
+    starts = (np.cumsum(counts) - counts)[full]
+    out[full] = np.add.reduceat(u[np.argsort(g_idx, kind="stable")], starts, axis=0)
+    return out
 
 
 class GPTQReader:
@@ -187,7 +189,7 @@ class GPTQReader:
         act_order = False
         g_name = f"{name}.g_idx"
         if g_name in ck.tensors:
-            act_order = g_idx_unless_trivial(ck, g_name, k, groups, group) is not None
+            act_order = nontrivial_g_idx(ck, g_name, k, groups, group) is not None
             keys.append(g_name)
         elif eff["desc_act"]:
             notes.append("desc_act is set but there is no g_idx; groups taken as contiguous")
@@ -223,8 +225,12 @@ class GPTQReader:
         step = (len(ok) - 1) / (_SAMPLE - 1)
         return [ok[round(i * step)] for i in range(_SAMPLE)]
 
-    def _zero_words(self, spec: LinearSpec) -> torch.Tensor:
-        return as_uint32(self.ckpt.get(f"{spec.name}.qzeros")).flatten()
+    def _zero_words(self, spec: LinearSpec) -> np.ndarray:
+        return self._words(f"{spec.name}.qzeros").ravel()
+
+    def _words(self, name: str) -> np.ndarray:
+        """An I32 tensor (checked by _spec) as numpy uint32 words."""
+        return self.ckpt.array(name).view(np.uint32)
 
     def _mean_code_minus_stored_zero(self, sample: list[LinearSpec]) -> float:
         """mean(u - z) over the sample's weights, skipping those whose stored zero z is a v1 0xF
@@ -232,21 +238,21 @@ class GPTQReader:
         column), the codes' sum minus the group's row count times z."""
         total, count = 0, 0
         for s in sample:
-            words = self.ckpt.get(f"{s.name}.qweight")  # [K/8, N]
-            zs = unpack_cols(self.ckpt.get(f"{s.name}.qzeros"))[:, : s.n].to(torch.int64)  # [G, N]
+            words = self._words(f"{s.name}.qweight")  # [K/8, N]
+            zs = nibble_cols(self._words(f"{s.name}.qzeros"))[:, : s.n].astype(np.int64)  # [G, N]
             g_idx = self._group_index(s)
-            rows = torch.bincount(g_idx, minlength=zs.shape[0])[:, None]  # [G, 1] weights per group
+            rows = np.bincount(g_idx, minlength=zs.shape[0])[:, None]  # [G, 1] weights per group
             sums = _group_code_sums(words, g_idx if s.act_order else None, zs.shape[0], s.group_size)  # [G, N]
             keep = zs != 0xF
             total += int((sums - rows * zs)[keep].sum())
             count += int((rows * keep).sum())
         return total / max(count, 1)
 
-    def _group_index(self, spec: LinearSpec) -> torch.Tensor:
+    def _group_index(self, spec: LinearSpec) -> np.ndarray:
         g_name = f"{spec.name}.g_idx"
-        if g_name in self.ckpt.tensors:
-            return self.ckpt.get(g_name).to(torch.int64)
-        return torch.arange(spec.k) // spec.group_size
+        if g_name in self.ckpt.tensors:  # in range: _spec checked it (nontrivial_g_idx)
+            return self.ckpt.array(g_name).astype(np.int64)
+        return np.arange(spec.k) // spec.group_size
 
     def _detect(self, specs: dict[str, LinearSpec]) -> FormatVerdict:
         label = self._label()
@@ -258,7 +264,7 @@ class GPTQReader:
         if not sample:
             evidence.append("no 4-bit module to inspect; following the label")
             return self._make_verdict(label_conv, label, evidence, warnings)
-        words = torch.unique(torch.cat([self._zero_words(s) for s in sample])).tolist()
+        words = np.unique(np.concatenate([self._zero_words(s) for s in sample])).tolist()
         if words == [V1_SYM_WORD]:
             conv = "v1"
             evidence.append("every sampled qzeros word is 0x77777777: symmetric, v1 (stored zero 7 = 8 - 1)")
@@ -282,7 +288,7 @@ class GPTQReader:
             return "v2"
         if _V1_ABOVE < d <= _SANE[1]:
             conv = "v1"
-            nib = torch.cat([unpack_cols(self.ckpt.get(f"{s.name}.qzeros")).flatten() for s in sample])
+            nib = np.concatenate([nibble_cols(self._words(f"{s.name}.qzeros")).ravel() for s in sample])
             if bool((nib == 0xF).any()):
                 warnings.append("asymmetric v1 file stores a 0xF zero nibble (a zero point of 0 borrowed "
                                 "from its neighbour); decoded by adding 0x11111111 to whole words")
@@ -316,6 +322,8 @@ class GPTQReader:
                                hint="Only 4-bit modules can be converted.")
         ck = self.ckpt
         conv = self.verdict().extra["zero_convention"]
+        from .. import kernels  # torch's: imported when the work starts, not by the plan
+
         qweight = ck.view(f"{spec.name}.qweight")  # mapped; convert releases it after the job
         packed = None
         if unpack:

@@ -8,10 +8,13 @@ Two halves in one file:
       the emulated aarch64 python and summarises.
   emulated side (``--emulated DIR``, torch + numpy + safetensors only, no int4pack): packs each
       case with ``torch.ops.aten._dyn_quant_pack_4bit_weight`` (real KleidiAI), compares bytes,
-      and runs ``_dyn_quant_matmul_4bit`` on OUR blob and on torch's blob.
+      and runs ``_dyn_quant_matmul_4bit`` on OUR blob and on torch's blob. With ``--arm-lib`` it
+      also packs each case with int4pack's own C++ library built for aarch64
+      (``int4pack/_kernels-aarch64.so``: ``python -m int4pack._build --machine aarch64``, see
+      _build.py) and compares those bytes with torch's as well.
 
 Usage:  python tests/arm64/pack_check.py [--out DIR] [--emu /tmp/arm64emu/bin/python3-arm64]
-                                            [--quick] [--json FILE]
+                                            [--quick] [--json FILE] [--arm-lib]
 Exit status 0 only if every case is byte-identical and every matmul is within tolerance.
 """
 
@@ -115,7 +118,8 @@ def emulated(d: Path) -> dict:
     meta = json.loads((d / "cases.json").read_text())
     t = load_file(str(d / "cases.safetensors"))
     rows = []
-    t_pack = t_mm = 0.0
+    t_pack = t_mm = t_lib = 0.0
+    lib = arm_library()
 
     def rel(a, b):  # relative Frobenius distance of a from reference b
         return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
@@ -131,6 +135,13 @@ def emulated(d: Path) -> dict:
         row = dict(c, native_dtype=str(native.dtype), native_bytes=native.numel(), our_bytes=ours.numel())
         same = native.dtype == torch.uint8 and native.numel() == ours.numel() and torch.equal(native, ours)
         row["identical"] = bool(same)
+        if lib is not None:  # int4pack's aarch64 library, from the same int8 codes
+            u = t[p + "nib"]
+            q = torch.stack([(u & 0xF).to(torch.int8) - 8, (u >> 4).to(torch.int8) - 8], dim=2).reshape(n, k)
+            t1 = time.perf_counter()
+            mine = lib(q, t[p + "scales"], t.get(p + "bias"), g)
+            t_lib += time.perf_counter() - t1
+            row["arm_lib_identical"] = bool(native.dtype == torch.uint8 and torch.equal(mine, native))
         if not same and native.dtype == torch.uint8 and native.numel() == ours.numel():
             diff = (native != ours).nonzero().flatten()
             row["n_diff"] = int(diff.numel())
@@ -149,6 +160,7 @@ def emulated(d: Path) -> dict:
     api = api_checks(meta, t)
     return {
         "api": api,
+        "arm_lib": None if lib is None else {"library": lib.path, "pack_s": round(t_lib, 2)},
         "machine": platform.machine(),
         "torch": torch.__version__,
         "kleidiai": bool(torch.backends.kleidiai.is_available()),
@@ -158,6 +170,24 @@ def emulated(d: Path) -> dict:
         "matmul_s": round(t_mm, 2),
         "rows": rows,
     }
+
+
+def arm_library():
+    """int4pack's C++ packer from the library built for this machine, or None (INT4PACK_NO_EXT set).
+    Raises when it was asked for (no INT4PACK_NO_EXT) and does not load: that is the finding."""
+    if os.environ.get("INT4PACK_NO_EXT"):
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from int4pack import _ext, kleidiai
+
+    if kleidiai._ext_mod() is None:
+        raise SystemExit(f"int4pack's aarch64 library did not load: {_ext.build_error('kleidiai_pack')}")
+
+    def pack(q, scales, bias, g):
+        return kleidiai.pack_portable(q, scales, bias, g)
+
+    pack.path = str(_ext.library_path())
+    return pack
 
 
 def api_checks(meta, t) -> dict:
@@ -206,10 +236,13 @@ def summarise(res: dict) -> dict:
     }
     api = res["api"]
     s["api"] = api
+    if res.get("arm_lib") is not None:
+        s["arm_lib"] = dict(res["arm_lib"], identical=sum(r["arm_lib_identical"] for r in rows))
     s["ok"] = (s["identical"] == s["cases"] and s["max_rel_vs_float"] < TOL_VS_FLOAT
                and s["max_rel_vs_x86"] < TOL_VS_X86 and s["matmul_equal_native"] == s["cases"]
                and api["native_available"] and api["checked"] > 0
-               and api["checked"] == api["auto_native"] == api["unpack_ok"] == api["load_is_blob"])
+               and api["checked"] == api["auto_native"] == api["unpack_ok"] == api["load_is_blob"]
+               and ("arm_lib" not in s or s["arm_lib"]["identical"] == s["cases"]))
     s["failures"] = [r for r in rows if not r["identical"]][:5]
     return s
 
@@ -221,6 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small matrix (seconds, for smoke tests)")
     ap.add_argument("--json", type=Path, help="write the summary and per-case rows here")
     ap.add_argument("--reuse", action="store_true", help="reuse DIR's cases (another torch / QEMU_CPU)")
+    ap.add_argument("--arm-lib", action="store_true",
+                    help="also pack with int4pack/_kernels-aarch64.so under emulation (built beforehand)")
     ap.add_argument("--emulated", type=Path, help=argparse.SUPPRESS)  # internal: the aarch64 half
     a = ap.parse_args(argv)
     if a.emulated:
@@ -237,7 +272,10 @@ def main(argv=None) -> int:
         return 2
     env = dict(os.environ)
     env.setdefault("QEMU_CPU", "neoverse-n2")
-    env["INT4PACK_NO_EXT"] = "1"  # an x86-built extension cannot load there; no compiler either
+    if a.arm_lib:
+        env.pop("INT4PACK_NO_EXT", None)
+    else:
+        env["INT4PACK_NO_EXT"] = "1"  # an x86-built library cannot load there
     t1 = time.perf_counter()
     r = subprocess.run([a.emu, str(Path(__file__).resolve()), "--emulated", str(a.out)], env=env)
     if r.returncode:

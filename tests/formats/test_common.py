@@ -186,3 +186,41 @@ def test_non_trivial_g_idx_out_of_range_is_refused(make_ckpt):
     g[5] = -1
     with pytest.raises(InputError, match=r"out of range \[-1, 3\]"):
         g_idx_unless_trivial(_ckpt(make_ckpt, g), "m.g_idx", K, K // GROUP, GROUP)
+
+
+def test_dtype_tables_match_torch():
+    """The plan's torch-free dtype tables (checkpoint.py) against torch's own dtypes."""
+    from int4pack import checkpoint as c
+
+    for name, (attr, size) in c._DTYPE_SPECS.items():
+        dt = getattr(torch, attr)
+        assert c.torch_dtype(name) is dt and c.DTYPES[name] is dt and c.DTYPE_NAMES[dt] == name
+        assert c.ITEMSIZE[name] == size == torch.empty((), dtype=dt).element_size(), name
+        if name in c.NUMPY_DTYPES:
+            assert np.dtype(c.NUMPY_DTYPES[name]).itemsize == size
+            assert torch.from_numpy(np.zeros(1, c.NUMPY_DTYPES[name])).dtype is dt, name
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.float16,
+                                   torch.float32, torch.float64, torch.bool])
+def test_array_reads_what_get_reads(make_ckpt, dtype):
+    """Checkpoint.array (numpy, the plan's reads) against Checkpoint.get (torch), in every dtype numpy has."""
+    t = (torch.arange(-6, 6).reshape(3, 4) * 37).to(dtype)
+    ck = Checkpoint(make_ckpt({"m.x": t}, {"quant_method": "gptq"}))
+    got = ck.array("m.x")
+    assert got.shape == (3, 4) and torch.equal(torch.from_numpy(got.copy()), ck.get("m.x"))
+
+
+def test_array_refuses_what_numpy_cannot_hold(make_ckpt):
+    ck = Checkpoint(make_ckpt({"m.x": torch.ones(2, dtype=torch.bfloat16)}, {"quant_method": "gptq"}))
+    with pytest.raises(InputError, match="m.x.*BF16"):
+        ck.array("m.x")
+
+
+def test_nibble_cols_against_python_ints():
+    from int4pack.nibbles import nibble_cols, unpack_cols
+
+    w = np.random.default_rng(3).integers(-2**31, 2**31, size=(3, 5), dtype=np.int64).astype(np.int32)
+    want = [[(int(w[a, j]) % 2**32 >> (4 * m)) & 0xF for j in range(5) for m in range(8)] for a in range(3)]
+    assert nibble_cols(w.view(np.uint32)).tolist() == want
+    assert unpack_cols(torch.from_numpy(w)).tolist() == want  # the torch twin
