@@ -22,13 +22,16 @@ Dense W4A8 linears get the same with ``_dyn_quant_matmul_4bit`` on a few random 
 from __future__ import annotations
 
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import kernels
 from . import moe as moe_mod
 from . import serve_format as sf
 from .checkpoint import Checkpoint, resolve_source
@@ -125,6 +128,19 @@ class _Source:
     def dequant(self, m: str) -> torch.Tensor:
         return self.read(m).dequantize()
 
+    def bias(self, m: str) -> torch.Tensor | None:
+        """Module m's bias, without unpacking (or keeping) its weights."""
+        if m in self._cache:
+            return self._cache[m].bias
+        if m not in self.specs:
+            return self.read(m).bias  # the error read() gives
+        return self.reader.read(self.specs[m], unpack=False).bias
+
+    def forget(self, mods) -> None:
+        """Drop what was read of ``mods`` (one expert's, once checked): the cache stays one expert per thread."""
+        for m in mods:
+            self._cache.pop(m, None)
+
     def g_idx_perm(self, m: str) -> torch.Tensor | None:
         ql = self.read(m)
         if ql.g_idx is None or ql.has_trivial_g_idx():
@@ -187,7 +203,7 @@ def _check_copies(t: Target, src: _Source, clock) -> dict:
         for m in sorted(quant):
             if m not in src.specs:
                 continue  # reported by the numerical pass (not a quantised module of the source)
-            bias = src.read(m).bias
+            bias = src.bias(m)
             if t.packed:
                 explained.add(f"{m}.{sf.SUFFIX}")
                 continue  # a packed bias is inside the blob: compared there (_bias_vs_source)
@@ -347,8 +363,11 @@ def _pick(seq: list, n: int | None, gen: torch.Generator) -> list:
 
 
 class _Clock:
+    """Seconds per stage, summed over the threads that ran it (so their sum can exceed the wall time)."""
+
     def __init__(self):
         self.s = {"reference": 0.0, "kernel": 0.0, "pack": 0.0, "read": 0.0, "prediction": 0.0}
+        self._lock = threading.Lock()
 
     @contextmanager
     def __call__(self, what: str):
@@ -356,14 +375,34 @@ class _Clock:
         try:
             yield
         finally:
-            self.s[what] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self.s[what] += dt
 
 
-def _weights_vs_source(t: Target, src: _Source, mods: dict[str, str], report, clock):
+@contextmanager
+def _shutting(pool):
+    try:
+        yield
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _parallel(pool, fn, items: list):
+    """fn(*item) for each item, in order; on ``pool`` (a ThreadPoolExecutor) when there is one.
+    torch and the C++ kernels let go of the GIL, so threads run the experts side by side."""
+    if pool is None or len(items) < 2:
+        return [fn(*it) for it in items]
+    return [f.result() for f in [pool.submit(fn, *it) for it in items]]
+
+
+def _weights_vs_source(t: Target, src: _Source, mods: dict[str, str], report, clock, conv=None):
     """Source float weights aligned with the converted ones (undoing an act-order fold), per-module
-    measured rel_l2 and budget. mods: role -> module name of one MLP."""
+    measured rel_l2 and budget. mods: role -> module name of one MLP; conv: their converted float
+    weights, when already read."""
     with clock("read"):
-        conv = {r: t.dequant(m) for r, m in mods.items()}
+        conv = conv or {r: t.dequant(m) for r, m in mods.items()}
         srcw = {r: src.dequant(m) for r, m in mods.items()}
     perm = src.g_idx_perm(mods["down"]) if "down" in mods else None
     if perm is not None:
@@ -384,7 +423,7 @@ def _weights_vs_source(t: Target, src: _Source, mods: dict[str, str], report, cl
 
 
 def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock,
-               tick=None) -> dict:
+               tick=None, pool=None) -> dict:
     experts = t.layers[prefix]
     ids_all = sorted(experts)
     sampled = _pick(ids_all, experts_n, gen)
@@ -417,63 +456,75 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
     slots_s = torch.zeros(n_tok, k_slots, hidden) if src is not None else slots_c
     act_var = torch.zeros(n_tok, k_slots)
     w_var = torch.zeros(n_tok, k_slots)
-    w13p = w2p = None
     wstats: dict[int, dict] = {}
-    inter = None
-    # one expert at a time: a 128-expert layer's float weights would be ~2.4 GB at once
-    for i, e in enumerate(sampled):
+    g = t.moe_group(experts[sampled[-1]])
+    inter = t.shape(experts[sampled[0]]["down"])[1]
+    # vLLM's MoE algorithm (moe.moe_forward), its experts' matmuls run by the tasks below
+    none = torch.empty(e_s, 1)
+    moe_mod._check(x, ids, wts, none, none, hidden, inter, g, t.activation)  # moe_forward's own checks
+    kernel = moe_mod.MoeRun(x, ids, wts, e_s, hidden, inter, g, False, t.activation)
+
+    def one(i: int, e: int) -> dict:
+        """Expert e (the i-th sampled): its packed weights through the kernel, its float references
+        and predicted errors on its routed rows. One thread, one expert: nothing shared but reads;
+        a 128-expert layer's float weights would be ~2.4 GB at once, one expert's are ~20 MB."""
         slot = experts[e]
-        if not use_blobs:
-            with clock("read"):
-                qg, sg, _ = t.weight(slot["gate"])
-                qu, su, _ = t.weight(slot["up"])
-                qd, sd, _ = t.weight(slot["down"])
-            inter = qd.shape[1]
-            g = t.moe_group(slot)
-            with clock("pack"):
-                b13 = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g,
-                                              None if w13p is None else w13p[i])
-                b2 = moe_mod.pack_for_matmul(qd, sd, g, None if w2p is None else w2p[i])
-                if w13p is None:
-                    w13p = torch.empty((e_s, b13.numel()), dtype=b13.dtype)
-                    w2p = torch.empty((e_s, b2.numel()), dtype=b2.dtype)
-                if b13.data_ptr() != w13p[i].data_ptr():
-                    w13p[i] = b13
-                if b2.data_ptr() != w2p[i].data_ptr():
-                    w2p[i] = b2
+        out: dict = {"problems": []}
+        with kernels.threads_here(1):
+            with clock("read"):  # each blob decoded once, for the kernel and the references alike
+                qs = {r: t.weight(m) for r, m in slot.items()}
+                cw = {r: dequantize_w4a8(*qs[r]) for r in slot}
+            if use_blobs:
+                # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: serve_format.py)
+                with clock("read"):
+                    w13p = torch.cat([t.blob(slot["gate"]), t.blob(slot["up"])])
+                    w2p = t.blob(slot["down"])
+            else:
+                (qg, sg, _), (qu, su, _), (qd, sd, _) = (qs[r] for r in ("gate", "up", "down"))
+                with clock("pack"):
+                    w13p = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g)
+                    w2p = moe_mod.pack_for_matmul(qd, sd, g)
+            del qs
+            with clock("kernel"):
+                kernel.expert(i, w13p, w2p)
+            del w13p, w2p
+            if src is not None:
+                cw, sw, probs, st = _weights_vs_source(t, src, slot, report, clock, cw)
+                out["problems"] = [f"expert {e}: {p}" for p in probs]
+                out["stats"] = st
+                wv = [st[r]["budget"] ** 2 * float(sw[r].double().pow(2).mean()) for r in ("gate", "up", "down")]
+            tt, jj = (ids == i).nonzero(as_tuple=True)
+            xe = x[tt]
+            g2 = wts[tt, jj] ** 2
+            w13c = torch.cat([cw["gate"], cw["up"]])
+            with clock("reference"):
+                out["c"] = moe_mod.expert_forward(xe, w13c, cw["down"], t.activation)
+                if src is not None:
+                    w13s = torch.cat([sw["gate"], sw["up"]])
+                    out["s"] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
+            with clock("prediction"):
+                out["act_var"] = moe_mod.expert_noise(xe, w13c, cw["down"], t.activation) * g2
+                if src is not None:
+                    out["w_var"] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
+                                                        weight_var=wv) * g2
         if src is not None:
-            cw, sw, probs, st = _weights_vs_source(t, src, slot, report, clock)
-            res["problems"] += [f"expert {e}: {p}" for p in probs]
-            wstats[e] = st
-            wv = [st[r]["budget"] ** 2 * float(sw[r].double().pow(2).mean()) for r in ("gate", "up", "down")]
-        else:
-            with clock("read"):
-                cw = {r: t.dequant(m) for r, m in slot.items()}
-        inter = cw["down"].shape[1]
-        tt, jj = (ids == i).nonzero(as_tuple=True)
-        xe = x[tt]
-        g2 = wts[tt, jj] ** 2
-        w13c = torch.cat([cw["gate"], cw["up"]])
-        with clock("reference"):
-            slots_c[tt, jj] = moe_mod.expert_forward(xe, w13c, cw["down"], t.activation)
-            if src is not None:
-                w13s = torch.cat([sw["gate"], sw["up"]])
-                slots_s[tt, jj] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
-        with clock("prediction"):
-            act_var[tt, jj] = moe_mod.expert_noise(xe, w13c, cw["down"], t.activation) * g2
-            if src is not None:
-                w_var[tt, jj] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
-                                                     weight_var=wv) * g2
+            src.forget(slot.values())
+        out["at"] = (tt, jj)
+        return out
+
+    for i, (e, r) in enumerate(zip(sampled, _parallel(pool, one, list(enumerate(sampled))))):
+        tt, jj = r["at"]
+        res["problems"] += r["problems"]
+        slots_c[tt, jj] = r["c"]
+        act_var[tt, jj] = r["act_var"]
+        if src is not None:
+            wstats[e] = r["stats"]
+            slots_s[tt, jj] = r["s"]
+            w_var[tt, jj] = r["w_var"]
         if tick is not None:
             tick()
-    g = t.moe_group(experts[sampled[-1]])
-    if use_blobs:
-        # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: serve_format.py)
-        with clock("read"):
-            w13p = torch.stack([torch.cat([t.blob(experts[e]["gate"]), t.blob(experts[e]["up"])]) for e in sampled])
-            w2p = torch.stack([t.blob(experts[e]["down"]) for e in sampled])
     with clock("kernel"):
-        y_k = moe_mod.moe_forward(x, ids, wts, w13p, w2p, hidden, inter, g, False, t.activation)
+        y_k = kernel.finish()
     y_c = (slots_c * wts.unsqueeze(2)).sum(1)
     y_s = (slots_s * wts.unsqueeze(2)).sum(1) if src is not None else y_c
 
@@ -525,18 +576,30 @@ def _expert_pred(w_var: torch.Tensor, wts: torch.Tensor, mask: torch.Tensor, ref
     return math.sqrt(float(v.sum())) / den if den > 0 else 0.0
 
 
-def _dense(t: Target, m: str, src: _Source | None, report, tokens: int, gen, clock) -> dict:
-    res: dict = {"module": m, "kind": "dense", "problems": []}
-    with clock("read"):
-        q, s, g = t.weight(m)
-        w_c = dequantize_w4a8(q, s, g)
-    n, k = q.shape
+def _dense_input(t: Target, m: str, tokens: int, gen) -> torch.Tensor:
+    """The random rows a dense module is checked on (drawn in module order, before any runs)."""
+    k = t.shape(m)[1]
     norm = None
     if m.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"):
         norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], ("input_layernorm",), t.norm_offset)
     elif m.rsplit(".", 1)[-1] in ("gate_proj", "up_proj"):
         norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], _NORMS, t.norm_offset)
-    x = _hidden(gen, tokens, k, norm)
+    return _hidden(gen, tokens, k, norm)
+
+
+def _dense(t: Target, m: str, src: _Source | None, report, x: torch.Tensor, clock) -> dict:
+    with kernels.threads_here(1):
+        return _dense_run(t, m, src, report, x, clock)
+
+
+def _dense_run(t: Target, m: str, src: _Source | None, report, x: torch.Tensor, clock) -> dict:
+    res: dict = {"module": m, "kind": "dense", "problems": []}
+    with clock("read"):
+        q, s, g = t.weight(m)
+        w_c = dequantize_w4a8(q, s, g)
+    n, k = q.shape
+    if x.shape[1] != k:
+        raise InputError(f"{m}: K={k} in its weights, {x.shape[1]} recorded", tensor=m)
     with clock("pack"):
         wp = t.blob(m)
         if wp is None:
@@ -701,14 +764,17 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         report.update(ok=False, structural={"ok": False, "problems": [{"where": "checkpoint", "message": str(e)}]},
                       layers=[], dense=[])
         return _finish(report, t0, clock, raise_on_failure)
-    with _threads(threads), ckpt:
+    workers = max(1, int(threads or torch.get_num_threads()))
+    # one expert (module, shard) per thread, each single-threaded in torch: nothing nests
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="int4pack-verify") if workers > 1 else None
+    with _threads(1), ckpt, _shutting(pool):
         n_hidden = ckpt.text_config.get("num_hidden_layers")
         if isinstance(sel, list) and isinstance(n_hidden, int):  # before the structural pass: it reads every byte
             _missing(layers, sel, set(range(n_hidden)), f"num_hidden_layers {n_hidden}, layers", out)
         progress.phase("structure")
         ts = time.perf_counter()
         try:
-            t, problems, counts, conv_report = check_structure(ckpt)
+            t, problems, counts, conv_report = check_structure(ckpt, pool)
         except InputError as e:  # a checkpoint value that leaves nothing to check (a config not W4A8...)
             report.update(ok=False, layers=[], dense=[], structural={
                 "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
@@ -763,12 +829,23 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                         continue
                     progress.advance(what=p)
                     report["layers"].append(_guarded(p, "moe", lambda: _moe_layer(
-                        t, p, src, conv_report, experts, tokens, gen, clock, tick=lambda: progress.advance(experts=1))))
+                        t, p, src, conv_report, experts, tokens, gen, clock, tick=lambda: progress.advance(experts=1),
+                        pool=pool)))
                     progress.advance(layers=1)
-                for m in dense_mods:
+                inputs = {}
+                for m in dense_mods:  # drawn in order, as one after the other would
+                    r = _guarded(m, "dense", lambda: inputs.__setitem__(m, _dense_input(t, m, dense_tokens, gen)))
+                    if r is not None:
+                        inputs[m] = r  # could not even be read: reported as such
+
+                def dense_one(m):
+                    x = inputs[m]
+                    return x if isinstance(x, dict) else _guarded(m, "dense", lambda: _dense(
+                        t, m, src, conv_report, x, clock))
+
+                for m, r in zip(dense_mods, _parallel(pool, dense_one, [(m,) for m in dense_mods])):
                     progress.advance(what=m)
-                    report["dense"].append(_guarded(m, "dense", lambda: _dense(
-                        t, m, src, conv_report, dense_tokens, gen, clock)))
+                    report["dense"].append(r)
                     progress.advance(dense=1)
             finally:
                 progress.stop()

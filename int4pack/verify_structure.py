@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from . import _ext, kernels
 from . import serve_format as sf
 from .architectures import classify
 from .checkpoint import Checkpoint
@@ -253,7 +254,11 @@ def _blob_check_problem(t: Target, m: str) -> str | None:
 
 def _check_values(m: str, wn: str, sn: str, q: torch.Tensor, s: torch.Tensor, problems: Problems,
                   counts: dict) -> None:
-    lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
+    vk = _ext.load("verify_kernels")
+    if vk is not None and q.dtype == torch.int8 and q.is_contiguous():
+        lo, hi = vk.int8_range(q)
+    else:
+        lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
     if lo < -8 or hi > 7:
         problems.add(m, f"{wn}: values in [{lo}, {hi}], outside int4 [-8, 7]")
     if not bool(torch.isfinite(s).all()):
@@ -308,7 +313,7 @@ def _check_config_index(t: Target, problems: Problems) -> None:
             problems.add("config", f"num_hidden_layers={nl} but no tensors for layer(s) {missing[:8]}")
 
 
-def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
+def _check_hashes(ckpt: Checkpoint, problems: Problems, pool=None) -> dict | None:
     """Shard checksums recorded by convert; returns the report (or None)."""
     from .writer import hash_shard
 
@@ -327,6 +332,7 @@ def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
     if not isinstance(shards, dict):
         problems.add("int4pack_report.json", "no shards record: the shard checksums cannot be checked")
         shards = {}
+    todo = []  # (shard, path, rec) whose checksums are computed, in parallel
     for shard, rec in shards.items():
         if not isinstance(rec, dict) or "data_digest" not in rec:
             continue
@@ -341,7 +347,9 @@ def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
             problems.add(shard, f"int4pack_report.json: shards.{shard}.data_digest is {rec['data_digest']!r}, "
                                 "not a checksum")
             continue
-        got = hash_shard(path, rec["data_digest"])
+        todo.append((shard, path, rec))
+    sums = _in_order(pool, lambda path, rec: hash_shard(path, rec["data_digest"]), [(p, r) for _, p, r in todo])
+    for (shard, _, rec), got in zip(todo, sums):
         if got["data_digest"] != rec["data_digest"] or got["size"] != rec.get("size", got["size"]):
             problems.add(shard, "tensor bytes differ from what convert wrote (data checksum mismatch with "
                                 "int4pack_report.json): the shard was modified or corrupted")
@@ -350,15 +358,34 @@ def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
 
 
 
-def check_structure(ckpt: Checkpoint) -> tuple[Target, Problems, dict, dict | None]:
-    """Run every structural check on an opened checkpoint: (target, problems, counts, convert's report)."""
+def _module_problems(t: Target, m: str) -> tuple[list[dict], dict]:
+    """One module's structural problems and counts (on its own: modules are checked in parallel)."""
+    problems = Problems()
+    counts = {"modules": 0, "int_values": 0, "blobs": 0}
+    with kernels.threads_here(1):
+        _check_module(t, m, problems, counts)
+    return problems.items, counts
+
+
+def _in_order(pool, fn, items: list) -> list:
+    if pool is None:
+        return [fn(*it) for it in items]
+    return [f.result() for f in [pool.submit(fn, *it) for it in items]]
+
+
+def check_structure(ckpt: Checkpoint, pool=None) -> tuple[Target, Problems, dict, dict | None]:
+    """Run every structural check on an opened checkpoint: (target, problems, counts, convert's report).
+    ``pool`` (a ThreadPoolExecutor): modules and shards are checked on its threads; the problems
+    are listed in the same order as one thread lists them."""
     problems = Problems()
     t = Target(ckpt, problems)
     counts = {"modules": 0, "int_values": 0, "blobs": 0, "moe_layers": len(t.layers),
               "experts": sum(len(v) for v in t.layers.values())}
-    for m in t.modules:
-        _check_module(t, m, problems, counts)
+    for items, c in _in_order(pool, _module_problems, [(t, m) for m in t.modules]):
+        problems.items += items
+        for key, v in c.items():
+            counts[key] += v
     _check_layers(t, problems)
     _check_config_index(t, problems)
-    return t, problems, counts, _check_hashes(ckpt, problems)
+    return t, problems, counts, _check_hashes(ckpt, problems, pool)
 
