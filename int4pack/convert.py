@@ -470,10 +470,6 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
                 closing.append(finisher.submit(close_shard, shard, shard_results.pop(shard, {}), dict(pending_stats)))
                 pending_stats.clear()
 
-    # torch's own ops in a job run on the job's thread: with its intra-op pool as wide as the host,
-    # each of W workers would start a team of that many threads (W x cores threads, spinning)
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     pool = ThreadPoolExecutor(max_workers=workers)
     finisher = ThreadPoolExecutor(max_workers=1)
     closing: list = []
@@ -509,6 +505,5 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     finally:
         pool.shutdown(wait=True)
         finisher.shutdown(wait=True)
-        torch.set_num_threads(torch_threads)
         progress.stop()
     return stats
