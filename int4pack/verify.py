@@ -338,15 +338,27 @@ def _route(x, router_w, sampled: list[int], top_k: int, renorm: bool, gen, scori
     choice = probs + bias.float()[sampled] if bias is not None else probs
     ids = choice.topk(k, dim=1).indices
     w = probs.gather(1, ids)
-    # guarantee coverage: give an expert with too few slots the last slot of tokens lacking it
+    # guarantee coverage: give an expert with too few slots slots of tokens lacking it, the last
+    # (lowest-scored) slots first, taken from experts that keep enough without them; only when none
+    # can spare one, the last slot of any token lacking it
+    count = torch.bincount(ids.reshape(-1), minlength=len(sampled)).tolist()
     for e in range(len(sampled)):
-        have = int((ids == e).sum())
-        if have >= MIN_SLOTS_PER_EXPERT:
+        if count[e] >= MIN_SLOTS_PER_EXPERT:
             continue
-        cand = [i for i in torch.randperm(t, generator=gen).tolist() if not bool((ids[i] == e).any())]
-        for i in cand[: MIN_SLOTS_PER_EXPERT - have]:
-            ids[i, k - 1] = e
-            w[i, k - 1] = probs[i, e]
+        lacking = (~(ids == e).any(1)).tolist()
+        order = [i for i in torch.randperm(t, generator=gen).tolist() if lacking[i]]
+        for j, spare_only in [(j, True) for j in range(k - 1, -1, -1)] + [(k - 1, False)]:
+            for i in order:
+                had = int(ids[i, j])
+                if count[e] >= MIN_SLOTS_PER_EXPERT:
+                    break
+                if not lacking[i] or (spare_only and count[had] <= MIN_SLOTS_PER_EXPERT):
+                    continue
+                count[had] -= 1
+                count[e] += 1
+                lacking[i] = False
+                ids[i, j] = e
+                w[i, j] = probs[i, e]
     if renorm:
         w = w / w.sum(1, keepdim=True)
     return ids, w
@@ -422,8 +434,10 @@ def _weights_vs_source(t: Target, src: _Source, mods: dict[str, str], report, cl
     return conv, srcw, problems, stats
 
 
-def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock,
-               tick=None, pool=None) -> dict:
+def _moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
+    """Everything random about one MoE layer's check: its sampled experts, hidden states and routing
+    (drawn layer after layer from one generator, so a seed gives the same check however many
+    layers then run at once)."""
     experts = t.layers[prefix]
     ids_all = sorted(experts)
     sampled = _pick(ids_all, experts_n, gen)
@@ -439,14 +453,32 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
                           if n in ck.tensors), None) if t.routing.get("bias") else None
         bias = ck.get(bias_name).float() if bias_name else None
     k_top = min(t.top_k, e_s)
-    n_tok = tokens or max(32, -(-MIN_SLOTS_PER_EXPERT * 2 * e_s // k_top))
+    n_tok = tokens or default_tokens(e_s, k_top)
     x = _hidden(gen, n_tok, t.shape(experts[ids_all[0]]["gate"])[1], norm)
     scoring = t.routing.get("scoring") or "softmax"
     ids, wts = _route(x, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias)
     res["tokens"] = n_tok
+    res["min_slots"] = int(torch.bincount(ids.reshape(-1), minlength=e_s).min()) if e_s else 0
     res["router"] = "real" if rw is not None else "random logits"
     res["scoring"] = scoring + (" + score bias" if bias is not None else "")
     res["input_norm"] = norm is not None
+    return {"res": res, "sampled": sampled, "x": x, "ids": ids, "wts": wts}
+
+
+def default_tokens(experts: int, top_k: int) -> int:
+    """Rows per MoE layer by default: a quarter more slots than MIN_SLOTS_PER_EXPERT for each sampled
+    expert (the routing gives the short ones slots of experts with more to spare), at least 32.
+    Each slot costs a row through torch's matmul, the scalar reference kernel on x86."""
+    return max(32, -(-5 * MIN_SLOTS_PER_EXPERT * experts // (4 * top_k)))
+
+
+def _moe_layer(t: Target, prefix: str, src: _Source | None, report, inputs: dict, clock, tick=None,
+               pool=None) -> dict:
+    experts = t.layers[prefix]
+    ids_all = sorted(experts)
+    res, sampled, x, ids, wts = (inputs[k] for k in ("res", "sampled", "x", "ids", "wts"))
+    e_s = len(sampled)
+    n_tok = x.shape[0]
 
     use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None
     res["weights"] = "the checkpoint's KleidiAI blobs" if use_blobs else "packed on the fly"
@@ -821,31 +853,48 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
             try:
                 if src is not None:
                     report["copies"] = _check_copies(t, src, clock)
-                for p in chosen:
-                    if p not in run:
-                        report["layers"].append({"layer": p, "kind": "moe", "ok": False, "skipped": True,
-                                                 "problems": ["structural problems (see above): not run"]})
-                        progress.advance(layers=1)
-                        continue
-                    progress.advance(what=p)
-                    report["layers"].append(_guarded(p, "moe", lambda: _moe_layer(
-                        t, p, src, conv_report, experts, tokens, gen, clock, tick=lambda: progress.advance(experts=1),
-                        pool=pool)))
-                    progress.advance(layers=1)
-                inputs = {}
-                for m in dense_mods:  # drawn in order, as one after the other would
-                    r = _guarded(m, "dense", lambda: inputs.__setitem__(m, _dense_input(t, m, dense_tokens, gen)))
+                # every random draw first, in the order one layer after the other makes them
+                layer_in: dict = {}
+                for p in run:
+                    r = _guarded(p, "moe", lambda: layer_in.__setitem__(p, _moe_inputs(t, p, experts, tokens, gen,
+                                                                                         clock)))
                     if r is not None:
-                        inputs[m] = r  # could not even be read: reported as such
+                        layer_in[p] = r  # could not even be read: reported as such
+                dense_in: dict = {}
+                for m in dense_mods:
+                    r = _guarded(m, "dense", lambda: dense_in.__setitem__(m, _dense_input(t, m, dense_tokens, gen)))
+                    if r is not None:
+                        dense_in[m] = r
 
                 def dense_one(m):
-                    x = inputs[m]
+                    x = dense_in[m]
                     return x if isinstance(x, dict) else _guarded(m, "dense", lambda: _dense(
                         t, m, src, conv_report, x, clock))
 
-                for m, r in zip(dense_mods, _parallel(pool, dense_one, [(m,) for m in dense_mods])):
+                def layer_one(p):
+                    ins = layer_in[p]
+                    if "res" not in ins:
+                        return ins
+                    progress.advance(what=p)
+                    return _guarded(p, "moe", lambda: _moe_layer(
+                        t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool))
+
+                # the dense modules queue on the pool first; two layers at a time feed it their experts,
+                # so that one layer's own serial steps (routing, sums) overlap the other's experts
+                dense_f = [pool.submit(dense_one, m) for m in dense_mods] if pool is not None else None
+                layers_pool = ThreadPoolExecutor(max_workers=2) if pool is not None and len(run) > 1 else None
+                with _shutting(layers_pool):
+                    done = iter(_parallel(layers_pool, layer_one, [(p,) for p in run]))
+                    for p in chosen:
+                        if p not in run:
+                            report["layers"].append({"layer": p, "kind": "moe", "ok": False, "skipped": True,
+                                                     "problems": ["structural problems (see above): not run"]})
+                        else:
+                            report["layers"].append(next(done))
+                        progress.advance(layers=1)
+                for i, m in enumerate(dense_mods):
                     progress.advance(what=m)
-                    report["dense"].append(r)
+                    report["dense"].append(dense_one(m) if dense_f is None else dense_f[i].result())
                     progress.advance(dense=1)
             finally:
                 progress.stop()
