@@ -36,6 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # this checkout's int4pack, installed or not
 from make_synthetic import make  # noqa: E402
 
 LAYER_GB = 0.31
@@ -101,12 +102,11 @@ BASELINE_RM = _RM + BASELINE
 
 def _tree_env(tree: Path | None) -> dict | None:
     """The environment that makes a child import int4pack from ``tree`` (None: this checkout)."""
-    if tree is None:
-        return None
-    return {**os.environ, "INT4PACK_BENCH_TREE": str(tree.resolve())}
+    return {**os.environ, "INT4PACK_BENCH_TREE": str((tree or HERE.parent).resolve())}
 
 
 def _run(code: str, *args, env=None) -> dict:
+    env = env or _tree_env(None)
     r0 = os.times()
     res = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env)
     r1 = os.times()

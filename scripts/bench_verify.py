@@ -59,6 +59,8 @@ def build(folder: Path, experts: int, hidden: int, inter: int, group: int, top_k
 VERIFY = r"""
 import json, os, sys, time
 t0 = time.perf_counter()
+if os.environ.get("INT4PACK_BENCH_TREE"):
+    sys.path.insert(0, os.environ["INT4PACK_BENCH_TREE"])
 import int4pack
 out, threads = sys.argv[1], int(sys.argv[2])
 r = int4pack.verify(out, threads=threads or None, raise_on_failure=False)
