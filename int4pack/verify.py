@@ -36,7 +36,7 @@ from . import moe as moe_mod
 from . import serve_format as sf
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError, VerifyFailed
-from .verify_structure import Target, check_structure, layer_index
+from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
 from .w4a8 import dequantize_w4a8
 
 __all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
@@ -390,6 +390,11 @@ class _Clock:
             dt = time.perf_counter() - t0
             with self._lock:
                 self.s[what] += dt
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
 
 
 @contextmanager
@@ -804,21 +809,17 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         if isinstance(sel, list) and isinstance(n_hidden, int):  # before the structural pass: it reads every byte
             _missing(layers, sel, set(range(n_hidden)), f"num_hidden_layers {n_hidden}, layers", out)
         progress.phase("structure")
-        ts = time.perf_counter()
         try:
-            t, problems, counts, conv_report = check_structure(ckpt, pool)
+            # the numerical pass's view of the checkpoint (check_structure builds the same one): the
+            # numbers are computed while the structural pass reads every byte, and a layer the
+            # structural pass flags is reported as not run, whatever its numbers were
+            te = Target(ckpt, Problems())
         except InputError as e:  # a checkpoint value that leaves nothing to check (a config not W4A8...)
             report.update(ok=False, layers=[], dense=[], structural={
                 "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
             return _finish(report, t0, clock, raise_on_failure)
-        report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
-                                "seconds": round(time.perf_counter() - ts, 3),
-                                "serve_format": sf.KLEIDIAI if t.packed else sf.PLAIN}
-        report["layers"], report["dense"] = [], []
-        report["kernel"] = _kernel_info()
-        report["trust"] = _trust_notes(t, counts, conv_report, against is not None and not structural_only)
-        moe_prefixes = sorted(t.layers, key=lambda p: (layer_index(p), p))
-        dense_mods = [m for m in t.modules if t.roles[m] != "expert"] if dense else []
+        moe_prefixes = sorted(te.layers, key=lambda p: (layer_index(p), p))
+        dense_mods = [m for m in te.modules if te.roles[m] != "expert"] if dense else []
         if isinstance(sel, list):  # every index must name something verify can run
             have = {layer_index(p) for p in moe_prefixes} | {layer_index(m) for m in dense_mods}
             _missing(layers, sel, have - {-1}, "layers with MoE experts" + (" or dense W4A8 linears" if dense else ""),
@@ -828,6 +829,36 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         if sel is not None:
             idx = {layer_index(p) for p in chosen} if isinstance(sel, int) else set(sel)
             dense_mods = [m for m in dense_mods if layer_index(m) in idx]
+        # the structural pass on threads of its own (it waits on the disk), the numbers on the pool
+        spool = ThreadPoolExecutor(max_workers=max(1, workers // 2), thread_name_prefix="int4pack-scan") \
+            if workers > 1 else None
+        with _shutting(spool), ThreadPoolExecutor(max_workers=1) as bg:
+            st_f = bg.submit(_timed, check_structure, ckpt, spool) if spool is not None else None
+            numbers = src = None
+            if not structural_only:
+                src = _Source(against, revision) if against is not None else None
+                progress.start(len(chosen), sum(min(len(te.layers[p]), experts or len(te.layers[p])) for p in chosen),
+                               len(dense_mods))
+                try:
+                    numbers = _numerical(te, chosen, dense_mods, src, _read_report(ckpt, Problems()), experts,
+                                         tokens, dense_tokens, gen, clock, progress, pool)
+                finally:
+                    progress.stop()
+                    if src is not None:
+                        src.close()
+            try:
+                (t, problems, counts, conv_report), st_s = st_f.result() if st_f is not None else \
+                    _timed(check_structure, ckpt, pool)
+            except InputError as e:
+                report.update(ok=False, layers=[], dense=[], structural={
+                    "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
+                return _finish(report, t0, clock, raise_on_failure)
+        report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
+                                "seconds": round(st_s, 3),
+                                "serve_format": sf.KLEIDIAI if t.packed else sf.PLAIN}
+        report["layers"], report["dense"] = [], []
+        report["kernel"] = _kernel_info()
+        report["trust"] = _trust_notes(t, counts, conv_report, against is not None and not structural_only)
         bad = {p["where"] for p in problems.items}
         # a config-wide problem (scheme, group, layout record) leaves no layer whose numbers can be trusted
         everywhere = any(w == "config" or w.startswith("config ") for w in bad)
@@ -835,7 +866,8 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         def flagged(name: str) -> bool:
             return everywhere or any(w == name or w.startswith(name + ".") for w in bad)
 
-        dense_mods = [m for m in dense_mods if not flagged(m)]
+        chosen = [p for p in chosen if p in t.layers]  # what the structural pass found
+        dense_mods = [m for m in dense_mods if m in t.roles and not flagged(m)]
         notes = []  # a sample larger than the model checks all of it: say so rather than drop it silently
         if isinstance(sel, int) and sel > len(moe_prefixes):
             notes.append(f"--layers {sel}: the model has {len(moe_prefixes)} MoE layer(s); all are checked")
@@ -846,60 +878,13 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                              "numerical": not structural_only, "moe_layers": [], "experts": 0, "dense": [],
                              "notes": notes}
         if not structural_only:
-            src = _Source(against, revision) if against is not None else None
-            run = [p for p in chosen if not flagged(p)]
-            progress.start(len(chosen), sum(min(len(t.layers[p]), experts or len(t.layers[p])) for p in run),
-                           len(dense_mods))
-            try:
-                if src is not None:
-                    report["copies"] = _check_copies(t, src, clock)
-                # every random draw first, in the order one layer after the other makes them
-                layer_in: dict = {}
-                for p in run:
-                    r = _guarded(p, "moe", lambda: layer_in.__setitem__(p, _moe_inputs(t, p, experts, tokens, gen,
-                                                                                         clock)))
-                    if r is not None:
-                        layer_in[p] = r  # could not even be read: reported as such
-                dense_in: dict = {}
-                for m in dense_mods:
-                    r = _guarded(m, "dense", lambda: dense_in.__setitem__(m, _dense_input(t, m, dense_tokens, gen)))
-                    if r is not None:
-                        dense_in[m] = r
-
-                def dense_one(m):
-                    x = dense_in[m]
-                    return x if isinstance(x, dict) else _guarded(m, "dense", lambda: _dense(
-                        t, m, src, conv_report, x, clock))
-
-                def layer_one(p):
-                    ins = layer_in[p]
-                    if "res" not in ins:
-                        return ins
-                    progress.advance(what=p)
-                    return _guarded(p, "moe", lambda: _moe_layer(
-                        t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool))
-
-                # the dense modules queue on the pool first; two layers at a time feed it their experts,
-                # so that one layer's own serial steps (routing, sums) overlap the other's experts
-                dense_f = [pool.submit(dense_one, m) for m in dense_mods] if pool is not None else None
-                layers_pool = ThreadPoolExecutor(max_workers=2) if pool is not None and len(run) > 1 else None
-                with _shutting(layers_pool):
-                    done = iter(_parallel(layers_pool, layer_one, [(p,) for p in run]))
-                    for p in chosen:
-                        if p not in run:
-                            report["layers"].append({"layer": p, "kind": "moe", "ok": False, "skipped": True,
-                                                     "problems": ["structural problems (see above): not run"]})
-                        else:
-                            report["layers"].append(next(done))
-                        progress.advance(layers=1)
-                for i, m in enumerate(dense_mods):
-                    progress.advance(what=m)
-                    report["dense"].append(dense_one(m) if dense_f is None else dense_f[i].result())
-                    progress.advance(dense=1)
-            finally:
-                progress.stop()
-                if src is not None:
-                    src.close()
+            if numbers["copies"] is not None:
+                report["copies"] = numbers["copies"]
+            for p in chosen:
+                report["layers"].append(numbers["layers"][p] if not flagged(p) else {
+                    "layer": p, "kind": "moe", "ok": False, "skipped": True,
+                    "problems": ["structural problems (see above): not run"]})
+            report["dense"] = [numbers["dense"][m] for m in dense_mods]
             ran = [r for r in report["layers"] if not r.get("skipped")]
             report["checked"].update(
                 moe_layers=[layer_index(r["layer"]) for r in ran],
@@ -912,6 +897,51 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         report["ok"] = False  # a pass must mean something was checked
         report["nothing_checked"] = True
     return _finish(report, t0, clock, raise_on_failure)
+
+
+def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: _Source | None, conv_report, experts,
+               tokens, dense_tokens: int, gen, clock, progress, pool) -> dict:
+    """Every chosen MoE layer and dense module through the kernel and the references:
+    {"layers": {prefix: result}, "dense": {module: result}, "copies": the copied tensors' check}."""
+    copies = _check_copies(t, src, clock) if src is not None else None
+    # every random draw first, in the order one layer after the other makes them
+    layer_in: dict = {}
+    for p in chosen:
+        r = _guarded(p, "moe", lambda: layer_in.__setitem__(p, _moe_inputs(t, p, experts, tokens, gen, clock)))
+        if r is not None:
+            layer_in[p] = r  # could not even be read: reported as such
+    dense_in: dict = {}
+    for m in dense_mods:
+        r = _guarded(m, "dense", lambda: dense_in.__setitem__(m, _dense_input(t, m, dense_tokens, gen)))
+        if r is not None:
+            dense_in[m] = r
+
+    def dense_one(m):
+        x = dense_in[m]
+        return x if isinstance(x, dict) else _guarded(m, "dense", lambda: _dense(t, m, src, conv_report, x, clock))
+
+    def layer_one(p):
+        ins = layer_in[p]
+        if "res" not in ins:
+            return ins
+        progress.advance(what=p)
+        return _guarded(p, "moe", lambda: _moe_layer(
+            t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool))
+
+    # the dense modules queue on the pool first; two layers at a time feed it their experts,
+    # so that one layer's own serial steps (routing, sums) overlap the other's experts
+    dense_f = [pool.submit(dense_one, m) for m in dense_mods] if pool is not None else None
+    layers_pool = ThreadPoolExecutor(max_workers=2) if pool is not None and len(chosen) > 1 else None
+    out: dict = {"layers": {}, "dense": {}, "copies": copies}
+    with _shutting(layers_pool):
+        for p, r in zip(chosen, _parallel(layers_pool, layer_one, [(p,) for p in chosen])):
+            out["layers"][p] = r
+            progress.advance(layers=1)
+    for i, m in enumerate(dense_mods):
+        progress.advance(what=m)
+        out["dense"][m] = dense_one(m) if dense_f is None else dense_f[i].result()
+        progress.advance(dense=1)
+    return out
 
 
 def _guarded(name: str, kind: str, run) -> dict:

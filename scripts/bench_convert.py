@@ -90,7 +90,7 @@ r = int4pack.convert(src, dst, threads=threads or None, **({} if serve == "compr
 p = r["plan"]
 print(json.dumps({"seconds": time.perf_counter() - t0, "plan_seconds": r.get("seconds_plan"),
                   "out_bytes": p["out_bytes"], "paths": p["paths"],
-                  "rss_mb": peak_mb(), "module": int4pack.__file__}))
+                  "rss_mb": peak_mb(), "module": int4pack.__file__, "workers": r.get("workers")}))
 """
 
 
@@ -215,7 +215,7 @@ def main() -> None:
                 base = bases[conv["out_bytes"]]
                 shutil.rmtree(dst, ignore_errors=True)
                 row = {"format": fmt, "serve_format": serve, "layers": layers, "in_gb": round(size / 1e9, 2),
-                       "threads": th or "default",
+                       "threads": th or "default", "workers": conv.get("workers"),
                        "mparam_s": round(params / conv["seconds"] / 1e6, 1),
                        "convert_s": round(conv["seconds"], 2), "baseline_s": round(base["seconds"], 2),
                        "ratio": round(conv["seconds"] / base["seconds"], 2),
