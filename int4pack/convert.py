@@ -375,10 +375,10 @@ def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str
     return None
 
 
-# Jobs running at once, at most. Each job holds the GIL for ~1.4 ms of Python around its C++ (reading,
-# packing, checksums, bookkeeping: 18.9k jobs of a 48-layer Qwen3-30B-A3B), so past 4 workers more
-# threads only queue for it: on a 16-core x86-64 host 8 and 16 workers were 10-40% slower than 4
-# (docs/performance.md), lossless and requant alike.
+# Jobs running at once, at most. On a 16-core x86-64 host every source format ended at ~1.5 ms of
+# serial work per job with 4 or more workers (18.9k jobs of a 48-layer Qwen3-30B-A3B: the Python
+# around each job's C++ holds the GIL), and 8 or 16 workers were 10-40% slower than 4, lossless and
+# requant alike (docs/performance.md).
 MAX_WORKERS = 4
 
 

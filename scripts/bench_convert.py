@@ -101,8 +101,10 @@ BASELINE_RM = _RM + BASELINE
 
 
 def _tree_env(tree: Path | None) -> dict | None:
-    """The environment that makes a child import int4pack from ``tree`` (None: this checkout)."""
-    return {**os.environ, "INT4PACK_BENCH_TREE": str((tree or HERE.parent).resolve())}
+    """The environment that makes a child import int4pack from ``tree`` (None: $INT4PACK_BENCH_TREE if
+    set, else this checkout)."""
+    tree = tree or Path(os.environ.get("INT4PACK_BENCH_TREE") or HERE.parent)
+    return {**os.environ, "INT4PACK_BENCH_TREE": str(tree.resolve())}
 
 
 def _run(code: str, *args, env=None) -> dict:
