@@ -13,6 +13,7 @@ from itertools import islice
 
 from .errors import InputError, RefusedError
 from .families import BY_TYPE, FAMILIES, Family, family, name_summary, supported_types
+from .routing import Routing
 
 __all__ = [
     "SUPPORTED",
@@ -26,6 +27,12 @@ __all__ = [
     "vllm_module",
     "name_summary",
     "BUG_REPORT_HINT",
+    "routing_from_config",
+    "ROUTER",
+    "routers",
+    "MoEConfig",
+    "moe_config",
+    "expert_count",
 ]
 
 # model_type -> how routed experts are spelled (the families package holds the facts)
@@ -124,15 +131,19 @@ def classify(name: str) -> tuple[str, dict]:
     return "linear", {}
 
 
-def vllm_module(name: str) -> str:
+def vllm_module(name: str, model_type: str | None = None) -> str:
     """The vLLM module a quantised linear loads into: ``<moe>.experts`` for a routed expert (one
-    FusedMoE per layer), ``<parent>.qkv_proj`` for q_proj and the like, else the linear itself."""
+    FusedMoE per layer), ``<parent>.qkv_proj`` for q_proj and the like, else the linear itself.
+    With ``model_type``: named by the prefix vLLM gives the module (its quant method's name)."""
     m = _EXPERT.match(name)
     if m:
-        return f"{m['moe']}.experts"
-    parent, _, leaf = name.rpartition(".")
-    fused = _FUSED_OF.get(leaf)
-    return f"{parent}.{fused}" if fused and parent else name
+        unit = f"{m['moe']}.experts"
+    else:
+        parent, _, leaf = name.rpartition(".")
+        fused = _FUSED_OF.get(leaf)
+        unit = f"{parent}.{fused}" if fused and parent else name
+    fam = family(model_type) if model_type else None
+    return fam.vllm_prefix(unit) if fam else unit
 
 
 def _expected_experts(cfg: dict) -> int | None:
@@ -291,3 +302,91 @@ def vllm_output_names(model_type: str, names) -> dict[str, str]:
                            "(mlp.experts.E.*_proj and block_sparse_moe.experts.E.w*)", tensor=name,
                            hint="Keep one naming per checkpoint.")
     return out
+
+
+# model types whose vLLM model class builds its MoE layer from the DeepSeek-V2 config keys
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+def routing_from_config(model_type: str, cfg: dict) -> Routing | None:
+    """The routing vLLM's model class gives this model's MoE layers (the config keys it reads in
+    0.19.1 and 0.32.0), with the model's routed_scaling_factor; None for a family not known here."""
+    k = cfg.get("num_experts_per_tok")
+    if model_type == "mixtral":
+        return Routing("softmax", int(k or 2), True)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        return Routing("softmax", int(k or 0), bool(cfg.get("norm_topk_prob", False)))
+    if model_type == "olmoe":
+        return Routing("softmax", int(k or 0), False)
+    if model_type == "phimoe":
+        return Routing("softmax", int(k or 2), False, custom="phimoe_routing_function")
+    if model_type in _DEEPSEEK:  # vLLM: always grouped top-k; bias only with topk_method noaux_tc
+        return Routing(str(cfg.get("scoring_func") or "softmax"), int(k or 0),
+                       bool(cfg.get("norm_topk_prob", model_type != "deepseek_v2")),
+                       bias=cfg.get("topk_method") == "noaux_tc", n_group=int(cfg.get("n_group") or 1),
+                       topk_group=int(cfg.get("topk_group") or 1),
+                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
+    if model_type == "glm4_moe":  # vLLM: sigmoid and the bias always
+        return Routing("sigmoid", int(k or 0), bool(cfg.get("norm_topk_prob", True)), bias=True,
+                       n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
+    if model_type == "minimax_m2":  # vLLM: renormalise always, bias with use_routing_bias
+        return Routing(str(cfg.get("scoring_func") or "softmax"), int(k or 0), True,
+                       bias=bool(cfg.get("use_routing_bias", False)),
+                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
+    return _from_family(model_type, cfg)
+
+
+def _from_family(model_type: str, cfg: dict) -> Routing | None:
+    """The other families' routing from their facts (int4pack/families/, named as Routing is)."""
+    fam = family(model_type)
+    if fam is None:
+        return None
+    f = fam.facts(cfg)
+    return Routing(f["scoring"], int(f["top_k"] or 0), f["renormalize"], bias=f["bias"], n_group=f["n_group"],
+                   topk_group=f["topk_group"], scale=f["scale"], custom=f["custom"])
+
+
+# an MoE block's router weight: mlp.gate (Qwen, DeepSeek), block_sparse_moe.gate (Mixtral),
+# feed_forward.router (Llama 4), mlp.router (gpt-oss)
+ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$")
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def routers(names) -> dict[str, str]:
+    """MoE block prefix -> its router's weight tensor, among tensor ``names``."""
+    return {n[: -len(".gate.weight")] if n.endswith(".gate.weight") else n[: -len(".router.weight")]: n
+            for n in names if n.endswith(".weight") and ROUTER.search(n[:-7])}
+
+
+def expert_count(text_config: dict) -> int | None:
+    """The routed experts per MoE layer as the config names them (None when it does not)."""
+    return next((text_config[k] for k in _EXPERT_COUNT_KEYS if isinstance(text_config.get(k), int)), None)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """What a model config says about its MoE layers' forward (verify's reference, the lane's)."""
+
+    num_experts: int | None
+    top_k: int
+    routing: dict  # the family's routing facts (families/): scoring function, score bias, groups, scale
+    renormalize: bool  # top-k weights renormalised to sum 1
+    activation: int  # the W4A8 MoE op's activation kind: 0 SiLU-gated, 1 gpt-oss's clamped SwiGLU
+    norm_offset: float  # the family's RMSNorm weight offset (1.0 where weights are stored minus one)
+
+
+def moe_config(model_type: str, family_type: str, text_config: dict) -> tuple[MoEConfig, list[str]]:
+    """The MoE facts of a model config, and what in it is unusable (a default is taken instead)."""
+    tc = text_config
+    problems = []
+    top_k = tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2
+    if type(top_k) is not int or top_k < 1:
+        problems.append(f"num_experts_per_tok is {top_k!r}, not a positive integer")
+        top_k = 2
+    fam = family(family_type)
+    facts = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
+    renorm = bool(tc.get("norm_topk_prob", facts.get("renormalize", model_type in ("mixtral", "phimoe"))))
+    act = str(tc.get("hidden_act") or "silu")
+    return MoEConfig(expert_count(tc), top_k, facts, renorm, 1 if "oai" in act else 0,
+                     fam.rmsnorm_offset if fam else 0.0), problems

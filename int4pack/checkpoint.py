@@ -3,6 +3,9 @@
 Nothing here loads the model: headers are parsed (and checked) up front, tensors are
 read one at a time through a read-only, copy-on-write mmap of their shard. The source
 folder is never written to.
+
+Long: header checks, source resolution and mapped reads guard one invariant together (a tensor is
+read only within its shard's checked header, and its pages are released after use).
 """
 
 from __future__ import annotations

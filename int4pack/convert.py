@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import re
 import shutil
 import threading
 import time
@@ -20,19 +19,20 @@ from pathlib import Path
 
 import torch
 
-from . import _ext, kernels
+from . import _ext, blobs, kernels
 from ._version import __version__
 from .architectures import vllm_output_names
-from .checkpoint import Checkpoint, resolve_source
+from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, OutputError, UsageError
-from .output import human_bytes
+from .families import family_warnings
 from .formats import Reader
+from .groups import scale_dtype
+from .output import human_bytes
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
-from . import serve_format as sf
-from .families import family_warnings
-from .serving import routing_warnings, serve_hint, serving_warnings
-from .target_config import w4a8_quant_config
+from .serve_spec import BLOB_CHECKS, KLEIDIAI, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
+from .target_config import output_config
+from .vllm_compat import routing_warnings, serve_hint, serving_warnings
 from .w4a8 import W4A8Linear, check_scales, fold_act_order, to_w4a8
 from .workdir import partial_folder
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
@@ -40,7 +40,6 @@ from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kin
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
 FLUSH_BYTES = 256 << 20  # write-back step of an open shard
-_NOT_LINEAR = re.compile(r"(embed|norm|wte|wpe|rotary|position)", re.I)
 
 
 class NullProgress:
@@ -125,17 +124,9 @@ def _outputs(ws: list[W4A8Linear], roles: dict) -> tuple[list, dict]:
     return out, stats
 
 
-def report_json(obj, level: int = 0, depth: int = 2) -> str:
-    """JSON with one line per entry down to ``depth`` (one line per module), compact below.
-
-    json.dumps(indent=...) runs the pure-Python encoder: on a 30B model's report (~20k modules)
-    that cost more than a second; this keeps the C encoder for every line.
-    """
-    return "".join(_report_pieces(obj, level, depth))
-
-
 def _report_pieces(obj, level: int = 0, depth: int = 2):
-    """report_json's text in pieces, so a large report is written without a copy of it in memory."""
+    """The report as JSON, one line per entry down to ``depth`` (one line per module), compact below;
+    in pieces, so a large report is written without a copy of it in memory, each line by the C encoder."""
     if isinstance(obj, dict) and obj and level < depth:
         pad, sep = "  " * (level + 1), "{\n"
         for k, v in sorted(obj.items()):
@@ -157,37 +148,10 @@ def _index_pieces(total_size: int, weight_map: dict[str, str]):
     yield "\n  }\n}\n" if weight_map else "}\n}\n"
 
 
-def _ignore_list(plan: Plan, ckpt: Checkpoint) -> list[str]:
-    """Every linear-like module left in float: routers, lm_head, unquantised and bf16-kept linears."""
-    quant = set(plan.quantized_modules())
-    ignore = set()
-    for name, t in ckpt.tensors.items():
-        if name.endswith(".weight") and len(t.shape) == 2:
-            mod = name[: -len(".weight")]
-            if mod not in quant and not _NOT_LINEAR.search(mod.rsplit(".", 1)[-1]):
-                ignore.add(mod)
-    for j in plan.jobs:
-        if j.kind == "dequant":
-            ignore.update(s.name for s in j.specs)
-    if "lm_head.weight" in ckpt.tensors or ckpt.text_config.get("tie_word_embeddings"):
-        ignore.add("lm_head")
-    return sorted(ignore)
-
-
 def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
-    cfg = json.loads(json.dumps(ckpt.config))
-    cfg.pop("compression_config", None)
-    if isinstance(cfg.get("text_config"), dict):
-        cfg["text_config"].pop("quantization_config", None)
-    ignore = _ignore_list(plan, ckpt)
-    rename = vllm_output_names(ckpt.family_type, [f"{m}.weight" for m in ignore])
-    ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
-    if plan.group_size is not None:
-        cfg["quantization_config"] = w4a8_quant_config(plan.group_size, ignore)
-    else:  # one config group per scheme, targets in the names vLLM loads
-        groups = {rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")]: g for m, g in plan.groups.items()}
-        cfg["quantization_config"] = w4a8_quant_config(groups, ignore)
-    return cfg
+    dequant = [s.name for j in plan.jobs if j.kind == "dequant" for s in j.specs]
+    return output_config(ckpt.config, ckpt.family_type, ckpt.tensors, plan.quantized_modules(), dequant,
+                         plan.group_size, plan.groups)
 
 
 def _kernels_used() -> str:
@@ -200,7 +164,7 @@ def _kernels_used() -> str:
 def _base_meta(plan: Plan) -> dict[str, str]:
     g = plan.group_size
     target = {"scheme": "W4A8", "group_size": g, "dense": plan.dense,
-              "scale_dtype": "float32" if g == -1 else "bfloat16"}
+              "scale_dtype": scale_dtype(g)}
     if g is None:  # per module: the config's groups and the report say which
         target.update(scale_dtype="per module", group_sizes=sorted(plan.schemes()))
     return {
@@ -230,14 +194,14 @@ def convert(
     on_plan=None,
 ) -> dict:
     """Convert an int4 MoE checkpoint to a vLLM-loadable compressed-tensors W4A8 checkpoint, or with
-    ``serve_format="kleidiai"`` to the packed serving format (serve_format.py).
+    ``serve_format="kleidiai"`` to the packed serving format (blobs.py).
 
     Returns the report (also written to ``OUT/int4pack_report.json``). With ``dry_run`` nothing is
     written and the report holds the plan. Raises Int4packError subclasses on bad input.
     ``group_size`` is a model-wide request: modules that cannot run it take the group they can
     (the report's ``plan.group_substitutions``), unless ``strict_group_size`` refuses instead.
     ``tensor_parallel`` > 1 (packed format only) stores the row parallel modules split along K for
-    that many vLLM tensor parallel ranks (serve_format.py).
+    that many vLLM tensor parallel ranks (blobs.py).
     ``on_plan(report)`` is called once the source is validated and planned (and, with ``resume``, once
     the kept shards are known: ``report["resume"]``), before any long work.
     """
@@ -245,7 +209,7 @@ def convert(
     progress = progress or NullProgress()
     if threads is not None and threads < 1:
         raise UsageError(f"--threads {threads}: must be at least 1")
-    packed = sf.parse_format(serve_format) == sf.KLEIDIAI
+    packed = parse_format(serve_format) == KLEIDIAI
     if tensor_parallel != 1 and not packed:
         raise UsageError(f"--tensor-parallel {tensor_parallel} applies to --serve-format kleidiai only "
                          "(vLLM splits the default format itself at load, for any tensor_parallel_size)")
@@ -257,7 +221,7 @@ def convert(
         plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
                          strict_group_size=strict_group_size)
         if packed:
-            plan = sf.packed_plan(plan, tensor_parallel)
+            plan = blobs.packed_plan(plan, tensor_parallel)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
         routing = routing_warnings(ckpt.family_type, ckpt.text_config, packed) + family_warnings(ckpt.family_type)
@@ -275,7 +239,7 @@ def convert(
                 "then " + serve_hint(str(out), plan.schemes(), True)),
         }
         if packed:
-            report["serve_format_planned"] = sf.KLEIDIAI
+            report["serve_format_planned"] = KLEIDIAI
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
@@ -302,7 +266,7 @@ def convert(
         if on_plan is not None:
             on_plan(report)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              sf.job_packer(tensor_parallel) if packed else None, trusted)
+                              blobs.job_packer(tensor_parallel) if packed else None, trusted)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -313,12 +277,12 @@ def convert(
         del weight_map
         cfg = _out_config(plan, ckpt)
         if packed:
-            blobs = {rename.get(f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX}")[: -len(sf.SUFFIX) - 1]: st["packed"]
+            provs = {rename.get(f"{m}.{SUFFIX}", f"{m}.{SUFFIX}")[: -len(SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
-            cfg["quantization_config"] = sf.serve_config(cfg["quantization_config"], plan.group_size,
-                                                         sf.blob_checks(blobs), tensor_parallel)
-            report["serve_format"] = {"format": sf.KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
-                "kleidiai"].items() if k != sf.BLOB_CHECKS}}
+            cfg["quantization_config"] = serve_config(cfg["quantization_config"], plan.group_size,
+                                                         blobs.blob_checks(provs, ckpt.family_type), tensor_parallel)
+            report["serve_format"] = {"format": KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
+                "kleidiai"].items() if k != BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
@@ -362,8 +326,6 @@ def _check_space(od: OutputDir, need: int, tensors: int, *, fresh: bool) -> None
 
 def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
     """How a kept shard's header metadata differs from what this run would write, or None."""
-    from .checkpoint import read_header
-
     try:
         _, got, _ = read_header(path)
     except InputError as e:
@@ -394,7 +356,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     finisher thread closes each shard once all its tensors are in (header, fsync, rename, progress.json),
     so neither the serial bookkeeping nor an fsync holds the workers up. Returns per-module stats.
     ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
-    turns a job's W4A8 tensors into KleidiAI blobs (serve_format.job_packer)."""
+    turns a job's W4A8 tensors into KleidiAI blobs (blobs.job_packer)."""
     rename = rename or {}
     if trusted is None:
         trusted = od.trusted_shards(names)
@@ -426,7 +388,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             f = files.get(shard)
             if f is None:
                 f = files[shard] = ShardFile(od.work / shard, planned[shard], meta,
-                                             sf.PROVENANCE_BYTES if pack is not None else 0)
+                                             PROVENANCE_BYTES if pack is not None else 0)
             return f
 
     def work(job: Job) -> tuple[dict, set]:
@@ -466,7 +428,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
             if job.kind == "copy":
                 res[out_name] = {"path": "copy"}
-            elif leaf in ("weight", sf.SUFFIX) and mod in job_stats:
+            elif leaf in ("weight", SUFFIX) and mod in job_stats:
                 res[out_name] = {k: v for k, v in job_stats[mod].items()
                                  if k in ("path", "rel_l2", "max_abs", "packed")}
             if shard in trusted:

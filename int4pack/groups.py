@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from .errors import UsageError
 
-__all__ = ["CHANNEL", "AUTO_GROUPS", "is_channelwise", "check_group_size", "groupwise_problem",
-           "parse_group_size", "normalize_group", "auto_group"]
+__all__ = ["CHANNEL", "AUTO_GROUPS", "is_channelwise", "block", "nests", "scale_dtype", "scheme_label",
+           "check_group_size", "groupwise_problem", "parse_group_size", "normalize_group", "auto_group"]
 
 CHANNEL = -1
 MULTIPLE = 32
@@ -22,6 +22,27 @@ AUTO_GROUPS = (128, 64, 32)  # what auto tries, largest first, when the source's
 def is_channelwise(k: int, group_size: int) -> bool:
     """One scale per row: -1, or a group that spans all of K."""
     return group_size == CHANNEL or group_size == k
+
+
+def block(k: int, group_size: int) -> int:
+    """The columns one scale covers, as the kernels and the packer take it: -1 is all of K."""
+    return k if group_size == CHANNEL else group_size
+
+
+def nests(source_group: int, k: int, group_size: int) -> bool:
+    """Whether every contiguous target group lies inside one source group (of ``source_group``
+    columns, K or more for a channelwise source), so the source's ints carry over unchanged."""
+    return source_group >= k or (source_group > 0 and source_group % block(k, group_size) == 0)
+
+
+def scale_dtype(group_size: int) -> str:
+    """The W4A8 scales' dtype: float32 for channelwise, bfloat16 for groups (what KleidiAI takes)."""
+    return "float32" if group_size == CHANNEL else "bfloat16"
+
+
+def scheme_label(g: int) -> str:
+    """How a target group reads in reports: 'group 32 (bf16 scales)' or 'channel (fp32 scales)'."""
+    return "channel (fp32 scales)" if g == CHANNEL else f"group {g} (bf16 scales)"
 
 
 def check_group_size(g: int, k: int) -> str | None:

@@ -4,7 +4,7 @@ small tensors the verdicts need); and a layout dump of one tensor.
 The summary reuses the readers' format verdict (GPTQ v1/v2 evidence included), the MoE discovery
 and ``make_plan``'s per-module path prediction. For W4A8 outputs it says, per module, whether
 ``_dyn_quant_pack_4bit_weight`` takes the KleidiAI path or silently falls back, by the same rules
-as torch's gate (docs/kleidiai.md §1.3). For the packed serving format (serve_format.py) it shows the
+as torch's gate (docs/kleidiai.md §1.3). For the packed serving format (blobs.py) it shows the
 recorded KleidiAI layout and each blob's shape, and dumps a blob's block structure.
 """
 
@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from . import kleidiai, serve_format as sf
+from . import blobs, kleidiai
 from .architectures import classify, discover, name_summary
-from .families import family
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError
+from .families import family
+from .families import family_warnings
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
-from .families import family_warnings
-from .serving import routing_warnings, serving_notes, serving_warnings
+from .serve_spec import QUANT_METHOD, SUFFIX, read_record, record_problems
+from .vllm_compat import routing_warnings, serving_notes, serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -73,16 +74,16 @@ def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
 
 def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     """The summary of a packed serving checkpoint: its recorded layout and one row per blob."""
-    pw = sf.PackedWeights(ckpt, rec)
+    pw = blobs.PackedWeights(ckpt, rec)
     out = _head(ckpt, label)
-    out["format"] = {"format": sf.QUANT_METHOD, "detail": f"KleidiAI-packed W4A8, {rec.get('layout')} "
+    out["format"] = {"format": QUANT_METHOD, "detail": f"KleidiAI-packed W4A8, {rec.get('layout')} "
                      f"v{rec.get('layout_version')}, nr/kr/sr {rec.get('nr')}/{rec.get('kr')}/{rec.get('sr')}",
-                     "evidence": [], "warnings": sf.record_problems(rec)}
+                     "evidence": [], "warnings": record_problems(rec)}
     out["quantization_config"] = ckpt.quant_config
     out["serve_format"] = {**rec, "blobs": len(pw.modules),
-                           "blob_bytes": sum(ckpt.tensors[f"{m}.{sf.SUFFIX}"].nbytes for m in pw.modules)}
+                           "blob_bytes": sum(ckpt.tensors[f"{m}.{SUFFIX}"].nbytes for m in pw.modules)}
     out["moe"], roles = _moe(ckpt, pw.modules)
-    out["plan"] = {"ok": False, "refused": f"a packed serving checkpoint ({sf.QUANT_METHOD}) is not a convert source",
+    out["plan"] = {"ok": False, "refused": f"a packed serving checkpoint ({QUANT_METHOD}) is not a convert source",
                    "hint": "Convert the original int4 checkpoint instead.", "exit_code": 4}
     mods = {}
     for m in pw.modules:
@@ -97,8 +98,8 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
         chan = g == -1
         mods[m] = {"role": roles.get(m) or classify(m)[0], "format": "kleidiai", "n": n, "k": k, "group_size": g,
                    "sym": True, "act_order": False, "scale_dtype": "F32" if chan else "BF16",
-                   "bias": bool(pw.prov[f"{m}.{sf.SUFFIX}"].get("bias")), "path": "packed",
-                   "bytes": ckpt.tensors[f"{m}.{sf.SUFFIX}"].nbytes, "kleidiai": True,
+                   "bias": bool(pw.prov[f"{m}.{SUFFIX}"].get("bias")), "path": "packed",
+                   "bytes": ckpt.tensors[f"{m}.{SUFFIX}"].nbytes, "kleidiai": True,
                    "kleidiai_reason": "packed " + ("channelwise qsi4cxp (fp32 scales)" if chan else
                                                    f"groupwise qsi4c32p, group {g} (bf16 scales)")}
     out["modules"] = mods
@@ -118,7 +119,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     from .formats import open_reader
     from .plan import make_plan
 
-    rec = sf.read_record(ckpt.quant_config)
+    rec = read_record(ckpt.quant_config)
     if rec is not None:
         return _packed_summary(ckpt, label, rec)
     out = _head(ckpt, label)
@@ -278,9 +279,9 @@ def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int, quantised: bool =
     return out
 
 
-def _dump_blob(pw: sf.PackedWeights, m: str, rows: int) -> dict:
+def _dump_blob(pw: blobs.PackedWeights, m: str, rows: int) -> dict:
     """Block structure of a KleidiAI blob of the packed serving format, decoded with kleidiai.unpack."""
-    name = f"{m}.{sf.SUFFIX}"
+    name = f"{m}.{SUFFIX}"
     info = pw.ckpt.tensors[name]
     n, k = pw.shape(m)
     g = pw.block(m)
@@ -319,10 +320,10 @@ def inspect(path, tensor: str | None = None, *, revision: str | None = None, row
     with Checkpoint(folder) as ckpt:
         if tensor is None:
             return _summary(ckpt, str(path))
-        rec = sf.read_record(ckpt.quant_config)
+        rec = read_record(ckpt.quant_config)
         if rec is not None:
-            m = tensor[: -len(sf.SUFFIX) - 1] if tensor.endswith(f".{sf.SUFFIX}") else tensor
-            if f"{m}.{sf.SUFFIX}" in ckpt.tensors:
-                return _dump_blob(sf.PackedWeights(ckpt, rec), m, rows)
+            m = tensor[: -len(SUFFIX) - 1] if tensor.endswith(f".{SUFFIX}") else tensor
+            if f"{m}.{SUFFIX}" in ckpt.tensors:
+                return _dump_blob(blobs.PackedWeights(ckpt, rec), m, rows)
             return _dump(ckpt, tensor, rows, cols, quantised=False)
         return _dump(ckpt, tensor, rows, cols)

@@ -19,6 +19,7 @@ import torch
 from . import _ext
 from . import crc as crc_mod
 from . import scale_search as S
+from .groups import block, nests
 from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
 
 __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "requant_info",
@@ -115,7 +116,7 @@ def lossless(ql, scales: torch.Tensor, src_groups: torch.Tensor, g: int):
     """
     codes = ql.codes.to(torch.uint8).contiguous()
     k = codes.shape[1]
-    gs = k if g == -1 else g
+    gs = block(k, g)
     q, sq, mq = ext().lossless(codes, gs, kernel_threads())
     s = ql.scales[:, src_groups].double()  # source scale of each target group, [N, Gt]
     sb = scales.double()
@@ -140,7 +141,7 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
     mod = ext()
     if mod is None or not mod.requant_ok:
         return None
-    gs = k if g == -1 else g
+    gs = block(k, g)
     coarse, fine = search_points(search)
     th = kernel_threads()
     if w is not None:
@@ -161,7 +162,7 @@ def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.
                                       search, coarse, fine, th)
         src = ql.spec.group_size
         # every target group inside one source group (the usual case): one source column each
-        inside = ql.g_idx is None and src > 0 and (src % gs == 0 or src >= k)
+        inside = ql.g_idx is None and nests(src, k, g)
 
         def groups(r: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
             # w4a8._source_rows at rows r, target groups j [A, gs]: the same arithmetic, element for element
@@ -188,7 +189,7 @@ _points = None  # the last setting and its answer: (ratios tensor, its version, 
 
 def search_points(search: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' candidate ratios: (coarse, fine offsets around the coarse winner), as float32.
-    Made once per setting (a linspace and copies were ~0.1 ms of every requant job)."""
+    Made once per setting, not per requant job (a linspace and its copies for every job)."""
     global _points
     if not search:
         return _EMPTY_F32, _EMPTY_F32
@@ -221,7 +222,7 @@ def _redo_with_torch(amb: torch.Tensor, groups, q, s, rs, g: int, gs: int, searc
     r, j = amb[:, 0], amb[:, 1]
     wg = groups(r, j).contiguous()  # float32 [A, gs]
     ws = torch.empty(wg.numel() * S.workspace_width(search), dtype=torch.float64)
-    qg, sg, _, _, _ = S.search_chunk(wg, g if g == -1 else gs, search, ws)
+    qg, sg, _, _, _ = S.search_chunk(wg, g, search, ws)  # gs is block(K, g)
     S.check_finite(sg, "weights", name)
     q.view(q.shape[0], -1, gs)[r, j] = qg
     s[r, j] = sg[:, 0]

@@ -28,7 +28,6 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from . import _ext
 from .errors import InputError
 from .groups import check_group_size, is_channelwise
 
@@ -200,6 +199,8 @@ def pack_reference(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | N
 
 
 def _ext_mod():
+    from . import _ext  # the C++ packer: only packing needs it, not the plugin reading blobs
+
     return _ext.load("kleidiai_pack")
 
 

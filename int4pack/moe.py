@@ -17,9 +17,9 @@ from functools import lru_cache
 
 import torch
 
-from . import _ext
+from . import _ext, kleidiai
 from .errors import InputError
-from .groups import groupwise_problem
+from .groups import block, groupwise_problem
 
 __all__ = [
     "ACTIVATIONS",
@@ -70,7 +70,7 @@ def _check(x, topk_ids, topk_weights, w13, w2, hidden, inter, group_size, activa
 
 def moe_forward(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden: int, inter: int, group_size: int,
                 apply_router_weight_on_input: bool = False, activation: int = 0) -> torch.Tensor:
-    """out [T, H] in x's dtype. ``group_size`` -1 means channelwise (block = H for w13, I for w2)."""
+    """out [T, H] in x's dtype. ``group_size`` as groups.py has it (channelwise: one block of H for w13, of I for w2)."""
     _check(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden, inter, group_size, activation)
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise InputError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -260,7 +260,7 @@ def _torch_pack(q, scales, g, bias=None):
 
 def _fallback_pack(q, scales, g, out=None):
     # torch's reference layout (docs/kleidiai.md §1.6): bytes as floats, then scales as floats.
-    # torch writes it with a slow scalar loop (~0.2 s per 1536x2048); this is the same thing.
+    # torch writes it with a scalar loop; this writes the same bytes with tensor operations.
     n, k = q.shape
     vk = _ext.load("verify_kernels")
     if vk is not None and q.dtype == torch.int8 and q.is_contiguous() and scales.dtype in (torch.float32,
@@ -297,10 +297,8 @@ def pack_for_matmul(q: torch.Tensor, scales: torch.Tensor, group_size: int, out:
 
     ``scales``: bf16 [N, K/g] for groups, fp32 [N, 1] for channel (``group_size`` -1). ``out``: a
     preallocated row to fill (used when its size and dtype match)."""
-    from . import kleidiai
-
     n, k = q.shape
-    g = k if group_size == -1 else group_size
+    g = block(k, group_size)
     if kleidiai.native_kleidiai_available():
         blob, _ = kleidiai.pack(q.to(torch.int8), scales, None, g, packer="native")
         return blob

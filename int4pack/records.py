@@ -11,6 +11,7 @@ symmetric layout). The W4A8 target is then ``q = codes - 8`` with ``zeros == 8``
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 
 import torch
 
@@ -46,6 +47,15 @@ class LinearSpec:
         return self.n * self.k
 
 
+class Packing(IntEnum):
+    """How a linear's int4 values are held; the C++ one-pass jobs take it as their layout argument."""
+
+    CODES = 0  # uint8 [N, K], one code per byte
+    CT = 1  # compressed-tensors int32 words [N, K/8]
+    GPTQ = 2  # GPTQ int32 words [K/8, N]
+    AWQ = 3  # AWQ int32 words [K, N/8]
+
+
 @dataclass
 class QuantLinear:
     """One linear's quantised data in the canonical convention (see module docstring)."""
@@ -56,20 +66,19 @@ class QuantLinear:
     zeros: torch.Tensor | None  # uint8 [N, G] unsigned zero points; None means all 8 (symmetric)
     g_idx: torch.Tensor | None = None  # int64 [K]; None means k // group_size
     bias: torch.Tensor | None = None  # [N] source dtype
-    # (layout, int32 words) while the codes are still packed: 1 compressed-tensors [N, K/8], 2 GPTQ
-    # [K/8, N], 3 AWQ [K, N/8]; see Reader.read(unpack=False), which lets the one-pass kernels
-    # (w4a8.lossless_fast, w4a8.requant_fast) read the words
-    packed: tuple[int, torch.Tensor] | None = None
+    # (Packing, int32 words) while the codes are still packed; see Reader.read(unpack=False), which
+    # lets the one-pass kernels (w4a8.lossless_fast, w4a8.requant_fast) read the words
+    packed: tuple[Packing, torch.Tensor] | None = None
 
     def unpacked(self) -> "QuantLinear":
         """This record with ``codes`` filled in (itself when they already are)."""
         if self.codes is not None:
             return self
         layout, words = self.packed
-        if layout == 1:
+        if layout == Packing.CT:
             codes = kernels.unpack_ct(words, self.spec.k)
         else:
-            codes = kernels.unpack_gptq(words) if layout == 2 else kernels.unpack_awq(words)
+            codes = kernels.unpack_gptq(words) if layout == Packing.GPTQ else kernels.unpack_awq(words)
         return replace(self, codes=codes, packed=None)
 
     def group_index(self) -> torch.Tensor:

@@ -21,6 +21,7 @@ import math
 import torch
 
 from .errors import InputError
+from .groups import block
 
 __all__ = ["QMIN", "QMAX", "TINY", "ZERO_GROUP_SCALE", "COARSE_RATIOS", "FINE_POINTS", "TIE", "ErrorStats",
            "is_group_scale", "ship_scale", "out_scale_dtype", "check_finite", "eval_candidates",
@@ -122,7 +123,7 @@ def first_within_tie(e: torch.Tensor) -> torch.Tensor:
 def search_chunk(w: torch.Tensor, g: int, search: bool, ws: torch.Tensor):
     """w [r, K] float32 -> (q int8 [r, K], s float32 [r, G] shipped values, sse, baseline_sse, zero groups)."""
     r, k = w.shape
-    gs = k if g == -1 else g
+    gs = block(k, g)
     x = w.view(r, k // gs, 1, gs)
     wmin, wmax = torch.aminmax(x, dim=-1)  # [r, G, 1]
     amax = torch.maximum(wmax, -wmin)

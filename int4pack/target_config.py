@@ -21,16 +21,18 @@ makes vLLM 0.19.1 refuse to load, instead of taking another module's scheme.
 
 from __future__ import annotations
 
+import json
 import re
 
-from .architectures import VLLM_FUSED, vllm_module
+from .architectures import VLLM_FUSED, vllm_module, vllm_output_names
 
-__all__ = ["w4a8_quant_config", "scheme_targets", "CT_VERSION"]
+__all__ = ["w4a8_quant_config", "output_config", "ignore_list", "scheme_targets", "CT_VERSION"]
 
 # the compressed-tensors version whose schema we write (the fields have been stable since 0.11)
 CT_VERSION = "0.20.0"
 _EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # how vLLM 0.19.1 looks up every MoE layer
 _LAYER = re.compile(r"^(?P<head>.*?\.layers\.)(?P<n>\d+)(?P<tail>\..*)$")
+_NOT_LINEAR = re.compile(r"(embed|norm|wte|wpe|rotary|position)", re.I)
 
 
 def scheme_targets(modules: list[str]) -> list[str]:
@@ -134,3 +136,39 @@ def w4a8_quant_config(group_size: int | dict[str, int], ignore: list[str]) -> di
         "transform_config": {},
         "version": CT_VERSION,
     }
+
+
+def ignore_list(tensors: dict, text_config: dict, quantized, dequantized) -> list[str]:
+    """Every linear-like module left in float: routers, lm_head, unquantised and bf16-kept linears.
+    ``tensors``: the source's name -> info (with ``shape``); ``dequantized``: int4 linears kept in bf16."""
+    quant = set(quantized)
+    ignore = set(dequantized)
+    for name, t in tensors.items():
+        if name.endswith(".weight") and len(t.shape) == 2:
+            mod = name[: -len(".weight")]
+            if mod not in quant and not _NOT_LINEAR.search(mod.rsplit(".", 1)[-1]):
+                ignore.add(mod)
+    if "lm_head.weight" in tensors or text_config.get("tie_word_embeddings"):
+        ignore.add("lm_head")
+    return sorted(ignore)
+
+
+def output_config(config: dict, family_type: str, tensors: dict, quantized, dequantized, group_size: int | None,
+                  groups: dict[str, int]) -> dict:
+    """The output's config.json: the source's, without its compression records, with the W4A8
+    ``quantization_config`` (one scheme, or with ``group_size`` None one config group per scheme
+    over ``groups``, module -> group), every name in the names vLLM loads."""
+    cfg = json.loads(json.dumps(config))
+    cfg.pop("compression_config", None)
+    if isinstance(cfg.get("text_config"), dict):
+        cfg["text_config"].pop("quantization_config", None)
+    tc = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    ignore = ignore_list(tensors, tc, quantized, dequantized)
+    rename = vllm_output_names(family_type, [f"{m}.weight" for m in ignore])
+    ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
+    if group_size is not None:
+        cfg["quantization_config"] = w4a8_quant_config(group_size, ignore)
+    else:  # one config group per scheme, targets in the names vLLM loads
+        by_module = {rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")]: g for m, g in groups.items()}
+        cfg["quantization_config"] = w4a8_quant_config(by_module, ignore)
+    return cfg

@@ -33,9 +33,10 @@ import torch
 
 from . import kernels
 from . import moe as moe_mod
-from . import serve_format as sf
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError, VerifyFailed
+from .groups import block
+from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN, SUFFIX
 from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
 from .w4a8 import dequantize_w4a8
 
@@ -205,7 +206,7 @@ def _check_copies(t: Target, src: _Source, clock) -> dict:
                 continue  # reported by the numerical pass (not a quantised module of the source)
             bias = src.bias(m)
             if t.packed:
-                explained.add(f"{m}.{sf.SUFFIX}")
+                explained.add(f"{m}.{SUFFIX}")
                 continue  # a packed bias is inside the blob: compared there (_bias_vs_source)
             explained.update({f"{m}.weight", f"{m}.weight_scale"})
             if bias is None:
@@ -230,7 +231,7 @@ def _bias_vs_source(t: Target, src: _Source, m: str) -> list[str]:
     if not t.packed:
         return []  # the plain output's biases are tensors of their own: _check_copies
     sb = src.read(m).bias
-    has = bool(t.packed.prov.get(f"{m}.{sf.SUFFIX}", {}).get("bias"))
+    has = bool(t.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias"))
     if has != (sb is not None):
         return [f"{m}: the blob {'holds' if has else 'lacks'} a bias, the source module "
                 f"{'has none' if has else 'has one'}"]
@@ -256,7 +257,7 @@ def _bias_matches(got: torch.Tensor, want: torch.Tensor, perm: torch.Tensor | No
 def _rtn_rel(w: torch.Tensor, g: int) -> float:
     """rel_l2 of plain absmax round-to-nearest at the target group (scales rounded as shipped)."""
     n, k = w.shape
-    gg = k if g == -1 else g
+    gg = block(k, g)
     wg = w.reshape(n, k // gg, gg)
     s = wg.abs().amax(2, keepdim=True) / 7
     s = (s.to(torch.bfloat16).float() if g != -1 else s).clamp(min=2.0**-126)
@@ -512,7 +513,7 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, inputs: dict
                 qs = {r: t.weight(m) for r, m in slot.items()}
                 cw = {r: dequantize_w4a8(*qs[r]) for r in slot}
             if use_blobs:
-                # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: serve_format.py)
+                # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: blobs.py)
                 with clock("read"):
                     w13p = torch.cat([t.blob(slot["gate"]), t.blob(slot["up"])])
                     w2p = t.blob(slot["down"])
@@ -642,7 +643,7 @@ def _dense_run(t: Target, m: str, src: _Source | None, report, x: torch.Tensor, 
         if wp is None:
             wp = moe_mod.pack_for_matmul(q, s, g)
     with clock("kernel"):
-        y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, k if g == -1 else g, k, n)
+        y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, block(k, g), k, n)
     with clock("reference"):
         y_c = x @ w_c.t()
     step2 = moe_mod.int8_step(x) ** 2 / 12
@@ -855,7 +856,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                 return _finish(report, t0, clock, raise_on_failure)
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
                                 "seconds": round(st_s, 3),
-                                "serve_format": sf.KLEIDIAI if t.packed else sf.PLAIN}
+                                "serve_format": KLEIDIAI if t.packed else PLAIN}
         report["layers"], report["dense"] = [], []
         report["kernel"] = _kernel_info()
         report["trust"] = _trust_notes(t, counts, conv_report, against is not None and not structural_only)
@@ -975,8 +976,8 @@ def _trust_notes(t: Target, counts: dict, conv_report: dict | None, against: boo
     if t.packed:
         notes.append("each blob is checked against the provenance in its own shard header (CRCs of the values "
                      "it was packed from) and repacked byte for byte")
-        if sf.BLOB_CHECKS not in t.packed.record:
-            notes.append(f"the layout record has no {sf.BLOB_CHECKS} (written by an older int4pack): the vLLM "
+        if BLOB_CHECKS not in t.packed.record:
+            notes.append(f"the layout record has no {BLOB_CHECKS} (written by an older int4pack): the vLLM "
                          "plugin serves these blobs unchecked; convert again to have them checked at load")
     return notes
 

@@ -15,17 +15,19 @@ from pathlib import Path
 
 import torch
 
-from . import _ext, kernels
-from . import serve_format as sf
-from .architectures import classify
+from . import _ext, blobs, kernels, kleidiai
+from .architectures import classify, moe_config, routers, vllm_module
 from .checkpoint import Checkpoint
 from .errors import InputError
+from .formats.compressed_tensors import CompressedTensorsReader
 from .groups import check_group_size
+from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, SUFFIX, is_row_parallel, read_record, record_problems,
+                         tensor_parallel_size)
 from .w4a8 import dequantize_w4a8
+from .writer import hash_shard
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$")
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -50,8 +52,8 @@ class Target:
         self.ckpt = ckpt
         q = ckpt.quant_config or {}
         groups = q.get("config_groups") or {}
-        rec = sf.read_record(q)
-        if q.get("quant_method") not in ("compressed-tensors", sf.QUANT_METHOD) or not groups:
+        rec = read_record(q)
+        if q.get("quant_method") not in ("compressed-tensors", QUANT_METHOD) or not groups:
             raise InputError(f"{ckpt.folder}: not a compressed-tensors W4A8 checkpoint "
                              f"(quant_method {q.get('quant_method')!r})",
                              hint="verify checks int4pack's output; pass the folder convert wrote.")
@@ -74,31 +76,18 @@ class Target:
             if a.get("num_bits") != 8 or a.get("strategy") != "token" or not a.get("dynamic"):
                 problems.add(where, "input_activations must be 8-bit dynamic per token (vLLM's W4A8 detection)")
         self.ignore = list(q.get("ignore") or [])
-        for why in sf.record_problems(rec) if rec else []:
+        for why in record_problems(rec) if rec else []:
             problems.add("config", f"quantization_config.kleidiai: {why}")
-        self.packed = sf.PackedWeights(ckpt, rec) if rec else None  # None: int8 weights and scales
+        self.packed = blobs.PackedWeights(ckpt, rec) if rec else None  # None: int8 weights and scales
         self.ranges: dict[str, tuple[int, int]] = {}  # int8 tensor -> (min, max), from the shard scan
         self.modules = (self.packed.modules if self.packed else
                         sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale")))
         self.groups = _module_groups(ckpt, q, self.modules, problems)
-        tc = ckpt.text_config
-        self.num_experts = next((tc[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
-                                 if isinstance(tc.get(k), int)), None)
-        top_k = tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2
-        if type(top_k) is not int or top_k < 1:
-            problems.add("config", f"num_experts_per_tok is {top_k!r}, not a positive integer")
-            top_k = 2
-        self.top_k = top_k
-        from .families import family
-
-        fam = family(ckpt.family_type)
-        # the family's routing facts (families/): scoring function, renormalisation, score bias
-        self.routing = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
-        self.norm_offset = fam.rmsnorm_offset if fam else 0.0
-        self.norm_topk = bool(tc.get("norm_topk_prob", self.routing.get("renormalize",
-                                                                      ckpt.model_type in ("mixtral", "phimoe"))))
-        act = str(tc.get("hidden_act") or "silu")
-        self.activation = 1 if "oai" in act else 0
+        moe, unusable = moe_config(ckpt.model_type, ckpt.family_type, ckpt.text_config)
+        for why in unusable:
+            problems.add("config", why)
+        self.num_experts, self.top_k, self.routing = moe.num_experts, moe.top_k, moe.routing
+        self.norm_offset, self.norm_topk, self.activation = moe.norm_offset, moe.renormalize, moe.activation
         self.layers: dict[str, dict[int, dict[str, str]]] = {}
         self.roles: dict[str, str] = {}
         for m in self.modules:
@@ -106,8 +95,7 @@ class Target:
             self.roles[m] = role
             if role == "expert":
                 self.layers.setdefault(d["moe"], {}).setdefault(d["e"], {})[d["proj"]] = m
-        self.routers = {n[: -len(".gate.weight")] if n.endswith(".gate.weight") else n[: -len(".router.weight")]: n
-                        for n in ckpt.tensors if n.endswith(".weight") and _ROUTER.search(n[:-7])}
+        self.routers = routers(ckpt.tensors)
 
     def group_for(self, m: str) -> int:
         """Module m's group from its config group; a group equal to K is channelwise."""
@@ -134,11 +122,9 @@ class Target:
         """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly).
         Not one with a bias inside: the references here leave biases out; none of a checkpoint split
         for tensor parallelism: its row parallel blobs are per rank (the kernel runs whole matrices)."""
-        from . import kleidiai
-
-        if not (self.packed and kleidiai.native_kleidiai_available()) or sf.tensor_parallel_size(self.packed.record) != 1:
+        if not (self.packed and kleidiai.native_kleidiai_available()) or tensor_parallel_size(self.packed.record) != 1:
             return None
-        return None if self.packed.prov.get(f"{m}.{sf.SUFFIX}", {}).get("bias") else self.packed.blob(m)
+        return None if self.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias") else self.packed.blob(m)
 
     def dequant(self, m: str) -> torch.Tensor:
         q, s, g = self.weight(m)
@@ -148,8 +134,6 @@ class Target:
 def _module_groups(ckpt: Checkpoint, q: dict, modules: list[str], problems: Problems) -> dict[str, int]:
     """Each module's group from the config group whose targets name it (vLLM resolves one per module:
     a module named by two groups, or by none, is a problem)."""
-    from .formats.compressed_tensors import CompressedTensorsReader
-
     schemes = CompressedTensorsReader(ckpt, q).schemes
     out = {}
     for m in modules:
@@ -177,27 +161,27 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
     ck = t.ckpt
     if t.packed:
         probs, dec = t.packed.check_blob(m)
-        tp = sf.tensor_parallel_size(t.packed.record)
-        want = tp if sf.is_row_parallel(m) else 1  # vLLM splits only row parallel modules along K
+        tp = tensor_parallel_size(t.packed.record)
+        want = tp if is_row_parallel(m) else 1  # vLLM splits only row parallel modules along K
         if t.packed.split(m) != want:
             probs.append(f"stored for {t.packed.split(m)} tensor parallel rank(s), the config records "
                          f"tensor_parallel_size {tp or 'unreadable'} (row parallel modules split, others whole)")
         for p in probs:
-            problems.add(f"{m}.{sf.SUFFIX}", p)
+            problems.add(f"{m}.{SUFFIX}", p)
         if dec is not None:
             counts["blobs"] += 1
             rg = t.packed.record.get("group_size")
             if type(rg) is int and rg != t.packed.group(m) and not (rg == t.packed.shape(m)[1]
                                                                     and t.packed.group(m) == -1):
-                problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the layout record's "
+                problems.add(f"{m}.{SUFFIX}", f"packed with group {t.packed.group(m)}, but the layout record's "
                                                  f"group_size is {rg}")
             why = _blob_check_problem(t, m)
             if why:
-                problems.add(f"{m}.{sf.SUFFIX}", why)
+                problems.add(f"{m}.{SUFFIX}", why)
             if t.packed.group(m) != t.group_for(m):
-                problems.add(f"{m}.{sf.SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
+                problems.add(f"{m}.{SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
                                                  f"for the module is {t.group_for(m)} (-1: channel)")
-            _check_values(m, f"{m}.{sf.SUFFIX}", f"{m}.{sf.SUFFIX} (scales)", dec[0], dec[1].float(), problems, counts)
+            _check_values(m, f"{m}.{SUFFIX}", f"{m}.{SUFFIX} (scales)", dec[0], dec[1].float(), problems, counts)
         return
     wn, sn = f"{m}.weight", f"{m}.weight_scale"
     if wn not in ck.tensors:
@@ -226,16 +210,14 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
 def _blob_check_problem(t: Target, m: str) -> str | None:
     """The layout record's blob_checks entry of module m (what the plugin checks at load) against
     the blob's provenance; None when they agree or the record has no checks (noted by verify)."""
-    from .architectures import classify, vllm_module
-
-    checks = t.packed.record.get(sf.BLOB_CHECKS)
+    checks = t.packed.record.get(BLOB_CHECKS)
     if not isinstance(checks, dict):
         return None
-    prov = t.packed.prov[f"{m}.{sf.SUFFIX}"]
-    unit = vllm_module(m)
+    prov = t.packed.prov[f"{m}.{SUFFIX}"]
+    unit = vllm_module(m, t.ckpt.family_type)
     ent = (checks.get("modules") or {}).get(unit) if isinstance(checks.get("modules"), dict) else None
     if not isinstance(ent, dict):
-        return f"quantization_config.kleidiai.{sf.BLOB_CHECKS} has no entry {unit!r} (the plugin refuses it)"
+        return f"quantization_config.kleidiai.{BLOB_CHECKS} has no entry {unit!r} (the plugin refuses it)"
     try:
         role, d = classify(m)
         leaf = m.rsplit(".", 1)[-1]
@@ -246,10 +228,10 @@ def _blob_check_problem(t: Target, m: str) -> str | None:
             i = ent["names"].index(leaf)
             want, name_ok = ent["crc32"][i], True
     except (KeyError, IndexError, TypeError, ValueError):
-        return f"quantization_config.kleidiai.{sf.BLOB_CHECKS}[{unit!r}] does not list this blob"
+        return f"quantization_config.kleidiai.{BLOB_CHECKS}[{unit!r}] does not list this blob"
     g = -1 if prov["group_size"] in (-1, prov["k"]) else prov["group_size"]
     if not name_ok or ent.get("group_size") != g or (prov.get("crc32") is not None and want != prov["crc32"]):
-        return (f"quantization_config.kleidiai.{sf.BLOB_CHECKS}[{unit!r}] disagrees with the blob's provenance "
+        return (f"quantization_config.kleidiai.{BLOB_CHECKS}[{unit!r}] disagrees with the blob's provenance "
                 f"(group {ent.get('group_size')!r} vs {g}, CRC-32 {want!r} vs {prov.get('crc32')!r})")
     return None
 

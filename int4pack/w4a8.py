@@ -29,8 +29,8 @@ import torch
 from . import _ext
 from . import kernels as _kernels
 from .errors import InputError, UsageError
-from .groups import check_group_size, normalize_group
-from .records import QuantLinear
+from .groups import block, check_group_size, nests, normalize_group
+from .records import Packing, QuantLinear
 from .scale_search import ErrorStats, check_finite, out_scale_dtype, requant_info, search_chunk, workspace_width
 
 __all__ = [
@@ -109,7 +109,7 @@ def _source_rows(ql: QuantLinear, gi: torch.Tensor, r0: int, r1: int) -> torch.T
 
 def _requant_rows(n: int, k: int, g: int, rows, search: bool, name: str | None):
     """Drive the search over row chunks supplied by ``rows(r0, r1)`` (float32 [r, K])."""
-    gcount = 1 if g == -1 else k // g
+    gcount = k // block(k, g)
     q = torch.empty(n, k, dtype=torch.int8)
     scales = torch.empty(n, gcount, dtype=out_scale_dtype(g))
     st = ErrorStats()
@@ -158,7 +158,7 @@ def _target_source_groups(ql: QuantLinear, g: int) -> torch.Tensor | None:
     gi = ql.group_index()
     if gi.numel() != k:
         return None
-    gs = k if g == -1 else g
+    gs = block(k, g)
     blocks = gi.view(k // gs, gs)
     if not bool((blocks == blocks[:, :1]).all()):
         return None
@@ -180,8 +180,7 @@ def lossless_possible(ql: QuantLinear, g: int) -> bool:
     if not ql.is_symmetric():
         return False
     if ql.g_idx is None:  # source group i holds columns [i*src, (i+1)*src): no tensor to look at
-        src, gs = ql.spec.group_size, k if g == -1 else g
-        return src >= k or src % gs == 0
+        return nests(ql.spec.group_size, k, g)
     return _target_source_groups(ql, g) is not None
 
 
@@ -294,13 +293,13 @@ def lossless_fast(ql: QuantLinear, g: int) -> W4A8Linear | None:
     n, k = ql.spec.n, ql.spec.k
     if not _one_pass(ql):
         return None
-    if ql.codes is None and (ql.packed[0] == 3 or k % 8 or (g != -1 and g % 8)):
+    if ql.codes is None and (ql.packed[0] == Packing.AWQ or k % 8 or (g != -1 and g % 8)):
         ql = ql.unpacked()  # the job reads compressed-tensors and GPTQ words in whole words only
-    layout, data = ql.packed if ql.codes is None else (0, ql.codes.to(torch.uint8).contiguous())
+    layout, data = ql.packed if ql.codes is None else (Packing.CODES, ql.codes.to(torch.uint8).contiguous())
     zeros = _NO_ZEROS if ql.zeros is None else ql.zeros.to(torch.uint8).contiguous()
     src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
     status, q, s, tot = m.lossless_job(layout, data, n, k, ql.scales.contiguous(), zeros, src_group,
-                                       k if g == -1 else g, g != -1, _kernels.kernel_threads())
+                                       block(k, g), g != -1, _kernels.kernel_threads())
     if int(status) != 0:
         return None
     st = ErrorStats()
@@ -355,8 +354,8 @@ def requant_fast(ql: QuantLinear, g: int, *, search: bool = True) -> W4A8Linear 
     n, k = ql.spec.n, ql.spec.k
     if ql.zeros is None or not _one_pass(ql):
         return None
-    layout, data = ql.packed if ql.codes is None else (0, ql.codes.to(torch.uint8).contiguous())
-    gs = k if g == -1 else g
+    layout, data = ql.packed if ql.codes is None else (Packing.CODES, ql.codes.to(torch.uint8).contiguous())
+    gs = block(k, g)
     src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
     coarse, fine = _kernels.search_points(search)
     status, q, s, sums, zero_groups = m.requant_job(layout, data, n, k, ql.scales.contiguous(),
@@ -414,7 +413,7 @@ def fold_act_order(gate: QuantLinear, up: QuantLinear, down: QuantLinear,
             f"down in_features {i_dim} ({down.spec.name})", tensor=down.spec.name)
     g = normalize_group(group_size, i_dim)
     width = None if down.has_trivial_g_idx() else _equal_groups(down)
-    tgt = i_dim if g == -1 else g
+    tgt = block(i_dim, g)
     if width is None or width % tgt:
         return to_w4a8(gate, group_size), to_w4a8(up, group_size), to_w4a8(down, group_size)
     perm = torch.argsort(down.g_idx.long(), stable=True)

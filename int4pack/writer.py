@@ -9,6 +9,9 @@ finished, which keeps offsets unchanged.
 Atomicity: the whole output is built in a hidden sibling folder and renamed at the end; a
 shard is written as ``<name>.tmp`` and renamed when complete; ``progress.json`` there records
 each finished shard's checksums so ``--resume`` can trust (after re-checking) what it keeps.
+
+Long: the shard file, its checksums and the output folder share one write path (staging
+buffers, direct writes, the header slot, the rename); split, each part would reach into the others.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 
 from . import kernels
+from .checkpoint import DTYPE_NAMES
 from .errors import OutputError
 from .plan import OutTensor
 from .workdir import partial_folder
@@ -48,7 +52,7 @@ __all__ = [
 PROGRESS = "progress.json"
 REPORT_NAME = "int4pack_report.json"  # what marks a folder as an int4pack output
 # test hook: INT4PACK_TEST_SLOW_WRITE_MS=N sleeps N ms before each tensor is written, so that a
-# test's SIGKILL lands mid-run on small fixtures (tests/test_reliability.py); unset in normal use
+# test's SIGKILL lands mid-run on small fixtures (tests/test_resume.py); unset in normal use
 try:
     _SLOW_WRITE_S = max(0.0, float(os.environ.get("INT4PACK_TEST_SLOW_WRITE_MS") or 0) / 1000)
 except ValueError:
@@ -249,7 +253,6 @@ class ShardFile:
         if want is None:
             raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
         if isinstance(data, torch.Tensor):
-            from .checkpoint import DTYPE_NAMES
             if DTYPE_NAMES.get(data.dtype) != want.dtype or tuple(data.shape) != want.shape:
                 raise OutputError(f"internal: {name} is {data.dtype}{tuple(data.shape)}, "
                                   f"planned {want.dtype}{want.shape}", tensor=name)

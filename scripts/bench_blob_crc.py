@@ -36,7 +36,7 @@ def main() -> int:
     a = ap.parse_args()
 
     import int4pack
-    from int4pack import serve_format as sf
+    from int4pack.serve_spec import SUFFIX
     from int4pack.architectures import classify, vllm_module
     from int4pack.vllm_plugin import _layout
 
@@ -53,7 +53,7 @@ def main() -> int:
     blobs: dict[str, torch.Tensor] = {}
     for f in sorted(out.glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
-            blobs.update({k[: -len(sf.SUFFIX) - 1]: fh.get_tensor(k) for k in fh.keys() if k.endswith(sf.SUFFIX)})
+            blobs.update({k[: -len(SUFFIX) - 1]: fh.get_tensor(k) for k in fh.keys() if k.endswith(SUFFIX)})
     units: dict[str, list[str]] = {}
     for m in blobs:
         units.setdefault(vllm_module(m), []).append(m)
@@ -74,7 +74,7 @@ def main() -> int:
             loaded.append(eb)
         else:
             chk = _layout.blob_check(rec, unit)
-            names = [chk.tensor(i)[: -len(sf.SUFFIX) - 1] for i in range(len(chk.names))]
+            names = [chk.tensor(i)[: -len(SUFFIX) - 1] for i in range(len(chk.names))]
             sizes = [blobs[n].numel() for n in names]
             db = _layout.DenseBlobs([8], 128 if g == -1 else g, g)  # only its data and offsets matter here
             db.check = chk

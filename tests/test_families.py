@@ -13,6 +13,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import int4pack
+from _reference import FIXTURES
 from _synth import E, H, NEW_FAMILIES, write_gptq_family
 from int4pack.architectures import discover
 from int4pack.cli import app
@@ -106,6 +107,26 @@ def test_minimax_names_are_what_vllm_loads(converted):
         assert torch.allclose(got, want, rtol=2 ** -8, atol=0)  # the same ints; fp16 scales cast to bf16
         assert torch.equal(o["model.layers.0.block_sparse_moe.e_score_correction_bias"],
                            s["model.layers.0.block_sparse_moe.e_score_correction_bias"])
+
+
+def test_minimax_packed_checks_are_under_the_prefix_vllm_gives_the_moe_block(tmp_path):
+    """vLLM 0.19.1/0.32.0 minimax_m2.py build ``block_sparse_moe`` with prefix ``<layer>.mlp``: the
+    plugin's MoE method is handed ``model.layers.N.mlp.experts`` and must find its blob checks."""
+    from int4pack.vllm_plugin._layout import blob_check
+
+    out = tmp_path / "packed"
+    int4pack.convert(FIXTURES / "ct_minimaxm2_w4a16", out, serve_format="kleidiai")
+    cfg = json.loads((out / "config.json").read_text())
+    rec = cfg["quantization_config"]["kleidiai"]
+    mods = rec["blob_checks"]["modules"]
+    n = cfg["num_local_experts"]
+    for layer in range(cfg["num_hidden_layers"]):
+        assert f"model.layers.{layer}.block_sparse_moe.experts" not in mods
+        chk = blob_check(rec, f"model.layers.{layer}.mlp.experts", experts=n)
+        assert chk.names == ["w1", "w3", "w2"] and len(chk.crcs) == n
+    # the blobs themselves keep the names the weights load by
+    idx = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(".block_sparse_moe.experts." in k for k in idx) and not any(".mlp.experts." in k for k in idx)
 
 
 def test_deepseek_v32_indexer_wk_and_weights_proj_stay_float(converted):
@@ -252,7 +273,6 @@ def test_inspect_shows_family_layout(converted):
 
 # -- the fixtures made by llm-compressor on transformers' own classes (tests/fixtures/README.md) ----------
 
-FIXTURES = Path(__file__).parent / "fixtures"
 REAL = {  # fixture: (family type, routing kind, where the score bias lives)
     "ct_minimaxm2_w4a16": ("minimax_m2", "MiniMax2", "block_sparse_moe.e_score_correction_bias"),
     "ct_deepseekv3_w4a16": ("deepseek_v3", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),

@@ -92,3 +92,86 @@ def test_the_graph_reads_every_kind_of_import():
 
 def test_package_imports_have_no_cycle():
     assert cycles(graph()) == []
+
+
+# the readers and the planner: what the vLLM plugin must never load
+CONVERTER_ONLY = ("int4pack.formats", "int4pack.checkpoint", "int4pack.plan", "int4pack.blobs", "int4pack.convert",
+                  "int4pack.families", "int4pack.architectures")
+PLUGIN_BUDGET = 5  # int4pack modules the plugin may import beyond its own and the package's (_version, errors)
+
+
+def _reach(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(edges[m])
+            todo.extend(".".join(m.split(".")[:i]) for i in range(1, m.count(".") + 1))  # parents run first
+    return seen
+
+
+def test_the_plugin_never_reaches_the_readers_or_the_planner_in_the_source():
+    """Every import the plugin's modules can run, deferred ones included."""
+    g = graph()
+    reach = set().union(*(_reach(g, m) for m in g if m.startswith("int4pack.vllm_plugin")))
+    assert not [m for m in reach if m.startswith(CONVERTER_ONLY)], sorted(reach)
+
+
+def test_the_plugin_registers_and_loads_a_packed_checkpoint_with_few_modules(tmp_path):
+    """register() under a stand-in of vLLM's registry hook, then a packed checkpoint through the
+    loaders and checks the plugin runs at load, as vLLM calls them (blobs read with safetensors):
+    the int4pack modules this imports, in a fresh interpreter."""
+    import json
+    import subprocess
+    import sys
+
+    import int4pack
+
+    int4pack.convert(PACKAGE.parent / "tests" / "fixtures" / "awq_q3", tmp_path / "packed", serve_format="kleidiai")
+    code = f"""
+import json, sys, types
+from pathlib import Path
+hook = types.ModuleType("vllm.model_executor.layers.quantization")
+hook.QUANTIZATION_METHODS, registered = [], {{}}
+hook.register_quantization_config = lambda name: lambda cls: registered.setdefault(name, cls)
+base = types.ModuleType("vllm.model_executor.layers.quantization.base_config")
+base.QuantizationConfig = object
+for name in ("vllm", "vllm.model_executor", "vllm.model_executor.layers"):
+    sys.modules[name] = types.ModuleType(name)
+sys.modules[hook.__name__], sys.modules[base.__name__] = hook, base
+
+import torch
+from safetensors.torch import load_file
+from int4pack import vllm_plugin
+vllm_plugin.register()
+assert list(registered) == ["int4pack-kleidiai"], registered
+from int4pack.vllm_plugin import _layout, _routing
+from int4pack import serve_spec
+
+folder = Path({str(tmp_path / "packed")!r})
+rec = serve_spec.read_record(json.loads((folder / "config.json").read_text())["quantization_config"])
+assert _layout.runtime_problem({{**rec, "layout_version": 2}})
+blobs = {{}}
+for f in folder.glob("*.safetensors"):
+    blobs.update(load_file(f))
+p = "model.layers.1.mlp.experts"
+hidden, inter = 256, 128
+eb = _layout.ExpertBlobs(4, hidden, inter, rec["group_size"], check=_layout.blob_check(rec, p, experts=4))
+w13, w2 = eb.empty("w13"), eb.empty("w2")
+for e in range(4):
+    for proj, shard, param in (("gate_proj", "w1", w13), ("up_proj", "w3", w13), ("down_proj", "w2", w2)):
+        eb.load(param, blobs[f"{{p}}.{{e}}.{{proj}}.weight_packed"], f"{{p}}.w13", shard, e)
+assert eb.missing() == []
+eb.check_bytes()
+print(json.dumps(sorted(m for m in sys.modules if m.startswith("int4pack"))))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                       env={**__import__("os").environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert r.returncode == 0, r.stderr
+    loaded = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert "int4pack.vllm_plugin._layout" in loaded and "int4pack.vllm_plugin._config" in loaded
+    assert not [m for m in loaded if m.startswith(CONVERTER_ONLY)], sorted(loaded)
+    others = {m for m in loaded if not m.startswith("int4pack.vllm_plugin")} - {"int4pack", "int4pack._version",
+                                                                               "int4pack.errors"}
+    assert len(others) <= PLUGIN_BUDGET, sorted(others)

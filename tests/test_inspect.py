@@ -14,7 +14,6 @@ from _reference import FAMILY_FIXTURES_2026, FIXTURES, awq_decode, gptq_decode, 
 from int4pack.cli import app
 from int4pack.inspect import kleidiai_gate
 
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
 
 # fixture -> (format, detail substring, act-order on every module?, predicted paths)
 EXPECTED = {

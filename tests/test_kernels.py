@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from int4pack.groups import auto_group, normalize_group
 from int4pack.nibbles import AWQ_ORDER, unpack_cols, unpack_rows
 from int4pack.records import LinearSpec, QuantLinear
 
-from _reference import bitwise_crc32c
+from _reference import FIXTURES, bitwise_crc32c
 
 NO_EXT = os.environ.get("INT4PACK_NO_EXT", "") not in {"", "0"}
 EXT = kernels.ext()
@@ -35,7 +34,6 @@ def _library_built():
     from int4pack import _ext
 
     assert EXT is not None, f"the C++ kernels are missing: {_ext.build_error()}"
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
 def twin(monkeypatch, fn, *args, **kw):

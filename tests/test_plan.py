@@ -7,7 +7,8 @@ import pytest
 
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import RefusedError
-from int4pack.plan import _choose_groups, _tied_units, _Unit, make_plan
+from int4pack.group_choice import Unit, choose_groups, tied_units
+from int4pack.plan import make_plan
 from int4pack.records import LinearSpec
 import _synth
 
@@ -32,8 +33,8 @@ def attention(li: int, k: int = H, group: int = 32, sym: bool = True, o_k: int |
 def choose(specs, requested=None, strict=False, fold_of=None):
     fold_of = fold_of or {}
     folded = {m[2] for m in fold_of.values()}
-    units = [_Unit(u, folded) for u in _tied_units(specs, fold_of)]
-    return _choose_groups(requested, units, strict)
+    units = [Unit(u, folded) for u in tied_units(specs, fold_of)]
+    return choose_groups(requested, units, strict)
 
 
 def by_group(groups: dict[str, int]) -> dict[int, set[str]]:
@@ -51,7 +52,7 @@ def test_tied_units_follow_vllm_modules():
         spec("model.layers.0.mlp.down_proj", 2 * I),
         spec("model.layers.0.self_attn.q_a_proj", H), spec("model.layers.0.self_attn.kv_a_proj_with_mqa", H),
         spec("model.layers.0.self_attn.kv_b_proj", 32)]
-    units = {frozenset(s.name for s in u) for u in _tied_units(specs, {})}
+    units = {frozenset(s.name for s in u) for u in tied_units(specs, {})}
     a = "model.layers.0.self_attn"
     assert frozenset(f"{a}.{p}_proj" for p in "qkv") in units  # -> qkv_proj
     assert frozenset({f"{a}.q_a_proj", f"{a}.kv_a_proj_with_mqa"}) in units  # -> fused_qkv_a_proj
@@ -66,7 +67,7 @@ def test_act_order_fold_ties_its_triple():
     mlp = [spec("model.layers.0.mlp.gate_proj", H), spec("model.layers.0.mlp.up_proj", H),
            spec("model.layers.0.mlp.down_proj", 2 * I, act_order=True)]
     members = [s.name for s in mlp]
-    units = _tied_units(mlp, {m: members for m in members})
+    units = tied_units(mlp, {m: members for m in members})
     assert [sorted(s.name for s in u) for u in units] == [sorted(members)]
 
 

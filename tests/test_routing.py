@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from int4pack import routing as rt
+from int4pack.architectures import routing_from_config
 from int4pack.errors import RefusedError
 from int4pack.vllm_plugin import _routing as glue
 
@@ -173,20 +174,20 @@ def test_from_config_follows_the_vllm_model_classes():
     v3 = {"num_experts_per_tok": 8, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 8,
           "topk_group": 4, "norm_topk_prob": True, "routed_scaling_factor": 2.5}
     for mt in ("deepseek_v3", "kimi_k2"):
-        r = rt.from_config(mt, v3)
+        r = routing_from_config(mt, v3)
         assert (r.kind, r.n_group, r.topk_group, r.scale) == ("DeepSeekV3", 8, 4, 2.5)
     # a DeepSeek-V3 config without scoring_func/topk_method: vLLM routes it softmax, bias ignored
-    assert rt.from_config("deepseek_v3", {"num_experts_per_tok": 8, "n_group": 8, "topk_group": 4}).kind == \
+    assert routing_from_config("deepseek_v3", {"num_experts_per_tok": 8, "n_group": 8, "topk_group": 4}).kind == \
         "RenormalizeNaive"
-    assert rt.from_config("deepseek_v2", {"num_experts_per_tok": 6}).kind == "Default"
-    assert rt.from_config("glm4_moe", {"num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+    assert routing_from_config("deepseek_v2", {"num_experts_per_tok": 6}).kind == "Default"
+    assert routing_from_config("glm4_moe", {"num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
                                        "norm_topk_prob": True, "routed_scaling_factor": 2.5}).kind == "DeepSeekV3"
-    mm = rt.from_config("minimax_m2", {"num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True})
+    mm = routing_from_config("minimax_m2", {"num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True})
     assert mm.kind == "MiniMax2" and mm.n_group is None
-    assert rt.from_config("mixtral", {"num_experts_per_tok": 2}).kind == "RenormalizeNaive"
-    assert rt.from_config("qwen3_moe", {"num_experts_per_tok": 8, "norm_topk_prob": False}).kind == "Default"
-    assert rt.from_config("phimoe", {"num_experts_per_tok": 2}).kind == "Custom"
-    assert rt.from_config("llama", {}) is None
+    assert routing_from_config("mixtral", {"num_experts_per_tok": 2}).kind == "RenormalizeNaive"
+    assert routing_from_config("qwen3_moe", {"num_experts_per_tok": 8, "norm_topk_prob": False}).kind == "Default"
+    assert routing_from_config("phimoe", {"num_experts_per_tok": 2}).kind == "Custom"
+    assert routing_from_config("llama", {}) is None
 
 
 def fake_layer(**kw):

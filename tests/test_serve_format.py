@@ -21,7 +21,8 @@ from typer.testing import CliRunner
 import int4pack
 from _reference import FIXTURES, load_raw
 from int4pack import kleidiai
-from int4pack import serve_format as sf
+from int4pack import serve_spec
+from int4pack import blobs
 from int4pack.cli import app
 from int4pack.errors import RefusedError, UsageError
 
@@ -33,16 +34,10 @@ CASES = {  # fixture -> (group, bias-free): group and channel scales, both MoE n
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    cache = {}
-
+def pair(converted):
     def get(name: str) -> tuple[Path, Path, dict]:
-        if name not in cache:
-            d = tmp_path_factory.mktemp(name)
-            int4pack.convert(FIXTURES / name, d / "plain")
-            rep = int4pack.convert(FIXTURES / name, d / "packed", serve_format="kleidiai")
-            cache[name] = (d / "plain", d / "packed", rep)
-        return cache[name]
+        packed, rep = converted(name, serve_format="kleidiai")
+        return converted(name)[0], packed, rep
 
     return get
 
@@ -262,7 +257,7 @@ def test_rows_not_in_whole_blocks_are_refused():
     job = next(j for j in plan.jobs if j.kind == "linear")
     job.specs[0].n = 12
     with pytest.raises(RefusedError, match="N=12 is not a multiple of 8"):
-        sf.packed_plan(plan)
+        blobs.packed_plan(plan)
 
 
 def test_shard_headers_have_room_for_provenance(tmp_path):
@@ -273,12 +268,12 @@ def test_shard_headers_have_room_for_provenance(tmp_path):
     from int4pack.writer import ShardFile
 
     q = torch.zeros(8, 64, dtype=torch.int8)
-    prov = sf.provenance(q, torch.ones(8, 2, dtype=torch.bfloat16), torch.ones(8), 128)
+    prov = serve_spec.provenance(q, torch.ones(8, 2, dtype=torch.bfloat16), torch.ones(8), 128)
     prov.update(n=151936, k=163840)
-    names = [f"model.language_model.layers.{i // 384}.block_sparse_moe.experts.{i % 384}.w3.{sf.SUFFIX}"
+    names = [f"model.language_model.layers.{i // 384}.block_sparse_moe.experts.{i % 384}.w3.{serve_spec.SUFFIX}"
              for i in range(600)]
     results = {n: {"path": "requant", "rel_l2": "0.0123457", "max_abs": "0.000123457", "packed": prov} for n in names}
-    for extra, ok in ((sf.PROVENANCE_BYTES, True), (0, False)):
+    for extra, ok in ((serve_spec.PROVENANCE_BYTES, True), (0, False)):
         f = ShardFile(tmp_path / f"s{extra}.safetensors", [OutTensor(n, "U8", (16,)) for n in names], {"format": "pt"},
                       extra)
         for n in names:

@@ -1,4 +1,4 @@
-"""The recorded serving table (int4pack/serving.py) against the measured vLLM runs it summarises,
+"""The recorded serving table (int4pack/vllm_compat.py) against the measured vLLM runs it summarises,
 and the warnings that convert and inspect derive from it."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 import int4pack
-from int4pack import serving
+from int4pack import vllm_compat as serving
+from _reference import FIXTURES
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO / "tests" / "fixtures"
-RESULTS = REPO / "scripts" / "results"
+RESULTS = REPO / "tests" / "data" / "vllm_runs"  # recorded by scripts/vllm_arm_e2e.py under QEMU
 
 
 @pytest.mark.parametrize("row", serving.MEASURED, ids=lambda r: f"{r.vllm}-{r.dtype}-{r.scales}")

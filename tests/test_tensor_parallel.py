@@ -15,7 +15,8 @@ import torch
 import int4pack
 from _reference import FIXTURES, load_raw
 from int4pack import kleidiai
-from int4pack import serve_format as sf
+from int4pack import serve_spec
+from int4pack import blobs
 from int4pack.errors import RefusedError, UsageError
 from int4pack.vllm_plugin import _layout
 
@@ -63,7 +64,7 @@ def test_converter_stores_row_parallel_modules_per_rank(outs, fx):
     o = outs[fx]
     plain, packed, tp2 = o["plain"], o["packed"], o["tp2"]
     mods = _modules(plain)
-    rows = [m for m in mods if sf.is_row_parallel(m)]
+    rows = [m for m in mods if serve_spec.is_row_parallel(m)]
     assert any(".experts." in m for m in rows) and any(m.endswith("o_proj") for m in rows)
     for m in mods:
         blob = tp2[f"{m}.weight_packed"]
@@ -75,10 +76,10 @@ def test_converter_stores_row_parallel_modules_per_rank(outs, fx):
                 assert torch.equal(blob[r], want), (m, r)
         else:
             assert torch.equal(blob, packed[f"{m}.weight_packed"]), m
-    rec = sf.read_record(json.loads((o["dirs"]["tp2"] / "config.json").read_text())["quantization_config"])
-    assert sf.tensor_parallel_size(rec) == TP
-    rec1 = sf.read_record(json.loads((o["dirs"]["packed"] / "config.json").read_text())["quantization_config"])
-    assert "tensor_parallel_size" not in rec1 and sf.tensor_parallel_size(rec1) == 1  # tp 1: as before
+    rec = serve_spec.read_record(json.loads((o["dirs"]["tp2"] / "config.json").read_text())["quantization_config"])
+    assert serve_spec.tensor_parallel_size(rec) == TP
+    rec1 = serve_spec.read_record(json.loads((o["dirs"]["packed"] / "config.json").read_text())["quantization_config"])
+    assert "tensor_parallel_size" not in rec1 and serve_spec.tensor_parallel_size(rec1) == 1  # tp 1: as before
 
 
 def test_verify_reads_split_blobs_and_catches_swapped_ranks(outs, tmp_path):
@@ -86,7 +87,7 @@ def test_verify_reads_split_blobs_and_catches_swapped_ranks(outs, tmp_path):
 
     d = outs["ct_qwen3moe_w4a16"]["dirs"]["tp2"]
     with Checkpoint(d) as ck:
-        pw = sf.PackedWeights(ck, {})
+        pw = blobs.PackedWeights(ck, {})
         m = "model.layers.0.mlp.experts.1.down_proj"
         assert pw.split(m) == TP and pw.check_blob(m)[0] == []
         q, s, _ = pw.decode(m)
@@ -143,12 +144,12 @@ def test_expert_loader_refuses_another_split(outs):
         eb.load(w2, packed[f"{p}.0.down_proj.weight_packed"], "down", "w2", 0)  # a tp 1 checkpoint's whole blob
     with pytest.raises(ValueError, match="row block"):
         _layout.ExpertBlobs(4, 128, 12, 32, TP, 0)  # 12 rows per rank: not whole 8-row blocks
-    rec = sf.layout_record(32, 2)
+    rec = serve_spec.layout_record(32, 2)
     _layout.check_tensor_parallel(rec, 2, "x")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4.*packed for 2.*--tensor-parallel 4"):
         _layout.check_tensor_parallel(rec, 4, "model.layers.0.mlp.experts")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2.*packed for 1"):
-        _layout.check_tensor_parallel(sf.layout_record(32), 2, "model.layers.0.self_attn.o_proj")
+        _layout.check_tensor_parallel(serve_spec.layout_record(32), 2, "model.layers.0.self_attn.o_proj")
 
 
 @pytest.mark.parametrize("tp,reps", [(2, 1), (4, 2)])

@@ -21,11 +21,10 @@ from typer.testing import CliRunner
 import int4pack
 from _reference import FIXTURES
 from corrupt_corpus import build, edit_tensors
-from int4pack import serve_format as sf
+from int4pack.serve_spec import SUFFIX, read_record
 from int4pack.cli import app
 from int4pack.errors import InputError, OutputError
 
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
 
 GROUP = "ct_qwen3moe_w4a16"  # group 32; the experts' down_proj has K = 64 = 2 x 32
 CHANNEL = "ct_qwen3moe_w4a16_channel"  # the same shapes, channelwise
@@ -143,7 +142,7 @@ def _load_like_vllm(folder: Path) -> None:
 
     cfg = json.loads((folder / "config.json").read_text())
     q = cfg["quantization_config"]
-    rec = sf.read_record(q)
+    rec = read_record(q)
     groups = q["config_groups"]
     vllm_group = {}
     for g in groups.values():  # one scheme for every target here (the fixtures' configs)
@@ -153,7 +152,7 @@ def _load_like_vllm(folder: Path) -> None:
     blobs: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(str(f), "pt") as fh:
-            blobs.update({k[: -len(sf.SUFFIX) - 1]: fh.get_tensor(k) for k in fh.keys() if k.endswith(sf.SUFFIX)})
+            blobs.update({k[: -len(SUFFIX) - 1]: fh.get_tensor(k) for k in fh.keys() if k.endswith(SUFFIX)})
     units: dict[str, list[str]] = {}
     for m in blobs:
         units.setdefault(vllm_module(m), []).append(m)

@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
@@ -20,23 +19,8 @@ from _reference import FIXTURES
 from int4pack.cli import app
 from int4pack.errors import VerifyFailed
 
-pytestmark = pytest.mark.skipif(not FIXTURES.is_dir(), reason=f"real fixtures not found at {FIXTURES}")
 
 EXP = "model.layers.0.mlp.experts"
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    cache = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            out = tmp_path_factory.mktemp(name) / "out"
-            int4pack.convert(FIXTURES / name, out)
-            cache[name] = out
-        return cache[name]
-
-    return get
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -93,7 +77,7 @@ def _problems(report) -> str:
 
 @pytest.mark.parametrize("name", ["gptq_q3_sym", "awq_q3", "ct_qwen3moe_w4a16_channel", "gptq_q3_descact"])
 def test_passes_on_converted_fixtures(name, converted):
-    r = int4pack.verify(converted(name), against=FIXTURES / name)
+    r = int4pack.verify(converted(name)[0], against=FIXTURES / name)
     assert r["ok"], _problems(r)
     assert r["verdict"].startswith("PASS")
     for lay in r["layers"]:
@@ -107,12 +91,12 @@ def test_passes_on_converted_fixtures(name, converted):
 
 
 def test_without_source_checks_kernel_against_converted_weights(converted):
-    r = int4pack.verify(converted("gptq_q3_sym"), layers=[1], dense=False)
+    r = int4pack.verify(converted("gptq_q3_sym")[0], layers=[1], dense=False)
     assert r["ok"] and len(r["layers"]) == 1 and "weight_rel" not in r["layers"][0]
 
 
 def test_flipped_nibble_fails_per_layer(converted, tmp_path):
-    out = _copy(converted("gptq_q3_sym"), tmp_path / "bad")
+    out = _copy(converted("gptq_q3_sym")[0], tmp_path / "bad")
     _rewrite(out, _flip_nibble)
     with pytest.raises(VerifyFailed) as ei:
         int4pack.verify(out, against=FIXTURES / "gptq_q3_sym", dense=False)
@@ -132,7 +116,7 @@ def test_flipped_nibble_fails_per_layer(converted, tmp_path):
 
 
 def test_flipped_nibble_without_source_caught_by_checksums(converted, tmp_path):
-    out = _copy(converted("gptq_q3_sym"), tmp_path / "bad")
+    out = _copy(converted("gptq_q3_sym")[0], tmp_path / "bad")
     _rewrite(out, _flip_nibble)
     r = int4pack.verify(out, raise_on_failure=False, dense=False)
     assert not r["ok"]
@@ -140,7 +124,7 @@ def test_flipped_nibble_without_source_caught_by_checksums(converted, tmp_path):
 
 
 def test_scale_x2_fails(converted, tmp_path):
-    out = _copy(converted("awq_q3"), tmp_path / "bad")  # a requant source: budgets are ~10 %
+    out = _copy(converted("awq_q3")[0], tmp_path / "bad")  # a requant source: budgets are ~10 %
     _rewrite(out, _scale_x2)
     r = int4pack.verify(out, against=FIXTURES / "awq_q3", raise_on_failure=False, dense=False)
     assert not r["ok"]
@@ -150,14 +134,14 @@ def test_scale_x2_fails(converted, tmp_path):
 
 
 def test_missing_expert_fails(converted, tmp_path):
-    out = _copy(converted("gptq_q3_sym"), tmp_path / "bad")
+    out = _copy(converted("gptq_q3_sym")[0], tmp_path / "bad")
     _rewrite(out, _drop_expert)
     with pytest.raises(VerifyFailed, match=r"expert\(s\) \[3\] missing"):
         int4pack.verify(out, dense=False)
 
 
 def test_cli_json_and_exit_codes(converted, tmp_path):
-    good = converted("gptq_q3_sym")
+    good = converted("gptq_q3_sym")[0]
     runner = CliRunner()
     res = runner.invoke(app, ["verify", str(good), "--against", str(FIXTURES / "gptq_q3_sym"), "--json",
                               "--threads", "1", "--layers", "1,", "--no-dense"])

@@ -27,8 +27,8 @@ from safetensors import safe_open
 
 import int4pack
 from int4pack.architectures import vllm_output_names
+from _reference import FIXTURES
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 _COMMON = [
     r"model\.embed_tokens\.weight", r"model\.norm\.weight", r"lm_head\.weight",

@@ -16,7 +16,7 @@ import torch
 import int4pack
 from _reference import FIXTURES, load_raw
 from int4pack import kleidiai
-from int4pack import serve_format as sf
+from int4pack import serve_spec
 from int4pack.vllm_plugin import _layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_import_is_cheap_and_register_never_raises():
 
 
 def test_runtime_check_refuses_a_host_or_layout_it_cannot_serve():
-    rec = sf.layout_record(32)
+    rec = serve_spec.layout_record(32)
     if kleidiai.native_kleidiai_available():  # an Arm host with torch's KleidiAI path
         assert _layout.runtime_problem(rec) is None
     else:
@@ -58,11 +58,8 @@ def test_runtime_check_refuses_a_host_or_layout_it_cannot_serve():
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    d = tmp_path_factory.mktemp("plugin")
-    int4pack.convert(FIXTURES / "awq_q3", d / "plain")
-    int4pack.convert(FIXTURES / "awq_q3", d / "packed", serve_format="kleidiai")
-    return load_raw(d / "plain"), load_raw(d / "packed")
+def packed(converted):
+    return load_raw(converted("awq_q3")[0]), load_raw(converted("awq_q3", serve_format="kleidiai")[0])
 
 
 def test_expert_loader_builds_what_vllm_packs_from_the_plain_checkpoint(packed):
@@ -133,6 +130,6 @@ def test_dense_loader_places_q_k_v(packed):
 def test_config_names_what_the_plugin_reads(tmp_path):
     int4pack.convert(FIXTURES / "gptq_q3_sym", tmp_path / "o", serve_format="kleidiai")
     qc = json.loads((tmp_path / "o" / "config.json").read_text())["quantization_config"]
-    rec = sf.read_record(qc)
-    assert rec is not None and sf.record_problems(rec) == []
-    assert sf.read_record({**qc, "quant_method": "compressed-tensors"}) is None
+    rec = serve_spec.read_record(qc)
+    assert rec is not None and serve_spec.record_problems(rec) == []
+    assert serve_spec.read_record({**qc, "quant_method": "compressed-tensors"}) is None

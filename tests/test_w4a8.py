@@ -13,6 +13,7 @@ import torch
 
 from int4pack.errors import InputError, UsageError
 from int4pack.records import LinearSpec, QuantLinear
+from _reference import FIXTURES
 from int4pack.w4a8 import (
     W4A8Linear,
     dequantize_w4a8,
@@ -22,7 +23,6 @@ from int4pack.w4a8 import (
     to_w4a8,
 )
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 BF16 = torch.bfloat16
 
 

@@ -23,9 +23,8 @@ from int4pack import writer
 from int4pack.errors import OutputError
 from int4pack.plan import OutTensor
 
-from _reference import bitwise_crc32c
+from _reference import FIXTURES, bitwise_crc32c
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 convert_mod = importlib.import_module("int4pack.convert")  # the module (int4pack.convert is the function)
 
 

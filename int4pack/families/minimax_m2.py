@@ -5,7 +5,9 @@ vLLM 0.19.1 and 0.32.0 minimax_m2.py load experts as block_sparse_moe.experts.E.
 ("w1", "w2", "w3"))), the router block_sparse_moe.gate (a float32 GateLinear, never quantised) and
 block_sparse_moe.e_score_correction_bias (loaded into a float32 parameter when use_routing_bias).
 llm-compressor writes the experts as (mlp|block_sparse_moe).experts.E.{gate,up,down}_proj
-(llm-compressor#3069): convert writes the names vLLM loads.
+(llm-compressor#3069): convert writes the names vLLM loads. Both releases build the block with
+prefix ``<layer>.mlp`` although it loads as ``block_sparse_moe``: the plugin's per-blob checks are
+recorded under ``<layer>.mlp.experts``, the name its MoE method is given.
 """
 
 from ._family import MINIMAX2, Family
@@ -26,5 +28,6 @@ FAMILY = Family(
         (r"\.mlp\.gate(?=\.|$)", ".block_sparse_moe.gate"),
         (r"\.mlp\.e_score_correction_bias$", ".block_sparse_moe.e_score_correction_bias"),
     ),
+    vllm_prefixes=((r"\.block_sparse_moe\.experts$", ".mlp.experts"),),
     serve={"0.19.1": "packed format only", "0.32.0": "packed format only"},
 )

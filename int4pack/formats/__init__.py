@@ -16,6 +16,7 @@ from typing import Protocol
 from ..checkpoint import Checkpoint
 from ..errors import InputError, Int4packError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
+from ..serve_spec import QUANT_METHOD
 
 __all__ = ["Reader", "open_reader"]
 
@@ -32,7 +33,7 @@ class Reader(Protocol):
         ...
 
 
-PACKED = "int4pack-kleidiai"  # serve_format.QUANT_METHOD (serve_format imports plan, which imports this)
+PACKED = QUANT_METHOD  # the packed serving format: not a source
 
 
 def open_reader(ckpt: Checkpoint) -> Reader:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpoint
 from .. import kernels
+from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
-from ..records import FormatVerdict, LinearSpec, QuantLinear
+from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ._common import (
     all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, need, prefixes_with, read_transposed, require_bits4)
 
@@ -111,7 +111,7 @@ class AWQReader:
             codes = kernels.unpack_awq(qweight)  # [N, K]
             ck.release(f"{spec.name}.qweight")  # (no copy of the packed words was made)
         else:
-            codes, packed = None, (3, kernels.words(qweight))
+            codes, packed = None, (Packing.AWQ, kernels.words(qweight))
         words = ck.read_bytes(f"{spec.name}.qzeros")
         zeros = None
         if not all_bytes(words, 0x88):  # not every zero 8 (N is a multiple of 8: no padding nibbles)

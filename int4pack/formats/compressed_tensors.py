@@ -12,12 +12,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpoint
 from .. import kernels
-from ..errors import InputError, RefusedError
-from ..records import FormatVerdict, LinearSpec, QuantLinear
-from ..nibbles import unpack_rows
 from ._common import cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, owned, prefixes_with
+from ..checkpoint import Checkpoint
+from ..errors import InputError, RefusedError
+from ..nibbles import unpack_rows
+from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 
 __all__ = ["CompressedTensorsReader", "Scheme"]
 
@@ -361,7 +361,7 @@ class CompressedTensorsReader:
         ck = self.ckpt
         packed = None
         if spec.fmt == "ct-pack" and not unpack:
-            codes, packed = None, (1, kernels.words(ck.view(f"{spec.name}.weight_packed")))  # mapped
+            codes, packed = None, (Packing.CT, kernels.words(ck.view(f"{spec.name}.weight_packed")))  # mapped
         elif spec.fmt == "ct-pack":
             codes = kernels.unpack_ct(ck.view(f"{spec.name}.weight_packed"), spec.k)
             ck.release(f"{spec.name}.weight_packed")

@@ -12,11 +12,11 @@ import re
 import numpy as np
 import torch
 
-from ..checkpoint import Checkpoint
 from .. import kernels
+from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
-from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ..nibbles import as_uint32, nibble_rows, unpack_cols, words_u32
+from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ._common import (
     all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, need, prefixes_with,
     read_transposed, require_bits4)
@@ -322,7 +322,7 @@ class GPTQReader:
             codes = kernels.unpack_gptq(qweight)  # [N, K]
             ck.release(f"{spec.name}.qweight")
         else:
-            codes, packed = None, (2, kernels.words(qweight))
+            codes, packed = None, (Packing.GPTQ, kernels.words(qweight))
         zeros = _zeros(spec, ck.read_bytes(f"{spec.name}.qzeros"), conv)
         scales = read_transposed(ck, f"{spec.name}.scales")
         g_idx = None

@@ -7,7 +7,7 @@ import torch
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-from ..serve_format import QUANT_METHOD
+from ..serve_spec import QUANT_METHOD
 
 __all__ = ["KleidiAIPackedConfig", "register_config"]
 

@@ -7,7 +7,7 @@ and the packed size is how torch's matmul tells them apart), and byte for byte t
 vLLM holds one packed parameter per fused module: ``[E, bytes]`` for the experts (gate blob, up
 blob of each expert in one row), ``[bytes]`` for a dense linear (q, k, v or gate, up one after the
 other). The checkpoint has one blob per part; the loaders put each at its offset (the parts'
-blobs joined are the fused matrix's blob: serve_format.py) and remember what they filled, so a
+blobs joined are the fused matrix's blob: blobs.py) and remember what they filled, so a
 blob the checkpoint lacks is an error after loading, not uninitialised memory.
 
 Tensor parallelism (docs/serve-format.md): a column parallel part (q/k/v, gate/up, an expert's
@@ -36,7 +36,8 @@ from functools import lru_cache
 import torch
 
 from .. import kleidiai
-from ..serve_format import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems, tensor_parallel_size
+from ..groups import block
+from ..serve_spec import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems, tensor_parallel_size
 
 __all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
            "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "crc32_rows"]
@@ -253,8 +254,8 @@ class ExpertBlobs:
         if inter % kleidiai.NR:
             raise ValueError(split_problem("the experts' gate/up", inter, max(tp, 2)) if tp > 1 else
                              f"{QUANT_METHOD}: intermediate size {inter} is not a multiple of {kleidiai.NR}")
-        self.half = kleidiai.packed_size(inter, hidden, hidden if group_size == -1 else group_size)
-        self.w2 = kleidiai.packed_size(hidden, inter, inter if group_size == -1 else group_size)
+        self.half = kleidiai.packed_size(inter, hidden, block(hidden, group_size))
+        self.w2 = kleidiai.packed_size(hidden, inter, block(inter, group_size))
         self.loaded: set[tuple[int, str]] = set()
         self.check = check
         self.params: dict[str, torch.Tensor] = {}
@@ -329,13 +330,13 @@ class DenseBlobs:
         """``out_sizes``, ``k``: this rank's rows per part and its K. ``shards``: per part (the whole
         part's rows in the checkpoint, this rank's first row) for a column parallel split;
         ``k_split``: (tp, rank) for a row parallel one (the checkpoint's [tp, bytes], row rank)."""
-        block = k if group_size == -1 else group_size
+        cols = block(k, group_size)
         if len(out_sizes) > 1 and any(n % kleidiai.NR for n in out_sizes):
             raise ValueError(f"{QUANT_METHOD}: fused parts {out_sizes} are not multiples of {kleidiai.NR} rows")
-        sizes = [kleidiai.packed_size(n, k, block) for n in out_sizes]
+        sizes = [kleidiai.packed_size(n, k, cols) for n in out_sizes]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         self.shards = shards or [(n, 0) for n in out_sizes]
-        self.whole = [kleidiai.packed_size(full, k, block) for full, _ in self.shards]
+        self.whole = [kleidiai.packed_size(full, k, cols) for full, _ in self.shards]
         self.out_sizes, self.k_split, self.name = list(out_sizes), k_split, name
         # split: this rank keeps a byte range or a row of each blob, so the CRC-32 is checked on the
         # whole checkpoint tensor as the loader is handed it (self.bad), not on the parameter

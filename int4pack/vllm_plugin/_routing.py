@@ -29,7 +29,7 @@ from functools import lru_cache
 import torch
 
 from .. import routing as rt
-from ..serve_format import QUANT_METHOD
+from ..serve_spec import QUANT_METHOD
 
 __all__ = ["layer_routing", "route", "vllm_select", "moe_op_args", "backend_accepts_routing", "ACT_KIND"]
 

@@ -43,7 +43,7 @@ def x86_side(out: Path) -> None:
     from safetensors.torch import save_file
 
     import int4pack
-    from int4pack import serve_format as sf
+    from int4pack import serve_spec
     from int4pack.checkpoint import Checkpoint
 
     fixtures = Path(__file__).resolve().parents[1] / "fixtures"
@@ -62,9 +62,9 @@ def x86_side(out: Path) -> None:
                 x = torch.randn(5, k, generator=gen)
                 key = f"c{len(meta)}"
                 tensors.update({f"{key}.q": q, f"{key}.s": s, f"{key}.x": x, f"{key}.ref": x.double() @ w.T,
-                                f"{key}.stored": pk.get(f"{m}.{sf.SUFFIX}")})
+                                f"{key}.stored": pk.get(f"{m}.{serve_spec.SUFFIX}")})
                 meta.append({"key": key, "fixture": fx, "module": m, "n": n, "k": k, "group": g,
-                             "split": "K" if sf.is_row_parallel(m) else "N"})
+                             "split": "K" if serve_spec.is_row_parallel(m) else "N"})
     save_file(tensors, str(out / "cases.safetensors"))
     (out / "cases.json").write_text(json.dumps(meta))
 

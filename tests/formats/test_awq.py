@@ -6,31 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from _reference import awq_decode
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import open_reader
 from int4pack.formats.awq import AWQReader
 
 ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # logical column 8j + ORDER[i] is in nibble i (formats.md §2)
-
-
-# -- independent reference --------------------------------------------------------------------------
-def ref_unpack_awq(words: np.ndarray) -> np.ndarray:
-    """int32 [R, W] -> [R, 8W] logical columns, nibble by nibble through a uint32 view."""
-    w = words.view(np.uint32)
-    out = np.zeros((w.shape[0], w.shape[1] * 8), dtype=np.int64)
-    for i in range(8):
-        out[:, ORDER[i]::8] = (w >> np.uint32(4 * i)) & np.uint32(0xF)
-    return out
-
-
-def ref_awq(raw: dict, m: str) -> dict:
-    u = ref_unpack_awq(raw[f"{m}.qweight"])  # [K, N]
-    z = ref_unpack_awq(raw[f"{m}.qzeros"])  # [G, N]
-    s = raw[f"{m}.scales"]
-    k = u.shape[0]
-    gi = np.arange(k) // (k // s.shape[0])
-    return {"u": u.T, "z": z.T, "s": s.T, "w": ((u - z[gi]) * s[gi]).T}
 
 
 @pytest.mark.parametrize("name", ["awq_q3", "awqpack_mixtral"])
@@ -46,7 +28,7 @@ def test_real_fixture_matches_reference(name, fixture_dir, raw):
     assert specs, "fixture has quantised modules"
     for m, spec in specs.items():
         assert set(spec.keys) == {k for k in tensors if k.rsplit(".", 1)[0] == m}
-        ref = ref_awq(tensors, m)
+        ref = awq_decode(tensors, m)
         q = reader.read(spec)
         assert q.g_idx is None and q.codes.dtype == torch.uint8
         np.testing.assert_array_equal(q.codes.numpy(), ref["u"])

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from _reference import ct_decode
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import open_reader
@@ -16,31 +17,6 @@ CT_FIXTURES = ["ct_qwen3moe_w4a16", "ct_qwen3moe_w4a16_asym_g32", "ct_qwen3moe_w
 FROM_DENSE = {"ct_qwen3moe_w4a16", "ct_qwen3moe_w4a16_asym_g32", "ct_qwen3moe_w4a16_channel",
               "ct_qwen3moe_w4a8_int_g32", "ct018_q3_actorder"}
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
-
-
-# -- independent reference (formats.md §3): integer division instead of shifts ----------------------
-def nibbles(words: np.ndarray) -> np.ndarray:
-    """int32 [A, W] -> [A, 8W]; element 8j+i is nibble i of word j."""
-    w = words.view(np.uint32).astype(np.int64)
-    return np.stack([(w // 16**i) % 16 for i in range(8)], axis=-1).reshape(w.shape[0], -1)
-
-
-def ref_ct(raw: dict, m: str, group: int | None) -> dict:
-    if f"{m}.weight_packed" in raw:
-        n, k = raw[f"{m}.weight_shape"].tolist()
-        q = nibbles(raw[f"{m}.weight_packed"])[:, :k] - 8
-    else:
-        q = raw[f"{m}.weight"].astype(np.int64)
-        n, k = q.shape
-    s = raw[f"{m}.weight_scale"].reshape(n, -1)
-    zp = np.zeros_like(s, dtype=np.int64)
-    if f"{m}.weight_zero_point" in raw:
-        zw = raw[f"{m}.weight_zero_point"]
-        zp = nibbles(zw.T).T[:n] - 8 if zw.dtype == np.int32 else zw.astype(np.int64)
-    gi = raw[f"{m}.weight_g_idx"].astype(np.int64) if f"{m}.weight_g_idx" in raw else \
-        np.arange(k) // (group or k)
-    w = (q - zp[:, gi]) * s[:, gi]
-    return {"codes": q + 8, "zeros": zp + 8, "s": s, "gi": gi, "w": w}
 
 
 def group_of(reader) -> int | None:
@@ -64,16 +40,16 @@ def test_real_fixture_matches_reference(name, fixture_dir, raw):
     for m, spec in specs.items():
         own = {k for k in tensors if k.rsplit(".", 1)[0] == m}
         assert set(spec.keys) == own
-        ref = ref_ct(tensors, m, group_of(reader))
+        ref = ct_decode(tensors, m, group_of(reader))
         q = reader.read(spec)
         assert q.codes.shape == (spec.n, spec.k) and q.codes.dtype == torch.uint8
         np.testing.assert_array_equal(q.codes.numpy(), ref["codes"])
         zeros = np.full(ref["zeros"].shape, 8) if q.zeros is None else q.zeros.numpy()
         np.testing.assert_array_equal(zeros, ref["zeros"])
-        np.testing.assert_array_equal(q.group_index().numpy(), ref["gi"])
+        np.testing.assert_array_equal(q.group_index().numpy(), ref["g_idx"])
         np.testing.assert_allclose(q.dequantize().numpy(), ref["w"], rtol=1e-6, atol=0)
         if dense:  # the producer rounded the dense weight: within about half a step
-            err = np.abs(ref["w"] - dense[f"{m}.weight"]) / ref["s"][:, ref["gi"]]
+            err = np.abs(ref["w"] - dense[f"{m}.weight"]) / ref["s"][:, ref["g_idx"]]
             assert err.max() <= 0.6, (m, err.max())
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from _reference import gptq_decode
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import open_reader
@@ -14,27 +15,6 @@ from int4pack.formats.gptq import _zeros as gptq_zeros
 from int4pack.records import LinearSpec
 
 GPTQ_FIXTURES = ["gptq_q3_sym", "gptq_q3_asym", "gptq_q3_descact", "gptq_mixtral_sym"]
-
-
-# -- independent reference (formats.md §1), via bytes rather than shifts -------------------------
-def nibbles_of_words(words: np.ndarray) -> np.ndarray:
-    """int32 [..., W] -> uint8 [..., W, 8], nibble i of each little-endian word in slot i."""
-    b = np.ascontiguousarray(words.astype("<i4")).view(np.uint8).reshape(*words.shape, 4)
-    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(*words.shape, 8)
-
-
-def ref_gptq(raw: dict, m: str, v1: bool) -> dict:
-    qw, qz, sc = raw[f"{m}.qweight"], raw[f"{m}.qzeros"], raw[f"{m}.scales"]
-    n = qw.shape[1]
-    u = nibbles_of_words(qw).transpose(0, 2, 1).reshape(-1, n)  # [K, N]: k = 8*row + nibble
-    zs = nibbles_of_words(qz).reshape(qz.shape[0], -1)[:, :n].astype(np.int64)  # [G, N]
-    if v1:
-        assert not (zs == 15).any(), "per-nibble +1 is only the v1 decode when no nibble is 0xF"
-        zs = zs + 1  # vLLM's per-nibble reading of v1
-    k = u.shape[0]
-    g_idx = raw[f"{m}.g_idx"].astype(np.int64) if f"{m}.g_idx" in raw else np.arange(k) // (k // sc.shape[0])
-    w = (u.astype(np.float64) - zs[g_idx]) * sc[g_idx]  # [K, N]
-    return {"u": u.T, "z": zs.T, "s": sc.T, "g_idx": g_idx, "w": w.T}
 
 
 @pytest.mark.parametrize("name", GPTQ_FIXTURES)
@@ -52,7 +32,7 @@ def test_real_fixture_matches_reference(name, fixture_dir, raw):
     assert set(specs) == {k[: -len(".qweight")] for k in tensors if k.endswith(".qweight")}
     for m, spec in specs.items():
         assert set(spec.keys) == {k for k in tensors if k.rsplit(".", 1)[0] == m}
-        ref = ref_gptq(tensors, m, v1=True)
+        ref = gptq_decode(tensors, m, v1=True)
         q = reader.read(spec)
         assert q.codes.dtype == torch.uint8 and q.codes.shape == (spec.n, spec.k)
         np.testing.assert_array_equal(q.codes.numpy(), ref["u"])

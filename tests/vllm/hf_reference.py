@@ -14,7 +14,7 @@ tables, eager attention's softmax); ``Float64`` turns every such float32 request
 while the reference runs, and the rotary tables are computed again under it.
 
 The mirror (``qmods``, ``a8``, ``bf16``) is what vLLM's W4A8 kernels should compute, by the
-rules of the hand-written reference in scripts/vllm_arm_e2e.py:
+rules of the hand-written reference in float_ref.py:
   * ``a8``: the input of every quantised linear is fake-quantised per token to int8 as KleidiAI's
     LHS packing does (``fake_quant_int8_rows``), the experts' too: the model class's fused
     experts run through a per-expert loop of our own, which quantises the input of gate/up and
@@ -240,6 +240,7 @@ class HFRef:
         self.model, self.experts = load(self.folder)
         self.cls = type(self.model).__name__
         self.qmods, self.a8, self.bf16 = set(qmods), a8, bf16
+        self.routes: list = []  # the last forward's experts per MoE layer: [positions][top-k], as sets
         self.model_type = json.loads((self.folder / "config.json").read_text())["model_type"]
         self._rope: dict = {}  # rotary function: (module, original, rounding)
         mods = dict(self.model.named_modules())
@@ -312,6 +313,7 @@ class HFRef:
             raise NotImplementedError(f"{type(m).__name__}: an experts layout the mirror does not know")
 
         def forward(hidden_states, top_k_index, top_k_weights, *rest, **kw):
+            self.routes.append([sorted(r) for r in top_k_index.tolist()])
             out = torch.zeros_like(hidden_states)
             for t in range(hidden_states.shape[0]):
                 for j in range(top_k_index.shape[-1]):
@@ -330,6 +332,7 @@ class HFRef:
 
     @torch.no_grad()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
+        self.routes = []
         try:  # the rotary functions are module globals: replaced only while this model runs
             for fn, (code, _, rounding) in self._rope.items():
                 setattr(code, fn, rounding)

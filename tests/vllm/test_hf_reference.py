@@ -14,10 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from _reference import FIXTURES
+
 pytestmark = pytest.mark.lane
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 IDS = [3, 17, 42, 99, 128, 200, 7, 64, 5, 9, 11, 250]
 
@@ -26,13 +27,13 @@ IDS = [3, 17, 42, 99, 128, 200, 7, 64, 5, 9, 11, 250]
 def folders(tmp_path_factory):
     """fixture -> (float folder of the source, mirror folder of its W4A8 conversion, quantised names)."""
     import int4pack
-    import vllm_arm_e2e as E
+    import float_ref as E
 
     out = {}
     for name in ("ct_qwen3moe_w4a16", "gptq_mixtral_sym"):
         d = tmp_path_factory.mktemp(name)
-        E.write_float_folder(E.FIXTURES / name, d / "float")
-        int4pack.convert(E.FIXTURES / name, d / "w4a8", overwrite=True)
+        E.write_float_folder(FIXTURES / name, d / "float")
+        int4pack.convert(FIXTURES / name, d / "w4a8", overwrite=True)
         w, q = E.dequantised_w4a8(d / "w4a8")
         E.write_mirror_folder(d / "w4a8", d / "mirror", w)
         out[name] = (d / "float", d / "mirror", q)
@@ -43,7 +44,7 @@ def folders(tmp_path_factory):
 def test_transformers_reference_equals_the_hand_written_one(folders, name):
     """Float, int8-activation mirror and its bf16 rounding: transformers' class (fused 3-D experts
     loaded from per-expert names, a per-expert loop of ours) gives FloatRef's numbers."""
-    import vllm_arm_e2e as E
+    import float_ref as E
     from hf_reference import HFRef
 
     fl, mirror, q = folders[name]
@@ -104,3 +105,19 @@ def test_float64_mode_keeps_float64_where_the_class_asks_float32():
         assert torch.softmax(x, -1, dtype=torch.float32).dtype == torch.float64
         with Exact():
             assert x.to(torch.float32).dtype == torch.float32
+
+
+def test_routes_are_recorded_per_moe_layer_and_position(folders):
+    """What the lane's routing check compares with vLLM: one [positions][top-k] list of distinct
+    experts per MoE layer, for the last forward only."""
+    from hf_reference import HFRef
+
+    fl = folders["ct_qwen3moe_w4a16"][0]
+    cfg = json.loads((fl / "config.json").read_text())
+    ref = HFRef(fl)
+    ref.logprobs(IDS[:5])
+    ref.logprobs(IDS)
+    assert len(ref.routes) == cfg["num_hidden_layers"]
+    for layer in ref.routes:
+        assert len(layer) == len(IDS)
+        assert all(len(set(r)) == cfg["num_experts_per_tok"] and max(r) < cfg["num_local_experts"] for r in layer)

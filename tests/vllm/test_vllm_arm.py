@@ -29,7 +29,7 @@ SETUP = REPO / "tools" / "arm64emu" / "vllm_setup.sh"
 PREFIX = Path(os.environ.get("ARM64EMU_PREFIX", "/tmp/arm64emu"))
 DEFAULT = "gptq_mixtral_sym awq_q3"
 # what each version serves (docs/serving.md); 0.19.1 + bfloat16 is a known failure, recorded in
-# int4pack/serving.py and tested there
+# int4pack/vllm_compat.py and tested there
 RUNS = [("0.19.1", "float32"), ("0.32.0", "float32"), ("0.32.0", "bfloat16")]
 
 

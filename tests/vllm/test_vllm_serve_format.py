@@ -46,7 +46,7 @@ def test_packed_checkpoints_serve_like_the_plain_ones(version, dtype, tmp_path):
 @pytest.mark.parametrize("version", sorted({v for v, _ in RUNS}))
 def test_the_plugin_refuses_a_torch_without_kleidiai(version, tmp_path):
     """With torch's packer writing its float32 reference format (a torch built without KleidiAI;
-    vllm_arm_load.py --torch-without-kleidiai), vLLM must fail before loading the packed checkpoint,
+    tests/vllm/load_stats.py --torch-without-kleidiai), vLLM must fail before loading the packed checkpoint,
     with the plugin's reason. (vLLM's aarch64 builds die with SIGILL on a CPU without dotprod.)"""
     wrapper = wrapper_for(version)
     sys.path.insert(0, str(REPO / "scripts"))
@@ -57,7 +57,7 @@ def test_the_plugin_refuses_a_torch_without_kleidiai(version, tmp_path):
     out = tmp_path / "packed"
     int4pack.convert(REPO / "tests" / "fixtures" / "gptq_q3_sym", out, serve_format="kleidiai")
     res = tmp_path / "load.json"
-    r = subprocess.run([str(wrapper), str(REPO / "scripts" / "vllm_arm_load.py"), str(out), "--json", str(res),
+    r = subprocess.run([str(wrapper), str(REPO / "tests" / "vllm" / "load_stats.py"), str(out), "--json", str(res),
                         "--torch-without-kleidiai"], env=plugin_env(tmp_path), capture_output=True, text=True,
                        timeout=3600)
     got = json.loads(res.read_text())

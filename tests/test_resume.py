@@ -1,0 +1,174 @@
+"""Interrupted runs: a SIGKILL then --resume is byte-identical, unrecorded shards are not trusted,
+and released tensors keep no pages mapped."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import int4pack
+from int4pack import writer
+from int4pack.checkpoint import Checkpoint
+from int4pack.plan import make_plan
+from _reference import FIXTURES
+
+from _reliability import (ROOT, _cli, _env, _same_files, _spy_shard_writes, tree_hash)
+
+
+# --------------------------------------------------------------------------- SIGKILL and --resume
+
+def _finished(work: Path) -> list[str]:
+    try:
+        return sorted(json.loads((work / writer.PROGRESS).read_text())["shards"])
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def _kill_at(proc: subprocess.Popen, work: Path, shards_done: int, extra_s: float, limit_s: float = 300) -> bool:
+    """SIGKILL once ``shards_done`` shards are recorded finished (plus a random extra delay).
+    Returns True if the kill landed before the run completed."""
+    t0 = time.monotonic()
+    while proc.poll() is None and time.monotonic() - t0 < limit_s:
+        if work.is_dir() and len(_finished(work)) >= shards_done:
+            time.sleep(extra_s)
+            break
+        time.sleep(0.005)
+    if proc.poll() is not None:
+        return False
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return True
+
+
+def test_sigkill_then_resume_is_byte_identical(tmp_path, monkeypatch):
+    """Several runs killed at random points (parallel, a slowed writer so kills land mid-run); each is
+    resumed; a finished shard is corrupted in the work folder before some resumes and must be rewritten."""
+    src = FIXTURES / "gptq_q3_asym"  # requant path: real compute between writes
+    args = ["--max-shard-size", "100KB"]
+    ref = tmp_path / "ref"
+    int4pack.convert(src, ref, max_shard_size="100KB")
+    n_shards = len(list(ref.glob("*.safetensors")))
+    assert n_shards >= 8
+    h = tree_hash(src)
+    rng = random.Random(6)
+    trials = [(rng.randrange(0, n_shards - 1), rng.uniform(0, 0.12)) for _ in range(6)]
+    env = {"INT4PACK_TEST_SLOW_WRITE_MS": "15"}
+    outs = [tmp_path / f"t{i}" / "out" for i in range(len(trials))]
+    for o in outs:
+        o.parent.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-m", "int4pack", "convert", str(src), str(o), *args, "-q"],
+                              env=_env(env), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for o in outs]
+    with ThreadPoolExecutor(max_workers=len(procs)) as pool:
+        killed = list(pool.map(lambda a: _kill_at(*a), [
+            (p, o.parent / ".out.int4pack-partial", k, x) for p, o, (k, x) in zip(procs, outs, trials)]))
+    for p in procs:
+        p.stderr.close()
+
+    figures = []
+    for i, (o, was_killed) in enumerate(zip(outs, killed)):
+        work = o.parent / ".out.int4pack-partial"
+        if not was_killed:
+            figures.append((i, "completed before the kill", _same_files(o, ref)))
+            continue
+        assert not o.exists(), "a killed run left an OUT"
+        done = _finished(work)
+        corrupted = None
+        if i % 2 == 0 and done:  # flip one data byte of a finished shard: it must not be trusted
+            corrupted = done[len(done) // 2]
+            blob = bytearray((work / corrupted).read_bytes())
+            blob[-1] ^= 0xFF
+            (work / corrupted).write_bytes(bytes(blob))
+        if i == 1:  # one resume through the real CLI
+            r = _cli(["convert", str(src), str(o), *args, "--resume", "-q"])
+            assert r.returncode == 0, r.stderr
+            rewritten = None
+        else:
+            with monkeypatch.context() as m:
+                rewritten = _spy_shard_writes(m)
+                int4pack.convert(src, o, max_shard_size="100KB", resume=True)
+        same = _same_files(o, ref)
+        if rewritten is not None:
+            kept = set(done) - {corrupted}
+            assert kept.isdisjoint(rewritten), f"trial {i}: verified shards were rewritten"
+            if corrupted:
+                assert corrupted in rewritten, f"trial {i}: the corrupted shard {corrupted} was trusted"
+        figures.append((i, f"killed after {len(done)}/{n_shards} shards" + (
+            f", {corrupted} corrupted" if corrupted else ""), same))
+    assert tree_hash(src) == h
+    interrupted = [f for f in figures if f[1].startswith("killed")]
+    print(f"\nresume: {sum(f[2] for f in interrupted)}/{len(interrupted)} interrupted runs resumed "
+          f"byte-identically; " + "; ".join(f"#{i} {what}" for i, what, _ in figures))
+    assert all(same for _, _, same in figures), figures
+    assert len(interrupted) >= 4, f"too few kills landed mid-run: {figures}"
+
+
+def test_partial_shard_and_unrecorded_shard_are_not_trusted(tmp_path):
+    """A leftover .tmp shard and a finished-looking shard missing from progress.json are both redone."""
+    src = FIXTURES / "gptq_q3_sym"
+    ref = tmp_path / "ref"
+    int4pack.convert(src, ref, max_shard_size="200KB")
+    names = sorted(p.name for p in ref.glob("*.safetensors"))
+    out = tmp_path / "out"
+    work = tmp_path / ".out.int4pack-partial"
+    work.mkdir()
+    # a plausible-looking state: progress with the right fingerprint but no finished shards, a
+    # truncated copy of shard 1 under its final name and a half shard 2 as .tmp
+    with Checkpoint(src) as ck:
+        plan = make_plan(ck)
+        fp = plan.fingerprint(ck) + f"|{200_000}"
+    (work / writer.PROGRESS).write_text(json.dumps({"fingerprint": fp, "shards": {}, "jobs": {}}))
+    (work / names[0]).write_bytes((ref / names[0]).read_bytes()[:-10])
+    (work / (names[1] + ".tmp")).write_bytes((ref / names[1]).read_bytes()[:5000])
+    # and a shard recorded with checksums that no longer match its bytes
+    data = (ref / names[2]).read_bytes()
+    (work / names[2]).write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    rec = writer.hash_shard(ref / names[2])
+    prog = json.loads((work / writer.PROGRESS).read_text())
+    prog["shards"][names[2]] = rec
+    (work / writer.PROGRESS).write_text(json.dumps(prog))
+    int4pack.convert(src, out, max_shard_size="200KB", resume=True)
+    assert _same_files(out, ref)
+
+
+def _mapped_pages(m, lo: int, hi: int) -> int:
+    """How many pages of bytes [lo, hi) of mmap m are mapped in this process (/proc/self/pagemap)."""
+    import ctypes
+    import struct
+
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    first, last = (base + lo) // 4096, (base + hi - 1) // 4096
+    with open("/proc/self/pagemap", "rb") as pm:
+        pm.seek(first * 8)
+        data = pm.read((last - first + 1) * 8)
+    return sum(struct.unpack_from("<Q", data, 8 * i)[0] >> 63 for i in range(last - first + 1))
+
+
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="needs Linux /proc/self/pagemap")
+def test_released_tensors_keep_no_pages_mapped(tmp_path):
+    """view() then release() of neighbouring tensors in file order, as convert's workers read them:
+    mapping a tensor maps the resident pages of the 64 KB blocks around it (fault-around), so a
+    released neighbour's pages came back and stayed (the RSS grew with the model's size). None of
+    the released tensors may keep a page mapped."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text("{}")
+    names = [f"t{i:03d}" for i in range(48)]
+    save_file({n: torch.full((5000,), i, dtype=torch.int32) for i, n in enumerate(names)},  # 20000 B each
+              str(tmp_path / "model.safetensors"))
+    with Checkpoint(tmp_path) as ck:
+        for i, n in enumerate(names):
+            assert int(ck.view(n).sum()) == 5000 * i
+            ck.release(n)
+        m = ck._maps["model.safetensors"]
+        first, last = ck.info(names[0]), ck.info(names[-1])
+        assert _mapped_pages(m, first.begin, last.end) == 0

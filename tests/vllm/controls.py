@@ -1,0 +1,106 @@
+"""The vLLM lane's negative controls: copies of a served folder that the checks must fail (gate and
+up swapped in every expert, the routers' score-correction bias zeroed, softmax scoring), and the
+mirrors that carry the same change.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from float_ref import FloatRef, dequantised_w4a8, load_tensors, reference, write_mirror_folder
+
+
+GATE_UP_PAIRS = ((".gate_proj.", ".up_proj."), (".w1.", ".w3."))
+
+
+def swap_gate_up(tensors: dict) -> dict:
+    """A deliberately wrong conversion: gate and up swapped in every expert (negative control)."""
+    out = dict(tensors)
+    for k in tensors:
+        for a, b in GATE_UP_PAIRS:
+            if ".experts." in k and a in k:
+                out[k], out[k.replace(a, b)] = tensors[k.replace(a, b)], tensors[k]
+    return out
+
+
+BIAS = "e_score_correction_bias"  # the routers' score-correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2)
+
+
+def zeroed_bias(tensors: dict) -> dict:
+    """A deliberately wrong copy: every router's score-correction bias zeroed (negative control)."""
+    return {k: (torch.zeros_like(v) if k.endswith(BIAS) else v) for k, v in tensors.items()}
+
+
+def write_swapped_copy(folder: Path, dst: Path) -> None:
+    """Copy a W4A8 folder with gate/up swapped in every expert (same names, shapes and config)."""
+    import shutil
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(folder, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    save_file(swap_gate_up(load_tensors(folder)), str(dst / "model.safetensors"), metadata={"format": "pt"})
+
+
+# negative controls of the routing (--negative-control): the served copy is edited, the references
+# stay those of the checkpoint; the float and mirror gates must then fail
+CONTROLS = {
+    "zero-bias": "every router's e_score_correction_bias zeroed in the served copy",
+    "softmax": "config scoring_func set to softmax in the served copy",
+}
+
+
+CONTROL_TAG = {"gate/up swapped in every expert": "_swapped", **{v: f"_{k}" for k, v in CONTROLS.items()}}
+
+
+def write_control_copy(folder: Path, dst: Path, control: str) -> Path:
+    """Copy a served folder (plain or packed) with one routing fact changed; shard names, every
+    other tensor and the packed blobs stay as they are."""
+    import shutil
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(folder, dst)
+    cfg_path = dst / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    tc = cfg.get("text_config") or cfg
+    if control == "softmax":
+        if tc.get("scoring_func") in (None, "softmax"):
+            raise SystemExit(f"{folder}: --negative-control softmax: the config has no sigmoid scoring_func to change")
+        tc["scoring_func"] = "softmax"
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        return dst
+    hit = 0
+    for f in sorted(dst.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            meta = st.metadata()
+            names = list(st.keys())
+            if not any(k.endswith(BIAS) for k in names):
+                continue
+            tensors = {k: st.get_tensor(k) for k in names}
+        for k in tensors:
+            if k.endswith(BIAS):
+                tensors[k] = torch.zeros_like(tensors[k])
+                hit += 1
+        save_file(tensors, str(f), metadata=meta)
+    if not hit:
+        raise SystemExit(f"{folder}: --negative-control zero-bias: no tensor named *.{BIAS}")
+    return dst
+
+
+def mirrors(kind: str, w4a8: Path, d: Path, bf16: bool, swapped: bool = False, zero_bias: bool = False):
+    """(the mirror, rounded to bf16 where vLLM rounds when ``bf16``; the same in float64).
+    ``swapped`` / ``zero_bias``: of a broken copy (gate/up swapped; routing bias zeroed)."""
+    w, q = dequantised_w4a8(w4a8)
+    w = swap_gate_up(w) if swapped else w
+    w = zeroed_bias(w) if zero_bias else w
+    if kind == "hand":
+        cfg = json.loads((w4a8 / "config.json").read_text())
+        return FloatRef(cfg, w, q, a8=True, bf16=bf16), FloatRef(cfg, w, q, a8=True)
+    folder = d / f"mirror_{w4a8.name}{'_swapped' if swapped else ''}{'_zero_bias' if zero_bias else ''}"
+    write_mirror_folder(w4a8, folder, w)
+    return reference(kind, folder, q, a8=True, bf16=bf16), reference(kind, folder, q, a8=True)

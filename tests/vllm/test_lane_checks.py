@@ -1,0 +1,40 @@
+"""The lane's routing check (lane_checks.py ``routing_agreement``, run by scripts/vllm_arm_e2e.py) on hand-made calls: the
+probe records one list of expert sets per MoE op call, the prefill's layer by layer and then one
+token per decode step; the reference has one list of positions per MoE layer."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lane_checks import routing_agreement  # noqa: E402
+
+# two MoE layers, five positions (a prefill of three tokens, two decode steps), top-2
+REF = [[[0, 1], [2, 3], [1, 2], [0, 3], [1, 3]],
+       [[4, 5], [4, 6], [5, 7], [6, 7], [4, 7]]]
+
+
+def calls(ref):
+    """What the probe records for ``ref``'s routes: per step, one call per layer."""
+    out = [ref[0][:3], ref[1][:3]]
+    for pos in (3, 4):
+        out += [[ref[0][pos]], [ref[1][pos]]]
+    return out
+
+
+def test_the_same_routes_agree_everywhere():
+    got = routing_agreement(calls(REF), REF)
+    assert got == {"agree": "10/10", "fraction": 1.0, "worst_layer": 0, "worst_layer_fraction": 1.0}
+
+
+def test_a_decode_step_of_the_second_layer_that_differs_is_counted_there():
+    served = calls(REF)
+    served[5] = [[4, 6]]  # layer 1, position 3: the reference has [6, 7]
+    got = routing_agreement(served, REF)
+    assert got == {"agree": "9/10", "fraction": 0.9, "worst_layer": 1, "worst_layer_fraction": 0.8}
+
+
+def test_calls_that_do_not_fit_the_layers_are_an_error():
+    assert "error" in routing_agreement(calls(REF)[:-1], REF)
+    assert "error" in routing_agreement([], REF)
