@@ -21,7 +21,7 @@ from . import _build
 
 __all__ = ["load", "build_error", "csrc_dir", "library_path", "SlowPathWarning", "NAMES"]
 
-NAMES = ("convert_kernels", "kleidiai_pack")
+NAMES = ("convert_kernels", "kleidiai_pack", "verify_kernels")
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -78,6 +78,7 @@ def load(name: str):
             return None
         _loaded["convert_kernels"] = _native.ConvertKernels(lib)
         _loaded["kleidiai_pack"] = _native.KleidiaiPack(lib)
+        _loaded["verify_kernels"] = _native.VerifyKernels(lib)
         return _loaded[name]
 
 

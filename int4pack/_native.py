@@ -48,6 +48,10 @@ _SIGNATURES = {
     "i4p_crc32c": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
     "i4p_crc32c_copy": ([_p, _p, _i, ctypes.c_uint32], ctypes.c_uint32),
     "i4p_kleidiai_pack": ([_p, _i, _i, _i, _p, _i, _p, _i, _p, _i, _i], _i),
+    "i4p_kleidiai_unpack": ([_p, _i, _i, _i, _i, _i, _i, _p, _p, _p, _i], _i),
+    "i4p_int8_range": ([_p, _i, _i, _p], _i),
+    "i4p_dequant_w4a8": ([_p, _i, _i, _i, _p, _i, _p, _i], _i),
+    "i4p_ref_pack": ([_p, _i, _i, _p, _i, _i, _p, _i], _i),
 }
 
 
@@ -305,3 +309,63 @@ class KleidiaiPack(_Lib):
             threads = torch.get_num_threads()
         self._call("i4p_kleidiai_pack", _ptr(q), e, n, k, _ptr(scales), int(scales.dtype == torch.bfloat16),
                    _ptr(bias), group_size, _ptr(out), out.shape[1], threads)
+
+    def unpack(self, blob: torch.Tensor, n: int, k: int, group_size: int, has_bias: bool, check: bool,
+               threads: int = 1):
+        """(failed checks (bits, 0: consistent), q int8 [N, K], scales bf16 [N, K/g] | fp32 [N, 1], bias fp32 [N]
+        | None) of one blob; ``group_size`` == K for channelwise."""
+        _need(blob, "blob", torch.uint8, 1)
+        channel = group_size == k
+        q = torch.empty(n, k, dtype=torch.int8)
+        scales = torch.empty(n, 1, dtype=torch.float32) if channel else torch.empty(n, k // group_size,
+                                                                                  dtype=torch.bfloat16)
+        bias = torch.empty(n, dtype=torch.float32) if has_bias else None
+        bad = self._call("i4p_kleidiai_unpack", _ptr(blob), blob.numel(), n, k, group_size, int(bool(check)),
+                         int(bool(has_bias)), _ptr(q), _ptr(scales), _ptr(bias), threads)
+        return bad, q, scales, bias
+
+
+class VerifyKernels(_Lib):
+    """Whole-matrix helpers of verify (csrc/kleidiai_pack/kleidiai_unpack.cpp)."""
+
+    def int8_range(self, q: torch.Tensor, threads: int = 1) -> tuple[int, int]:
+        _need(q, "q", torch.int8, None)
+        out = torch.zeros(2, dtype=torch.int64)
+        self._call("i4p_int8_range", _ptr(q), q.numel(), threads, out.data_ptr())
+        return int(out[0]), int(out[1])
+
+    @staticmethod
+    def _scales(scales: torch.Tensor, n: int) -> None:
+        if scales.dtype not in (torch.float32, torch.bfloat16) or not scales.is_contiguous() or \
+                scales.dim() != 2 or scales.shape[0] != n:
+            raise RuntimeError(f"scales: expected contiguous fp32 or bf16 [N={n}, G], got {scales.dtype} "
+                               f"{list(scales.shape)}")
+
+    def dequant(self, q: torch.Tensor, scales: torch.Tensor, threads: int = 1) -> torch.Tensor:
+        """float32 [N, K] = q * the scale of each value's group (groups of K / scales.shape[1])."""
+        _need(q, "q", torch.int8)
+        n, k = q.shape
+        self._scales(scales, n)
+        ng = scales.shape[1]
+        if ng < 1 or k % ng:
+            raise RuntimeError(f"dequant: {ng} groups do not divide K={k}")
+        out = torch.empty(n, k, dtype=torch.float32)
+        self._call("i4p_dequant_w4a8", _ptr(q), n, k, k // ng, _ptr(scales), int(scales.dtype == torch.bfloat16),
+                   _ptr(out), threads)
+        return out
+
+    def ref_pack(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None,
+                 threads: int = 1) -> torch.Tensor:
+        """torch's float32 reference layout of (q, scales) (moe._fallback_pack's)."""
+        _need(q, "q", torch.int8)
+        n, k = q.shape
+        self._scales(scales, n)
+        size = n * k // 2 + scales.numel()
+        if out is None:
+            out = torch.empty(size, dtype=torch.float32)
+        _need(out, "out", torch.float32, 1)
+        if out.numel() != size or k % 2:
+            raise RuntimeError(f"ref_pack: out must hold {size} floats and K must be even")
+        self._call("i4p_ref_pack", _ptr(q), n, k, _ptr(scales), int(scales.dtype == torch.bfloat16),
+                   scales.numel(), _ptr(out), threads)
+        return out

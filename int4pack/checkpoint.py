@@ -52,6 +52,35 @@ _DTYPE_SPECS = {
     "F8_E5M2": ("float8_e5m2", 1),
 }
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # not named by Python before 3.13
+
+
+def _libc_madvise():
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        return fn
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
+# madvise through ctypes, which lets go of the GIL for the call: mmap.madvise holds it while the
+# kernel maps or drops a tensor's pages (~0.1 ms each), and convert's workers queued behind it
+_MADVISE = _libc_madvise()
+
+
+def _map_address(m: mmap.mmap) -> int | None:
+    """The address of a (writable, copy-on-write) mapping's first byte, or None."""
+    try:
+        import ctypes
+
+        head = ctypes.c_char.from_buffer(m)
+        addr = ctypes.addressof(head)
+        del head  # releases the buffer export at once: the mapping can still be closed
+        return addr
+    except (TypeError, ValueError, BufferError):
+        return None
 _FAULT_AROUND = 1 << 21  # a fault maps resident pages around it: up to a whole large folio (<= 2 MB)
 ITEMSIZE = {k: size for k, (_, size) in _DTYPE_SPECS.items()}
 _DTYPE_KEY = {k: k for k in _DTYPE_SPECS}  # the shared name string instead of one per tensor from JSON
@@ -399,6 +428,7 @@ class Checkpoint:
     def _start_io(self) -> None:
         """The mappings and descriptors of the lazy reads."""
         self._maps: dict[str, mmap.mmap] = {}
+        self._addrs: dict[str, int | None] = {}  # each mapping's address, for madvise without the GIL
         # one read-only descriptor per shard for the positional reads: an open and close per
         # small tensor (scales, zeros, g_idx: three a module) was a third of a GPTQ module's read
         self._fds: dict[str, int] = {}
@@ -505,7 +535,21 @@ class Checkpoint:
             except (OSError, ValueError) as e:
                 raise InputError(f"{shard}: cannot map the file ({e})", path=str(path)) from e
             self._maps[shard] = m
+            self._addrs[shard] = _map_address(m)
         return m
+
+    def _madvise(self, shard: str, off: int, length: int, advice: int) -> None:
+        """madvise on part of a shard's mapping without holding the GIL; raises OSError on failure."""
+        m, addr = self._maps[shard], self._addrs.get(shard)
+        if _MADVISE is None or addr is None:
+            m.madvise(advice, off, length)
+            return
+        if off < 0 or length < 0 or off + length > len(m):
+            raise ValueError("madvise range outside the mapping")
+        if _MADVISE(addr + off, length, advice) != 0:
+            import ctypes
+
+            raise OSError(ctypes.get_errno(), "madvise failed")
 
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes, zero-copy."""
@@ -560,10 +604,10 @@ class Checkpoint:
         lo = t.begin - t.begin % mmap.PAGESIZE
         try:
             # map every page in one call (Linux 5.14+): a minor fault per 4 KB page cost more than the unpacking
-            m.madvise(_MADV_POPULATE_READ, lo, t.end - lo)
+            self._madvise(t.file, lo, t.end - lo, _MADV_POPULATE_READ)
         except (OSError, ValueError, AttributeError):
             try:
-                m.madvise(mmap.MADV_WILLNEED, lo, t.end - lo)  # one readahead for the whole tensor
+                self._madvise(t.file, lo, t.end - lo, mmap.MADV_WILLNEED)  # one readahead for the whole tensor
             except (OSError, ValueError, AttributeError):
                 pass
         return torch.frombuffer(mv, dtype=dt).view(t.shape)
@@ -581,7 +625,7 @@ class Checkpoint:
         lo = t.begin - t.begin % _FAULT_AROUND
         hi = min(len(m), -(-t.end // _FAULT_AROUND) * _FAULT_AROUND)
         try:
-            m.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            self._madvise(t.file, lo, hi - lo, mmap.MADV_DONTNEED)
         except (OSError, ValueError, AttributeError):
             pass
 
@@ -630,6 +674,7 @@ class Checkpoint:
         return TensorBytes(self, name, t.nbytes)
 
     def close(self) -> None:
+        self._addrs.clear()  # first: no madvise may reach an address that is about to be unmapped
         for m in self._maps.values():
             try:
                 m.close()

@@ -294,6 +294,7 @@ def convert(
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
         report["kernels"] = _kernels_used()
+        report["workers"] = job_workers(threads)
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
         report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}
@@ -307,7 +308,7 @@ def convert(
     return report
 
 
-_RUN_ONLY = ("next", "resume", "serve_format_planned")  # in the returned report, not in the file
+_RUN_ONLY = ("next", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
 SPACE_MARGIN = 1 << 20  # config and extra small files
 SPACE_PER_TENSOR = 1000  # its shard header entry, index line and report entry: a few hundred bytes
 
@@ -343,6 +344,18 @@ def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str
     return None
 
 
+# Jobs running at once, at most. On a 16-core x86-64 host every source format ended at ~1.5 ms of
+# serial work per job with 4 or more workers (18.9k jobs of a 48-layer Qwen3-30B-A3B: the Python
+# around each job's C++ holds the GIL), and 8 or 16 workers were 10-40% slower than 4, lossless and
+# requant alike (docs/performance.md).
+MAX_WORKERS = 4
+
+
+def job_workers(threads: int | None) -> int:
+    """Worker threads for ``--threads`` (None: the default), capped where more stop helping."""
+    return max(1, min(threads or torch.get_num_threads(), MAX_WORKERS))
+
+
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
                   rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None) -> dict:
     """Compute jobs in a bounded pool; each worker writes its own tensors at their planned offsets.
@@ -368,7 +381,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     skipped = sum(t.nbytes for n, s in zip(names, shards) if n in trusted for t in s)
     progress.start(sum(t.nbytes for s in shards for t in s), len(shard_of), skipped)
     meta = _base_meta(plan)
-    workers = threads or max(1, min(4, torch.get_num_threads()))
+    workers = job_workers(threads)
     # the plan's own OutTensors where the name is kept (a copy of each would live for the whole run)
     planned = {n: [OutTensor(rename[t.name], t.dtype, t.shape) if t.name in rename else t for t in s]
                for n, s in zip(names, shards) if n not in trusted}

@@ -340,6 +340,26 @@ def unpack(blob: torch.Tensor, n: int, k: int, group_size: int, has_bias: bool, 
     match the data, the K padding is zero, and a blob without bias stores zeros there.
     """
     check_blob(blob, n, k, group_size)
+    mod = _ext_mod()
+    if mod is not None:
+        g = k if is_channelwise(k, group_size) else group_size
+        bad, q, scales, bias = mod.unpack(blob, n, k, g, has_bias, check)
+        if bad:
+            what = next(what for bit, what in _UNPACK_CHECKS if bad & bit)
+            _agree(False, what if bad & 3 != 2 or g == k else what + " and scales")
+        return q, scales, bias
+    return unpack_torch(blob, n, k, group_size, has_bias, check)
+
+
+# the C++ decoder's failed-check bits (kleidiai_unpack.cpp), in the order unpack_torch checks them
+_UNPACK_CHECKS = ((1, "K padding is not zero"), (2, "row sums disagree with the data"),
+                  (4, "padding rows do not repeat row N-1 (data)"), (8, "padding rows do not repeat row N-1 (scales)"),
+                  (16, "padding rows do not repeat row N-1 (bias)"), (32, "blob holds a bias but has_bias=False"))
+
+
+def unpack_torch(blob: torch.Tensor, n: int, k: int, group_size: int, has_bias: bool, check: bool = True):
+    """``unpack`` in torch (the C++ decoder's twin, and the path without the library)."""
+    check_blob(blob, n, k, group_size)
     r8 = _roundup(n, NR)
     nb = r8 // NR
     raw = blob.reshape(nb, -1)

@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from . import kleidiai
+from . import _ext, kleidiai
 from .errors import InputError
 from .groups import block, groupwise_problem
 
@@ -25,6 +25,7 @@ __all__ = [
     "ACTIVATIONS",
     "moe_forward",
     "moe_forward_twin",
+    "MoeRun",
     "moe_reference",
     "predicted_noise",
     "expert_forward",
@@ -85,34 +86,54 @@ def moe_forward_twin(x, topk_ids, topk_weights, w13_packed, w2_packed, hidden: i
                      apply_router_weight_on_input: bool = False, activation_kind: int = 0) -> torch.Tensor:
     """vLLM's algorithm, one expert at a time: a stable sort of the (token, slot) pairs by expert,
     per expert y13 = x_e @ w13_e, act(gate, up) @ w2_e, the gate weights, index_add into out."""
-    t, k = topk_ids.shape
-    e_count = w13_packed.shape[0]
-    chan = group_size == -1
-    g13, g2 = (hidden, inter) if chan else (group_size, group_size)
-    cdt = _compute_dtype(x.dtype, chan)
-    flat = topk_ids.reshape(-1).long()
-    # stable sort by expert == counting sort with ascending (token, slot) order inside an expert
-    order = torch.sort(flat, stable=True).indices
-    tok = order // k
-    gates = topk_weights.reshape(-1).float()[order].to(cdt).unsqueeze(1)
-    counts = torch.bincount(flat, minlength=e_count).tolist()
-    x_all = x.index_select(0, tok).to(cdt)
-    if apply_router_weight_on_input:
-        x_all = x_all * gates
-    y_all = torch.zeros(t * k, hidden, dtype=cdt)
-    mm = torch.ops.aten._dyn_quant_matmul_4bit
-    b = 0
-    for e, n in enumerate(counts):
+    run = MoeRun(x, topk_ids, topk_weights, w13_packed.shape[0], hidden, inter, group_size,
+                 apply_router_weight_on_input, activation_kind)
+    for e in range(w13_packed.shape[0]):
+        run.expert(e, w13_packed[e], w2_packed[e])
+    return run.finish()
+
+
+class MoeRun:
+    """``moe_forward_twin`` in three steps, so that a caller can run the experts' matmuls itself:
+    in parallel threads (``expert`` writes its own rows only), each expert's packed weights made
+    just before and dropped just after. The same operations in the same order: the same output."""
+
+    def __init__(self, x, topk_ids, topk_weights, e_count: int, hidden: int, inter: int, group_size: int,
+                 apply_router_weight_on_input: bool = False, activation_kind: int = 0):
+        t, k = topk_ids.shape
+        chan = group_size == -1
+        self.g13, self.g2 = (hidden, inter) if chan else (group_size, group_size)
+        self.hidden, self.inter, self.kind = hidden, inter, activation_kind
+        self.on_input = apply_router_weight_on_input
+        self.x_dtype, self.t = x.dtype, t
+        cdt = self.cdt = _compute_dtype(x.dtype, chan)
+        flat = topk_ids.reshape(-1).long()
+        # stable sort by expert == counting sort with ascending (token, slot) order inside an expert
+        order = torch.sort(flat, stable=True).indices
+        self.tok = order // k
+        self.gates = topk_weights.reshape(-1).float()[order].to(cdt).unsqueeze(1)
+        self.counts = torch.bincount(flat, minlength=e_count).tolist()
+        self.begin = [0]
+        for n in self.counts:
+            self.begin.append(self.begin[-1] + n)
+        x_all = x.index_select(0, self.tok).to(cdt)
+        self.x_all = x_all * self.gates if apply_router_weight_on_input else x_all
+        self.y_all = torch.zeros(t * k, hidden, dtype=cdt)
+
+    def expert(self, e: int, w13, w2) -> None:
+        """Expert e's rows through its packed w13 and w2 (nothing to do when no token chose it)."""
+        b, n = self.begin[e], self.counts[e]
         if n:
-            y13 = mm(x_all[b:b + n].contiguous(), w13_packed[e], g13, hidden, 2 * inter)
-            act = activation(y13[:, :inter], y13[:, inter:], activation_kind)
-            y_all[b:b + n] = mm(act.contiguous(), w2_packed[e], g2, inter, hidden)
-        b += n
-    if not apply_router_weight_on_input:
-        y_all = y_all * gates
-    out = torch.zeros(t, hidden, dtype=cdt)
-    out.index_add_(0, tok, y_all)
-    return out.to(x.dtype)
+            mm = torch.ops.aten._dyn_quant_matmul_4bit
+            y13 = mm(self.x_all[b:b + n].contiguous(), w13, self.g13, self.hidden, 2 * self.inter)
+            act = activation(y13[:, :self.inter], y13[:, self.inter:], self.kind)
+            self.y_all[b:b + n] = mm(act.contiguous(), w2, self.g2, self.inter, self.hidden)
+
+    def finish(self) -> torch.Tensor:
+        y_all = self.y_all if self.on_input else self.y_all * self.gates
+        out = torch.zeros(self.t, self.hidden, dtype=self.cdt)
+        out.index_add_(0, self.tok, y_all)
+        return out.to(self.x_dtype)
 
 
 def moe_reference(x, topk_ids, topk_weights, w13_float, w2_float, apply_router_weight_on_input: bool = False,
@@ -241,6 +262,13 @@ def _fallback_pack(q, scales, g, out=None):
     # torch's reference layout (docs/kleidiai.md §1.6): bytes as floats, then scales as floats.
     # torch writes it with a scalar loop; this writes the same bytes with tensor operations.
     n, k = q.shape
+    vk = _ext.load("verify_kernels")
+    if vk is not None and q.dtype == torch.int8 and q.is_contiguous() and scales.dtype in (torch.float32,
+                                                                                          torch.bfloat16):
+        ok = out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.dim() == 1
+        from .kernels import kernel_threads
+
+        return vk.ref_pack(q, scales.contiguous().reshape(n, -1), out if ok else None, kernel_threads())
     if out is None:
         out = torch.empty(n * k // 2 + scales.numel(), dtype=torch.float32)
     # (q_odd << 4 | q_even & 0xF) ^ 0x88 == (q_even + 8) | (q_odd + 8) << 4, in one int8 pass

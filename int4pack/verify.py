@@ -22,19 +22,22 @@ Dense W4A8 linears get the same with ``_dyn_quant_matmul_4bit`` on a few random 
 from __future__ import annotations
 
 import math
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import kernels
 from . import moe as moe_mod
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError, VerifyFailed
 from .groups import block
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN, SUFFIX
-from .verify_structure import Target, check_structure, layer_index
+from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
 from .w4a8 import dequantize_w4a8
 
 __all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
@@ -126,6 +129,19 @@ class _Source:
     def dequant(self, m: str) -> torch.Tensor:
         return self.read(m).dequantize()
 
+    def bias(self, m: str) -> torch.Tensor | None:
+        """Module m's bias, without unpacking (or keeping) its weights."""
+        if m in self._cache:
+            return self._cache[m].bias
+        if m not in self.specs:
+            return self.read(m).bias  # the error read() gives
+        return self.reader.read(self.specs[m], unpack=False).bias
+
+    def forget(self, mods) -> None:
+        """Drop what was read of ``mods`` (one expert's, once checked): the cache stays one expert per thread."""
+        for m in mods:
+            self._cache.pop(m, None)
+
     def g_idx_perm(self, m: str) -> torch.Tensor | None:
         ql = self.read(m)
         if ql.g_idx is None or ql.has_trivial_g_idx():
@@ -188,7 +204,7 @@ def _check_copies(t: Target, src: _Source, clock) -> dict:
         for m in sorted(quant):
             if m not in src.specs:
                 continue  # reported by the numerical pass (not a quantised module of the source)
-            bias = src.read(m).bias
+            bias = src.bias(m)
             if t.packed:
                 explained.add(f"{m}.{SUFFIX}")
                 continue  # a packed bias is inside the blob: compared there (_bias_vs_source)
@@ -323,15 +339,27 @@ def _route(x, router_w, sampled: list[int], top_k: int, renorm: bool, gen, scori
     choice = probs + bias.float()[sampled] if bias is not None else probs
     ids = choice.topk(k, dim=1).indices
     w = probs.gather(1, ids)
-    # guarantee coverage: give an expert with too few slots the last slot of tokens lacking it
+    # guarantee coverage: give an expert with too few slots slots of tokens lacking it, the last
+    # (lowest-scored) slots first, taken from experts that keep enough without them; only when none
+    # can spare one, the last slot of any token lacking it
+    count = torch.bincount(ids.reshape(-1), minlength=len(sampled)).tolist()
     for e in range(len(sampled)):
-        have = int((ids == e).sum())
-        if have >= MIN_SLOTS_PER_EXPERT:
+        if count[e] >= MIN_SLOTS_PER_EXPERT:
             continue
-        cand = [i for i in torch.randperm(t, generator=gen).tolist() if not bool((ids[i] == e).any())]
-        for i in cand[: MIN_SLOTS_PER_EXPERT - have]:
-            ids[i, k - 1] = e
-            w[i, k - 1] = probs[i, e]
+        lacking = (~(ids == e).any(1)).tolist()
+        order = [i for i in torch.randperm(t, generator=gen).tolist() if lacking[i]]
+        for j, spare_only in [(j, True) for j in range(k - 1, -1, -1)] + [(k - 1, False)]:
+            for i in order:
+                had = int(ids[i, j])
+                if count[e] >= MIN_SLOTS_PER_EXPERT:
+                    break
+                if not lacking[i] or (spare_only and count[had] <= MIN_SLOTS_PER_EXPERT):
+                    continue
+                count[had] -= 1
+                count[e] += 1
+                lacking[i] = False
+                ids[i, j] = e
+                w[i, j] = probs[i, e]
     if renorm:
         w = w / w.sum(1, keepdim=True)
     return ids, w
@@ -348,8 +376,11 @@ def _pick(seq: list, n: int | None, gen: torch.Generator) -> list:
 
 
 class _Clock:
+    """Seconds per stage, summed over the threads that ran it (so their sum can exceed the wall time)."""
+
     def __init__(self):
         self.s = {"reference": 0.0, "kernel": 0.0, "pack": 0.0, "read": 0.0, "prediction": 0.0}
+        self._lock = threading.Lock()
 
     @contextmanager
     def __call__(self, what: str):
@@ -357,14 +388,39 @@ class _Clock:
         try:
             yield
         finally:
-            self.s[what] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self.s[what] += dt
 
 
-def _weights_vs_source(t: Target, src: _Source, mods: dict[str, str], report, clock):
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    return fn(*args), time.perf_counter() - t0
+
+
+@contextmanager
+def _shutting(pool):
+    try:
+        yield
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _parallel(pool, fn, items: list):
+    """fn(*item) for each item, in order; on ``pool`` (a ThreadPoolExecutor) when there is one.
+    torch and the C++ kernels let go of the GIL, so threads run the experts side by side."""
+    if pool is None or len(items) < 2:
+        return [fn(*it) for it in items]
+    return [f.result() for f in [pool.submit(fn, *it) for it in items]]
+
+
+def _weights_vs_source(t: Target, src: _Source, mods: dict[str, str], report, clock, conv=None):
     """Source float weights aligned with the converted ones (undoing an act-order fold), per-module
-    measured rel_l2 and budget. mods: role -> module name of one MLP."""
+    measured rel_l2 and budget. mods: role -> module name of one MLP; conv: their converted float
+    weights, when already read."""
     with clock("read"):
-        conv = {r: t.dequant(m) for r, m in mods.items()}
+        conv = conv or {r: t.dequant(m) for r, m in mods.items()}
         srcw = {r: src.dequant(m) for r, m in mods.items()}
     perm = src.g_idx_perm(mods["down"]) if "down" in mods else None
     if perm is not None:
@@ -384,8 +440,10 @@ def _weights_vs_source(t: Target, src: _Source, mods: dict[str, str], report, cl
     return conv, srcw, problems, stats
 
 
-def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, tokens, gen, clock,
-               tick=None) -> dict:
+def _moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
+    """Everything random about one MoE layer's check: its sampled experts, hidden states and routing
+    (drawn layer after layer from one generator, so a seed gives the same check however many
+    layers then run at once)."""
     experts = t.layers[prefix]
     ids_all = sorted(experts)
     sampled = _pick(ids_all, experts_n, gen)
@@ -401,14 +459,32 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
                           if n in ck.tensors), None) if t.routing.get("bias") else None
         bias = ck.get(bias_name).float() if bias_name else None
     k_top = min(t.top_k, e_s)
-    n_tok = tokens or max(32, -(-MIN_SLOTS_PER_EXPERT * 2 * e_s // k_top))
+    n_tok = tokens or default_tokens(e_s, k_top)
     x = _hidden(gen, n_tok, t.shape(experts[ids_all[0]]["gate"])[1], norm)
     scoring = t.routing.get("scoring") or "softmax"
     ids, wts = _route(x, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias)
     res["tokens"] = n_tok
+    res["min_slots"] = int(torch.bincount(ids.reshape(-1), minlength=e_s).min()) if e_s else 0
     res["router"] = "real" if rw is not None else "random logits"
     res["scoring"] = scoring + (" + score bias" if bias is not None else "")
     res["input_norm"] = norm is not None
+    return {"res": res, "sampled": sampled, "x": x, "ids": ids, "wts": wts}
+
+
+def default_tokens(experts: int, top_k: int) -> int:
+    """Rows per MoE layer by default: a quarter more slots than MIN_SLOTS_PER_EXPERT for each sampled
+    expert (the routing gives the short ones slots of experts with more to spare), at least 32.
+    Each slot costs a row through torch's matmul, the scalar reference kernel on x86."""
+    return max(32, -(-5 * MIN_SLOTS_PER_EXPERT * experts // (4 * top_k)))
+
+
+def _moe_layer(t: Target, prefix: str, src: _Source | None, report, inputs: dict, clock, tick=None,
+               pool=None) -> dict:
+    experts = t.layers[prefix]
+    ids_all = sorted(experts)
+    res, sampled, x, ids, wts = (inputs[k] for k in ("res", "sampled", "x", "ids", "wts"))
+    e_s = len(sampled)
+    n_tok = x.shape[0]
 
     use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None
     res["weights"] = "the checkpoint's KleidiAI blobs" if use_blobs else "packed on the fly"
@@ -418,63 +494,75 @@ def _moe_layer(t: Target, prefix: str, src: _Source | None, report, experts_n, t
     slots_s = torch.zeros(n_tok, k_slots, hidden) if src is not None else slots_c
     act_var = torch.zeros(n_tok, k_slots)
     w_var = torch.zeros(n_tok, k_slots)
-    w13p = w2p = None
     wstats: dict[int, dict] = {}
-    inter = None
-    # one expert at a time: a 128-expert layer's float weights would be ~2.4 GB at once
-    for i, e in enumerate(sampled):
+    g = t.moe_group(experts[sampled[-1]])
+    inter = t.shape(experts[sampled[0]]["down"])[1]
+    # vLLM's MoE algorithm (moe.moe_forward), its experts' matmuls run by the tasks below
+    none = torch.empty(e_s, 1)
+    moe_mod._check(x, ids, wts, none, none, hidden, inter, g, t.activation)  # moe_forward's own checks
+    kernel = moe_mod.MoeRun(x, ids, wts, e_s, hidden, inter, g, False, t.activation)
+
+    def one(i: int, e: int) -> dict:
+        """Expert e (the i-th sampled): its packed weights through the kernel, its float references
+        and predicted errors on its routed rows. One thread, one expert: nothing shared but reads;
+        a 128-expert layer's float weights would be ~2.4 GB at once, one expert's are ~20 MB."""
         slot = experts[e]
-        if not use_blobs:
-            with clock("read"):
-                qg, sg, _ = t.weight(slot["gate"])
-                qu, su, _ = t.weight(slot["up"])
-                qd, sd, _ = t.weight(slot["down"])
-            inter = qd.shape[1]
-            g = t.moe_group(slot)
-            with clock("pack"):
-                b13 = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g,
-                                              None if w13p is None else w13p[i])
-                b2 = moe_mod.pack_for_matmul(qd, sd, g, None if w2p is None else w2p[i])
-                if w13p is None:
-                    w13p = torch.empty((e_s, b13.numel()), dtype=b13.dtype)
-                    w2p = torch.empty((e_s, b2.numel()), dtype=b2.dtype)
-                if b13.data_ptr() != w13p[i].data_ptr():
-                    w13p[i] = b13
-                if b2.data_ptr() != w2p[i].data_ptr():
-                    w2p[i] = b2
+        out: dict = {"problems": []}
+        with kernels.threads_here(1):
+            with clock("read"):  # each blob decoded once, for the kernel and the references alike
+                qs = {r: t.weight(m) for r, m in slot.items()}
+                cw = {r: dequantize_w4a8(*qs[r]) for r in slot}
+            if use_blobs:
+                # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: blobs.py)
+                with clock("read"):
+                    w13p = torch.cat([t.blob(slot["gate"]), t.blob(slot["up"])])
+                    w2p = t.blob(slot["down"])
+            else:
+                (qg, sg, _), (qu, su, _), (qd, sd, _) = (qs[r] for r in ("gate", "up", "down"))
+                with clock("pack"):
+                    w13p = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g)
+                    w2p = moe_mod.pack_for_matmul(qd, sd, g)
+            del qs
+            with clock("kernel"):
+                kernel.expert(i, w13p, w2p)
+            del w13p, w2p
+            if src is not None:
+                cw, sw, probs, st = _weights_vs_source(t, src, slot, report, clock, cw)
+                out["problems"] = [f"expert {e}: {p}" for p in probs]
+                out["stats"] = st
+                wv = [st[r]["budget"] ** 2 * float(sw[r].double().pow(2).mean()) for r in ("gate", "up", "down")]
+            tt, jj = (ids == i).nonzero(as_tuple=True)
+            xe = x[tt]
+            g2 = wts[tt, jj] ** 2
+            w13c = torch.cat([cw["gate"], cw["up"]])
+            with clock("reference"):
+                out["c"] = moe_mod.expert_forward(xe, w13c, cw["down"], t.activation)
+                if src is not None:
+                    w13s = torch.cat([sw["gate"], sw["up"]])
+                    out["s"] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
+            with clock("prediction"):
+                out["act_var"] = moe_mod.expert_noise(xe, w13c, cw["down"], t.activation) * g2
+                if src is not None:
+                    out["w_var"] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
+                                                        weight_var=wv) * g2
         if src is not None:
-            cw, sw, probs, st = _weights_vs_source(t, src, slot, report, clock)
-            res["problems"] += [f"expert {e}: {p}" for p in probs]
-            wstats[e] = st
-            wv = [st[r]["budget"] ** 2 * float(sw[r].double().pow(2).mean()) for r in ("gate", "up", "down")]
-        else:
-            with clock("read"):
-                cw = {r: t.dequant(m) for r, m in slot.items()}
-        inter = cw["down"].shape[1]
-        tt, jj = (ids == i).nonzero(as_tuple=True)
-        xe = x[tt]
-        g2 = wts[tt, jj] ** 2
-        w13c = torch.cat([cw["gate"], cw["up"]])
-        with clock("reference"):
-            slots_c[tt, jj] = moe_mod.expert_forward(xe, w13c, cw["down"], t.activation)
-            if src is not None:
-                w13s = torch.cat([sw["gate"], sw["up"]])
-                slots_s[tt, jj] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
-        with clock("prediction"):
-            act_var[tt, jj] = moe_mod.expert_noise(xe, w13c, cw["down"], t.activation) * g2
-            if src is not None:
-                w_var[tt, jj] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
-                                                     weight_var=wv) * g2
+            src.forget(slot.values())
+        out["at"] = (tt, jj)
+        return out
+
+    for i, (e, r) in enumerate(zip(sampled, _parallel(pool, one, list(enumerate(sampled))))):
+        tt, jj = r["at"]
+        res["problems"] += r["problems"]
+        slots_c[tt, jj] = r["c"]
+        act_var[tt, jj] = r["act_var"]
+        if src is not None:
+            wstats[e] = r["stats"]
+            slots_s[tt, jj] = r["s"]
+            w_var[tt, jj] = r["w_var"]
         if tick is not None:
             tick()
-    g = t.moe_group(experts[sampled[-1]])
-    if use_blobs:
-        # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: blobs.py)
-        with clock("read"):
-            w13p = torch.stack([torch.cat([t.blob(experts[e]["gate"]), t.blob(experts[e]["up"])]) for e in sampled])
-            w2p = torch.stack([t.blob(experts[e]["down"]) for e in sampled])
     with clock("kernel"):
-        y_k = moe_mod.moe_forward(x, ids, wts, w13p, w2p, hidden, inter, g, False, t.activation)
+        y_k = kernel.finish()
     y_c = (slots_c * wts.unsqueeze(2)).sum(1)
     y_s = (slots_s * wts.unsqueeze(2)).sum(1) if src is not None else y_c
 
@@ -526,18 +614,30 @@ def _expert_pred(w_var: torch.Tensor, wts: torch.Tensor, mask: torch.Tensor, ref
     return math.sqrt(float(v.sum())) / den if den > 0 else 0.0
 
 
-def _dense(t: Target, m: str, src: _Source | None, report, tokens: int, gen, clock) -> dict:
-    res: dict = {"module": m, "kind": "dense", "problems": []}
-    with clock("read"):
-        q, s, g = t.weight(m)
-        w_c = dequantize_w4a8(q, s, g)
-    n, k = q.shape
+def _dense_input(t: Target, m: str, tokens: int, gen) -> torch.Tensor:
+    """The random rows a dense module is checked on (drawn in module order, before any runs)."""
+    k = t.shape(m)[1]
     norm = None
     if m.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"):
         norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], ("input_layernorm",), t.norm_offset)
     elif m.rsplit(".", 1)[-1] in ("gate_proj", "up_proj"):
         norm = _norm_weight(t.ckpt, m.rsplit(".", 1)[0], _NORMS, t.norm_offset)
-    x = _hidden(gen, tokens, k, norm)
+    return _hidden(gen, tokens, k, norm)
+
+
+def _dense(t: Target, m: str, src: _Source | None, report, x: torch.Tensor, clock) -> dict:
+    with kernels.threads_here(1):
+        return _dense_run(t, m, src, report, x, clock)
+
+
+def _dense_run(t: Target, m: str, src: _Source | None, report, x: torch.Tensor, clock) -> dict:
+    res: dict = {"module": m, "kind": "dense", "problems": []}
+    with clock("read"):
+        q, s, g = t.weight(m)
+        w_c = dequantize_w4a8(q, s, g)
+    n, k = q.shape
+    if x.shape[1] != k:
+        raise InputError(f"{m}: K={k} in its weights, {x.shape[1]} recorded", tensor=m)
     with clock("pack"):
         wp = t.blob(m)
         if wp is None:
@@ -702,26 +802,25 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         report.update(ok=False, structural={"ok": False, "problems": [{"where": "checkpoint", "message": str(e)}]},
                       layers=[], dense=[])
         return _finish(report, t0, clock, raise_on_failure)
-    with _threads(threads), ckpt:
+    workers = max(1, int(threads or torch.get_num_threads()))
+    # one expert (module, shard) per thread, each single-threaded in torch: nothing nests
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="int4pack-verify") if workers > 1 else None
+    with _threads(1), ckpt, _shutting(pool):
         n_hidden = ckpt.text_config.get("num_hidden_layers")
         if isinstance(sel, list) and isinstance(n_hidden, int):  # before the structural pass: it reads every byte
             _missing(layers, sel, set(range(n_hidden)), f"num_hidden_layers {n_hidden}, layers", out)
         progress.phase("structure")
-        ts = time.perf_counter()
         try:
-            t, problems, counts, conv_report = check_structure(ckpt)
+            # the numerical pass's view of the checkpoint (check_structure builds the same one): the
+            # numbers are computed while the structural pass reads every byte, and a layer the
+            # structural pass flags is reported as not run, whatever its numbers were
+            te = Target(ckpt, Problems())
         except InputError as e:  # a checkpoint value that leaves nothing to check (a config not W4A8...)
             report.update(ok=False, layers=[], dense=[], structural={
                 "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
             return _finish(report, t0, clock, raise_on_failure)
-        report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
-                                "seconds": round(time.perf_counter() - ts, 3),
-                                "serve_format": KLEIDIAI if t.packed else PLAIN}
-        report["layers"], report["dense"] = [], []
-        report["kernel"] = _kernel_info()
-        report["trust"] = _trust_notes(t, counts, conv_report, against is not None and not structural_only)
-        moe_prefixes = sorted(t.layers, key=lambda p: (layer_index(p), p))
-        dense_mods = [m for m in t.modules if t.roles[m] != "expert"] if dense else []
+        moe_prefixes = sorted(te.layers, key=lambda p: (layer_index(p), p))
+        dense_mods = [m for m in te.modules if te.roles[m] != "expert"] if dense else []
         if isinstance(sel, list):  # every index must name something verify can run
             have = {layer_index(p) for p in moe_prefixes} | {layer_index(m) for m in dense_mods}
             _missing(layers, sel, have - {-1}, "layers with MoE experts" + (" or dense W4A8 linears" if dense else ""),
@@ -731,6 +830,36 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         if sel is not None:
             idx = {layer_index(p) for p in chosen} if isinstance(sel, int) else set(sel)
             dense_mods = [m for m in dense_mods if layer_index(m) in idx]
+        # the structural pass on threads of its own (it waits on the disk), the numbers on the pool
+        spool = ThreadPoolExecutor(max_workers=max(1, workers // 2), thread_name_prefix="int4pack-scan") \
+            if workers > 1 else None
+        with _shutting(spool), ThreadPoolExecutor(max_workers=1) as bg:
+            st_f = bg.submit(_timed, check_structure, ckpt, spool) if spool is not None else None
+            numbers = src = None
+            if not structural_only:
+                src = _Source(against, revision) if against is not None else None
+                progress.start(len(chosen), sum(min(len(te.layers[p]), experts or len(te.layers[p])) for p in chosen),
+                               len(dense_mods))
+                try:
+                    numbers = _numerical(te, chosen, dense_mods, src, _read_report(ckpt, Problems()), experts,
+                                         tokens, dense_tokens, gen, clock, progress, pool)
+                finally:
+                    progress.stop()
+                    if src is not None:
+                        src.close()
+            try:
+                (t, problems, counts, conv_report), st_s = st_f.result() if st_f is not None else \
+                    _timed(check_structure, ckpt, pool)
+            except InputError as e:
+                report.update(ok=False, layers=[], dense=[], structural={
+                    "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
+                return _finish(report, t0, clock, raise_on_failure)
+        report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
+                                "seconds": round(st_s, 3),
+                                "serve_format": KLEIDIAI if t.packed else PLAIN}
+        report["layers"], report["dense"] = [], []
+        report["kernel"] = _kernel_info()
+        report["trust"] = _trust_notes(t, counts, conv_report, against is not None and not structural_only)
         bad = {p["where"] for p in problems.items}
         # a config-wide problem (scheme, group, layout record) leaves no layer whose numbers can be trusted
         everywhere = any(w == "config" or w.startswith("config ") for w in bad)
@@ -738,7 +867,8 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         def flagged(name: str) -> bool:
             return everywhere or any(w == name or w.startswith(name + ".") for w in bad)
 
-        dense_mods = [m for m in dense_mods if not flagged(m)]
+        chosen = [p for p in chosen if p in t.layers]  # what the structural pass found
+        dense_mods = [m for m in dense_mods if m in t.roles and not flagged(m)]
         notes = []  # a sample larger than the model checks all of it: say so rather than drop it silently
         if isinstance(sel, int) and sel > len(moe_prefixes):
             notes.append(f"--layers {sel}: the model has {len(moe_prefixes)} MoE layer(s); all are checked")
@@ -749,32 +879,13 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                              "numerical": not structural_only, "moe_layers": [], "experts": 0, "dense": [],
                              "notes": notes}
         if not structural_only:
-            src = _Source(against, revision) if against is not None else None
-            run = [p for p in chosen if not flagged(p)]
-            progress.start(len(chosen), sum(min(len(t.layers[p]), experts or len(t.layers[p])) for p in run),
-                           len(dense_mods))
-            try:
-                if src is not None:
-                    report["copies"] = _check_copies(t, src, clock)
-                for p in chosen:
-                    if p not in run:
-                        report["layers"].append({"layer": p, "kind": "moe", "ok": False, "skipped": True,
-                                                 "problems": ["structural problems (see above): not run"]})
-                        progress.advance(layers=1)
-                        continue
-                    progress.advance(what=p)
-                    report["layers"].append(_guarded(p, "moe", lambda: _moe_layer(
-                        t, p, src, conv_report, experts, tokens, gen, clock, tick=lambda: progress.advance(experts=1))))
-                    progress.advance(layers=1)
-                for m in dense_mods:
-                    progress.advance(what=m)
-                    report["dense"].append(_guarded(m, "dense", lambda: _dense(
-                        t, m, src, conv_report, dense_tokens, gen, clock)))
-                    progress.advance(dense=1)
-            finally:
-                progress.stop()
-                if src is not None:
-                    src.close()
+            if numbers["copies"] is not None:
+                report["copies"] = numbers["copies"]
+            for p in chosen:
+                report["layers"].append(numbers["layers"][p] if not flagged(p) else {
+                    "layer": p, "kind": "moe", "ok": False, "skipped": True,
+                    "problems": ["structural problems (see above): not run"]})
+            report["dense"] = [numbers["dense"][m] for m in dense_mods]
             ran = [r for r in report["layers"] if not r.get("skipped")]
             report["checked"].update(
                 moe_layers=[layer_index(r["layer"]) for r in ran],
@@ -787,6 +898,51 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         report["ok"] = False  # a pass must mean something was checked
         report["nothing_checked"] = True
     return _finish(report, t0, clock, raise_on_failure)
+
+
+def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: _Source | None, conv_report, experts,
+               tokens, dense_tokens: int, gen, clock, progress, pool) -> dict:
+    """Every chosen MoE layer and dense module through the kernel and the references:
+    {"layers": {prefix: result}, "dense": {module: result}, "copies": the copied tensors' check}."""
+    copies = _check_copies(t, src, clock) if src is not None else None
+    # every random draw first, in the order one layer after the other makes them
+    layer_in: dict = {}
+    for p in chosen:
+        r = _guarded(p, "moe", lambda: layer_in.__setitem__(p, _moe_inputs(t, p, experts, tokens, gen, clock)))
+        if r is not None:
+            layer_in[p] = r  # could not even be read: reported as such
+    dense_in: dict = {}
+    for m in dense_mods:
+        r = _guarded(m, "dense", lambda: dense_in.__setitem__(m, _dense_input(t, m, dense_tokens, gen)))
+        if r is not None:
+            dense_in[m] = r
+
+    def dense_one(m):
+        x = dense_in[m]
+        return x if isinstance(x, dict) else _guarded(m, "dense", lambda: _dense(t, m, src, conv_report, x, clock))
+
+    def layer_one(p):
+        ins = layer_in[p]
+        if "res" not in ins:
+            return ins
+        progress.advance(what=p)
+        return _guarded(p, "moe", lambda: _moe_layer(
+            t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool))
+
+    # the dense modules queue on the pool first; two layers at a time feed it their experts,
+    # so that one layer's own serial steps (routing, sums) overlap the other's experts
+    dense_f = [pool.submit(dense_one, m) for m in dense_mods] if pool is not None else None
+    layers_pool = ThreadPoolExecutor(max_workers=2) if pool is not None and len(chosen) > 1 else None
+    out: dict = {"layers": {}, "dense": {}, "copies": copies}
+    with _shutting(layers_pool):
+        for p, r in zip(chosen, _parallel(layers_pool, layer_one, [(p,) for p in chosen])):
+            out["layers"][p] = r
+            progress.advance(layers=1)
+    for i, m in enumerate(dense_mods):
+        progress.advance(what=m)
+        out["dense"][m] = dense_one(m) if dense_f is None else dense_f[i].result()
+        progress.advance(dense=1)
+    return out
 
 
 def _guarded(name: str, kind: str, run) -> dict:

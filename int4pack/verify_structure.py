@@ -9,12 +9,13 @@ module has found.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import torch
 
-from . import blobs, kleidiai
+from . import _ext, blobs, kernels, kleidiai
 from .architectures import classify, moe_config, routers, vllm_module
 from .checkpoint import Checkpoint
 from .errors import InputError
@@ -78,6 +79,7 @@ class Target:
         for why in record_problems(rec) if rec else []:
             problems.add("config", f"quantization_config.kleidiai: {why}")
         self.packed = blobs.PackedWeights(ckpt, rec) if rec else None  # None: int8 weights and scales
+        self.ranges: dict[str, tuple[int, int]] = {}  # int8 tensor -> (min, max), from the shard scan
         self.modules = (self.packed.modules if self.packed else
                         sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale")))
         self.groups = _module_groups(ckpt, q, self.modules, problems)
@@ -202,7 +204,7 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
         problems.add(m, f"{sn}: {si.dtype}{list(si.shape)}, expected {want_dt}{list(want_shape)} "
                         f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
         return
-    _check_values(m, wn, sn, ck.get(wn), ck.get(sn).float(), problems, counts)
+    _check_values(m, wn, sn, t.ranges.get(wn) or ck.get(wn), ck.get(sn).float(), problems, counts, wi.numel)
 
 
 def _blob_check_problem(t: Target, m: str) -> str | None:
@@ -234,9 +236,17 @@ def _blob_check_problem(t: Target, m: str) -> str | None:
     return None
 
 
-def _check_values(m: str, wn: str, sn: str, q: torch.Tensor, s: torch.Tensor, problems: Problems,
-                  counts: dict) -> None:
-    lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
+def _check_values(m: str, wn: str, sn: str, q, s: torch.Tensor, problems: Problems, counts: dict,
+                  numel: int = 0) -> None:
+    """q: the int4 values, or (min, max) of the int8 tensor ``wn`` (of ``numel`` values) as the
+    shard scan found them."""
+    vk = _ext.load("verify_kernels")
+    if isinstance(q, tuple):
+        lo, hi = q
+    elif vk is not None and q.dtype == torch.int8 and q.is_contiguous():
+        lo, hi = vk.int8_range(q)
+    else:
+        lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
     if lo < -8 or hi > 7:
         problems.add(m, f"{wn}: values in [{lo}, {hi}], outside int4 [-8, 7]")
     if not bool(torch.isfinite(s).all()):
@@ -244,7 +254,7 @@ def _check_values(m: str, wn: str, sn: str, q: torch.Tensor, s: torch.Tensor, pr
     elif s.numel() and float(s.min()) <= 0:
         problems.add(m, f"{sn}: {int((s <= 0).sum())} scale(s) <= 0 (symmetric scales must be positive)")
     counts["modules"] += 1
-    counts["int_values"] += q.numel()
+    counts["int_values"] += numel if isinstance(q, tuple) else q.numel()
 
 
 def _check_layers(t: Target, problems: Problems) -> None:
@@ -291,8 +301,8 @@ def _check_config_index(t: Target, problems: Problems) -> None:
             problems.add("config", f"num_hidden_layers={nl} but no tensors for layer(s) {missing[:8]}")
 
 
-def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
-    """Shard checksums recorded by convert; returns the report (or None)."""
+def _read_report(ckpt: Checkpoint, problems: Problems) -> dict | None:
+    """convert's int4pack_report.json, or None (a problem when it is there but unusable)."""
     rp = ckpt.folder / "int4pack_report.json"
     if not rp.is_file():
         return None
@@ -304,6 +314,107 @@ def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
     if not isinstance(report, dict):
         problems.add("int4pack_report.json", f"a JSON {type(report).__name__}, not an object")
         return None
+    return report
+
+
+_PART_BYTES = 256 << 20  # one task of the shard scan
+_READ_BYTES = 16 << 20
+
+
+def _shard_layout(path: Path) -> tuple[int, list[tuple[tuple[int, int], str, str]]] | None:
+    """(data base, [((begin, end), name, dtype)] in file order) from a shard's header, as hash_shard
+    reads it; None when the header does not parse."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        n = int.from_bytes(fh.read(8), "little")
+        header = fh.read(min(n, max(0, size - 8)))
+    try:
+        hdr = json.loads(header)
+        named = sorted((tuple(v["data_offsets"]), k, v.get("dtype")) for k, v in hdr.items() if k != "__metadata__")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return 8 + n, named
+
+
+def _scan_part(path: Path, base: int, part: list, kind: str) -> list[tuple[int, tuple[int, int] | None]] | None:
+    """Each tensor's CRC (of the kind the shard records) and, for int8 ones, its (min, max): one
+    read of their bytes. None when the file ends early."""
+    from .writer import _CHECKSUMS
+
+    check = _CHECKSUMS[kind][1]
+    vk = _ext.load("verify_kernels")
+    buf = bytearray(_READ_BYTES)
+    out = []
+    with open(path, "rb") as fh:
+        for (a, b), _, dtype in part:
+            crc, off, lo, hi = 0, a, None, None
+            while off < b:
+                k = os.preadv(fh.fileno(), [memoryview(buf)[: min(len(buf), b - off)]], base + off)
+                if k <= 0:
+                    return None
+                piece = memoryview(buf)[:k]
+                crc = check(piece, crc)
+                if dtype == "I8":
+                    q = torch.frombuffer(piece, dtype=torch.int8)
+                    pl, ph = vk.int8_range(q) if vk is not None else (int(q.min()), int(q.max()))
+                    lo, hi = (pl, ph) if lo is None else (min(lo, pl), max(hi, ph))
+                off += k
+            out.append((crc, None if lo is None else (lo, hi)))
+    return out
+
+
+def _scan(ckpt: Checkpoint, report: dict | None, pool) -> tuple[dict, dict]:
+    """Every shard read once, in parts of ~256 MB on the pool's threads: (shard -> (size, data
+    digest of the kind its report entry records, or None)), (int8 tensor -> (min, max))."""
+    from .writer import _data_digest, digest_kind
+
+    recs = (report or {}).get("shards")
+    recs = recs if isinstance(recs, dict) else {}
+    jobs, layout = [], {}
+    for shard in sorted({info.file for info in ckpt.tensors.values()}):
+        path = ckpt.folder / shard
+        lay = _shard_layout(path) if path.is_file() else None
+        rec = recs.get(shard)
+        like = rec.get("data_digest") if isinstance(rec, dict) and isinstance(rec.get("data_digest"), str) else None
+        kind = digest_kind(like)
+        layout[shard] = (path, lay, kind)
+        if lay is None:
+            continue
+        base, named = lay
+        part, size = [], 0
+        for ent in named + [None]:
+            if ent is None or (part and size + ent[0][1] - ent[0][0] > _PART_BYTES):
+                if part:
+                    jobs.append((shard, path, base, part, kind))
+                part, size = [], 0
+            if ent is not None:
+                part.append(ent)
+                size += ent[0][1] - ent[0][0]
+    done = _in_order(pool, lambda shard, path, base, part, kind: _scan_part(path, base, part, kind), jobs)
+    crcs: dict[str, list | None] = {shard: [] for shard in layout}
+    ranges: dict[str, tuple[int, int]] = {}
+    for (shard, _, _, part, _), res in zip(jobs, done):
+        if res is None or crcs[shard] is None:
+            crcs[shard] = None
+            continue
+        for ((_, name, _), (crc, rng)) in zip(part, res):
+            crcs[shard].append(crc)
+            if rng is not None:
+                ranges[name] = rng
+    digests = {}
+    for shard, (path, lay, kind) in layout.items():
+        size = path.stat().st_size if path.is_file() else None
+        ok = lay is not None and crcs[shard] is not None
+        digests[shard] = (size, _data_digest(crcs[shard], kind) if ok else None)
+    return digests, ranges
+
+
+def _check_hashes(ckpt: Checkpoint, problems: Problems, report: dict | None, digests: dict) -> None:
+    """Shard checksums recorded by convert against the ones the scan computed."""
+    from .writer import hash_shard
+
+    if report is None:
+        return
     shards = report.get("shards")
     if not isinstance(shards, dict):
         problems.add("int4pack_report.json", "no shards record: the shard checksums cannot be checked")
@@ -322,24 +433,54 @@ def _check_hashes(ckpt: Checkpoint, problems: Problems) -> dict | None:
             problems.add(shard, f"int4pack_report.json: shards.{shard}.data_digest is {rec['data_digest']!r}, "
                                 "not a checksum")
             continue
-        got = hash_shard(path, rec["data_digest"])
-        if got["data_digest"] != rec["data_digest"] or got["size"] != rec.get("size", got["size"]):
+        size, digest = digests.get(shard) or (None, None)
+        if size is None:  # a shard no tensor of the index names: read on its own
+            got = hash_shard(path, rec["data_digest"])
+            size, digest = got["size"], got["data_digest"]
+        if digest != rec["data_digest"] or size != rec.get("size", size):
             problems.add(shard, "tensor bytes differ from what convert wrote (data checksum mismatch with "
                                 "int4pack_report.json): the shard was modified or corrupted")
-    return report
 
 
 
 
-def check_structure(ckpt: Checkpoint) -> tuple[Target, Problems, dict, dict | None]:
-    """Run every structural check on an opened checkpoint: (target, problems, counts, convert's report)."""
+def _module_problems(t: Target, m: str) -> tuple[list[dict], dict]:
+    """One module's structural problems and counts (on its own: modules are checked in parallel)."""
+    problems = Problems()
+    counts = {"modules": 0, "int_values": 0, "blobs": 0}
+    with kernels.threads_here(1):
+        _check_module(t, m, problems, counts)
+    return problems.items, counts
+
+
+def _in_order(pool, fn, items: list) -> list:
+    if pool is None:
+        return [fn(*it) for it in items]
+    return [f.result() for f in [pool.submit(fn, *it) for it in items]]
+
+
+def check_structure(ckpt: Checkpoint, pool=None) -> tuple[Target, Problems, dict, dict | None]:
+    """Run every structural check on an opened checkpoint: (target, problems, counts, convert's report).
+    ``pool`` (a ThreadPoolExecutor): modules and shards are checked on its threads; the problems
+    are listed in the same order as one thread lists them."""
     problems = Problems()
     t = Target(ckpt, problems)
     counts = {"modules": 0, "int_values": 0, "blobs": 0, "moe_layers": len(t.layers),
               "experts": sum(len(v) for v in t.layers.values())}
-    for m in t.modules:
-        _check_module(t, m, problems, counts)
+    problems_before = len(problems.items)
+    report = _read_report(ckpt, problems)
+    # every byte read once, first: the checksums, and the range of every int8 weight on the way
+    # (the modules' own checks then read the small tensors only, or blobs from the page cache)
+    digests, t.ranges = _scan(ckpt, report, pool)
+    report_problems = problems.items[problems_before:]
+    del problems.items[problems_before:]
+    for items, c in _in_order(pool, _module_problems, [(t, m) for m in t.modules]):
+        problems.items += items
+        for key, v in c.items():
+            counts[key] += v
     _check_layers(t, problems)
     _check_config_index(t, problems)
-    return t, problems, counts, _check_hashes(ckpt, problems)
+    problems.items += report_problems  # listed where they always were: after the module checks
+    _check_hashes(ckpt, problems, report, digests)
+    return t, problems, counts, report
 

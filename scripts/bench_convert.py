@@ -36,6 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # this checkout's int4pack, installed or not
 from make_synthetic import make  # noqa: E402
 
 LAYER_GB = 0.31
@@ -83,12 +84,13 @@ if os.environ.get("INT4PACK_BENCH_TREE"):  # --compare-tree: ahead of the cwd, w
     sys.path.insert(0, os.environ["INT4PACK_BENCH_TREE"])
 import int4pack
 src, dst, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+serve = sys.argv[4] if len(sys.argv) > 4 else "compressed-tensors"
 t0 = time.perf_counter()
-r = int4pack.convert(src, dst, threads=threads)
+r = int4pack.convert(src, dst, threads=threads or None, **({} if serve == "compressed-tensors" else {"serve_format": serve}))
 p = r["plan"]
 print(json.dumps({"seconds": time.perf_counter() - t0, "plan_seconds": r.get("seconds_plan"),
                   "out_bytes": p["out_bytes"], "paths": p["paths"],
-                  "rss_mb": peak_mb(), "module": int4pack.__file__}))
+                  "rss_mb": peak_mb(), "module": int4pack.__file__, "workers": r.get("workers")}))
 """
 
 
@@ -99,13 +101,14 @@ BASELINE_RM = _RM + BASELINE
 
 
 def _tree_env(tree: Path | None) -> dict | None:
-    """The environment that makes a child import int4pack from ``tree`` (None: this checkout)."""
-    if tree is None:
-        return None
+    """The environment that makes a child import int4pack from ``tree`` (None: $INT4PACK_BENCH_TREE if
+    set, else this checkout)."""
+    tree = tree or Path(os.environ.get("INT4PACK_BENCH_TREE") or HERE.parent)
     return {**os.environ, "INT4PACK_BENCH_TREE": str(tree.resolve())}
 
 
 def _run(code: str, *args, env=None) -> dict:
+    env = env or _tree_env(None)
     r0 = os.times()
     res = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env)
     r1 = os.times()
@@ -160,7 +163,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=float, nargs="+", default=[1.0], help="input sizes in GB")
     ap.add_argument("--formats", nargs="+", default=["gptq-sym", "gptq-asym", "awq", "ct"])
-    ap.add_argument("--threads", type=int, nargs="+", default=[2])
+    ap.add_argument("--threads", type=int, nargs="+", default=[2], help="0: convert's default")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="input size as a layer count (48: the full Qwen3-30B-A3B shape, 15.7 GB); overrides --sizes")
+    ap.add_argument("--serve-formats", nargs="+", default=["compressed-tensors"],
+                    choices=["compressed-tensors", "kleidiai"], help="output formats to convert to")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--repeat", type=int, default=1, help="time each case this many times, keep the fastest")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -174,26 +181,30 @@ def main() -> None:
     work = a.workdir or Path(tempfile.mkdtemp(prefix="int4pack-bench-"))
     rows = []
     for fmt in a.formats:
-        for gb in a.sizes:
-            layers = max(1, round(gb / LAYER_GB))
+        for gb in ([None] if a.layers else a.sizes):
+            layers = a.layers or max(1, round(gb / LAYER_GB))
             src = work / f"{fmt}-{layers}L"
             if not src.exists():
+                t0 = time.perf_counter()
                 make(src, fmt, layers)
+                print(f"wrote {src} in {time.perf_counter() - t0:.1f} s", flush=True)
             size = sum(p.stat().st_size for p in src.iterdir())
             params = _params(src)
-            for th in a.threads:
+            bases: dict[int, dict] = {}  # one baseline per output size: it does not depend on the threads
+            for serve, th in [(sv, th) for sv in a.serve_formats for th in a.threads]:
                 dst = work / "out"
                 shutil.rmtree(dst, ignore_errors=True)
                 other = None
                 if a.compare_tree is None:
-                    conv = _best(CONVERT_RM, a.repeat, src, dst, th)
+                    conv = _best(CONVERT_RM, a.repeat, src, dst, th, serve)
                 else:  # alternate the two trees, first one then the other (ABBA), so a drift of the
                     # machine, and the slower first run after the previous case, hit both alike
                     runs = []
                     for i in range(a.repeat):
                         pair = [None, None]
                         for which in ((0, 1) if i % 2 == 0 else (1, 0)):
-                            pair[which] = _run(CONVERT_RM, src, dst, th, env=_tree_env(a.compare_tree if which else None))
+                            pair[which] = _run(CONVERT_RM, src, dst, th, serve,
+                                               env=_tree_env(a.compare_tree if which else None))
                         runs.append(pair)
                     conv = min((r[0] for r in runs), key=lambda r: r["seconds"])
                     other = min((r[1] for r in runs), key=lambda r: r["seconds"])
@@ -201,9 +212,12 @@ def main() -> None:
                     other["all_seconds"] = [round(r[1]["seconds"], 2) for r in runs]
                     conv["plan_all"] = [r[0].get("plan_seconds") for r in runs]
                     other["plan_all"] = [r[1].get("plan_seconds") for r in runs]
-                base = _best(BASELINE_RM, a.repeat, src, dst, conv["out_bytes"])
+                if conv["out_bytes"] not in bases:
+                    bases[conv["out_bytes"]] = _best(BASELINE_RM, a.repeat, src, dst, conv["out_bytes"])
+                base = bases[conv["out_bytes"]]
                 shutil.rmtree(dst, ignore_errors=True)
-                row = {"format": fmt, "in_gb": round(size / 1e9, 2), "threads": th,
+                row = {"format": fmt, "serve_format": serve, "layers": layers, "in_gb": round(size / 1e9, 2),
+                       "threads": th or "default", "workers": conv.get("workers"),
                        "mparam_s": round(params / conv["seconds"] / 1e6, 1),
                        "convert_s": round(conv["seconds"], 2), "baseline_s": round(base["seconds"], 2),
                        "ratio": round(conv["seconds"] / base["seconds"], 2),
@@ -219,19 +233,22 @@ def main() -> None:
                                 "other_plan_s": _least(other["plan_all"])})
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if a.json:  # after every row: a run cut short keeps what it measured
+                    a.json.write_text(json.dumps(rows, indent=1))
             if not a.workdir:
                 shutil.rmtree(src, ignore_errors=True)
     print()
-    print_table(["format", "input GB", "threads", "Mparam/s", "convert s", "baseline s", "convert/baseline",
-                 "convert CPU user+sys s", "peak RSS MB", "baseline RSS MB", "plan s"],
-                [[r["format"], r["in_gb"], r["threads"], r["mparam_s"], r["convert_s"], r["baseline_s"], r["ratio"],
+    print_table(["format", "serve format", "input GB", "threads", "Mparam/s", "convert s", "baseline s",
+                 "convert/baseline", "convert CPU user+sys s", "peak RSS MB", "baseline RSS MB", "plan s"],
+                [[r["format"], r["serve_format"], r["in_gb"], r["threads"], r["mparam_s"], r["convert_s"], r["baseline_s"], r["ratio"],
                   f"{r['convert_cpu_user_s']}+{r['convert_cpu_sys_s']}", r["rss_mb"], r["baseline_rss_mb"], r["plan_s"]]
                  for r in rows])
     if a.compare_tree is not None:
         print()
         print_table(["format", "input GB", "threads", "Mparam/s this tree", f"Mparam/s {a.compare_tree}", "speedup",
                      "peak RSS MB this / that", "plan s this / that"],
-                    [[r["format"], r["in_gb"], r["threads"], r["mparam_s"], r["other_mparam_s"], r["speedup_vs_other"],
+                    [[f"{r['format']} {r['serve_format']}", r["in_gb"], r["threads"], r["mparam_s"], r["other_mparam_s"],
+                      r["speedup_vs_other"],
                       f"{r['rss_mb']} / {r['other_rss_mb']}", f"{r['plan_s']} / {r['other_plan_s']}"] for r in rows])
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))

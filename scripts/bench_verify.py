@@ -1,4 +1,11 @@
-"""Time ``int4pack.verify`` on one Qwen3-30B-A3B-shaped MoE layer and split the time.
+"""Time ``int4pack.verify`` on one Qwen3-30B-A3B-shaped MoE layer and split the time; or, with
+``--layers N``, verify against convert on a whole synthetic checkpoint.
+
+Full scale (``--layers 48``: the Qwen3-30B-A3B shape, 15.7 GB of GPTQ int4, scripts/make_synthetic.py):
+for each serving format, convert the checkpoint and verify the output, each in a fresh subprocess
+started after os.sync(), and print verify's time over convert's (the issue's goal: at most 1.5).
+
+    python scripts/bench_verify.py --layers 48 --serve-formats compressed-tensors kleidiai --json out.json
 
 Builds a tiny synthetic converted checkpoint in a temp dir: one MoE layer with 128 experts,
 H=2048, I=768, top-8, W4A8 group 128 (bf16 scales) as convert writes it, a real-looking router
@@ -49,8 +56,74 @@ def build(folder: Path, experts: int, hidden: int, inter: int, group: int, top_k
     (folder / "config.json").write_text(json.dumps(cfg))
 
 
+VERIFY = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+if os.environ.get("INT4PACK_BENCH_TREE"):
+    sys.path.insert(0, os.environ["INT4PACK_BENCH_TREE"])
+import int4pack
+out, threads = sys.argv[1], int(sys.argv[2])
+r = int4pack.verify(out, threads=threads or None, raise_on_failure=False)
+wall = time.perf_counter() - t0
+rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
+print(json.dumps({"seconds": wall, "verify_s": r["timing"]["total"], "rss_mb": rss, "verdict": r["verdict"],
+                  "ok": r["ok"], "structural_s": r["structural"]["seconds"], "timing": r["timing"],
+                  "threads": r["threads"], "experts": r["checked"].get("experts"),
+                  "tokens": sorted({lay.get("tokens") for lay in r["layers"] if lay.get("tokens")}),
+                  "dense": len(r["dense"]), "layers": len(r["layers"])}))
+"""
+
+
+def full(a) -> None:
+    """convert then verify a whole synthetic checkpoint, per serving format; verify / convert."""
+    import os
+    import shutil
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_convert import CONVERT_RM, _run
+    from make_synthetic import make
+
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="int4pack-bench-"))
+    src = work / f"gptq-sym-{a.layers}L"
+    if not src.exists():
+        t0 = time.perf_counter()
+        make(src, "gptq-sym", a.layers)
+        print(f"wrote {src} in {time.perf_counter() - t0:.1f} s", flush=True)
+    rows = []
+    for serve in a.serve_formats:
+        dst = work / f"out-{serve}"
+        conv = _run(CONVERT_RM, src, dst, a.convert_threads, serve)
+        os.sync()
+        ver = _run(VERIFY, dst, a.threads or 0)
+        shutil.rmtree(dst, ignore_errors=True)
+        row = {"layers": a.layers, "serve_format": serve, "host": platform.machine(), "cores": os.cpu_count(),
+               "torch": torch.__version__, "convert_s": round(conv["seconds"], 2), "convert_rss_mb": round(conv["rss_mb"]),
+               "verify_s": round(ver["seconds"], 2), "verify_cpu_s": round(ver["cpu_user"] + ver["cpu_sys"], 1),
+               "verify_rss_mb": round(ver["rss_mb"]), "ratio": round(ver["seconds"] / conv["seconds"], 2),
+               **{k: ver[k] for k in ("verdict", "ok", "structural_s", "timing", "threads", "experts", "tokens",
+                                      "dense")}, "moe_layers": ver["layers"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if a.json_out:
+            a.json_out.write_text(json.dumps(rows, indent=1))
+    if not a.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    for r in rows:
+        print(f"{r['layers']} layers, {r['serve_format']}: convert {r['convert_s']} s, verify {r['verify_s']} s "
+              f"({r['verify_cpu_s']} CPU s, {r['threads']} threads, peak RSS {r['verify_rss_mb']} MB): "
+              f"verify / convert = {r['ratio']}; {r['verdict']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=None,
+                    help="verify a whole converted synthetic checkpoint of this many layers against its convert")
+    ap.add_argument("--serve-formats", nargs="+", default=["compressed-tensors", "kleidiai"],
+                    choices=["compressed-tensors", "kleidiai"])
+    ap.add_argument("--convert-threads", type=int, default=0, help="with --layers: convert's --threads (0: default)")
+    ap.add_argument("--workdir", type=Path, default=None, help="with --layers: where the checkpoints go")
+    ap.add_argument("--json-out", type=Path, default=None, help="with --layers: write the rows here")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
@@ -63,6 +136,8 @@ def main() -> None:
                     help="also run the source-weight path (the checkpoint is its own int-quantized source)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.layers:
+        return full(a)
     with tempfile.TemporaryDirectory(prefix="int4pack-bench-") as tmp:
         folder = Path(tmp)
         t0 = time.perf_counter()

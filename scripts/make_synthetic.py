@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write large synthetic int4 MoE checkpoints in Qwen3-30B-A3B shapes, fast.
 
-    python scripts/make_synthetic.py OUT --format gptq-sym|gptq-asym|awq|ct --layers 3
+    python scripts/make_synthetic.py OUT --format gptq-sym|gptq-asym|awq|ct|ct-asym --layers 3
 
 Shapes per layer: hidden 2048, 128 experts of intermediate 768 (gate/up [768, 2048], down
 [2048, 768]), attention q [4096, 2048], k/v [512, 2048], o [2048, 4096], group 128. About
@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 H, I, E, G = 2048, 768, 128, 128
-FORMATS = ("gptq-sym", "gptq-asym", "awq", "ct")
+FORMATS = ("gptq-sym", "gptq-asym", "awq", "ct", "ct-asym")
 
 
 def _words(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -51,8 +51,11 @@ def linear(fmt: str, name: str, n: int, k: int, gen: torch.Generator) -> dict[st
     if fmt == "awq":
         return {f"{name}.qweight": _words(gen, k, n // 8), f"{name}.qzeros": _nibble_words(gen, 5, 10, g, n // 8),
                 f"{name}.scales": _scales(gen, (g, n), torch.float16)}
-    return {f"{name}.weight_packed": _words(gen, n, k // 8), f"{name}.weight_scale": _scales(gen, (n, g), torch.bfloat16),
-            f"{name}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    out = {f"{name}.weight_packed": _words(gen, n, k // 8), f"{name}.weight_scale": _scales(gen, (n, g), torch.bfloat16),
+           f"{name}.weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+    if fmt == "ct-asym":  # zero points packed along N (compressed-tensors >= 0.9.4): stored nibble = zp + 8
+        out[f"{name}.weight_zero_point"] = _nibble_words(gen, 6, 9, n // 8, g)
+    return out
 
 
 def quant_config(fmt: str) -> dict:
@@ -64,7 +67,7 @@ def quant_config(fmt: str) -> dict:
                 "modules_to_not_convert": ["gate"]}
     return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": {
-                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": G,
+                "num_bits": 4, "type": "int", "symmetric": fmt == "ct", "strategy": "group", "group_size": G,
                 "dynamic": False}, "input_activations": None, "output_activations": None}},
             "ignore": ["lm_head", "re:.*mlp\\.gate$"], "version": "0.20.0"}
 

@@ -289,3 +289,58 @@ def test_load_for_matmul_refuses_float_blob():
     fb = torch.ops.aten._dyn_quant_pack_4bit_weight(K.nibble_pack(q), s, None, 32, 64, 8)
     with pytest.raises(InputError):
         K.load_for_matmul(fb, 8, 64, 32, False)
+
+
+def test_cpp_decoder_equals_the_torch_decoder_and_names_the_same_damage():
+    # kleidiai.unpack runs the C++ decoder (csrc/kleidiai_pack/kleidiai_unpack.cpp); unpack_torch
+    # is its twin, written from the layout with tensor reshapes: same tensors, same first complaint
+    import pytest
+    import torch
+
+    from int4pack import _ext, kleidiai
+    from int4pack.errors import InputError
+
+    if _ext.load("verify_kernels") is None:
+        pytest.skip("the C++ library is not built here")
+    gen = torch.Generator().manual_seed(3)
+    for n, k, g, has_bias in [(13, 64, 32, True), (13, 64, 64, False), (20, 48, 48, True), (24, 256, 128, False)]:
+        q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+        s = torch.rand(n, 1, generator=gen) + 0.01 if g == k else (torch.rand(n, k // g, generator=gen) + 0.01).bfloat16()
+        bias = torch.randn(n, generator=gen) if has_bias else None
+        blob = kleidiai.pack_reference(q, s, bias, g)
+        a, b = kleidiai.unpack(blob, n, k, g, has_bias), kleidiai.unpack_torch(blob, n, k, g, has_bias)
+        assert torch.equal(a[0], q) and all(x is None and y is None or torch.equal(x, y) for x, y in zip(a, b))
+        for pos in (0, blob.numel() // 2, blob.numel() - 1, blob.numel() - 40):
+            bad = blob.clone()
+            bad[pos] ^= 0x11
+            msgs = []
+            for fn in (kleidiai.unpack, kleidiai.unpack_torch):
+                try:
+                    fn(bad, n, k, g, has_bias)
+                    msgs.append(None)
+                except InputError as e:
+                    msgs.append(str(e))
+            assert msgs[0] == msgs[1], (n, k, g, pos)
+
+
+def test_cpp_dequant_and_reference_layout_equal_torch():
+    import pytest
+    import torch
+
+    from int4pack import _ext, moe, w4a8
+
+    if _ext.load("verify_kernels") is None:
+        pytest.skip("the C++ library is not built here")
+    gen = torch.Generator().manual_seed(4)
+    for n, k, g in [(24, 64, 32), (24, 64, -1), (16, 256, 128)]:
+        q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+        s = torch.rand(n, 1, generator=gen) + 0.01 if g == -1 else (torch.rand(n, k // g, generator=gen) + 0.01).bfloat16()
+        block = k if g == -1 else g
+        sf = s.float()
+        want = q.float() * sf.reshape(n, 1) if g == -1 else (q.float().view(n, -1, g) * sf.view(n, -1, 1)).view(n, k)
+        assert torch.equal(w4a8.dequantize_w4a8(q, s, g), want)
+        # torch's own packer writes its float32 reference layout on x86 (and on Arm without KleidiAI)
+        from int4pack import kleidiai
+
+        if not kleidiai.native_kleidiai_available():
+            assert torch.equal(moe._fallback_pack(q, s, block), moe._torch_pack(q, s, block))

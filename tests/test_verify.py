@@ -209,3 +209,22 @@ def test_experts_of_one_layer_under_two_groups_fail(two_schemes, tmp_path):
     r = int4pack.verify(out, structural_only=True, raise_on_failure=False)
     assert any(p["where"] == "model.layers.1.mlp" and "several config groups" in p["message"]
                for p in r["structural"]["problems"])
+
+
+def test_default_tokens_give_every_sampled_expert_its_slots():
+    # 128 experts, top-8: 40 rows by default (320 slots for 128 x 2); a router that prefers four
+    # experts leaves many without slots, which the routing gives them from experts with some to spare
+    import torch
+
+    from int4pack.verify import MIN_SLOTS_PER_EXPERT, _route, default_tokens
+
+    gen = torch.Generator().manual_seed(0)
+    t = default_tokens(128, 8)
+    assert t == 40 and default_tokens(4, 2) == 32
+    x = torch.randn(t, 64, generator=gen)
+    w = torch.randn(128, 64, generator=gen)
+    w[:4] *= 20
+    ids, wts = _route(x, w, list(range(128)), 8, True, gen)
+    assert int(torch.bincount(ids.reshape(-1), minlength=128).min()) >= MIN_SLOTS_PER_EXPERT
+    assert all(len(set(row.tolist())) == 8 for row in ids)  # no expert twice in one token
+    assert torch.allclose(wts.sum(1), torch.ones(t))

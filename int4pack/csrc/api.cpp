@@ -13,6 +13,13 @@
 namespace i4p {
 void kleidiai_pack(const int8_t* q, int64_t E, int64_t N, int64_t K, const void* scales, bool scales_bf16,
                    const float* bias, int64_t group_size, uint8_t* out, int64_t bytes, int64_t threads);
+int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K, int64_t g, bool check,
+                        bool has_bias, int8_t* q, void* scales, float* bias, int64_t threads);
+void int8_range(const int8_t* p, int64_t n, int64_t threads, int64_t* lo_hi);
+void dequant_w4a8(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* scales, bool bf16, float* out,
+                  int64_t threads);
+void ref_pack(const int8_t* q, int64_t N, int64_t K, const void* scales, bool bf16, int64_t nscales, float* out,
+              int64_t threads);
 }
 
 using namespace i4p;
@@ -141,6 +148,36 @@ I4P_EXPORT int64_t i4p_kleidiai_pack(const int8_t* q, int64_t e, int64_t n, int6
                                      int64_t bytes, int64_t threads) {
   return guarded([&] {
     kleidiai_pack(q, e, n, k, scales, scales_bf16 != 0, bias, group_size, out, bytes, threads);
+    return int64_t{0};
+  });
+}
+
+// reading blobs back, and verify's whole-matrix helpers (kleidiai_unpack.cpp)
+I4P_EXPORT int64_t i4p_kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t n, int64_t k, int64_t g,
+                                       int64_t check, int64_t has_bias, int8_t* q, void* scales, float* bias,
+                                       int64_t threads) {
+  return guarded([&] { return kleidiai_unpack(blob, bytes, n, k, g, check != 0, has_bias != 0, q, scales, bias, threads); });
+}
+
+I4P_EXPORT int64_t i4p_int8_range(const int8_t* p, int64_t n, int64_t threads, int64_t* lo_hi) {
+  return guarded([&] {
+    int8_range(p, n, threads, lo_hi);
+    return int64_t{0};
+  });
+}
+
+I4P_EXPORT int64_t i4p_dequant_w4a8(const int8_t* q, int64_t n, int64_t k, int64_t g, const void* scales,
+                                    int64_t bf16, float* out, int64_t threads) {
+  return guarded([&] {
+    dequant_w4a8(q, n, k, g, scales, bf16 != 0, out, threads);
+    return int64_t{0};
+  });
+}
+
+I4P_EXPORT int64_t i4p_ref_pack(const int8_t* q, int64_t n, int64_t k, const void* scales, int64_t bf16,
+                                int64_t nscales, float* out, int64_t threads) {
+  return guarded([&] {
+    ref_pack(q, n, k, scales, bf16 != 0, nscales, out, threads);
     return int64_t{0};
   });
 }

@@ -1,0 +1,217 @@
+// Reading KleidiAI W4A8 RHS blobs back (the inverse of kleidiai_pack.cpp, from the same layout in
+// docs/kleidiai.md §1.5), with the consistency checks of kleidiai.unpack; and the verify-side
+// helpers that walk whole weight matrices: the range of int8 values, q * scale in float32, and
+// torch's float32 reference layout of _dyn_quant_pack_4bit_weight (what its x86 matmul takes).
+//
+// Work unit = one 8-row block; every block is decoded and checked from its own bytes alone, so
+// the split over threads changes nothing.
+
+#include "../common.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace i4p {
+namespace {
+
+constexpr int64_t kNr = 8;
+
+inline int64_t roundup(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+
+inline float get_f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline float bf16_to_f32(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float v;
+  std::memcpy(&v, &wide, 4);
+  return v;
+}
+
+// 16 bytes of one 32-value chunk, stored as two 8-byte segments 8*8 bytes apart -> 32 int8 values
+inline void get_chunk(const uint8_t* src, int8_t* dst) {
+  for (int s = 0; s < 2; ++s) {
+    const uint8_t* b = src + s * kNr * 8;
+    for (int i = 0; i < 8; ++i) {
+      const int lo = b[i] & 0xF, hi = b[i] >> 4;
+      dst[8 * s + i] = static_cast<int8_t>(lo - ((lo & 8) << 1));
+      dst[8 * s + i + 16] = static_cast<int8_t>(hi - ((hi & 8) << 1));
+    }
+  }
+}
+
+}  // namespace
+
+// The failed checks, as bits; kleidiai.unpack names the first in this order.
+enum : int {
+  kBadKPad = 1,      // channelwise: K padding is not zero
+  kBadSums = 2,      // row sums disagree with the data (and scales)
+  kBadPadData = 4,   // padding rows do not repeat row N-1 (data)
+  kBadPadScale = 8,  // ... (scales)
+  kBadPadBias = 16,  // ... (bias)
+  kBadBias = 32,     // a bias is stored but has_bias is false
+};
+
+// blob: uint8 [bytes]; q: int8 [N, K]; scales: bf16 bits [N, K/g] (groupwise) or fp32 [N] (channel,
+// g == K, the stored scale times 16); bias: fp32 [N] or null (not decoded). Returns the failed
+// checks (0: consistent; always 0 without `check`).
+int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K, int64_t g, bool check,
+                        bool has_bias, int8_t* q, void* scales, float* bias, int64_t threads) {
+  I4P_CHECK(N >= 1 && K >= 2 && K % 2 == 0, "bad shape");
+  const bool channel = g == K;
+  const int64_t nb = roundup(N, kNr) / kNr;
+  const int64_t kp = channel ? roundup(K, 32) : K;
+  const int64_t per_blk = channel ? kNr * (kp / 2 + 12) : kNr * (K / 2 + 2 * (K / g) + 8);
+  if (!channel) I4P_CHECK(g > 0 && g % 32 == 0 && K % g == 0, "group size");
+  I4P_CHECK(bytes == nb * per_blk, "blob has the wrong size");
+  const int64_t nblk = channel ? 1 : K / g;
+  std::atomic<int> bad{0};
+  for_rows(nb, std::max<int64_t>(1, 8192 / std::max<int64_t>(1, K)), threads, [&](int64_t b0, int64_t b1) {
+    std::vector<int8_t> vals(kNr * kp);  // the block's 8 rows, padding rows and K padding included
+    std::vector<uint16_t> sc16(kNr * nblk);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const uint8_t* src = blob + blk * per_blk;
+      int flags = 0;
+      float fsc[kNr], fbias[kNr];
+      if (channel) {
+        for (int64_t c = 0; c < kp / 32; ++c)
+          for (int r = 0; r < kNr; ++r) get_chunk(src + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + 32 * c);
+        const uint8_t* tail = src + kp / 2 * kNr;
+        for (int r = 0; r < kNr; ++r) {
+          fsc[r] = get_f32(tail + 32 + 4 * r) * 16.0f;
+          fbias[r] = get_f32(tail + 64 + 4 * r);
+        }
+        if (check) {
+          for (int r = 0; r < kNr; ++r) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < kp; ++i) sum += vals[r * kp + i];
+            for (int64_t i = K; i < kp; ++i) flags |= vals[r * kp + i] != 0 ? kBadKPad : 0;
+            int32_t stored;
+            std::memcpy(&stored, tail + 4 * r, 4);
+            if (stored != sum * 16) flags |= kBadSums;
+          }
+        }
+      } else {
+        const int64_t dlen = g / 2 * kNr;
+        float sums[kNr] = {0};
+        for (int64_t b = 0; b < nblk; ++b) {
+          const uint8_t* d = src + b * (dlen + 2 * kNr);
+          for (int64_t c = 0; c < g / 32; ++c)
+            for (int r = 0; r < kNr; ++r) get_chunk(d + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + b * g + 32 * c);
+          for (int r = 0; r < kNr; ++r) std::memcpy(&sc16[r * nblk + b], d + dlen + 2 * r, 2);
+          if (check) {
+            // the packer's rounding: one float add per 16-value segment, in storage order
+            for (int64_t c = 0; c < g / 32; ++c) {
+              for (int h = 0; h < 2; ++h) {
+                for (int r = 0; r < kNr; ++r) {
+                  const int8_t* v = vals.data() + r * kp + b * g + 32 * c + 8 * h;
+                  int32_t seg = 0;
+                  for (int i = 0; i < 8; ++i) seg += v[i] + v[i + 16];
+                  sums[r] += static_cast<float>(seg) * bf16_to_f32(sc16[r * nblk + b]);
+                }
+              }
+            }
+          }
+        }
+        const uint8_t* tail = src + nblk * (dlen + 2 * kNr);
+        for (int r = 0; r < kNr; ++r) {
+          fbias[r] = get_f32(tail + 32 + 4 * r);
+          if (check) {
+            const float stored = get_f32(tail + 4 * r);
+            // bit equality, as torch.equal of the float tensors (NaN never agrees)
+            if (!(stored == sums[r])) flags |= kBadSums;
+          }
+        }
+      }
+      const int64_t row0 = blk * kNr;
+      const int rows = static_cast<int>(std::min<int64_t>(kNr, N - row0));
+      if (check) {
+        for (int r = rows; r < kNr; ++r) {  // rows past N repeat row N-1
+          if (std::memcmp(vals.data() + r * kp, vals.data() + (rows - 1) * kp, K) != 0) flags |= kBadPadData;
+          if (channel) {
+            flags |= fsc[r] == fsc[rows - 1] ? 0 : kBadPadScale;
+          } else {
+            for (int64_t b = 0; b < nblk; ++b)  // value equality, as torch.equal
+              flags |= bf16_to_f32(sc16[r * nblk + b]) == bf16_to_f32(sc16[(rows - 1) * nblk + b]) ? 0 : kBadPadScale;
+          }
+          if (!(fbias[r] == fbias[rows - 1])) flags |= kBadPadBias;
+        }
+        if (!has_bias)
+          for (int r = 0; r < kNr; ++r) flags |= fbias[r] == 0.0f ? 0 : kBadBias;
+      }
+      for (int r = 0; r < rows; ++r) {
+        std::memcpy(q + (row0 + r) * K, vals.data() + r * kp, K);
+        if (channel) static_cast<float*>(scales)[row0 + r] = fsc[r];
+        else std::memcpy(static_cast<uint16_t*>(scales) + (row0 + r) * nblk, &sc16[r * nblk], 2 * nblk);
+        if (bias) bias[row0 + r] = fbias[r];
+      }
+      if (flags) bad.fetch_or(flags);
+    }
+  });
+  return bad.load();
+}
+
+// smallest and largest of n int8 values (0, 0 for none)
+void int8_range(const int8_t* p, int64_t n, int64_t threads, int64_t* lo_hi) {
+  std::atomic<int> lo{0}, hi{0};
+  if (n > 0) lo = hi = p[0];
+  for_rows(n, 1 << 20, threads, [&](int64_t a, int64_t b) {
+    int8_t l = p[a], h = p[a];
+    for (int64_t i = a; i < b; ++i) {  // vectorised by the compiler: two reductions
+      l = std::min(l, p[i]);
+      h = std::max(h, p[i]);
+    }
+    int cur = lo.load();
+    while (l < cur && !lo.compare_exchange_weak(cur, l)) {
+    }
+    cur = hi.load();
+    while (h > cur && !hi.compare_exchange_weak(cur, h)) {
+    }
+  });
+  lo_hi[0] = lo.load();
+  lo_hi[1] = hi.load();
+}
+
+// float32 [N, K] = float(q) * float(scale of its group), the product torch computes (no FMA)
+void dequant_w4a8(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* scales, bool bf16, float* out,
+                  int64_t threads) {
+  I4P_CHECK(g > 0 && K % g == 0, "dequant: group ", g, " does not divide K=", K);
+  const int64_t ng = K / g;
+  for_rows(N, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K)), threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t j = 0; j < ng; ++j) {
+        const float s = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[r * ng + j])
+                             : static_cast<const float*>(scales)[r * ng + j];
+        const int8_t* a = q + r * K + j * g;
+        float* o = out + r * K + j * g;
+        for (int64_t i = 0; i < g; ++i) o[i] = static_cast<float>(a[i]) * s;
+      }
+    }
+  });
+}
+
+// torch's float32 reference layout of _dyn_quant_pack_4bit_weight (docs/kleidiai.md §1.6): the
+// N*K/2 bytes (q_even + 8) | (q_odd + 8) << 4 as floats, then the scales as floats
+void ref_pack(const int8_t* q, int64_t N, int64_t K, const void* scales, bool bf16, int64_t nscales, float* out,
+              int64_t threads) {
+  I4P_CHECK(K % 2 == 0, "ref_pack: odd K");
+  for_rows(N, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K)), threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int8_t* a = q + r * K;
+      float* o = out + r * (K / 2);
+      for (int64_t i = 0; i < K / 2; ++i)
+        o[i] = static_cast<float>(((a[2 * i] + 8) & 0xF) | (((a[2 * i + 1] + 8) & 0xF) << 4));
+    }
+  });
+  float* s = out + N * (K / 2);
+  for (int64_t i = 0; i < nscales; ++i)
+    s[i] = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[i]) : static_cast<const float*>(scales)[i];
+}
+
+}  // namespace i4p
