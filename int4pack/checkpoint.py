@@ -600,7 +600,6 @@ class Checkpoint:
         if t.numel == 0 or t.begin % ITEMSIZE[t.dtype]:
             return self.get(name)
         mv = self.raw(name)
-        m = self._maps[t.file]
         lo = t.begin - t.begin % mmap.PAGESIZE
         try:
             # map every page in one call (Linux 5.14+): a minor fault per 4 KB page cost more than the unpacking

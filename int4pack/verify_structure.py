@@ -411,8 +411,6 @@ def _scan(ckpt: Checkpoint, report: dict | None, pool) -> tuple[dict, dict]:
 
 def _check_hashes(ckpt: Checkpoint, problems: Problems, report: dict | None, digests: dict) -> None:
     """Shard checksums recorded by convert against the ones the scan computed."""
-    from .writer import hash_shard
-
     if report is None:
         return
     shards = report.get("shards")
