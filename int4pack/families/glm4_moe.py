@@ -27,7 +27,7 @@ GLM4_MOE_LITE = Family(
     routing=DEEPSEEK_V3,
     renormalize_default=True,
     kept=_KEPT,
-    serve={"0.19.1": "no: MLA refused on CPU", "0.32.0": "packed format only (not run)"},
+    serve={"0.19.1": "no: MLA refused on CPU", "0.32.0": "packed format only"},
 )
 
 FAMILIES = (GLM4_MOE, GLM4_MOE_LITE)

@@ -25,6 +25,8 @@ _FLOAT_ONLY = ((r"\.shared_expert_gate$", "vLLM builds shared_expert_gate as Rep
 _KEPT = ((r"\.linear_attn\.(?:conv1d|A_log|dt_bias|norm)", "Gated DeltaNet state parameters: copied"),
          (r"^mtp\.", "MTP block (vLLM's main model skips it): float tensors copied, int4 experts W4A8"))
 _GDN_032 = "not run (its Gated DeltaNet has a CPU path)"  # forward_cpu, qwen_gdn_linear_attn.py
+# measured under QEMU with linear-attention heads of 128 (the CPU kernel refuses 32)
+_NEXT_032 = "yes, both formats (logprob check pending)"
 _GDN_019 = "not run (no CPU Gated DeltaNet path found)"  # gdn_linear_attn.py: triton/FLA kernels
 
 QWEN3_NEXT = Family(
@@ -38,7 +40,7 @@ QWEN3_NEXT = Family(
     kept=_KEPT,
     float_only=_FLOAT_ONLY,
     dropped=("mtp.",),
-    serve={"0.19.1": _GDN_019, "0.32.0": _GDN_032},
+    serve={"0.19.1": _GDN_019, "0.32.0": _NEXT_032},
 )
 
 QWEN3_5_MOE = Family(
