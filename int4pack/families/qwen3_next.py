@@ -26,7 +26,7 @@ _KEPT = ((r"\.linear_attn\.(?:conv1d|A_log|dt_bias|norm)", "Gated DeltaNet state
          (r"^mtp\.", "MTP block (vLLM's main model skips it): float tensors copied, int4 experts W4A8"))
 _GDN_032 = "not run (its Gated DeltaNet has a CPU path)"  # forward_cpu, qwen_gdn_linear_attn.py
 # measured under QEMU with linear-attention heads of 128 (the CPU kernel refuses 32)
-_NEXT_032 = "yes, both formats (logprob check pending)"
+_NEXT_032 = "yes"
 _GDN_019 = "not run (no CPU Gated DeltaNet path found)"  # gdn_linear_attn.py: triton/FLA kernels
 
 QWEN3_NEXT = Family(

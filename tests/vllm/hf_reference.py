@@ -211,6 +211,8 @@ def _check_experts(folder: Path, experts: dict[str, torch.nn.Module]) -> None:
     t = _folder_tensors(folder)
     per: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for k, v in t.items():
+        if k.startswith("mtp."):  # the MTP block: no transformers class models it (nothing loads it)
+            continue
         m = _EXPERT.search(k[: -len(".weight")]) if k.endswith(".weight") else None
         if m:
             per.setdefault((int(m.group(1)), int(m.group(2))), {})[_ROLE[m.group(3)]] = v
