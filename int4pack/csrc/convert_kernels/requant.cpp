@@ -293,7 +293,7 @@ struct Search {
 
 // one row's statistics against the float source, added into p.rowstats (zeroed when the row
 // starts). A group handed to torch (kAmbiguous) adds only what does not depend on its decision
-// (ww, base_sse): kernels._redo_with_torch adds the rest.
+// (ww, base_sse): kernels.redo_close_calls adds the rest.
 struct ReqRow {
   double* st;  // dd, ww, vv, wv, base_sse, max_abs
   I4P_INLINE void add(uint8_t flag, double gdd, double gww, double gvv, double gwv, double base_e, double gmax) {
@@ -1043,127 +1043,90 @@ I4P_REQUANT_TARGET void requant_rows(const Req& p, int64_t r0, int64_t r1) {
 }
 
 
-// the search settings of a and the outputs of p (whose n and k are set): q, s, flags, row stats
-void req_setup(Req& p, const ReqArgs& a, int8_t* q, float* s, uint8_t* flags, double* rowstats) {
-  p.g = a.g;
+// The requant path in one call (twin: w4a8._requant_torch after w4a8.check_scales): the checks of
+// the source scales, the codes unpacked from the packed words 64 rows at a time into a buffer
+// that stays in cache (or the codes, or float values, as given), the scale search, the error sums.
+int64_t requant_job(const JobArgs& a, int8_t* q, float* s, uint8_t* flags, double* tot, int64_t* counts,
+                    int64_t* report, int64_t threads) {
+  I4P_CHECK(requant_supported(), "requant_job: this CPU lacks AVX2/FMA (x86-64-v3)");
+  check_job(a, kFloat, "requant_job");
+  const int64_t n = a.n, k = a.k, g = a.g, layout = a.layout;
+  bool zero_seen = false;
+  if (layout != kFloat) {
+    const int64_t st = check_source_scales(a, report, zero_seen);
+    if (st != kDone) return st;
+  }
+  Req p;
+  p.n = n;
+  p.k = k;
+  if (layout == kFloat) {
+    p.w = static_cast<const float*>(a.data);
+  } else {
+    p.sscale = a.sscale;
+    p.src_groups = a.src_groups;
+    p.zeros = a.zeros;
+    p.gidx = a.gidx;
+    p.src_group = a.gidx ? 1 : a.src_group;
+  }
+  p.g = g;
   p.bf16 = a.bf16 != 0;
   p.search = a.search != 0;
   p.search64 = g_search64.load();
-  I4P_CHECK(a.n_coarse >= 0 && a.n_fine >= 0 && (a.n_coarse == 0 || a.coarse) && (a.n_fine == 0 || a.fine),
-            "requant: bad search points");
   p.coarse.assign(a.coarse, a.coarse + a.n_coarse);
   p.fine.assign(a.fine, a.fine + a.n_fine);
   p.q = q;
   p.s = s;
   p.flags = flags;
-  p.rowstats = rowstats;
-}
-
-// The scale search on a float source w [N, K] or on codes [N, K] (zeros [N, Gs] or null, source
-// scales [N, Gs], g_idx [K] or null, else source groups of src_group columns). Fills q int8 [N, K],
-// s float32 [N, K/g], flags uint8 [N, K/g] and rowstats float64 [N, 6].
-void requant(const ReqArgs& a, int8_t* q, float* s, uint8_t* flags, double* rowstats, int64_t threads) {
-  I4P_CHECK(requant_supported(), "requant: this CPU lacks AVX2/FMA (x86-64-v3)");
-  Req p;
-  p.n = a.n;
-  p.k = a.k;
-  I4P_CHECK(a.n >= 0 && a.k >= 0, "requant: bad shape");
-  if (a.w != nullptr) {
-    p.w = a.w;
-  } else {
-    I4P_CHECK(a.codes != nullptr && a.sscale != nullptr, "requant: no source given");
-    p.codes = a.codes;
-    p.src_groups = a.src_groups;
-    p.sscale = a.sscale;
-    p.zeros = a.zeros;
-    if (a.gidx != nullptr) {
-      for (int64_t i = 0; i < p.k; ++i)
-        I4P_CHECK(a.gidx[i] >= 0 && a.gidx[i] < p.src_groups, "g_idx out of range");
-      p.gidx = a.gidx;
-    } else {
-      I4P_CHECK(a.src_group > 0 && (p.k + a.src_group - 1) / a.src_group <= p.src_groups, "bad source group");
-      p.src_group = a.src_group;
-    }
-  }
-  I4P_CHECK(a.g > 0 && p.k % a.g == 0, "requant: group ", a.g, " does not divide K=", p.k);
-  req_setup(p, a, q, s, flags, rowstats);
-  const int64_t grain = std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(p.k, 1));
-  for_rows(p.n, grain, threads, [&](int64_t r0, int64_t r1) { requant_rows(p, r0, r1); });
-}
-
-
-// requant_job's answers; all but kJobOk send the job to the general path (check_scales, w4a8.to_w4a8)
-constexpr int64_t kJobOk = 0;
-constexpr int64_t kJobScales = 1;  // a scale that is not finite and positive: checked and explained there
-constexpr int64_t kJobSymmetric = 2;  // every zero point 8: a lossless source
-constexpr int64_t kJobRedo = 3;  // a NaN/Inf weight, or a decision for the torch twin
-constexpr int64_t kJobRows = 64;  // rows unpacked at a time (8 AWQ words; 128 KB of codes at K = 2048)
-
-// One requant job of an asymmetric source in one call: scale checks, codes from the packed words
-// (layout 1 compressed-tensors [N, K/8], 2 GPTQ [K/8, N], 3 AWQ [K, N/8]; 0: codes [N, K]; data's
-// shape d0 x d1) unpacked 64 rows at a time into a buffer that stays in cache, the scale search,
-// the error sums. a: source scales float32 [N, Gs] and zeros uint8 [N, Gs] (both given), the
-// search settings. Returns the status; when kJobOk, q, s (float32: the caller casts to bf16),
-// tot [6] (requant's row stats summed, max_abs maxed) and zero_groups are filled (flags and
-// rowstats are workspace). See w4a8.requant_fast.
-int64_t requant_job(int64_t layout, const void* data, int64_t d0, int64_t d1, const ReqArgs& a, int8_t* q,
-                    float* s, uint8_t* flags, double* rowstats, double* tot, int64_t* zero_groups,
-                    int64_t threads) {
-  const int64_t n = a.n, k = a.k, g = a.g, src_group = a.src_group;
-  I4P_CHECK(requant_supported(), "requant_job: this CPU lacks AVX2/FMA (x86-64-v3)");
-  check_job_data(layout, d0, d1, n, k, 3);
-  I4P_CHECK(g > 0 && k % g == 0, "requant_job: group ", g, " does not divide K=", k);
-  I4P_CHECK(src_group > 0, "requant_job: bad source group ", src_group);
-  I4P_CHECK((k + src_group - 1) / src_group <= a.src_groups, "scales: expected [N, G]");
-  I4P_CHECK(a.sscale != nullptr && a.zeros != nullptr, "requant_job: scales and zeros are required");
-  const float* sp = a.sscale;
-  const int64_t ns = n * a.src_groups;
-  bool scales_ok = true;
-  for (int64_t i = 0; i < ns; ++i) scales_ok &= sp[i] > 0.0f && sp[i] <= std::numeric_limits<float>::max();
-  if (!scales_ok) return kJobScales;
-  const uint8_t* zp = a.zeros;
-  if (std::all_of(zp, zp + ns, [](uint8_t z) { return z == 8; })) return kJobSymmetric;
-
-  Req p;
-  p.n = n;
-  p.k = k;
-  p.sscale = sp;
-  p.src_groups = a.src_groups;
-  p.src_group = src_group;
-  p.zeros = zp;
-  req_setup(p, a, q, s, flags, rowstats);
-  const uint32_t* w = layout == 0 ? nullptr : static_cast<const uint32_t*>(data);
+  std::vector<double> rowstats(n * 6);
+  p.rowstats = rowstats.data();
+  std::vector<int64_t> erased(zero_seen ? n : 0, -1);
   for_rows((n + kJobRows - 1) / kJobRows, 1, threads, [&](int64_t b0, int64_t b1) {
     Req pb = p;
-    std::vector<uint8_t> buf(layout == 0 ? 0 : kJobRows * k);
+    const bool packed = layout != kCodes && layout != kFloat;
+    std::vector<uint8_t> buf(packed ? kJobRows * k : 0);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * kJobRows, r1 = std::min(n, r0 + kJobRows);
-      if (layout == 0) {
-        pb.codes = static_cast<const uint8_t*>(data);
-      } else {
-        if (layout == 1) unpack_ct_rows(w, d1, k, buf.data(), r0, r1, r0);
-        if (layout == 2) unpack_gptq_rows(w, buf.data(), n, k / 8, r0, r1, r0);
-        if (layout == 3) unpack_awq_words(w, buf.data(), k, n / 8, r0 / 8, r1 / 8, r0);
+      if (layout == kCodes) {
+        pb.codes = static_cast<const uint8_t*>(a.data);
+      } else if (packed) {
+        unpack_block(a, r0, r1, buf.data());
         pb.codes = buf.data();
         pb.codes_r0 = r0;
+      }
+      if (zero_seen) {
+        for (int64_t r = r0; r < r1; ++r) erased[r] = erased_in_row(a, r, pb.codes + (r - pb.codes_r0) * k, -1);
       }
       requant_rows(pb, r0, r1);
     }
   });
-  const uint8_t* f = p.flags;
+  for (int64_t r = 0; r < static_cast<int64_t>(erased.size()); ++r) {
+    if (erased[r] >= 0) {
+      report[0] = r;
+      report[1] = erased[r];
+      report[2] = 0;
+      return kScaleErases;
+    }
+  }
   const int64_t nf = n * (k / g);
-  int64_t zeros_seen = 0;
+  int64_t zero_groups = 0, close_calls = 0;
   for (int64_t i = 0; i < nf; ++i) {
-    if (f[i] & (kAmbiguous | kNonFinite)) return kJobRedo;
-    zeros_seen += (f[i] & kZero) != 0;
+    if (flags[i] & kNonFinite) {
+      report[0] = i / (k / g);
+      report[1] = i % (k / g);
+      report[2] = 0;
+      return kWeightNotFinite;
+    }
+    zero_groups += (flags[i] & kZero) != 0;
+    close_calls += (flags[i] & kAmbiguous) != 0;
   }
   for (int i = 0; i < 6; ++i) tot[i] = 0.0;
   for (int64_t r = 0; r < n; ++r) {
-    for (int i = 0; i < 5; ++i) tot[i] += p.rowstats[r * 6 + i];
-    tot[5] = std::max(tot[5], p.rowstats[r * 6 + 5]);
+    for (int i = 0; i < 5; ++i) tot[i] += rowstats[r * 6 + i];
+    tot[5] = std::max(tot[5], rowstats[r * 6 + 5]);
   }
-  *zero_groups = zeros_seen;
-  return kJobOk;
+  counts[0] = zero_groups;
+  counts[1] = close_calls;
+  return kDone;
 }
 
 
