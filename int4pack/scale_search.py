@@ -103,8 +103,8 @@ def eval_candidates(x: torch.Tensor, negx: torch.Tensor, cands: torch.Tensor,
     q comes from float32 (the same 1/s as the final quantisation: the error is what ships);
     ``s * q - x`` is then exact in float64 and only the squares and the sum round, so the C++
     twin (which sums in another order) takes the same ``first_within_tie`` decision unless an
-    error lies within ~1e-13 (relative) of the tie threshold (see ``Group`` and ``TieRule`` in
-    csrc/convert_kernels/requant.cpp). ``ws`` is a flat float64 workspace reused across
+    error lies within ~1e-13 (relative) of the tie threshold (see ``TieRule`` in
+    csrc/convert_kernels/requant_search.h). ``ws`` is a flat float64 workspace reused across
     chunks: fresh multi-MB temporaries would page-fault on every chunk.
     """
     r, G, _, g = x.shape

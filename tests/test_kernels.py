@@ -347,7 +347,7 @@ def test_fixture_modules_match_twin(monkeypatch, name):
 # ------------------------------------------------------------------------------------ requant from codes
 #
 # The C++ evaluates a target group lying inside one source group from the histogram of its 16
-# codes (csrc/convert_kernels/requant.cpp, namespace hist); anything else from the dequantised values.
+# codes (csrc/convert_kernels/requant_hist.h, namespace hist); anything else from the dequantised values.
 # These compare both with the torch oracle: to_w4a8 against its twin, and w4a8.requant_job against
 # w4a8._requant_rows on w4a8._source_rows (which also covers inputs to_w4a8 never hands over, such
 # as a symmetric source whose groups stay inside its source groups).
