@@ -167,7 +167,7 @@ class Checkpoint:
         self._maps: dict[str, mmap.mmap] = {}
         self._addrs: dict[str, int | None] = {}  # each mapping's address, for madvise without the GIL
         # one read-only descriptor per shard for the positional reads: an open and close per
-        # small tensor (scales, zeros, g_idx: three a module) was a third of a GPTQ module's read
+        # small tensor (scales, zeros, g_idx: three a module) would cost more than the read
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
         weakref.finalize(self, _close_fds, self._fds)  # a Checkpoint dropped without close()
@@ -201,7 +201,7 @@ class Checkpoint:
             if not isinstance(wmap, dict) or not wmap:
                 raise InputError(f"{idx.name}: has no weight_map", path=str(idx),
                                  hint="Re-download the index file.")
-            plain: set[str] = set()  # shard names already checked (a Path per tensor was ~10% of the plan)
+            plain: set[str] = set()  # shard names already checked: one Path each, not one per tensor
             for name, shard in wmap.items():
                 if isinstance(shard, str) and shard in plain:
                     continue
@@ -355,9 +355,9 @@ class Checkpoint:
         if m is None or t.end <= t.begin:
             return
         # whole 2 MB blocks: a fault (a populate too) maps the resident pages around it, up to a
-        # large folio (512 KB here), so a neighbour read after this tensor was released mapped
-        # its pages back and they stayed (the RSS grew with the model). A neighbour still in use
-        # just maps its pages again on its next touch (the mapping is never written)
+        # large folio, so a neighbour read after this tensor is released would map its pages back
+        # and they would stay (the RSS would grow with the model). A neighbour still in use just
+        # maps its pages again on its next touch (the mapping is never written)
         lo = t.begin - t.begin % _FAULT_AROUND
         hi = min(len(m), -(-t.end // _FAULT_AROUND) * _FAULT_AROUND)
         try:

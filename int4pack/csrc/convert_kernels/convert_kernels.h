@@ -96,8 +96,7 @@ I4P_INLINE u8x32 hi64(u8x32 a, u8x32 b) {
 }
 
 // 16-byte units for the unpack kernels. On x86 they are the SSE2 unpack instructions themselves:
-// GCC 13 lowered the same transpose written as generic 32-byte shuffles to scalar moves (AWQ
-// unpack 1 against 4.7 Gparam/s on a Xeon; GCC 12 emitted the unpacks)
+// GCC may lower the same transpose written as generic 32-byte shuffles to scalar moves
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 #if defined(__SSE2__)
@@ -162,7 +161,7 @@ I4P_INLINE void nibbles4(const uint32_t* w, u8x16& a, u8x16& b) {
 
 // GPTQ words t..t+3 of rows r..r+3 ([K/8, N]: w at word (t, r), rows N words apart) -> each row's
 // 32 codes less bias, stored whole at dst + i * k: a 4 x 4 transpose of the words, then 16-byte
-// stores (one word per row at a time took twice the stores)
+// stores (one word per row at a time would take twice the stores)
 I4P_INLINE void gptq_quad(const uint32_t* w, int64_t n, uint8_t* dst, int64_t k, uint8_t bias) {
   u8x16 x0, x1, x2, x3;
   std::memcpy(&x0, w, 16);

@@ -154,8 +154,7 @@ I4P_INLINE v8f qclamp(v8f t) {
 // 8 groups side by side, one in each lane, for the search (every step of it is then vector work
 // over the groups, where one group alone is a chain of scalar steps). prepare() stores what each
 // group is (counts of its codes, zero point, scale); values() builds the lanes from them for the
-// whole batch at once (building them group by group was a fifth of the requant time, most of it
-// scalar stores into the lanes). The value of code c is x_c = (c - z) * s; an absent code takes a
+// whole batch at once (group by group, they would be built by scalar stores into the lanes). The value of code c is x_c = (c - z) * s; an absent code takes a
 // present code's value (count 0), so that every lane is finite when the group is
 struct Batch {
   static constexpr int kLanes = 8;
