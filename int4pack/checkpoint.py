@@ -284,8 +284,6 @@ class Checkpoint:
         if off < 0 or length < 0 or off + length > len(m):
             raise ValueError("madvise range outside the mapping")
         if _MADVISE(addr + off, length, advice) != 0:
-            import ctypes
-
             raise OSError(ctypes.get_errno(), "madvise failed")
 
     def raw(self, name: str) -> memoryview:
@@ -310,7 +308,7 @@ class Checkpoint:
     def array(self, name: str):
         """The tensor as a numpy array in memory of its own, without torch (the plan's small reads).
         Raises InputError for a dtype numpy does not have (bf16, fp8)."""
-        import numpy as np
+        import numpy as np  # here: a Checkpoint opened for its config and headers needs no numpy
 
         t = self.info(name)
         dt = NUMPY_DTYPES.get(t.dtype)
