@@ -69,7 +69,7 @@ def load(name: str):
         if name in _loaded or _error is not None:
             return _loaded.get(name)
         try:
-            from . import _native
+            from . import _native  # here: it imports torch and numpy, which a plan-only run does without
 
             lib = _native.open_library(library_path())
         except (OSError, RuntimeError, AttributeError) as e:

@@ -17,15 +17,15 @@ import torch
 
 from . import _build
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
 
 
-class _ReqArgs(ctypes.Structure):  # i4p::ReqArgs (convert_kernels.h)
-    _fields_ = [("w", _p), ("codes", _p), ("zeros", _p), ("sscale", _p), ("gidx", _p),
-                ("n", _i), ("k", _i), ("src_groups", _i), ("src_group", _i), ("g", _i),
+class _JobArgs(ctypes.Structure):  # i4p::JobArgs (convert_kernels.h)
+    _fields_ = [("layout", _i), ("data", _p), ("d0", _i), ("d1", _i), ("n", _i), ("k", _i),
+                ("sscale", _p), ("src_groups", _i), ("zeros", _p), ("gidx", _p), ("src_group", _i), ("g", _i),
                 ("bf16", ctypes.c_int32), ("search", ctypes.c_int32),
                 ("coarse", _p), ("n_coarse", _i), ("fine", _p), ("n_fine", _i)]
 
@@ -37,10 +37,8 @@ _SIGNATURES = {
     "i4p_unpack_gptq": ([_p, _i, _i, _p, _i], _i),
     "i4p_unpack_ct": ([_p, _i, _i, _i, _p, _i], _i),
     "i4p_unpack_awq": ([_p, _i, _i, _p, _i], _i),
-    "i4p_lossless": ([_p, _i, _i, _i, _p, _p, _p, _i], _i),
-    "i4p_lossless_job": ([_i, _p, _i, _i, _i, _i, _p, _i, _p, _i, _i, _i, _p, _p, _p, _i], _i),
-    "i4p_requant": ([ctypes.POINTER(_ReqArgs), _p, _p, _p, _p, _i], _i),
-    "i4p_requant_job": ([_i, _p, _i, _i, ctypes.POINTER(_ReqArgs), _p, _p, _p, _p, _p, _p, _i], _i),
+    "i4p_lossless_job": ([ctypes.POINTER(_JobArgs), _p, _p, _p, _p, _i], _i),
+    "i4p_requant_job": ([ctypes.POINTER(_JobArgs), _p, _p, _p, _p, _p, _p, _i], _i),
     "i4p_requant_supported": ([], _i),
     "i4p_search_batches": ([_p], None),
     "i4p_force_search64": ([_i], _i),
@@ -114,6 +112,8 @@ def _bytes(buf, writable: bool = False):
 class ConvertKernels(_Lib):
     """The convert hot loops (csrc/convert_kernels)."""
 
+    FLOAT_VALUES = 4  # a job's source given as float32 values [N, K] (w4a8.requantize), not a records.Packing
+
     def __init__(self, lib: ctypes.CDLL):
         super().__init__(lib)
         # False on x86-64 CPUs without AVX2/FMA: the requant kernels are built for x86-64-v3 only
@@ -142,127 +142,86 @@ class ConvertKernels(_Lib):
         self._call("i4p_unpack_awq", _ptr(qweight), k, nw, _ptr(out), threads)
         return out
 
-    def lossless(self, codes: torch.Tensor, g: int, threads: int):
-        _need(codes, "codes", torch.uint8)
-        n, k = codes.shape
-        if g <= 0 or k % g:
-            raise RuntimeError(f"lossless: group {g} does not divide K={k}")
-        q = torch.empty(n, k, dtype=torch.int8)
-        sq = torch.empty(n, k // g, dtype=torch.int32)
-        mq = torch.empty(n, k // g, dtype=torch.int32)
-        self._call("i4p_lossless", _ptr(codes), n, k, g, _ptr(q), _ptr(sq), _ptr(mq), threads)
-        return q, sq, mq
-
     @staticmethod
-    def _job_data(layout: int, data: torch.Tensor) -> None:
-        _need(data, "job data" if layout == 0 else "packed words", torch.uint8 if layout == 0 else torch.int32)
-
-    @staticmethod
-    def _source(n: int, sscale: torch.Tensor, zeros: torch.Tensor | None, what: str):
-        sf = sscale.float().contiguous()
-        if sf.dim() != 2 or sf.shape[0] != n:
-            raise RuntimeError("scales: expected [N, G]")
-        if zeros is not None and zeros.numel() > 0:
-            if zeros.dtype != torch.uint8 or not zeros.is_contiguous() or tuple(zeros.shape) != tuple(sf.shape):
-                raise RuntimeError("zeros: expected contiguous uint8 [N, G]")
-        elif what == "requant_job":
-            raise RuntimeError("zeros: expected contiguous uint8 [N, G]")
-        return sf
+    def _job_args(layout: int, data: torch.Tensor, n: int, k: int, sscale: torch.Tensor | None,
+                  zeros: torch.Tensor | None, gidx: torch.Tensor | None, src_group: int, g: int, bf16: bool,
+                  search: bool = False, coarse: torch.Tensor | None = None,
+                  fine: torch.Tensor | None = None) -> tuple[_JobArgs, list]:
+        """The job's arguments, and the tensors that must live while it runs."""
+        what = {0: ("codes", torch.uint8), ConvertKernels.FLOAT_VALUES: ("w", torch.float32)}.get(layout,
+                                                                                   ("packed words", torch.int32))
+        _need(data, *what)
+        keep = [data]
+        a = _JobArgs(layout=layout, data=_ptr(data), d0=data.shape[0], d1=data.shape[1], n=n, k=k, g=g,
+                     src_group=src_group, bf16=int(bool(bf16)), search=int(bool(search)))
+        if sscale is not None:
+            sf = sscale.float().contiguous()
+            if sf.dim() != 2 or sf.shape[0] != n:
+                raise RuntimeError("scales: expected [N, G]")
+            a.sscale, a.src_groups = _ptr(sf), sf.shape[1]
+            keep.append(sf)
+            if zeros is not None:
+                if zeros.dtype != torch.uint8 or not zeros.is_contiguous() or tuple(zeros.shape) != tuple(sf.shape):
+                    raise RuntimeError("zeros: expected contiguous uint8 [N, G]")
+                a.zeros = _ptr(zeros)
+                keep.append(zeros)
+        if gidx is not None:
+            _need(gidx, "g_idx", torch.int64, 1)
+            if gidx.numel() != k:
+                raise RuntimeError("g_idx: expected contiguous int64 [K]")
+            a.gidx = _ptr(gidx)
+            keep.append(gidx)
+        for name, t in (("coarse", coarse), ("fine", fine)):
+            if t is not None and t.numel():
+                _need(t, name, torch.float32, 1)
+                setattr(a, name, _ptr(t))
+                setattr(a, "n_" + name, t.numel())
+                keep.append(t)
+        return a, keep
 
     def lossless_job(self, layout: int, data: torch.Tensor, n: int, k: int, sscale: torch.Tensor,
-                     zeros: torch.Tensor, src_group: int, g: int, bf16: bool, threads: int):
-        """(status [1] int64, q int8 [N, K], scales [N, K/g] float32 (shipped values), stats [5] float64);
-        q, scales and stats are None unless status is 0."""
-        self._job_data(layout, data)
-        sf = self._source(n, sscale, zeros, "lossless_job")
+                     zeros: torch.Tensor | None, gidx: torch.Tensor | None, src_group: int, g: int, bf16: bool,
+                     threads: int):
+        """(status, report [row, group, more], q int8 [N, K], scales float32 [N, K/g] (the shipped values),
+        sums [dd, ww, vv, wv, max_abs]); q, scales and sums None unless status is 0."""
+        a, keep = self._job_args(layout, data, n, k, sscale, zeros, gidx, src_group, g, bf16)
         if g <= 0 or k % g:
             raise RuntimeError(f"lossless_job: group {g} does not divide K={k}")
         q = torch.empty(n, k, dtype=torch.int8)
         s = torch.empty(n, k // g, dtype=torch.float32)
-        tot = torch.zeros(5, dtype=torch.float64)
-        st = self._call("i4p_lossless_job", layout, _ptr(data), data.shape[0], data.shape[1], n, k, _ptr(sf),
-                        sf.shape[1], _ptr(zeros), src_group, g, int(bool(bf16)), _ptr(q), _ptr(s), _ptr(tot),
-                        threads)
-        status = torch.tensor([st], dtype=torch.int64)
-        return (status, q, s, tot) if st == 0 else (status, None, None, None)
-
-    @staticmethod
-    def _req_args(n, k, g, bf16, search, coarse, fine, **kw) -> tuple[_ReqArgs, list]:
-        keep = [coarse, fine]
-        cc = coarse.float().contiguous()
-        ff = fine.float().contiguous()
-        keep += [cc, ff, *kw.values()]
-        a = _ReqArgs(n=n, k=k, g=g, bf16=int(bool(bf16)), search=int(bool(search)),
-                     coarse=_ptr(cc), n_coarse=cc.numel(), fine=_ptr(ff), n_fine=ff.numel(),
-                     src_groups=kw.get("src_groups", 1), src_group=kw.get("src_group", 1))
-        for name in ("w", "codes", "zeros", "sscale", "gidx"):
-            t = kw.get(name)
-            setattr(a, name, _ptr(t) if isinstance(t, torch.Tensor) else None)
-        return a, keep
-
-    def requant(self, w, codes, zeros, sscale, gidx, src_group: int, g: int, bf16: bool, search: bool, coarse,
-                fine, threads: int):
-        """(q int8 [N, K], scales float32 [N, K/g], flags uint8 [N, K/g], row stats float64 [N, 6])."""
-        if w is not None and w.numel() > 0:
-            _need(w, "w", torch.float32)
-            n, k = w.shape
-            src = dict(w=w)
-        else:
-            _need(codes, "codes", torch.uint8)
-            n, k = codes.shape
-            _need(sscale, "scales", torch.float32)
-            if sscale.shape[0] != n:
-                raise RuntimeError("scales: expected contiguous float32 [N, G]")
-            src = dict(codes=codes, sscale=sscale, src_groups=sscale.shape[1], src_group=src_group)
-            if zeros is not None and zeros.numel() > 0:
-                _need(zeros, "zeros", torch.uint8)
-                if tuple(zeros.shape) != tuple(sscale.shape):
-                    raise RuntimeError("zeros: expected contiguous uint8 [N, G]")
-                src["zeros"] = zeros
-            if gidx is not None and gidx.numel() > 0:
-                _need(gidx, "g_idx", torch.int64, None)
-                if gidx.numel() != k:
-                    raise RuntimeError("g_idx: expected contiguous int64 [K]")
-                src["gidx"] = gidx
-        if g <= 0 or k % g:
-            raise RuntimeError(f"requant: group {g} does not divide K={k}")
-        a, keep = self._req_args(n, k, g, bf16, search, coarse, fine, **src)
-        q = torch.empty(n, k, dtype=torch.int8)
-        s = torch.empty(n, k // g, dtype=torch.float32)
-        flags = torch.empty(n, k // g, dtype=torch.uint8)
-        rowstats = torch.empty(n, 6, dtype=torch.float64)
-        self._call("i4p_requant", ctypes.byref(a), _ptr(q), _ptr(s), _ptr(flags), _ptr(rowstats), threads)
+        tot = (ctypes.c_double * 5)()
+        report = (ctypes.c_int64 * 3)()
+        st = self._call("i4p_lossless_job", ctypes.byref(a), _ptr(q), _ptr(s), ctypes.addressof(tot),
+                        ctypes.addressof(report), threads)
         del keep
-        return q, s, flags, rowstats
+        if st != 0:
+            return st, list(report), None, None, None
+        return st, list(report), q, s, list(tot)
 
-    def requant_job(self, layout: int, data: torch.Tensor, n: int, k: int, sscale: torch.Tensor, zeros: torch.Tensor,
-                    src_group: int, g: int, bf16: bool, search: bool, coarse, fine, threads: int):
-        """(status [1] int64, q int8 [N, K], scales [N, K/g] bf16 or float32, sums [6] float64, zero
-        groups [1] int64); all but status None unless status is 0 (3: take the general path)."""
+    def requant_job(self, layout: int, data: torch.Tensor, n: int, k: int, sscale: torch.Tensor | None,
+                    zeros: torch.Tensor | None, gidx: torch.Tensor | None, src_group: int, g: int, bf16: bool,
+                    search: bool, coarse: torch.Tensor, fine: torch.Tensor, threads: int):
+        """(status, report [row, group, more], q int8 [N, K], scales [N, K/g] bf16 or float32, flags uint8
+        [N, K/g], sums [dd, ww, vv, wv, baseline sse, max_abs], zero groups, close calls); all but status
+        and report None unless status is 0. Close calls are left out of the sums: flag bit 0 marks them."""
         if not self.requant_ok:
-            return torch.tensor([3], dtype=torch.int64), None, None, None, None
-        self._job_data(layout, data)
-        sf = self._source(n, sscale, zeros, "requant_job")
+            raise RuntimeError("requant_job: this CPU lacks AVX2/FMA (x86-64-v3)")
+        a, keep = self._job_args(layout, data, n, k, sscale, zeros, gidx, src_group, g, bf16, search, coarse, fine)
         if g <= 0 or k % g:
             raise RuntimeError(f"requant_job: group {g} does not divide K={k}")
-        if src_group <= 0:
-            raise RuntimeError(f"requant_job: bad source group {src_group}")
-        a, keep = self._req_args(n, k, g, bf16, search, coarse, fine, sscale=sf, zeros=zeros,
-                                 src_groups=sf.shape[1], src_group=src_group)
         q = torch.empty(n, k, dtype=torch.int8)
         s = torch.empty(n, k // g, dtype=torch.float32)
         flags = torch.empty(n, k // g, dtype=torch.uint8)
-        rowstats = torch.empty(n, 6, dtype=torch.float64)
-        tot = torch.zeros(6, dtype=torch.float64)
-        zg = ctypes.c_int64(0)
-        st = self._call("i4p_requant_job", layout, _ptr(data), data.shape[0], data.shape[1], ctypes.byref(a),
-                        _ptr(q), _ptr(s), _ptr(flags), _ptr(rowstats), _ptr(tot), ctypes.addressof(zg), threads)
+        tot = (ctypes.c_double * 6)()
+        counts = (ctypes.c_int64 * 2)()
+        report = (ctypes.c_int64 * 3)()
+        st = self._call("i4p_requant_job", ctypes.byref(a), _ptr(q), _ptr(s), _ptr(flags), ctypes.addressof(tot),
+                        ctypes.addressof(counts), ctypes.addressof(report), threads)
         del keep
-        status = torch.tensor([st], dtype=torch.int64)
         if st != 0:
-            return status, None, None, None, None
+            return st, list(report), None, None, None, None, None, None
         # the shipped scales: torch's own float32 -> bfloat16 rounding, as the twin casts
-        return status, q, s.to(torch.bfloat16) if bf16 else s, tot, torch.tensor([zg.value], dtype=torch.int64)
+        return (st, list(report), q, s.to(torch.bfloat16) if bf16 else s, flags, list(tot), counts[0], counts[1])
 
     def search_batches(self) -> tuple[int, int]:
         out = (ctypes.c_int64 * 2)()

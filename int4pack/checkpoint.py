@@ -1,26 +1,27 @@
 """A Hugging Face checkpoint on disk: config, shard index and lazy tensor access.
 
-Nothing here loads the model: headers are parsed (and checked) up front, tensors are
-read one at a time through a read-only, copy-on-write mmap of their shard. The source
-folder is never written to.
-
-Long: header checks, source resolution and mapped reads guard one invariant together (a tensor is
-read only within its shard's checked header, and its pages are released after use).
+Nothing here loads the model: headers are parsed (and checked) up front (safetensors_header.py),
+tensors are read one at a time through a read-only, copy-on-write mmap of their shard. The source
+folder (found by source_folder.py) is never written to.
 """
 
 from __future__ import annotations
 
-import json
+import ctypes
 import mmap
 import os
-import struct
 import threading
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
+from . import safetensors_header
 from ._lazy import torch
 from .errors import InputError
+from .families import resolve_type
+# the header's names that the planner and convert take from here
+from .safetensors_header import (DTYPE_KEY, ITEMSIZE, NUMPY_DTYPES, NUMPY_VIEW, TensorInfo, read_header,
+                                 torch_dtype)
+from .source_folder import link_roots, load_json, not_a_file, resolve_source
 
 __all__ = [
     "DTYPES",
@@ -32,32 +33,19 @@ __all__ = [
     "resolve_source",
 ]
 
-# safetensors dtype names -> (the torch dtype's name, bytes per element): plain names, so that the
-# plan needs no torch (_lazy.py); DTYPES / DTYPE_NAMES (torch dtypes) are built on first use
-_DTYPE_SPECS = {
-    "F64": ("float64", 8),
-    "F32": ("float32", 4),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8),
-    "I32": ("int32", 4),
-    "I16": ("int16", 2),
-    "I8": ("int8", 1),
-    "U8": ("uint8", 1),
-    "U16": ("uint16", 2),
-    "U32": ("uint32", 4),
-    "U64": ("uint64", 8),
-    "BOOL": ("bool", 1),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-}
+
+def __getattr__(name: str):
+    """DTYPES and DTYPE_NAMES, as safetensors_header builds them on first use."""
+    if name in ("DTYPES", "DTYPE_NAMES"):
+        return getattr(safetensors_header, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # not named by Python before 3.13
 
 
 def _libc_madvise():
     try:
-        import ctypes
-
         fn = ctypes.CDLL(None, use_errno=True).madvise
         fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
         return fn
@@ -73,269 +61,18 @@ _MADVISE = _libc_madvise()
 def _map_address(m: mmap.mmap) -> int | None:
     """The address of a (writable, copy-on-write) mapping's first byte, or None."""
     try:
-        import ctypes
-
         head = ctypes.c_char.from_buffer(m)
         addr = ctypes.addressof(head)
         del head  # releases the buffer export at once: the mapping can still be closed
         return addr
     except (TypeError, ValueError, BufferError):
         return None
+
+
 _FAULT_AROUND = 1 << 21  # a fault maps resident pages around it: up to a whole large folio (<= 2 MB)
-ITEMSIZE = {k: size for k, (_, size) in _DTYPE_SPECS.items()}
-_DTYPE_KEY = {k: k for k in _DTYPE_SPECS}  # the shared name string instead of one per tensor from JSON
-# same-size dtypes numpy has, to read into a torch tensor through its numpy view
-_NUMPY_VIEW = {"BF16": "int16", "F8_E4M3": "uint8", "F8_E5M2": "uint8"}
-# the dtypes numpy reads as they are (``Checkpoint.array``)
-NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-                "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?"}
-
-
-def torch_dtype(name: str):
-    """The torch dtype of a safetensors dtype name (imports torch)."""
-    return getattr(torch, _DTYPE_SPECS[name][0])
-
-
-def __getattr__(name: str):
-    """DTYPES (safetensors name -> torch dtype) and DTYPE_NAMES (the reverse), built on first use."""
-    if name in ("DTYPES", "DTYPE_NAMES"):
-        dtypes = {k: torch_dtype(k) for k in _DTYPE_SPECS}
-        globals().update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
-        return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 
 # files that describe the source's quantisation and must not reach the output
 SOURCE_QUANT_FILES = {"quantize_config.json", "quant_config.json", "recipe.yaml"}
-
-
-@dataclass(frozen=True, slots=True)  # slots: one per source tensor, alive for the whole run
-class TensorInfo:
-    """Where one tensor lives; read from the shard header only."""
-
-    name: str
-    file: str  # shard file name, relative to the checkpoint folder
-    dtype: str  # safetensors dtype name, e.g. "I32"
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offset in the shard
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-
-def read_header(path: Path) -> tuple[dict[str, dict], dict[str, str], int]:
-    """Parse and check a safetensors header.
-
-    Returns ``(tensors, metadata, data_start)``; raises InputError naming the file for a
-    truncated file, a corrupt or oversized header, or offsets out of range.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            raw = fh.read(8)
-            if len(raw) < 8:
-                raise InputError(f"{path.name}: file is {size} bytes, too short for a safetensors header",
-                                 path=str(path), hint="The shard is truncated; download it again.")
-            (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER or n + 8 > size:
-                raise InputError(
-                    f"{path.name}: header length {n} is larger than the file ({size} bytes) or than 100 MB",
-                    path=str(path), hint="The shard is truncated or not a safetensors file; download it again.")
-            blob = fh.read(n)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror})", path=str(path),
-                         hint="Check that the file exists and is readable.") from e
-    try:
-        header = json.loads(blob)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
-        raise InputError(f"{path.name}: corrupt safetensors header ({type(e).__name__}: {str(e)[:200]})",
-                         path=str(path), hint="The shard is damaged; download it again.") from None
-    damaged = "The shard is damaged or not a safetensors file; download it again."
-    if not isinstance(header, dict):
-        raise InputError(f"{path.name}: safetensors header is not a JSON object", path=str(path), hint=damaged)
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise InputError(f"{path.name}: __metadata__ is not a JSON object", path=str(path), hint=damaged)
-    data_start = 8 + n
-    data_len = size - data_start
-    spans = []
-    for name, info in header.items():
-        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
-            raise InputError(f"{path.name}: tensor {name!r} has a malformed header entry",
-                             path=str(path), tensor=name, hint=damaged)
-        dt, shape, off = info["dtype"], info["shape"], info["data_offsets"]
-        if not isinstance(dt, str) or dt not in _DTYPE_SPECS:
-            raise InputError(f"{path.name}: tensor {name!r} has unknown dtype {dt!r}", path=str(path),
-                             tensor=name, hint=damaged)
-        if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
-                or not isinstance(off, list) or len(off) != 2
-                or not all(isinstance(o, int) for o in off)):
-            raise InputError(f"{path.name}: tensor {name!r} has a malformed shape or offsets",
-                             path=str(path), tensor=name, hint=damaged)
-        numel = 1
-        for s in shape:
-            numel *= s
-        b, e = off
-        if not (0 <= b <= e <= data_len):
-            raise InputError(
-                f"{path.name}: tensor {name!r} offsets {off} fall outside the data ({data_len} bytes)",
-                path=str(path), tensor=name, hint="The shard is truncated or corrupt; download it again.")
-        if e - b != numel * ITEMSIZE[dt]:
-            raise InputError(
-                f"{path.name}: tensor {name!r} spans {e - b} bytes but {dt}{shape} needs {numel * ITEMSIZE[dt]}",
-                path=str(path), tensor=name, hint="The shard is corrupt; download it again.")
-        spans.append((b, e, name))
-    spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise InputError(f"{path.name}: tensors {n0!r} and {n1!r} overlap", path=str(path), tensor=n1,
-                             hint=damaged)
-    return header, {str(k): str(v) for k, v in meta.items()}, data_start
-
-
-def _load_json(path: Path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror or e})", path=str(path),
-                         hint="Check that the file exists, is a regular file and is readable.") from e
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, huge ints, deep nesting
-        raise InputError(f"{path.name}: invalid JSON ({type(e).__name__}: {str(e)[:200]})", path=str(path),
-                         hint="Fix or re-download the file.") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path.name}: expected a JSON object, got {type(data).__name__}", path=str(path),
-                         hint="Fix or re-download the file.")
-    return data
-
-
-def _link_roots(folder: Path) -> list[Path]:
-    """Where a checkpoint's symlinks may lead: the folder itself and, for a hub cache snapshot
-    (``models--owner--name/snapshots/REV``), that repo's ``blobs/``."""
-    real = Path(os.path.realpath(folder))
-    roots = [real]
-    for f in {Path(os.path.abspath(folder)), real}:
-        if f.parent.name == "snapshots" and f.parent.parent.name.startswith(("models--", "datasets--")):
-            roots.append(Path(os.path.realpath(f.parent.parent / "blobs")))
-    return roots
-
-
-def _not_a_file(path: Path) -> str | None:
-    """Why ``path`` cannot be read as a file (missing, a directory, a broken link), or None."""
-    if path.is_file():
-        return None
-    if path.is_symlink() and not path.exists():
-        return f"is a broken symlink (to {os.readlink(path)})"
-    if path.is_dir():
-        return "is a directory, not a file"
-    if path.exists():
-        return "is not a regular file"
-    return "is missing"
-
-
-def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Path:
-    """A local folder as is; otherwise a hub repo id, fetched through huggingface_hub.
-
-    Respects HF_HUB_OFFLINE: with it set (or no network), only the local cache is used and a
-    missing or partial cache gives a clear InputError.
-    """
-    p = Path(src).expanduser()
-    if p.exists():
-        if not p.is_dir():
-            raise InputError(f"{p}: not a folder", path=str(p),
-                             hint="Pass the checkpoint folder (the one holding config.json).")
-        return p.resolve()
-    s = str(src)
-    near = _did_you_mean(p)
-    if near is not None:  # a local path with a typo, not a hub repo id that happens to have one slash
-        raise InputError(f"{s}: no such folder; did you mean {near}?", path=s,
-                         hint=f"Pass {near} if that is the checkpoint.")
-    parts = s.split("/")
-    if (s.count("/") != 1 or s.startswith((".", "/", "~")) or any(c in s for c in " \\:")
-            or any(not x or x in (".", "..") or ".." in x or "--" in x or x[0] in ".-" or x[-1] in ".-"
-                   for x in parts)):
-        raise InputError(f"{s}: no such folder, and not a hub repo id (owner/name)", path=s,
-                         hint="Check the path, or pass a repo id such as Qwen/Qwen3-30B-A3B-GPTQ-Int4.")
-    try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (
-            GatedRepoError,
-            LocalEntryNotFoundError,
-            RepositoryNotFoundError,
-            RevisionNotFoundError,
-        )
-    except ImportError as e:  # pragma: no cover - a dependency
-        raise InputError("huggingface_hub is needed to read a hub repo id") from e
-    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
-    try:
-        local = snapshot_download(s, revision=revision, allow_patterns=patterns)
-    except LocalEntryNotFoundError as e:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
-        raise InputError(f"{s}: not in the local Hugging Face cache and {why}", path=s,
-                         hint="Download it first (hf download " + s + ") or unset HF_HUB_OFFLINE.") from e
-    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
-        raise InputError(f"{s}: {type(e).__name__}: {str(e).splitlines()[0]}", path=s,
-                         hint="Check the repo id and revision, and log in (hf auth login) for gated repos.") from e
-    except OSError as e:
-        raise InputError(f"{s}: download failed ({e})", path=s,
-                         hint="Check the network and disk space, then run again.") from e
-    except ValueError as e:  # huggingface_hub's HFValidationError: not a repo id it accepts
-        raise InputError(f"{s}: not a valid hub repo id ({str(e).splitlines()[0][:200]})", path=s,
-                         hint="Check the path, or pass a repo id such as Qwen/Qwen3-30B-A3B-GPTQ-Int4.") from e
-    _check_snapshot(s, Path(local))
-    return Path(local)
-
-
-def _did_you_mean(p: Path) -> str | None:
-    """The existing folder closest to a path that does not exist, if one is close: the deepest
-    existing ancestor's sub-folder nearest to the first missing part, then the rest as given."""
-    import difflib
-
-    parts = p.parts
-    for i in range(len(parts) - 1, -1 if not p.is_absolute() else 0, -1):
-        base = Path(*parts[:i])  # Path() is the current folder
-        if not base.is_dir():
-            continue
-        try:
-            names = [c.name for c in base.iterdir() if c.is_dir()]
-        except OSError:
-            return None
-        for name in difflib.get_close_matches(parts[i], names, n=3, cutoff=0.75):
-            cand = base.joinpath(name, *parts[i + 1:])
-            if cand.is_dir():
-                return str(cand)
-        return None
-    return None
-
-
-def _check_snapshot(repo: str, folder: Path) -> None:
-    """A cached snapshot (offline mode returns whatever is there) must hold config.json and every
-    shard its index names; otherwise say it is a partial download rather than a broken model."""
-    wanted = ["config.json"]
-    try:
-        wmap = json.loads((folder / "model.safetensors.index.json").read_text()).get("weight_map")
-        wanted += sorted({v for v in wmap.values() if isinstance(v, str)})
-    except (OSError, ValueError, AttributeError):
-        pass  # no index (single shard) or a broken one: Checkpoint reports it
-    for name in wanted:
-        why = _not_a_file(folder / name) if Path(name).name == name else None
-        if why:
-            raise InputError(
-                f"{repo}: the cached snapshot {folder.name[:12]} is a partial download: {name} {why}",
-                path=str(folder / name),
-                hint=f"Finish the download (hf download {repo}; it needs the network, so unset HF_HUB_OFFLINE), "
-                     "then run again.")
 
 
 class TensorBytes:
@@ -370,7 +107,7 @@ class Checkpoint:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         cfg_path = self.folder / "config.json"
-        self._roots = _link_roots(self.folder)
+        self._roots = link_roots(self.folder)
         try:
             entries = sorted(os.scandir(self.folder), key=lambda e: e.name)
         except OSError:
@@ -379,11 +116,11 @@ class Checkpoint:
             if ent.is_symlink() and not ent.name.startswith("."):
                 self.check_link(Path(ent.path))
         if not cfg_path.is_file():
-            why = _not_a_file(cfg_path)
+            why = not_a_file(cfg_path)
             raise InputError(f"{self.folder}: no config.json" if why == "is missing" else f"{cfg_path}: {why}",
                              path=str(cfg_path),
                              hint="Pass a Hugging Face model folder (config.json + *.safetensors).")
-        self.config: dict = _load_json(cfg_path)
+        self.config: dict = load_json(cfg_path)
         if "text_config" in self.config and not isinstance(self.config["text_config"], (dict, type(None))):
             raise InputError(f"{cfg_path}: text_config is a {type(self.config['text_config']).__name__}, "
                              "not an object", path=str(cfg_path), hint="Fix or re-download config.json.")
@@ -422,7 +159,7 @@ class Checkpoint:
                     path=str(sp), tensor=name, hint="The checkpoint is inconsistent; re-download it.")
             b, e = info["data_offsets"]
             shape = tuple(info["shape"])
-            self.tensors[name] = TensorInfo(name, shard, _DTYPE_KEY[info["dtype"]],
+            self.tensors[name] = TensorInfo(name, shard, DTYPE_KEY[info["dtype"]],
                                             shapes.setdefault(shape, shape), start + b, start + e)
 
     def _start_io(self) -> None:
@@ -430,7 +167,7 @@ class Checkpoint:
         self._maps: dict[str, mmap.mmap] = {}
         self._addrs: dict[str, int | None] = {}  # each mapping's address, for madvise without the GIL
         # one read-only descriptor per shard for the positional reads: an open and close per
-        # small tensor (scales, zeros, g_idx: three a module) was a third of a GPTQ module's read
+        # small tensor (scales, zeros, g_idx: three a module) would cost more than the read
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
         weakref.finalize(self, _close_fds, self._fds)  # a Checkpoint dropped without close()
@@ -448,23 +185,23 @@ class Checkpoint:
             self.check_link(p)
             if p.is_file():
                 self.quant_config_path = p
-                return _load_json(p)
+                return load_json(p)
         return None
 
     def _load_index(self) -> None:
         idx = self.folder / "model.safetensors.index.json"
         self.check_link(idx)
         if os.path.lexists(idx) and not idx.is_file():
-            raise InputError(f"{idx}: {_not_a_file(idx)}", path=str(idx),
+            raise InputError(f"{idx}: {not_a_file(idx)}", path=str(idx),
                              hint="Re-download the index file (or remove it for a single-shard checkpoint).")
         if idx.is_file():
             self.index_path = idx
-            data = _load_json(idx)
+            data = load_json(idx)
             wmap = data.get("weight_map")
             if not isinstance(wmap, dict) or not wmap:
                 raise InputError(f"{idx.name}: has no weight_map", path=str(idx),
                                  hint="Re-download the index file.")
-            plain: set[str] = set()  # shard names already checked (a Path per tensor was ~10% of the plan)
+            plain: set[str] = set()  # shard names already checked: one Path each, not one per tensor
             for name, shard in wmap.items():
                 if isinstance(shard, str) and shard in plain:
                     continue
@@ -488,7 +225,7 @@ class Checkpoint:
         for shard in shards:
             sp = self.folder / shard
             if not sp.is_file():
-                why = _not_a_file(sp)
+                why = not_a_file(sp)
                 where = "listed in model.safetensors.index.json but" if wmap is not None else "found, but it"
                 raise InputError(f"{shard}: {where} {why}", path=str(sp),
                                  hint="The download is incomplete or damaged; fetch the shard again.")
@@ -547,8 +284,6 @@ class Checkpoint:
         if off < 0 or length < 0 or off + length > len(m):
             raise ValueError("madvise range outside the mapping")
         if _MADVISE(addr + off, length, advice) != 0:
-            import ctypes
-
             raise OSError(ctypes.get_errno(), "madvise failed")
 
     def raw(self, name: str) -> memoryview:
@@ -566,14 +301,14 @@ class Checkpoint:
         out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
         if t.end > t.begin:
             # read through a numpy view of the same itemsize (numpy has no bf16/fp8): no dtype views after
-            same_size = _NUMPY_VIEW.get(t.dtype)
+            same_size = NUMPY_VIEW.get(t.dtype)
             self._read(t, (out.view(getattr(torch, same_size)) if same_size else out).numpy(), 0, t.nbytes)
         return out
 
     def array(self, name: str):
         """The tensor as a numpy array in memory of its own, without torch (the plan's small reads).
         Raises InputError for a dtype numpy does not have (bf16, fp8)."""
-        import numpy as np
+        import numpy as np  # here: a Checkpoint opened for its config and headers needs no numpy
 
         t = self.info(name)
         dt = NUMPY_DTYPES.get(t.dtype)
@@ -618,9 +353,9 @@ class Checkpoint:
         if m is None or t.end <= t.begin:
             return
         # whole 2 MB blocks: a fault (a populate too) maps the resident pages around it, up to a
-        # large folio (512 KB here), so a neighbour read after this tensor was released mapped
-        # its pages back and they stayed (the RSS grew with the model). A neighbour still in use
-        # just maps its pages again on its next touch (the mapping is never written)
+        # large folio, so a neighbour read after this tensor is released would map its pages back
+        # and they would stay (the RSS would grow with the model). A neighbour still in use just
+        # maps its pages again on its next touch (the mapping is never written)
         lo = t.begin - t.begin % _FAULT_AROUND
         hi = min(len(m), -(-t.end // _FAULT_AROUND) * _FAULT_AROUND)
         try:
@@ -703,8 +438,6 @@ class Checkpoint:
     @property
     def family_type(self) -> str:
         """The model type that names the family (a known wrapper's own type, else the text model's)."""
-        from .families import resolve_type
-
         return resolve_type(self.config)
 
     def extra_files(self) -> list[str]:
@@ -718,3 +451,4 @@ class Checkpoint:
                     and not p.name.startswith("."):
                 out.append(p.name)
         return out
+

@@ -2,7 +2,9 @@
 
 Every function takes the same inputs as the pure-torch code it replaces and returns the same
 bytes; when the C++ library is unavailable (``INT4PACK_NO_EXT=1``, not built: see ``_ext``) it
-*is* the torch twin. ``tests/test_kernels.py`` compares the two byte for byte.
+*is* the torch twin. ``tests/test_kernels.py`` compares the two byte for byte. The tensor jobs
+themselves are called from ``w4a8``; here are their search points, their sums as an info dict and
+the torch decision of their close calls.
 
 Threads: a kernel splits its rows over ``kernel_threads()``: torch's intra-op thread count, or
 the count the calling thread set with ``threads_here`` (convert's workers take one each, so
@@ -19,10 +21,9 @@ import torch
 from . import _ext
 from . import crc as crc_mod
 from . import scale_search as S
-from .groups import block, nests
 from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
 
-__all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "lossless", "requant", "requant_info",
+__all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "requant_info", "redo_close_calls",
            "search_points", "kernel_threads", "threads_here", "crc32c"]
 
 
@@ -102,86 +103,7 @@ def _bytes_view(data) -> memoryview:
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
-_EMPTY_U8 = torch.empty(0, dtype=torch.uint8)
 _EMPTY_F32 = torch.empty(0, dtype=torch.float32)
-_EMPTY_I64 = torch.empty(0, dtype=torch.int64)
-
-
-def lossless(ql, scales: torch.Tensor, src_groups: torch.Tensor, g: int):
-    """The lossless path's codes kernel (twin: ``w4a8._lossless_torch``): (q int8 [N, K], error dict).
-
-    ``scales`` are the shipped target scales [N, Gt], ``src_groups`` the source group of each
-    target group. The error is only the scale cast: within target group j of row n every weight
-    differs by ``(u - 8) * (sb - s)``, so the sums need only sum(q^2) and max(q^2) per group.
-    """
-    codes = ql.codes.to(torch.uint8).contiguous()
-    k = codes.shape[1]
-    gs = block(k, g)
-    q, sq, mq = ext().lossless(codes, gs, kernel_threads())
-    s = ql.scales[:, src_groups].double()  # source scale of each target group, [N, Gt]
-    sb = scales.double()
-    sqd = sq.double()
-    diff = sb - s
-    st = S.ErrorStats()
-    st.dd = float((diff * diff * sqd).sum())
-    st.ww = float((s * s * sqd).sum())
-    st.vv = float((sb * sb * sqd).sum())
-    st.wv = float((s * sb * sqd).sum())
-    st.max_abs = float((diff.abs() * mq.double().sqrt()).max()) if diff.numel() else 0.0
-    return q, st.result()
-
-
-def requant(n: int, k: int, g: int, *, search: bool, name: str | None, w: torch.Tensor | None = None,
-            ql=None):
-    """Fast ``w4a8._requant_rows`` on a float ``w`` [N, K] or a QuantLinear ``ql``.
-
-    Returns (q, scales, info) with the torch twin's bytes and info keys, or None to use the twin
-    (library missing, a CPU it cannot run on, or a NaN/Inf in the weights, which the twin reports).
-    """
-    mod = ext()
-    if mod is None or not mod.requant_ok:
-        return None
-    gs = block(k, g)
-    coarse, fine = search_points(search)
-    th = kernel_threads()
-    if w is not None:
-        wf = w.float().contiguous()
-        q, s, flags, rs = mod.requant(wf, _EMPTY_U8, _EMPTY_U8, _EMPTY_F32, _EMPTY_I64, 0, gs, g != -1, search,
-                                      coarse, fine, th)
-
-        def groups(r: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-            return wf.view(n, -1, gs)[r, j]
-    else:
-        codes = ql.codes.contiguous()
-        if codes.dtype != torch.uint8:
-            return None
-        zeros = _EMPTY_U8 if ql.zeros is None else ql.zeros.to(torch.uint8).contiguous()
-        sscale = ql.scales.float().contiguous()
-        gidx = _EMPTY_I64 if ql.g_idx is None else ql.g_idx.long().contiguous()
-        q, s, flags, rs = mod.requant(_EMPTY_F32, codes, zeros, sscale, gidx, ql.spec.group_size, gs, g != -1,
-                                      search, coarse, fine, th)
-        src = ql.spec.group_size
-        # every target group inside one source group (the usual case): one source column each
-        inside = ql.g_idx is None and nests(src, k, g)
-
-        def groups(r: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-            # w4a8._source_rows at rows r, target groups j [A, gs]: the same arithmetic, element for element
-            if inside:
-                sg = j * gs // src
-                z = 8.0 if ql.zeros is None else zeros[r, sg].float()[:, None]
-                return (codes.view(n, -1, gs)[r, j].float() - z) * sscale[r, sg][:, None]
-            rr, cols = r[:, None], j[:, None] * gs + torch.arange(gs)
-            gi = ql.group_index()[cols]
-            z = 8.0 if ql.zeros is None else ql.zeros[rr, gi].float()
-            return (ql.codes[rr, cols].float() - z) * ql.scales[rr, gi].float()
-    if bool((flags & 2).any()):
-        return None
-    amb = (flags & 1).nonzero()
-    if amb.numel():
-        _redo_with_torch(amb, groups, q, s, rs, g, gs, search, name)
-    scales = s.to(S.out_scale_dtype(g))
-    sums = rs[:, :5].sum(dim=0).tolist() + [float(rs[:, 5].max()) if n else 0.0]
-    return q, scales, requant_info(search, sums, int(((flags & 4) != 0).sum()))
 
 
 _points = None  # the last setting and its answer: (ratios tensor, its version, fine points, answer)
@@ -212,12 +134,12 @@ def requant_info(search: bool, sums, zero_groups: int) -> dict:
     return S.requant_info(search, st, base_sse, zero_groups)
 
 
-def _redo_with_torch(amb: torch.Tensor, groups, q, s, rs, g: int, gs: int, search: bool, name) -> None:
+def redo_close_calls(amb: torch.Tensor, groups, q, s, tot: list, g: int, gs: int, search: bool, name) -> None:
     """Groups whose candidate errors were too close to call in C++: decided by scale_search.search_chunk.
 
     ``amb`` holds (row, group) pairs; ``groups(r, j)`` the source values there (float32 [A, gs]).
-    The C++ left these groups out of the row sums dd, vv, wv and max_abs (ww and the baseline sum
-    do not depend on the choice): they are added here, from the torch decision.
+    The C++ left these groups out of the sums dd, vv, wv and max_abs of ``tot`` (ww and the
+    baseline sum do not depend on the choice): they are added here, from the torch decision.
     """
     r, j = amb[:, 0], amb[:, 1]
     wg = groups(r, j).contiguous()  # float32 [A, gs]
@@ -225,12 +147,12 @@ def _redo_with_torch(amb: torch.Tensor, groups, q, s, rs, g: int, gs: int, searc
     qg, sg, _, _, _ = S.search_chunk(wg, g, search, ws)  # gs is block(K, g)
     S.check_finite(sg, "weights", name)
     q.view(q.shape[0], -1, gs)[r, j] = qg
-    s[r, j] = sg[:, 0]
+    s[r, j] = sg[:, 0].to(s.dtype)
     # dequantize_w4a8 of each group (q * s in float32), its error against the source in float64
     v = (qg.float() * sg).double()
     x = wg.double()
     d = v - x
-    rs[:, 0].index_add_(0, r, (d * d).sum(dim=1))
-    rs[:, 2].index_add_(0, r, (v * v).sum(dim=1))
-    rs[:, 3].index_add_(0, r, (x * v).sum(dim=1))
-    rs[:, 5].scatter_reduce_(0, r, d.abs().amax(dim=1), reduce="amax")
+    tot[0] += float((d * d).sum())
+    tot[2] += float((v * v).sum())
+    tot[3] += float((x * v).sum())
+    tot[5] = max(tot[5], float(d.abs().max()))

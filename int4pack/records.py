@@ -65,7 +65,7 @@ class QuantLinear:
     g_idx: torch.Tensor | None = None  # int64 [K]; None means k // group_size
     bias: torch.Tensor | None = None  # [N] source dtype
     # (Packing, int32 words) while the codes are still packed; see Reader.read(unpack=False), which
-    # lets the one-pass kernels (w4a8.lossless_fast, w4a8.requant_fast) read the words
+    # lets the C++ jobs (w4a8.lossless_job, w4a8.requant_job) read the words
     packed: tuple[Packing, torch.Tensor] | None = None
 
     def unpacked(self) -> "QuantLinear":

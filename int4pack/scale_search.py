@@ -24,7 +24,7 @@ from .errors import InputError
 from .groups import block
 
 __all__ = ["QMIN", "QMAX", "TINY", "ZERO_GROUP_SCALE", "COARSE_RATIOS", "FINE_POINTS", "TIE", "ErrorStats",
-           "is_group_scale", "ship_scale", "out_scale_dtype", "check_finite", "eval_candidates",
+           "is_group_scale", "ship_scale", "out_scale_dtype", "check_finite", "not_finite", "eval_candidates",
            "first_within_tie", "search_chunk", "candidate_count", "workspace_width", "requant_info"]
 
 QMIN, QMAX = -8, 7
@@ -88,8 +88,13 @@ class ErrorStats:
 
 def check_finite(t: torch.Tensor, what: str, name: str | None) -> None:
     if not bool(torch.isfinite(t).all()):
-        raise InputError(f"{what} of {name or 'a tensor'} contain NaN or Inf", tensor=name,
-                         hint="the source checkpoint is corrupt or was saved with overflowing scales")
+        raise not_finite(what, name)
+
+
+def not_finite(what: str, name: str | None) -> InputError:
+    return InputError(f"{what} of {name or 'a tensor'} contain NaN or Inf", tensor=name,
+                      hint="the source checkpoint is corrupt or was saved with overflowing scales")
+
 
 def eval_candidates(x: torch.Tensor, negx: torch.Tensor, cands: torch.Tensor,
                      ws: torch.Tensor) -> torch.Tensor:
@@ -98,8 +103,8 @@ def eval_candidates(x: torch.Tensor, negx: torch.Tensor, cands: torch.Tensor,
     q comes from float32 (the same 1/s as the final quantisation: the error is what ships);
     ``s * q - x`` is then exact in float64 and only the squares and the sum round, so the C++
     twin (which sums in another order) takes the same ``first_within_tie`` decision unless an
-    error lies within ~1e-13 (relative) of the tie threshold (see ``Group`` and ``TieRule`` in
-    csrc/convert_kernels/requant.cpp). ``ws`` is a flat float64 workspace reused across
+    error lies within ~1e-13 (relative) of the tie threshold (see ``TieRule`` in
+    csrc/convert_kernels/requant_search.h). ``ws`` is a flat float64 workspace reused across
     chunks: fresh multi-MB temporaries would page-fault on every chunk.
     """
     r, G, _, g = x.shape

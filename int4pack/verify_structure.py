@@ -24,7 +24,7 @@ from .groups import check_group_size
 from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, SUFFIX, is_row_parallel, read_record, record_problems,
                          tensor_parallel_size)
 from .w4a8 import dequantize_w4a8
-from .writer import hash_shard
+from .writer import _CHECKSUMS, _data_digest, digest_kind, hash_shard
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
@@ -339,8 +339,6 @@ def _shard_layout(path: Path) -> tuple[int, list[tuple[tuple[int, int], str, str
 def _scan_part(path: Path, base: int, part: list, kind: str) -> list[tuple[int, tuple[int, int] | None]] | None:
     """Each tensor's CRC (of the kind the shard records) and, for int8 ones, its (min, max): one
     read of their bytes. None when the file ends early."""
-    from .writer import _CHECKSUMS
-
     check = _CHECKSUMS[kind][1]
     vk = _ext.load("verify_kernels")
     buf = bytearray(_READ_BYTES)
@@ -366,8 +364,6 @@ def _scan_part(path: Path, base: int, part: list, kind: str) -> list[tuple[int, 
 def _scan(ckpt: Checkpoint, report: dict | None, pool) -> tuple[dict, dict]:
     """Every shard read once, in parts of ~256 MB on the pool's threads: (shard -> (size, data
     digest of the kind its report entry records, or None)), (int8 tensor -> (min, max))."""
-    from .writer import _data_digest, digest_kind
-
     recs = (report or {}).get("shards")
     recs = recs if isinstance(recs, dict) else {}
     jobs, layout = [], {}

@@ -17,7 +17,9 @@ Three ways to get there from a ``QuantLinear``:
   ``||w - s * clamp(round(w / s), -8, 7)||^2`` with ``s`` already rounded to the shipped dtype
   (``scale_search``).
 
-Each path runs in the C++ kernels when they are built, else in torch; both give the same bytes.
+Each path is one C++ call (``lossless_job``, ``requant_job``: checks, unpacking, the work and its
+error sums), or its torch twin where the C++ library is unavailable; both give the same bytes and
+refuse the same inputs with the same errors.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from . import kernels as _kernels
 from .errors import InputError, UsageError
 from .groups import block, check_group_size, nests, normalize_group
 from .records import Packing, QuantLinear
-from .scale_search import ErrorStats, check_finite, out_scale_dtype, requant_info, search_chunk, workspace_width
+from .scale_search import (ErrorStats, check_finite, not_finite, out_scale_dtype, requant_info, search_chunk,
+                           workspace_width)
 
 __all__ = [
     "W4A8Linear",
@@ -46,7 +49,6 @@ __all__ = [
 
 # elements of w per chunk of the torch search: bounds its temporaries to a few MB
 CHUNK_ELEMS = 1 << 18
-_NO_ZEROS = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass
@@ -143,9 +145,11 @@ def requantize(w: torch.Tensor, group_size: int, *, search: bool = True):
     g = normalize_group(group_size, k)
     if not w.is_floating_point():
         raise UsageError(f"requantize expects a float weight, got {w.dtype}")
-    fast = _kernels.requant(n, k, g, search=search, name=None, w=w)  # C++ twin, or None
-    if fast is not None:
-        return fast
+    m = _kernels.ext()
+    if m is not None and m.requant_ok:
+        wf = w.float().contiguous()
+        return _requant_cpp(m, None, (m.FLOAT_VALUES, wf), n, k, g, search,
+                            lambda r, j: wf.view(n, -1, block(k, g))[r, j])
     return _requant_rows(n, k, g, lambda r0, r1: w[r0:r1], search, None)
 
 
@@ -191,25 +195,20 @@ def check_scales(ql: QuantLinear) -> None:
     (max - min, clamped positive), so a sign bit means corruption or a misread layout. Zero: valid
     only on a group whose codes all sit at its zero point (a pruned group dequantises to 0 either
     way); a zero scale over other codes erases weights the codes still hold, e.g. a zero-filled
-    region of a damaged file.
+    region of a damaged file. The C++ jobs check the same, in the same order, and report the
+    place: ``_refusal`` words both.
     """
     s = ql.scales
-    name = next((k for k in ql.spec.keys if k.endswith((".scales", ".weight_scale"))), f"{ql.spec.name}.scales")
-    where = "re-download or re-export the checkpoint"
 
-    def first(mask: torch.Tensor) -> str:
+    def first(mask: torch.Tensor) -> list[int]:
         n, g = (int(i) for i in mask.nonzero()[0])
-        more = int(mask.sum()) - 1
-        return f"row {n}, group {g}" + (f" (and {more} more)" if more else "")
+        return [n, g, int(mask.sum()) - 1]
 
     bad = ~torch.isfinite(s)
     if bool(bad.any()):
-        raise InputError(f"{name}: NaN or Inf scale at {first(bad)}", tensor=name,
-                         hint=f"The scales are corrupt (or overflowed their dtype when saved); {where}.")
+        raise _refusal(ql, SCALE_NOT_FINITE, first(bad))
     if bool((s < 0).any()):
-        raise InputError(f"{name}: negative scale at {first(s < 0)}", tensor=name,
-                         hint=f"No int4 producer writes negative scales: the tensor is corrupt or not the "
-                              f"layout the config claims; {where}.")
+        raise _refusal(ql, SCALE_NEGATIVE, first(s < 0))
     zero = s == 0
     if bool(zero.any()):
         ql = ql.unpacked()
@@ -218,57 +217,97 @@ def check_scales(ql: QuantLinear) -> None:
         erased = zero[:, gi] & (ql.codes != z)  # [N, K]: a code a zero scale would wipe out
         if bool(erased.any()):
             n, k = (int(i) for i in erased.nonzero()[0])
-            raise InputError(f"{name}: zero scale at row {n}, group {int(gi[k])} over codes that are not at the "
-                             "zero point (the weights they hold would be erased)", tensor=name,
-                             hint=f"A zero-filled or damaged region of the file; {where}.")
+            raise _refusal(ql, SCALE_ERASES, [n, int(gi[k]), 0])
+
+
+# what a tensor job refuses (csrc/convert_kernels/convert_kernels.h, JobStatus), with the place
+# [row, group, how many more] where its message names one
+SCALE_NOT_FINITE, SCALE_NEGATIVE, SCALE_ERASES, CAST_NOT_FINITE, WEIGHT_NOT_FINITE = 1, 2, 3, 4, 5
+
+
+def _refusal(ql: QuantLinear | None, status: int, where: list[int]) -> InputError:
+    """The error of a refused source, naming the tensor (``ql`` None: a bare float weight)."""
+    if status == CAST_NOT_FINITE:
+        return not_finite("scales (after the cast to the W4A8 dtype)", ql.spec.name)
+    if status == WEIGHT_NOT_FINITE:
+        return not_finite("weights", None if ql is None else ql.spec.name)
+    name = next((k for k in ql.spec.keys if k.endswith((".scales", ".weight_scale"))), f"{ql.spec.name}.scales")
+    fix = "re-download or re-export the checkpoint"
+    n, g, more = where
+    at = f"row {n}, group {g}" + (f" (and {more} more)" if more else "")
+    if status == SCALE_NOT_FINITE:
+        return InputError(f"{name}: NaN or Inf scale at {at}", tensor=name,
+                          hint=f"The scales are corrupt (or overflowed their dtype when saved); {fix}.")
+    if status == SCALE_NEGATIVE:
+        return InputError(f"{name}: negative scale at {at}", tensor=name,
+                          hint=f"No int4 producer writes negative scales: the tensor is corrupt or not the "
+                               f"layout the config claims; {fix}.")
+    return InputError(f"{name}: zero scale at row {n}, group {g} over codes that are not at the zero point (the "
+                      "weights they hold would be erased)", tensor=name,
+                      hint=f"A zero-filled or damaged region of the file; {fix}.")
 
 
 def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Linear:
     """The linear in W4A8: its path decided once from its data (lossless when ``lossless_possible``,
-    else requant), then that path's one implementation, in the C++ kernels when they are built and
-    in torch otherwise (the same bytes). ``ql`` may still hold its codes packed."""
+    else requant), then that path's one C++ call, or its torch twin where the C++ library is
+    unavailable (the same bytes). ``ql`` may still hold its codes packed."""
     n, k = ql.spec.n, ql.spec.k
     if ql.codes is not None and tuple(ql.codes.shape) != (n, k):
         raise InputError(f"{ql.spec.name}: codes shape {tuple(ql.codes.shape)} != spec [{n}, {k}]",
                          tensor=ql.spec.name)
     g = normalize_group(group_size, k)
-    lossless = lossless_possible(ql, g)
-    if _kernels.ext() is not None:
-        return _lossless_kernels(ql, g) if lossless else _requant_kernels(ql, g, search)
+    m = _kernels.ext()
+    if lossless_possible(ql, g):
+        return lossless_job(ql, g) if m is not None else _lossless_torch(_checked(ql), g)
+    if m is not None and m.requant_ok:
+        return requant_job(ql, g, search=search)
+    return _requant_torch(_checked(ql), g, search)
+
+
+def _checked(ql: QuantLinear) -> QuantLinear:
+    """The record unpacked, its scales checked: what the torch twins start from."""
     ql = ql.unpacked()
     check_scales(ql)
-    return _lossless_torch(ql, g) if lossless else _requant_torch(ql, g, search)
+    return ql
 
 
-def _one_pass(ql: QuantLinear) -> bool:
-    """Whether the one-pass jobs take the record: no g_idx, scales a float [N, G] matrix."""
-    return ql.g_idx is None and ql.scales.dim() == 2 and ql.scales.is_floating_point()
+def _job_source(ql: QuantLinear):
+    """(layout, data) of a record for the C++ jobs: its packed words, or its codes."""
+    return ql.packed if ql.codes is None else (Packing.CODES, ql.codes.to(torch.uint8).contiguous())
+
+
+def _job_groups(ql: QuantLinear):
+    """(zeros, g_idx, source group width) of a record for the C++ jobs."""
+    zeros = None if ql.zeros is None else ql.zeros.to(torch.uint8).contiguous()
+    gidx = None if ql.g_idx is None else ql.g_idx.long().contiguous()
+    return zeros, gidx, ql.spec.group_size if ql.spec.group_size > 0 else ql.spec.k
 
 
 # --------------------------------------------------------------------------- lossless
 
 
-def _lossless_kernels(ql: QuantLinear, g: int) -> W4A8Linear:
-    """The lossless path in C++: the one-pass job (checks, q, cast scales, error) over the packed
-    words or the codes; a record the job does not take (a g_idx), or whose scale it refuses, goes
-    to ``check_scales``, which names a bad scale, and then the codes kernel (a zero scale over
-    codes at their zero point is valid)."""
-    done = lossless_fast(ql, g) if _one_pass(ql) else None
-    if done is not None:
-        return done
-    ql = ql.unpacked()
-    check_scales(ql)
-    src_groups = _target_source_groups(ql, g)
-    scales = _lossless_scales(ql, src_groups, g)
-    q, err = _kernels.lossless(ql, scales, src_groups, g)
-    return _lossless_result(ql, q, scales, g, err)
+def lossless_job(ql: QuantLinear, g: int) -> W4A8Linear:
+    """The lossless path in one C++ call on a record ``lossless_possible`` accepts (codes possibly
+    packed): the scale checks of ``check_scales``, q, the cast scales and their error. Raises the
+    twin's InputError for a refused scale."""
+    n, k = ql.spec.n, ql.spec.k
+    layout, data = _job_source(ql)
+    zeros, gidx, src_group = _job_groups(ql)
+    status, where, q, s, tot = _kernels.ext().lossless_job(layout, data, n, k, ql.scales, zeros, gidx, src_group,
+                                                           block(k, g), g != -1, _kernels.kernel_threads())
+    if status:
+        raise _refusal(ql, status, where)
+    st = ErrorStats()
+    st.dd, st.ww, st.vv, st.wv, st.max_abs = tot
+    return _lossless_result(ql, q, s.to(out_scale_dtype(g)), g, st.result())
 
 
 def _lossless_torch(ql: QuantLinear, g: int) -> W4A8Linear:
-    """The lossless path in torch (the kernels' twin)."""
+    """The lossless path in torch (the twin of ``lossless_job``), on checked codes."""
     n, k = ql.codes.shape
     src_groups = _target_source_groups(ql, g)
-    scales = _lossless_scales(ql, src_groups, g)
+    scales = ql.scales[:, src_groups].to(out_scale_dtype(g)).contiguous()
+    check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
     q = (ql.codes.to(torch.int8) - 8).contiguous()
     gi = ql.group_index()
     st = ErrorStats()
@@ -277,34 +316,6 @@ def _lossless_torch(ql: QuantLinear, g: int) -> W4A8Linear:
         r1 = min(n, r0 + step)
         st.add(_source_rows(ql, gi, r0, r1), dequantize_w4a8(q[r0:r1], scales[r0:r1], g))
     return _lossless_result(ql, q, scales, g, st.result())
-
-
-def _lossless_scales(ql: QuantLinear, src_groups: torch.Tensor, g: int) -> torch.Tensor:
-    scales = ql.scales[:, src_groups].to(out_scale_dtype(g)).contiguous()
-    check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
-    return scales
-
-
-def lossless_fast(ql: QuantLinear, g: int) -> W4A8Linear | None:
-    """The lossless one-pass job on a record whose codes may still be packed; None when the record
-    is not the job's (a g_idx, a zero point off 8, a target group across two source groups) or
-    the job refuses a scale (not finite and positive, or not finite once cast)."""
-    m = _kernels.ext()
-    n, k = ql.spec.n, ql.spec.k
-    if not _one_pass(ql):
-        return None
-    if ql.codes is None and (ql.packed[0] == Packing.AWQ or k % 8 or (g != -1 and g % 8)):
-        ql = ql.unpacked()  # the job reads compressed-tensors and GPTQ words in whole words only
-    layout, data = ql.packed if ql.codes is None else (Packing.CODES, ql.codes.to(torch.uint8).contiguous())
-    zeros = _NO_ZEROS if ql.zeros is None else ql.zeros.to(torch.uint8).contiguous()
-    src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
-    status, q, s, tot = m.lossless_job(layout, data, n, k, ql.scales.contiguous(), zeros, src_group,
-                                       block(k, g), g != -1, _kernels.kernel_threads())
-    if int(status) != 0:
-        return None
-    st = ErrorStats()
-    st.dd, st.ww, st.vv, st.wv, st.max_abs = tot.tolist()
-    return _lossless_result(ql, q, s.to(out_scale_dtype(g)), g, st.result())
 
 
 def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: int, err: dict) -> W4A8Linear:
@@ -318,54 +329,52 @@ def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: 
 # --------------------------------------------------------------------------- requant
 
 
-def _requant_kernels(ql: QuantLinear, g: int, search: bool) -> W4A8Linear:
-    """The requant path in C++: an asymmetric record without g_idx in the one-pass job (unpack,
-    checks, search, error sums); anything else, and what the job hands back (a refused scale, a
-    NaN weight, a too-close call: rare), in the codes kernel after ``check_scales``. The codes
-    kernel leaves NaN weights to the torch twin, which names them."""
-    done = requant_fast(ql, g, search=search) if ql.zeros is not None and _one_pass(ql) else None
-    if done is not None:
-        return done
-    ql = ql.unpacked()
-    check_scales(ql)
-    done = _kernels.requant(ql.spec.n, ql.spec.k, g, search=search, name=ql.spec.name, ql=ql)
-    if done is None:
-        return _requant_torch(ql, g, search)
-    q, scales, info = done
+def requant_job(ql: QuantLinear, g: int, *, search: bool = True) -> W4A8Linear:
+    """The requant path in one C++ call on any record (codes possibly packed; to_w4a8 hands it
+    those that are not lossless): the scale checks of ``check_scales``, the search, the error
+    sums. Raises the twin's InputError for a refused scale or a NaN/Inf weight."""
+    n, k = ql.spec.n, ql.spec.k
+
+    def groups(r: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        # _source_rows at rows r, target groups j [A, gs]: the same arithmetic, element for element
+        src = ql.unpacked()
+        gs = block(k, g)
+        rr, cols = r[:, None], j[:, None] * gs + torch.arange(gs)
+        gi = src.group_index()[cols]
+        z = 8.0 if src.zeros is None else src.zeros[rr, gi].float()
+        return (src.codes[rr, cols].float() - z) * src.scales[rr, gi].float()
+
+    q, scales, info = _requant_cpp(_kernels.ext(), ql, _job_source(ql), n, k, g, search, groups)
     info["exact_ints"] = False
     return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, "requant", info)
 
 
+def _requant_cpp(m, ql: QuantLinear | None, source, n: int, k: int, g: int, search: bool, groups):
+    """(q, scales, info) of the C++ requant job on a record ``ql`` or (None) float values; its close
+    calls decided by ``kernels.redo_close_calls`` on ``groups(rows, target groups)``, the source
+    values there."""
+    coarse, fine = _kernels.search_points(search)
+    layout, data = source
+    zeros, gidx, src_group = (None, None, 1) if ql is None else _job_groups(ql)
+    sscale = None if ql is None else ql.scales
+    status, where, q, s, flags, tot, zero_groups, close = m.requant_job(
+        layout, data, n, k, sscale, zeros, gidx, src_group, block(k, g), g != -1, search, coarse, fine,
+        _kernels.kernel_threads())
+    if status:
+        raise _refusal(ql, status, where)
+    if close:
+        _kernels.redo_close_calls((flags & 1).nonzero(), groups, q, s, tot, g, block(k, g), search,
+                                  None if ql is None else ql.spec.name)
+    return q, s, _kernels.requant_info(search, tot, zero_groups)
+
+
 def _requant_torch(ql: QuantLinear, g: int, search: bool) -> W4A8Linear:
-    """The requant path in torch (the kernels' twin)."""
+    """The requant path in torch (the twin of ``requant_job``), on checked codes."""
     gi = ql.group_index()
     q, scales, info = _requant_rows(ql.spec.n, ql.spec.k, g, lambda r0, r1: _source_rows(ql, gi, r0, r1), search,
                                    ql.spec.name)
     info["exact_ints"] = False
     return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, "requant", info)
-
-
-def requant_fast(ql: QuantLinear, g: int, *, search: bool = True) -> W4A8Linear | None:
-    """The requant one-pass job of an asymmetric record without g_idx (codes possibly packed):
-    scale checks, unpack 64 rows at a time in cache, search, error sums and scale cast in one call
-    without the GIL. None when the record is not the job's (no zero points, a g_idx) or the job
-    hands it back (see ``_requant_kernels``)."""
-    m = _kernels.ext()
-    n, k = ql.spec.n, ql.spec.k
-    if ql.zeros is None or not _one_pass(ql):
-        return None
-    layout, data = ql.packed if ql.codes is None else (Packing.CODES, ql.codes.to(torch.uint8).contiguous())
-    gs = block(k, g)
-    src_group = ql.spec.group_size if ql.spec.group_size > 0 else k
-    coarse, fine = _kernels.search_points(search)
-    status, q, s, sums, zero_groups = m.requant_job(layout, data, n, k, ql.scales.contiguous(),
-                                                    ql.zeros.to(torch.uint8).contiguous(), src_group, gs, g != -1,
-                                                    search, coarse, fine, _kernels.kernel_threads())
-    if int(status) != 0:
-        return None
-    info = _kernels.requant_info(search, sums.tolist(), int(zero_groups))
-    info["exact_ints"] = False
-    return W4A8Linear(ql.spec.name, q, s, g, ql.bias, "requant", info)
 
 
 # --------------------------------------------------------------------------- act-order fold

@@ -18,6 +18,7 @@ import time
 import torch
 
 from int4pack import kernels, w4a8
+from int4pack.groups import normalize_group
 from int4pack.records import LinearSpec, QuantLinear
 
 
@@ -62,10 +63,10 @@ def from_codes(a) -> None:
     total_p = total_t = 0.0
     for n, k in ((768, 2048), (2048, 768)):
         ql = source_ql(n, k, a.group, seed=n + k, sym=a.sym)
-        g = w4a8._normalize_group(a.target, k)
+        g = normalize_group(a.target, k)
         for label, fn in (
             ("to_w4a8", lambda: w4a8.to_w4a8(ql, a.target, search=not a.rtn)),
-            ("kernels.requant", lambda: kernels.requant(n, k, g, search=not a.rtn, name=None, ql=ql)),
+            ("w4a8.requant_job", lambda: w4a8.requant_job(ql, g, search=not a.rtn)),
         ):
             t = best_time(fn, a.reps)
             print(f"N={n:>5} K={k:>5} {label:>16}: {n * k / t / 1e6:8.1f} Mparam/s ({1e3 * t:7.2f} ms, best of {a.reps})")

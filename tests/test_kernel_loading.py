@@ -96,8 +96,7 @@ def test_kernel_errors_come_back_as_exceptions_with_the_message():
     with pytest.raises(RuntimeError, match="does not fit"):
         m.unpack_ct(torch.zeros(2, 1, dtype=torch.int32), 9, 1)
     with pytest.raises(RuntimeError, match="layout 7 is not read here"):
-        m.lossless_job(7, torch.zeros(2, 1, dtype=torch.int32), 2, 8, torch.ones(2, 1), torch.empty(0, dtype=torch.uint8),
-                       8, 8, True, 1)
+        m.lossless_job(7, torch.zeros(2, 1, dtype=torch.int32), 2, 8, torch.ones(2, 1), None, None, 8, 8, True, 1)
     with pytest.raises(RuntimeError, match="qweight: expected"):
         m.unpack_gptq(torch.zeros(2, 4, dtype=torch.int64), 1)
     assert kernels.crc32c(b"123456789") == 0xE3069283

@@ -18,6 +18,7 @@ import torch
 
 from int4pack import kernels, scale_search, w4a8
 from int4pack.checkpoint import Checkpoint
+from int4pack.errors import InputError
 from int4pack.formats import open_reader
 from int4pack.groups import auto_group, normalize_group
 from int4pack.nibbles import AWQ_ORDER, unpack_cols, unpack_rows
@@ -225,8 +226,8 @@ def test_requantize_large_matrix_bytes(monkeypatch):
     """Many groups, so near-ties do occur: the hand-over to torch keeps the bytes identical."""
     w = _weights(1024, 2048, 99)
     calls = []
-    orig = kernels._redo_with_torch
-    monkeypatch.setattr(kernels, "_redo_with_torch", lambda amb, *a: (calls.append(len(amb)), orig(amb, *a)))
+    orig = kernels.redo_close_calls
+    monkeypatch.setattr(kernels, "redo_close_calls", lambda amb, *a: (calls.append(len(amb)), orig(amb, *a)))
     q, s, info = w4a8.requantize(w, 128)
     q0, s0, info0 = twin(monkeypatch, w4a8.requantize, w, 128)
     assert same_bytes(q, q0) and same_bytes(s, s0)
@@ -238,8 +239,8 @@ def test_requantize_large_matrix_bytes(monkeypatch):
 
 def test_ambiguous_groups_go_to_torch(monkeypatch):
     calls = []
-    orig = kernels._redo_with_torch
-    monkeypatch.setattr(kernels, "_redo_with_torch", lambda amb, *a: (calls.append(amb.tolist()), orig(amb, *a)))
+    orig = kernels.redo_close_calls
+    monkeypatch.setattr(kernels, "redo_close_calls", lambda amb, *a: (calls.append(amb.tolist()), orig(amb, *a)))
     w = _weights(16, 256, 3, "edge")
     w4a8.requantize(w, 32)
     assert [2, 0] in calls[0]  # the tiny group
@@ -306,8 +307,8 @@ def test_requant_on_a_cpu_without_avx2_takes_the_torch_twin(monkeypatch, case):
     assert out.path == ref.path == "requant"
     assert not [c for c in called if c.startswith("i4p_requant")], called
     assert same_bytes(out.q, ref.q) and same_bytes(out.scales, ref.scales)
-    assert EXT.requant_job(0, ql.codes, ql.spec.n, ql.spec.k, ql.scales, torch.full_like(ql.codes[:, :1], 9), 128,
-                           128, True, True, torch.empty(0), torch.empty(0), 1)[0].item() == 3
+    with pytest.raises(RuntimeError, match="AVX2"):  # asked anyway, the job refuses rather than run
+        w4a8.requant_job(ql, target)
 
 
 def test_lossless_max_abs_is_exact(monkeypatch):
@@ -337,20 +338,19 @@ def test_fixture_modules_match_twin(monkeypatch, name):
             packed = reader.read(spec, unpack=False)  # what convert hands the one-pass kernels
             for target in sorted({auto_group({-1 if spec.group_size >= spec.k else spec.group_size}, [spec.k]), -1}):
                 out = to_w4a8_matches_twin(monkeypatch, ql, target, twin_ql=ql0, where=spec.name)
-                fast = w4a8.lossless_fast(packed, target) or w4a8.requant_fast(packed, target)
-                if fast is not None:
-                    assert fast.path == out.path, spec.name
-                    assert same_bytes(fast.q, out.q) and same_bytes(fast.scales, out.scales), spec.name
-                    close_info(fast.error, out.error)
+                fast = w4a8.to_w4a8(packed, target)  # the same job on the words
+                assert fast.path == out.path, spec.name
+                assert same_bytes(fast.q, out.q) and same_bytes(fast.scales, out.scales), spec.name
+                close_info(fast.error, out.error)
 
 
 # ------------------------------------------------------------------------------------ requant from codes
 #
 # The C++ evaluates a target group lying inside one source group from the histogram of its 16
-# codes (csrc/convert_kernels/requant.cpp, namespace hist); anything else from the dequantised values.
-# These compare both with the torch oracle: to_w4a8 against its twin, and kernels.requant(ql=...)
-# against w4a8._requant_rows on w4a8._source_rows (which also covers inputs to_w4a8 never hands
-# over, such as a symmetric source whose groups stay inside its source groups).
+# codes (csrc/convert_kernels/requant_hist.h, namespace hist); anything else from the dequantised values.
+# These compare both with the torch oracle: to_w4a8 against its twin, and w4a8.requant_job against
+# w4a8._requant_rows on w4a8._source_rows (which also covers inputs to_w4a8 never hands over, such
+# as a symmetric source whose groups stay inside its source groups).
 
 
 def _code_ql(codes, scales, zeros, group, *, g_idx=None, name="hist"):
@@ -388,12 +388,17 @@ def _float64_info(ql, q, s, g):
             "cosine": float((w * v).sum()) / math.sqrt(ww * vv)}
 
 
+def _job(ql, g, search=True):
+    """(q, scales, info) of the requant job, info as the oracle's keys."""
+    out = w4a8.requant_job(ql, normalize_group(g, ql.spec.k), search=search)
+    assert out.path == "requant" and out.error.pop("exact_ints") is False
+    return out.q, out.scales, out.error
+
+
 def _requant_matches(ql, g, search=True, *, float64_stats=False):
     n, k = ql.codes.shape
     gn = normalize_group(g, k)
-    fast = kernels.requant(n, k, gn, search=search, name=ql.spec.name, ql=ql)
-    assert fast is not None
-    q, s, info = fast
+    q, s, info = _job(ql, g, search)
     q0, s0, info0 = _oracle(ql, g, search)
     assert same_bytes(q, q0)
     assert same_bytes(s, s0)
@@ -407,8 +412,8 @@ def _requant_matches(ql, g, search=True, *, float64_stats=False):
 
 def _count_redo(monkeypatch):
     calls = []
-    orig = kernels._redo_with_torch
-    monkeypatch.setattr(kernels, "_redo_with_torch", lambda amb, *a: (calls.append(amb.tolist()), orig(amb, *a)))
+    orig = kernels.redo_close_calls
+    monkeypatch.setattr(kernels, "redo_close_calls", lambda amb, *a: (calls.append(amb.tolist()), orig(amb, *a)))
     return calls
 
 
@@ -482,19 +487,19 @@ def test_float32_search_takes_clear_batches_only():
     outside [2^-40, 2^40]. RTN searches nothing."""
     n_batches = 768 * 2048 // 128 // 8
     ql = _rand_code_ql(768, 2048, 128, 41)
-    _, n32, n64 = batches(kernels.requant, 768, 2048, 128, search=True, name=None, ql=ql)
+    _, n32, n64 = batches(_job, ql, 128)
     assert n32 + n64 == n_batches and n64 <= 0.02 * n_batches, (n32, n64)
-    _, n32, n64 = batches(kernels.requant, 768, 2048, 128, search=False, name=None, ql=ql)
+    _, n32, n64 = batches(_job, ql, 128, search=False)
     assert n32 == n64 == 0
     ties = _rand_code_ql(256, 512, 128, 31, lo=7, hi=9, sym=True)
     tied = _exact_ties(ties, 128)
     assert tied > 50
-    _, n32, n64 = batches(kernels.requant, 256, 512, 128, search=True, name=None, ql=ties)
+    _, n32, n64 = batches(_job, ties, 128)
     assert n32 + n64 == 256 * 512 // 128 // 8 and n64 >= -(-tied // 8) and n32 > 0, (tied, n32, n64)
     # amax = |c - z| * scale, |c - z| in [8, 15] for these groups: 2^-40 ~ 9.1e-13, 2^40 ~ 1.1e12
     for scale, clear in ((1e-14, False), (1e-11, True), (1e10, True), (2e11, False)):
         x = _rand_code_ql(64, 256, 128, 61, scale=(scale, 3 * scale), dtype=torch.float32)
-        _, n32, n64 = batches(kernels.requant, 64, 256, 128, search=True, name=None, ql=x)
+        _, n32, n64 = batches(_job, x, 128)
         assert n32 + n64 == 16 and (n64 == 16 if not clear else n64 < 2), (scale, n32, n64)
 
 
@@ -530,7 +535,7 @@ def test_requant_from_codes_constant_groups(search_in):
         info = _requant_matches(ql, target)
         assert info["zero_groups"] > 0
     # zero groups ship scale 1.0 and q = 0
-    q, s, _ = kernels.requant(n, k, 128, search=True, name=None, ql=ql)
+    q, s, _ = _job(ql, 128)
     assert bool((q[0] == 0).all()) and bool((s[0].float() == scale_search.ZERO_GROUP_SCALE).all())
 
 
@@ -553,7 +558,7 @@ def test_requant_from_codes_each_code_maps_right(search_in):
     scales = torch.full((n, k // group), 0.01, dtype=torch.float16)
     ql = _code_ql(codes, scales, zeros, group)
     _requant_matches(ql, 128)
-    q, s, _ = kernels.requant(n, k, 128, search=False, name=None, ql=ql)
+    q, s, _ = _job(ql, 128, search=False)
     # RTN, written out: q = round((c - z) * s_src * (1 / s)) clamped to [-8, 7]
     x = (codes.float() - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
     ref = (x * s.float().reciprocal().repeat_interleave(group, 1)).round().clamp(-8, 7)
@@ -569,20 +574,32 @@ def test_requant_codes_above_15_take_the_element_path():
     _requant_matches(_code_ql(codes, ql.scales, ql.zeros, 128), 64)
 
 
-def test_requant_from_codes_nonfinite_hands_over():
-    """A NaN/Inf value (a NaN or Inf scale, or an overflow of (c - z) * s): the C++ declines."""
+def refuses_like_twin(monkeypatch, ql, g, match):
+    """The job and its torch twin refuse ``ql`` with the same InputError (which names the tensor)."""
+    with pytest.raises(InputError, match=match) as fast:
+        w4a8.to_w4a8(ql, g)
+    with pytest.raises(InputError) as ref:
+        twin(monkeypatch, w4a8.to_w4a8, ql, g)
+    assert str(fast.value) == str(ref.value) and fast.value.hint == ref.value.hint
+
+
+def test_requant_from_codes_nonfinite_is_refused_like_the_twin(monkeypatch):
+    """A NaN/Inf scale, or an overflow of (c - z) * s (a NaN/Inf weight): the job refuses with the
+    twin's error, scale refusals at the same place."""
     n, k = 8, 256
     for bad in (float("nan"), float("inf")):
         ql = _rand_code_ql(n, k, 128, 81, dtype=torch.float32)
         scales = ql.scales.clone()
         scales[2, 1] = bad
-        assert kernels.requant(n, k, 128, search=True, name=None, ql=_code_ql(ql.codes, scales, ql.zeros, 128)) is None
+        scales[5, 0] = bad
+        refuses_like_twin(monkeypatch, _code_ql(ql.codes, scales, ql.zeros, 128), 128,
+                          r"NaN or Inf scale at row 2, group 1 \(and 1 more\)")
     ql = _rand_code_ql(n, k, 128, 82, dtype=torch.float32)
     codes, zeros, scales = ql.codes.clone(), ql.zeros.clone(), ql.scales.clone()
     codes[4, :128] = torch.tensor([0, 15] * 64, dtype=torch.uint8)
     zeros[4, 0] = 0
     scales[4, 0] = 3e38  # 15 * 3e38 overflows float32
-    assert kernels.requant(n, k, 128, search=True, name=None, ql=_code_ql(codes, scales, zeros, 128)) is None
+    refuses_like_twin(monkeypatch, _code_ql(codes, scales, zeros, 128), 128, "weights of hist contain NaN or Inf")
     codes[4, :128] = 0  # the overflowing code absent: finite again, and matches the oracle
     _requant_matches(_code_ql(codes, scales, zeros, 128), 128)
 
@@ -606,11 +623,11 @@ def test_requant_from_codes_g_idx_uses_elements(monkeypatch):
     _requant_matches(_code_ql(ql.codes, ql.scales, ql.zeros, 64, g_idx=g_idx), 128)
 
 
-# ------------------------------------------------------------------------------------ requant_fast
+# ------------------------------------------------------------------------------------ the jobs on packed words
 #
-# One C++ call per requant job of an asymmetric source, reading the packed words as convert
-# hands them over (64 rows unpacked at a time). The words here come from a nibble-by-nibble packer
-# written for the test; the reference is to_w4a8's torch twin on the codes.
+# One C++ call per job, reading the packed words as convert hands them over (64 rows unpacked at
+# a time). The words here come from a nibble-by-nibble packer written for the test; the reference
+# is to_w4a8's torch twin on the codes.
 
 def _pack(codes: torch.Tensor, layout: int) -> torch.Tensor:
     """codes uint8 [N, K] -> int32 words: 1 compressed-tensors [N, ceil(K/8)], 2 GPTQ [K/8, N],
@@ -639,7 +656,7 @@ REQUANT_JOB_CASES = [
 
 
 @pytest.mark.parametrize("case", REQUANT_JOB_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
-def test_requant_fast_from_words_matches_twin(search_in, awq_kernel, monkeypatch, case):
+def test_requant_job_from_words_matches_twin(search_in, awq_kernel, monkeypatch, case):
     c = dict(case)
     layout, target = c.pop("layout"), c.pop("target")
     ql = _rand_code_ql(seed=121, **c)
@@ -647,44 +664,56 @@ def test_requant_fast_from_words_matches_twin(search_in, awq_kernel, monkeypatch
     if layout:
         packed = replace(ql, codes=None, packed=(layout, _pack(ql.codes, layout)))
         assert torch.equal(packed.unpacked().codes, ql.codes)  # the test's packer agrees with the readers'
-    fast = w4a8.requant_fast(packed, target)
+    fast = w4a8.to_w4a8(packed, target)
     ref = twin(monkeypatch, w4a8.to_w4a8, ql, target)
-    assert fast is not None and fast.path == ref.path == "requant"
+    assert fast.path == ref.path == "requant"
     assert same_bytes(fast.q, ref.q) and same_bytes(fast.scales, ref.scales)
     close_info(fast.error, ref.error)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_requant_fast_threads(monkeypatch, threads):
+def test_requant_job_threads(monkeypatch, threads):
     ql = _rand_code_ql(200, 256, 128, 131)
     packed = replace(ql, codes=None, packed=(3, _pack(ql.codes, 3)))
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fast = w4a8.requant_fast(packed, 128)
+        fast = w4a8.to_w4a8(packed, 128)
     finally:
         torch.set_num_threads(old)
     ref = twin(monkeypatch, w4a8.to_w4a8, ql, 128)
     assert same_bytes(fast.q, ref.q) and same_bytes(fast.scales, ref.scales)
 
 
-def test_requant_fast_leaves_the_rest_to_the_general_path():
+def test_requant_job_takes_every_record_and_refuses_like_the_twin(monkeypatch):
+    """Whatever the record (zeros or none, a g_idx, a zero scale over codes at their zero point),
+    the job is the requant path, from words or codes; bad scales are refused with the twin's
+    error at the same place."""
     ql = _rand_code_ql(16, 256, 128, 141)
-    for bad in (0.0, -0.01, float("nan"), float("inf")):  # check_scales decides (a zero scale may be valid)
+    words = replace(ql, codes=None, packed=(3, _pack(ql.codes, 3)))
+    for bad, match in ((-0.01, "negative scale at row 3, group 1"), (float("nan"), "NaN or Inf scale at row 3"),
+                       (float("inf"), "NaN or Inf scale at row 3, group 1$")):
         scales = ql.scales.clone()
         scales[3, 1] = bad
-        assert w4a8.requant_fast(replace(ql, scales=scales), 128) is None, bad
+        refuses_like_twin(monkeypatch, replace(ql, scales=scales), 64, match)
+        refuses_like_twin(monkeypatch, replace(words, scales=scales), 64, match)
+    # a zero scale: refused over codes off the zero point, taken where every code sits on it
+    scales, codes = ql.scales.clone(), ql.codes.clone()
+    scales[3, 1] = 0.0
+    codes[3, 128:] = ql.zeros[3, 1]
+    codes[3, 200] = (int(ql.zeros[3, 1]) + 1) % 16
+    refuses_like_twin(monkeypatch, _code_ql(codes, scales, ql.zeros, 128), 128, "zero scale at row 3, group 1 ")
+    codes[3, 200] = ql.zeros[3, 1]
+    to_w4a8_matches_twin(monkeypatch, _code_ql(codes, scales, ql.zeros, 128), 128)
+    to_w4a8_matches_twin(monkeypatch, replace(_code_ql(codes, scales, ql.zeros, 128), codes=None,
+                                              packed=(1, _pack(codes, 1))), 128, twin_ql=_code_ql(codes, scales,
+                                                                                                   ql.zeros, 128))
     all8 = replace(ql, zeros=torch.full_like(ql.zeros, 8))  # symmetric after all: lossless
-    assert w4a8.requant_fast(all8, 128) is None and w4a8.to_w4a8(all8, 128).path == "lossless"
-    assert w4a8.requant_fast(replace(ql, zeros=None), 128) is None
-    g_idx = torch.arange(256) // 128
-    assert w4a8.requant_fast(replace(ql, g_idx=g_idx.flip(0)), 128) is None
-    # (c - z) * s overflows float32: a NaN/Inf weight, which the general path reports
-    codes, zeros, scales = ql.codes.clone(), ql.zeros.clone(), ql.scales.float()
-    codes[4, :2] = torch.tensor([0, 15], dtype=torch.uint8)
-    zeros[4, 0] = 0
-    scales[4, 0] = 3e38
-    assert w4a8.requant_fast(_code_ql(codes, scales, zeros, 128), 128) is None
+    assert w4a8.to_w4a8(all8, 128).path == "lossless"
+    assert to_w4a8_matches_twin(monkeypatch, replace(ql, zeros=None), 64).path == "lossless"
+    g_idx = (torch.arange(256) // 128).flip(0)
+    assert to_w4a8_matches_twin(monkeypatch, replace(ql, g_idx=g_idx), 128).path == "requant"
+    assert to_w4a8_matches_twin(monkeypatch, replace(words, g_idx=g_idx), 128, twin_ql=replace(ql, g_idx=g_idx))
 
 
 def test_search_points_follow_the_settings(monkeypatch):

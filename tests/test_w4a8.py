@@ -479,7 +479,7 @@ def test_w4a8linear_dequantize_matches_reference():
 # ----------------------------------------------------------------------------- one-pass lossless (C++)
 
 def _general_lossless(monkeypatch, ql, g):
-    """The lossless path in torch: the twin of lossless_fast."""
+    """The lossless path in torch: the twin of lossless_job."""
     from int4pack import w4a8
     return w4a8._lossless_torch(ql.unpacked(), g)
 
@@ -502,18 +502,17 @@ def _with_scale_dtype(ql, dtype, *, rough=False):
     ("channel source -> channel", 256, -1, torch.float16, True, None),
     ("channel source -> groups", 256, 64, torch.float32, True, None),
 ])
-def test_lossless_fast_matches_general_path(monkeypatch, case):
+def test_lossless_job_matches_general_path(monkeypatch, case):
     from int4pack import kernels
     if kernels.ext() is None:
         pytest.skip("convert_kernels extension unavailable")
-    from int4pack.w4a8 import lossless_fast
+    from int4pack.w4a8 import lossless_job
     label, src_g, g, dtype, rough, zeros = case
     ql = _with_scale_dtype(rand_ql("m", 48, 256, src_g, seed=len(label)), dtype, rough=rough)
     if zeros == "eights":
         ql.zeros = torch.full_like(ql.scales, 8, dtype=torch.uint8)
-    fast = lossless_fast(ql, g)
+    fast = lossless_job(ql, g)
     ref = _general_lossless(monkeypatch, ql, g)
-    assert fast is not None, label
     assert fast.path == ref.path == "lossless"
     assert fast.q.dtype == ref.q.dtype and torch.equal(fast.q, ref.q), label
     assert fast.scales.dtype == ref.scales.dtype and torch.equal(fast.scales.view(torch.uint8) if fast.scales.dtype
@@ -528,33 +527,55 @@ def test_lossless_fast_matches_general_path(monkeypatch, case):
     assert fast.error["rel_l2"] == pytest.approx(want, rel=1e-6, abs=1e-12)
 
 
-@pytest.mark.parametrize("what", ["asym", "nan", "inf", "negative", "zero", "g_idx", "spans", "bf16 overflow"])
-def test_lossless_fast_declines_what_it_cannot_decide(what):
-    """Every case the one-pass kernel does not own goes back to the general path (which refuses or
-    requantises, naming the tensor); the kernel must never emit a result for them."""
+@pytest.mark.parametrize("what", ["asym", "nan", "inf", "negative", "zero", "zero at 8", "g_idx", "g_idx inside",
+                                  "spans", "bf16 overflow"])
+def test_lossless_job_refuses_or_hands_over_like_the_twin(monkeypatch, what):
+    """Every record the lossless job does not own goes to the requant path (decided before any
+    job), and every scale it refuses raises the twin's error (check_scales, or the cast check),
+    naming the tensor; anything else gives the twin's bytes."""
     from int4pack import kernels
     if kernels.ext() is None:
         pytest.skip("convert_kernels extension unavailable")
-    from int4pack.w4a8 import check_scales
-    from int4pack.w4a8 import lossless_fast
     ql = rand_ql("m", 16, 128, 32, seed=3)
-    g = 32
+    g, path, refused = 32, "lossless", None
     if what == "asym":
         ql.zeros = torch.full_like(ql.scales, 8, dtype=torch.uint8)
         ql.zeros[15, 3] = 7
+        path = "requant"
     elif what in ("nan", "inf", "negative", "zero"):
         ql.scales[9, 2] = {"nan": math.nan, "inf": math.inf, "negative": -0.01, "zero": 0.0}[what]
+        refused = {"zero": "zero scale at row 9, group 2 "}.get(what, "scale at row 9, group 2$")
+    elif what == "zero at 8":
+        ql.scales[9, 2] = 0.0
+        ql.codes[9, 64:96] = 8  # a pruned group: valid, dequantises to 0
     elif what == "g_idx":
         ql.g_idx = (torch.randperm(128, generator=torch.Generator().manual_seed(1)) // 32).int()
+        path = "requant"
+    elif what == "g_idx inside":  # source groups permuted as whole blocks: target groups inside them
+        ql.g_idx = (torch.arange(128) // 32).flip(0).int()
     elif what == "spans":
-        g = 64  # target groups of 64 over source groups of 32
+        g, path = 64, "requant"  # target groups of 64 over source groups of 32
     elif what == "bf16 overflow":
         ql.scales = ql.scales.float()
         ql.scales[4, 1] = 3.4e38  # finite in fp32, inf once rounded to bf16
-    assert lossless_fast(ql, g) is None
-    if what in ("nan", "inf", "negative"):
-        with pytest.raises(InputError, match="m.scales"):
-            check_scales(ql)
+        refused = "after the cast to the W4A8 dtype"
+
+    def twin():
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "ext", lambda: None)
+            return to_w4a8(ql, g)
+
+    if refused:
+        with pytest.raises(InputError, match=refused) as fast:
+            to_w4a8(ql, g)
+        with pytest.raises(InputError) as ref:
+            twin()
+        assert str(fast.value) == str(ref.value) and fast.value.hint == ref.value.hint
+        assert "m.scales" in str(fast.value) or "of m contain" in str(fast.value)
+        return
+    out, ref = to_w4a8(ql, g), twin()
+    assert out.path == ref.path == path
+    assert torch.equal(out.q, ref.q) and torch.equal(out.scales.float(), ref.scales.float())
 
 
 def _pack_words(codes: torch.Tensor) -> torch.Tensor:
@@ -573,13 +594,13 @@ def _pack_words(codes: torch.Tensor) -> torch.Tensor:
                                                (64, 64, BF16, 40, 256), (256, -1, torch.float32, 40, 256),
                                                (200, -1, torch.float32, 42, 200),  # rows past fours, words past 4s
                                                (96, -1, torch.float32, 44, 96)])  # a block of 12 rows, a last four words
-def test_lossless_fast_on_packed_words(monkeypatch, layout, src_g, g, dtype, n, k):
+def test_lossless_job_on_packed_words(monkeypatch, layout, src_g, g, dtype, n, k):
     """The kernel reading compressed-tensors [N, K/8] or GPTQ [K/8, N] words gives the same bytes as
     the general path on the unpacked codes."""
     from dataclasses import replace
 
     from int4pack import kernels
-    from int4pack.w4a8 import lossless_fast
+    from int4pack.w4a8 import lossless_job
     if kernels.ext() is None:
         pytest.skip("convert_kernels extension unavailable")
     ql = _with_scale_dtype(rand_ql("m", n, k, src_g, seed=7 + layout), dtype, rough=True)
@@ -588,17 +609,18 @@ def test_lossless_fast_on_packed_words(monkeypatch, layout, src_g, g, dtype, n, 
         words = words.t().contiguous()
     packed = replace(ql, codes=None, packed=(layout, words))
     assert torch.equal(packed.unpacked().codes, ql.codes)  # the packing above is the reader's layout
-    fast = lossless_fast(packed, g)
+    fast = lossless_job(packed, g)
     ref = _general_lossless(monkeypatch, ql, g)
-    assert fast is not None
     assert torch.equal(fast.q, ref.q)
     assert torch.equal(fast.scales.float(), ref.scales.float()) and fast.scales.dtype == ref.scales.dtype
     for key in ("rel_l2", "max_abs", "cosine"):
         assert fast.error[key] == pytest.approx(ref.error[key], rel=1e-5, abs=1e-12), key
-    # a zero point off 8 in the last row: declined, and the record still unpacks for the general path
+    # a zero point off 8 in the last row: the requant path's, and the record still unpacks for it
     packed.zeros = torch.full_like(ql.scales, 8, dtype=torch.uint8)
     packed.zeros[-1, -1] = 9
-    assert lossless_fast(packed, g) is None
+    assert to_w4a8(packed, g).path == "requant"
+    with pytest.raises(RuntimeError, match="not a lossless source"):  # asked anyway, the job refuses
+        lossless_job(packed, g)
     assert torch.equal(packed.unpacked().codes, ql.codes)
 
 
@@ -623,14 +645,16 @@ def test_readers_packed_records_unpack_to_the_same_codes(name):
 
 
 @pytest.mark.parametrize("record,g,want", [
-    ("sym", 32, "lossless_fast"), ("sym", 64, "codes requant"),  # a target group across two source groups
-    ("asym", 32, "requant_fast"), ("act-order", 32, "codes requant"), ("no kernels", 32, "torch"),
+    ("sym", 32, "lossless_job"), ("sym", 64, "requant_job"),  # a target group across two source groups
+    ("asym", 32, "requant_job"), ("act-order", 32, "requant_job"), ("no kernels", 32, "torch"),
 ])
 def test_to_w4a8_decides_once(monkeypatch, record, g, want):
-    """to_w4a8 decides the path from the record, then runs that path's one implementation: the other
-    path's kernels are never asked (each is replaced here by a recorder that still computes)."""
+    """to_w4a8 decides the path from the record, then makes that path's one C++ call (or runs its
+    torch twin without the library): no other job is asked (each is wrapped here by a recorder
+    that still computes)."""
     from int4pack import kernels, w4a8
-    if kernels.ext() is None:
+    m = kernels.ext()
+    if m is None:
         pytest.skip("convert_kernels extension unavailable")
     called = []
 
@@ -640,15 +664,15 @@ def test_to_w4a8_decides_once(monkeypatch, record, g, want):
             return fn(*a, **kw)
         return run
 
-    monkeypatch.setattr(w4a8, "lossless_fast", recorder("lossless_fast", w4a8.lossless_fast))
-    monkeypatch.setattr(w4a8, "requant_fast", recorder("requant_fast", w4a8.requant_fast))
-    monkeypatch.setattr(kernels, "lossless", recorder("codes lossless", kernels.lossless))
-    monkeypatch.setattr(kernels, "requant", recorder("codes requant", kernels.requant))
+    monkeypatch.setattr(m, "lossless_job", recorder("lossless_job", m.lossless_job))
+    monkeypatch.setattr(m, "requant_job", recorder("requant_job", m.requant_job))
+    monkeypatch.setattr(w4a8, "_lossless_torch", recorder("torch", w4a8._lossless_torch))
+    monkeypatch.setattr(w4a8, "_requant_torch", recorder("torch", w4a8._requant_torch))
     g_idx = (torch.randperm(128, generator=torch.Generator().manual_seed(2)) // 32).int() if record == "act-order" \
         else None
     ql = rand_ql("m", 16, 128, 32, seed=5, sym=record != "asym", g_idx=g_idx)
     if record == "no kernels":
         monkeypatch.setattr(kernels, "ext", lambda: None)
     out = to_w4a8(ql, g)
-    assert called == ([] if want == "torch" else [want])
-    assert out.path == ("lossless" if want in ("lossless_fast", "torch") else "requant")
+    assert called == [want]
+    assert out.path == ("lossless" if want in ("lossless_job", "torch") else "requant")

@@ -45,7 +45,7 @@ int64_t guarded(const F& f) {
 }  // namespace
 
 // bumped whenever a signature below changes: _native.py refuses a library of another version
-I4P_EXPORT int64_t i4p_abi_version() { return 1; }
+I4P_EXPORT int64_t i4p_abi_version() { return 2; }
 
 I4P_EXPORT const char* i4p_last_error() { return t_error.c_str(); }
 
@@ -83,40 +83,15 @@ I4P_EXPORT int64_t i4p_unpack_awq(const uint32_t* w, int64_t k, int64_t nw, uint
   });
 }
 
-// codes uint8 [N, K] -> q int8 [N, K], per group of g: sum q^2 and max q^2, int32 [N, K/g]
-I4P_EXPORT int64_t i4p_lossless(const uint8_t* codes, int64_t n, int64_t k, int64_t g, int8_t* q, int32_t* sq,
-                                int32_t* mq, int64_t threads) {
-  return guarded([&] {
-    I4P_CHECK(g > 0 && k % g == 0, "lossless: group ", g, " does not divide K=", k);
-    for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads,
-             [&](int64_t r0, int64_t r1) { lossless_rows(codes, q, sq, mq, r0, r1, k, g); });
-    return int64_t{0};
-  });
+// the tensor job of each path (convert_kernels.h): its status (>= 0, JobStatus) or -1
+I4P_EXPORT int64_t i4p_lossless_job(const JobArgs* a, int8_t* q, float* s, double* tot, int64_t* report,
+                                    int64_t threads) {
+  return guarded([&] { return lossless_job(*a, q, s, tot, report, threads); });
 }
 
-// returns the job's status (>= 0, lossless.cpp) or -1
-I4P_EXPORT int64_t i4p_lossless_job(int64_t layout, const void* data, int64_t d0, int64_t d1, int64_t n, int64_t k,
-                                    const float* sscale, int64_t gs_count, const uint8_t* zeros, int64_t src_group,
-                                    int64_t g, int64_t bf16, int8_t* q, float* s, double* tot, int64_t threads) {
-  return guarded([&] {
-    return lossless_job(layout, data, d0, d1, n, k, sscale, gs_count, zeros, src_group, g, bf16 != 0, q, s, tot,
-                        threads);
-  });
-}
-
-I4P_EXPORT int64_t i4p_requant(const ReqArgs* a, int8_t* q, float* s, uint8_t* flags, double* rowstats,
-                               int64_t threads) {
-  return guarded([&] {
-    requant(*a, q, s, flags, rowstats, threads);
-    return int64_t{0};
-  });
-}
-
-// returns the job's status (>= 0, requant.cpp) or -1
-I4P_EXPORT int64_t i4p_requant_job(int64_t layout, const void* data, int64_t d0, int64_t d1, const ReqArgs* a,
-                                   int8_t* q, float* s, uint8_t* flags, double* rowstats, double* tot,
-                                   int64_t* zero_groups, int64_t threads) {
-  return guarded([&] { return requant_job(layout, data, d0, d1, *a, q, s, flags, rowstats, tot, zero_groups, threads); });
+I4P_EXPORT int64_t i4p_requant_job(const JobArgs* a, int8_t* q, float* s, uint8_t* flags, double* tot,
+                                   int64_t* counts, int64_t* report, int64_t threads) {
+  return guarded([&] { return requant_job(*a, q, s, flags, tot, counts, report, threads); });
 }
 
 I4P_EXPORT int64_t i4p_requant_supported() { return requant_supported(); }

@@ -7,7 +7,8 @@ import functools
 import numpy as np
 
 from .._lazy import torch
-from ..checkpoint import NUMPY_DTYPES, Checkpoint, torch_dtype
+from ..checkpoint import Checkpoint
+from ..safetensors_header import NUMPY_DTYPES, torch_dtype
 from ..errors import InputError, RefusedError
 
 __all__ = [

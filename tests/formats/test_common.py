@@ -189,8 +189,11 @@ def test_non_trivial_g_idx_out_of_range_is_refused(make_ckpt):
 
 
 def test_dtype_tables_match_torch():
-    """The plan's torch-free dtype tables (checkpoint.py) against torch's own dtypes."""
-    from int4pack import checkpoint as c
+    """The plan's torch-free dtype tables (safetensors_header.py) against torch's own dtypes."""
+    from int4pack import checkpoint
+    from int4pack import safetensors_header as c
+
+    assert checkpoint.DTYPE_NAMES is c.DTYPE_NAMES  # as the writer takes them
 
     for name, (attr, size) in c._DTYPE_SPECS.items():
         dt = getattr(torch, attr)

@@ -96,8 +96,7 @@ I4P_INLINE u8x32 hi64(u8x32 a, u8x32 b) {
 }
 
 // 16-byte units for the unpack kernels. On x86 they are the SSE2 unpack instructions themselves:
-// GCC 13 lowered the same transpose written as generic 32-byte shuffles to scalar moves (AWQ
-// unpack 1 against 4.7 Gparam/s on a Xeon; GCC 12 emitted the unpacks)
+// GCC may lower the same transpose written as generic 32-byte shuffles to scalar moves
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef uint64_t u64x2 __attribute__((vector_size(16)));
 #if defined(__SSE2__)
@@ -162,7 +161,7 @@ I4P_INLINE void nibbles4(const uint32_t* w, u8x16& a, u8x16& b) {
 
 // GPTQ words t..t+3 of rows r..r+3 ([K/8, N]: w at word (t, r), rows N words apart) -> each row's
 // 32 codes less bias, stored whole at dst + i * k: a 4 x 4 transpose of the words, then 16-byte
-// stores (one word per row at a time took twice the stores)
+// stores (one word per row at a time would take twice the stores)
 I4P_INLINE void gptq_quad(const uint32_t* w, int64_t n, uint8_t* dst, int64_t k, uint8_t bias) {
   u8x16 x0, x1, x2, x3;
   std::memcpy(&x0, w, 16);
@@ -193,21 +192,6 @@ I4P_INLINE float ship_bf16(float x) {
   return y;
 }
 
-// a job's source codes: 0 codes uint8 [N, K], or int32 words of layout 1 compressed-tensors
-// [N, K/8], 2 GPTQ [K/8, N], 3 AWQ [K, N/8] (up to the caller's last layout); d0, d1 its shape
-inline void check_job_data(int64_t layout, int64_t d0, int64_t d1, int64_t n, int64_t k, int64_t last) {
-  I4P_CHECK(layout >= 0 && layout <= last, "job data: layout ", layout, " is not read here");
-  if (layout == 0) {
-    I4P_CHECK(d0 == n && d1 == k, "codes: expected uint8 [N, K]");
-    return;
-  }
-  const bool ok = layout == 1   ? (d0 == n && d1 * 8 >= k)
-                  : layout == 2 ? (d1 == n && d0 * 8 == k)
-                                : (d0 == k && d1 * 8 == n);
-  I4P_CHECK(ok, "packed words: shape does not match [N, K] for layout ", layout);
-}
-
-
 // ---- unpack.cpp
 // row ranges into a caller's buffer (the whole tensor, or the one-pass jobs' 64 rows at a time)
 void unpack_gptq_rows(const uint32_t* w, uint8_t* o, int64_t n, int64_t kw, int64_t r0, int64_t r1, int64_t o0,
@@ -216,32 +200,69 @@ void unpack_ct_rows(const uint32_t* w, int64_t kw, int64_t k, uint8_t* o, int64_
 void unpack_awq_words(const uint32_t* w, uint8_t* o, int64_t k, int64_t nw, int64_t j0, int64_t j1, int64_t o0);
 bool use_awq_avx2(bool on);  // tests: returns the previous setting
 
-// ---- lossless.cpp
-void lossless_rows(const uint8_t* c, int8_t* q, int32_t* sq, int32_t* mq, int64_t r0, int64_t r1, int64_t k,
-                   int64_t g);
-// the whole lossless job (see lossless.cpp): returns its status, fills q, s and tot[5] when 0
-int64_t lossless_job(int64_t layout, const void* data, int64_t d0, int64_t d1, int64_t n, int64_t k,
-                     const float* sscale, int64_t gs_count, const uint8_t* zeros, int64_t src_group, int64_t g,
-                     bool bf16, int8_t* q, float* s, double* tot, int64_t threads);
+// ---- job.cpp: what the two tensor jobs (lossless.cpp, requant.cpp) share
 
-// ---- requant.cpp
-struct ReqArgs {  // requant's inputs (see requant.cpp); null pointers for the source not given
-  const float* w;
-  const uint8_t* codes;
-  const uint8_t* zeros;
-  const float* sscale;
-  const int64_t* gidx;
-  int64_t n, k, src_groups, src_group, g;
-  int32_t bf16, search;
-  const float* coarse;
+// the source's layout: records.Packing (0 codes uint8 [N, K], int32 words of 1 compressed-tensors
+// [N, K/8], 2 GPTQ [K/8, N], 3 AWQ [K, N/8]), or 4 float32 values [N, K] (w4a8.requantize)
+enum Layout : int64_t { kCodes = 0, kCt = 1, kGptq = 2, kAwq = 3, kFloat = 4 };
+
+// a tensor job's inputs (_native._JobArgs)
+struct JobArgs {
+  int64_t layout;
+  const void* data;
+  int64_t d0, d1;  // data's shape
+  int64_t n, k;
+  const float* sscale;  // source scales [N, Gs] (null for float values)
+  int64_t src_groups;  // Gs
+  const uint8_t* zeros;  // zero points [N, Gs], or null: all 8
+  const int64_t* gidx;  // source group of each column [K], or null: column i in group i / src_group
+  int64_t src_group;
+  int64_t g;  // target group width (K: channel)
+  int32_t bf16, search;  // bf16 (else fp32) target scales; the scale search (else RTN)
+  const float* coarse;  // the search's candidate ratios and fine offsets (kernels.search_points)
   int64_t n_coarse;
   const float* fine;
   int64_t n_fine;
 };
-void requant(const ReqArgs& a, int8_t* q, float* s, uint8_t* flags, double* rowstats, int64_t threads);
-int64_t requant_job(int64_t layout, const void* data, int64_t d0, int64_t d1, const ReqArgs& a, int8_t* q,
-                    float* s, uint8_t* flags, double* rowstats, double* tot, int64_t* zero_groups,
-                    int64_t threads);
+
+// a job's answer: done, or what it refused, with the place in report[3] (row, group, how many
+// more of the same kind) where the message names one (w4a8._refusal words it)
+enum JobStatus : int64_t {
+  kDone = 0,
+  kScaleNotFinite = 1,  // a source scale NaN or Inf (report: the first, row-major)
+  kScaleNegative = 2,  // a negative source scale (report: the first)
+  kScaleErases = 3,  // a zero scale over a code off its zero point (report: row, source group)
+  kCastNotFinite = 4,  // a target scale not finite once cast to bf16 (lossless)
+  kWeightNotFinite = 5,  // a source value (c - z) * s not finite (requant)
+};
+
+// the job's shapes, groups and g_idx; last: the last layout the job reads
+void check_job(const JobArgs& a, int64_t last, const char* what);
+// the source scales as w4a8.check_scales takes them: not finite, then negative (kDone or the
+// status, report filled); zero_seen: whether some scale is zero (then see erased_in_row)
+int64_t check_source_scales(const JobArgs& a, int64_t* report, bool& zero_seen);
+// rows [r0, r1) of the source's codes, unpacked into buf (row r at buf + (r - r0) * K); r0 a
+// multiple of 8 for AWQ
+void unpack_block(const JobArgs& a, int64_t r0, int64_t r1, uint8_t* buf);
+// the source group of the first column of row r whose scale is zero while its value is not the
+// group's zero point (a weight the zero scale would erase), or -1. values: row r's K values;
+// zero: the value every zero point stands for, or -1 to read the zero points (8 without)
+int64_t erased_in_row(const JobArgs& a, int64_t r, const uint8_t* values, int zero);
+constexpr int64_t kJobRows = 64;  // rows unpacked at a time (8 AWQ words; 128 KB of codes at K = 2048)
+
+// ---- lossless.cpp
+// the lossless path: q = codes - 8, the target scales cast from the source's, the cast's error.
+// Returns the status; when kDone, q int8 [N, K], s float32 [N, K/g] (the shipped values) and
+// tot [5] (dd, ww, vv, wv, max_abs) are filled
+int64_t lossless_job(const JobArgs& a, int8_t* q, float* s, double* tot, int64_t* report, int64_t threads);
+
+// ---- requant.cpp
+// the requant path: the scale search of every target group. Returns the status; when kDone,
+// q int8 [N, K], s float32 [N, K/g], flags uint8 [N, K/g] (bit 0: a close call, left to
+// kernels.redo_close_calls; bit 2: a zero group), tot [6] (dd, ww, vv, wv, baseline sse, max_abs;
+// dd, vv, wv and max_abs without the close calls) and counts [2] (zero groups, close calls)
+int64_t requant_job(const JobArgs& a, int8_t* q, float* s, uint8_t* flags, double* tot, int64_t* counts,
+                    int64_t* report, int64_t threads);
 bool requant_supported();  // whether this CPU runs requant_rows (see requant.cpp)
 void search_batches(int64_t* out);  // histogram batches searched in float32, float64
 bool force_search64(bool on);  // tests: returns the previous setting

@@ -1,48 +1,16 @@
-// The lossless re-emit: q = codes - 8 and the error of the scale cast (twin: w4a8._lossless).
+// The lossless path in one pass (twin: w4a8._lossless_torch after w4a8.check_scales): q = codes - 8,
+// target scales cast from the source group holding each target group, and the error of that cast.
+// Works on unpacked codes, or straight on the packed words (GPTQ [K/8, N] or compressed-tensors
+// [N, K/8]: the codes are never materialised; AWQ words and a compressed-tensors K off whole words
+// a block of rows at a time).
 
 #include "convert_kernels.h"
 
 namespace i4p {
 
-// ------------------------------------------------------------------------------------ lossless
-
-// q = codes - 8 (int8), and per contiguous group of width g: sum of q^2 and max q^2 (int32)
-I4P_CLONES void lossless_rows(const uint8_t* c, int8_t* q, int32_t* sq, int32_t* mq, int64_t r0, int64_t r1,
-                              int64_t k, int64_t g) {
-  const int64_t groups = k / g;
-  for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t j = 0; j < groups; ++j) {
-      const uint8_t* src = c + r * k + j * g;
-      int8_t* dst = q + r * k + j * g;
-      int32_t s = 0, m = 0;
-      for (int64_t i = 0; i < g; ++i) {
-        const int32_t v = static_cast<int32_t>(src[i]) - 8;
-        dst[i] = static_cast<int8_t>(v);
-        s += v * v;
-        m = std::max(m, v * v);
-      }
-      sq[r * groups + j] = s;
-      mq[r * groups + j] = m;
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------ lossless, one call
-
-// The whole lossless job in one pass (w4a8._lossless + convert.check_scales' common case): q = codes - 8,
-// target scales cast from the source group holding each target group, and the error of that cast.
-// Works on unpacked codes, or straight on the packed words (GPTQ [K/8, N] or compressed-tensors
-// [N, K/8]) so the codes are never materialised. Returns status 0 and the results, or a status saying
-// why the general Python path must decide:
-//   1 a source scale that is NaN/Inf, negative or zero (check_scales names it),
-//   2 a zero point other than 8 (not lossless: requant), 3 a scale not finite after the cast,
-//   4 a target group spanning two source groups (or a K the packed path does not take).
-enum LosslessStatus : int64_t { kOk = 0, kBadScale = 1, kAsym = 2, kCastOverflow = 3, kSpans = 4 };
-
 struct Lossless {
-  const uint8_t* z = nullptr;  // zeros [N, Gs] or null (all 8)
   const float* ss = nullptr;  // source scales [N, Gs]
-  const int64_t* sg = nullptr;  // source group of each target group; -1 where it spans two
+  const int64_t* sg = nullptr;  // source group of each target group
   int64_t gs_count = 1, k = 0, g = 0;
   bool bf16 = true;
   int8_t* q = nullptr;
@@ -52,35 +20,20 @@ struct Lossless {
 // row accumulators: dd, ww, vv, wv, max_abs (a local copy per row, so they stay in registers)
 struct RowAcc {
   double v[5] = {0, 0, 0, 0, 0};
-  int64_t status = kOk;
+  bool cast_not_finite = false;
 };
 
 // sqrt(m) for the largest q^2 of a group, exact: m is a square (q^2 <= 64 for 4-bit codes)
 constexpr double kRoots[65] = {0, 1, 0, 0, 2, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 4, 0, 0, 0, 0, 0, 0, 0, 0, 5, 0, 0, 0, 0, 0, 0,
                                0, 0, 0, 0, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8};
 
-// target group j of row r, whose q^2 sum and max are sq and m: check, cast, accumulate
+// target group j of row r, whose q^2 sum and max are sq and m: cast, accumulate (the scales were
+// checked before: finite, and zero only where the check of erased weights looks)
 I4P_INLINE void lossless_group(const Lossless& p, int64_t r, int64_t j, int32_t sq, int32_t m, RowAcc& a) {
-  if (a.status != kOk) return;
-  const int64_t groups = p.k / p.g, sg = p.sg[j];
-  if (sg < 0) {
-    a.status = kSpans;
-    return;
-  }
-  if (p.z && p.z[r * p.gs_count + sg] != 8) {
-    a.status = kAsym;
-    return;
-  }
-  const float s = p.ss[r * p.gs_count + sg];
-  if (!(s > 0.0f) || !std::isfinite(s)) {  // NaN, Inf, negative or zero
-    a.status = kBadScale;
-    return;
-  }
+  const int64_t groups = p.k / p.g;
+  const float s = p.ss[r * p.gs_count + p.sg[j]];
   const float sb = p.bf16 ? ship_bf16(s) : s;
-  if (!std::isfinite(sb)) {
-    a.status = kCastOverflow;
-    return;
-  }
+  a.cast_not_finite |= !std::isfinite(sb);
   p.out_s[r * groups + j] = sb;
   const double sd = s, sbd = sb, diff = sbd - sd, w = sq;
   const double root = m <= 64 ? kRoots[m] : std::sqrt(static_cast<double>(m));  // vsqrtsd stalled the loop
@@ -162,7 +115,7 @@ I4P_INLINE void lossless_stats_rows(const Lossless& p, int64_t r0, int64_t r1, R
   const int64_t k = p.k, g = p.g, groups = k / g;
   for (int64_t r = r0; r < r1; ++r) {
     RowAcc a = acc[r];
-    for (int64_t j = 0; j < groups && a.status == kOk; ++j) {
+    for (int64_t j = 0; j < groups; ++j) {
       int32_t sq, m;
       q4_stats(p.q + r * k + j * g, g, sq, m);
       lossless_group(p, r, j, sq, m, a);
@@ -171,12 +124,14 @@ I4P_INLINE void lossless_stats_rows(const Lossless& p, int64_t r0, int64_t r1, R
   }
 }
 
-I4P_CLONES void lossless_codes_rows(const Lossless& p, const uint8_t* c, int64_t r0, int64_t r1, RowAcc* acc) {
+// codes uint8 (row r at c + (r - c0) * K)
+I4P_CLONES void lossless_codes_rows(const Lossless& p, const uint8_t* c, int64_t c0, int64_t r0, int64_t r1,
+                                    RowAcc* acc) {
   const int64_t k = p.k, g = p.g, groups = k / g;
   for (int64_t r = r0; r < r1; ++r) {
     RowAcc a = acc[r];
-    for (int64_t j = 0; j < groups && a.status == kOk; ++j) {
-      const uint8_t* src = c + r * k + j * g;
+    for (int64_t j = 0; j < groups; ++j) {
+      const uint8_t* src = c + (r - c0) * k + j * g;
       int8_t* dst = p.q + r * k + j * g;
       for (int64_t i = 0; i < g; ++i) dst[i] = static_cast<int8_t>(static_cast<int32_t>(src[i]) - 8);
       int32_t sq, m;
@@ -195,7 +150,7 @@ I4P_CLONES void lossless_ct_rows(const Lossless& p, const uint32_t* w, int64_t k
     const uint32_t* src = w + r * kw;
     int8_t* dst = p.q + r * k;
     // the whole row first: statistics read right behind 16-byte stores would wait on each
-    // (a load spanning two stores is not forwarded; lossless ran at 4.5 against 6.4 Gparam/s)
+    // (a load spanning two stores is not forwarded)
     int64_t t = 0;
     for (; t < kw4; t += 4) {
       u8x16 a, b;
@@ -222,66 +177,80 @@ I4P_CLONES void lossless_gptq_rows(const Lossless& p, const uint32_t* w, int64_t
   }
 }
 
-// layout: 0 codes uint8 [N, K]; 1 compressed-tensors words [N, K/8]; 2 GPTQ words [K/8, N] (data's
-// shape d0 x d1). Source scales float32 [N, Gs], zeros uint8 [N, Gs] or null, source groups of
-// src_group contiguous columns, target group g (K: channel), bf16 (else fp32) target scales.
-// Returns the status; when 0, q int8 [N, K], s [N, K/g] float32 holding the shipped values and
-// tot [5] float64 (dd, ww, vv, wv, max_abs) are filled.
-int64_t lossless_job(int64_t layout, const void* data, int64_t d0, int64_t d1, int64_t n, int64_t k,
-                     const float* sscale, int64_t gs_count, const uint8_t* zeros, int64_t src_group, int64_t g,
-                     bool bf16, int8_t* q, float* s, double* tot, int64_t threads) {
-  check_job_data(layout, d0, d1, n, k, 2);
-  I4P_CHECK(g > 0 && k % g == 0, "lossless_job: group ", g, " does not divide K=", k);
-  I4P_CHECK(src_group > 0, "lossless_job: bad source group ", src_group);
+// the job (see convert_kernels.h): checks, then rows in parallel, then the sums in row order
+int64_t lossless_job(const JobArgs& a, int8_t* q, float* s, double* tot, int64_t* report, int64_t threads) {
+  check_job(a, kAwq, "lossless_job");
+  const int64_t n = a.n, k = a.k, g = a.g, groups = k / g;
+  if (a.zeros != nullptr) {
+    const int64_t nz = n * a.src_groups;
+    I4P_CHECK(std::all_of(a.zeros, a.zeros + nz, [](uint8_t z) { return z == 8; }),
+              "lossless_job: a zero point other than 8 (not a lossless source)");
+  }
+  bool zero_seen = false;
+  const int64_t st = check_source_scales(a, report, zero_seen);
+  if (st != kDone) return st;
+  // each target group's source group, once per job rather than two divisions per group
+  std::vector<int64_t> sgs(groups);
+  for (int64_t j = 0; j < groups; ++j) {
+    const int64_t c0 = j * g, c1 = c0 + g - 1;
+    int64_t sg = a.gidx ? a.gidx[c0] : c0 / a.src_group;
+    if (a.gidx) {
+      for (int64_t i = c0; i <= c1; ++i) sg = a.gidx[i] == sg ? sg : -1;
+    } else if (c1 / a.src_group != sg) {
+      sg = -1;
+    }
+    I4P_CHECK(sg >= 0, "lossless_job: target group ", j, " spans two source groups (not a lossless source)");
+    sgs[j] = sg;
+  }
   Lossless p;
-  p.gs_count = gs_count;
-  if (zeros != nullptr) {
-    p.z = zeros;
-    // an asymmetric source (the requant path calls here first) leaves before any work
-    const int64_t nz = n * gs_count;
-    int64_t i = 0;
-    while (i < nz && p.z[i] == 8) ++i;
-    if (i < nz) return kAsym;
-  }
-  p.ss = sscale;
-  // each target group's source group, once per job (two divisions per group were ~10% of the job)
-  std::vector<int64_t> sgs(k / g);
-  for (int64_t j = 0; j < k / g; ++j) {
-    const int64_t sg = (j * g) / src_group;
-    sgs[j] = ((j + 1) * g - 1) / src_group != sg || sg >= p.gs_count ? -1 : sg;
-  }
+  p.gs_count = a.src_groups;
+  p.ss = a.sscale;
   p.sg = sgs.data();
   p.k = k;
   p.g = g;
-  p.bf16 = bf16;
+  p.bf16 = a.bf16 != 0;
   p.q = q;
   p.out_s = s;
   std::vector<RowAcc> acc(n);
-  const bool packed_ok = layout == 0 || (k % 8 == 0 && g % 8 == 0);
-  if (!packed_ok) {
-    acc.assign(n, RowAcc{});
-    if (n) acc[0].status = kSpans;
-  } else if (layout == 0) {
-    const uint8_t* c = static_cast<const uint8_t*>(data);
-    for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads,
-             [&](int64_t r0, int64_t r1) { lossless_codes_rows(p, c, r0, r1, acc.data()); });
-  } else if (layout == 1) {
-    const uint32_t* w = static_cast<const uint32_t*>(data);
-    const int64_t kw = d1;
-    for_rows(n, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1)), threads,
-             [&](int64_t r0, int64_t r1) { lossless_ct_rows(p, w, kw, r0, r1, acc.data()); });
-  } else {
-    const uint32_t* w = static_cast<const uint32_t*>(data);
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(k, 1));
+  if (a.layout == kCodes) {
+    const uint8_t* c = static_cast<const uint8_t*>(a.data);
+    for_rows(n, grain, threads, [&](int64_t r0, int64_t r1) { lossless_codes_rows(p, c, 0, r0, r1, acc.data()); });
+  } else if (a.layout == kCt && k % 8 == 0) {
+    const uint32_t* w = static_cast<const uint32_t*>(a.data);
+    for_rows(n, grain, threads, [&](int64_t r0, int64_t r1) { lossless_ct_rows(p, w, a.d1, r0, r1, acc.data()); });
+  } else if (a.layout == kGptq) {
+    const uint32_t* w = static_cast<const uint32_t*>(a.data);
     for_rows((n + 15) / 16, 1, threads, [&](int64_t b0, int64_t b1) { lossless_gptq_rows(p, w, n, b0, b1, acc.data()); });
+  } else {
+    for_rows((n + kJobRows - 1) / kJobRows, 1, threads, [&](int64_t b0, int64_t b1) {
+      std::vector<uint8_t> buf(kJobRows * k);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t r0 = b * kJobRows, r1 = std::min(n, r0 + kJobRows);
+        unpack_block(a, r0, r1, buf.data());
+        lossless_codes_rows(p, buf.data(), r0, r0, r1, acc.data());
+      }
+    });
   }
-  int64_t worst = kOk;
+  if (zero_seen) {  // q = 0 where the code is 8: a zero scale erases nothing there
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t sg = erased_in_row(a, r, reinterpret_cast<const uint8_t*>(q + r * k), 0);
+      if (sg >= 0) {
+        report[0] = r;
+        report[1] = sg;
+        report[2] = 0;
+        return kScaleErases;
+      }
+    }
+  }
   for (int i = 0; i < 5; ++i) tot[i] = 0.0;
+  bool cast_not_finite = false;
   for (int64_t r = 0; r < n; ++r) {
-    worst = std::max(worst, acc[r].status);
+    cast_not_finite |= acc[r].cast_not_finite;
     for (int i = 0; i < 4; ++i) tot[i] += acc[r].v[i];
     tot[4] = std::max(tot[4], acc[r].v[4]);
   }
-  return worst;
+  return cast_not_finite ? kCastNotFinite : kDone;
 }
 
 }  // namespace i4p

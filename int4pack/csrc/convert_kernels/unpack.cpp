@@ -161,8 +161,8 @@ __attribute__((target("avx2"), always_inline)) inline void awq_swap(__m256i& a, 
   a = _mm256_xor_si256(a, _mm256_slli_epi32(d, sh));
 }
 
-// unpack_awq_block in AVX2 with few shuffles: the SSE2 byte transposes are all shuffles, and the
-// Xeons' one shuffle port made the AWQ unpack 2-4x slower there than on AMD (300-550 us an expert).
+// unpack_awq_block in AVX2 with few shuffles: the SSE2 byte transposes are all shuffles, which
+// cores with one shuffle port (Intel's) run several times slower than AMD's.
 // 8 rows of the 8 words: an 8 x 8 transpose of nibbles inside each 32-bit lane by masks and shifts
 // (no shuffles) leaves, for each nibble i, 8 columns of output row 8 (j0 + l) + kAwqOrder[i] in
 // lane l; 8 such row blocks, transposed as 32-bit elements, make 64 columns of each output row:

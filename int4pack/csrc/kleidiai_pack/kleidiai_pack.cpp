@@ -84,8 +84,8 @@ void group_block(const Job& j, int64_t e, int64_t blk) {
         seg[1][r] = two[1];
       }
       // KleidiAI rounds the row sum once per 16-value segment, in storage order. One lane per
-      // row keeps that order and lets the compiler vectorise over rows (a scalar chain was 5x
-      // slower). The product (|seg| <= 128 times a bf16) is exact: FMA cannot change it.
+      // row keeps that order and lets the compiler vectorise over rows (rather than a scalar
+      // chain). The product (|seg| <= 128 times a bf16) is exact: FMA cannot change it.
       for (int h = 0; h < 2; ++h) {
         for (int r = 0; r < kNr; ++r) sums[r] += static_cast<float>(seg[h][r]) * s[r];
       }

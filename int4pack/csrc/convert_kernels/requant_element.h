@@ -1,0 +1,92 @@
+// The requant search's element evaluation: any float group, one value at a time (a float
+// source, a g_idx, a target group across source groups, a code above 15). See requant_search.h.
+#pragma once
+
+#include "requant_search.h"
+
+namespace i4p {
+
+I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, const float* xg, ReqRow& acc) {
+  const int64_t k = p.k, g = p.g, groups = k / g;
+  v8f lo = splat(xg[0]), hi = lo, ss = {}, nanchk = {};
+  float wmin = xg[0], wmax = xg[0], chk = 0.0f;
+  double xx = 0;
+  int64_t i = 0;
+  for (; i + 8 <= g; i += 8) {
+    const v8f v = load8(xg + i);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+    ss += v * v;
+    nanchk += v * splat(0.0f);
+  }
+  for (; i < g; ++i) {
+    const float v = xg[i];
+    wmin = v < wmin ? v : wmin;
+    wmax = v > wmax ? v : wmax;
+    xx += static_cast<double>(v) * v;
+    chk += v * 0.0f;
+  }
+  for (int l = 0; l < 8; ++l) {
+    wmin = lo[l] < wmin ? lo[l] : wmin;
+    wmax = hi[l] > wmax ? hi[l] : wmax;
+    chk += nanchk[l];
+  }
+  xx += hsum(ss);
+  if (!(chk == 0.0f)) {
+    non_finite_group(p, r, j);
+    return;
+  }
+  {
+    // past the guard of Decision::begin the float32 squares under/overflow: the sum again in double
+    // (torch decides such a group, but ww is taken from here)
+    const float amax = std::max(wmax, -wmin);
+    if (amax != 0.0f && !(amax >= 1e-18f && amax <= 1e17f)) {
+      xx = 0;
+      for (int64_t t = 0; t < g; ++t) xx += static_cast<double>(xg[t]) * xg[t];
+    }
+  }
+  Decision& dec = w.d;
+  const float best_s = w.decide(p, dec, wmin, wmax, [&](const float* cand, double* err, int m)
+                                                            I4P_LAMBDA_INLINE {
+    for (int i = 0; i < m; ++i) err[i] = group_sse(xg, g, cand[i]);
+  });
+  const double base_e = dec.base_e;
+  const uint8_t flag = dec.flag;
+  // final q, and the statistics against the float source
+  const float rs = 1.0f / best_s;
+  int8_t* qg = p.q + r * k + j * g;
+  double gdd = 0, gvv = 0, gwv = 0, gmax = 0;
+  const v8f vrs = splat(rs), vb = splat(best_s);
+  v8f add = {}, avv = {}, awv = {}, amx = {};
+  int64_t t = 0;
+  for (; t + 8 <= g; t += 8) {
+    const v8f x0 = load8(xg + t);
+    const v8f u = qround(x0 * vrs);
+    for (int l = 0; l < 8; ++l) qg[t + l] = static_cast<int8_t>(u[l]);
+    const v8f v = u * vb;  // torch: dequantize_w4a8, then v - w in float
+    const v8f d = v - x0;
+    add += d * d;
+    avv += v * v;
+    awv += v * x0;
+    const v8f ad = d < splat(0.0f) ? -d : d;
+    amx = ad > amx ? ad : amx;
+  }
+  for (; t < g; ++t) {
+    const float u = qround1(xg[t] * rs);
+    qg[t] = static_cast<int8_t>(u);
+    const float v = u * best_s, d = v - xg[t];
+    gdd += static_cast<double>(d) * d;
+    gvv += static_cast<double>(v) * v;
+    gwv += static_cast<double>(v) * xg[t];
+    gmax = std::max(gmax, static_cast<double>(std::fabs(d)));
+  }
+  gdd += hsum(add);
+  gvv += hsum(avv);
+  gwv += hsum(awv);
+  for (int l = 0; l < 8; ++l) gmax = std::max(gmax, static_cast<double>(amx[l]));
+  acc.add(flag, gdd, xx, gvv, gwv, base_e, gmax);
+  p.s[r * groups + j] = best_s;
+  p.flags[r * groups + j] = flag;
+}
+
+}  // namespace i4p

@@ -1,0 +1,74 @@
+"""verify's numerical check of one dense W4A8 linear: a few rows through
+``_dyn_quant_matmul_4bit`` and through float32 references, the errors against their predictions."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import kernels
+from . import moe as moe_mod
+from .errors import InputError
+from .groups import block
+from .verify_source import Source, bias_vs_source
+from .verify_structure import Target
+from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, rel
+from .w4a8 import dequantize_w4a8
+
+__all__ = ["check_linear"]
+
+
+def check_linear(t: Target, m: str, src: Source | None, report, x: torch.Tensor, clock) -> dict:
+    with kernels.threads_here(1):
+        return _dense_run(t, m, src, report, x, clock)
+
+
+def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, clock) -> dict:
+    res: dict = {"module": m, "kind": "dense", "problems": []}
+    with clock("read"):
+        q, s, g = t.weight(m)
+        w_c = dequantize_w4a8(q, s, g)
+    n, k = q.shape
+    if x.shape[1] != k:
+        raise InputError(f"{m}: K={k} in its weights, {x.shape[1]} recorded", tensor=m)
+    with clock("pack"):
+        wp = t.blob(m)
+        if wp is None:
+            wp = moe_mod.pack_for_matmul(q, s, g)
+    with clock("kernel"):
+        y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, block(k, g), k, n)
+    with clock("reference"):
+        y_c = x @ w_c.t()
+    step2 = moe_mod.int8_step(x) ** 2 / 12
+    act_pred = math.sqrt(float(step2.sum()) * float(w_c.double().pow(2).sum())) / max(float(y_c.double().norm()), 1e-30)
+    act_rel = rel(y_k, y_c)
+    res.update(act_rel=act_rel, act_pred=act_pred, act_ratio=act_rel / act_pred if act_pred else None)
+    if act_rel > K_ACT * act_pred + ABS_FLOOR:
+        res["problems"].append(
+            f"activation-quantisation error {act_rel:.4g} exceeds {K_ACT} x predicted {act_pred:.4g}")
+    tol = K_ACT * act_pred
+    y_s = y_c
+    if src is not None:
+        with clock("read"):
+            w_s = src.dequant(m)
+        meas = rel(w_c, w_s)
+        bud, why = budget(m, w_s, g, report, src)
+        if not meas <= bud:
+            res["problems"].append(f"weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        res["problems"] += bias_vs_source(t, src, m)
+        with clock("reference"):
+            y_s = x @ w_s.t()
+        w_pred = bud * math.sqrt(float(w_s.double().pow(2).mean()) * float(x.double().pow(2).sum()) * n) \
+            / max(float(y_s.double().norm()), 1e-30)
+        w_rel = rel(y_c, y_s)
+        res.update(weight_rel=w_rel, weight_pred=w_pred, weight_l2=meas, budget=bud)
+        tol = math.hypot(K_ACT * act_pred, K_WEIGHT * w_pred)
+        if w_rel > K_WEIGHT * w_pred + ABS_FLOOR:
+            res["problems"].append(
+                f"output deviates from the source by {w_rel:.4g} (allowed {K_WEIGHT} x {w_pred:.4g})")
+    res.update(rel_l2=rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=cos(y_k, y_s), tolerance=tol)
+    if res["rel_l2"] > tol + ABS_FLOOR:
+        res["problems"].append(f"output error {res['rel_l2']:.4g} exceeds the tolerance {tol:.4g}")
+    res["ok"] = not res["problems"]
+    return res

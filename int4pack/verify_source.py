@@ -1,0 +1,207 @@
+"""verify's source side (``--against``): the source checkpoint read by int4pack's own readers,
+the tensors the output holds unchanged from it, and each module's weights against it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .architectures import vllm_output_names
+from .checkpoint import Checkpoint, resolve_source
+from .errors import InputError, Int4packError
+from .formats import open_reader
+from .plan import make_plan
+from .serve_spec import SUFFIX
+from .verify_structure import Target
+from .verify_tolerance import budget, rel
+
+__all__ = ["Source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
+
+
+class Source:
+    """The source checkpoint read by int4pack's own readers, plus convert's per-module budgets."""
+
+    def __init__(self, path, revision):
+        self.label = str(path)
+        self.ckpt = Checkpoint(resolve_source(path, revision=revision))
+        self.reader = open_reader(self.ckpt)
+        # keyed by the output's module names (convert renames some families for vLLM)
+        ren = {k[:-7]: v[:-7] for k, v in vllm_output_names(
+            self.ckpt.family_type, [f"{m}.weight" for m in self.reader.linears()]).items()}
+        self.specs = {ren.get(m, m): s for m, s in self.reader.linears().items()}
+        self.plan_error: str | None = None
+        self.copies: dict[str, str] = {}  # output tensor -> the source tensor it is a copy of
+        self.kept_bf16: dict[str, str] = {}  # output module kept in bf16 -> source module
+        try:
+            plan = make_plan(self.ckpt)
+            self.paths = {ren.get(m, m): p for j in plan.jobs for m, p in j.paths.items()}
+            tren = vllm_output_names(self.ckpt.model_type, [j.source for j in plan.jobs if j.kind == "copy"])
+            for j in plan.jobs:
+                if j.kind == "copy":
+                    self.copies[tren.get(j.source, j.source)] = j.source
+                elif j.kind == "dequant":
+                    self.kept_bf16[ren.get(j.specs[0].name, j.specs[0].name)] = j.specs[0].name
+        except Int4packError as e:
+            self.paths = {}
+            self.plan_error = str(e)
+        self._cache: dict[str, object] = {}
+
+    def read(self, m: str):
+        if m not in self._cache:
+            if m not in self.specs:
+                raise InputError(f"{m}: not a quantised module of the source {self.label}", tensor=m,
+                                 hint="--against must be the checkpoint this output was converted from.")
+            self._cache[m] = self.reader.read(self.specs[m])
+        return self._cache[m]
+
+    def dequant(self, m: str) -> torch.Tensor:
+        return self.read(m).dequantize()
+
+    def bias(self, m: str) -> torch.Tensor | None:
+        """Module m's bias, without unpacking (or keeping) its weights."""
+        if m in self._cache:
+            return self._cache[m].bias
+        if m not in self.specs:
+            return self.read(m).bias  # the error read() gives
+        return self.reader.read(self.specs[m], unpack=False).bias
+
+    def forget(self, mods) -> None:
+        """Drop what was read of ``mods`` (one expert's, once checked): the cache stays one expert per thread."""
+        for m in mods:
+            self._cache.pop(m, None)
+
+    def g_idx_perm(self, m: str) -> torch.Tensor | None:
+        ql = self.read(m)
+        if ql.g_idx is None or ql.has_trivial_g_idx():
+            return None
+        return torch.argsort(ql.g_idx.long(), stable=True)
+
+    def close(self):
+        self._cache.clear()
+        self.ckpt.close()
+
+
+def same_bytes(a: Checkpoint, an: str, b: Checkpoint, bn: str) -> str | None:
+    """Why tensor an of a and bn of b differ (dtype, shape or bytes), or None."""
+    ia, ib = a.tensors[an], b.tensors[bn]
+    if ia.dtype != ib.dtype or tuple(ia.shape) != tuple(ib.shape):
+        return f"{ia.dtype}{list(ia.shape)} here, {ib.dtype}{list(ib.shape)} in the source"
+    va, vb = a.raw(an), b.raw(bn)
+    step = 1 << 24
+    for i in range(0, len(va), step):
+        if va[i:i + step] != vb[i:i + step]:
+            x = np.frombuffer(va[i:i + step], dtype=np.uint8) != np.frombuffer(vb[i:i + step], dtype=np.uint8)
+            return f"bytes differ from the source's (first at byte {i + int(x.argmax())})"
+    return None
+
+
+def check_copies(t: Target, src: Source, clock) -> dict:
+    """Every tensor the output should hold unchanged from the source (routers, norms, embeddings,
+    lm_head, biases, bf16-kept linears...), compared byte for byte; and no tensor the source does
+    not explain."""
+    out = t.ckpt
+    problems: list[dict] = []
+    checked = 0
+    if src.plan_error:
+        problems.append({"where": "source", "message": f"the source's own plan fails ({src.plan_error}): "
+                                                       "the copied tensors cannot be attributed"})
+        return {"ok": False, "checked": 0, "problems": problems}
+    quant = set(t.modules)
+    explained = set(src.copies)
+    with clock("read"):
+        for name, sname in sorted(src.copies.items()):
+            if name not in out.tensors:
+                problems.append({"where": name, "message": f"missing (a copy of the source's {sname})"})
+                continue
+            why = same_bytes(out, name, src.ckpt, sname)
+            checked += 1
+            if why:
+                problems.append({"where": name, "message": f"not the source's {sname}: {why}"})
+        for m, sm in sorted(src.kept_bf16.items()):
+            ql = src.reader.read(src.reader.linears()[sm])
+            want = {f"{m}.weight": ql.dequantize().to(torch.bfloat16)}
+            if ql.bias is not None:
+                want[f"{m}.bias"] = ql.bias
+            explained.update(want)
+            for name, w in want.items():
+                checked += 1
+                if name not in out.tensors:
+                    problems.append({"where": name, "message": "missing (the source module kept in bf16)"})
+                elif not _tensor_equal(out.get(name), w):
+                    problems.append({"where": name, "message": f"differs from the source's {sm} dequantised"})
+        for m in sorted(quant):
+            if m not in src.specs:
+                continue  # reported by the numerical pass (not a quantised module of the source)
+            bias = src.bias(m)
+            if t.packed:
+                explained.add(f"{m}.{SUFFIX}")
+                continue  # a packed bias is inside the blob: compared there (bias_vs_source)
+            explained.update({f"{m}.weight", f"{m}.weight_scale"})
+            if bias is None:
+                continue
+            explained.add(f"{m}.bias")
+            checked += 1
+            perm = src.g_idx_perm(m) if src.paths.get(m) == "fold" else None
+            if f"{m}.bias" not in out.tensors:
+                problems.append({"where": f"{m}.bias", "message": "missing (the source module has a bias)"})
+            elif not _bias_matches(out.get(f"{m}.bias"), bias, perm):
+                problems.append({"where": f"{m}.bias", "message": "differs from the source module's bias"})
+        for name in sorted(set(out.tensors) - explained):
+            mod = name.rsplit(".", 1)[0]
+            if mod in quant and (t.packed or name.endswith((".weight", ".weight_scale", ".bias"))):
+                continue  # a module the source does not quantise: the numerical pass names it
+            problems.append({"where": name, "message": "not in the source and not written by convert from it"})
+    return {"ok": not problems, "checked": checked, "problems": problems}
+
+
+def bias_vs_source(t: Target, src: Source, m: str) -> list[str]:
+    """A packed blob's bias (inside the blob) against the source module's."""
+    if not t.packed:
+        return []  # the plain output's biases are tensors of their own: check_copies
+    sb = src.read(m).bias
+    has = bool(t.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias"))
+    if has != (sb is not None):
+        return [f"{m}: the blob {'holds' if has else 'lacks'} a bias, the source module "
+                f"{'has none' if has else 'has one'}"]
+    if sb is None:
+        return []
+    perm = src.g_idx_perm(m) if src.paths.get(m) == "fold" else None
+    b = t.packed.decode(m, check=False)[2]
+    return [] if _bias_matches(b, sb, perm) else [f"{m}: the bias inside the blob differs from the source's"]
+
+
+def _tensor_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a.view(torch.uint8) if a.dtype ==
+                                                                          torch.bfloat16 else a, b.view(torch.uint8)
+                                                                          if b.dtype == torch.bfloat16 else b))
+
+
+def _bias_matches(got: torch.Tensor, want: torch.Tensor, perm: torch.Tensor | None) -> bool:
+    cands = [want] + ([want[perm]] if perm is not None and perm.numel() == want.numel() else [])
+    return any(got.shape == w.shape and bool(torch.equal(got.float(), w.float())) and
+               (got.dtype == w.dtype or got.dtype == torch.float32) for w in cands)
+
+
+def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, clock, conv=None):
+    """Source float weights aligned with the converted ones (undoing an act-order fold), per-module
+    measured rel_l2 and budget. mods: role -> module name of one MLP; conv: their converted float
+    weights, when already read."""
+    with clock("read"):
+        conv = conv or {r: t.dequant(m) for r, m in mods.items()}
+        srcw = {r: src.dequant(m) for r, m in mods.items()}
+    perm = src.g_idx_perm(mods["down"]) if "down" in mods else None
+    if perm is not None:
+        # a fold permuted the intermediate dim: keep it only if it explains the converted weights
+        alt = {"gate": srcw["gate"][perm], "up": srcw["up"][perm], "down": srcw["down"][:, perm]}
+        if rel(conv["down"], alt["down"]) < rel(conv["down"], srcw["down"]):
+            srcw = alt
+    stats, problems = {}, []
+    for r, m in mods.items():
+        g = t.group_for(m)
+        meas = rel(conv[r], srcw[r])
+        bud, why = budget(m, srcw[r], g, report, src)
+        stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why}
+        if not meas <= bud:
+            problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        problems += bias_vs_source(t, src, m)
+    return conv, srcw, problems, stats

@@ -1,0 +1,88 @@
+"""verify's tolerances: how far each of its figures may be from its reference, and why.
+
+The activation error of the W4A8 kernel is held to ``K_ACT`` times its prediction; each module's
+weight error to a budget (``budget``: the bound of the path the source plans, tightened by
+convert's own figure); each expert's and layer's output error to ``K_WEIGHT`` times what those
+budgets predict.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .groups import block
+
+__all__ = ["K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN", "MAX_BUDGET", "ABS_FLOOR", "rel", "cos", "rtn_rel",
+           "report_figure", "budget"]
+
+K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
+K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
+LOSSLESS_BOUND = 2.0**-8  # bf16 rounding of a scale: relative error <= 2^-8 per element
+REL_MARGIN = 1e-3  # report values carry 6 digits; float32 vs float64 sums differ by ~1e-6
+MAX_BUDGET = 0.35  # no module may be further than this from its source (int4 RTN is ~0.1 on real layers)
+ABS_FLOOR = 1e-6
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    den = float(b.norm())
+    num = float((a - b).norm())
+    return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    den = float(a.norm() * b.norm())
+    return float(a @ b) / den if den > 0 else 1.0
+
+
+def rtn_rel(w: torch.Tensor, g: int) -> float:
+    """rel_l2 of plain absmax round-to-nearest at the target group (scales rounded as shipped)."""
+    n, k = w.shape
+    gg = block(k, g)
+    wg = w.reshape(n, k // gg, gg)
+    s = wg.abs().amax(2, keepdim=True) / 7
+    s = (s.to(torch.bfloat16).float() if g != -1 else s).clamp(min=2.0**-126)
+    q = (wg / s).round().clamp(-8, 7)
+    return rel((q * s).reshape(n, k), w)
+
+
+def report_figure(m: str, report: dict | None) -> tuple[float | None, str | None]:
+    """Convert's measured rel_l2 of module m in the checkpoint's own report: (value, problem)."""
+    mods = (report or {}).get("modules")
+    rec = mods.get(m) if isinstance(mods, dict) else None
+    if not isinstance(rec, dict) or rec.get("rel_l2") in (None, ""):
+        return None, None
+    try:
+        v = float(rec["rel_l2"])
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (math.isfinite(v) and v >= 0):
+        return None, f"int4pack_report.json: modules.{m}.rel_l2 is {rec['rel_l2']!r}, not a number >= 0"
+    return v, None
+
+
+def budget(m: str, w_src: torch.Tensor, g: int, report: dict | None, src) -> tuple[float, str]:
+    """Allowed weight rel_l2 of module m against the source, and where the number comes from.
+
+    The bound is the source's own: the path the source plans for m (``src.paths`` of a
+    verify_source.Source: recomputed from the source, never read from the output) and its error
+    bound at g; the report's figure only tightens it, and MAX_BUDGET caps every budget. A forged
+    report can make verify stricter, never looser.
+    """
+    path = src.paths.get(m, "requant")
+    if path == "reemit":
+        bound, why = ABS_FLOOR, "reemit (exact)"
+    elif path in ("lossless", "fold"):
+        bound, why = (ABS_FLOOR if g == -1 else LOSSLESS_BOUND), f"{path} (scale cast), from the source"
+    else:
+        bound, why = rtn_rel(w_src, g) * (1 + REL_MARGIN) + ABS_FLOOR, "requant (<= absmax RTN), from the source"
+    if bound > MAX_BUDGET:
+        bound, why = MAX_BUDGET, f"{why}, capped at {MAX_BUDGET}"
+    fig, _ = report_figure(m, report)
+    if fig is not None and fig * (1 + REL_MARGIN) + ABS_FLOOR < bound:
+        bound, why = fig * (1 + REL_MARGIN) + ABS_FLOOR, "the report's figure (tighter than the source bound)"
+    return bound, why
