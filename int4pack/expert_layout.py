@@ -25,7 +25,7 @@ import re
 from ._lazy import torch
 from .plan import OutTensor
 
-__all__ = ["GATE_UP", "outputs", "tensors", "views", "View"]
+__all__ = ["GATE_UP", "outputs", "tensors", "views", "View", "output_specs"]
 
 GATE_UP = "gate_up_proj"
 _STORED = re.compile(r"^(?P<base>.+\.experts\.\d+)\.(?P<leaf>gate_up_proj|down_proj)$")
@@ -83,4 +83,22 @@ def views(stored_modules, shapes: dict[str, tuple[int, ...]]) -> dict[str, View]
             out[f"{m['base']}.up_proj"] = View(s, i, 2 * i)
         elif f"{m['base']}.{GATE_UP}.weight" in shapes:
             out[s] = View(s, 0, shape[1])
+    return out
+
+
+def output_specs(ckpt) -> dict:
+    """{module: LinearSpec} of a W4A8 output in this layout (for inspect), {} for any other checkpoint."""
+    from .records import LinearSpec
+
+    stored = sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale"))
+    vs = views(stored, {n: tuple(i.shape) for n, i in ckpt.tensors.items() if n.endswith(".weight")})
+    out = {}
+    for m, v in vs.items():
+        k = ckpt.tensors[f"{v.stored}.weight"].shape[0]
+        si = ckpt.tensors[f"{v.stored}.weight_scale"]
+        g = k if si.dtype == "F32" else k // max(si.shape[0], 1)
+        keys = tuple(n for n in sorted(v.names()) if n in ckpt.tensors)
+        out[m] = LinearSpec(m, "ct-int", v.hi - v.lo, k, 4, g, True, False, keys, si.dtype,
+                            has_bias=f"{v.stored}.bias" in ckpt.tensors,
+                            notes=[f"stored transposed in {v.stored} (rows {v.lo}:{v.hi} of its [N, K])"])
     return out
