@@ -23,7 +23,6 @@ from __future__ import annotations
 import re
 
 from ._lazy import torch
-from .plan import OutTensor
 
 __all__ = ["GATE_UP", "outputs", "tensors", "views", "View", "output_specs"]
 
@@ -31,14 +30,15 @@ GATE_UP = "gate_up_proj"
 _STORED = re.compile(r"^(?P<base>.+\.experts\.\d+)\.(?P<leaf>gate_up_proj|down_proj)$")
 
 
-def outputs(base: str, n_i: int, h: int, g: int, bias_dtype: str | None) -> list[OutTensor]:
-    """The tensors of expert ``base`` (``<moe>.experts.E``): I = n_i, H = h, target group g (-1 channel)."""
+def outputs(base: str, n_i: int, h: int, g: int, bias_dtype: str | None) -> list[tuple[str, str, tuple]]:
+    """(name, dtype, shape) of expert ``base``'s tensors (``<moe>.experts.E``): I = n_i, H = h, target
+    group g (-1 channel)."""
     out = []
     for leaf, n, k in ((GATE_UP, 2 * n_i, h), ("down_proj", h, n_i)):
-        out.append(OutTensor(f"{base}.{leaf}.weight", "I8", (k, n)))
-        out.append(OutTensor(f"{base}.{leaf}.weight_scale", *(("F32", (1, n)) if g == -1 else ("BF16", (k // g, n)))))
+        out.append((f"{base}.{leaf}.weight", "I8", (k, n)))
+        out.append((f"{base}.{leaf}.weight_scale", *(("F32", (1, n)) if g == -1 else ("BF16", (k // g, n)))))
         if bias_dtype:
-            out.append(OutTensor(f"{base}.{leaf}.bias", bias_dtype, (n,)))
+            out.append((f"{base}.{leaf}.bias", bias_dtype, (n,)))
     return out
 
 

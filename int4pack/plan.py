@@ -251,7 +251,7 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
             g = groups[name]
             gate, down = members[0], members[2]
             bias = next((ckpt.tensors[k].dtype for k in gate.keys if k.endswith("_bias")), None)
-            outs = expert_layout.outputs(gate.name.rsplit(".", 1)[0], gate.n, gate.k, g, bias)
+            outs = [OutTensor(*t) for t in expert_layout.outputs(gate.name.rsplit(".", 1)[0], gate.n, gate.k, g, bias)]
             paths = {m.name: predict_path(m, g, folded=False) for m in members}
             # the fused source tensors are shared by all experts: each expert's share of them
             share = sum(ckpt.tensors[k].nbytes // ckpt.tensors[k].shape[0] for m in (gate, down) for k in m.keys)
