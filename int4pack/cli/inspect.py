@@ -102,7 +102,8 @@ def _summary(o, r: dict) -> None:
     # one row per distinct (role, shape, path, kleidiai): a 30B model has ~18k modules
     groups: dict[tuple, list] = {}
     for name, m in mods.items():
-        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), "e2m1" if m["format"] == "mxfp4" else "sym" if m["sym"] else "asym",
+        sym = "e2m1" if m["format"] == "mxfp4" else "sym" if m["sym"] else "asym"
+        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), sym,
                "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-",
                "yes" if m["kleidiai"] else m["kleidiai_reason"])
         groups.setdefault(key, []).append(name)

@@ -109,7 +109,8 @@ class MXFP4Reader:
                     specs[mod] = LinearSpec(mod, "mxfp4", n, k, 4, BLOCK, False, False, keys, "U8",
                                             has_bias=f"{p}.{part}_bias" in ck.tensors)
                     self._where[mod] = (p, e, _ROLE[proj])
-        stray = sorted(n for n in ck.tensors if (m := _PART.match(n)) and f"{m['p']}.{m['part']}_blocks" not in ck.tensors)
+        stray = sorted(n for n in ck.tensors
+                       if (m := _PART.match(n)) and f"{m['p']}.{m['part']}_blocks" not in ck.tensors)
         if stray:
             raise InputError(f"{stray[0]}: MXFP4 expert tensor without its _blocks partner", tensor=stray[0],
                              hint="The checkpoint is incomplete; re-download it.")
