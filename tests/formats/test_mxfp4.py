@@ -198,3 +198,12 @@ def test_inspect_shows_source_and_output_layout(converted):
     r = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
     m = r["modules"]["model.layers.0.mlp.experts.3.up_proj"]
     assert (m["n"], m["k"], m["group_size"]) == (64, 128, 32) and r["is_w4a8_output"]
+
+
+def test_channelwise_target_verifies(tmp_path):
+    """--group-size channel: fp32 scales, one per output column of the transposed layout."""
+    int4pack.convert(SRC, tmp_path / "out", group_size="channel")
+    o = _load(tmp_path / "out")
+    s = o["model.layers.0.mlp.experts.1.gate_up_proj.weight_scale"]
+    assert s.dtype == torch.float32 and s.shape == (1, 128)
+    assert int4pack.verify(tmp_path / "out", against=SRC)["ok"]
