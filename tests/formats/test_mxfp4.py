@@ -193,6 +193,8 @@ def test_inspect_shows_source_and_output_layout(converted):
     res = runner.invoke(app, ["inspect", str(SRC)])
     assert res.exit_code == 0, res.output
     assert "MXFP4" in res.output and "e2m1" in res.output and "requant" in res.output
+    r = json.loads(runner.invoke(app, ["inspect", str(SRC), "--json"]).stdout)
+    assert any("tensor_parallel_size 1" in w and "0.19.1 cannot load it" in w for w in r["serving"])
     res = runner.invoke(app, ["inspect", str(out)])
     assert "gate then up in gate_up_proj" in res.output and "not a convert source" in res.output, res.output
     r = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
