@@ -260,7 +260,8 @@ def _refuse_fused(model_type: str, fam: Family | None, tensor_names: list[str]) 
     int4 fused tensors are refused naming the tensor: no producer documents a 3-D int4 layout
     (packing axis, gate/up order or interleave) that a split could follow without guessing."""
     fused = sorted(t for t in tensor_names if _FUSED_TENSOR.search(t)
-                   and not (fam is not None and fam.is_dropped(t) and not _FUSED_INT.search(t)))
+                   and not (fam is not None and fam.is_dropped(t) and not _FUSED_INT.search(t))
+                   and not (fam is not None and fam.is_converted(t)))
     if not fused:
         return
     if fam is not None and fam.refuse:
@@ -388,5 +389,6 @@ def moe_config(model_type: str, family_type: str, text_config: dict) -> tuple[Mo
     facts = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
     renorm = bool(tc.get("norm_topk_prob", facts.get("renormalize", model_type in ("mixtral", "phimoe"))))
     act = str(tc.get("hidden_act") or "silu")
-    return MoEConfig(expert_count(tc), top_k, facts, renorm, 1 if "oai" in act else 0,
+    kind = fam.activation if fam and fam.activation else (1 if "oai" in act else 0)
+    return MoEConfig(expert_count(tc), top_k, facts, renorm, kind,
                      fam.rmsnorm_offset if fam else 0.0), problems

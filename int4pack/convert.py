@@ -23,7 +23,7 @@ from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
-from .errors import InputError, OutputError, UsageError
+from .errors import InputError, OutputError, RefusedError, UsageError
 from .families import family_warnings
 from .formats import Reader
 from .groups import scale_dtype
@@ -105,6 +105,12 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
             for key in spec.keys:
                 ckpt.release(key)  # unmap the packed words read in place; RSS stays bounded
         return _outputs(ws, roles)
+    if job.kind == "experts":  # one expert in its model's own layout (expert_layout.py)
+        from . import expert_layout
+
+        ws = [to_w4a8(reader.read(s), job.group_size) for s in job.specs]
+        out = expert_layout.tensors(job.specs[0].name.rsplit(".", 1)[0], *ws)
+        return out, {w.name: _w_stats(w, roles[w.name]) for w in ws}
     qls: list[QuantLinear] = [reader.read(s) for s in job.specs]
     for ql in qls:
         check_scales(ql)
@@ -226,6 +232,10 @@ def convert(
     with Checkpoint(folder) as ckpt:
         plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
                          strict_group_size=strict_group_size)
+        if packed and any(j.kind == "experts" for j in plan.jobs):
+            raise RefusedError(f"--serve-format {KLEIDIAI}: the {plan.layout.family} experts are written in "
+                               "their model class's own layout, which int4pack's vLLM plugin does not load",
+                               hint="Convert to the default compressed-tensors format.")
         if packed:
             plan = blobs.packed_plan(plan, tensor_parallel)
         shards = assign_shards(plan.outputs, max_bytes)

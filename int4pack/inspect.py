@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import blobs, kleidiai
+from . import blobs, expert_layout, kleidiai
 from .architectures import classify, discover, name_summary
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError
@@ -127,13 +127,21 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     try:
         reader = open_reader(ckpt)
         out["format"] = reader.verdict().to_dict()
-        specs = reader.linears()
+        # an output in a model class's own per-expert layout (gpt-oss): its modules as int4pack names them
+        specs = expert_layout.output_specs(ckpt) if reader.name != "mxfp4" else {}
+        if specs:
+            out["format"]["detail"] += ", experts per expert as gpt-oss's vLLM loader takes them (transposed, " \
+                                       "gate then up in gate_up_proj)"
+        specs = specs or reader.linears()
     except Int4packError as e:
         out["format"] = {"format": "none" if ckpt.quant_config is None else "unknown", "detail": str(e),
                          "evidence": [], "warnings": []}
     out["quantization_config"] = ckpt.quant_config
     out["moe"], roles = _moe(ckpt, list(specs))
     try:
+        if out["format"].get("detail", "").endswith("gate then up in gate_up_proj)"):
+            raise InputError("a W4A8 output in gpt-oss's per-expert layout is not a convert source",
+                             hint="Convert the original MXFP4 checkpoint; int4pack verify checks this one.")
         plan = make_plan(ckpt, source_label=label)
         paths = {m: p for j in plan.jobs for m, p in j.paths.items()}
         out["plan"] = {"ok": True, "group_size": plan.group_size, "paths": plan.path_counts(),

@@ -236,12 +236,28 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
     def in_bytes(s: LinearSpec) -> int:
         return sum(ckpt.tensors[k].nbytes for k in s.keys if k in ckpt.tensors)
 
+    # modules a reader writes together in a layout of their own (gpt-oss experts: expert_layout.py)
+    unit_of: dict[str, list[str]] = reader.units() if hasattr(reader, "units") else {}
+
     done: set[str] = set()
     for name in sorted(specs):
         if name in done:
             continue
         s = specs[name]
-        if name in fold_of:
+        if name in unit_of:
+            from . import expert_layout
+
+            members = [specs[m] for m in unit_of[name]]
+            g = groups[name]
+            gate, down = members[0], members[2]
+            bias = next((ckpt.tensors[k].dtype for k in gate.keys if k.endswith("_bias")), None)
+            outs = [OutTensor(*t) for t in expert_layout.outputs(gate.name.rsplit(".", 1)[0], gate.n, gate.k, g, bias)]
+            paths = {m.name: predict_path(m, g, folded=False) for m in members}
+            # the fused source tensors are shared by all experts: each expert's share of them
+            share = sum(ckpt.tensors[k].nbytes // ckpt.tensors[k].shape[0] for m in (gate, down) for k in m.keys)
+            jobs.append(Job("experts", outs, members, paths=paths, in_bytes=share, group_size=g))
+            done.update(m.name for m in members)
+        elif name in fold_of:
             members = [specs[m] for m in fold_of[name]]
             g = groups[name]
             outs = [t for m in members for t in _w4a8_outputs(m, g, bias_dtype(m))]

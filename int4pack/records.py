@@ -67,10 +67,12 @@ class QuantLinear:
     # (Packing, int32 words) while the codes are still packed; see Reader.read(unpack=False), which
     # lets the C++ jobs (w4a8.lossless_job, w4a8.requant_job) read the words
     packed: tuple[Packing, torch.Tensor] | None = None
+    # float32 [N, K] weights of a source that is not int4 (MXFP4): no codes, every path requantises
+    dense: torch.Tensor | None = None
 
     def unpacked(self) -> "QuantLinear":
         """This record with ``codes`` filled in (itself when they already are)."""
-        if self.codes is not None:
+        if self.codes is not None or self.dense is not None:
             return self
         from . import kernels  # not at the top: the plan imports this module, and kernels imports torch
 
@@ -97,6 +99,8 @@ class QuantLinear:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]."""
+        if self.dense is not None:
+            return self.dense.float()
         gi = self.group_index()
         s = self.scales.float()[:, gi]
         z = 8.0 if self.zeros is None else self.zeros.float()[:, gi]

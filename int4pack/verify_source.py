@@ -136,15 +136,15 @@ def check_copies(t: Target, src: Source, clock) -> dict:
             if t.packed:
                 explained.add(f"{m}.{SUFFIX}")
                 continue  # a packed bias is inside the blob: compared there (bias_vs_source)
-            explained.update({f"{m}.weight", f"{m}.weight_scale"})
+            explained.update(n for n in t.stored_names(m) if bias is not None or not n.endswith(".bias"))
             if bias is None:
                 continue
-            explained.add(f"{m}.bias")
             checked += 1
             perm = src.g_idx_perm(m) if src.paths.get(m) == "fold" else None
-            if f"{m}.bias" not in out.tensors:
+            got = t.bias(m)
+            if got is None:
                 problems.append({"where": f"{m}.bias", "message": "missing (the source module has a bias)"})
-            elif not _bias_matches(out.get(f"{m}.bias"), bias, perm):
+            elif not _bias_matches(got, bias, perm):
                 problems.append({"where": f"{m}.bias", "message": "differs from the source module's bias"})
         for name in sorted(set(out.tensors) - explained):
             mod = name.rsplit(".", 1)[0]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import _ext, blobs, kernels, kleidiai
+from . import _ext, blobs, expert_layout, kernels, kleidiai
 from .architectures import classify, moe_config, routers, vllm_module
 from .checkpoint import Checkpoint
 from .errors import InputError
@@ -82,6 +82,14 @@ class Target:
         self.ranges: dict[str, tuple[int, int]] = {}  # int8 tensor -> (min, max), from the shard scan
         self.modules = (self.packed.modules if self.packed else
                         sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale")))
+        # a model class's own per-expert layout (gpt-oss: expert_layout.py): checked as int4pack's modules
+        self.views = {} if self.packed else expert_layout.views(
+            self.modules, {n: tuple(i.shape) for n, i in ckpt.tensors.items() if n.endswith(".weight")})
+        if self.views:
+            self.stored = {v.stored for v in self.views.values()}
+            self.modules = sorted((set(self.modules) - self.stored) | set(self.views))
+        else:
+            self.stored = set()
         self.groups = _module_groups(ckpt, q, self.modules, problems)
         moe, unusable = moe_config(ckpt.model_type, ckpt.family_type, ckpt.text_config)
         for why in unusable:
@@ -110,13 +118,31 @@ class Target:
     def weight(self, m: str) -> tuple[torch.Tensor, torch.Tensor, int]:
         if self.packed:
             q, s, _ = self.packed.decode(m, check=False)  # checked once, in the structural pass
+        elif m in self.views:
+            v = self.views[m]
+            q, s = (v.rows(self.ckpt.get(f"{v.stored}.{x}")) for x in ("weight", "weight_scale"))
         else:
             q = self.ckpt.get(f"{m}.weight")
             s = self.ckpt.get(f"{m}.weight_scale")
         return q, s, self.group_for(m)
 
     def shape(self, m: str) -> tuple[int, int]:
+        if m in self.views:
+            v = self.views[m]
+            return v.hi - v.lo, self.ckpt.tensors[f"{v.stored}.weight"].shape[0]
         return self.packed.shape(m) if self.packed else tuple(self.ckpt.tensors[f"{m}.weight"].shape)
+
+    def stored_names(self, m: str) -> set[str]:
+        """The output tensors module m's weight, scales and bias live in."""
+        return self.views[m].names() if m in self.views else {f"{m}.{x}" for x in ("weight", "weight_scale", "bias")}
+
+    def bias(self, m: str) -> torch.Tensor | None:
+        """Module m's bias as stored (plain output), or None."""
+        v = self.views.get(m)
+        name = f"{v.stored}.bias" if v else f"{m}.bias"
+        if name not in self.ckpt.tensors:
+            return None
+        return v.rows(self.ckpt.get(name)) if v else self.ckpt.get(name)
 
     def blob(self, m: str) -> torch.Tensor | None:
         """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly).
@@ -183,6 +209,9 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
                                                  f"for the module is {t.group_for(m)} (-1: channel)")
             _check_values(m, f"{m}.{SUFFIX}", f"{m}.{SUFFIX} (scales)", dec[0], dec[1].float(), problems, counts)
         return
+    if m in t.views:
+        _check_view(t, m, problems, counts)
+        return
     wn, sn = f"{m}.weight", f"{m}.weight_scale"
     if wn not in ck.tensors:
         problems.add(m, f"{sn} present but {wn} missing")
@@ -205,6 +234,30 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
                         f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
         return
     _check_values(m, wn, sn, t.ranges.get(wn) or ck.get(wn), ck.get(sn).float(), problems, counts, wi.numel)
+
+
+def _check_view(t: Target, m: str, problems: Problems, counts: dict) -> None:
+    """A module stored transposed inside a per-expert tensor of its model's own layout (expert_layout.py)."""
+    ck, v = t.ckpt, t.views[m]
+    wn, sn = f"{v.stored}.weight", f"{v.stored}.weight_scale"
+    if sn not in ck.tensors:
+        problems.add(m, f"{wn} present but {sn} missing")
+        return
+    wi, si = ck.tensors[wn], ck.tensors[sn]
+    if wi.dtype != "I8" or len(wi.shape) != 2:
+        problems.add(m, f"{wn}: {wi.dtype}{list(wi.shape)}, expected int8 [K, N] (stored transposed)")
+        return
+    k = wi.shape[0]
+    g = t.group_for(m)
+    want_dt, want_rows = ("F32", 1) if g == -1 else ("BF16", k // g if k % g == 0 else -1)
+    if g != -1 and (why := check_group_size(g, k)):
+        problems.add(m, f"group size {g} invalid for K={k}: {why}")
+    if si.dtype != want_dt or tuple(si.shape) != (want_rows, wi.shape[1]):
+        problems.add(m, f"{sn}: {si.dtype}{list(si.shape)}, expected {want_dt}{[want_rows, wi.shape[1]]} "
+                        f"({'channel' if g == -1 else f'group {g}'}, stored transposed)")
+        return
+    q, s, _ = t.weight(m)
+    _check_values(m, wn, sn, q, s.float(), problems, counts)
 
 
 def _blob_check_problem(t: Target, m: str) -> str | None:
@@ -286,7 +339,7 @@ def _check_layers(t: Target, problems: Problems) -> None:
 
 def _check_config_index(t: Target, problems: Problems) -> None:
     ck = t.ckpt
-    quant = set(t.modules)
+    quant = set(t.modules) | t.stored
     for m in t.ignore:
         if m in quant:
             problems.add(m, "listed in quantization_config.ignore but stored as W4A8 (vLLM would misload it)")

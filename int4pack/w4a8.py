@@ -252,6 +252,13 @@ def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Lin
     else requant), then that path's one C++ call, or its torch twin where the C++ library is
     unavailable (the same bytes). ``ql`` may still hold its codes packed."""
     n, k = ql.spec.n, ql.spec.k
+    if ql.dense is not None:  # a float source (MXFP4): no ints to keep, requantised
+        if tuple(ql.dense.shape) != (n, k):
+            raise InputError(f"{ql.spec.name}: weights shape {tuple(ql.dense.shape)} != spec [{n}, {k}]",
+                             tensor=ql.spec.name)
+        q, scales, info = requantize(ql.dense, group_size, search=search)
+        info["exact_ints"] = False
+        return W4A8Linear(ql.spec.name, q, scales, normalize_group(group_size, k), ql.bias, "requant", info)
     if ql.codes is not None and tuple(ql.codes.shape) != (n, k):
         raise InputError(f"{ql.spec.name}: codes shape {tuple(ql.codes.shape)} != spec [{n}, {k}]",
                          tensor=ql.spec.name)

@@ -52,7 +52,7 @@ def test_discover_every_family(model_type):
 @pytest.mark.parametrize("model_type,tensor", [
     ("granitemoe", "model.layers.0.block_sparse_moe.input_linear.weight"),
     ("llama4_text", "model.layers.0.feed_forward.experts.gate_up_proj"),
-    ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj_blocks"),
+    ("gpt_oss", "model.layers.0.mlp.experts.gate_up_proj.weight_packed"),  # MXFP4 converts, 3-D int4 does not
     ("qwen3_moe", "model.layers.0.mlp.experts.gate_up_proj"),  # a 3-D ct repack in a known family
 ])
 def test_fused_layouts_refused_naming_tensors(model_type, tensor):

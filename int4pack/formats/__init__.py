@@ -62,6 +62,9 @@ def open_reader(ckpt: Checkpoint) -> Reader:
         if method in {"compressed-tensors", "compressed_tensors"} or "config_groups" in q:
             from .compressed_tensors import CompressedTensorsReader
             return CompressedTensorsReader(ckpt, q)
+        if method == "mxfp4" and ckpt.family_type == "gpt_oss":  # the only MXFP4 layout int4pack reads
+            from .mxfp4 import MXFP4Reader
+            return MXFP4Reader(ckpt, q)
     except Int4packError as e:  # a config value the reader could not parse: name the file it is in
         e.path = e.path or qpath
         raise

@@ -21,10 +21,13 @@ GATE_UP_PAIRS = ((".gate_proj.", ".up_proj."), (".w1.", ".w3."))
 def swap_gate_up(tensors: dict) -> dict:
     """A deliberately wrong conversion: gate and up swapped in every expert (negative control)."""
     out = dict(tensors)
-    for k in tensors:
+    for k, v in tensors.items():
         for a, b in GATE_UP_PAIRS:
             if ".experts." in k and a in k:
                 out[k], out[k.replace(a, b)] = tensors[k.replace(a, b)], tensors[k]
+        if ".experts." in k and ".gate_up_proj." in k:  # gpt-oss's per-expert layout: [K, 2I], gate columns first
+            i = v.shape[-1] // 2
+            out[k] = torch.cat([v[..., i:], v[..., :i]], dim=-1).contiguous()
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -46,8 +47,42 @@ def dequantised_source(src: Path) -> tuple[dict, dict[str, torch.Tensor], set[st
     return cfg, out, set(specs)
 
 
+# model types whose transformers class holds the experts fused with gate/up columns interleaved and
+# loads no per-expert names (gpt-oss: GptOssExperts.gate_up_proj [E, H, 2I], gate = [..., ::2])
+INTERLEAVED = {"gpt_oss"}
+_PER_EXPERT = re.compile(r"^(?P<p>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<x>weight|bias)$")
+
+
+def hf_layout(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert [N, K] weights and biases -> the fused interleaved tensors of a class in
+    ``INTERLEAVED`` (``<p>.gate_up_proj`` [E, H, 2I] with gate at even columns, ``gate_up_proj_bias``
+    [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]); other model types as they are."""
+    if (cfg.get("text_config") or cfg).get("model_type", cfg.get("model_type")) not in INTERLEAVED:
+        return tensors
+    out, per = {}, {}
+    for k, v in tensors.items():
+        m = _PER_EXPERT.match(k)
+        if m:
+            per.setdefault(m["p"], {})[(int(m["e"]), m["proj"], m["x"])] = v
+        else:
+            out[k] = v
+    for p, d in per.items():
+        n_e = 1 + max(e for e, _, _ in d)
+        for x, suffix in (("weight", ""), ("bias", "_bias")):
+            if (0, "gate_proj", x) not in d:
+                continue
+            gate = torch.stack([d[(e, "gate_proj", x)] for e in range(n_e)])
+            up = torch.stack([d[(e, "up_proj", x)] for e in range(n_e)])
+            gu = torch.stack([gate, up], dim=2).reshape(n_e, 2 * gate.shape[1], *gate.shape[2:])  # rows g0 u0 g1 ..
+            down = torch.stack([d[(e, "down_proj", x)] for e in range(n_e)])
+            out[f"{p}.gate_up_proj{suffix}"] = gu.transpose(1, 2).contiguous() if x == "weight" else gu
+            out[f"{p}.down_proj{suffix}"] = down.transpose(1, 2).contiguous() if x == "weight" else down
+    return out
+
+
 def write_float_folder(src: Path, dst: Path) -> set[str]:
     cfg, tensors, qmods = dequantised_source(src)
+    tensors = hf_layout(cfg, tensors)
     dst.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
@@ -64,9 +99,32 @@ def load_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return t
 
 
+_STORED = re.compile(r"^(?P<b>.+\.experts\.\d+)\.(?P<leaf>gate_up_proj|down_proj)\.(?P<x>weight|weight_scale|bias)$")
+
+
+def _per_expert_names(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A W4A8 folder in gpt-oss's per-expert layout (docs/families.md: ``experts.E.gate_up_proj.weight``
+    [H, 2I] = [gate; up] transposed, ``weight_scale`` [H/g, 2I], ``bias`` [2I]; ``down_proj`` [I, H])
+    under the per-expert names [N, K] the other W4A8 folders use; any other folder as it is."""
+    if not any(_STORED.match(k) and k.endswith(".gate_up_proj.weight") for k in t):
+        return t
+    out = {}
+    for k, v in t.items():
+        m = _STORED.match(k)
+        if not m:
+            out[k] = v
+        elif m["leaf"] == "down_proj":
+            out[f"{m['b']}.down_proj.{m['x']}"] = v if m["x"] == "bias" else v.T.contiguous()
+        else:
+            i = v.shape[-1] // 2
+            for proj, part in (("gate_proj", slice(0, i)), ("up_proj", slice(i, 2 * i))):
+                out[f"{m['b']}.{proj}.{m['x']}"] = v[part] if m["x"] == "bias" else v[:, part].T.contiguous()
+    return out
+
+
 def dequantised_w4a8(folder: Path) -> tuple[dict[str, torch.Tensor], set[str]]:
     """float tensors of a W4A8 int-quantized folder (int8 weight * scale per group), quantised names."""
-    t = load_tensors(folder)
+    t = _per_expert_names(load_tensors(folder))
     out, q = {}, set()
     for k, v in t.items():
         if k.endswith(".weight_scale"):
@@ -232,8 +290,9 @@ def write_mirror_folder(w4a8: Path, dst: Path, tensors: dict[str, torch.Tensor])
     """A float folder of a W4A8 folder's dequantised weights (``dequantised_w4a8``: float64, the rest
     as stored) with its config less the quantisation: what the transformers mirror loads."""
     dst.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((w4a8 / "config.json").read_text())
+    tensors = hf_layout(cfg, tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     cfg.pop("quantization_config", None)
     cfg.pop("compression_config", None)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

@@ -222,6 +222,13 @@ def _check_experts(folder: Path, experts: dict[str, torch.nn.Module]) -> None:
         if lm is None:
             raise ValueError(f"experts module {name}: no layer index")
         by_layer[int(lm.group(1))] = m
+    if not per:  # a folder in the class's own fused layout (float_ref.hf_layout): loaded as it is
+        for name, m in experts.items():
+            for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+                key = f"{name}.{p}"
+                if key in t and not torch.equal(getattr(m, p), t[key].to(torch.float64)):
+                    raise ValueError(f"{folder}: {key}: the model's fused weights differ from the folder's")
+        return
     layers = {L for L, _ in per}
     if layers != set(by_layer):
         raise ValueError(f"{folder}: per-expert tensors in layers {sorted(layers)}, the model's experts in "

@@ -94,6 +94,10 @@ def routing_agreement(calls: list, ref_routes: list) -> dict:
             "worst_layer": worst[1], "worst_layer_fraction": round(worst[0], 3)}
 
 
+# gpt-oss's per-expert W4A8 layout (docs/families.md): experts.E.gate_up_proj / down_proj stored transposed
+_TRANSPOSED = re.compile(r"^(?P<b>.+\.experts\.\d+)\.(?P<leaf>gate_up_proj|down_proj)$")
+
+
 def disk_groups(out_dir: Path) -> dict[str, int]:
     """{module: group (-1 channel)} as the W4A8 folder's tensors hold them (weight_scale's dtype and
     shape; in the packed serving format each blob's provenance), independent of how its config
@@ -111,6 +115,13 @@ def disk_groups(out_dir: Path) -> dict[str, int]:
         for name, t in ck.tensors.items():
             mod = name[: -len(".weight_scale")]
             if name.endswith(".weight_scale") and f"{mod}.weight" in ck.tensors:
+                m = _TRANSPOSED.match(mod)
+                if m and f"{m['b']}.gate_up_proj.weight" in ck.tensors:  # gpt-oss: [K, N], scales [K/g, N]
+                    k = ck.tensors[f"{mod}.weight"].shape[0]
+                    g = -1 if t.dtype == "F32" and t.shape[0] == 1 else k // t.shape[0]
+                    for proj in (("gate_proj", "up_proj") if m["leaf"] == "gate_up_proj" else ("down_proj",)):
+                        out[f"{m['b']}.{proj}"] = g
+                    continue
                 k = ck.tensors[f"{mod}.weight"].shape[1]
                 out[mod] = -1 if t.dtype == "F32" and t.shape[1] == 1 else k // t.shape[1]
     return out

@@ -121,3 +121,28 @@ def test_routes_are_recorded_per_moe_layer_and_position(folders):
     for layer in ref.routes:
         assert len(layer) == len(IDS)
         assert all(len(set(r)) == cfg["num_experts_per_tok"] and max(r) < cfg["num_local_experts"] for r in layer)
+
+
+def test_gpt_oss_float_folder_is_transformers_mxfp4_model(tmp_path):
+    """gpt-oss: the float folder of int4pack's MXFP4 reader, laid out for transformers' class (gate/up
+    interleaved again), computes what transformers' own MXFP4 reader makes of the fixture; the
+    mirror reads the per-expert W4A8 layout (transposed, gate then up) and stays close to it."""
+    import int4pack
+    import float_ref as E
+    from hf_reference import HFRef
+    from transformers import GptOssForCausalLM, Mxfp4Config
+
+    src = FIXTURES / "gptoss_mxfp4"
+    E.write_float_folder(src, tmp_path / "float")
+    got = HFRef(tmp_path / "float").logprobs(IDS)
+    model = GptOssForCausalLM.from_pretrained(str(src), quantization_config=Mxfp4Config(dequantize=True),
+                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([IDS])).logits[0].double().log_softmax(-1)
+    assert float((got - want).abs().max()) < 1e-5  # float32 there, float64 here
+    int4pack.convert(src, tmp_path / "w4a8")
+    w, q = E.dequantised_w4a8(tmp_path / "w4a8")
+    assert "model.layers.1.mlp.experts.3.up_proj" in q and w["model.layers.1.mlp.experts.3.up_proj.bias"].shape == (64,)
+    E.write_mirror_folder(tmp_path / "w4a8", tmp_path / "mirror", w)
+    mirror = HFRef(tmp_path / "mirror", q, a8=True, bf16=True).logprobs(IDS)
+    assert 1e-4 < float((mirror - got).abs().max()) < 0.05

@@ -38,3 +38,23 @@ def test_a_decode_step_of_the_second_layer_that_differs_is_counted_there():
 def test_calls_that_do_not_fit_the_layers_are_an_error():
     assert "error" in routing_agreement(calls(REF)[:-1], REF)
     assert "error" in routing_agreement([], REF)
+
+
+def test_gpt_oss_layout_groups_and_swap_control(tmp_path):
+    """gpt-oss's per-expert W4A8 layout (stored transposed, gate then up): the lane reads each
+    expert's group as vLLM will run it, and the gate/up-swap control really swaps the halves."""
+    import int4pack
+    import torch
+    from controls import swap_gate_up
+    from float_ref import load_tensors
+    from lane_checks import _layer_group, disk_groups
+
+    int4pack.convert(Path(__file__).resolve().parents[1] / "fixtures" / "gptoss_mxfp4", tmp_path / "out")
+    g = disk_groups(tmp_path / "out")
+    assert len(g) == 24 and set(g.values()) == {32}
+    assert _layer_group(g, "model.layers.1.mlp.experts.routed_experts") == 32
+    t = load_tensors(tmp_path / "out")
+    s = swap_gate_up(t)
+    k = "model.layers.0.mlp.experts.2.gate_up_proj"
+    for x in (".weight", ".weight_scale", ".bias"):
+        assert torch.equal(s[k + x][..., :64], t[k + x][..., 64:]) and not torch.equal(s[k + x], t[k + x])
