@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shutil
 import threading
 import time
@@ -347,13 +348,44 @@ def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str
 # Jobs running at once, at most. On a 16-core x86-64 host every source format ended at ~1.5 ms of
 # serial work per job with 4 or more workers (18.9k jobs of a 48-layer Qwen3-30B-A3B: the Python
 # around each job's C++ holds the GIL), and 8 or 16 workers were 10-40% slower than 4, lossless and
-# requant alike (docs/performance.md).
+# requant alike (docs/performance.md). INT4PACK_MAX_WORKERS=N moves the cap (to measure past it).
 MAX_WORKERS = 4
+
+
+def _max_workers() -> int:
+    try:
+        return max(1, int(os.environ.get("INT4PACK_MAX_WORKERS") or MAX_WORKERS))
+    except ValueError:
+        return MAX_WORKERS
+
+
+# Linear jobs handed to a worker at once (consecutive in plan order, so a layer's experts): one
+# future, one queue round trip and one result hand-over per batch instead of per job. A worker runs
+# and writes them one after the other, so memory stays one job's per worker.
+BATCH_JOBS = 16
+BATCH_IN_BYTES = 64 << 20  # a batch's input at most (attention projections are 4-16 MB each)
+
+
+def job_batches(jobs: list[Job]) -> list[list[Job]]:
+    """``jobs`` in order, consecutive linear jobs grouped (BATCH_JOBS, BATCH_IN_BYTES); the others
+    (copies streamed in chunks, folds, dequants) one per batch."""
+    out: list[list[Job]] = []
+    size = 0
+    for j in jobs:
+        last = out[-1] if out else None
+        if (j.kind == "linear" and last is not None and last[0].kind == "linear" and len(last) < BATCH_JOBS
+                and size + j.in_bytes <= BATCH_IN_BYTES):
+            last.append(j)
+            size += j.in_bytes
+        else:
+            out.append([j])
+            size = j.in_bytes
+    return out
 
 
 def job_workers(threads: int | None) -> int:
     """Worker threads for ``--threads`` (None: the default), capped where more stop helping."""
-    return max(1, min(threads or torch.get_num_threads(), MAX_WORKERS))
+    return max(1, min(threads or torch.get_num_threads(), _max_workers()))
 
 
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
@@ -400,11 +432,14 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
                                              PROVENANCE_BYTES if pack is not None else 0)
             return f
 
-    def work(job: Job) -> tuple[dict, set]:
+    def work(batch: list[Job]) -> list[tuple[dict, set]]:
         with kernels.threads_here(1):  # one job per worker, each single-threaded: nothing nests
-            tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
-            if pack is not None:
-                tensors = pack(job, tensors, job_stats)
+            return [run_one(job) for job in batch]
+
+    def run_one(job: Job) -> tuple[dict, set]:
+        tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
+        if pack is not None:
+            tensors = pack(job, tensors, job_stats)
         written = set()
         for name, data in tensors:
             shard = shard_of.get(name)
@@ -459,16 +494,18 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     closing: list = []
     try:
         window: deque = deque()
-        for job in todo:
-            window.append((job, pool.submit(work, job)))
+        for batch in job_batches(todo):
+            window.append((batch, pool.submit(work, batch)))
             if len(window) >= 2 * workers:
-                j, fut = window.popleft()
-                consume(j, *fut.result())
+                b, fut = window.popleft()
+                for j, res in zip(b, fut.result()):
+                    consume(j, *res)
             while closing and closing[0].done():
                 closing.pop(0).result()  # a failed close (disk full) stops the run here
         while window:
-            j, fut = window.popleft()
-            consume(j, *fut.result())
+            b, fut = window.popleft()
+            for j, res in zip(b, fut.result()):
+                consume(j, *res)
         for fut in closing:
             fut.result()
         for shard in sorted(trusted):
