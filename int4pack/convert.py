@@ -359,30 +359,6 @@ def _max_workers() -> int:
         return MAX_WORKERS
 
 
-# Linear jobs handed to a worker at once (consecutive in plan order, so a layer's experts): one
-# future, one queue round trip and one result hand-over per batch instead of per job. A worker runs
-# and writes them one after the other, so memory stays one job's per worker.
-BATCH_JOBS = 16
-BATCH_IN_BYTES = 64 << 20  # a batch's input at most (attention projections are 4-16 MB each)
-
-
-def job_batches(jobs: list[Job]) -> list[list[Job]]:
-    """``jobs`` in order, consecutive linear jobs grouped (BATCH_JOBS, BATCH_IN_BYTES); the others
-    (copies streamed in chunks, folds, dequants) one per batch."""
-    out: list[list[Job]] = []
-    size = 0
-    for j in jobs:
-        last = out[-1] if out else None
-        if (j.kind == "linear" and last is not None and last[0].kind == "linear" and len(last) < BATCH_JOBS
-                and size + j.in_bytes <= BATCH_IN_BYTES):
-            last.append(j)
-            size += j.in_bytes
-        else:
-            out.append([j])
-            size = j.in_bytes
-    return out
-
-
 def job_workers(threads: int | None) -> int:
     """Worker threads for ``--threads`` (None: the default), capped where more stop helping."""
     return max(1, min(threads or torch.get_num_threads(), _max_workers()))
@@ -432,14 +408,11 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
                                              PROVENANCE_BYTES if pack is not None else 0)
             return f
 
-    def work(batch: list[Job]) -> list[tuple[dict, set]]:
+    def work(job: Job) -> tuple[dict, set]:
         with kernels.threads_here(1):  # one job per worker, each single-threaded: nothing nests
-            return [run_one(job) for job in batch]
-
-    def run_one(job: Job) -> tuple[dict, set]:
-        tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
-        if pack is not None:
-            tensors = pack(job, tensors, job_stats)
+            tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
+            if pack is not None:
+                tensors = pack(job, tensors, job_stats)
         written = set()
         for name, data in tensors:
             shard = shard_of.get(name)
@@ -494,18 +467,16 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     closing: list = []
     try:
         window: deque = deque()
-        for batch in job_batches(todo):
-            window.append((batch, pool.submit(work, batch)))
+        for job in todo:
+            window.append((job, pool.submit(work, job)))
             if len(window) >= 2 * workers:
-                b, fut = window.popleft()
-                for j, res in zip(b, fut.result()):
-                    consume(j, *res)
+                j, fut = window.popleft()
+                consume(j, *fut.result())
             while closing and closing[0].done():
                 closing.pop(0).result()  # a failed close (disk full) stops the run here
         while window:
-            b, fut = window.popleft()
-            for j, res in zip(b, fut.result()):
-                consume(j, *res)
+            j, fut = window.popleft()
+            consume(j, *fut.result())
         for fut in closing:
             fut.result()
         for shard in sorted(trusted):
