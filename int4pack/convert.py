@@ -346,8 +346,8 @@ def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str
 
 
 # Jobs running at once, at most. Each module's job runs 1.5-2 ms of Python around its C++ (reading,
-# dispatch, packing, provenance, writing), under the GIL: on a 16-core x86-64 host that Python kept
-# one core busy the whole run with 16 workers (scripts/gil_convert.py), and on the 48-layer
+# dispatch, packing, provenance, writing), under the GIL: on a 16-core x86-64 host, with 16 workers,
+# that Python took as much CPU as the run's wall (scripts/gil_convert.py), and on the 48-layer
 # Qwen3-30B-A3B shape 8 or 16 workers were 3-27% slower than 4, lossless and requant alike
 # (docs/performance.md). INT4PACK_MAX_WORKERS=N moves the cap (to measure past it).
 MAX_WORKERS = 4

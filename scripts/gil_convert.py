@@ -9,7 +9,8 @@ the packed format's provenance, madvise, pwrite/fsync) and the rest: Python, whi
 a time runs. CPU time, not wall time, so waits (the disk, a free staging buffer, a future) are in
 neither. ``gil_busy`` is that Python CPU over the run's wall time: near 1.0, the run is as fast as
 one core runs its Python, whatever the thread count; ``py_ms_per_tensor`` is that CPU per output
-tensor. The wrappers cost a few microseconds per call (counted as Python: an upper bound).
+tensor. It is an upper bound: the wrappers' few microseconds per call, and the small torch ops
+that release the GIL too (casts, allocations), count as Python; above 1.0, those are the excess.
 """
 
 from __future__ import annotations
