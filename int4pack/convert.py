@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import shutil
 import threading
 import time
@@ -354,16 +355,24 @@ def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str
     return None
 
 
-# Jobs running at once, at most. On a 16-core x86-64 host every source format ended at ~1.5 ms of
-# serial work per job with 4 or more workers (18.9k jobs of a 48-layer Qwen3-30B-A3B: the Python
-# around each job's C++ holds the GIL), and 8 or 16 workers were 10-40% slower than 4, lossless and
-# requant alike (docs/performance.md).
+# Jobs running at once, at most. Each module's job runs 1.5-2 ms of Python around its C++ (reading,
+# dispatch, packing, provenance, writing), under the GIL: on a 16-core x86-64 host, with 16 workers,
+# that Python took as much CPU as the run's wall (scripts/gil_convert.py), and on the 48-layer
+# Qwen3-30B-A3B shape 8 or 16 workers were 3-27% slower than 4, lossless and requant alike
+# (docs/performance.md). INT4PACK_MAX_WORKERS=N moves the cap (to measure past it).
 MAX_WORKERS = 4
+
+
+def _max_workers() -> int:
+    try:
+        return max(1, int(os.environ.get("INT4PACK_MAX_WORKERS") or MAX_WORKERS))
+    except ValueError:
+        return MAX_WORKERS
 
 
 def job_workers(threads: int | None) -> int:
     """Worker threads for ``--threads`` (None: the default), capped where more stop helping."""
-    return max(1, min(threads or torch.get_num_threads(), MAX_WORKERS))
+    return max(1, min(threads or torch.get_num_threads(), _max_workers()))
 
 
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,

@@ -4,6 +4,7 @@ own dequantisation of the source gives (independent decoders in tests/_reference
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 from pathlib import Path
 
@@ -301,3 +302,15 @@ def _metadata(folder: Path) -> dict[str, dict]:
         with safe_open(str(f), framework="pt") as fh:
             out[f.name] = fh.metadata()
     return out
+
+
+def test_workers_capped_and_the_cap_moved_by_its_variable(monkeypatch):
+    """--threads above the cap runs the cap's workers (the report's "workers"); INT4PACK_MAX_WORKERS
+    moves the cap, and a value that is not a number leaves it where it was."""
+    mod = importlib.import_module("int4pack.convert")
+    monkeypatch.delenv("INT4PACK_MAX_WORKERS", raising=False)
+    assert [mod.job_workers(t) for t in (1, 3, 4, 16)] == [1, 3, 4, 4]
+    monkeypatch.setenv("INT4PACK_MAX_WORKERS", "16")
+    assert [mod.job_workers(t) for t in (1, 8, 16, 32)] == [1, 8, 16, 16]
+    monkeypatch.setenv("INT4PACK_MAX_WORKERS", "many")
+    assert mod.job_workers(16) == 4
