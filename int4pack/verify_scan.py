@@ -1,0 +1,141 @@
+"""verify's one read of every output byte: the shards in parts of ~256 MB on the pool's threads,
+each tensor's checksum (of the kind convert recorded) and every int8 tensor's range on the way,
+then the shard checksums against convert's report."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from . import _ext
+from .checkpoint import Checkpoint
+from .writer import _CHECKSUMS, _data_digest, digest_kind, hash_shard
+
+__all__ = ["scan", "check_hashes", "in_order"]
+
+_PART_BYTES = 256 << 20  # one task of the shard scan
+_READ_BYTES = 16 << 20
+
+
+def _shard_layout(path: Path) -> tuple[int, list[tuple[tuple[int, int], str, str]]] | None:
+    """(data base, [((begin, end), name, dtype)] in file order) from a shard's header, as hash_shard
+    reads it; None when the header does not parse."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        n = int.from_bytes(fh.read(8), "little")
+        header = fh.read(min(n, max(0, size - 8)))
+    try:
+        hdr = json.loads(header)
+        named = sorted((tuple(v["data_offsets"]), k, v.get("dtype")) for k, v in hdr.items() if k != "__metadata__")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return 8 + n, named
+
+
+def _scan_part(path: Path, base: int, part: list, kind: str) -> list[tuple[int, tuple[int, int] | None]] | None:
+    """Each tensor's CRC (of the kind the shard records) and, for int8 ones, its (min, max): one
+    read of their bytes. None when the file ends early."""
+    check = _CHECKSUMS[kind][1]
+    vk = _ext.load("verify_kernels")
+    buf = bytearray(_READ_BYTES)
+    out = []
+    with open(path, "rb") as fh:
+        for (a, b), _, dtype in part:
+            crc, off, lo, hi = 0, a, None, None
+            while off < b:
+                k = os.preadv(fh.fileno(), [memoryview(buf)[: min(len(buf), b - off)]], base + off)
+                if k <= 0:
+                    return None
+                piece = memoryview(buf)[:k]
+                crc = check(piece, crc)
+                if dtype == "I8":
+                    q = torch.frombuffer(piece, dtype=torch.int8)
+                    pl, ph = vk.int8_range(q) if vk is not None else (int(q.min()), int(q.max()))
+                    lo, hi = (pl, ph) if lo is None else (min(lo, pl), max(hi, ph))
+                off += k
+            out.append((crc, None if lo is None else (lo, hi)))
+    return out
+
+
+def scan(ckpt: Checkpoint, report: dict | None, pool) -> tuple[dict, dict]:
+    """Every shard read once, in parts of ~256 MB on the pool's threads: (shard -> (size, data
+    digest of the kind its report entry records, or None)), (int8 tensor -> (min, max))."""
+    recs = (report or {}).get("shards")
+    recs = recs if isinstance(recs, dict) else {}
+    jobs, layout = [], {}
+    for shard in sorted({info.file for info in ckpt.tensors.values()}):
+        path = ckpt.folder / shard
+        lay = _shard_layout(path) if path.is_file() else None
+        rec = recs.get(shard)
+        like = rec.get("data_digest") if isinstance(rec, dict) and isinstance(rec.get("data_digest"), str) else None
+        kind = digest_kind(like)
+        layout[shard] = (path, lay, kind)
+        if lay is None:
+            continue
+        base, named = lay
+        part, size = [], 0
+        for ent in named + [None]:
+            if ent is None or (part and size + ent[0][1] - ent[0][0] > _PART_BYTES):
+                if part:
+                    jobs.append((shard, path, base, part, kind))
+                part, size = [], 0
+            if ent is not None:
+                part.append(ent)
+                size += ent[0][1] - ent[0][0]
+    done = in_order(pool, lambda shard, path, base, part, kind: _scan_part(path, base, part, kind), jobs)
+    crcs: dict[str, list | None] = {shard: [] for shard in layout}
+    ranges: dict[str, tuple[int, int]] = {}
+    for (shard, _, _, part, _), res in zip(jobs, done):
+        if res is None or crcs[shard] is None:
+            crcs[shard] = None
+            continue
+        for ((_, name, _), (crc, rng)) in zip(part, res):
+            crcs[shard].append(crc)
+            if rng is not None:
+                ranges[name] = rng
+    digests = {}
+    for shard, (path, lay, kind) in layout.items():
+        size = path.stat().st_size if path.is_file() else None
+        ok = lay is not None and crcs[shard] is not None
+        digests[shard] = (size, _data_digest(crcs[shard], kind) if ok else None)
+    return digests, ranges
+
+
+def check_hashes(ckpt: Checkpoint, problems, report: dict | None, digests: dict) -> None:
+    """Shard checksums recorded by convert against the ones the scan computed."""
+    if report is None:
+        return
+    shards = report.get("shards")
+    if not isinstance(shards, dict):
+        problems.add("int4pack_report.json", "no shards record: the shard checksums cannot be checked")
+        shards = {}
+    for shard, rec in shards.items():
+        if not isinstance(rec, dict) or "data_digest" not in rec:
+            continue
+        path = ckpt.folder / shard
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in (".", ".."):
+            problems.add("int4pack_report.json", f"shards names {shard!r}, not a file of this folder")
+            continue
+        if not path.is_file():
+            problems.add(shard, "listed in int4pack_report.json but missing")
+            continue
+        if not isinstance(rec.get("data_digest"), str):
+            problems.add(shard, f"int4pack_report.json: shards.{shard}.data_digest is {rec['data_digest']!r}, "
+                                "not a checksum")
+            continue
+        size, digest = digests.get(shard) or (None, None)
+        if size is None:  # a shard no tensor of the index names: read on its own
+            got = hash_shard(path, rec["data_digest"])
+            size, digest = got["size"], got["data_digest"]
+        if digest != rec["data_digest"] or size != rec.get("size", size):
+            problems.add(shard, "tensor bytes differ from what convert wrote (data checksum mismatch with "
+                                "int4pack_report.json): the shard was modified or corrupted")
+
+
+def in_order(pool, fn, items: list) -> list:
+    if pool is None:
+        return [fn(*it) for it in items]
+    return [f.result() for f in [pool.submit(fn, *it) for it in items]]
