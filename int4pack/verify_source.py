@@ -19,7 +19,10 @@ __all__ = ["Source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs
 
 
 class Source:
-    """The source checkpoint read by int4pack's own readers, plus convert's per-module budgets."""
+    """The source checkpoint read by int4pack's own readers, plus convert's per-module budgets.
+
+    It plans the source again instead of reading the output's report: the report is written by
+    whoever wrote the output, so every budget and copy verify checks against comes from the source."""
 
     def __init__(self, path, revision):
         self.label = str(path)
