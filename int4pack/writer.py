@@ -159,9 +159,13 @@ def _header_raw(planned: dict[str, tuple[OutTensor, int]], meta: dict[str, str])
     """json.dumps({"__metadata__": meta, name: entry, ...}, separators=(",", ":")), built from the
     planned tensors and their data offsets only when it is written."""
     parts = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"))]
+    kinds: dict[tuple, str] = {}  # (dtype, shape) -> its JSON: a few per model (every expert repeats them)
     for name, (t, off) in planned.items():
-        parts.append(f',{json.dumps(name)}:{{"dtype":{json.dumps(t.dtype)},"shape":'
-                     f'{json.dumps(list(t.shape), separators=(",", ":"))},"data_offsets":[{off},{off + t.nbytes}]}}')
+        kind = kinds.get((t.dtype, t.shape))
+        if kind is None:
+            kind = kinds[t.dtype, t.shape] = (f'{{"dtype":{json.dumps(t.dtype)},"shape":'
+                                              f'{json.dumps(list(t.shape), separators=(",", ":"))},"data_offsets":[')
+        parts.append(f',{json.dumps(name)}:{kind}{off},{off + t.nbytes}]}}')
     parts.append("}")
     return "".join(parts).encode()
 
