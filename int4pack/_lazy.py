@@ -16,7 +16,7 @@ import sys
 
 __all__ = ["torch", "load_torch", "torch_loaded", "freeze_after_import"]
 
-_state = {"freeze": False}
+_state = {"freeze": False, "bound": False}
 
 
 def freeze_after_import() -> None:
@@ -34,6 +34,8 @@ def load_torch():
     would rescan while it runs, so the GC pauses for the import."""
     mod = sys.modules.get("torch")
     if mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False):
+        if not _state["bound"]:  # imported by the caller first (a script, the plugin): bind it once
+            _bind(mod)
         return mod
     was_enabled = gc.isenabled()
     gc.disable()
@@ -51,6 +53,7 @@ def load_torch():
 def _bind(mod) -> None:
     """Replace the stand-in by torch in every loaded int4pack module (and here, for later imports)."""
     globals()["torch"] = mod
+    _state["bound"] = True
     for name, module in list(sys.modules.items()):
         if (name == "int4pack" or name.startswith("int4pack.")) and isinstance(
                 getattr(module, "__dict__", {}).get("torch"), _Torch):

@@ -165,6 +165,7 @@ class Checkpoint:
     def _start_io(self) -> None:
         """The mappings and descriptors of the lazy reads."""
         self._maps: dict[str, mmap.mmap] = {}
+        self._mapped: set[str] = set()  # tensors ever read through the mapping (raw, view): release's work
         self._addrs: dict[str, int | None] = {}  # each mapping's address, for madvise without the GIL
         # one read-only descriptor per shard for the positional reads: an open and close per
         # small tensor (scales, zeros, g_idx: three a module) would cost more than the read
@@ -290,6 +291,7 @@ class Checkpoint:
         """The tensor's bytes, zero-copy."""
         t = self.info(name)
         m = self._map(t.file)
+        self._mapped.add(name)
         if t.end > len(m):
             raise InputError(f"{t.file}: truncated while reading {name!r}", path=str(self.folder / t.file),
                              tensor=name, hint="The shard changed or is truncated; download it again.")
@@ -348,6 +350,8 @@ class Checkpoint:
 
     def release(self, name: str) -> None:
         """Drop this process's pages of a tensor read with ``view`` (the page cache keeps them)."""
+        if name not in self._mapped:  # read with pread only (a module's zeros, scales, g_idx): no pages here
+            return  # (a neighbour's fault-around lies inside that neighbour's own 2 MB blocks)
         t = self.tensors.get(name)
         m = self._maps.get(t.file) if t is not None else None
         if m is None or t.end <= t.begin:

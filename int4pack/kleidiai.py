@@ -254,10 +254,16 @@ def pack_portable(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | No
                   threads: int | None = None) -> torch.Tensor:
     """The C++ packer (pure-numpy reference without the C++ library): uint8 1-D blob."""
     q, scales, bias, g = _prep(q, scales, bias, group_size)
-    if _ext_mod() is None:
+    mod = _ext_mod()
+    if mod is None:
         return pack_reference(q, scales, bias, g)
-    blob = pack_experts(q.unsqueeze(0), scales.unsqueeze(0), None if bias is None else bias.unsqueeze(0), g, threads)
-    return blob.reshape(-1)
+    # _prep checked and normalised everything pack_experts would: one expert's [1, ...] views, straight
+    # to the library (the per-blob Python is convert's serial part)
+    n, k = q.shape
+    out = torch.empty(1, packed_size(n, k, g), dtype=torch.uint8)
+    mod.pack(q.view(1, n, k), scales.view(1, *scales.shape), None if bias is None else bias.view(1, n), g, out,
+             int(threads or 0))
+    return out.view(-1)
 
 
 # ---------------------------------------------------------------------------------------------

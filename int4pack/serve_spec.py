@@ -9,6 +9,7 @@ blobs.py and docs/serve-format.md.
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 
 from . import kleidiai
@@ -147,8 +148,13 @@ def provenance_problem(name: str, ent) -> str | None:
 def crc(t: torch.Tensor | None) -> str | None:
     if t is None:
         return None
-    t = t.contiguous().reshape(-1)
-    return f"{zlib.crc32(t.view(torch.uint8).numpy()):08x}"
+    t = t.contiguous()
+    n = t.nbytes
+    # the bytes in place, through ctypes: a fifth of the cost of reshape/view/numpy, paid per blob 3-4 times
+    # (t stays referenced here, so its memory outlives the call)
+    data = (ctypes.c_char * n).from_address(t.data_ptr()) if n and t.device.type == "cpu" else \
+        t.reshape(-1).view(torch.uint8).numpy()
+    return f"{zlib.crc32(data):08x}"
 
 
 def provenance(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int,

@@ -87,10 +87,18 @@ def shard_names(n: int) -> list[str]:
     return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
+_BYTE_DTYPES: tuple = ()  # uint8 and int8, once torch is imported
+
+
 def to_bytes(t: torch.Tensor | memoryview | bytes) -> memoryview:
     """A zero-copy byte view of a tensor (or pass-through for raw bytes)."""
+    global _BYTE_DTYPES
     if isinstance(t, (memoryview, bytes, bytearray)):
         return memoryview(t).cast("B") if isinstance(t, memoryview) else memoryview(t)
+    if not _BYTE_DTYPES:
+        _BYTE_DTYPES = (torch.uint8, torch.int8)
+    if t.dtype in _BYTE_DTYPES and t.is_contiguous() and not t.requires_grad and t.numel():
+        return memoryview(t.numpy()).cast("B")  # blobs and int8 weights: one torch call, not five
     t = t.detach().contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
@@ -151,9 +159,13 @@ def _header_raw(planned: dict[str, tuple[OutTensor, int]], meta: dict[str, str])
     """json.dumps({"__metadata__": meta, name: entry, ...}, separators=(",", ":")), built from the
     planned tensors and their data offsets only when it is written."""
     parts = ['{"__metadata__":', json.dumps(meta, separators=(",", ":"))]
+    kinds: dict[tuple, str] = {}  # (dtype, shape) -> its JSON: a few per model (every expert repeats them)
     for name, (t, off) in planned.items():
-        parts.append(f',{json.dumps(name)}:{{"dtype":{json.dumps(t.dtype)},"shape":'
-                     f'{json.dumps(list(t.shape), separators=(",", ":"))},"data_offsets":[{off},{off + t.nbytes}]}}')
+        kind = kinds.get((t.dtype, t.shape))
+        if kind is None:
+            kind = kinds[t.dtype, t.shape] = (f'{{"dtype":{json.dumps(t.dtype)},"shape":'
+                                              f'{json.dumps(list(t.shape), separators=(",", ":"))},"data_offsets":[')
+        parts.append(f',{json.dumps(name)}:{kind}{off},{off + t.nbytes}]}}')
     parts.append("}")
     return "".join(parts).encode()
 
