@@ -38,3 +38,12 @@ def test_a_decode_step_of_the_second_layer_that_differs_is_counted_there():
 def test_calls_that_do_not_fit_the_layers_are_an_error():
     assert "error" in routing_agreement(calls(REF)[:-1], REF)
     assert "error" in routing_agreement([], REF)
+
+
+def test_the_plain_column_says_not_run_and_never_identical_when_plain_was_not_served():
+    from lane_checks import plain_cell
+
+    assert plain_cell({"run": False, "not_run": "--no-plain", "identical": None}) == "not run"
+    assert plain_cell({"run": False, "identical": None, "single_process_plain_tokens_identical": False}) == \
+        "not run (single-process plain: other tokens)"
+    assert plain_cell({"run": True, "identical": False}) == "NO"
