@@ -284,13 +284,15 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
         cmd += ["--tensor-parallel", str(a.tensor_parallel), "--pipeline-parallel", str(a.pipeline_parallel)]
     t = time.perf_counter()
     log_path = work / f"probe_{tag}_{ptag}.log"
+    # with ranks, each engine start imports vLLM once more per rank (in parallel, on the same cores)
+    budget = a.timeout * len(todo) * max(1, a.tensor_parallel * a.pipeline_parallel)
     with open(log_path, "w") as log:
         try:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout * len(todo), check=False,
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=budget, check=False,
                            env=plugin_env(work) if a.serve_format == "kleidiai" else None)
         except subprocess.TimeoutExpired:
             for rec in recs:
-                rec["probe_timeout"] = a.timeout * len(todo)
+                rec["probe_timeout"] = budget
     for rec in recs:
         rec["process_log"] = str(log_path)
         rec["process_wall_s"] = round(time.perf_counter() - t, 1)
@@ -558,7 +560,8 @@ def main() -> int:
                     "--parallel slot, vLLM imported once per process)")
     ap.add_argument("--prompt", default="3,17,42,99,128,200,7,64")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--timeout", type=int, default=2400, help="seconds per input under emulation")
+    ap.add_argument("--timeout", type=int, default=2400, help="seconds per input under emulation (times "
+                    "tensor x pipeline parallel size)")
     ap.add_argument("--reuse", action="store_true", help="reuse probe outputs already in --work")
     ap.add_argument("--swap-gate-up", action="store_true", help="negative control: serve a copy with gate and up "
                     "swapped in every expert (the checks must fail)")
