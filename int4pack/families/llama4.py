@@ -21,5 +21,5 @@ FAMILY = Family(
     prefixes=("language_model.model.", "model.language_model.", "model."),
     kept=((r"^(?:vision_model|multi_modal_projector|model\.vision_model|model\.multi_modal_projector)\.",
            "vision encoder and projector: not experts"),),
-    serve={"0.19.1": "not run", "0.32.0": "no: Llama4 routing refused (stock and plugin)"},
+    serve={"0.19.1": "not run", "0.32.0": "no: Llama4 routing refused, stock and plugin (read in the wheel; not run)"},
 )
