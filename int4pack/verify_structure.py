@@ -220,18 +220,23 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
         return
     n, k = wi.shape
     g = t.group_for(m)
-    if g == -1:
-        want_dt, want_shape = "F32", (n, 1)
-    else:
-        want_dt, want_shape = "BF16", (n, k // g if k % g == 0 else -1)
-        why = check_group_size(g, k)
-        if why:
-            problems.add(m, f"group size {g} invalid for K={k}: {why}")
+    want_dt, groups = _want_scales(m, g, k, problems)
+    want_shape = (n, groups)
     if si.dtype != want_dt or tuple(si.shape) != want_shape:
         problems.add(m, f"{sn}: {si.dtype}{list(si.shape)}, expected {want_dt}{list(want_shape)} "
                         f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
         return
     _check_values(m, wn, sn, t.ranges.get(wn) or ck.get(wn), ck.get(sn).float(), problems, counts, wi.numel)
+
+
+def _want_scales(m: str, g: int, k: int, problems: Problems) -> tuple[str, int]:
+    """The scale dtype and the number of scale groups along K of a module of group g (-1: channel)."""
+    if g == -1:
+        return "F32", 1
+    why = check_group_size(g, k)
+    if why:
+        problems.add(m, f"group size {g} invalid for K={k}: {why}")
+    return "BF16", (k // g if k % g == 0 else -1)
 
 
 def _check_view(t: Target, m: str, problems: Problems, counts: dict) -> None:
@@ -247,9 +252,7 @@ def _check_view(t: Target, m: str, problems: Problems, counts: dict) -> None:
         return
     k = wi.shape[0]
     g = t.group_for(m)
-    want_dt, want_rows = ("F32", 1) if g == -1 else ("BF16", k // g if k % g == 0 else -1)
-    if g != -1 and (why := check_group_size(g, k)):
-        problems.add(m, f"group size {g} invalid for K={k}: {why}")
+    want_dt, want_rows = _want_scales(m, g, k, problems)
     if si.dtype != want_dt or tuple(si.shape) != (want_rows, wi.shape[1]):
         problems.add(m, f"{sn}: {si.dtype}{list(si.shape)}, expected {want_dt}{[want_rows, wi.shape[1]]} "
                         f"({'channel' if g == -1 else f'group {g}'}, stored transposed)")
