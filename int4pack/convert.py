@@ -252,7 +252,8 @@ def convert(
             # measured vLLM releases that fail on this output: its scales and dtypes, its routing
             "serving": serving_warnings(plan.schemes()) + routing,
             "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
-            "next": next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None),
+            "next": next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
+                              own_layout=any(j.kind == "experts" for j in plan.jobs)),
         }
         if packed:
             report["serve_format_planned"] = KLEIDIAI

