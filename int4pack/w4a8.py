@@ -287,7 +287,7 @@ def _job_groups(ql: QuantLinear):
     """(zeros, g_idx, source group width) of a record for the C++ jobs."""
     zeros = None if ql.zeros is None else ql.zeros.to(torch.uint8).contiguous()
     gidx = None if ql.g_idx is None else ql.g_idx.long().contiguous()
-    return zeros, gidx, ql.spec.group_size if ql.spec.group_size > 0 else ql.spec.k
+    return zeros, gidx, block(ql.spec.k, ql.spec.group_size)
 
 
 # --------------------------------------------------------------------------- lossless
