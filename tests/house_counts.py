@@ -24,22 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_imports import cycles, graph  # noqa: E402
+from test_imports import cycles, graph, reach  # noqa: E402
 
 MINUS_ONE = re.compile(r"\w+ if [\w.]+ == -1 else [\w.]*\b(g|gs|k|group_size)\b|-1 means (K|channel)|[\w.]+ if [\w.]+ != -1 else \w+")
 MACHINE = re.compile(r"/work/|/home/\w|\"/tmp/")
-
-
-def _closure(edges: dict[str, set[str]], start: str) -> set[str]:
-    seen, todo = set(), [start]
-    while todo:
-        m = todo.pop()
-        if m not in seen:
-            seen.add(m)
-            todo.extend(edges.get(m, ()))
-            parts = m.split(".")  # importing a.b.c runs a and a.b first
-            todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
-    return seen
 
 
 def _floors(edges: dict[str, set[str]]) -> dict[str, int]:
@@ -73,7 +61,7 @@ def main() -> None:
     edges = graph()
     floor = _floors(edges)
     back = [(a, b) for a, ds in edges.items() for b in ds if floor[b] >= floor[a]]
-    src_closure = sorted(_closure(edges, "int4pack.vllm_plugin"))
+    src_closure = sorted(reach(edges, "int4pack.vllm_plugin"))
     run = subprocess.run([sys.executable, "-c", PLUGIN_RUN], capture_output=True, text=True,
                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     runtime = json.loads(run.stdout) if run.returncode == 0 else {"error": run.stderr[-400:]}
