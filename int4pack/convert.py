@@ -18,7 +18,7 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _ext, blobs
+from . import _ext, blobs, expert_layout
 from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
@@ -105,8 +105,6 @@ def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[lis
                 ckpt.release(key)  # unmap the packed words read in place; RSS stays bounded
         return _outputs(ws, roles)
     if job.kind == "experts":  # one expert in its model's own layout (expert_layout.py)
-        from . import expert_layout
-
         ws = [to_w4a8(reader.read(s), job.group_size) for s in job.specs]
         out = expert_layout.tensors(job.specs[0].name.rsplit(".", 1)[0], *ws)
         return out, {w.name: _w_stats(w, roles[w.name]) for w in ws}

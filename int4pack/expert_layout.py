@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 
 from ._lazy import torch
+from .records import LinearSpec
 
 __all__ = ["GATE_UP", "outputs", "tensors", "views", "View", "output_specs"]
 
@@ -88,8 +89,6 @@ def views(stored_modules, shapes: dict[str, tuple[int, ...]]) -> dict[str, View]
 
 def output_specs(ckpt) -> dict:
     """{module: LinearSpec} of a W4A8 output in this layout (for inspect), {} for any other checkpoint."""
-    from .records import LinearSpec
-
     stored = sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale"))
     vs = views(stored, {n: tuple(i.shape) for n, i in ckpt.tensors.items() if n.endswith(".weight")})
     out = {}

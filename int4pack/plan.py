@@ -12,6 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
+from . import expert_layout
 from ._version import __version__
 from .architectures import Layout, discover
 from .checkpoint import ITEMSIZE, Checkpoint, TensorInfo
@@ -245,8 +246,6 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
             continue
         s = specs[name]
         if name in unit_of:
-            from . import expert_layout
-
             members = [specs[m] for m in unit_of[name]]
             g = groups[name]
             gate, down = members[0], members[2]
