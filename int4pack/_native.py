@@ -50,6 +50,9 @@ _SIGNATURES = {
     "i4p_int8_range": ([_p, _i, _i, _p], _i),
     "i4p_dequant_w4a8": ([_p, _i, _i, _i, _p, _i, _p, _i], _i),
     "i4p_ref_pack": ([_p, _i, _i, _p, _i, _i, _p, _i], _i),
+    "i4p_lossless_batch": ([_p, _i, _p, _i, _p, _i, _p, _p, _i], _i),
+    "i4p_crc32": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
+    "i4p_scales_to_float": ([_p, _i, _i, _i, _i, _p], _i),
 }
 
 
@@ -243,6 +246,39 @@ class ConvertKernels(_Lib):
         if b.nbytes < a.nbytes:
             raise ValueError(f"crc32c_copy: {a.nbytes} bytes into a buffer of {b.nbytes}")
         return int(self._lib.i4p_crc32c_copy(a.ctypes.data, b.ctypes.data, a.nbytes, crc & 0xFFFFFFFF))
+
+
+    # the lossless batch (csrc/convert_kernels/batch.cpp; int4pack/batch.py lays out its rows)
+    BATCH_FIELDS = 24
+    BATCH_RESULTS = 10
+
+    def lossless_batch(self, src: int, src_len: int, desc: np.ndarray, out, threads: int = 1):
+        """Run the lossless path of ``desc``'s modules (int64 [count, BATCH_FIELDS]) on the source
+        mapped at address ``src`` (``src_len`` bytes), writing their outputs into the writable buffer
+        ``out``: (results int64 [count, BATCH_RESULTS], sums float64 [count, 5])."""
+        if desc.dtype != np.int64 or desc.ndim != 2 or desc.shape[1] != self.BATCH_FIELDS or \
+                not desc.flags.c_contiguous:
+            raise RuntimeError(f"lossless_batch: expected contiguous int64 [count, {self.BATCH_FIELDS}]")
+        o = _bytes(out, writable=True)
+        res = np.zeros((desc.shape[0], self.BATCH_RESULTS), dtype=np.int64)
+        tot = np.zeros((desc.shape[0], 5), dtype=np.float64)
+        self._call("i4p_lossless_batch", src, src_len, desc.ctypes.data, desc.shape[0], o.ctypes.data, o.nbytes,
+                   res.ctypes.data, tot.ctypes.data, threads)
+        return res, tot
+
+    def crc32(self, data, crc: int = 0) -> int:
+        """zlib's CRC-32 of a contiguous buffer, continuing from ``crc``."""
+        a = _bytes(data)
+        return int(self._lib.i4p_crc32(a.ctypes.data, a.nbytes, crc & 0xFFFFFFFF))
+
+    def scales_to_float(self, src, n: int, groups: int, dtype: int, kn: bool) -> np.ndarray:
+        """Source scales (0 float32, 1 float16, 2 bfloat16; ``kn``: stored [G, N]) as float32 [N, G]."""
+        a = _bytes(src)
+        if a.nbytes != n * groups * (4 if dtype == 0 else 2):
+            raise RuntimeError("scales_to_float: size does not match")
+        out = np.empty((n, groups), dtype=np.float32)
+        self._call("i4p_scales_to_float", a.ctypes.data, n, groups, dtype, int(bool(kn)), out.ctypes.data)
+        return out
 
 
 class KleidiaiPack(_Lib):

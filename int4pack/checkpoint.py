@@ -367,6 +367,34 @@ class Checkpoint:
         except (OSError, ValueError, AttributeError):
             pass
 
+    def mapping(self, shard: str) -> tuple[int | None, int]:
+        """(address, length) of a shard's read-only mapping, for C++ that reads tensors in place
+        (convert's lossless batch); the address is None where the mapping gives none."""
+        m = self._map(shard)
+        return self._addrs.get(shard), len(m)
+
+    def populate(self, shard: str, begin: int, end: int) -> None:
+        """Map the pages of bytes [begin, end) of a shard in one call (what ``view`` does per tensor)."""
+        lo = begin - begin % mmap.PAGESIZE
+        for advice in (_MADV_POPULATE_READ, mmap.MADV_WILLNEED):
+            try:
+                self._madvise(shard, lo, end - lo, advice)
+                return
+            except (OSError, ValueError, AttributeError):
+                continue
+
+    def release_range(self, shard: str, begin: int, end: int) -> None:
+        """Drop this process's pages of bytes [begin, end) of a shard, in whole 2 MB blocks (see ``release``)."""
+        m = self._maps.get(shard)
+        if m is None or end <= begin:
+            return
+        lo = begin - begin % _FAULT_AROUND
+        hi = min(len(m), -(-end // _FAULT_AROUND) * _FAULT_AROUND)
+        try:
+            self._madvise(shard, lo, hi - lo, mmap.MADV_DONTNEED)
+        except (OSError, ValueError, AttributeError):
+            pass
+
     def read_into(self, name: str, buf: memoryview, offset: int = 0) -> None:
         """Fill ``buf`` with the tensor's bytes from ``offset`` on (positional reads, thread-safe)."""
         t = self.info(name)

@@ -18,7 +18,7 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _ext, blobs, expert_layout
+from . import _ext, batch, blobs, expert_layout
 from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
@@ -395,11 +395,19 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
                                              PROVENANCE_BYTES if pack is not None else 0)
             return f
 
+    def per_job(job: Job) -> tuple[list, dict]:
+        tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
+        if pack is not None:
+            tensors = pack(job, tensors, job_stats)
+        return tensors, job_stats
+
+    def work_batch(b: batch.Batch) -> list[tuple[dict, set]]:
+        with kernels.threads_here(1):
+            return batch.run_batch(b, ckpt, plan, shard_file, rename, pack is not None, per_job)
+
     def work(job: Job) -> tuple[dict, set]:
         with kernels.threads_here(1):  # one job per worker, each single-threaded: nothing nests
-            tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
-            if pack is not None:
-                tensors = pack(job, tensors, job_stats)
+            tensors, job_stats = per_job(job)
         written = set()
         for name, data in tensors:
             shard = shard_of.get(name)
@@ -452,18 +460,24 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     pool = ThreadPoolExecutor(max_workers=workers)
     finisher = ThreadPoolExecutor(max_workers=1)
     closing: list = []
+    def take(unit, fut) -> None:
+        if isinstance(unit, batch.Batch):
+            for j, got in zip(unit.jobs, fut.result()):
+                consume(j, *got)
+        else:
+            consume(unit, *fut.result())
+
     try:
         window: deque = deque()
-        for job in todo:
-            window.append((job, pool.submit(work, job)))
+        # runs of lossless linear jobs go as one batch each (batch.py): one C++ call, one write per span
+        for unit in batch.units(todo, plan.reader, shard_of, trusted, pack is not None):
+            window.append((unit, pool.submit(work_batch if isinstance(unit, batch.Batch) else work, unit)))
             if len(window) >= 2 * workers:
-                j, fut = window.popleft()
-                consume(j, *fut.result())
+                take(*window.popleft())
             while closing and closing[0].done():
                 closing.pop(0).result()  # a failed close (disk full) stops the run here
         while window:
-            j, fut = window.popleft()
-            consume(j, *fut.result())
+            take(*window.popleft())
         for fut in closing:
             fut.result()
         for shard in sorted(trusted):

@@ -302,6 +302,48 @@ class ShardFile:
             self.crc[want.name] = crc  # the plan's name string: the caller's may be a fresh copy
         return crc
 
+    def place(self, name: str) -> tuple[OutTensor, int]:
+        """A planned tensor and its offset in the data (file order: see ``_direct_first``)."""
+        got = self._planned.get(name)
+        if got is None:
+            raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
+        return got
+
+    def write_batch(self, entries: list[tuple[str, int, int]], buf: memoryview) -> None:
+        """Write planned tensors whose bytes lie in ``buf`` (page-aligned memory, e.g. an anonymous
+        mapping): ``entries`` (name, position in buf, CRC of its bytes) in file order. Tensors next to
+        each other in the file and in ``buf`` go out in one write, a direct one where they lie in
+        the leading whole-page span (their positions then in whole pages too); thread-safe, as ``write``."""
+        spans: list[list[int]] = []  # [data offset, position in buf, bytes]
+        for name, pos, _ in entries:
+            t, begin = self.place(name)
+            last = spans[-1] if spans else None
+            if last is not None and last[0] + last[2] == begin and last[1] + last[2] == pos and \
+                    (begin < self.direct_bytes) == (last[0] < self.direct_bytes):
+                last[2] += t.nbytes
+            else:
+                spans.append([begin, pos, t.nbytes])
+        if _SLOW_WRITE_S:
+            time.sleep(_SLOW_WRITE_S * len(entries))
+        try:
+            if self._io_error is not None:
+                raise self._io_error
+            for begin, pos, nbytes in spans:
+                piece, off = buf[pos: pos + nbytes], 8 + self.header_len + begin
+                done = 0
+                if self._direct and begin < self.direct_bytes and pos % _ALIGN == 0:
+                    done = self._pwrite_direct(piece, off)
+                if done < nbytes:  # through the page cache (the rest of a refused direct write too)
+                    with self._write_lock:
+                        self._pwrite(piece[done:], off + done)
+        except OSError as e:
+            raise _disk_error(self.tmp, e) from e
+        with self._lock:
+            for name, _, crc in entries:
+                if name in self.crc:
+                    raise OutputError(f"internal: {name} written twice in {self.path.name}", tensor=name)
+                self.crc[self._planned[name][0].name] = crc
+
     def _stage_direct(self, pieces, off: int, direct: bool = True) -> int:
         """Copy ``pieces`` (one tensor of whole pages, at a page-aligned ``off``) into staging buffers,
         checksumming as they are copied, and queue each full buffer for the I/O thread; returns the

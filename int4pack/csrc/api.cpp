@@ -156,3 +156,22 @@ I4P_EXPORT int64_t i4p_ref_pack(const int8_t* q, int64_t n, int64_t k, const voi
     return int64_t{0};
   });
 }
+
+// the lossless path of many modules (batch.cpp): 0, each module's status in res, or -1
+I4P_EXPORT int64_t i4p_lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count,
+                                      uint8_t* out, int64_t out_len, int64_t* res, double* tot, int64_t threads) {
+  return guarded([&] { return lossless_batch(src, src_len, desc, count, out, out_len, res, tot, threads); });
+}
+
+// zlib's CRC-32 of p[0..n) continuing from crc (crc32.cpp)
+I4P_EXPORT uint32_t i4p_crc32(const uint8_t* p, int64_t n, uint32_t crc) { return crc32_extend(crc, p, n); }
+
+// source scales (ScaleType, [N, G] or stored [G, N]) as float32 [N, G] (batch.cpp)
+I4P_EXPORT int64_t i4p_scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, int64_t kn,
+                                       float* out) {
+  return guarded([&] {
+    I4P_CHECK(dtype >= kScaleF32 && dtype <= kScaleBf16, "scales_to_float: dtype ", dtype);
+    scales_to_float(src, n, groups, dtype, kn != 0, out);
+    return int64_t{0};
+  });
+}

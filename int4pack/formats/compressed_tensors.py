@@ -353,6 +353,17 @@ class CompressedTensorsReader:
         return FormatVerdict(format="compressed-tensors", detail=detail, evidence=evidence, warnings=warnings,
                              extra={"ct_version": self.version, "ct_format": "/".join(formats)})
 
+    def in_place(self, spec: LinearSpec) -> tuple | None:
+        """Where a pack-quantized module's data lies, for convert's lossless batch (batch.py), which
+        reads it in place (see GPTQReader.in_place); None where ``read`` is the only way."""
+        t = self.ckpt.tensors
+        if spec.refused or spec.has_bias or spec.fmt != "ct-pack" or f"{spec.name}.weight_zero_point" in t:
+            return None
+        sc, g = t[f"{spec.name}.weight_scale"], t.get(f"{spec.name}.weight_g_idx")
+        if tuple(sc.shape) != (spec.n, spec.groups) or (g is not None and g.dtype not in ("I32", "I64")):
+            return None
+        return (Packing.CT, t[f"{spec.name}.weight_packed"], sc, False, None, 0, g)
+
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         if spec.refused:
             raise RefusedError(f"{spec.name}: {spec.refused}", tensor=spec.name,

@@ -316,6 +316,19 @@ class GPTQReader:
             self._verdict = self._detect(self.linears())
         return self._verdict
 
+    def in_place(self, spec: LinearSpec) -> tuple | None:
+        """Where a module's data lies, for convert's lossless batch (batch.py), which reads it in place:
+        (layout, words, scales, scales stored [G, N], zeros, the byte of a zero point of 8, g_idx),
+        TensorInfos (zeros and g_idx may be None); None where ``read`` is the only way."""
+        if spec.refused or spec.has_bias:
+            return None
+        t = self.ckpt.tensors
+        g = t.get(f"{spec.name}.g_idx")
+        if g is not None and g.dtype not in ("I32", "I64"):
+            return None
+        return (Packing.GPTQ, t[f"{spec.name}.qweight"], t[f"{spec.name}.scales"], True, t[f"{spec.name}.qzeros"],
+                0x77 if self.verdict().extra["zero_convention"] == "v1" else 0x88, g)
+
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         if spec.refused:
             raise RefusedError(f"{spec.name}: {spec.refused}", tensor=spec.name,

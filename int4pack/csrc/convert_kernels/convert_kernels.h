@@ -271,4 +271,27 @@ bool force_search64(bool on);  // tests: returns the previous setting
 constexpr int64_t kCrcBlock = 8192;  // bytes per chain of the SSE4.2 CRC
 uint32_t crc32c_extend(uint32_t crc, const uint8_t* p, int64_t n);
 
+// ---- crc32.cpp
+uint32_t crc32_extend(uint32_t crc, const uint8_t* p, int64_t n);  // zlib's CRC-32
+
+// ---- batch.cpp: the lossless path of many modules in one call (int4pack/batch.py)
+// source scale dtypes, and the fields of one module's row of int64 in the descriptor (batch.FIELDS)
+enum ScaleType : int64_t { kScaleF32 = 0, kScaleF16 = 1, kScaleBf16 = 2 };
+enum BatchField : int64_t {
+  kbLayout, kbWords, kbD0, kbD1, kbN, kbK,  // Layout (kGptq, kCt), byte offset and shape of the words
+  kbScales, kbScaleType, kbScalesKN, kbSrcGroups,  // source scales: offset, ScaleType, stored [Gs, N], Gs
+  kbZeros, kbZerosBytes, kbZeroByte,  // packed zero points (offset or -1), their size, the byte of a zero of 8
+  kbGidx, kbGidxItem, kbGidxGroup,  // g_idx (offset or -1), its item size (4, 8), the group it must follow
+  kbSrcGroup, kbG, kbBf16,  // JobArgs' src_group, g, bf16
+  kbOutQ, kbOutS, kbOutBlob, kbBlobBytes,  // places in the output buffer (-1: not written), blob size
+  kbFields = 24
+};
+// one module's results (int64): status (JobStatus, or kNotAsGiven), report [3], CRC-32C of the first
+// and second output (blob, or weight and scales), zlib CRC-32 of q, scales and blob (packed only)
+enum BatchResult : int64_t { kbStatus, kbReport, kbCrcA = 4, kbCrcB, kbZlibQ, kbZlibS, kbZlibBlob, kbResults = 10 };
+constexpr int64_t kNotAsGiven = 100;  // the per-module path reads this module otherwise: run it there
+void scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, bool kn, float* out);
+int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
+                       int64_t out_len, int64_t* res, double* tot, int64_t threads);
+
 }  // namespace i4p

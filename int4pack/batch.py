@@ -1,0 +1,221 @@
+"""convert's lossless batch: runs of lossless linear jobs converted, packed and checksummed in one
+C++ call each (csrc/convert_kernels/batch.cpp), written with one write per span of the shard.
+
+Per module, the per-job path (convert.run_job, blobs.job_packer, ShardFile.write) runs ~1.6 ms of
+Python under the GIL (reading the record, the job's wrapper, packing, provenance, writing), so
+more workers did not make convert faster (docs/performance.md). Here the C++ reads each module's
+packed words, scales, zero points and g_idx in place from the mapped source shard, runs the
+lossless job, writes the output tensors (the default format's int8 weight and scales, or the
+KleidiAI blob) at their places in one buffer laid out in the shard's file order, and returns the
+CRC-32C the writer records and the zlib CRC-32s of the blob's provenance; Python keeps the
+statistics and header entries, a few dicts per module.
+
+A batch holds consecutive jobs of one output shard and one source shard whose path the plan
+predicts lossless, without bias, whose reader can say where their data lies (``in_place``). A
+module the C++ does not take as given (zero points other than 8, a g_idx not arange(K) / group,
+misaligned words) or whose job it refuses runs the per-job path inside the batch: it is
+converted (or refused, with the same message) exactly as without batches. The outputs are the
+same bytes, statistics and provenance either way (tests/test_batch.py). ``INT4PACK_BATCH=0``
+turns batches off.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from . import kernels, kleidiai
+from .errors import OutputError
+from .groups import block, normalize_group
+from .plan import Job
+from .records import Packing
+from .scale_search import ErrorStats
+from .writer import to_bytes
+
+__all__ = ["ENABLED", "BATCH_BYTES", "units", "run_batch", "FIELDS"]
+
+ENABLED = os.environ.get("INT4PACK_BATCH", "1").strip() not in ("0", "false", "no", "off")
+BATCH_BYTES = 16 << 20  # output bytes of one batch at most (one buffer per worker)
+BATCH_MODULES = 64
+FIELDS = 24  # int64 per module in the descriptor (convert_kernels.h, BatchField)
+_SCALE_TYPES = {"F32": 0, "F16": 1, "BF16": 2}
+# descriptor columns (BatchField)
+(_LAYOUT, _WORDS, _D0, _D1, _N, _K, _SCALES, _STYPE, _KN, _GS, _ZEROS, _ZBYTES, _ZBYTE, _GIDX, _GITEM,
+ _GGROUP, _SRCG, _G, _BF16, _OUTQ, _OUTS, _OUTBLOB, _BLOBBYTES) = range(23)
+_CRC_A, _CRC_B, _ZLIB_Q, _ZLIB_S, _ZLIB_BLOB = 4, 5, 6, 7, 8  # result columns (BatchResult)
+
+
+def _fmt(x: float | None) -> str | None:  # convert._fmt
+    return None if x is None else f"{x:.6g}"
+
+
+def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], int, int] | None:
+    """(source shard, the module's descriptor row, first and last source byte) of a job the batch
+    takes, or None."""
+    if job.kind != "linear" or len(job.specs) != 1:
+        return None
+    spec = job.specs[0]
+    n, k, g = spec.n, spec.k, job.group_size
+    if job.paths.get(spec.name) != "lossless" or g is None or (g != -1 and (g <= 0 or g >= k or k % g)):
+        return None
+    where = reader.in_place(spec) if hasattr(reader, "in_place") else None
+    if where is None:
+        return None
+    layout, words, scales, kn, zeros, zbyte, gidx = where
+    stype = _SCALE_TYPES.get(scales.dtype)
+    files = {words.file, scales.file} | {t.file for t in (zeros, gidx) if t is not None}
+    if stype is None or words.dtype != "I32" or len(files) != 1 or len(words.shape) != 2 or \
+            scales.numel != n * spec.groups or (gidx is not None and tuple(gidx.shape) != (k,)):
+        return None
+    gb = block(k, g)
+    outs = job.outputs
+    if packed:
+        if len(outs) != 1 or outs[0].shape != (kleidiai.packed_size(n, k, gb),):
+            return None
+    elif len(outs) != 2 or outs[0].nbytes != n * k or outs[1].nbytes != n * (k // gb) * (2 if g != -1 else 4):
+        return None
+    row = [layout, words.begin, words.shape[0], words.shape[1], n, k, scales.begin, stype, int(kn), spec.groups,
+           -1 if zeros is None else zeros.begin, 0 if zeros is None else zeros.nbytes, zbyte,
+           -1 if gidx is None else gidx.begin, 0 if gidx is None else (8 if gidx.dtype == "I64" else 4),
+           spec.group_size, block(k, spec.group_size), gb, int(g != -1), -1, -1, -1, 0, 0]
+    ts = [t for t in (words, scales, zeros, gidx) if t is not None]
+    return words.file, row, min(t.begin for t in ts), max(t.end for t in ts)
+
+
+class Batch:
+    """Consecutive jobs run in one C++ call: their descriptor rows and where their source lies."""
+
+    __slots__ = ("jobs", "rows", "shard", "source", "lo", "hi", "out_bytes")
+
+    def __init__(self, shard: str, source: str):
+        self.jobs: list[Job] = []
+        self.rows: list[list[int]] = []
+        self.shard, self.source = shard, source
+        self.lo, self.hi, self.out_bytes = 1 << 62, 0, 0
+
+
+def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], packed: bool):
+    """The jobs in plan order, runs of batchable ones gathered into Batches (a Batch of one is left
+    a plain job). Nothing is batched without the C++ library or with INT4PACK_BATCH=0."""
+    if not ENABLED or kernels.ext() is None:
+        yield from jobs
+        return
+    cur: Batch | None = None
+    src_bytes = 0
+
+    def flush():
+        nonlocal cur, src_bytes
+        done, cur, src_bytes = cur, None, 0
+        if done is None:
+            return
+        yield from (done.jobs if len(done.jobs) == 1 else (done,))
+
+    for job in jobs:
+        got = _source(reader, job, packed)
+        shard = shard_of.get(job.outputs[0].name)
+        nbytes = sum(t.nbytes for t in job.outputs)
+        if got is None or shard in trusted or nbytes > BATCH_BYTES // 4 or \
+                any(shard_of.get(t.name) != shard for t in job.outputs):
+            yield from flush()
+            yield job
+            continue
+        source, row, lo, hi = got
+        if cur is not None and (cur.shard != shard or cur.source != source or len(cur.jobs) >= BATCH_MODULES
+                                or cur.out_bytes + nbytes > BATCH_BYTES
+                                # a source far from contiguous: the batch maps its span whole
+                                or max(cur.hi, hi) - min(cur.lo, lo) > 2 * (src_bytes + hi - lo) + (4 << 20)):
+            yield from flush()
+        if cur is None:
+            cur = Batch(shard, source)
+        cur.jobs.append(job)
+        cur.rows.append(row)
+        cur.lo, cur.hi = min(cur.lo, lo), max(cur.hi, hi)
+        cur.out_bytes += nbytes
+        src_bytes += hi - lo
+    yield from flush()
+
+
+_buffers = threading.local()  # each worker's output buffer, reused: fresh memory costs page faults
+
+
+def _buffer(nbytes: int) -> memoryview:
+    buf = getattr(_buffers, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _buffers.buf = memoryview(mmap.mmap(-1, max(nbytes, BATCH_BYTES)))  # page-aligned
+    return buf
+
+
+def _stats(tot: list[float], role, g: int) -> dict:
+    """convert._w_stats of a lossless W4A8Linear (w4a8.lossless_job's error dict)."""
+    st = ErrorStats()
+    st.dd, st.ww, st.vv, st.wv, st.max_abs = tot
+    e = st.result()
+    return {"path": "lossless", "role": role, "group_size": g, "rel_l2": _fmt(e["rel_l2"]),
+            "max_abs": _fmt(e["max_abs"]), "cosine": _fmt(e["cosine"]), "baseline_rel_l2": None,
+            "exact_ints": True}
+
+
+def run_batch(b: Batch, ckpt, plan, shard_file, rename: dict, packed: bool, per_job) -> list[tuple[dict, set]]:
+    """Convert a Batch and write its tensors; returns each job's (stats, written names) as convert's
+    per-job ``work`` does. ``per_job(job)`` gives a job's (tensors, stats) by the per-job path (for
+    a module the C++ hands back)."""
+    f = shard_file(b.shard)
+    # the buffer in file order: the tensors of whole pages first, each at a whole page of the buffer
+    places = []
+    for i, job in enumerate(b.jobs):
+        for j, t in enumerate(job.outputs):
+            out = rename.get(t.name, t.name)
+            places.append((f.place(out)[1], out, t.nbytes, i, j))
+    places.sort()
+    pos, at = 0, {}
+    for _, out, nbytes, i, j in places:
+        at[i, j] = pos
+        pos += nbytes
+    buf = _buffer(pos)
+    desc = np.array(b.rows, dtype=np.int64)
+    for i, job in enumerate(b.jobs):
+        if packed:
+            desc[i, _OUTBLOB], desc[i, _BLOBBYTES] = at[i, 0], job.outputs[0].nbytes
+        else:
+            desc[i, _OUTQ], desc[i, _OUTS] = at[i, 0], at[i, 1]
+    addr, length = ckpt.mapping(b.source)
+    ckpt.populate(b.source, b.lo, b.hi)
+    try:
+        res, tot = kernels.ext().lossless_batch(addr, length, desc, buf, kernels.kernel_threads())
+    finally:
+        ckpt.release_range(b.source, b.lo, b.hi)
+    res, tot = res.tolist(), tot.tolist()
+    roles = plan.layout.roles
+    crcs: dict[tuple[int, int], int] = {}
+    answers = []
+    for i, job in enumerate(b.jobs):
+        r = res[i]
+        name = job.specs[0].name
+        if r[0]:  # handed back: the per-job path converts it (or raises its refusal)
+            tensors, stats = per_job(job)
+            for j, (tname, data) in enumerate(tensors):
+                if tname != job.outputs[j].name:
+                    raise OutputError(f"internal: the per-job path gave {tname}, planned {job.outputs[j].name}", tensor=tname)
+                raw = to_bytes(data)
+                if len(raw) != job.outputs[j].nbytes:
+                    raise OutputError(f"internal: {tname} has {len(raw)} bytes, planned {job.outputs[j].nbytes}",
+                                      tensor=tname)
+                buf[at[i, j]: at[i, j] + len(raw)] = raw
+                crcs[i, j] = kernels.crc32c(raw)
+        else:
+            g = job.group_size
+            stats = {name: _stats(tot[i], roles[name], normalize_group(g, job.specs[0].k))}
+            if packed:
+                spec = job.specs[0]
+                stats[name]["packed"] = {"n": spec.n, "k": spec.k, "group_size": g, "bias": False,
+                                         "crc32_q": f"{r[_ZLIB_Q]:08x}", "crc32_scales": f"{r[_ZLIB_S]:08x}",
+                                         "crc32_bias": None, "crc32": f"{r[_ZLIB_BLOB]:08x}"}
+                crcs[i, 0] = r[_CRC_A]
+            else:
+                crcs[i, 0], crcs[i, 1] = r[_CRC_A], r[_CRC_B]
+        answers.append((stats, {t.name for t in job.outputs}))
+    f.write_batch([(out, at[i, j], crcs[i, j]) for _, out, _, i, j in places], buf)
+    return answers

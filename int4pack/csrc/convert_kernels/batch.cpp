@@ -1,0 +1,176 @@
+// The lossless path of many modules in one call (twin: convert's per-module path, run_job +
+// blobs.job_packer, which int4pack/batch.py falls back to): each module's packed words, scales,
+// zero points and g_idx read in place from the mapped source shard, the lossless job (lossless.cpp),
+// the output tensors written at their places in one buffer (the default format's int8 weight and
+// scales, or the KleidiAI blob), and the checksums the writer (CRC-32C) and the packed format's
+// provenance (zlib's CRC-32) record. A module this path does not take as given (a zero point other
+// than 8, a g_idx that is not arange(K) / group, words off their alignment) or that its job refuses
+// gets a status and no output: the caller runs it through the per-module path, which converts it
+// or words the refusal.
+
+#include "convert_kernels.h"
+
+namespace i4p {
+
+void kleidiai_pack(const int8_t* q, int64_t E, int64_t N, int64_t K, const void* scales, bool scales_bf16,
+                   const float* bias, int64_t group_size, uint8_t* out, int64_t bytes, int64_t threads);
+
+namespace {
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, f;
+  if (exp == 0) {
+    if (mant == 0) {
+      f = sign;
+    } else {  // subnormal: normalise the mantissa
+      int e = -1;
+      do {
+        ++e;
+        mant <<= 1;
+      } while (!(mant & 0x400u));
+      f = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3FFu) << 13);
+    }
+  } else if (exp == 31) {
+    f = sign | 0x7F800000u | (mant << 13);
+  } else {
+    f = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float x;
+  std::memcpy(&x, &f, 4);
+  return x;
+}
+
+template <class T>
+T load(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+bool in_range(int64_t off, int64_t bytes, int64_t len) { return off >= 0 && bytes >= 0 && off <= len - bytes; }
+
+}  // namespace
+
+void scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, bool kn, float* out) {
+  const int64_t item = dtype == kScaleF32 ? 4 : 2;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < groups; ++j) {
+      const uint8_t* p = src + (kn ? j * n + r : r * groups + j) * item;
+      float v;
+      if (dtype == kScaleF32) {
+        v = load<float>(p);
+      } else if (dtype == kScaleF16) {
+        v = half_to_float(load<uint16_t>(p));
+      } else {
+        const uint32_t w = static_cast<uint32_t>(load<uint16_t>(p)) << 16;
+        std::memcpy(&v, &w, 4);
+      }
+      out[r * groups + j] = v;
+    }
+  }
+}
+
+int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
+                       int64_t out_len, int64_t* res, double* tot, int64_t threads) {
+  std::vector<float> sscale, s;
+  std::vector<int8_t> qbuf;
+  std::vector<uint16_t> bits;
+  for (int64_t m = 0; m < count; ++m) {
+    const int64_t* d = desc + m * kbFields;
+    int64_t* r = res + m * kbResults;
+    for (int64_t i = 0; i < kbResults; ++i) r[i] = 0;
+    const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG];
+    I4P_CHECK(n > 0 && k > 0 && gs > 0 && g > 0 && k % g == 0, "lossless_batch: module ", m, ": bad shape");
+    I4P_CHECK(d[kbLayout] == kGptq || d[kbLayout] == kCt, "lossless_batch: module ", m, ": layout ", d[kbLayout]);
+    const int64_t item = d[kbScaleType] == kScaleF32 ? 4 : 2;
+    I4P_CHECK(d[kbScaleType] >= kScaleF32 && d[kbScaleType] <= kScaleBf16, "lossless_batch: scale dtype");
+    I4P_CHECK(in_range(d[kbWords], d[kbD0] * d[kbD1] * 4, src_len) && in_range(d[kbScales], n * gs * item, src_len),
+              "lossless_batch: module ", m, ": source outside the mapping");
+    I4P_CHECK(d[kbZeros] < 0 || in_range(d[kbZeros], d[kbZerosBytes], src_len), "lossless_batch: zeros outside");
+    I4P_CHECK(d[kbGidx] < 0 || in_range(d[kbGidx], k * d[kbGidxItem], src_len), "lossless_batch: g_idx outside");
+    const int64_t groups = k / g, sbytes = n * groups * (d[kbBf16] ? 2 : 4);
+    const bool packed = d[kbOutBlob] >= 0;
+    if (packed) {
+      I4P_CHECK(in_range(d[kbOutBlob], d[kbBlobBytes], out_len), "lossless_batch: blob outside the buffer");
+    } else {
+      I4P_CHECK(in_range(d[kbOutQ], n * k, out_len) && in_range(d[kbOutS], sbytes, out_len),
+                "lossless_batch: outputs outside the buffer");
+    }
+    // what the per-module path would read differently: hand the module back
+    bool as_given = d[kbWords] % 4 == 0;
+    if (as_given && d[kbZeros] >= 0) {
+      const uint8_t* z = src + d[kbZeros];
+      const uint8_t want = static_cast<uint8_t>(d[kbZeroByte]);
+      as_given = std::all_of(z, z + d[kbZerosBytes], [want](uint8_t b) { return b == want; });
+    }
+    if (as_given && d[kbGidx] >= 0) {
+      const uint8_t* p = src + d[kbGidx];
+      const int64_t grp = d[kbGidxGroup];
+      I4P_CHECK(grp > 0, "lossless_batch: g_idx group");
+      for (int64_t i = 0; i < k && as_given; ++i) {
+        const int64_t v = d[kbGidxItem] == 8 ? load<int64_t>(p + 8 * i) : load<int32_t>(p + 4 * i);
+        as_given = v == i / grp;
+      }
+    }
+    if (!as_given) {
+      r[0] = kNotAsGiven;
+      continue;
+    }
+    sscale.resize(n * gs);
+    scales_to_float(src + d[kbScales], n, gs, d[kbScaleType], d[kbScalesKN] != 0, sscale.data());
+    JobArgs a{};
+    a.layout = d[kbLayout];
+    a.data = src + d[kbWords];
+    a.d0 = d[kbD0];
+    a.d1 = d[kbD1];
+    a.n = n;
+    a.k = k;
+    a.sscale = sscale.data();
+    a.src_groups = gs;
+    a.src_group = d[kbSrcGroup];
+    a.g = g;
+    a.bf16 = d[kbBf16] != 0;
+    int8_t* q;
+    if (packed) {
+      qbuf.resize(n * k);
+      q = qbuf.data();
+    } else {
+      q = reinterpret_cast<int8_t*>(out + d[kbOutQ]);
+    }
+    s.resize(n * groups);
+    const int64_t st = lossless_job(a, q, s.data(), tot + 5 * m, r + 1, threads);
+    if (st != kDone) {
+      r[0] = st;
+      continue;
+    }
+    // the shipped scales: bf16 (exact: lossless_job rounded them) or float32
+    const uint8_t* sb;
+    if (a.bf16) {
+      bits.resize(n * groups);
+      for (int64_t i = 0; i < n * groups; ++i) {
+        uint32_t w;
+        std::memcpy(&w, &s[i], 4);
+        bits[i] = static_cast<uint16_t>(w >> 16);
+      }
+      sb = reinterpret_cast<const uint8_t*>(bits.data());
+    } else {
+      sb = reinterpret_cast<const uint8_t*>(s.data());
+    }
+    if (packed) {
+      uint8_t* blob = out + d[kbOutBlob];
+      kleidiai_pack(q, 1, n, k, sb, a.bf16 != 0, nullptr, g, blob, d[kbBlobBytes], threads);
+      r[kbCrcA] = crc32c_extend(0, blob, d[kbBlobBytes]);
+      r[kbZlibQ] = crc32_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
+      r[kbZlibS] = crc32_extend(0, sb, sbytes);
+      r[kbZlibBlob] = crc32_extend(0, blob, d[kbBlobBytes]);
+    } else {
+      std::memcpy(out + d[kbOutS], sb, sbytes);
+      r[kbCrcA] = crc32c_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
+      r[kbCrcB] = crc32c_extend(0, out + d[kbOutS], sbytes);
+    }
+  }
+  return 0;
+}
+
+}  // namespace i4p
