@@ -52,6 +52,7 @@ _SIGNATURES = {
     "i4p_ref_pack": ([_p, _i, _i, _p, _i, _i, _p, _i], _i),
     "i4p_lossless_batch": ([_p, _i, _p, _i, _p, _i, _p, _p, _i], _i),
     "i4p_crc32": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
+    "i4p_use_crc32_clmul": ([_i], _i),
     "i4p_scales_to_float": ([_p, _i, _i, _i, _i, _p], _i),
 }
 
@@ -270,6 +271,10 @@ class ConvertKernels(_Lib):
         """zlib's CRC-32 of a contiguous buffer, continuing from ``crc``."""
         a = _bytes(data)
         return int(self._lib.i4p_crc32(a.ctypes.data, a.nbytes, crc & 0xFFFFFFFF))
+
+    def use_crc32_clmul(self, on: bool) -> bool:
+        """Tests: zlib's CRC-32 by carry-less multiplies (x86-64 with PCLMULQDQ) or by tables; the previous setting."""
+        return bool(self._lib.i4p_use_crc32_clmul(int(bool(on))))
 
     def scales_to_float(self, src, n: int, groups: int, dtype: int, kn: bool) -> np.ndarray:
         """Source scales (0 float32, 1 float16, 2 bfloat16; ``kn``: stored [G, N]) as float32 [N, G]."""

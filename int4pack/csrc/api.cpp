@@ -166,6 +166,8 @@ I4P_EXPORT int64_t i4p_lossless_batch(const uint8_t* src, int64_t src_len, const
 // zlib's CRC-32 of p[0..n) continuing from crc (crc32.cpp)
 I4P_EXPORT uint32_t i4p_crc32(const uint8_t* p, int64_t n, uint32_t crc) { return crc32_extend(crc, p, n); }
 
+I4P_EXPORT int64_t i4p_use_crc32_clmul(int64_t on) { return use_crc32_clmul(on != 0); }
+
 // source scales (ScaleType, [N, G] or stored [G, N]) as float32 [N, G] (batch.cpp)
 I4P_EXPORT int64_t i4p_scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, int64_t kn,
                                        float* out) {

@@ -273,6 +273,7 @@ uint32_t crc32c_extend(uint32_t crc, const uint8_t* p, int64_t n);
 
 // ---- crc32.cpp
 uint32_t crc32_extend(uint32_t crc, const uint8_t* p, int64_t n);  // zlib's CRC-32
+bool use_crc32_clmul(bool on);  // tests: the carry-less multiply path (x86-64) on or off; the previous setting
 
 // ---- batch.cpp: the lossless path of many modules in one call (int4pack/batch.py)
 // source scale dtypes, and the fields of one module's row of int64 in the descriptor (batch.FIELDS)
