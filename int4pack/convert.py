@@ -461,11 +461,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     finisher = ThreadPoolExecutor(max_workers=1)
     closing: list = []
     def take(unit, fut) -> None:
-        if isinstance(unit, batch.Batch):
-            for j, got in zip(unit.jobs, fut.result()):
-                consume(j, *got)
-        else:
-            consume(unit, *fut.result())
+        for j, got in (zip(unit.jobs, fut.result()) if isinstance(unit, batch.Batch) else [(unit, fut.result())]):
+            consume(j, *got)
 
     try:
         window: deque = deque()
