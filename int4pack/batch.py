@@ -38,7 +38,8 @@ from .writer import to_bytes
 __all__ = ["ENABLED", "BATCH_BYTES", "units", "run_batch", "FIELDS"]
 
 ENABLED = os.environ.get("INT4PACK_BATCH", "1").strip() not in ("0", "false", "no", "off")
-BATCH_BYTES = 16 << 20  # output bytes of one batch at most (one buffer per worker)
+BATCH_BYTES = 8 << 20  # output bytes of one batch at most
+BUFFERS = 8  # batch buffers in all: computing, or queued behind the disk (64 MB)
 BATCH_MODULES = 64
 FIELDS = 24  # int64 per module in the descriptor (convert_kernels.h, BatchField)
 _SCALE_TYPES = {"F32": 0, "F16": 1, "BF16": 2}
@@ -138,14 +139,32 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
     yield from flush()
 
 
-_buffers = threading.local()  # each worker's output buffer, reused: fresh memory costs page faults
+class _Buffers:
+    """Page-aligned output buffers (anonymous mappings, reused: fresh memory costs page faults), made
+    as needed up to ``BUFFERS``; taking one waits while all are in use or queued behind the disk,
+    so the workers slow to the disk's pace (writer._StagePool does the same for single tensors)."""
+
+    def __init__(self) -> None:
+        self._free: list[memoryview] = []
+        self._made = 0
+        self._cv = threading.Condition()
+
+    def take(self) -> memoryview:
+        with self._cv:
+            while not self._free and self._made >= BUFFERS:
+                self._cv.wait()
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        return memoryview(mmap.mmap(-1, BATCH_BYTES))
+
+    def give(self, buf: memoryview) -> None:
+        with self._cv:
+            self._free.append(buf)
+            self._cv.notify()
 
 
-def _buffer(nbytes: int) -> memoryview:
-    buf = getattr(_buffers, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _buffers.buf = memoryview(mmap.mmap(-1, max(nbytes, BATCH_BYTES)))  # page-aligned
-    return buf
+_buffers = _Buffers()
 
 
 def _stats(tot: list[float], role, g: int) -> dict:
@@ -174,7 +193,21 @@ def run_batch(b: Batch, ckpt, plan, shard_file, rename: dict, packed: bool, per_
     for _, out, nbytes, i, j in places:
         at[i, j] = pos
         pos += nbytes
-    buf = _buffer(pos)
+    if pos > BATCH_BYTES:
+        raise OutputError(f"internal: a batch of {pos} bytes, more than {BATCH_BYTES}")
+    buf = _buffers.take()
+    try:
+        answers, crcs = _run(b, ckpt, plan, rename, packed, per_job, at, buf)
+    except BaseException:
+        _buffers.give(buf)
+        raise
+    # the writer gives the buffer back once its bytes are written
+    f.write_batch([(out, at[i, j], crcs[i, j]) for _, out, _, i, j in places], buf, _buffers.give)
+    return answers
+
+
+def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, buf: memoryview):
+    """The C++ call and each job's stats and CRCs (its handed-back modules' bytes copied into ``buf``)."""
     desc = np.array(b.rows, dtype=np.int64)
     for i, job in enumerate(b.jobs):
         if packed:
@@ -198,7 +231,8 @@ def run_batch(b: Batch, ckpt, plan, shard_file, rename: dict, packed: bool, per_
             tensors, stats = per_job(job)
             for j, (tname, data) in enumerate(tensors):
                 if tname != job.outputs[j].name:
-                    raise OutputError(f"internal: the per-job path gave {tname}, planned {job.outputs[j].name}", tensor=tname)
+                    raise OutputError(f"internal: the per-job path gave {tname}, planned {job.outputs[j].name}",
+                                      tensor=tname)
                 raw = to_bytes(data)
                 if len(raw) != job.outputs[j].nbytes:
                     raise OutputError(f"internal: {tname} has {len(raw)} bytes, planned {job.outputs[j].nbytes}",
@@ -217,5 +251,4 @@ def run_batch(b: Batch, ckpt, plan, shard_file, rename: dict, packed: bool, per_
             else:
                 crcs[i, 0], crcs[i, 1] = r[_CRC_A], r[_CRC_B]
         answers.append((stats, {t.name for t in job.outputs}))
-    f.write_batch([(out, at[i, j], crcs[i, j]) for _, out, _, i, j in places], buf)
-    return answers
+    return answers, crcs

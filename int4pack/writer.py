@@ -309,11 +309,13 @@ class ShardFile:
             raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
         return got
 
-    def write_batch(self, entries: list[tuple[str, int, int]], buf: memoryview) -> None:
+    def write_batch(self, entries: list[tuple[str, int, int]], buf: memoryview, release=None) -> None:
         """Write planned tensors whose bytes lie in ``buf`` (page-aligned memory, e.g. an anonymous
         mapping): ``entries`` (name, position in buf, CRC of its bytes) in file order. Tensors next to
         each other in the file and in ``buf`` go out in one write, a direct one where they lie in
-        the leading whole-page span (their positions then in whole pages too); thread-safe, as ``write``."""
+        the leading whole-page span (their positions then in whole pages too). Queued for the I/O
+        thread where the file has one (``release(buf)`` is called once the bytes are written, or
+        dropped after a failure), else written here; thread-safe, as ``write``."""
         spans: list[list[int]] = []  # [data offset, position in buf, bytes]
         for name, pos, _ in entries:
             t, begin = self.place(name)
@@ -325,10 +327,31 @@ class ShardFile:
                 spans.append([begin, pos, t.nbytes])
         if _SLOW_WRITE_S:
             time.sleep(_SLOW_WRITE_S * len(entries))
+        queued = False
         try:
             if self._io_error is not None:
                 raise self._io_error
+            with self._lock:
+                for name, _, crc in entries:
+                    if name in self.crc:
+                        raise OutputError(f"internal: {name} written twice in {self.path.name}", tensor=name)
+                    self.crc[self._planned[name][0].name] = crc
+            if self._io is not None:
+                self._io.submit(self._write_spans, spans, buf, release)
+                queued = True
+            else:
+                self._write_spans(spans, buf, None)
+        except OSError as e:
+            raise _disk_error(self.tmp, e) from e
+        finally:
+            if not queued and release is not None:
+                release(buf)
+
+    def _write_spans(self, spans: list[list[int]], buf: memoryview, release) -> None:  # I/O thread, or a worker
+        try:
             for begin, pos, nbytes in spans:
+                if self._io_error is not None:
+                    return
                 piece, off = buf[pos: pos + nbytes], 8 + self.header_len + begin
                 done = 0
                 if self._direct and begin < self.direct_bytes and pos % _ALIGN == 0:
@@ -336,13 +359,13 @@ class ShardFile:
                 if done < nbytes:  # through the page cache (the rest of a refused direct write too)
                     with self._write_lock:
                         self._pwrite(piece[done:], off + done)
-        except OSError as e:
-            raise _disk_error(self.tmp, e) from e
-        with self._lock:
-            for name, _, crc in entries:
-                if name in self.crc:
-                    raise OutputError(f"internal: {name} written twice in {self.path.name}", tensor=name)
-                self.crc[self._planned[name][0].name] = crc
+        except BaseException as e:
+            if release is None:
+                raise
+            self._io_error = self._io_error or e  # raised by the next write, or by finish
+        finally:
+            if release is not None:
+                release(buf)
 
     def _stage_direct(self, pieces, off: int, direct: bool = True) -> int:
         """Copy ``pieces`` (one tensor of whole pages, at a page-aligned ``off``) into staging buffers,
