@@ -25,15 +25,13 @@ import mmap
 import os
 import threading
 
-import numpy as np
-
-from . import kernels, kleidiai
 from .errors import OutputError
 from .groups import block, normalize_group
 from .plan import Job
-from .records import Packing
-from .scale_search import ErrorStats
 from .writer import to_bytes
+
+# kernels, kleidiai, scale_search (torch) and numpy: imported when the work starts, not with convert
+# (a dry run plans without them)
 
 __all__ = ["ENABLED", "BATCH_BYTES", "units", "run_batch", "FIELDS"]
 
@@ -56,6 +54,8 @@ def _fmt(x: float | None) -> str | None:  # convert._fmt
 def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], int, int] | None:
     """(source shard, the module's descriptor row, first and last source byte) of a job the batch
     takes, or None."""
+    from . import kleidiai
+
     if job.kind != "linear" or len(job.specs) != 1:
         return None
     spec = job.specs[0]
@@ -101,6 +101,8 @@ class Batch:
 def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], packed: bool):
     """The jobs in plan order, runs of batchable ones gathered into Batches (a Batch of one is left
     a plain job). Nothing is batched without the C++ library or with INT4PACK_BATCH=0."""
+    from . import kernels
+
     if not ENABLED or kernels.ext() is None:
         yield from jobs
         return
@@ -169,6 +171,8 @@ _buffers = _Buffers()
 
 def _stats(tot: list[float], role, g: int) -> dict:
     """convert._w_stats of a lossless W4A8Linear (w4a8.lossless_job's error dict)."""
+    from .scale_search import ErrorStats
+
     st = ErrorStats()
     st.dd, st.ww, st.vv, st.wv, st.max_abs = tot
     e = st.result()
@@ -208,6 +212,10 @@ def run_batch(b: Batch, ckpt, plan, shard_file, rename: dict, packed: bool, per_
 
 def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, buf: memoryview):
     """The C++ call and each job's stats and CRCs (its handed-back modules' bytes copied into ``buf``)."""
+    import numpy as np
+
+    from . import kernels
+
     desc = np.array(b.rows, dtype=np.int64)
     for i, job in enumerate(b.jobs):
         if packed:
