@@ -171,6 +171,7 @@ class Checkpoint:
         # small tensor (scales, zeros, g_idx: three a module) would cost more than the read
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()
+        self._maps_lock = threading.Lock()
         weakref.finalize(self, _close_fds, self._fds)  # a Checkpoint dropped without close()
 
     # -- discovery -----------------------------------------------------------------
@@ -264,16 +265,22 @@ class Checkpoint:
 
     def _map(self, shard: str) -> mmap.mmap:
         m = self._maps.get(shard)
-        if m is None:
-            path = self.folder / shard
-            try:
-                with open(path, "rb") as fh:
-                    # ACCESS_COPY: private copy-on-write pages, so writes can never reach the file
-                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
-            except (OSError, ValueError) as e:
-                raise InputError(f"{shard}: cannot map the file ({e})", path=str(path)) from e
-            self._maps[shard] = m
-            self._addrs[shard] = _map_address(m)
+        if m is not None:
+            return m
+        # one mapping per shard, ever: two threads mapping it at once would replace the first map,
+        # unmapping it under a reader still using its address (convert's batches read by address)
+        with self._maps_lock:
+            m = self._maps.get(shard)
+            if m is None:
+                path = self.folder / shard
+                try:
+                    with open(path, "rb") as fh:
+                        # ACCESS_COPY: private copy-on-write pages, so writes can never reach the file
+                        m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+                except (OSError, ValueError) as e:
+                    raise InputError(f"{shard}: cannot map the file ({e})", path=str(path)) from e
+                self._addrs[shard] = _map_address(m)
+                self._maps[shard] = m
         return m
 
     def _madvise(self, shard: str, off: int, length: int, advice: int) -> None:

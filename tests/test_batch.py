@@ -331,3 +331,28 @@ def test_units_batch_runs_within_one_shard_only(tmp_path):
         assert all(len({shard_of[j.outputs[0].name] for j in b.jobs}) == 1 and len(b.jobs) > 1 for b in batches)
         assert batches and batches[0].jobs == linear[:3]
         assert not any(isinstance(u, batch.Batch) for u in batch.units(jobs, plan.reader, shard_of, {"s1", "s2"}, False))
+
+
+def test_a_shard_is_mapped_once_whatever_the_threads(tmp_path):
+    """The batch reads the source by address: a second mapping made by a racing thread would replace
+    the first and unmap it under the reader (a crash seen once in 30 conversions before the lock)."""
+    import threading
+
+    from int4pack.checkpoint import Checkpoint
+
+    for _ in range(20):
+        with Checkpoint(FIXTURES / "gptq_q3_sym") as ck:
+            shard = ck.shards[0]
+            start = threading.Barrier(8)
+            got = []
+
+            def grab():
+                start.wait()
+                got.append(ck.mapping(shard)[0])
+
+            threads = [threading.Thread(target=grab) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len(set(got)) == 1 and got[0] == ck.mapping(shard)[0]
