@@ -51,8 +51,8 @@ def _fmt(x: float | None) -> str | None:  # convert._fmt
     return None if x is None else f"{x:.6g}"
 
 
-def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], int, int] | None:
-    """(source shard, the module's descriptor row, first and last source byte) of a job the batch
+def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], list] | None:
+    """(source shard, the module's descriptor row, its tensors' byte ranges there) of a job the batch
     takes, or None."""
     from . import kleidiai
 
@@ -82,20 +82,31 @@ def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], int, int] |
            -1 if zeros is None else zeros.begin, 0 if zeros is None else zeros.nbytes, zbyte,
            -1 if gidx is None else gidx.begin, 0 if gidx is None else (8 if gidx.dtype == "I64" else 4),
            spec.group_size, block(k, spec.group_size), gb, int(g != -1), -1, -1, -1, 0, 0]
-    ts = [t for t in (words, scales, zeros, gidx) if t is not None]
-    return words.file, row, min(t.begin for t in ts), max(t.end for t in ts)
+    return words.file, row, [(t.begin, t.end) for t in (words, scales, zeros, gidx) if t is not None]
 
 
 class Batch:
     """Consecutive jobs run in one C++ call: their descriptor rows and where their source lies."""
 
-    __slots__ = ("jobs", "rows", "shard", "source", "lo", "hi", "out_bytes")
+    __slots__ = ("jobs", "rows", "shard", "source", "spans", "out_bytes")
 
     def __init__(self, shard: str, source: str):
         self.jobs: list[Job] = []
         self.rows: list[list[int]] = []
         self.shard, self.source = shard, source
-        self.lo, self.hi, self.out_bytes = 1 << 62, 0, 0
+        self.spans: list[tuple[int, int]] = []  # the source tensors' byte ranges
+        self.out_bytes = 0
+
+    def extents(self, gap: int = 1 << 18) -> list[tuple[int, int]]:
+        """The source ranges to map, merged where less than ``gap`` apart: a shard may keep each
+        kind of tensor (words, scales, zeros) in a region of its own, so one range could span it."""
+        out: list[list[int]] = []
+        for lo, hi in sorted(self.spans):
+            if out and lo - out[-1][1] < gap:
+                out[-1][1] = max(out[-1][1], hi)
+            else:
+                out.append([lo, hi])
+        return [(lo, hi) for lo, hi in out]
 
 
 def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], packed: bool):
@@ -107,11 +118,10 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
         yield from jobs
         return
     cur: Batch | None = None
-    src_bytes = 0
 
     def flush():
-        nonlocal cur, src_bytes
-        done, cur, src_bytes = cur, None, 0
+        nonlocal cur
+        done, cur = cur, None
         if done is None:
             return
         yield from (done.jobs if len(done.jobs) == 1 else (done,))
@@ -125,19 +135,16 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
             yield from flush()
             yield job
             continue
-        source, row, lo, hi = got
+        source, row, spans = got
         if cur is not None and (cur.shard != shard or cur.source != source or len(cur.jobs) >= BATCH_MODULES
-                                or cur.out_bytes + nbytes > BATCH_BYTES
-                                # a source far from contiguous: the batch maps its span whole
-                                or max(cur.hi, hi) - min(cur.lo, lo) > 2 * (src_bytes + hi - lo) + (4 << 20)):
+                                or cur.out_bytes + nbytes > BATCH_BYTES):
             yield from flush()
         if cur is None:
             cur = Batch(shard, source)
         cur.jobs.append(job)
         cur.rows.append(row)
-        cur.lo, cur.hi = min(cur.lo, lo), max(cur.hi, hi)
+        cur.spans.extend(spans)
         cur.out_bytes += nbytes
-        src_bytes += hi - lo
     yield from flush()
 
 
@@ -223,11 +230,14 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
         else:
             desc[i, _OUTQ], desc[i, _OUTS] = at[i, 0], at[i, 1]
     addr, length = ckpt.mapping(b.source)
-    ckpt.populate(b.source, b.lo, b.hi)
+    extents = b.extents()
+    for lo, hi in extents:
+        ckpt.populate(b.source, lo, hi)
     try:
         res, tot = kernels.ext().lossless_batch(addr, length, desc, buf, kernels.kernel_threads())
     finally:
-        ckpt.release_range(b.source, b.lo, b.hi)
+        for lo, hi in extents:
+            ckpt.release_range(b.source, lo, hi)
     res, tot = res.tolist(), tot.tolist()
     roles = plan.layout.roles
     crcs: dict[tuple[int, int], int] = {}
