@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 import int4pack
 from _reference import FIXTURES
+from int4pack import batch
 from int4pack.cli import app
 from int4pack.errors import EXIT_OUTPUT, EXIT_REFUSED, EXIT_USAGE
 from int4pack.vllm_compat import MEASURED
@@ -92,7 +93,16 @@ def test_interrupt_names_the_partial_folder_and_resume_says_what_it_kept(tmp_pat
             raise KeyboardInterrupt
         return real(job, *a, **k)
 
+    real_batch = batch.run_batch
+
+    def stop_late_batch(b, *a, **k):  # lossless jobs run in batches (batch.py), not through run_job
+        calls["n"] += len(b.jobs)
+        if calls["n"] > 30:
+            raise KeyboardInterrupt
+        return real_batch(b, *a, **k)
+
     monkeypatch.setattr(conv, "run_job", stop_late)
+    monkeypatch.setattr(batch, "run_batch", stop_late_batch)
     r = runner.invoke(app, ["convert", SYM, str(out), "--max-shard-size", "100KB", "--threads", "1"])
     assert r.exit_code == 130, r.output
     work = tmp_path / ".out.int4pack-partial"
@@ -105,6 +115,7 @@ def test_interrupt_names_the_partial_folder_and_resume_says_what_it_kept(tmp_pat
     assert finished, "the interrupt came before any shard was finished"
 
     monkeypatch.setattr(conv, "run_job", real)
+    monkeypatch.setattr(batch, "run_batch", real_batch)
     r = runner.invoke(app, ["convert", SYM, str(out), "--max-shard-size", "100KB", "--resume"])
     assert r.exit_code == 0, r.output
     total = len(json.loads((out / "int4pack_report.json").read_text())["shards"])
