@@ -26,7 +26,7 @@ import os
 import threading
 
 from .errors import OutputError
-from .groups import block, normalize_group
+from .groups import block, normalize_group, scale_dtype
 from .plan import Job
 from .writer import to_bytes
 
@@ -76,12 +76,12 @@ def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], list] | Non
     if packed:
         if len(outs) != 1 or outs[0].shape != (kleidiai.packed_size(n, k, gb),):
             return None
-    elif len(outs) != 2 or outs[0].nbytes != n * k or outs[1].nbytes != n * (k // gb) * (2 if g != -1 else 4):
+    elif len(outs) != 2 or outs[0].nbytes != n * k or outs[1].nbytes != n * (k // gb) * (4 if scale_dtype(g) == "float32" else 2):
         return None
     row = [layout, words.begin, words.shape[0], words.shape[1], n, k, scales.begin, stype, int(kn), spec.groups,
            -1 if zeros is None else zeros.begin, 0 if zeros is None else zeros.nbytes, zbyte,
            -1 if gidx is None else gidx.begin, 0 if gidx is None else (8 if gidx.dtype == "I64" else 4),
-           spec.group_size, block(k, spec.group_size), gb, int(g != -1), -1, -1, -1, 0, 0]
+           spec.group_size, block(k, spec.group_size), gb, int(scale_dtype(g) == "bfloat16"), -1, -1, -1, 0, 0]
     return words.file, row, [(t.begin, t.end) for t in (words, scales, zeros, gidx) if t is not None]
 
 
@@ -176,11 +176,10 @@ class _Buffers:
 _buffers = _Buffers()
 
 
-def _stats(tot: list[float], role, g: int) -> dict:
-    """convert._w_stats of a lossless W4A8Linear (w4a8.lossless_job's error dict)."""
-    from .scale_search import ErrorStats
-
-    st = ErrorStats()
+def _stats(error_stats, tot: list[float], role, g: int) -> dict:
+    """convert._w_stats of a lossless W4A8Linear (w4a8.lossless_job's error dict); ``error_stats``:
+    scale_search.ErrorStats (imported once per batch: an import statement per module cost ~50 µs)."""
+    st = error_stats()
     st.dd, st.ww, st.vv, st.wv, st.max_abs = tot
     e = st.result()
     return {"path": "lossless", "role": role, "group_size": g, "rel_l2": _fmt(e["rel_l2"]),
@@ -222,6 +221,7 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
     import numpy as np
 
     from . import kernels
+    from .scale_search import ErrorStats
 
     desc = np.array(b.rows, dtype=np.int64)
     for i, job in enumerate(b.jobs):
@@ -259,7 +259,7 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
                 crcs[i, j] = kernels.crc32c(raw)
         else:
             g = job.group_size
-            stats = {name: _stats(tot[i], roles[name], normalize_group(g, job.specs[0].k))}
+            stats = {name: _stats(ErrorStats, tot[i], roles[name], normalize_group(g, job.specs[0].k))}
             if packed:
                 spec = job.specs[0]
                 stats[name]["packed"] = {"n": spec.n, "k": spec.k, "group_size": g, "bias": False,
