@@ -460,6 +460,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     pool = ThreadPoolExecutor(max_workers=workers)
     finisher = ThreadPoolExecutor(max_workers=1)
     closing: list = []
+
     def take(unit, fut) -> None:
         for j, got in (zip(unit.jobs, fut.result()) if isinstance(unit, batch.Batch) else [(unit, fut.result())]):
             consume(j, *got)

@@ -181,9 +181,11 @@ def test_write_batch_writes_the_same_file_as_write(tmp_path):
         pos[name] = at
         buf[at: at + len(data[name])] = data[name].numpy().tobytes()
         at += len(data[name])
-    two.write_batch([(n, pos[n], one.crc[n]) for n in ("a", "c", "b")], buf)
+    given = []
+    two.write_batch([(n, pos[n], one.crc[n]) for n in ("a", "c", "b")], buf, given.append)
     two.write("d", data["d"])
     assert one.finish({}) == two.finish({})
+    assert given == [buf]  # the buffer handed back once, after its bytes were written
     assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
 
 
