@@ -3,7 +3,8 @@
 ``import torch`` alone takes ~3 s on a 2-core x86-64 host, more than the whole plan of a small
 model. The modules that the CLI's start, ``--help`` and convert's plan run through (checkpoint,
 formats, plan, serving, ...) name ``torch`` through this stand-in instead, so the plan is printed
-before torch is imported, and torch is imported when the work starts (``load_torch``).
+before torch is imported, and torch is imported when the work starts (``load_torch``), if it
+needs it: a convert whose modules all go through the C++ batches (batch.py) never does.
 Only names looked up at run time may go through it: a module-level ``torch.float32`` would
 import torch with the module. Once torch is imported, every int4pack module's ``torch`` global is
 bound to torch itself, so the work pays nothing for the stand-in (~1 us per attribute otherwise).

@@ -13,9 +13,9 @@ import ctypes
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from . import _build
+from ._lazy import torch  # the batches pass numpy arrays and addresses: no torch
 
 ABI_VERSION = 2
 

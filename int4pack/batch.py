@@ -30,7 +30,7 @@ from .groups import block, normalize_group, scale_dtype
 from .plan import Job
 from .writer import to_bytes
 
-# kernels, kleidiai, scale_search (torch) and numpy: imported when the work starts, not with convert
+# kernels, kleidiai and numpy: imported when the work starts, not with convert (none imports torch)
 # (a dry run plans without them)
 
 __all__ = ["ENABLED", "BATCH_BYTES", "units", "run_batch", "FIELDS"]
@@ -110,8 +110,9 @@ class Batch:
 
 
 def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], packed: bool):
-    """The jobs in plan order, runs of batchable ones gathered into Batches (a Batch of one is left
-    a plain job). Nothing is batched without the C++ library or with INT4PACK_BATCH=0."""
+    """The jobs in plan order, runs of batchable ones gathered into Batches (a run of one too: a
+    dense linear between copies, which then needs no torch). Nothing is batched without the C++
+    library or with INT4PACK_BATCH=0."""
     from . import kernels
 
     if not ENABLED or kernels.ext() is None:
@@ -124,7 +125,7 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
         done, cur = cur, None
         if done is None:
             return
-        yield from (done.jobs if len(done.jobs) == 1 else (done,))
+        yield done
 
     for job in jobs:
         got = _source(reader, job, packed)
@@ -221,7 +222,7 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
     import numpy as np
 
     from . import kernels
-    from .scale_search import ErrorStats
+    from .error_stats import ErrorStats
 
     desc = np.array(b.rows, dtype=np.int64)
     for i, job in enumerate(b.jobs):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import _ext, batch, blobs, expert_layout
-from ._lazy import load_torch, torch
+from ._lazy import load_torch, torch, torch_loaded
 from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
@@ -90,10 +90,9 @@ def _w_stats(w: W4A8Linear, role: str) -> dict:
 
 def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:
     """Compute one job: ([(out name, tensor or bytes)] in plan order, {module: stats})."""
-    from .w4a8 import check_scales, fold_act_order, to_w4a8
-
     if job.kind == "copy":
         return [(job.source, ckpt.slice(job.source))], {}  # streamed by the writer in chunks
+    from .w4a8 import check_scales, fold_act_order, to_w4a8  # torch's: a copy needs none
     roles = plan.layout.roles
     if job.kind == "linear":
         spec = job.specs[0]
@@ -280,7 +279,6 @@ def convert(
                      fresh=not trusted)
         if on_plan is not None:
             on_plan(report)
-        load_torch()  # the work starts: not before the plan is out (_lazy.py)
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
                               blobs.job_packer(tensor_parallel) if packed else None, trusted)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
@@ -348,7 +346,15 @@ def _max_workers() -> int:
 
 def job_workers(threads: int | None) -> int:
     """Worker threads for ``--threads`` (None: the default), capped where more stop helping."""
-    return max(1, min(threads or torch.get_num_threads(), _max_workers()))
+    return max(1, min(threads or _cores(), _max_workers()))
+
+
+def _cores() -> int:
+    """torch's intra-op thread count once imported (what --threads meant before batches), else the
+    cores this process may run on: a convert of batches alone never imports torch."""
+    if torch_loaded():
+        return torch.get_num_threads()
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
@@ -468,7 +474,10 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     try:
         window: deque = deque()
         # runs of lossless linear jobs go as one batch each (batch.py): one C++ call, one write per span
-        for unit in batch.units(todo, plan.reader, shard_of, trusted, pack is not None):
+        units = list(batch.units(todo, plan.reader, shard_of, trusted, pack is not None))
+        if any(not isinstance(u, batch.Batch) and u.kind != "copy" for u in units):
+            load_torch()  # the work needs it: imported here, once, not in a worker (_lazy.py)
+        for unit in units:
             window.append((unit, pool.submit(work_batch if isinstance(unit, batch.Batch) else work, unit)))
             if len(window) >= 2 * workers:
                 take(*window.popleft())

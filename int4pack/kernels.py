@@ -16,11 +16,9 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-import torch
-
 from . import _ext
 from . import crc as crc_mod
-from . import scale_search as S
+from ._lazy import torch
 from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
 
 __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "requant_info", "redo_close_calls",
@@ -103,23 +101,23 @@ def _bytes_view(data) -> memoryview:
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
-_EMPTY_F32 = torch.empty(0, dtype=torch.float32)
-
-
 _points = None  # the last setting and its answer: (ratios tensor, its version, fine points, answer)
 
 
 def search_points(search: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' candidate ratios: (coarse, fine offsets around the coarse winner), as float32.
     Made once per setting, not per requant job (a linspace and its copies for every job)."""
+    from . import scale_search as S  # torch's: a batched (lossless) convert never gets here
+
     global _points
+    empty = torch.empty(0, dtype=torch.float32)
     if not search:
-        return _EMPTY_F32, _EMPTY_F32
+        return empty, empty
     ratios, fine_points, last = S.COARSE_RATIOS, S.FINE_POINTS, _points
     if last is not None and last[0] is ratios and last[1] == ratios._version and last[2] == fine_points:
         return last[3]
     coarse = ratios.float().contiguous().clone()
-    fine = _EMPTY_F32
+    fine = empty
     if fine_points > 0 and len(ratios) > 1:
         step = float(ratios[1] - ratios[0])
         fine = torch.linspace(-step, step, fine_points + 2)[1:-1].float().contiguous()
@@ -129,6 +127,8 @@ def search_points(search: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 def requant_info(search: bool, sums, zero_groups: int) -> dict:
     """The requant path's info from the kernels' sums (dd, ww, vv, wv, baseline sse, max_abs)."""
+    from . import scale_search as S
+
     st = S.ErrorStats()
     st.dd, st.ww, st.vv, st.wv, base_sse, st.max_abs = (float(v) for v in sums)
     return S.requant_info(search, st, base_sse, zero_groups)
@@ -141,6 +141,8 @@ def redo_close_calls(amb: torch.Tensor, groups, q, s, tot: list, g: int, gs: int
     The C++ left these groups out of the sums dd, vv, wv and max_abs of ``tot`` (ww and the
     baseline sum do not depend on the choice): they are added here, from the torch decision.
     """
+    from . import scale_search as S
+
     r, j = amb[:, 0], amb[:, 1]
     wg = groups(r, j).contiguous()  # float32 [A, gs]
     ws = torch.empty(wg.numel() * S.workspace_width(search), dtype=torch.float64)

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._lazy import torch
+from ._lazy import torch, torch_loaded
 from .errors import OutputError
 from .plan import OutTensor
 from .workdir import partial_folder
@@ -261,7 +261,7 @@ class ShardFile:
         want, begin = self._planned.get(name, (None, 0))
         if want is None:
             raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
-        if isinstance(data, torch.Tensor):
+        if torch_loaded() and isinstance(data, torch.Tensor):  # no tensor exists before torch does
             from .checkpoint import DTYPE_NAMES
             if DTYPE_NAMES.get(data.dtype) != want.dtype or tuple(data.shape) != want.shape:
                 raise OutputError(f"internal: {name} is {data.dtype}{tuple(data.shape)}, "

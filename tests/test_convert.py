@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -314,3 +315,36 @@ def test_workers_capped_and_the_cap_moved_by_its_variable(monkeypatch):
     assert [mod.job_workers(t) for t in (1, 8, 16, 32)] == [1, 8, 16, 16]
     monkeypatch.setenv("INT4PACK_MAX_WORKERS", "many")
     assert mod.job_workers(16) == 4
+
+
+@pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
+def test_a_convert_of_batches_alone_never_imports_torch(tmp_path, serve_format):
+    """mf_mixtral's modules are all lossless, each in one source file: every one goes through the C++
+    batches, so the CLI's convert never imports torch (its import is most of a small convert's time).
+    The bytes are those of the per-job torch path (INT4PACK_BATCH=0, another process). A source with
+    requantised modules (gptq_q3_asym) imports it, once the plan is out."""
+    import subprocess
+    import sys
+
+    from int4pack import kernels
+
+    if kernels.ext() is None:
+        pytest.skip("no batches without the C++ library")
+    code = ("import runpy, sys\nsys.argv = ['int4pack', 'convert', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('int4pack', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\nprint('torch' in sys.modules, file=sys.stderr)\n")
+
+    def run(src: str, out: Path, batch: str) -> str:
+        res = subprocess.run([sys.executable, "-c", code, str(FIXTURES / src), str(out), "--serve-format",
+                              serve_format, "--json"], capture_output=True, text=True,
+                             env={**os.environ, "INT4PACK_BATCH": batch})
+        assert res.returncode == 0, res.stderr[-2000:]
+        return res.stderr.strip().splitlines()[-1]
+
+    assert run("mf_mixtral", tmp_path / "batch", "1") == "False"
+    assert run("mf_mixtral", tmp_path / "job", "0") == "True"
+    shards = sorted(p.name for p in (tmp_path / "batch").glob("*.safetensors"))
+    assert shards == sorted(p.name for p in (tmp_path / "job").glob("*.safetensors")) and shards
+    for name in shards:
+        assert (tmp_path / "batch" / name).read_bytes() == (tmp_path / "job" / name).read_bytes(), name
+    assert run("gptq_q3_asym", tmp_path / "asym", "1") == "True"
