@@ -329,8 +329,8 @@ def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str
     return None
 
 
-# Jobs running at once, at most. Each module's job runs 1.5-2 ms of Python around its C++ (reading,
-# dispatch, packing, provenance, writing), under the GIL: on a 16-core x86-64 host, with 16 workers,
+# Jobs running at once, at most. Measured before lossless modules ran in batches (batch.py): each
+# module's job ran 1.5-2 ms of Python under the GIL; on a 16-core x86-64 host, with 16 workers,
 # that Python took as much CPU as the run's wall (scripts/gil_convert.py), and on the 48-layer
 # Qwen3-30B-A3B shape 8 or 16 workers were 3-27% slower than 4, lossless and requant alike
 # (docs/performance.md). INT4PACK_MAX_WORKERS=N moves the cap (to measure past it).

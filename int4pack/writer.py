@@ -60,6 +60,7 @@ _SPACES = memoryview(b" " * 65536)
 # O_DIRECT: offsets, lengths and buffer addresses in whole pages (no logical block size in use is larger)
 _ALIGN = 4096
 _STAGE_BYTES = 4 << 20  # one direct write
+_CACHE_WRITE = 1 << 20  # bytes of one batch write through the page cache (write_batch)
 _STAGES = 8  # staging buffers in all: the direct writes queued behind the disk (32 MB)
 # INT4PACK_DIRECT_IO=0 sends every byte through the page cache (as int4pack 0.1.0 did)
 DIRECT_IO = os.environ.get("INT4PACK_DIRECT_IO", "1").strip() not in ("0", "false", "no", "off")
@@ -356,9 +357,13 @@ class ShardFile:
                 done = 0
                 if self._direct and begin < self.direct_bytes and pos % _ALIGN == 0:
                     done = self._pwrite_direct(piece, off)
-                if done < nbytes:  # through the page cache (the rest of a refused direct write too)
+                # through the page cache (the rest of a refused direct write too), 1 MB at a time: one
+                # write per span (~5 MB) took about twice the CPU per byte (Linux 6.18, 2-core x86-64)
+                while done < nbytes:
+                    step = min(nbytes - done, _CACHE_WRITE)
                     with self._write_lock:
-                        self._pwrite(piece[done:], off + done)
+                        self._pwrite(piece[done: done + step], off + done)
+                    done += step
         except BaseException as e:
             if release is None:
                 raise
