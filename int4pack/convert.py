@@ -24,7 +24,7 @@ from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, OutputError, RefusedError, UsageError
-from .families import family, family_warnings
+from .families import family, family_warnings, unloadable_releases
 from .formats import Reader
 from .groups import scale_dtype
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
@@ -247,7 +247,7 @@ def convert(
             "plan": plan.summary(),
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
             # measured vLLM releases that fail on this output: its scales and dtypes, its routing
-            "serving": serving_warnings(plan.schemes()) + routing,
+            "serving": serving_warnings(plan.schemes(), unloadable_releases(ckpt.family_type)) + routing,
             "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
             "next": next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
                               own_layout=any(j.kind == "experts" for j in plan.jobs)),

