@@ -34,16 +34,28 @@ inline float bf16_to_f32(uint16_t bits) {
   return v;
 }
 
-// 16 bytes of one 32-value chunk, stored as two 8-byte segments 8*8 bytes apart -> 32 int8 values
-inline void get_chunk(const uint8_t* src, int8_t* dst) {
-  for (int s = 0; s < 2; ++s) {
-    const uint8_t* b = src + s * kNr * 8;
-    for (int i = 0; i < 8; ++i) {
-      const int lo = b[i] & 0xF, hi = b[i] >> 4;
-      dst[8 * s + i] = static_cast<int8_t>(lo - ((lo & 8) << 1));
-      dst[8 * s + i + 16] = static_cast<int8_t>(hi - ((hi & 8) << 1));
-    }
-  }
+// 8 stored bytes -> the 8 int4 values of their low nibbles (lo) and the 8 of their high nibbles (hi)
+// as int8; returns the sum of the 16 values. SWAR on 64-bit words: n ^ 8 is q + 8 in [0, 15], and
+// ((q + 8) | 0x80) - 8 never borrows across bytes, so ^ 0x80 leaves q in two's complement.
+inline int32_t get_word(const uint8_t* src, int8_t* lo, int8_t* hi) {
+  constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0FULL;
+  constexpr uint64_t kEight = 0x0808080808080808ULL;
+  constexpr uint64_t kHigh = 0x8080808080808080ULL;
+  constexpr uint64_t kOnes = 0x0101010101010101ULL;
+  uint64_t w;
+  std::memcpy(&w, src, 8);
+  const uint64_t a = (w & kLow) ^ kEight, b = ((w >> 4) & kLow) ^ kEight;
+  const uint64_t qa = ((a | kHigh) - kEight) ^ kHigh, qb = ((b | kHigh) - kEight) ^ kHigh;
+  std::memcpy(lo, &qa, 8);
+  std::memcpy(hi, &qb, 8);
+  // 16 values of q + 8 sum to <= 240: one byte holds what the multiply gathers into the top byte
+  return static_cast<int32_t>(((a + b) * kOnes) >> 56) - 128;
+}
+
+// 16 bytes of one 32-value chunk, stored as two 8-byte segments 8*8 bytes apart -> 32 int8 values;
+// seg[s] gets the sum of the 16 values of segment s
+inline void get_chunk(const uint8_t* src, int8_t* dst, int32_t seg[2]) {
+  for (int s = 0; s < 2; ++s) seg[s] = get_word(src + s * kNr * 8, dst + 8 * s, dst + 8 * s + 16);
 }
 
 }  // namespace
@@ -80,8 +92,13 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
       int flags = 0;
       float fsc[kNr], fbias[kNr];
       if (channel) {
+        int32_t rsum[kNr] = {0};
         for (int64_t c = 0; c < kp / 32; ++c)
-          for (int r = 0; r < kNr; ++r) get_chunk(src + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + 32 * c);
+          for (int r = 0; r < kNr; ++r) {
+            int32_t seg[2];
+            get_chunk(src + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + 32 * c, seg);
+            rsum[r] += seg[0] + seg[1];
+          }
         const uint8_t* tail = src + kp / 2 * kNr;
         for (int r = 0; r < kNr; ++r) {
           fsc[r] = get_f32(tail + 32 + 4 * r) * 16.0f;
@@ -89,8 +106,7 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
         }
         if (check) {
           for (int r = 0; r < kNr; ++r) {
-            int32_t sum = 0;
-            for (int64_t i = 0; i < kp; ++i) sum += vals[r * kp + i];
+            const int32_t sum = rsum[r];
             for (int64_t i = K; i < kp; ++i) flags |= vals[r * kp + i] != 0 ? kBadKPad : 0;
             int32_t stored;
             std::memcpy(&stored, tail + 4 * r, 4);
@@ -102,20 +118,16 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
         float sums[kNr] = {0};
         for (int64_t b = 0; b < nblk; ++b) {
           const uint8_t* d = src + b * (dlen + 2 * kNr);
-          for (int64_t c = 0; c < g / 32; ++c)
-            for (int r = 0; r < kNr; ++r) get_chunk(d + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + b * g + 32 * c);
           for (int r = 0; r < kNr; ++r) std::memcpy(&sc16[r * nblk + b], d + dlen + 2 * r, 2);
-          if (check) {
-            // the packer's rounding: one float add per 16-value segment, in storage order
-            for (int64_t c = 0; c < g / 32; ++c) {
-              for (int h = 0; h < 2; ++h) {
-                for (int r = 0; r < kNr; ++r) {
-                  const int8_t* v = vals.data() + r * kp + b * g + 32 * c + 8 * h;
-                  int32_t seg = 0;
-                  for (int i = 0; i < 8; ++i) seg += v[i] + v[i + 16];
-                  sums[r] += static_cast<float>(seg) * bf16_to_f32(sc16[r * nblk + b]);
-                }
-              }
+          float sc[kNr];
+          for (int r = 0; r < kNr; ++r) sc[r] = bf16_to_f32(sc16[r * nblk + b]);
+          for (int64_t c = 0; c < g / 32; ++c) {
+            int32_t seg[kNr][2];
+            for (int r = 0; r < kNr; ++r) get_chunk(d + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + b * g + 32 * c, seg[r]);
+            if (check) {
+              // the packer's rounding: one float add per 16-value segment, in storage order
+              for (int h = 0; h < 2; ++h)
+                for (int r = 0; r < kNr; ++r) sums[r] += static_cast<float>(seg[r][h]) * sc[r];
             }
           }
         }
@@ -212,6 +224,66 @@ void ref_pack(const int8_t* q, int64_t N, int64_t K, const void* scales, bool bf
   float* s = out + N * (K / 2);
   for (int64_t i = 0; i < nscales; ++i)
     s[i] = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[i]) : static_cast<const float*>(scales)[i];
+}
+
+}  // namespace i4p
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// an AVX2 build next to the baseline one, picked at load time (no FMA: -ffp-contract=off)
+#define I4P_VCLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define I4P_VCLONES
+#endif
+
+namespace i4p {
+
+void kleidiai_pack(const int8_t* q, int64_t E, int64_t N, int64_t K, const void* scales, bool scales_bf16,
+                   const float* bias, int64_t group_size, uint8_t* out, int64_t bytes, int64_t threads);
+
+// verify's check of one stored blob in one call: decode it with every consistency check into q,
+// scales and bias (bias always decoded: [N] fp32, the caller's scratch), pack the decoded values
+// again into `repack` (the caller's scratch, `bytes` long) and compare byte for byte. Returns the
+// failed decode checks (kleidiai_unpack's bits), or kBadRepack when they pass but the bytes differ;
+// the repack runs only when the decode checks pass (as kleidiai.unpack raising stops it in Python).
+int64_t kleidiai_verify_blob(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K, int64_t g, bool has_bias,
+                             int8_t* q, void* scales, float* bias, uint8_t* repack, int64_t threads) {
+  constexpr int64_t kBadRepack = 64;
+  const int64_t bad = kleidiai_unpack(blob, bytes, N, K, g, true, has_bias, q, scales, bias, threads);
+  if (bad) return bad;
+  kleidiai_pack(q, 1, N, K, scales, g != K, has_bias ? bias : nullptr, g, repack, bytes, threads);
+  return std::memcmp(repack, blob, static_cast<size_t>(bytes)) == 0 ? 0 : kBadRepack;
+}
+
+// out = dequant_w4a8's float32 [N, K] (the same products), and on the way, where not null,
+// row_sq[r] = sum_k out[r, k]^2 and col_sq[k] = sum_r out[r, k]^2 (float sums, as torch's
+// (w * w).sum(dim) of the float weights): the squared-weight sums verify's error prediction needs,
+// without a squared matrix. One thread: verify runs one expert per thread.
+I4P_VCLONES void dequant_sq(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* scales, bool bf16,
+                            float* out, float* row_sq, float* col_sq) {
+  I4P_CHECK(g > 0 && K % g == 0, "dequant_sq: group ", g, " does not divide K=", K);
+  const int64_t ng = K / g;
+  if (col_sq) std::fill(col_sq, col_sq + K, 0.0f);
+  for (int64_t r = 0; r < N; ++r) {
+    float* o = out + r * K;
+    for (int64_t j = 0; j < ng; ++j) {
+      const float s = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[r * ng + j])
+                           : static_cast<const float*>(scales)[r * ng + j];
+      const int8_t* a = q + r * K + j * g;
+      for (int64_t i = 0; i < g; ++i) o[j * g + i] = static_cast<float>(a[i]) * s;
+    }
+    if (row_sq) {
+      float acc[16] = {0};  // 16 lanes, added pairwise at the end
+      int64_t i = 0;
+      for (; i + 16 <= K; i += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += o[i + l] * o[i + l];
+      for (; i < K; ++i) acc[0] += o[i] * o[i];
+      for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+      row_sq[r] = acc[0];
+    }
+    if (col_sq)
+      for (int64_t i = 0; i < K; ++i) col_sq[i] += o[i] * o[i];
+  }
 }
 
 }  // namespace i4p
