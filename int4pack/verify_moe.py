@@ -13,7 +13,7 @@ from . import moe as moe_mod
 from .verify_pool import PerThread, parallel
 from .verify_source import Source, weights_vs_source
 from .verify_structure import Target
-from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, rel
+from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, rel, sum_sq
 from .w4a8 import dequantize_w4a8
 
 __all__ = ["check_layer"]
@@ -92,7 +92,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 cw, sw, probs, st = weights_vs_source(t, src, slot, report, clock, cw)
                 out["problems"] = [f"expert {e}: {p}" for p in probs]
                 out["stats"] = st
-                wv = [st[r]["budget"] ** 2 * float(sw[r].double().pow(2).mean()) for r in ("gate", "up", "down")]
+                wv = [st[r]["budget"] ** 2 * sum_sq(sw[r]) / sw[r].numel() for r in ("gate", "up", "down")]
             with clock("reference"):  # moe.expert_forward's operations, its y13 and act kept for the prediction
                 y13 = xe.float() @ w13c.t()
                 act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation)
