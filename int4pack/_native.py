@@ -50,8 +50,9 @@ _SIGNATURES = {
     "i4p_int8_range": ([_p, _i, _i, _p], _i),
     "i4p_dequant_w4a8": ([_p, _i, _i, _i, _p, _i, _p, _i], _i),
     "i4p_ref_pack": ([_p, _i, _i, _p, _i, _i, _p, _i], _i),
-    "i4p_kleidiai_verify_blob": ([_p, _i, _i, _i, _i, _i, _p, _p, _p, _p, _i], _i),
+    "i4p_kleidiai_verify_blob": ([_p, _i, _i, _i, _i, _i, _p, _p, _p, _p, _p, _i], _i),
     "i4p_dequant_sq": ([_p, _i, _i, _i, _p, _i, _p, _p, _p], _i),
+    "i4p_crc32": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
 }
 
 
@@ -302,25 +303,38 @@ class KleidiaiPack(_Lib):
 
     def verify_blob(self, blob: torch.Tensor, n: int, k: int, group_size: int, has_bias: bool,
                     scratch: dict, threads: int = 1):
-        """One stored blob decoded with every check, repacked and compared, in one call: (failed checks
-        (kleidiai_unpack's bits; 64: the repacked bytes differ), q, scales, bias | None). ``scratch``: a
-        dict of this thread's buffers, filled here on first use and reused (q, scales and bias are views
-        of it, valid until the next call with the same scratch)."""
+        """One stored blob checked in one call: (failed decode checks (kleidiai_unpack's bits; 64: the
+        repacked bytes differ), CRC-32s (8 hex digits, zlib's) of [the blob, q, scales, bias], q, scales,
+        bias | None). The blob is decoded with every check, and only when they pass are the decoded
+        values checksummed (bias: None without one), packed again and compared. ``scratch``: a dict of
+        this thread's buffers, filled here on first use and reused (q, scales and bias are views of
+        it, valid until the next call with the same scratch)."""
         _need(blob, "blob", torch.uint8, 1)
         key = (n, k, group_size, blob.numel())
         bufs = scratch.get(key)
         if bufs is None:
             scratch.clear()  # one shape at a time: the buffers of the last one
             bufs = scratch[key] = (*self._decoded(n, k, group_size), torch.empty(n, dtype=torch.float32),
-                                   torch.empty(blob.numel(), dtype=torch.uint8))
-        q, scales, bias, repack = bufs
+                                   torch.empty(blob.numel(), dtype=torch.uint8), (ctypes.c_uint32 * 4)())
+        q, scales, bias, repack, crcs = bufs
         bad = self._call("i4p_kleidiai_verify_blob", _ptr(blob), blob.numel(), n, k, group_size, int(bool(has_bias)),
-                         _ptr(q), _ptr(scales), _ptr(bias), _ptr(repack), threads)
-        return bad, q, scales, (bias if has_bias else None)
+                         _ptr(q), _ptr(scales), _ptr(bias), _ptr(repack), ctypes.addressof(crcs), threads)
+        hexes = [f"{crcs[0]:08x}"] + ([None] * 3 if bad & 63 else
+                                      [f"{crcs[1]:08x}", f"{crcs[2]:08x}", f"{crcs[3]:08x}" if has_bias else None])
+        return bad, hexes, q, scales, (bias if has_bias else None)
 
 
 class VerifyKernels(_Lib):
-    """Whole-matrix helpers of verify (csrc/kleidiai_pack/kleidiai_unpack.cpp)."""
+    """Whole-matrix helpers of verify (csrc/kleidiai_pack/kleidiai_unpack.cpp, csrc/verify)."""
+
+    def crc32(self, data, crc: int = 0) -> int:
+        """zlib.crc32 of a contiguous buffer (bytes, numpy array, CPU tensor), continuing from ``crc``."""
+        if isinstance(data, torch.Tensor):
+            if data.device.type != "cpu" or not data.is_contiguous():
+                raise ValueError("crc32: expected a contiguous CPU tensor")
+            return int(self._lib.i4p_crc32(_ptr(data), data.nbytes, crc & 0xFFFFFFFF))
+        a = _bytes(data)
+        return int(self._lib.i4p_crc32(a.ctypes.data, a.nbytes, crc & 0xFFFFFFFF))
 
     def int8_range(self, q: torch.Tensor, threads: int = 1) -> tuple[int, int]:
         _need(q, "q", torch.int8, None)

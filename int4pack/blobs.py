@@ -284,15 +284,13 @@ class PackedWeights:
             return [f"{info.dtype}{list(info.shape)}, expected U8{list(want)} (the KleidiAI size for N={n}, K={k}, "
                     f"block {g}{split}): truncated or another layout"], None
         lib = _kernels() if scratch is not None and tp == 1 else None
-        blob = self.ckpt.get(name, out=scratch.get("blob")) if lib is not None else self.blob(m)
         if lib is not None:
-            scratch["blob"] = blob
+            scratch["blob"] = blob = self.ckpt.get(name, out=scratch.get("blob"))
+            return self._checked_in_one(lib, m, blob, scratch)
+        blob = self.blob(m)
         want = self.prov[name].get("crc32")
         stored = [f"stored bytes differ from the ones convert wrote (CRC-32 {crc(blob)} != {want})"] \
             if want is not None and crc(blob) != want else []
-        if lib is not None:
-            probs, dec = self._checked_in_one(lib, m, blob, scratch)
-            return stored + probs, dec
         try:
             q, s, b = self.decode(m, blob)
         except InputError as e:
@@ -309,23 +307,25 @@ class PackedWeights:
         return problems, (q, s, b)
 
     def _checked_in_one(self, lib, m: str, blob: torch.Tensor, scratch: dict) -> tuple[list[str], tuple | None]:
-        """check_blob's decode, provenance and repacking checks of a one-rank blob, the decode with its
-        checks, repack and comparison in one C++ call (the same checks, in the same order)."""
+        """check_blob of a one-rank blob, its CRC-32s, decode with its checks, repack and comparison in
+        one C++ call: the same checks, in the same order, with the same messages."""
         n, k = self.shape(m)
         g = self.block(m)
         prov = self.prov[f"{m}.{SUFFIX}"]
-        bufs = scratch.setdefault("decode", {})
         try:
             kleidiai.check_blob(blob, n, k, g)  # what unpack refuses first
         except InputError as e:
-            return [str(e)], None
-        bad, q, s, b = lib.verify_blob(blob, n, k, g, bool(prov.get("bias")), bufs)
+            return [str(e)], None  # (check_blob's size check makes this unreachable)
+        bad, crcs, q, s, b = lib.verify_blob(blob, n, k, g, bool(prov.get("bias")), scratch.setdefault("decode", {}))
+        want = prov.get("crc32")
+        problems = [f"stored bytes differ from the ones convert wrote (CRC-32 {crcs[0]} != {want})"] \
+            if want is not None and crcs[0] != want else []
         if bad & ~_REPACK_DIFFERS:
-            return [kleidiai.unpack_problem(bad, n, k, g)], None
-        problems = [f"decoded {what} differ from the ones it was packed from (CRC-32 {got} != {want})"
-                    for what, got, want in (("int4 values", crc(q), prov.get("crc32_q")),
-                                            ("scales", crc(s), prov.get("crc32_scales")),
-                                            ("bias", crc(b), prov.get("crc32_bias"))) if got != want]
+            return problems + [kleidiai.unpack_problem(bad, n, k, g)], None
+        problems += [f"decoded {what} differ from the ones it was packed from (CRC-32 {got} != {want})"
+                     for what, got, want in (("int4 values", crcs[1], prov.get("crc32_q")),
+                                             ("scales", crcs[2], prov.get("crc32_scales")),
+                                             ("bias", crcs[3], prov.get("crc32_bias"))) if got != want]
         if bad & _REPACK_DIFFERS:
             problems.append("repacking the decoded values does not give the same bytes")
         return problems, (q, s, b)

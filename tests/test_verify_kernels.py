@@ -7,7 +7,9 @@ reports through the buffers against the same run without them."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import zlib
 
 import pytest
 import torch
@@ -59,7 +61,8 @@ def test_verify_blob_equals_the_torch_decoder_and_the_numpy_packer(n, k, g, has_
     scratch: dict = {}
     seen = set()
     for c in cases:
-        bad, q, s, b = lib.verify_blob(c, n, k, g, has_bias, scratch)
+        bad, crcs, q, s, b = lib.verify_blob(c, n, k, g, has_bias, scratch)
+        assert crcs[0] == f"{zlib.crc32(c.numpy().tobytes()):08x}"
         why, dec, differs = _oracle(c, n, k, g, has_bias)
         if why is not None:
             assert bad & 63 and kleidiai.unpack_problem(bad, n, k, g) == why
@@ -69,7 +72,9 @@ def test_verify_blob_equals_the_torch_decoder_and_the_numpy_packer(n, k, g, has_
         seen.add("repack" if differs else "clean")
         assert torch.equal(q, dec[0]) and torch.equal(s.float(), dec[1].float()) and s.dtype == dec[1].dtype
         assert (b is None and dec[2] is None) or torch.equal(b, dec[2])
-    assert torch.equal(lib.verify_blob(blob, n, k, g, has_bias, scratch)[1], q0)
+        assert crcs[1:] == [None if t is None else f"{zlib.crc32(t.contiguous().view(torch.uint8).numpy().tobytes()):08x}"
+                            for t in dec]
+    assert torch.equal(lib.verify_blob(blob, n, k, g, has_bias, scratch)[2], q0)
     assert "clean" in seen and "decode" in seen and (has_bias or "repack" in seen)
 
 
@@ -205,3 +210,14 @@ def test_verify_through_the_buffers_equals_verify_without(converted, monkeypatch
         r["structural"].pop("seconds")
     strip = lambda r: json.dumps({k: v for k, v in r.items() if k not in ("timing", "layers")}, sort_keys=True)  # noqa: E731
     assert strip(src) == strip(plain)
+
+
+def test_crc32_is_zlibs():
+    vk = _ext.load("verify_kernels")
+    rng = torch.Generator().manual_seed(5)
+    for n in list(range(0, 200)) + [1 << 16, (1 << 20) + 13]:
+        b = torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8)
+        for init in (0, 0xDEADBEEF, 0xFFFFFFFF):
+            assert vk.crc32(b, init) == zlib.crc32(b.numpy().tobytes(), init), (n, init)
+    assert vk.crc32(b"") == 0 and vk.crc32(os.urandom(0)) == 0
+    assert vk.crc32(b"123456789") == 0xCBF43926  # the CRC-32 check value

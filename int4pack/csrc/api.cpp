@@ -21,7 +21,9 @@ void dequant_w4a8(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* 
 void ref_pack(const int8_t* q, int64_t N, int64_t K, const void* scales, bool bf16, int64_t nscales, float* out,
               int64_t threads);
 int64_t kleidiai_verify_blob(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K, int64_t g, bool has_bias,
-                             int8_t* q, void* scales, float* bias, uint8_t* repack, int64_t threads);
+                             int8_t* q, void* scales, float* bias, uint8_t* repack, uint32_t* crcs,
+                             int64_t threads);
+uint32_t crc32_ieee(uint32_t crc, const uint8_t* p, int64_t n);
 void dequant_sq(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* scales, bool bf16, float* out,
                 float* row_sq, float* col_sq);
 }
@@ -161,12 +163,14 @@ I4P_EXPORT int64_t i4p_ref_pack(const int8_t* q, int64_t n, int64_t k, const voi
   });
 }
 
-// decode a blob with its checks, repack it and compare (kleidiai_unpack.cpp): failed-check bits, 64 for
-// a repack that differs
+// a blob's CRC-32, its decode with the checks, the CRC-32s of what it decodes to, repack and compare
+// (kleidiai_unpack.cpp): failed-check bits, 64 for a repack that differs
 I4P_EXPORT int64_t i4p_kleidiai_verify_blob(const uint8_t* blob, int64_t bytes, int64_t n, int64_t k, int64_t g,
                                             int64_t has_bias, int8_t* q, void* scales, float* bias, uint8_t* repack,
-                                            int64_t threads) {
-  return guarded([&] { return kleidiai_verify_blob(blob, bytes, n, k, g, has_bias != 0, q, scales, bias, repack, threads); });
+                                            uint32_t* crcs, int64_t threads) {
+  return guarded([&] {
+    return kleidiai_verify_blob(blob, bytes, n, k, g, has_bias != 0, q, scales, bias, repack, crcs, threads);
+  });
 }
 
 I4P_EXPORT int64_t i4p_dequant_sq(const int8_t* q, int64_t n, int64_t k, int64_t g, const void* scales, int64_t bf16,
@@ -176,3 +180,6 @@ I4P_EXPORT int64_t i4p_dequant_sq(const int8_t* q, int64_t n, int64_t k, int64_t
     return int64_t{0};
   });
 }
+
+// zlib.crc32 of p[0..n) continuing from crc (verify/crc32.cpp)
+I4P_EXPORT uint32_t i4p_crc32(const uint8_t* p, int64_t n, uint32_t crc) { return crc32_ieee(crc, p, n); }

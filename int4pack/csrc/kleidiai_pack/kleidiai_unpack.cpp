@@ -240,16 +240,25 @@ namespace i4p {
 void kleidiai_pack(const int8_t* q, int64_t E, int64_t N, int64_t K, const void* scales, bool scales_bf16,
                    const float* bias, int64_t group_size, uint8_t* out, int64_t bytes, int64_t threads);
 
-// verify's check of one stored blob in one call: decode it with every consistency check into q,
-// scales and bias (bias always decoded: [N] fp32, the caller's scratch), pack the decoded values
-// again into `repack` (the caller's scratch, `bytes` long) and compare byte for byte. Returns the
-// failed decode checks (kleidiai_unpack's bits), or kBadRepack when they pass but the bytes differ;
-// the repack runs only when the decode checks pass (as kleidiai.unpack raising stops it in Python).
+uint32_t crc32_ieee(uint32_t crc, const uint8_t* p, int64_t n);
+
+// verify's check of one stored blob in one call: crcs[0] = the CRC-32 of its bytes; decode it with
+// every consistency check into q, scales and bias (bias always decoded: [N] fp32, the caller's
+// scratch); then crcs[1..3] = the CRC-32s of q, scales and bias (bias: only with has_bias), the
+// decoded values packed again into `repack` (the caller's scratch, `bytes` long) and compared byte
+// for byte. Returns the failed decode checks (kleidiai_unpack's bits; the rest is skipped then, as
+// kleidiai.unpack raising stops it in Python), or kBadRepack when they pass but the bytes differ.
 int64_t kleidiai_verify_blob(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K, int64_t g, bool has_bias,
-                             int8_t* q, void* scales, float* bias, uint8_t* repack, int64_t threads) {
+                             int8_t* q, void* scales, float* bias, uint8_t* repack, uint32_t* crcs,
+                             int64_t threads) {
   constexpr int64_t kBadRepack = 64;
+  crcs[0] = crc32_ieee(0, blob, bytes);
   const int64_t bad = kleidiai_unpack(blob, bytes, N, K, g, true, has_bias, q, scales, bias, threads);
   if (bad) return bad;
+  const int64_t scale_bytes = g == K ? 4 * N : 2 * N * (K / g);
+  crcs[1] = crc32_ieee(0, reinterpret_cast<const uint8_t*>(q), N * K);
+  crcs[2] = crc32_ieee(0, static_cast<const uint8_t*>(scales), scale_bytes);
+  crcs[3] = has_bias ? crc32_ieee(0, reinterpret_cast<const uint8_t*>(bias), 4 * N) : 0;
   kleidiai_pack(q, 1, N, K, scales, g != K, has_bias ? bias : nullptr, g, repack, bytes, threads);
   return std::memcmp(repack, blob, static_cast<size_t>(bytes)) == 0 ? 0 : kBadRepack;
 }
