@@ -91,12 +91,17 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
       const uint8_t* src = blob + blk * per_blk;
       int flags = 0;
       float fsc[kNr], fbias[kNr];
+      const int64_t row0 = blk * kNr;
+      const int rows = static_cast<int>(std::min<int64_t>(kNr, N - row0));
+      // each row's values straight into q (no copy after), but for padding rows and K padding
+      int8_t* rowp[kNr];
+      for (int r = 0; r < kNr; ++r) rowp[r] = r < rows && kp == K ? q + (row0 + r) * K : vals.data() + r * kp;
       if (channel) {
         int32_t rsum[kNr] = {0};
         for (int64_t c = 0; c < kp / 32; ++c)
           for (int r = 0; r < kNr; ++r) {
             int32_t seg[2];
-            get_chunk(src + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + 32 * c, seg);
+            get_chunk(src + c * 2 * kNr * 8 + r * 8, rowp[r] + 32 * c, seg);
             rsum[r] += seg[0] + seg[1];
           }
         const uint8_t* tail = src + kp / 2 * kNr;
@@ -107,7 +112,7 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
         if (check) {
           for (int r = 0; r < kNr; ++r) {
             const int32_t sum = rsum[r];
-            for (int64_t i = K; i < kp; ++i) flags |= vals[r * kp + i] != 0 ? kBadKPad : 0;
+            for (int64_t i = K; i < kp; ++i) flags |= rowp[r][i] != 0 ? kBadKPad : 0;
             int32_t stored;
             std::memcpy(&stored, tail + 4 * r, 4);
             if (stored != sum * 16) flags |= kBadSums;
@@ -123,7 +128,7 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
           for (int r = 0; r < kNr; ++r) sc[r] = bf16_to_f32(sc16[r * nblk + b]);
           for (int64_t c = 0; c < g / 32; ++c) {
             int32_t seg[kNr][2];
-            for (int r = 0; r < kNr; ++r) get_chunk(d + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + b * g + 32 * c, seg[r]);
+            for (int r = 0; r < kNr; ++r) get_chunk(d + c * 2 * kNr * 8 + r * 8, rowp[r] + b * g + 32 * c, seg[r]);
             if (check) {
               // the packer's rounding: one float add per 16-value segment, in storage order
               for (int h = 0; h < 2; ++h)
@@ -141,11 +146,9 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
           }
         }
       }
-      const int64_t row0 = blk * kNr;
-      const int rows = static_cast<int>(std::min<int64_t>(kNr, N - row0));
       if (check) {
         for (int r = rows; r < kNr; ++r) {  // rows past N repeat row N-1
-          if (std::memcmp(vals.data() + r * kp, vals.data() + (rows - 1) * kp, K) != 0) flags |= kBadPadData;
+          if (std::memcmp(rowp[r], rowp[rows - 1], K) != 0) flags |= kBadPadData;
           if (channel) {
             flags |= fsc[r] == fsc[rows - 1] ? 0 : kBadPadScale;
           } else {
@@ -158,7 +161,7 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
           for (int r = 0; r < kNr; ++r) flags |= fbias[r] == 0.0f ? 0 : kBadBias;
       }
       for (int r = 0; r < rows; ++r) {
-        std::memcpy(q + (row0 + r) * K, vals.data() + r * kp, K);
+        if (rowp[r] != q + (row0 + r) * K) std::memcpy(q + (row0 + r) * K, rowp[r], K);
         if (channel) static_cast<float*>(scales)[row0 + r] = fsc[r];
         else std::memcpy(static_cast<uint16_t*>(scales) + (row0 + r) * nblk, &sc16[r * nblk], 2 * nblk);
         if (bias) bias[row0 + r] = fbias[r];
