@@ -194,6 +194,7 @@ class _ExpertBuffers:
         # torch's float32 reference layout (moe.pack_for_matmul off Arm): bytes as floats, then scales
         self.p13 = torch.empty(n13 * h // 2 + n13 * c13)
         self.p2 = torch.empty(h2 * inter // 2 + h2 * c2)
+        self.blobs: dict = {}  # a packed checkpoint's blobs as read, by size
 
     @staticmethod
     def of(t: Target, slot: dict[str, str], g: int, vk, mine: dict) -> _ExpertBuffers | None:
@@ -218,8 +219,8 @@ class _ExpertBuffers:
 
     def fill(self, t: Target, slot: dict[str, str]) -> None:
         i = self.inter
-        t.weight_into(slot["gate"], self.q13[:i], self.s13[:i])
-        t.weight_into(slot["up"], self.q13[i:], self.s13[i:])
-        t.weight_into(slot["down"], self.q2, self.s2)
+        t.weight_into(slot["gate"], self.q13[:i], self.s13[:i], self.blobs)
+        t.weight_into(slot["up"], self.q13[i:], self.s13[i:], self.blobs)
+        t.weight_into(slot["down"], self.q2, self.s2, self.blobs)
         self.vk.dequant_sq(self.q13, self.s13, self.w13, row_sq=self.sq13)
         self.vk.dequant_sq(self.q2, self.s2, self.w2, col_sq=self.sq2)

@@ -143,11 +143,16 @@ class Target:
             return None
         return wi.shape[0], wi.shape[1], torch.bfloat16 if si.dtype == "BF16" else torch.float32, si.shape[1]
 
-    def weight_into(self, m: str, q: torch.Tensor, s: torch.Tensor) -> None:
+    def weight_into(self, m: str, q: torch.Tensor, s: torch.Tensor, scratch: dict | None = None) -> None:
         """``weight(m)``'s int4 values and scales written into q and s (shaped as ``weight_spec`` says):
-        read or decoded straight into them, copied where that cannot be."""
+        read or decoded straight into them, copied where that cannot be. ``scratch``: a dict whose
+        uint8 buffers (by size) a packed module's blob is read into."""
         if self.packed:
-            qq, ss, _ = self.packed.decode(m, check=False, out=(q, s))  # checked in the structural pass
+            blob = None
+            if scratch is not None:
+                info = self.ckpt.tensors[f"{m}.{SUFFIX}"]
+                blob = scratch[info.nbytes] = self.ckpt.get(f"{m}.{SUFFIX}", out=scratch.get(info.nbytes))
+            qq, ss, _ = self.packed.decode(m, blob, check=False, out=(q, s))  # checked in the structural pass
         else:
             qq, ss = self.ckpt.get(f"{m}.weight", out=q), self.ckpt.get(f"{m}.weight_scale", out=s)
         for dst, src in ((q, qq), (s, ss)):

@@ -34,28 +34,31 @@ inline float bf16_to_f32(uint16_t bits) {
   return v;
 }
 
-// 8 stored bytes -> the 8 int4 values of their low nibbles (lo) and the 8 of their high nibbles (hi)
-// as int8; returns the sum of the 16 values. SWAR on 64-bit words: n ^ 8 is q + 8 in [0, 15], and
-// ((q + 8) | 0x80) - 8 never borrows across bytes, so ^ 0x80 leaves q in two's complement.
-inline int32_t get_word(const uint8_t* src, int8_t* lo, int8_t* hi) {
-  constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0FULL;
-  constexpr uint64_t kEight = 0x0808080808080808ULL;
-  constexpr uint64_t kHigh = 0x8080808080808080ULL;
+// One 32-value chunk of all 8 rows of a block: 128 bytes, segment s of row r the 8 bytes at
+// 64 s + 8 r -> row r's values at rowp[r] + off .. + 32; seg[r][s] gets the sum of the 16 values
+// of segment s of row r. Two rows per 16-byte vector: (n & 15) ^ 8 is q + 8, minus 8 is q.
+inline void get_chunk8(const uint8_t* src, int8_t* const* rowp, int64_t off, int32_t seg[][2]) {
+  typedef uint8_t u8x16 __attribute__((vector_size(16)));
   constexpr uint64_t kOnes = 0x0101010101010101ULL;
-  uint64_t w;
-  std::memcpy(&w, src, 8);
-  const uint64_t a = (w & kLow) ^ kEight, b = ((w >> 4) & kLow) ^ kEight;
-  const uint64_t qa = ((a | kHigh) - kEight) ^ kHigh, qb = ((b | kHigh) - kEight) ^ kHigh;
-  std::memcpy(lo, &qa, 8);
-  std::memcpy(hi, &qb, 8);
-  // 16 values of q + 8 sum to <= 240: one byte holds what the multiply gathers into the top byte
-  return static_cast<int32_t>(((a + b) * kOnes) >> 56) - 128;
-}
-
-// 16 bytes of one 32-value chunk, stored as two 8-byte segments 8*8 bytes apart -> 32 int8 values;
-// seg[s] gets the sum of the 16 values of segment s
-inline void get_chunk(const uint8_t* src, int8_t* dst, int32_t seg[2]) {
-  for (int s = 0; s < 2; ++s) seg[s] = get_word(src + s * kNr * 8, dst + 8 * s, dst + 8 * s + 16);
+  for (int s = 0; s < 2; ++s) {
+    for (int j = 0; j < 4; ++j) {
+      u8x16 v;
+      std::memcpy(&v, src + 64 * s + 16 * j, 16);
+      const u8x16 a = (v & 15) ^ 8, b = ((v >> 4) & 15) ^ 8;
+      const u8x16 qa = a - 8, qb = b - 8, t = a + b;
+      const uint8_t* pa = reinterpret_cast<const uint8_t*>(&qa);
+      const uint8_t* pb = reinterpret_cast<const uint8_t*>(&qb);
+      for (int h = 0; h < 2; ++h) {
+        int8_t* d = rowp[2 * j + h] + off + 8 * s;
+        std::memcpy(d, pa + 8 * h, 8);
+        std::memcpy(d + 16, pb + 8 * h, 8);
+        uint64_t w;
+        std::memcpy(&w, reinterpret_cast<const uint8_t*>(&t) + 8 * h, 8);
+        // 16 values of q + 8 sum to <= 240: one byte holds what the multiply gathers into the top byte
+        seg[2 * j + h][s] = static_cast<int32_t>((w * kOnes) >> 56) - 128;
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -98,12 +101,11 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
       for (int r = 0; r < kNr; ++r) rowp[r] = r < rows && kp == K ? q + (row0 + r) * K : vals.data() + r * kp;
       if (channel) {
         int32_t rsum[kNr] = {0};
-        for (int64_t c = 0; c < kp / 32; ++c)
-          for (int r = 0; r < kNr; ++r) {
-            int32_t seg[2];
-            get_chunk(src + c * 2 * kNr * 8 + r * 8, rowp[r] + 32 * c, seg);
-            rsum[r] += seg[0] + seg[1];
-          }
+        for (int64_t c = 0; c < kp / 32; ++c) {
+          int32_t seg[kNr][2];
+          get_chunk8(src + c * 2 * kNr * 8, rowp, 32 * c, seg);
+          for (int r = 0; r < kNr; ++r) rsum[r] += seg[r][0] + seg[r][1];
+        }
         const uint8_t* tail = src + kp / 2 * kNr;
         for (int r = 0; r < kNr; ++r) {
           fsc[r] = get_f32(tail + 32 + 4 * r) * 16.0f;
@@ -128,7 +130,7 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
           for (int r = 0; r < kNr; ++r) sc[r] = bf16_to_f32(sc16[r * nblk + b]);
           for (int64_t c = 0; c < g / 32; ++c) {
             int32_t seg[kNr][2];
-            for (int r = 0; r < kNr; ++r) get_chunk(d + c * 2 * kNr * 8 + r * 8, rowp[r] + b * g + 32 * c, seg[r]);
+            get_chunk8(d + c * 2 * kNr * 8, rowp, b * g + 32 * c, seg);
             if (check) {
               // the packer's rounding: one float add per 16-value segment, in storage order
               for (int h = 0; h < 2; ++h)
