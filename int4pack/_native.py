@@ -308,12 +308,13 @@ class KleidiaiPack(_Lib):
         bias | None). The blob is decoded with every check, and only when they pass are the decoded
         values checksummed (bias: None without one), packed again and compared. ``scratch``: a dict of
         this thread's buffers, filled here on first use and reused (q, scales and bias are views of
-        it, valid until the next call with the same scratch)."""
+        it, valid until the next call for the same shape)."""
         _need(blob, "blob", torch.uint8, 1)
         key = (n, k, group_size, blob.numel())
         bufs = scratch.get(key)
         if bufs is None:
-            scratch.clear()  # one shape at a time: the buffers of the last one
+            if len(scratch) >= 8:  # a model has a few shapes (an MoE layer's experts: two)
+                scratch.clear()
             bufs = scratch[key] = (*self._decoded(n, k, group_size), torch.empty(n, dtype=torch.float32),
                                    torch.empty(blob.numel(), dtype=torch.uint8), (ctypes.c_uint32 * 4)())
         q, scales, bias, repack, crcs = bufs

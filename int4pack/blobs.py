@@ -285,7 +285,10 @@ class PackedWeights:
                     f"block {g}{split}): truncated or another layout"], None
         lib = _kernels() if scratch is not None and tp == 1 else None
         if lib is not None:
-            scratch["blob"] = blob = self.ckpt.get(name, out=scratch.get("blob"))
+            by_size = scratch.setdefault("blobs", {})  # the blobs as read, one buffer per size
+            if info.nbytes not in by_size and len(by_size) >= 8:
+                by_size.clear()
+            by_size[info.nbytes] = blob = self.ckpt.get(name, out=by_size.get(info.nbytes))
             return self._checked_in_one(lib, m, blob, scratch)
         blob = self.blob(m)
         want = self.prov[name].get("crc32")
