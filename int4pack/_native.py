@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _build
-from ._lazy import torch  # the batches pass numpy arrays and addresses: no torch
+from ._lazy import torch, torch_loaded  # the batches pass numpy arrays and addresses: no torch
 
 ABI_VERSION = 2
 
@@ -54,6 +54,8 @@ _SIGNATURES = {
     "i4p_crc32": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
     "i4p_use_crc32_clmul": ([_i], _i),
     "i4p_scales_to_float": ([_p, _i, _i, _i, _i, _p], _i),
+    "i4p_kleidiai_verify_blob": ([_p, _i, _i, _i, _i, _i, _p, _p, _p, _p, _p, _i], _i),
+    "i4p_dequant_sq": ([_p, _i, _i, _i, _p, _i, _p, _p, _p], _i),
 }
 
 
@@ -89,6 +91,15 @@ class _Lib:
         if st < 0:
             raise RuntimeError(self._lib.i4p_last_error().decode(errors="replace"))
         return st
+
+    def crc32(self, data, crc: int = 0) -> int:
+        """zlib's CRC-32 of a contiguous buffer (bytes, numpy array, CPU tensor), continuing from ``crc``."""
+        if torch_loaded() and isinstance(data, torch.Tensor):  # no tensor exists before torch does
+            if data.device.type != "cpu" or not data.is_contiguous():
+                raise ValueError("crc32: expected a contiguous CPU tensor")
+            return int(self._lib.i4p_crc32(_ptr(data), data.nbytes, crc & 0xFFFFFFFF))
+        a = _bytes(data)
+        return int(self._lib.i4p_crc32(a.ctypes.data, a.nbytes, crc & 0xFFFFFFFF))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -267,11 +278,6 @@ class ConvertKernels(_Lib):
                    res.ctypes.data, tot.ctypes.data, threads)
         return res, tot
 
-    def crc32(self, data, crc: int = 0) -> int:
-        """zlib's CRC-32 of a contiguous buffer, continuing from ``crc``."""
-        a = _bytes(data)
-        return int(self._lib.i4p_crc32(a.ctypes.data, a.nbytes, crc & 0xFFFFFFFF))
-
     def use_crc32_clmul(self, on: bool) -> bool:
         """Tests: zlib's CRC-32 by carry-less multiplies (x86-64 with PCLMULQDQ) or by tables; the previous setting."""
         return bool(self._lib.i4p_use_crc32_clmul(int(bool(on))))
@@ -311,18 +317,56 @@ class KleidiaiPack(_Lib):
                    _ptr(bias), group_size, _ptr(out), out.shape[1], threads)
 
     def unpack(self, blob: torch.Tensor, n: int, k: int, group_size: int, has_bias: bool, check: bool,
-               threads: int = 1):
+               threads: int = 1, out: tuple | None = None):
         """(failed checks (bits, 0: consistent), q int8 [N, K], scales bf16 [N, K/g] | fp32 [N, 1], bias fp32 [N]
-        | None) of one blob; ``group_size`` == K for channelwise."""
+        | None) of one blob; ``group_size`` == K for channelwise. ``out``: (q, scales) to fill instead of
+        fresh tensors (reused buffers: fresh memory costs page faults comparable to the decode)."""
         _need(blob, "blob", torch.uint8, 1)
-        channel = group_size == k
-        q = torch.empty(n, k, dtype=torch.int8)
-        scales = torch.empty(n, 1, dtype=torch.float32) if channel else torch.empty(n, k // group_size,
-                                                                                  dtype=torch.bfloat16)
+        q, scales = out if out is not None else self._decoded(n, k, group_size)
+        self._check_decoded(q, scales, n, k, group_size)
         bias = torch.empty(n, dtype=torch.float32) if has_bias else None
         bad = self._call("i4p_kleidiai_unpack", _ptr(blob), blob.numel(), n, k, group_size, int(bool(check)),
                          int(bool(has_bias)), _ptr(q), _ptr(scales), _ptr(bias), threads)
         return bad, q, scales, bias
+
+    @staticmethod
+    def _decoded(n: int, k: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh (q int8 [N, K], scales fp32 [N, 1] (channel, g == K) | bf16 [N, K/g]) for a decode."""
+        channel = group_size == k
+        return torch.empty(n, k, dtype=torch.int8), (torch.empty(n, 1, dtype=torch.float32) if channel else
+                                                     torch.empty(n, k // group_size, dtype=torch.bfloat16))
+
+    @staticmethod
+    def _check_decoded(q: torch.Tensor, scales: torch.Tensor, n: int, k: int, group_size: int) -> None:
+        _need(q, "q", torch.int8)
+        channel = group_size == k
+        want = (torch.float32, n) if channel else (torch.bfloat16, n * (k // max(group_size, 1)))
+        if tuple(q.shape) != (n, k) or scales.dtype != want[0] or scales.numel() != want[1] \
+                or not scales.is_contiguous():
+            raise RuntimeError(f"decode buffers: expected int8 [{n}, {k}] and {want[0]} scales of {want[1]} values")
+
+    def verify_blob(self, blob: torch.Tensor, n: int, k: int, group_size: int, has_bias: bool,
+                    scratch: dict, threads: int = 1):
+        """One stored blob checked in one call: (failed decode checks (kleidiai_unpack's bits; 64: the
+        repacked bytes differ), CRC-32s (8 hex digits, zlib's) of [the blob, q, scales, bias], q, scales,
+        bias | None). The blob is decoded with every check, and only when they pass are the decoded
+        values checksummed (bias: None without one), packed again and compared. ``scratch``: a dict of
+        this thread's buffers, filled here on first use and reused (q, scales and bias are views of
+        it, valid until the next call for the same shape)."""
+        _need(blob, "blob", torch.uint8, 1)
+        key = (n, k, group_size, blob.numel())
+        bufs = scratch.get(key)
+        if bufs is None:
+            if len(scratch) >= 8:  # a model has a few shapes (an MoE layer's experts: two)
+                scratch.clear()
+            bufs = scratch[key] = (*self._decoded(n, k, group_size), torch.empty(n, dtype=torch.float32),
+                                   torch.empty(blob.numel(), dtype=torch.uint8), (ctypes.c_uint32 * 4)())
+        q, scales, bias, repack, crcs = bufs
+        bad = self._call("i4p_kleidiai_verify_blob", _ptr(blob), blob.numel(), n, k, group_size, int(bool(has_bias)),
+                         _ptr(q), _ptr(scales), _ptr(bias), _ptr(repack), ctypes.addressof(crcs), threads)
+        hexes = [f"{crcs[0]:08x}"] + ([None] * 3 if bad & 63 else
+                                      [f"{crcs[1]:08x}", f"{crcs[2]:08x}", f"{crcs[3]:08x}" if has_bias else None])
+        return bad, hexes, q, scales, (bias if has_bias else None)
 
 
 class VerifyKernels(_Lib):
@@ -352,6 +396,28 @@ class VerifyKernels(_Lib):
         out = torch.empty(n, k, dtype=torch.float32)
         self._call("i4p_dequant_w4a8", _ptr(q), n, k, k // ng, _ptr(scales), int(scales.dtype == torch.bfloat16),
                    _ptr(out), threads)
+        return out
+
+    def dequant_sq(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, row_sq: torch.Tensor | None = None,
+                   col_sq: torch.Tensor | None = None) -> torch.Tensor:
+        """``dequant`` into ``out`` (float32 [N, K]), one thread, and where given row_sq [N] = sum over K of
+        out^2 and col_sq [K] = sum over N of out^2 (in double, rounded once)."""
+        _need(q, "q", torch.int8)
+        n, k = q.shape
+        self._scales(scales, n)
+        ng = scales.shape[1]
+        if ng < 1 or k % ng:
+            raise RuntimeError(f"dequant_sq: {ng} groups do not divide K={k}")
+        _need(out, "out", torch.float32)
+        for name, t, size in (("row_sq", row_sq, n), ("col_sq", col_sq, k)):
+            if t is not None:
+                _need(t, name, torch.float32, 1)
+                if t.numel() != size:
+                    raise RuntimeError(f"dequant_sq: {name} must hold {size} floats")
+        if tuple(out.shape) != (n, k):
+            raise RuntimeError(f"dequant_sq: out must be [{n}, {k}]")
+        self._call("i4p_dequant_sq", _ptr(q), n, k, k // ng, _ptr(scales), int(scales.dtype == torch.bfloat16),
+                   _ptr(out), _ptr(row_sq), _ptr(col_sq))
         return out
 
     def ref_pack(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None,

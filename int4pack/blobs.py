@@ -241,15 +241,16 @@ class PackedWeights:
     def blob(self, m: str) -> torch.Tensor:
         return self.ckpt.get(f"{m}.{SUFFIX}")
 
-    def decode(self, m: str, blob: torch.Tensor | None = None, check: bool = True):
+    def decode(self, m: str, blob: torch.Tensor | None = None, check: bool = True, out: tuple | None = None):
         """(q int8 [N, K], scales bf16 [N, K/g] | fp32 [N, 1], bias fp32 [N] | None) of module m; of
-        the whole matrix for a K-split one (its ranks' blobs joined along K)."""
+        the whole matrix for a K-split one (its ranks' blobs joined along K). ``out``: (q, scales)
+        buffers to decode into where it can (kleidiai.unpack); use what is returned."""
         n, k = self.shape(m)
         blob = self.blob(m) if blob is None else blob
         has_bias = bool(self.prov[f"{m}.{SUFFIX}"].get("bias"))
         tp = self.split(m)
         if tp == 1:
-            return kleidiai.unpack(blob, n, k, self.block(m), has_bias, check=check)
+            return kleidiai.unpack(blob, n, k, self.block(m), has_bias, check=check, out=out)
         parts = [kleidiai.unpack(blob[r], n, k // tp, self.block(m), has_bias and r == 0, check=check)
                  for r in range(tp)]
         q = torch.cat([p[0] for p in parts], dim=1)
@@ -262,8 +263,10 @@ class PackedWeights:
             s = torch.cat([p[1].to(torch.bfloat16) for p in parts], dim=1)
         return q, s, parts[0][2]
 
-    def check_blob(self, m: str) -> tuple[list[str], tuple | None]:
-        """Problems of module m's blob (size, inner consistency, provenance, repacking) and its decode."""
+    def check_blob(self, m: str, scratch: dict | None = None) -> tuple[list[str], tuple | None]:
+        """Problems of module m's blob (size, inner consistency, provenance, repacking) and its decode.
+        ``scratch``: a dict of the calling thread's buffers (verify_blob's): the read, decode, repack
+        and comparison then run in them, in one C++ call, and the decode returned lives there."""
         name = f"{m}.{SUFFIX}"
         info = self.ckpt.tensors[name]
         twice = [f"{m}.{leaf}" for leaf in ("weight", "weight_scale", "bias") if f"{m}.{leaf}" in self.ckpt.tensors]
@@ -280,6 +283,13 @@ class PackedWeights:
             split = f", split along K for {tp} ranks" if tp > 1 else ""
             return [f"{info.dtype}{list(info.shape)}, expected U8{list(want)} (the KleidiAI size for N={n}, K={k}, "
                     f"block {g}{split}): truncated or another layout"], None
+        lib = _kernels() if scratch is not None and tp == 1 else None
+        if lib is not None:
+            by_size = scratch.setdefault("blobs", {})  # the blobs as read, one buffer per size
+            if info.nbytes not in by_size and len(by_size) >= 8:
+                by_size.clear()
+            by_size[info.nbytes] = blob = self.ckpt.get(name, out=by_size.get(info.nbytes))
+            return self._checked_in_one(lib, m, blob, scratch)
         blob = self.blob(m)
         want = self.prov[name].get("crc32")
         stored = [f"stored bytes differ from the ones convert wrote (CRC-32 {crc(blob)} != {want})"] \
@@ -298,3 +308,36 @@ class PackedWeights:
         if not torch.equal(again, blob):
             problems.append("repacking the decoded values does not give the same bytes")
         return problems, (q, s, b)
+
+    def _checked_in_one(self, lib, m: str, blob: torch.Tensor, scratch: dict) -> tuple[list[str], tuple | None]:
+        """check_blob of a one-rank blob, its CRC-32s, decode with its checks, repack and comparison in
+        one C++ call: the same checks, in the same order, with the same messages."""
+        n, k = self.shape(m)
+        g = self.block(m)
+        prov = self.prov[f"{m}.{SUFFIX}"]
+        try:
+            kleidiai.check_blob(blob, n, k, g)  # what unpack refuses first
+        except InputError as e:
+            return [str(e)], None  # (check_blob's size check makes this unreachable)
+        bad, crcs, q, s, b = lib.verify_blob(blob, n, k, g, bool(prov.get("bias")), scratch.setdefault("decode", {}))
+        want = prov.get("crc32")
+        problems = [f"stored bytes differ from the ones convert wrote (CRC-32 {crcs[0]} != {want})"] \
+            if want is not None and crcs[0] != want else []
+        if bad & ~_REPACK_DIFFERS:
+            return problems + [kleidiai.unpack_problem(bad, n, k, g)], None
+        problems += [f"decoded {what} differ from the ones it was packed from (CRC-32 {got} != {want})"
+                     for what, got, want in (("int4 values", crcs[1], prov.get("crc32_q")),
+                                             ("scales", crcs[2], prov.get("crc32_scales")),
+                                             ("bias", crcs[3], prov.get("crc32_bias"))) if got != want]
+        if bad & _REPACK_DIFFERS:
+            problems.append("repacking the decoded values does not give the same bytes")
+        return problems, (q, s, b)
+
+
+_REPACK_DIFFERS = 64  # verify_blob's bit: the decode's checks passed, its repacked bytes differ
+
+
+def _kernels():
+    from . import _ext  # here: the plugin reads blobs without the C++ library
+
+    return _ext.load("kleidiai_pack")

@@ -304,10 +304,17 @@ class Checkpoint:
                              tensor=name, hint="The shard changed or is truncated; download it again.")
         return memoryview(m)[t.begin:t.end]
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor, read into memory of its own (pread: no mapped pages stay counted in RSS)."""
+    def get(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor, read into memory of its own (pread: no mapped pages stay counted in RSS).
+        ``out``: a contiguous tensor of its dtype and size to read into instead (a reused buffer),
+        returned viewed in the tensor's shape; one that does not fit is left alone."""
         t = self.info(name)
-        out = torch.empty(t.shape, dtype=torch_dtype(t.dtype))
+        dt = torch_dtype(t.dtype)
+        if out is not None and out.dtype == dt and out.numel() == t.numel and out.is_contiguous() \
+                and out.device.type == "cpu":
+            out = out.view(t.shape)
+        else:
+            out = torch.empty(t.shape, dtype=dt)
         if t.end > t.begin:
             # read through a numpy view of the same itemsize (numpy has no bf16/fp8): no dtype views after
             same_size = NUMPY_VIEW.get(t.dtype)

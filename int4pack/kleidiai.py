@@ -339,22 +339,31 @@ def check_blob(blob: torch.Tensor, n: int, k: int, group_size: int) -> None:
         raise InputError("KleidiAI blob must be contiguous")
 
 
-def unpack(blob: torch.Tensor, n: int, k: int, group_size: int, has_bias: bool, check: bool = True):
+def unpack(blob: torch.Tensor, n: int, k: int, group_size: int, has_bias: bool, check: bool = True,
+           out: tuple | None = None):
     """Decode a blob -> (q int8 [N, K], scales bf16 [N, K/g] | fp32 [N, 1], bias fp32 [N] | None).
 
     With ``check`` the redundant fields must agree: padding rows repeat row N-1, the row sums
     match the data, the K padding is zero, and a blob without bias stores zeros there.
+    ``out``: (q, scales) buffers the C++ decoder fills instead of fresh tensors (without the
+    library they are left alone: use what is returned).
     """
     check_blob(blob, n, k, group_size)
     mod = _ext_mod()
     if mod is not None:
         g = k if is_channelwise(k, group_size) else group_size
-        bad, q, scales, bias = mod.unpack(blob, n, k, g, has_bias, check)
+        bad, q, scales, bias = mod.unpack(blob, n, k, g, has_bias, check, out=out)
         if bad:
-            what = next(what for bit, what in _UNPACK_CHECKS if bad & bit)
-            _agree(False, what if bad & 3 != 2 or g == k else what + " and scales")
+            raise InputError(unpack_problem(bad, n, k, g))
         return q, scales, bias
     return unpack_torch(blob, n, k, group_size, has_bias, check)
+
+
+def unpack_problem(bad: int, n: int, k: int, group_size: int) -> str:
+    """What the C++ decoder's failed-check bits ``bad`` (non-zero) mean: the first in the order
+    unpack_torch checks them (``group_size`` K for channelwise)."""
+    what = next(what for bit, what in _UNPACK_CHECKS if bad & bit)
+    return f"KleidiAI blob is inconsistent: {what if bad & 3 != 2 or group_size == k else what + ' and scales'}"
 
 
 # the C++ decoder's failed-check bits (kleidiai_unpack.cpp), in the order unpack_torch checks them

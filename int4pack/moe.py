@@ -30,6 +30,7 @@ __all__ = [
     "predicted_noise",
     "expert_forward",
     "expert_noise",
+    "propagated_noise",
     "int8_step",
     "activation",
     "pack_for_matmul",
@@ -224,12 +225,26 @@ def expert_noise(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activati
     w2 = w2.float()
     inter = w2.shape[1]
     y13 = xe @ w13.t()
+    act = activation(y13[:, :inter], y13[:, inter:], activation_kind)
+    return propagated_noise(xe, y13, act, (w13 * w13).sum(1), (w2 * w2).sum(0), w2.shape[0], activation_kind,
+                            activations=activations, weight_var=weight_var)
+
+
+def propagated_noise(xe: torch.Tensor, y13: torch.Tensor, act: torch.Tensor, w13_sq: torch.Tensor,
+                     w2_sq: torch.Tensor, hidden: int, activation_kind: int = 0, *, activations: bool = True,
+                     weight_var: list[float] | None = None) -> torch.Tensor:
+    """``expert_noise`` from the expert's forward pass (y13 = xe @ w13^T, act) and its weights' squared
+    sums: w13_sq [2I] over each row of w13, w2_sq [I] over each column of w2 (``hidden`` rows).
+
+    Only each row's total over the H outputs is returned, so the output variance
+    var_act @ (w2 * w2)^T summed over H is var_act @ w2_sq, and the down projection's weight term
+    var * ||act||^2, the same for each of the H outputs, is H times it: no squared matrix."""
+    inter = act.shape[1]
     gate, up = y13[:, :inter], y13[:, inter:]
-    act = activation(gate, up, activation_kind)
     var13 = torch.zeros_like(y13)
     var_in2 = torch.zeros(xe.shape[0])
     if activations:
-        var13 += (int8_step(xe) ** 2 / 12).unsqueeze(1) * (w13 * w13).sum(1).unsqueeze(0)
+        var13 += (int8_step(xe) ** 2 / 12).unsqueeze(1) * w13_sq.unsqueeze(0)
         var_in2 += int8_step(act) ** 2 / 12
     if weight_var is not None:
         xx = (xe * xe).sum(1, keepdim=True)
@@ -237,10 +252,10 @@ def expert_noise(xe: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, activati
         var13[:, inter:] += weight_var[1] * xx
     dg, du = _act_jacobian(gate, up, activation_kind)
     var_act = dg * dg * var13[:, :inter] + du * du * var13[:, inter:] + var_in2.unsqueeze(1)
-    var_y = var_act @ (w2 * w2).t()
+    tot = var_act @ w2_sq
     if weight_var is not None:
-        var_y += weight_var[2] * (act * act).sum(1, keepdim=True)
-    return var_y.sum(1)
+        tot = tot + hidden * weight_var[2] * (act * act).sum(1)
+    return tot
 
 
 # ------------------------------------------------------------------------------------ packing

@@ -38,7 +38,7 @@ from .verify_dense import check_linear
 from .verify_inputs import dense_input, moe_inputs
 from .verify_layers import missing, parse_layers, select_layers
 from .verify_moe import check_layer
-from .verify_pool import Clock, parallel, shutting, timed, torch_threads
+from .verify_pool import Clock, PerThread, parallel, shutting, timed, torch_threads
 from .verify_report import finish, kernel_info, trust_notes
 from .verify_source import Source, check_copies
 from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
@@ -215,13 +215,15 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
             return x
         return _guarded(m, "dense", lambda: check_linear(t, m, src, conv_report, x, clock))
 
+    work = PerThread(dict)  # each thread's expert buffers, from one layer to the next
+
     def layer_one(p):
         ins = layer_in[p]
         if "res" not in ins:
             return ins
         progress.advance(what=p)
         return _guarded(p, "moe", lambda: check_layer(
-            t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool))
+            t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool, work=work))
 
     # the dense modules queue on the pool first; two layers at a time feed it their experts,
     # so that one layer's own serial steps (routing, sums) overlap the other's experts

@@ -13,7 +13,7 @@ from .errors import InputError
 from .groups import block
 from .verify_source import Source, bias_vs_source
 from .verify_structure import Target
-from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, rel
+from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, rel, sum_sq
 from .w4a8 import dequantize_w4a8
 
 __all__ = ["check_linear"]
@@ -41,7 +41,7 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
     with clock("reference"):
         y_c = x @ w_c.t()
     step2 = moe_mod.int8_step(x) ** 2 / 12
-    act_pred = math.sqrt(float(step2.sum()) * float(w_c.double().pow(2).sum())) / max(float(y_c.double().norm()), 1e-30)
+    act_pred = math.sqrt(float(step2.sum()) * sum_sq(w_c)) / max(float(y_c.double().norm()), 1e-30)
     act_rel = rel(y_k, y_c)
     res.update(act_rel=act_rel, act_pred=act_pred, act_ratio=act_rel / act_pred if act_pred else None)
     if act_rel > K_ACT * act_pred + ABS_FLOOR:
@@ -59,7 +59,7 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
         res["problems"] += bias_vs_source(t, src, m)
         with clock("reference"):
             y_s = x @ w_s.t()
-        w_pred = bud * math.sqrt(float(w_s.double().pow(2).mean()) * float(x.double().pow(2).sum()) * n) \
+        w_pred = bud * math.sqrt(sum_sq(w_s) / w_s.numel() * float(x.double().pow(2).sum()) * n) \
             / max(float(y_s.double().norm()), 1e-30)
         w_rel = rel(y_c, y_s)
         res.update(weight_rel=w_rel, weight_pred=w_pred, weight_l2=meas, budget=bud)

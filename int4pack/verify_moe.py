@@ -8,19 +8,20 @@ import math
 
 import torch
 
-from . import kernels
+from . import _ext, kernels
 from . import moe as moe_mod
-from .verify_pool import parallel
+from .verify_pool import PerThread, parallel
 from .verify_source import Source, weights_vs_source
 from .verify_structure import Target
-from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, rel
+from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, rel, sum_sq
 from .w4a8 import dequantize_w4a8
 
 __all__ = ["check_layer"]
 
 
 def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict, clock, tick=None,
-               pool=None) -> dict:
+               pool=None, work: PerThread | None = None) -> dict:
+    """``work``: each thread's expert buffers (``PerThread(dict)``), kept from one layer to the next."""
     experts = t.layers[prefix]
     ids_all = sorted(experts)
     res, sampled, x, ids, wts = (inputs[k] for k in ("res", "sampled", "x", "ids", "wts"))
@@ -43,27 +44,47 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     moe_mod._check(x, ids, wts, none, none, hidden, inter, g, t.activation)  # moe_forward's own checks
     kernel = moe_mod.MoeRun(x, ids, wts, e_s, hidden, inter, g, False, t.activation)
 
+    vk = _ext.load("verify_kernels")
+    buffers = work if work is not None else PerThread(dict)
+
     def one(i: int, e: int) -> dict:
         """Expert e (the i-th sampled): its packed weights through the kernel, its float references
         and predicted errors on its routed rows. One thread, one expert: nothing shared but reads;
-        a 128-expert layer's float weights would be ~2.4 GB at once, one expert's are ~20 MB."""
+        a 128-expert layer's float weights would be ~2.4 GB at once, one expert's are ~20 MB, in
+        buffers the thread reuses for the next expert (``_ExpertBuffers``)."""
         slot = experts[e]
         out: dict = {"problems": []}
+        tt, jj = (ids == i).nonzero(as_tuple=True)
+        xe = x[tt]
+        g2 = wts[tt, jj] ** 2
         with kernels.threads_here(1):
-            with clock("read"):  # each blob decoded once, for the kernel and the references alike
-                qs = {r: t.weight(m) for r, m in slot.items()}
-                cw = {r: dequantize_w4a8(*qs[r]) for r in slot}
+            bufs = _ExpertBuffers.of(t, slot, g, vk, buffers.get())
+            if bufs is not None:  # each weight read or decoded once, into this thread's buffers
+                with clock("read"):
+                    bufs.fill(t, slot)
+                w13c, w2c = bufs.w13, bufs.w2
+                cw = {"gate": w13c[:bufs.inter], "up": w13c[bufs.inter:], "down": w2c}
+            else:
+                with clock("read"):  # each blob decoded once, for the kernel and the references alike
+                    qs = {r: t.weight(m) for r, m in slot.items()}
+                    cw = {r: dequantize_w4a8(*qs[r]) for r in slot}
+                w13c, w2c = torch.cat([cw["gate"], cw["up"]]), cw["down"]
             if use_blobs:
                 # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: blobs.py)
                 with clock("read"):
                     w13p = torch.cat([t.blob(slot["gate"]), t.blob(slot["up"])])
                     w2p = t.blob(slot["down"])
+            elif bufs is not None:
+                with clock("pack"):
+                    w13p = moe_mod.pack_for_matmul(bufs.q13, bufs.s13, g, out=bufs.p13)
+                    w2p = moe_mod.pack_for_matmul(bufs.q2, bufs.s2, g, out=bufs.p2)
             else:
                 (qg, sg, _), (qu, su, _), (qd, sd, _) = (qs[r] for r in ("gate", "up", "down"))
                 with clock("pack"):
                     w13p = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g)
                     w2p = moe_mod.pack_for_matmul(qd, sd, g)
-            del qs
+            if bufs is None:
+                del qs
             with clock("kernel"):
                 kernel.expert(i, w13p, w2p)
             del w13p, w2p
@@ -71,18 +92,21 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 cw, sw, probs, st = weights_vs_source(t, src, slot, report, clock, cw)
                 out["problems"] = [f"expert {e}: {p}" for p in probs]
                 out["stats"] = st
-                wv = [st[r]["budget"] ** 2 * float(sw[r].double().pow(2).mean()) for r in ("gate", "up", "down")]
-            tt, jj = (ids == i).nonzero(as_tuple=True)
-            xe = x[tt]
-            g2 = wts[tt, jj] ** 2
-            w13c = torch.cat([cw["gate"], cw["up"]])
-            with clock("reference"):
-                out["c"] = moe_mod.expert_forward(xe, w13c, cw["down"], t.activation)
+                wv = [st[r]["budget"] ** 2 * sum_sq(sw[r]) / sw[r].numel() for r in ("gate", "up", "down")]
+            with clock("reference"):  # moe.expert_forward's operations, its y13 and act kept for the prediction
+                y13 = xe.float() @ w13c.t()
+                act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation)
+                out["c"] = act @ w2c.t()
                 if src is not None:
                     w13s = torch.cat([sw["gate"], sw["up"]])
                     out["s"] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
             with clock("prediction"):
-                out["act_var"] = moe_mod.expert_noise(xe, w13c, cw["down"], t.activation) * g2
+                if bufs is not None:
+                    sq13, sq2 = bufs.sq13, bufs.sq2
+                else:
+                    sq13, sq2 = (w13c * w13c).sum(1), (w2c * w2c).sum(0)
+                out["act_var"] = moe_mod.propagated_noise(xe.float(), y13, act, sq13, sq2, w2c.shape[0],
+                                                          t.activation) * g2
                 if src is not None:
                     out["w_var"] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
                                                         weight_var=wv) * g2
@@ -153,3 +177,50 @@ def _expert_pred(w_var: torch.Tensor, wts: torch.Tensor, mask: torch.Tensor, ref
     v = w_var[mask] / (wts[mask] ** 2).clamp(min=1e-30)  # predicted_noise gated by g^2: undo it
     den = float(ref_slots.double().norm())
     return math.sqrt(float(v.sum())) / den if den > 0 else 0.0
+
+
+class _ExpertBuffers:
+    """One thread's buffers for an expert's weights, reused from one expert to the next: int4 values
+    and scales (gate and up rows in one matrix, w13, as the kernel takes them), their float32 values
+    and squared sums, and the kernel's packed tensors."""
+
+    def __init__(self, spec13: tuple, spec2: tuple):
+        (n13, h, dt13, c13), (h2, inter, dt2, c2) = spec13, spec2
+        self.inter = n13 // 2
+        self.q13, self.s13 = torch.empty(n13, h, dtype=torch.int8), torch.empty(n13, c13, dtype=dt13)
+        self.q2, self.s2 = torch.empty(h2, inter, dtype=torch.int8), torch.empty(h2, c2, dtype=dt2)
+        self.w13, self.w2 = torch.empty(n13, h), torch.empty(h2, inter)
+        self.sq13, self.sq2 = torch.empty(n13), torch.empty(inter)
+        # torch's float32 reference layout (moe.pack_for_matmul off Arm): bytes as floats, then scales
+        self.p13 = torch.empty(n13 * h // 2 + n13 * c13)
+        self.p2 = torch.empty(h2 * inter // 2 + h2 * c2)
+        self.blobs: dict = {}  # a packed checkpoint's blobs as read, by size
+
+    @staticmethod
+    def of(t: Target, slot: dict[str, str], g: int, vk, mine: dict) -> _ExpertBuffers | None:
+        """This thread's buffers for the expert ``slot`` (made, or remade for another shape); None where
+        the expert's weights do not fit them (another layout, mixed scales: read as before)."""
+        if vk is None:
+            return None
+        specs = [t.weight_spec(slot[r]) for r in ("gate", "up", "down")]
+        if any(sp is None for sp in specs) or specs[0] != specs[1]:
+            return None
+        for m, sp in zip((slot["gate"], slot["down"]), (specs[0], specs[2])):
+            if sp[3] != (1 if t.group_for(m) == -1 else sp[1] // t.group_for(m)):
+                return None  # scales that are not one per group of the module's group: dequantize_w4a8 decides
+        key = (specs[0][0] * 2, *specs[0][1:], *specs[2])
+        if mine.get("key") != key:
+            mine.clear()
+            n, k, dt, c = specs[0]
+            mine.update(key=key, bufs=_ExpertBuffers((2 * n, k, dt, c), specs[2]))
+        bufs = mine["bufs"]
+        bufs.vk = vk
+        return bufs
+
+    def fill(self, t: Target, slot: dict[str, str]) -> None:
+        i = self.inter
+        t.weight_into(slot["gate"], self.q13[:i], self.s13[:i], self.blobs)
+        t.weight_into(slot["up"], self.q13[i:], self.s13[i:], self.blobs)
+        t.weight_into(slot["down"], self.q2, self.s2, self.blobs)
+        self.vk.dequant_sq(self.q13, self.s13, self.w13, row_sq=self.sq13)
+        self.vk.dequant_sq(self.q2, self.s2, self.w2, col_sq=self.sq2)

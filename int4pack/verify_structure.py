@@ -22,6 +22,7 @@ from .groups import check_group_size
 from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, SUFFIX, is_row_parallel, read_record, record_problems,
                          tensor_parallel_size)
 from .w4a8 import dequantize_w4a8
+from .verify_pool import PerThread
 from .verify_scan import check_hashes, in_order, scan
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
@@ -102,6 +103,7 @@ class Target:
             if role == "expert":
                 self.layers.setdefault(d["moe"], {}).setdefault(d["e"], {})[d["proj"]] = m
         self.routers = routers(ckpt.tensors)
+        self.scratch = PerThread(dict)  # each thread's blob buffers (PackedWeights.check_blob)
 
     def group_for(self, m: str) -> int:
         """Module m's group from its config group; a group equal to K is channelwise."""
@@ -123,6 +125,39 @@ class Target:
             q = self.ckpt.get(f"{m}.weight")
             s = self.ckpt.get(f"{m}.weight_scale")
         return q, s, self.group_for(m)
+
+    def weight_spec(self, m: str) -> tuple[int, int, torch.dtype, int] | None:
+        """(N, K, scale dtype, scale columns) of module m's ``weight`` as ``weight_into`` writes it; None
+        where it does not (a model's own per-expert layout, a blob split for tensor parallelism)."""
+        if self.packed:
+            if self.packed.split(m) != 1:
+                return None
+            n, k = self.packed.shape(m)
+            g = self.packed.group(m)
+            return (n, k, torch.float32, 1) if g == -1 else (n, k, torch.bfloat16, k // g)
+        if m in self.views:
+            return None
+        wi, si = self.ckpt.tensors.get(f"{m}.weight"), self.ckpt.tensors.get(f"{m}.weight_scale")
+        if wi is None or si is None or wi.dtype != "I8" or len(wi.shape) != 2 or len(si.shape) != 2 \
+                or si.dtype not in ("BF16", "F32") or si.shape[0] != wi.shape[0]:
+            return None
+        return wi.shape[0], wi.shape[1], torch.bfloat16 if si.dtype == "BF16" else torch.float32, si.shape[1]
+
+    def weight_into(self, m: str, q: torch.Tensor, s: torch.Tensor, scratch: dict | None = None) -> None:
+        """``weight(m)``'s int4 values and scales written into q and s (shaped as ``weight_spec`` says):
+        read or decoded straight into them, copied where that cannot be. ``scratch``: a dict whose
+        uint8 buffers (by size) a packed module's blob is read into."""
+        if self.packed:
+            blob = None
+            if scratch is not None:
+                info = self.ckpt.tensors[f"{m}.{SUFFIX}"]
+                blob = scratch[info.nbytes] = self.ckpt.get(f"{m}.{SUFFIX}", out=scratch.get(info.nbytes))
+            qq, ss, _ = self.packed.decode(m, blob, check=False, out=(q, s))  # checked in the structural pass
+        else:
+            qq, ss = self.ckpt.get(f"{m}.weight", out=q), self.ckpt.get(f"{m}.weight_scale", out=s)
+        for dst, src in ((q, qq), (s, ss)):
+            if src.data_ptr() != dst.data_ptr():
+                dst.copy_(src.reshape(dst.shape))
 
     def shape(self, m: str) -> tuple[int, int]:
         if m in self.views:
@@ -184,7 +219,7 @@ def layer_index(prefix: str) -> int:
 def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
     ck = t.ckpt
     if t.packed:
-        probs, dec = t.packed.check_blob(m)
+        probs, dec = t.packed.check_blob(m, t.scratch.get())
         tp = tensor_parallel_size(t.packed.record)
         want = tp if is_row_parallel(m) else 1  # vLLM splits only row parallel modules along K
         if t.packed.split(m) != want:

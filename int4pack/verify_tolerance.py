@@ -15,7 +15,7 @@ import torch
 from .groups import block
 
 __all__ = ["K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN", "MAX_BUDGET", "ABS_FLOOR", "rel", "cos", "rtn_rel",
-           "report_figure", "budget"]
+           "report_figure", "budget", "sum_sq"]
 
 K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
 K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
@@ -31,6 +31,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     den = float(b.norm())
     num = float((a - b).norm())
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
+
+
+def sum_sq(w: torch.Tensor) -> float:
+    """The sum of w^2, each square and the sums in float64, a slice at a time: a float64 copy of a
+    whole weight matrix (and of its squares) costs more in fresh memory than the sum itself."""
+    flat = w.reshape(-1)
+    step = 1 << 18
+    return math.fsum(float(flat[i:i + step].double().pow(2).sum()) for i in range(0, flat.numel(), step))
 
 
 def cos(a: torch.Tensor, b: torch.Tensor) -> float:

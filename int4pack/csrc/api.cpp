@@ -20,6 +20,11 @@ void dequant_w4a8(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* 
                   int64_t threads);
 void ref_pack(const int8_t* q, int64_t N, int64_t K, const void* scales, bool bf16, int64_t nscales, float* out,
               int64_t threads);
+int64_t kleidiai_verify_blob(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K, int64_t g, bool has_bias,
+                             int8_t* q, void* scales, float* bias, uint8_t* repack, uint32_t* crcs,
+                             int64_t threads);
+void dequant_sq(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* scales, bool bf16, float* out,
+                float* row_sq, float* col_sq);
 }
 
 using namespace i4p;
@@ -174,6 +179,24 @@ I4P_EXPORT int64_t i4p_scales_to_float(const uint8_t* src, int64_t n, int64_t gr
   return guarded([&] {
     I4P_CHECK(dtype >= kScaleF32 && dtype <= kScaleBf16, "scales_to_float: dtype ", dtype);
     scales_to_float(src, n, groups, dtype, kn != 0, out);
+    return int64_t{0};
+  });
+}
+
+// a blob's CRC-32, its decode with the checks, the CRC-32s of what it decodes to, repack and compare
+// (kleidiai_unpack.cpp): failed-check bits, 64 for a repack that differs
+I4P_EXPORT int64_t i4p_kleidiai_verify_blob(const uint8_t* blob, int64_t bytes, int64_t n, int64_t k, int64_t g,
+                                            int64_t has_bias, int8_t* q, void* scales, float* bias, uint8_t* repack,
+                                            uint32_t* crcs, int64_t threads) {
+  return guarded([&] {
+    return kleidiai_verify_blob(blob, bytes, n, k, g, has_bias != 0, q, scales, bias, repack, crcs, threads);
+  });
+}
+
+I4P_EXPORT int64_t i4p_dequant_sq(const int8_t* q, int64_t n, int64_t k, int64_t g, const void* scales, int64_t bf16,
+                                  float* out, float* row_sq, float* col_sq) {
+  return guarded([&] {
+    dequant_sq(q, n, k, g, scales, bf16 != 0, out, row_sq, col_sq);
     return int64_t{0};
   });
 }

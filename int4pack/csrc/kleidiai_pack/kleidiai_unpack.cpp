@@ -34,14 +34,29 @@ inline float bf16_to_f32(uint16_t bits) {
   return v;
 }
 
-// 16 bytes of one 32-value chunk, stored as two 8-byte segments 8*8 bytes apart -> 32 int8 values
-inline void get_chunk(const uint8_t* src, int8_t* dst) {
+// One 32-value chunk of all 8 rows of a block: 128 bytes, segment s of row r the 8 bytes at
+// 64 s + 8 r -> row r's values at rowp[r] + off .. + 32; seg[r][s] gets the sum of the 16 values
+// of segment s of row r. Two rows per 16-byte vector: (n & 15) ^ 8 is q + 8, minus 8 is q.
+inline void get_chunk8(const uint8_t* src, int8_t* const* rowp, int64_t off, int32_t seg[][2]) {
+  typedef uint8_t u8x16 __attribute__((vector_size(16)));
+  constexpr uint64_t kOnes = 0x0101010101010101ULL;
   for (int s = 0; s < 2; ++s) {
-    const uint8_t* b = src + s * kNr * 8;
-    for (int i = 0; i < 8; ++i) {
-      const int lo = b[i] & 0xF, hi = b[i] >> 4;
-      dst[8 * s + i] = static_cast<int8_t>(lo - ((lo & 8) << 1));
-      dst[8 * s + i + 16] = static_cast<int8_t>(hi - ((hi & 8) << 1));
+    for (int j = 0; j < 4; ++j) {
+      u8x16 v;
+      std::memcpy(&v, src + 64 * s + 16 * j, 16);
+      const u8x16 a = (v & 15) ^ 8, b = ((v >> 4) & 15) ^ 8;
+      const u8x16 qa = a - 8, qb = b - 8, t = a + b;
+      const uint8_t* pa = reinterpret_cast<const uint8_t*>(&qa);
+      const uint8_t* pb = reinterpret_cast<const uint8_t*>(&qb);
+      for (int h = 0; h < 2; ++h) {
+        int8_t* d = rowp[2 * j + h] + off + 8 * s;
+        std::memcpy(d, pa + 8 * h, 8);
+        std::memcpy(d + 16, pb + 8 * h, 8);
+        uint64_t w;
+        std::memcpy(&w, reinterpret_cast<const uint8_t*>(&t) + 8 * h, 8);
+        // 16 values of q + 8 sum to <= 240: one byte holds what the multiply gathers into the top byte
+        seg[2 * j + h][s] = static_cast<int32_t>((w * kOnes) >> 56) - 128;
+      }
     }
   }
 }
@@ -79,9 +94,18 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
       const uint8_t* src = blob + blk * per_blk;
       int flags = 0;
       float fsc[kNr], fbias[kNr];
+      const int64_t row0 = blk * kNr;
+      const int rows = static_cast<int>(std::min<int64_t>(kNr, N - row0));
+      // each row's values straight into q (no copy after), but for padding rows and K padding
+      int8_t* rowp[kNr];
+      for (int r = 0; r < kNr; ++r) rowp[r] = r < rows && kp == K ? q + (row0 + r) * K : vals.data() + r * kp;
       if (channel) {
-        for (int64_t c = 0; c < kp / 32; ++c)
-          for (int r = 0; r < kNr; ++r) get_chunk(src + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + 32 * c);
+        int32_t rsum[kNr] = {0};
+        for (int64_t c = 0; c < kp / 32; ++c) {
+          int32_t seg[kNr][2];
+          get_chunk8(src + c * 2 * kNr * 8, rowp, 32 * c, seg);
+          for (int r = 0; r < kNr; ++r) rsum[r] += seg[r][0] + seg[r][1];
+        }
         const uint8_t* tail = src + kp / 2 * kNr;
         for (int r = 0; r < kNr; ++r) {
           fsc[r] = get_f32(tail + 32 + 4 * r) * 16.0f;
@@ -89,9 +113,8 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
         }
         if (check) {
           for (int r = 0; r < kNr; ++r) {
-            int32_t sum = 0;
-            for (int64_t i = 0; i < kp; ++i) sum += vals[r * kp + i];
-            for (int64_t i = K; i < kp; ++i) flags |= vals[r * kp + i] != 0 ? kBadKPad : 0;
+            const int32_t sum = rsum[r];
+            for (int64_t i = K; i < kp; ++i) flags |= rowp[r][i] != 0 ? kBadKPad : 0;
             int32_t stored;
             std::memcpy(&stored, tail + 4 * r, 4);
             if (stored != sum * 16) flags |= kBadSums;
@@ -102,20 +125,16 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
         float sums[kNr] = {0};
         for (int64_t b = 0; b < nblk; ++b) {
           const uint8_t* d = src + b * (dlen + 2 * kNr);
-          for (int64_t c = 0; c < g / 32; ++c)
-            for (int r = 0; r < kNr; ++r) get_chunk(d + c * 2 * kNr * 8 + r * 8, vals.data() + r * kp + b * g + 32 * c);
           for (int r = 0; r < kNr; ++r) std::memcpy(&sc16[r * nblk + b], d + dlen + 2 * r, 2);
-          if (check) {
-            // the packer's rounding: one float add per 16-value segment, in storage order
-            for (int64_t c = 0; c < g / 32; ++c) {
-              for (int h = 0; h < 2; ++h) {
-                for (int r = 0; r < kNr; ++r) {
-                  const int8_t* v = vals.data() + r * kp + b * g + 32 * c + 8 * h;
-                  int32_t seg = 0;
-                  for (int i = 0; i < 8; ++i) seg += v[i] + v[i + 16];
-                  sums[r] += static_cast<float>(seg) * bf16_to_f32(sc16[r * nblk + b]);
-                }
-              }
+          float sc[kNr];
+          for (int r = 0; r < kNr; ++r) sc[r] = bf16_to_f32(sc16[r * nblk + b]);
+          for (int64_t c = 0; c < g / 32; ++c) {
+            int32_t seg[kNr][2];
+            get_chunk8(d + c * 2 * kNr * 8, rowp, b * g + 32 * c, seg);
+            if (check) {
+              // the packer's rounding: one float add per 16-value segment, in storage order
+              for (int h = 0; h < 2; ++h)
+                for (int r = 0; r < kNr; ++r) sums[r] += static_cast<float>(seg[r][h]) * sc[r];
             }
           }
         }
@@ -129,11 +148,9 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
           }
         }
       }
-      const int64_t row0 = blk * kNr;
-      const int rows = static_cast<int>(std::min<int64_t>(kNr, N - row0));
       if (check) {
         for (int r = rows; r < kNr; ++r) {  // rows past N repeat row N-1
-          if (std::memcmp(vals.data() + r * kp, vals.data() + (rows - 1) * kp, K) != 0) flags |= kBadPadData;
+          if (std::memcmp(rowp[r], rowp[rows - 1], K) != 0) flags |= kBadPadData;
           if (channel) {
             flags |= fsc[r] == fsc[rows - 1] ? 0 : kBadPadScale;
           } else {
@@ -146,7 +163,7 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
           for (int r = 0; r < kNr; ++r) flags |= fbias[r] == 0.0f ? 0 : kBadBias;
       }
       for (int r = 0; r < rows; ++r) {
-        std::memcpy(q + (row0 + r) * K, vals.data() + r * kp, K);
+        if (rowp[r] != q + (row0 + r) * K) std::memcpy(q + (row0 + r) * K, rowp[r], K);
         if (channel) static_cast<float*>(scales)[row0 + r] = fsc[r];
         else std::memcpy(static_cast<uint16_t*>(scales) + (row0 + r) * nblk, &sc16[r * nblk], 2 * nblk);
         if (bias) bias[row0 + r] = fbias[r];
@@ -212,6 +229,75 @@ void ref_pack(const int8_t* q, int64_t N, int64_t K, const void* scales, bool bf
   float* s = out + N * (K / 2);
   for (int64_t i = 0; i < nscales; ++i)
     s[i] = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[i]) : static_cast<const float*>(scales)[i];
+}
+
+}  // namespace i4p
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+// an AVX2 build next to the baseline one, picked at load time (no FMA: -ffp-contract=off)
+#define I4P_VCLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define I4P_VCLONES
+#endif
+
+namespace i4p {
+
+void kleidiai_pack(const int8_t* q, int64_t E, int64_t N, int64_t K, const void* scales, bool scales_bf16,
+                   const float* bias, int64_t group_size, uint8_t* out, int64_t bytes, int64_t threads);
+
+uint32_t crc32_extend(uint32_t crc, const uint8_t* p, int64_t n);  // zlib's CRC-32 (convert_kernels/crc32.cpp)
+
+// verify's check of one stored blob in one call: crcs[0] = the CRC-32 of its bytes; decode it with
+// every consistency check into q, scales and bias (bias always decoded: [N] fp32, the caller's
+// scratch); then crcs[1..3] = the CRC-32s of q, scales and bias (bias: only with has_bias), the
+// decoded values packed again into `repack` (the caller's scratch, `bytes` long) and compared byte
+// for byte. Returns the failed decode checks (kleidiai_unpack's bits; the rest is skipped then, as
+// kleidiai.unpack raising stops it in Python), or kBadRepack when they pass but the bytes differ.
+int64_t kleidiai_verify_blob(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K, int64_t g, bool has_bias,
+                             int8_t* q, void* scales, float* bias, uint8_t* repack, uint32_t* crcs,
+                             int64_t threads) {
+  constexpr int64_t kBadRepack = 64;
+  crcs[0] = crc32_extend(0, blob, bytes);
+  const int64_t bad = kleidiai_unpack(blob, bytes, N, K, g, true, has_bias, q, scales, bias, threads);
+  if (bad) return bad;
+  const int64_t scale_bytes = g == K ? 4 * N : 2 * N * (K / g);
+  crcs[1] = crc32_extend(0, reinterpret_cast<const uint8_t*>(q), N * K);
+  crcs[2] = crc32_extend(0, static_cast<const uint8_t*>(scales), scale_bytes);
+  crcs[3] = has_bias ? crc32_extend(0, reinterpret_cast<const uint8_t*>(bias), 4 * N) : 0;
+  kleidiai_pack(q, 1, N, K, scales, g != K, has_bias ? bias : nullptr, g, repack, bytes, threads);
+  return std::memcmp(repack, blob, static_cast<size_t>(bytes)) == 0 ? 0 : kBadRepack;
+}
+
+// out = dequant_w4a8's float32 [N, K] (the same products), and on the way, where not null,
+// row_sq[r] = sum_k out[r, k]^2 and col_sq[k] = sum_r out[r, k]^2 (float sums, as torch's
+// (w * w).sum(dim) of the float weights): the squared-weight sums verify's error prediction needs,
+// without a squared matrix. One thread: verify runs one expert per thread.
+I4P_VCLONES void dequant_sq(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* scales, bool bf16,
+                            float* out, float* row_sq, float* col_sq) {
+  I4P_CHECK(g > 0 && K % g == 0, "dequant_sq: group ", g, " does not divide K=", K);
+  const int64_t ng = K / g;
+  if (col_sq) std::fill(col_sq, col_sq + K, 0.0f);
+  for (int64_t r = 0; r < N; ++r) {
+    float* o = out + r * K;
+    for (int64_t j = 0; j < ng; ++j) {
+      const float s = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[r * ng + j])
+                           : static_cast<const float*>(scales)[r * ng + j];
+      const int8_t* a = q + r * K + j * g;
+      for (int64_t i = 0; i < g; ++i) o[j * g + i] = static_cast<float>(a[i]) * s;
+    }
+    if (row_sq) {
+      float acc[16] = {0};  // 16 lanes, added pairwise at the end
+      int64_t i = 0;
+      for (; i + 16 <= K; i += 16)
+        for (int l = 0; l < 16; ++l) acc[l] += o[i + l] * o[i + l];
+      for (; i < K; ++i) acc[0] += o[i] * o[i];
+      for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+      row_sq[r] = acc[0];
+    }
+    if (col_sq)
+      for (int64_t i = 0; i < K; ++i) col_sq[i] += o[i] * o[i];
+  }
 }
 
 }  // namespace i4p
