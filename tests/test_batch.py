@@ -448,9 +448,11 @@ def test_zero_points_off_8_are_requantised_by_the_per_job_path(tmp_path, monkeyp
 
 @needs_ext
 @pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
-def test_a_refused_scale_is_refused_with_the_same_message(tmp_path, monkeypatch, serve_format):
-    src = FIXTURES / "gptq_q3_sym"
-    m = _expert(src)
+@pytest.mark.parametrize("fixture", ["gptq_q3_sym", "awq_q3"])
+def test_a_refused_scale_is_refused_with_the_same_message(tmp_path, monkeypatch, serve_format, fixture):
+    src = FIXTURES / fixture
+    # (awq_q3: a requant module in one shard)
+    m = _expert(src) if fixture == "gptq_q3_sym" else "model.layers.1.mlp.experts.1.down_proj"
 
     def negative(a):
         a[1, 3] = -abs(a[1, 3]) - 0.01  # scales are stored [G, N]: row 3, group 1
