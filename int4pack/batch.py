@@ -17,6 +17,12 @@ misaligned words) or whose job it refuses runs the per-job path inside the batch
 converted (or refused, with the same message) exactly as without batches. The outputs are the
 same bytes, statistics and provenance either way (tests/test_batch.py). ``INT4PACK_BATCH=0``
 turns batches off.
+
+Requant batches (``Batch.kind == "requant"``) do the same for GPTQ and AWQ modules with zero
+points whose path the plan predicts requant: ``requant_batch`` in the C++ runs requant_job on
+each, as w4a8.requant_job does, and hands back what the per-job path would decide otherwise (zero
+points all 8: lossless there; close calls: torch decides them there; a v1 F nibble, which the
+reader notes; a g_idx that is not trivial; a refusal). Their stats are requant_job's info dict.
 """
 
 from __future__ import annotations
