@@ -188,8 +188,10 @@ def _tiny_asym(layout: str, *, zeros: np.ndarray | None = None, scale: float | N
         scales[1, 5] = scale
     if layout == "awq":
         words, zw, code, zbyte = _awq_words(u), _awq_words(z), 3, 0x88
-    else:  # GPTQ v1: stored zero = zero - 1, packed along N
+    elif layout == "gptq":  # GPTQ v1: stored zero = zero - 1, packed along N
         words, zw, code, zbyte = pack_k(u), pack_k((z - 1).T.astype(np.uint32) & 15).T.copy(), 2, 0x77
+    else:  # GPTQ v2: the zero as it is
+        words, zw, code, zbyte = pack_k(u), pack_k(z.T.astype(np.uint32)).T.copy(), 2, 0x88
     t = {"m.qweight": words, "m.scales": scales, "m.qzeros": zw}
     src = bytearray(16) + words.tobytes() + scales.tobytes() + zw.tobytes()
     w0, s0 = 16, 16 + words.nbytes
@@ -215,16 +217,16 @@ def _record(layout: str, t: dict):
     decoders of tests/_reference.py."""
     from int4pack.records import LinearSpec, QuantLinear
 
-    d = awq_decode(t, "m") if layout == "awq" else gptq_decode(t, "m", v1=True)
+    d = awq_decode(t, "m") if layout == "awq" else gptq_decode(t, "m", v1=layout == "gptq")
     n, k = d["u"].shape
-    spec = LinearSpec(name="m", fmt=layout, n=n, k=k, bits=4, group_size=32, sym=False, act_order=False, keys=(),
+    spec = LinearSpec(name="m", fmt=layout[:4], n=n, k=k, bits=4, group_size=32, sym=False, act_order=False, keys=(),
                       scale_dtype="F16")
     return QuantLinear(spec, torch.from_numpy(d["u"].astype(np.uint8)), torch.from_numpy(t["m.scales"].T.copy()),
                        torch.from_numpy(d["z"].astype(np.uint8)), None, None)
 
 
 @needs_requant
-@pytest.mark.parametrize("layout", ["gptq", "awq"])
+@pytest.mark.parametrize("layout", ["gptq", "gptq_v2", "awq"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_requant_module_by_hand_is_the_torch_twins_and_the_per_module_calls(layout, packed):
     from int4pack import w4a8
