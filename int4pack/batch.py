@@ -18,7 +18,8 @@ converted (or refused, with the same message) exactly as without batches. The ou
 same bytes, statistics and provenance either way (tests/test_batch.py). ``INT4PACK_BATCH=0``
 turns batches off.
 
-Requant batches (``Batch.kind == "requant"``) do the same for GPTQ and AWQ modules with zero
+Requant batches (``Batch.kind == "requant"``) do the same for GPTQ, AWQ and compressed-tensors
+(packed zero points) modules with zero
 points whose path the plan predicts requant: ``requant_batch`` in the C++ runs requant_job on
 each, as w4a8.requant_job does, and hands back what the per-job path would decide otherwise (zero
 points all 8: lossless there; close calls: torch decides them there; a v1 F nibble, which the
@@ -99,8 +100,8 @@ def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], list] | Non
 
 
 def _requant_source(layout, words, zeros, n: int, k: int, spec) -> bool:
-    """Whether requant_batch reads this module as the per-job path's reader does: GPTQ or AWQ words
-    of the spec's shape, with their zero point words, whole source groups."""
+    """Whether requant_batch reads this module as the per-job path's reader does: GPTQ, AWQ or
+    compressed-tensors words of the spec's shape, with their packed zero points, whole source groups."""
     from . import kernels
 
     if not kernels.ext().requant_ok or zeros is None or zeros.dtype != "I32" or \
@@ -113,6 +114,10 @@ def _requant_source(layout, words, zeros, n: int, k: int, spec) -> bool:
     elif layout == Packing.AWQ:
         shape, zw = (k, n // 8), n // 8
         if n % 8:
+            return False
+    elif layout == Packing.CT:
+        shape, zw = (n, -(-k // 8)), -(-n // 8)
+        if tuple(zeros.shape) != (zw, spec.groups):
             return False
     else:
         return False

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import int4pack
-from _reference import FIXTURES, awq_decode, bitwise_crc32c, gptq_decode, load_all, load_raw
+from _reference import FIXTURES, awq_decode, bitwise_crc32c, ct_decode, gptq_decode, load_all, load_raw
 from _synth import pack_k
 from int4pack import batch, kernels, kleidiai
 from int4pack.errors import InputError
@@ -190,13 +190,20 @@ def _tiny_asym(layout: str, *, zeros: np.ndarray | None = None, scale: float | N
         words, zw, code, zbyte = _awq_words(u), _awq_words(z), 3, 0x88
     elif layout == "gptq":  # GPTQ v1: stored zero = zero - 1, packed along N
         words, zw, code, zbyte = pack_k(u), pack_k((z - 1).T.astype(np.uint32) & 15).T.copy(), 2, 0x77
-    else:  # GPTQ v2: the zero as it is
+    elif layout == "gptq_v2":  # GPTQ v2: the zero as it is
         words, zw, code, zbyte = pack_k(u), pack_k(z.T.astype(np.uint32)).T.copy(), 2, 0x88
+    else:  # compressed-tensors: words [N, K/8] along K, zero points [N/8, G] along N, scales [N, G]
+        words, zw, code, zbyte = pack_k(u).T.copy(), pack_k(z.T.astype(np.uint32)), 1, 0x88
+        scales = scales.T.copy()
     t = {"m.qweight": words, "m.scales": scales, "m.qzeros": zw}
+    if layout == "ct":
+        t = {"m.weight_packed": words, "m.weight_scale": scales, "m.weight_zero_point": zw,
+             "m.weight_shape": np.array([n, k])}
     src = bytearray(16) + words.tobytes() + scales.tobytes() + zw.tobytes()
     w0, s0 = 16, 16 + words.nbytes
     z0 = s0 + scales.nbytes
-    row = [code, w0, *words.shape, n, k, s0, 0 if stype == np.float32 else 1, 1, k // g, z0, zw.nbytes, zbyte,
+    row = [code, w0, *words.shape, n, k, s0, 0 if stype == np.float32 else 1, int(layout != "ct"), k // g, z0,
+           zw.nbytes, zbyte,
            -1, 0, g, g, g, 1, -1, -1, -1, 0, 0]
     return src, row, t
 
@@ -217,16 +224,21 @@ def _record(layout: str, t: dict):
     decoders of tests/_reference.py."""
     from int4pack.records import LinearSpec, QuantLinear
 
-    d = awq_decode(t, "m") if layout == "awq" else gptq_decode(t, "m", v1=layout == "gptq")
-    n, k = d["u"].shape
+    if layout == "ct":
+        d = ct_decode(t, "m", 32)
+        u, z, s = d["codes"], d["zeros"], t["m.weight_scale"]
+    else:
+        d = awq_decode(t, "m") if layout == "awq" else gptq_decode(t, "m", v1=layout == "gptq")
+        u, z, s = d["u"], d["z"], t["m.scales"].T.copy()
+    n, k = u.shape
     spec = LinearSpec(name="m", fmt=layout[:4], n=n, k=k, bits=4, group_size=32, sym=False, act_order=False, keys=(),
                       scale_dtype="F16")
-    return QuantLinear(spec, torch.from_numpy(d["u"].astype(np.uint8)), torch.from_numpy(t["m.scales"].T.copy()),
-                       torch.from_numpy(d["z"].astype(np.uint8)), None, None)
+    return QuantLinear(spec, torch.from_numpy(u.astype(np.uint8)), torch.from_numpy(s),
+                       torch.from_numpy(z.astype(np.uint8)), None, None)
 
 
 @needs_requant
-@pytest.mark.parametrize("layout", ["gptq", "gptq_v2", "awq"])
+@pytest.mark.parametrize("layout", ["gptq", "gptq_v2", "awq", "ct"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_requant_module_by_hand_is_the_torch_twins_and_the_per_module_calls(layout, packed):
     from int4pack import w4a8
@@ -374,10 +386,7 @@ def test_requant_batches_write_the_per_job_bytes_and_report(tmp_path, monkeypatc
     _same_files(a, b)
     requant = sum(1 for m in rep["modules"].values() if m["path"] == "requant")
     assert requant and counted["handed_back"] == 0
-    if name.startswith("ct_"):  # compressed-tensors zero points: not read in place, per job
-        assert counted["batched"] == 0
-    else:
-        assert counted["batched"] >= requant - 8
+    assert counted["batched"] >= requant - 8
 
 
 @needs_requant

@@ -177,7 +177,7 @@ int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc,
 // w4a8.requant_job, which int4pack/batch.py falls back to): each module's packed words, scales and
 // zero points read in place, the zero points unpacked as the readers unpack them (GPTQ qzeros
 // [G, ceil(N/8)] along N, v1's whole-word add of 0x11111111; AWQ qzeros [G, N/8] in AWQ's nibble
-// order), requant_job exactly as i4p_requant_job runs it, and the outputs and checksums as
+// order; compressed-tensors weight_zero_point [ceil(N/8), G] along N), requant_job exactly as i4p_requant_job runs it, and the outputs and checksums as
 // lossless_batch writes them. Handed back (kNotAsGiven): what the per-module path would read or
 // decide otherwise -- zero points all 8 (lossless there), a g_idx that is not arange(K) / group,
 // misaligned words, a v1 zero word holding an F nibble (the reader notes it), close calls (decided
@@ -196,10 +196,10 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
     zgroups[m] = 0;
     const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG], layout = d[kbLayout];
     I4P_CHECK(n > 0 && k > 0 && gs > 0 && g > 0 && k % g == 0, "requant_batch: module ", m, ": bad shape");
-    I4P_CHECK(layout == kGptq || layout == kAwq, "requant_batch: module ", m, ": layout ", layout);
+    I4P_CHECK(layout == kGptq || layout == kAwq || layout == kCt, "requant_batch: module ", m, ": layout ", layout);
     I4P_CHECK(d[kbScaleType] >= kScaleF32 && d[kbScaleType] <= kScaleBf16, "requant_batch: scale dtype");
     const int64_t item = d[kbScaleType] == kScaleF32 ? 4 : 2;
-    const int64_t zw = layout == kAwq ? n / 8 : (n + 7) / 8;  // zero words per group
+    const int64_t zw = layout == kAwq ? n / 8 : (n + 7) / 8;  // zero words per group (CT: per column of words)
     I4P_CHECK(layout != kAwq || n % 8 == 0, "requant_batch: module ", m, ": AWQ N not a multiple of 8");
     I4P_CHECK(in_range(d[kbWords], d[kbD0] * d[kbD1] * 4, src_len) && in_range(d[kbScales], n * gs * item, src_len),
               "requant_batch: module ", m, ": source outside the mapping");
@@ -238,6 +238,12 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
     zbuf.resize(n * gs);
     if (layout == kAwq) {
       unpack_awq_words(reinterpret_cast<const uint32_t*>(zsrc), zbuf.data(), gs, zw, 0, zw, 0);
+    } else if (layout == kCt) {  // words [ceil(N/8), Gs], packed along N: the nibble is the zero point
+      for (int64_t w = 0; w < zw; ++w)
+        for (int64_t j = 0; j < gs; ++j) {
+          const uint32_t word = load<uint32_t>(zsrc + (w * gs + j) * 4);
+          for (int64_t b = 0; b < 8 && 8 * w + b < n; ++b) zbuf[(8 * w + b) * gs + j] = (word >> (4 * b)) & 0xFu;
+        }
     } else {
       for (int64_t j = 0; j < gs; ++j)
         for (int64_t w = 0; w < zw; ++w) {
