@@ -51,6 +51,7 @@ _SIGNATURES = {
     "i4p_dequant_w4a8": ([_p, _i, _i, _i, _p, _i, _p, _i], _i),
     "i4p_ref_pack": ([_p, _i, _i, _p, _i, _i, _p, _i], _i),
     "i4p_lossless_batch": ([_p, _i, _p, _i, _p, _i, _p, _p, _i], _i),
+    "i4p_requant_batch": ([_p, _i, _p, _i, _p, _i, _p, _i, _p, _i, _p, _p, _p, _i], _i),
     "i4p_crc32": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
     "i4p_use_crc32_clmul": ([_i], _i),
     "i4p_scales_to_float": ([_p, _i, _i, _i, _i, _p], _i),
@@ -277,6 +278,28 @@ class ConvertKernels(_Lib):
         self._call("i4p_lossless_batch", src, src_len, desc.ctypes.data, desc.shape[0], o.ctypes.data, o.nbytes,
                    res.ctypes.data, tot.ctypes.data, threads)
         return res, tot
+
+    def requant_batch(self, src: int, src_len: int, desc: np.ndarray, out, coarse: np.ndarray, fine: np.ndarray,
+                      threads: int = 1):
+        """Run the requant path of ``desc``'s modules (GPTQ or AWQ words with zero points; the
+        descriptor of ``lossless_batch``) with the search's points ``coarse`` and ``fine`` (float32;
+        empty coarse: round to nearest): (results int64 [count, BATCH_RESULTS], sums float64
+        [count, 6] as requant_job's, zero groups int64 [count])."""
+        if not self.requant_ok:
+            raise RuntimeError("requant_batch: this CPU lacks AVX2/FMA (x86-64-v3)")
+        if desc.dtype != np.int64 or desc.ndim != 2 or desc.shape[1] != self.BATCH_FIELDS or \
+                not desc.flags.c_contiguous:
+            raise RuntimeError(f"requant_batch: expected contiguous int64 [count, {self.BATCH_FIELDS}]")
+        coarse = np.ascontiguousarray(coarse, dtype=np.float32)
+        fine = np.ascontiguousarray(fine, dtype=np.float32)
+        o = _bytes(out, writable=True)
+        res = np.zeros((desc.shape[0], self.BATCH_RESULTS), dtype=np.int64)
+        tot = np.zeros((desc.shape[0], 6), dtype=np.float64)
+        zg = np.zeros(desc.shape[0], dtype=np.int64)
+        self._call("i4p_requant_batch", src, src_len, desc.ctypes.data, desc.shape[0], o.ctypes.data, o.nbytes,
+                   coarse.ctypes.data, coarse.size, fine.ctypes.data, fine.size, res.ctypes.data, tot.ctypes.data,
+                   zg.ctypes.data, threads)
+        return res, tot, zg
 
     def use_crc32_clmul(self, on: bool) -> bool:
         """Tests: zlib's CRC-32 by carry-less multiplies (x86-64 with PCLMULQDQ) or by tables; the previous setting."""

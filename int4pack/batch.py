@@ -17,6 +17,13 @@ misaligned words) or whose job it refuses runs the per-job path inside the batch
 converted (or refused, with the same message) exactly as without batches. The outputs are the
 same bytes, statistics and provenance either way (tests/test_batch.py). ``INT4PACK_BATCH=0``
 turns batches off.
+
+Requant batches (``Batch.kind == "requant"``) do the same for GPTQ, AWQ and compressed-tensors
+(packed zero points) modules with zero
+points whose path the plan predicts requant: ``requant_batch`` in the C++ runs requant_job on
+each, as w4a8.requant_job does, and hands back what the per-job path would decide otherwise (zero
+points all 8: lossless there; close calls: torch decides them there; a v1 F nibble, which the
+reader notes; a g_idx that is not trivial; a refusal). Their stats are requant_job's info dict.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ import threading
 from .errors import OutputError
 from .groups import block, normalize_group, scale_dtype
 from .plan import Job
+from .records import Packing
 from .writer import to_bytes
 
 # kernels, kleidiai and numpy: imported when the work starts, not with convert (none imports torch)
 # (a dry run plans without them)
 
-__all__ = ["ENABLED", "BATCH_BYTES", "units", "run_batch", "FIELDS"]
+__all__ = ["ENABLED", "BATCH_BYTES", "units", "run_batch", "FIELDS", "KINDS"]
 
 ENABLED = os.environ.get("INT4PACK_BATCH", "1").strip() not in ("0", "false", "no", "off")
 # output bytes of one batch at most: a module up to this size goes as a batch of its own, so that
@@ -41,6 +49,7 @@ ENABLED = os.environ.get("INT4PACK_BATCH", "1").strip() not in ("0", "false", "n
 BATCH_BYTES = 16 << 20
 BUFFERS = 8  # batch buffers in all: computing, or queued behind the disk (128 MB of address space)
 BATCH_MODULES = 64
+KINDS = ("lossless", "requant")  # the predicted paths a batch runs (one kind per batch)
 FIELDS = 24  # int64 per module in the descriptor (convert_kernels.h, BatchField)
 _SCALE_TYPES = {"F32": 0, "F16": 1, "BF16": 2}
 # descriptor columns (BatchField)
@@ -62,7 +71,8 @@ def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], list] | Non
         return None
     spec = job.specs[0]
     n, k, g = spec.n, spec.k, job.group_size
-    if job.paths.get(spec.name) != "lossless" or g is None or (g != -1 and (g <= 0 or g >= k or k % g)):
+    kind = job.paths.get(spec.name)
+    if kind not in KINDS or g is None or (g != -1 and (g <= 0 or g >= k or k % g)):
         return None
     where = reader.in_place(spec) if hasattr(reader, "in_place") else None
     if where is None:
@@ -72,6 +82,10 @@ def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], list] | Non
     files = {words.file, scales.file} | {t.file for t in (zeros, gidx) if t is not None}
     if stype is None or words.dtype != "I32" or len(files) != 1 or len(words.shape) != 2 or \
             scales.numel != n * spec.groups or (gidx is not None and tuple(gidx.shape) != (k,)):
+        return None
+    if kind == "lossless" and layout not in (Packing.GPTQ, Packing.CT):
+        return None
+    if kind == "requant" and not _requant_source(layout, words, zeros, n, k, spec):
         return None
     gb = block(k, g)
     outs = job.outputs
@@ -84,18 +98,43 @@ def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], list] | Non
            -1 if zeros is None else zeros.begin, 0 if zeros is None else zeros.nbytes, zbyte,
            -1 if gidx is None else gidx.begin, 0 if gidx is None else (8 if gidx.dtype == "I64" else 4),
            spec.group_size, block(k, spec.group_size), gb, int(scale_dtype(g) == "bfloat16"), -1, -1, -1, 0, 0]
-    return words.file, row, [(t.begin, t.end) for t in (words, scales, zeros, gidx) if t is not None]
+    return kind, words.file, row, [(t.begin, t.end) for t in (words, scales, zeros, gidx) if t is not None]
+
+
+def _requant_source(layout, words, zeros, n: int, k: int, spec) -> bool:
+    """Whether requant_batch reads this module as the per-job path's reader does: GPTQ, AWQ or
+    compressed-tensors words of the spec's shape, with their packed zero points, whole source groups."""
+    from . import kernels
+
+    if not kernels.ext().requant_ok or zeros is None or zeros.dtype != "I32" or \
+            spec.groups * block(k, spec.group_size) != k:
+        return False
+    if layout == Packing.GPTQ:
+        shape, zw = (k // 8, n), -(-n // 8)
+        if k % 8:
+            return False
+    elif layout == Packing.AWQ:
+        shape, zw = (k, n // 8), n // 8
+        if n % 8:
+            return False
+    elif layout == Packing.CT:
+        shape, zw = (n, -(-k // 8)), -(-n // 8)
+        if tuple(zeros.shape) != (zw, spec.groups):
+            return False
+    else:
+        return False
+    return tuple(words.shape) == shape and zeros.nbytes == spec.groups * zw * 4
 
 
 class Batch:
     """Consecutive jobs run in one C++ call: their descriptor rows and where their source lies."""
 
-    __slots__ = ("jobs", "rows", "shard", "source", "spans", "out_bytes")
+    __slots__ = ("jobs", "rows", "shard", "source", "spans", "out_bytes", "kind")
 
-    def __init__(self, shard: str, source: str):
+    def __init__(self, shard: str, source: str, kind: str = "lossless"):
         self.jobs: list[Job] = []
         self.rows: list[list[int]] = []
-        self.shard, self.source = shard, source
+        self.shard, self.source, self.kind = shard, source, kind
         self.spans: list[tuple[int, int]] = []  # the source tensors' byte ranges
         self.out_bytes = 0
 
@@ -138,12 +177,12 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
             yield from flush()
             yield job
             continue
-        source, row, spans = got
-        if cur is not None and (cur.shard != shard or cur.source != source or len(cur.jobs) >= BATCH_MODULES
-                                or cur.out_bytes + nbytes > BATCH_BYTES):
+        kind, source, row, spans = got
+        if cur is not None and (cur.shard != shard or cur.source != source or cur.kind != kind
+                                or len(cur.jobs) >= BATCH_MODULES or cur.out_bytes + nbytes > BATCH_BYTES):
             yield from flush()
         if cur is None:
-            cur = Batch(shard, source)
+            cur = Batch(shard, source, kind)
         cur.jobs.append(job)
         cur.rows.append(row)
         cur.spans.extend(spans)
@@ -188,6 +227,14 @@ def _stats(error_stats, tot: list[float], role, g: int) -> dict:
     return {"path": "lossless", "role": role, "group_size": g, "rel_l2": _fmt(e["rel_l2"]),
             "max_abs": _fmt(e["max_abs"]), "cosine": _fmt(e["cosine"]), "baseline_rel_l2": None,
             "exact_ints": True}
+
+
+def _requant_stats(kernels, tot: list[float], zero_groups: int, role, g: int) -> dict:
+    """convert._w_stats of a requantised W4A8Linear (w4a8.requant_job's info dict)."""
+    info = kernels.requant_info(True, tot, zero_groups)
+    info["exact_ints"] = False
+    return {"path": "requant", "role": role, "group_size": g,
+            **{k: _fmt(v) if isinstance(v, float) else v for k, v in info.items()}}
 
 
 def run_batch(b: Batch, ckpt, plan, shard_file, rename: dict, packed: bool, per_job) -> list[tuple[dict, set]]:
@@ -236,8 +283,15 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
     extents = b.extents()
     for lo, hi in extents:
         ckpt.populate(b.source, lo, hi)
+    requant = b.kind == "requant"
     try:
-        res, tot = kernels.ext().lossless_batch(addr, length, desc, buf, kernels.kernel_threads())
+        if requant:
+            coarse, fine = kernels.search_points(True)  # convert searches (to_w4a8's default)
+            res, tot, zgroups = kernels.ext().requant_batch(addr, length, desc, buf, coarse.numpy(), fine.numpy(),
+                                                            kernels.kernel_threads())
+            zgroups = zgroups.tolist()
+        else:
+            res, tot = kernels.ext().lossless_batch(addr, length, desc, buf, kernels.kernel_threads())
     finally:
         for lo, hi in extents:
             ckpt.release_range(b.source, lo, hi)
@@ -262,7 +316,11 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
                 crcs[i, j] = kernels.crc32c(raw)
         else:
             g = job.group_size
-            stats = {name: _stats(ErrorStats, tot[i], roles[name], normalize_group(g, job.specs[0].k))}
+            if requant:
+                stats = {name: _requant_stats(kernels, tot[i], zgroups[i], roles[name],
+                                              normalize_group(g, job.specs[0].k))}
+            else:
+                stats = {name: _stats(ErrorStats, tot[i], roles[name], normalize_group(g, job.specs[0].k))}
             if packed:
                 spec = job.specs[0]
                 stats[name]["packed"] = {"n": spec.n, "k": spec.k, "group_size": g, "bias": False,

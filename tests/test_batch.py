@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import int4pack
-from _reference import FIXTURES, bitwise_crc32c, gptq_decode, load_all, load_raw
+from _reference import FIXTURES, awq_decode, bitwise_crc32c, ct_decode, gptq_decode, load_all, load_raw
 from _synth import pack_k
 from int4pack import batch, kernels, kleidiai
 from int4pack.errors import InputError
@@ -162,6 +162,138 @@ def test_a_source_outside_the_mapping_is_an_error_not_a_read():
         _run(src, [row], 512 + 32)
 
 
+# ------------------------------------------------------------------------------ the requant batch
+
+needs_requant = pytest.mark.skipif(ext is None or not ext.requant_ok, reason="requant runs on AVX2/FMA CPUs only")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ GEMM: column 8j + AWQ_ORDER[i] in nibble i of word j
+
+
+def _awq_words(u: np.ndarray) -> np.ndarray:
+    """uint4 [R, N] -> int32 [R, N/8] in AWQ's nibble order."""
+    out = np.zeros((u.shape[0], u.shape[1] // 8), dtype=np.uint32)
+    for i, col in enumerate(AWQ_ORDER):
+        out |= u[:, col::8].astype(np.uint32) << np.uint32(4 * i)
+    return out.view(np.int32)
+
+
+def _tiny_asym(layout: str, *, zeros: np.ndarray | None = None, scale: float | None = None, stype=np.float16):
+    """One asymmetric module [N=16, K=64], group 32, in one buffer as a mapped shard holds it:
+    (buffer, descriptor row without outputs, its tensors by their checkpoint names)."""
+    rng = np.random.default_rng(11)
+    n, k, g = 16, 64, 32
+    u = rng.integers(0, 16, size=(k, n))
+    z = rng.integers(1, 15, size=(k // g, n)) if zeros is None else zeros  # [G, N]; no v1 F nibble
+    scales = (rng.random((k // g, n)) * 0.01 + 0.001).astype(stype)
+    if scale is not None:
+        scales[1, 5] = scale
+    if layout == "awq":
+        words, zw, code, zbyte = _awq_words(u), _awq_words(z), 3, 0x88
+    elif layout == "gptq":  # GPTQ v1: stored zero = zero - 1, packed along N
+        words, zw, code, zbyte = pack_k(u), pack_k((z - 1).T.astype(np.uint32) & 15).T.copy(), 2, 0x77
+    elif layout == "gptq_v2":  # GPTQ v2: the zero as it is
+        words, zw, code, zbyte = pack_k(u), pack_k(z.T.astype(np.uint32)).T.copy(), 2, 0x88
+    else:  # compressed-tensors: words [N, K/8] along K, zero points [N/8, G] along N, scales [N, G]
+        words, zw, code, zbyte = pack_k(u).T.copy(), pack_k(z.T.astype(np.uint32)), 1, 0x88
+        scales = scales.T.copy()
+    t = {"m.qweight": words, "m.scales": scales, "m.qzeros": zw}
+    if layout == "ct":
+        t = {"m.weight_packed": words, "m.weight_scale": scales, "m.weight_zero_point": zw,
+             "m.weight_shape": np.array([n, k])}
+    src = bytearray(16) + words.tobytes() + scales.tobytes() + zw.tobytes()
+    w0, s0 = 16, 16 + words.nbytes
+    z0 = s0 + scales.nbytes
+    row = [code, w0, *words.shape, n, k, s0, 0 if stype == np.float32 else 1, int(layout != "ct"), k // g, z0,
+           zw.nbytes, zbyte,
+           -1, 0, g, g, g, 1, -1, -1, -1, 0, 0]
+    return src, row, t
+
+
+def _run_requant(src: bytearray, rows: list[list[int]], out_bytes: int):
+    from int4pack.kernels import search_points
+
+    buf = np.frombuffer(bytearray(src), dtype=np.uint8)
+    out = bytearray(out_bytes)
+    coarse, fine = search_points(True)
+    res, tot, zg = ext.requant_batch(buf.ctypes.data, buf.nbytes, np.array(rows, dtype=np.int64), out,
+                                     coarse.numpy(), fine.numpy(), 1)
+    return res, tot, zg, out
+
+
+def _record(layout: str, t: dict):
+    """The module as the readers give it (codes, scales, zero points), decoded by the independent
+    decoders of tests/_reference.py."""
+    from int4pack.records import LinearSpec, QuantLinear
+
+    if layout == "ct":
+        d = ct_decode(t, "m", 32)
+        u, z, s = d["codes"], d["zeros"], t["m.weight_scale"]
+    else:
+        d = awq_decode(t, "m") if layout == "awq" else gptq_decode(t, "m", v1=layout == "gptq")
+        u, z, s = d["u"], d["z"], t["m.scales"].T.copy()
+    n, k = u.shape
+    spec = LinearSpec(name="m", fmt=layout[:4], n=n, k=k, bits=4, group_size=32, sym=False, act_order=False, keys=(),
+                      scale_dtype="F16")
+    return QuantLinear(spec, torch.from_numpy(u.astype(np.uint8)), torch.from_numpy(s),
+                       torch.from_numpy(z.astype(np.uint8)), None, None)
+
+
+@needs_requant
+@pytest.mark.parametrize("layout", ["gptq", "gptq_v2", "awq", "ct"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_requant_module_by_hand_is_the_torch_twins_and_the_per_module_calls(layout, packed):
+    from int4pack import w4a8
+
+    src, row, t = _tiny_asym(layout)
+    n, k = 16, 64
+    if packed:
+        size = kleidiai.packed_size(n, k, 32)
+        row[batch._OUTBLOB], row[batch._BLOBBYTES] = 0, size
+    else:
+        size = n * k + n * 2 * 2
+        row[batch._OUTQ], row[batch._OUTS] = 0, n * k
+    res, tot, zg, out = _run_requant(src, [row], size)
+    assert res[0, 0] == 0
+    ql = _record(layout, t)
+    twin = w4a8._requant_torch(ql, 32, True)  # torch's search on the decoded codes
+    sb = twin.scales.contiguous().view(torch.int16).numpy().tobytes()
+    if packed:
+        assert bytes(out) == kleidiai.pack_reference(twin.q, twin.scales, None, 32).numpy().tobytes()
+        assert res[0, batch._ZLIB_Q] == zlib.crc32(twin.q.numpy().tobytes())
+        assert res[0, batch._ZLIB_S] == zlib.crc32(sb) and res[0, batch._ZLIB_BLOB] == zlib.crc32(bytes(out))
+        assert res[0, batch._CRC_A] == bitwise_crc32c(bytes(out))
+    else:
+        assert bytes(out[: n * k]) == twin.q.numpy().tobytes() and bytes(out[n * k:]) == sb
+        assert res[0, batch._CRC_A] == bitwise_crc32c(bytes(out[: n * k]))
+        assert res[0, batch._CRC_B] == bitwise_crc32c(bytes(out[n * k:]))
+    # the sums and their info: those of the per-module C++ call on the same record, exactly
+    one = w4a8.requant_job(ql, 32)
+    info = kernels.requant_info(True, tot[0].tolist(), int(zg[0]))
+    info["exact_ints"] = False
+    assert info == one.error
+    assert info["rel_l2"] == pytest.approx(twin.error["rel_l2"], rel=1e-6)
+
+
+@needs_requant
+def test_requant_modules_it_does_not_take_are_handed_back_unwritten():
+    size = 16 * 64 + 16 * 2 * 2
+    for layout, kw, status in [
+        ("awq", dict(zeros=np.full((2, 16), 8)), 100),  # every zero point 8: lossless per module
+        ("gptq", dict(zeros=np.full((2, 16), 8)), 100),
+        ("gptq", dict(zeros=np.full((2, 16), 16)), 100),  # a v1 stored F nibble: the reader notes it
+        ("awq", dict(scale=1e-21, stype=np.float32), 100),  # a tiny scale: a close call, torch decides it
+        ("gptq", dict(scale=-0.5), 2),  # a negative scale (row 5, group 1): refused by the per-module path
+    ]:
+        src, row, _ = _tiny_asym(layout, **kw)
+        row[batch._OUTQ], row[batch._OUTS] = 0, 16 * 64
+        res, _, _, out = _run_requant(src, [row], size)
+        assert res[0, 0] == status, (layout, kw)
+        # no scales nor checksums (a close call's q may be in place: the per-job bytes overwrite it)
+        assert bytes(out[16 * 64:]) == bytes(len(out) - 16 * 64) and not res[0, 4:].any(), (layout, kw)
+        if "scale" not in kw or kw["scale"] < 0:
+            assert bytes(out) == bytes(len(out)), (layout, kw)
+    assert res[0, 1:4].tolist() == [5, 1, 0]
+
+
 # ------------------------------------------------------------------------------ the writer
 
 
@@ -213,11 +345,15 @@ def counted(monkeypatch):
 
 
 def _convert_both(src: Path, out: Path, monkeypatch, **kw) -> tuple[Path, Path, dict]:
+    """Both conversions; their reports the same but for where and how long (and the workers' count)."""
     a, b = out / "batched", out / "per_job"
     rep = int4pack.convert(src, a, **kw)
     monkeypatch.setattr(batch, "ENABLED", False)
-    int4pack.convert(src, b, **kw)
+    rep_b = int4pack.convert(src, b, **kw)
     monkeypatch.setattr(batch, "ENABLED", True)
+    varies = ("seconds", "seconds_plan", "workers")
+    assert json.dumps({k: v for k, v in rep.items() if k not in varies}).replace(str(a), "OUT") == \
+        json.dumps({k: v for k, v in rep_b.items() if k not in varies}).replace(str(b), "OUT")
     return a, b, rep
 
 
@@ -236,10 +372,36 @@ def test_batches_write_the_per_job_bytes(tmp_path, monkeypatch, counted, name, s
     a, b, rep = _convert_both(FIXTURES / name, tmp_path, monkeypatch, serve_format=serve_format)
     _same_files(a, b)
     lossless = sum(1 for m in rep["modules"].values() if m["path"] == "lossless")
-    if name == "gptq_q3_descact":  # act-order: nothing lossless to batch
-        assert counted["batched"] == 0
+    if name == "gptq_q3_descact":  # act-order: nothing lossless; what a batch takes, it hands back (g_idx)
+        assert counted["batched"] == counted["handed_back"]
     else:
         assert lossless and counted["batched"] >= lossless - 8 and counted["handed_back"] == 0
+
+
+@needs_requant
+@pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
+@pytest.mark.parametrize("name", ["gptq_q3_asym", "awq_q3", "ct_qwen3moe_w4a16_asym_g32", "awqpack_mixtral"])
+def test_requant_batches_write_the_per_job_bytes_and_report(tmp_path, monkeypatch, counted, name, serve_format):
+    a, b, rep = _convert_both(FIXTURES / name, tmp_path, monkeypatch, serve_format=serve_format)
+    _same_files(a, b)
+    requant = sum(1 for m in rep["modules"].values() if m["path"] == "requant")
+    assert requant and counted["handed_back"] == 0
+    assert counted["batched"] >= requant - 8
+
+
+@needs_requant
+@pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
+def test_awq_zero_points_all_8_are_handed_back_and_lossless(tmp_path, monkeypatch, counted, serve_format):
+    src = FIXTURES / "awq_q3"
+    m = "model.layers.1.mlp.experts.1.down_proj"  # in one shard (layer 0's expert 1 spans two: per job)
+
+    def eights(arr):
+        arr.view(np.uint32)[:] = 0x88888888
+
+    _edit(src, tmp_path / "src", f"{m}.qzeros", eights)
+    a, b, rep = _convert_both(tmp_path / "src", tmp_path, monkeypatch, serve_format=serve_format)
+    _same_files(a, b)
+    assert counted["handed_back"] == 1 and rep["modules"][m]["path"] == "lossless"
 
 
 @needs_ext
@@ -297,9 +459,11 @@ def test_zero_points_off_8_are_requantised_by_the_per_job_path(tmp_path, monkeyp
 
 @needs_ext
 @pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
-def test_a_refused_scale_is_refused_with_the_same_message(tmp_path, monkeypatch, serve_format):
-    src = FIXTURES / "gptq_q3_sym"
-    m = _expert(src)
+@pytest.mark.parametrize("fixture", ["gptq_q3_sym", "awq_q3"])
+def test_a_refused_scale_is_refused_with_the_same_message(tmp_path, monkeypatch, serve_format, fixture):
+    src = FIXTURES / fixture
+    # (awq_q3: a requant module in one shard)
+    m = _expert(src) if fixture == "gptq_q3_sym" else "model.layers.1.mlp.experts.1.down_proj"
 
     def negative(a):
         a[1, 3] = -abs(a[1, 3]) - 0.01  # scales are stored [G, N]: row 3, group 1

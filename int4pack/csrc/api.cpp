@@ -168,6 +168,17 @@ I4P_EXPORT int64_t i4p_lossless_batch(const uint8_t* src, int64_t src_len, const
   return guarded([&] { return lossless_batch(src, src_len, desc, count, out, out_len, res, tot, threads); });
 }
 
+// the requant path of many modules (batch.cpp): 0, each module's status in res, or -1
+I4P_EXPORT int64_t i4p_requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count,
+                                     uint8_t* out, int64_t out_len, const float* coarse, int64_t n_coarse,
+                                     const float* fine, int64_t n_fine, int64_t* res, double* tot, int64_t* zgroups,
+                                     int64_t threads) {
+  return guarded([&] {
+    return requant_batch(src, src_len, desc, count, out, out_len, coarse, n_coarse, fine, n_fine, res, tot, zgroups,
+                         threads);
+  });
+}
+
 // zlib's CRC-32 of p[0..n) continuing from crc (crc32.cpp)
 I4P_EXPORT uint32_t i4p_crc32(const uint8_t* p, int64_t n, uint32_t crc) { return crc32_extend(crc, p, n); }
 

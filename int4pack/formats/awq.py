@@ -102,6 +102,15 @@ class AWQReader:
         return FormatVerdict(format="awq", detail="awq gemm", evidence=evidence,
                              extra={"version": self.version})
 
+    def in_place(self, spec: LinearSpec) -> tuple | None:
+        """Where a module's data lies, for convert's batches (batch.py), which read it in place (see
+        GPTQReader.in_place); None where ``read`` is the only way."""
+        if spec.refused or spec.has_bias:
+            return None
+        t = self.ckpt.tensors
+        return (Packing.AWQ, t[f"{spec.name}.qweight"], t[f"{spec.name}.scales"], True, t[f"{spec.name}.qzeros"],
+                0x88, None)
+
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         from .. import kernels  # torch's: imported when the work starts, not by the plan
 

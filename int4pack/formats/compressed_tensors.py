@@ -357,12 +357,14 @@ class CompressedTensorsReader:
         """Where a pack-quantized module's data lies, for convert's lossless batch (batch.py), which
         reads it in place (see GPTQReader.in_place); None where ``read`` is the only way."""
         t = self.ckpt.tensors
-        if spec.refused or spec.has_bias or spec.fmt != "ct-pack" or f"{spec.name}.weight_zero_point" in t:
+        if spec.refused or spec.has_bias or spec.fmt != "ct-pack":
             return None
         sc, g = t[f"{spec.name}.weight_scale"], t.get(f"{spec.name}.weight_g_idx")
-        if tuple(sc.shape) != (spec.n, spec.groups) or (g is not None and g.dtype not in ("I32", "I64")):
+        z = t.get(f"{spec.name}.weight_zero_point")
+        if tuple(sc.shape) != (spec.n, spec.groups) or (g is not None and g.dtype not in ("I32", "I64")) or \
+                (z is not None and (z.dtype != "I32" or len(z.shape) != 2)):  # int8 zero points: read()
             return None
-        return (Packing.CT, t[f"{spec.name}.weight_packed"], sc, False, None, 0, g)
+        return (Packing.CT, t[f"{spec.name}.weight_packed"], sc, False, z, 0x88, g)
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         if spec.refused:

@@ -173,4 +173,159 @@ int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc,
   return 0;
 }
 
+// The requant path of many modules in one call (twin: convert's per-module path through
+// w4a8.requant_job, which int4pack/batch.py falls back to): each module's packed words, scales and
+// zero points read in place, the zero points unpacked as the readers unpack them (GPTQ qzeros
+// [G, ceil(N/8)] along N, v1's whole-word add of 0x11111111; AWQ qzeros [G, N/8] in AWQ's nibble
+// order; compressed-tensors weight_zero_point [ceil(N/8), G] along N), requant_job exactly as i4p_requant_job runs it, and the outputs and checksums as
+// lossless_batch writes them. Handed back (kNotAsGiven): what the per-module path would read or
+// decide otherwise -- zero points all 8 (lossless there), a g_idx that is not arange(K) / group,
+// misaligned words, a v1 zero word holding an F nibble (the reader notes it), close calls (decided
+// in torch there), a scale not finite -- and any refusal (its status: the per-module path words it).
+int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
+                      int64_t out_len, const float* coarse, int64_t n_coarse, const float* fine, int64_t n_fine,
+                      int64_t* res, double* tot, int64_t* zgroups, int64_t threads) {
+  std::vector<float> sscale, s;
+  std::vector<int8_t> qbuf;
+  std::vector<uint8_t> zbuf, flags;
+  std::vector<uint16_t> bits;
+  for (int64_t m = 0; m < count; ++m) {
+    const int64_t* d = desc + m * kbFields;
+    int64_t* r = res + m * kbResults;
+    for (int64_t i = 0; i < kbResults; ++i) r[i] = 0;
+    zgroups[m] = 0;
+    const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG], layout = d[kbLayout];
+    I4P_CHECK(n > 0 && k > 0 && gs > 0 && g > 0 && k % g == 0, "requant_batch: module ", m, ": bad shape");
+    I4P_CHECK(layout == kGptq || layout == kAwq || layout == kCt, "requant_batch: module ", m, ": layout ", layout);
+    I4P_CHECK(d[kbScaleType] >= kScaleF32 && d[kbScaleType] <= kScaleBf16, "requant_batch: scale dtype");
+    const int64_t item = d[kbScaleType] == kScaleF32 ? 4 : 2;
+    const int64_t zw = layout == kAwq ? n / 8 : (n + 7) / 8;  // zero words per group (CT: per column of words)
+    I4P_CHECK(layout != kAwq || n % 8 == 0, "requant_batch: module ", m, ": AWQ N not a multiple of 8");
+    I4P_CHECK(in_range(d[kbWords], d[kbD0] * d[kbD1] * 4, src_len) && in_range(d[kbScales], n * gs * item, src_len),
+              "requant_batch: module ", m, ": source outside the mapping");
+    I4P_CHECK(d[kbZeros] >= 0 && d[kbZerosBytes] == gs * zw * 4 && in_range(d[kbZeros], d[kbZerosBytes], src_len),
+              "requant_batch: module ", m, ": zeros outside the mapping or not [G, N/8] words");
+    I4P_CHECK(d[kbGidx] < 0 || in_range(d[kbGidx], k * d[kbGidxItem], src_len), "requant_batch: g_idx outside");
+    const int64_t groups = k / g, sbytes = n * groups * (d[kbBf16] ? 2 : 4);
+    const bool packed = d[kbOutBlob] >= 0;
+    if (packed) {
+      I4P_CHECK(in_range(d[kbOutBlob], d[kbBlobBytes], out_len), "requant_batch: blob outside the buffer");
+    } else {
+      I4P_CHECK(in_range(d[kbOutQ], n * k, out_len) && in_range(d[kbOutS], sbytes, out_len),
+                "requant_batch: outputs outside the buffer");
+    }
+    bool as_given = d[kbWords] % 4 == 0 && d[kbZeros] % 4 == 0;
+    if (as_given && d[kbGidx] >= 0) {
+      const uint8_t* p = src + d[kbGidx];
+      const int64_t grp = d[kbGidxGroup];
+      I4P_CHECK(grp > 0, "requant_batch: g_idx group");
+      for (int64_t i = 0; i < k && as_given; ++i) {
+        const int64_t v = d[kbGidxItem] == 8 ? load<int64_t>(p + 8 * i) : load<int32_t>(p + 4 * i);
+        as_given = v == i / grp;
+      }
+    }
+    // the zero points [N, Gs]
+    const bool v1 = layout == kGptq && d[kbZeroByte] == 0x77;
+    const uint8_t* zsrc = src + d[kbZeros];
+    if (as_given && v1) {  // the reader notes a v1 F nibble: leave such a module to it
+      for (int64_t i = 0; i < d[kbZerosBytes] && as_given; ++i)
+        as_given = (zsrc[i] & 0x0F) != 0x0F && (zsrc[i] >> 4) != 0x0F;
+    }
+    if (!as_given) {
+      r[0] = kNotAsGiven;
+      continue;
+    }
+    zbuf.resize(n * gs);
+    if (layout == kAwq) {
+      unpack_awq_words(reinterpret_cast<const uint32_t*>(zsrc), zbuf.data(), gs, zw, 0, zw, 0);
+    } else if (layout == kCt) {  // words [ceil(N/8), Gs], packed along N: the nibble is the zero point
+      for (int64_t w = 0; w < zw; ++w)
+        for (int64_t j = 0; j < gs; ++j) {
+          const uint32_t word = load<uint32_t>(zsrc + (w * gs + j) * 4);
+          for (int64_t b = 0; b < 8 && 8 * w + b < n; ++b) zbuf[(8 * w + b) * gs + j] = (word >> (4 * b)) & 0xFu;
+        }
+    } else {
+      for (int64_t j = 0; j < gs; ++j)
+        for (int64_t w = 0; w < zw; ++w) {
+          uint32_t word = load<uint32_t>(zsrc + (j * zw + w) * 4);
+          if (v1) word += 0x11111111u;
+          for (int64_t b = 0; b < 8 && 8 * w + b < n; ++b) zbuf[(8 * w + b) * gs + j] = (word >> (4 * b)) & 0xFu;
+        }
+    }
+    if (std::all_of(zbuf.begin(), zbuf.end(), [](uint8_t z) { return z == 8; })) {  // lossless there
+      r[0] = kNotAsGiven;
+      continue;
+    }
+    sscale.resize(n * gs);
+    scales_to_float(src + d[kbScales], n, gs, d[kbScaleType], d[kbScalesKN] != 0, sscale.data());
+    JobArgs a{};
+    a.layout = layout;
+    a.data = src + d[kbWords];
+    a.d0 = d[kbD0];
+    a.d1 = d[kbD1];
+    a.n = n;
+    a.k = k;
+    a.sscale = sscale.data();
+    a.src_groups = gs;
+    a.zeros = zbuf.data();
+    a.src_group = d[kbSrcGroup];
+    a.g = g;
+    a.bf16 = d[kbBf16] != 0;
+    a.search = n_coarse > 0;
+    a.coarse = n_coarse > 0 ? coarse : nullptr;
+    a.n_coarse = n_coarse;
+    a.fine = n_fine > 0 ? fine : nullptr;
+    a.n_fine = n_fine;
+    int8_t* q;
+    if (packed) {
+      qbuf.resize(n * k);
+      q = qbuf.data();
+    } else {
+      q = reinterpret_cast<int8_t*>(out + d[kbOutQ]);
+    }
+    s.resize(n * groups);
+    flags.resize(n * groups);
+    int64_t counts[2] = {0, 0};
+    const int64_t st = requant_job(a, q, s.data(), flags.data(), tot + 6 * m, counts, r + 1, threads);
+    if (st != kDone) {
+      r[0] = st;
+      continue;
+    }
+    zgroups[m] = counts[0];
+    bool plain = counts[1] == 0;  // close calls: the per-module path decides them in torch
+    for (int64_t i = 0; i < n * groups && plain; ++i) plain = std::isfinite(s[i]);
+    if (!plain) {
+      r[0] = kNotAsGiven;
+      continue;
+    }
+    // the shipped scales: bf16 rounded to nearest even (torch's cast; the search's values are bf16
+    // already) or float32
+    const uint8_t* sb;
+    if (a.bf16) {
+      bits.resize(n * groups);
+      for (int64_t i = 0; i < n * groups; ++i) {
+        uint32_t w;
+        std::memcpy(&w, &s[i], 4);
+        bits[i] = static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+      }
+      sb = reinterpret_cast<const uint8_t*>(bits.data());
+    } else {
+      sb = reinterpret_cast<const uint8_t*>(s.data());
+    }
+    if (packed) {
+      uint8_t* blob = out + d[kbOutBlob];
+      kleidiai_pack(q, 1, n, k, sb, a.bf16 != 0, nullptr, g, blob, d[kbBlobBytes], threads);
+      r[kbCrcA] = crc32c_extend(0, blob, d[kbBlobBytes]);
+      r[kbZlibQ] = crc32_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
+      r[kbZlibS] = crc32_extend(0, sb, sbytes);
+      r[kbZlibBlob] = crc32_extend(0, blob, d[kbBlobBytes]);
+    } else {
+      std::memcpy(out + d[kbOutS], sb, sbytes);
+      r[kbCrcA] = crc32c_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
+      r[kbCrcB] = crc32c_extend(0, out + d[kbOutS], sbytes);
+    }
+  }
+  return 0;
+}
+
 }  // namespace i4p

@@ -294,5 +294,11 @@ constexpr int64_t kNotAsGiven = 100;  // the per-module path reads this module o
 void scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, bool kn, float* out);
 int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
                        int64_t out_len, int64_t* res, double* tot, int64_t threads);
+// the requant path of many modules (GPTQ and AWQ words with zero points), the same descriptor and
+// results; tot [count, 6] (requant_job's sums), zgroups [count] (its zero groups); a module with
+// close calls is handed back
+int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
+                      int64_t out_len, const float* coarse, int64_t n_coarse, const float* fine, int64_t n_fine,
+                      int64_t* res, double* tot, int64_t* zgroups, int64_t threads);
 
 }  // namespace i4p
