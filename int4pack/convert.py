@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import threading
 import time
 from collections import deque
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import _ext, batch, blobs, expert_layout
-from ._lazy import load_torch, torch, torch_loaded
+from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
@@ -33,6 +32,7 @@ from .serve_spec import BLOB_CHECKS, KLEIDIAI, PROVENANCE_BYTES, SUFFIX, parse_f
 from .target_config import output_config
 from .vllm_compat import next_step, routing_warnings, serving_warnings
 from .workdir import check_space, partial_folder
+from .workers import job_workers
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
@@ -327,34 +327,6 @@ def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str
         key = next(k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k))
         return f"header metadata {key!r} differs"
     return None
-
-
-# Jobs running at once, at most. Measured before lossless modules ran in batches (batch.py): each
-# module's job ran 1.5-2 ms of Python under the GIL; on a 16-core x86-64 host, with 16 workers,
-# that Python took as much CPU as the run's wall (scripts/gil_convert.py), and on the 48-layer
-# Qwen3-30B-A3B shape 8 or 16 workers were 3-27% slower than 4, lossless and requant alike
-# (docs/performance.md). INT4PACK_MAX_WORKERS=N moves the cap (to measure past it).
-MAX_WORKERS = 4
-
-
-def _max_workers() -> int:
-    try:
-        return max(1, int(os.environ.get("INT4PACK_MAX_WORKERS") or MAX_WORKERS))
-    except ValueError:
-        return MAX_WORKERS
-
-
-def job_workers(threads: int | None) -> int:
-    """Worker threads for ``--threads`` (None: the default), capped where more stop helping."""
-    return max(1, min(threads or _cores(), _max_workers()))
-
-
-def _cores() -> int:
-    """torch's intra-op thread count once imported (what --threads meant before batches), else the
-    cores this process may run on: a convert of batches alone never imports torch."""
-    if torch_loaded():
-        return torch.get_num_threads()
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
