@@ -235,7 +235,7 @@ def rank_summary(p: dict) -> list[dict]:
         names = sorted(r.get("params") or {})
         layers = sorted({int(m[1]) for m in (re.search(r"\.layers\.(\d+)\.", n) for n in names) if m})
         out.append({k: r.get(k) for k in ("tp_rank", "pp_rank", "pid", "peak_rss_mb", "VmRSS", "RssAnon",
-                                          "RssFile", "param_bytes")}
+                                          "RssFile", "param_bytes", "dynamo_disabled", "compiled")}
                    | {"layers": layers, "params": {n: r["params"][n] for n in names}})
     return out
 
