@@ -100,6 +100,7 @@ sys.path.insert(0, str(REPO / "tests" / "vllm"))  # the lane's parts: references
 from controls import BIAS, CONTROL_TAG, CONTROLS, mirrors, write_control_copy, write_swapped_copy  # noqa: E402
 from float_ref import (FloatRef, HAND_REF, REFERENCES, greedy, load_tensors, ref_logprobs, reference,  # noqa: E402
                        reference_kind, reference_name, write_float_folder)
+from probe import PP_COMPILATION  # noqa: E402
 from lane_checks import (TOLERANCES, check_layers, compare, error_where, group_label, proof_table,  # noqa: E402
                          rank_summary, routing_agreement, table)
 
@@ -175,6 +176,7 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
     kleidiai: model_dir is the packed serving format (``tp`` > 1: converted with --tensor-parallel
     tp), plain_dir the W4A8 folder it equals."""
     import int4pack
+    from int4pack.errors import RefusedError
 
     d = work / item["key"]
     d.mkdir(parents=True, exist_ok=True)
@@ -201,9 +203,14 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
         rec["negative_control"] = "gate/up swapped in every expert"
     rec["serve_format"] = serve
     if serve == "kleidiai":
-        int4pack.convert(src, d / f"packed_{glabel}{ptp}", overwrite=True, group_size=group_size, serve_format=serve,
-                         tensor_parallel=tp)
-        rec["plain_dir"], rec["model_dir"] = rec["model_dir"], str(d / f"packed_{glabel}{ptp}")
+        try:
+            int4pack.convert(src, d / f"packed_{glabel}{ptp}", overwrite=True, group_size=group_size,
+                             serve_format=serve, tensor_parallel=tp)
+        except RefusedError as e:  # a family the plugin does not serve: the default format only, and why
+            rec["serve_format"] = "compressed-tensors"
+            rec["serve_format_refused"] = {"serve_format": serve, "reason": str(e)}
+        else:
+            rec["plain_dir"], rec["model_dir"] = rec["model_dir"], str(d / f"packed_{glabel}{ptp}")
     if control:  # vLLM serves edited copies (packed and plain alike); the references stay the model's
         for key in ("model_dir", "plain_dir"):
             if rec.get(key):
@@ -342,6 +349,8 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref
         if not rec["vs_single_process"].get("tokens_identical", True):
             fails.append(f"tokens {gen} differ from the single-process run's "
                          f"{rec['vs_single_process']['single_tokens']}")
+    rec["engine_options"] = p.get("engine_options")  # LLM(...) compilation options (probe.engine_options)
+    rec["compilation_mode"] = p.get("compilation_mode")  # what vLLM's config made of them
     rec["timing"] = {k: p.get(k) for k in ("import_vllm_s", "init_s", "generate_s", "model_s", "process_s")}
     rec["wall_s"] = p.get("model_s")  # engine start + load + generate (vLLM import: once per process)
     li: dict = {}
@@ -517,6 +526,18 @@ def derive_tol(items: list[dict], work: Path, n_prompts: int, dtype: str, ref_ch
                                                           if hidden_size(work / k) == 256), default=None)}
 
 
+def engine_record(pp: int) -> dict:
+    """The compilation options the probe passes to LLM(...): enforce_eager, except with pipeline ranks
+    (a compilation mode that compiles nothing on CPU, so that vLLM makes the ranks' receive buffers:
+    tests/vllm/probe.py PP_COMPILATION says why)."""
+    if pp <= 1:
+        return {"enforce_eager": True}
+    return {"enforce_eager": False, "compilation_config": {k: v for k, v in PP_COMPILATION.items() if k != "enforce_eager"},
+            "why": "pipeline_parallel_size > 1: vLLM's CPU runner makes the receive buffer of rank > 0 only in its "
+                   "warm-up, which compilation mode NONE (enforce_eager) skips; STOCK_TORCH_COMPILE compiles "
+                   "nothing on CPU, TorchDynamo stays disabled"}
+
+
 def hidden_size(d: Path) -> int:
     cfg = json.loads((d / "float" / "config.json").read_text())
     return (cfg.get("text_config") or cfg)["hidden_size"]
@@ -630,7 +651,7 @@ def main() -> int:
               for k, r in recs.items()}
     result = {"vllm_version": a.vllm, "dtype": a.dtype, "group_size": str(a.group_size), "serve_format": a.serve_format,
               "tensor_parallel_size": a.tensor_parallel, "pipeline_parallel_size": a.pipeline_parallel,
-              "engine": {"enforce_eager": True, "prompt": prompt, "max_tokens": a.max_tokens,
+              "engine": {**engine_record(a.pipeline_parallel), "prompt": prompt, "max_tokens": a.max_tokens,
                          "qemu_cpu": next((p.get("qemu_cpu") for p in probes.values() if p.get("qemu_cpu")), None)},
               "tolerances": TOLERANCES[a.dtype],
               "command": "python scripts/vllm_arm_e2e.py " + " ".join(sys.argv[1:]),

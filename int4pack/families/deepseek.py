@@ -67,7 +67,7 @@ KIMI_K25 = Family(
     prefixes=("language_model.model.", "language_model."),
     kept=((r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"^(?:vision_tower|mm_projector)\.", "vision tower and projector: not experts")),
-    serve={"0.19.1": _MLA_019, "0.32.0": "packed format loads and generates under QEMU; float check not run yet (docs/serving.md)"},
+    serve={"0.19.1": _MLA_019, "0.32.0": _SIGMOID_032},
     note="The multimodal wrapper (KimiK25ForConditionalGeneration) around the DeepSeek-V3 text model.",
 )
 

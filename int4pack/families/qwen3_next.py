@@ -24,7 +24,6 @@ _GDN = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b"
 _FLOAT_ONLY = ((r"\.shared_expert_gate$", "vLLM builds shared_expert_gate as ReplicatedLinear(quant_config=None)"),)
 _KEPT = ((r"\.linear_attn\.(?:conv1d|A_log|dt_bias|norm)", "Gated DeltaNet state parameters: copied"),
          (r"^mtp\.", "MTP block (vLLM's main model skips it): float tensors copied, int4 experts W4A8"))
-_GDN_032 = "not run (its Gated DeltaNet has a CPU path)"  # forward_cpu, qwen_gdn_linear_attn.py
 # measured under QEMU with linear-attention heads of 128 (the CPU kernel refuses 32)
 _NEXT_032 = "yes"
 _GDN_019 = "not run (no CPU Gated DeltaNet path found)"  # gdn_linear_attn.py: triton/FLA kernels
@@ -57,7 +56,8 @@ QWEN3_5_MOE = Family(
     float_only=_FLOAT_ONLY,
     dropped=("mtp.",),
     vllm_fused=_GDN,
-    serve={"0.19.1": _GDN_019, "0.32.0": _GDN_032},
+    # measured under QEMU (docs/serving.md); the packed wrapper was fixed in the plugin after its run
+    serve={"0.19.1": _GDN_019, "0.32.0": "yes: both formats (text model); default format (vision-language wrapper)"},
     note="Qwen's own float checkpoints fuse the experts 3-D (mlp.experts.gate_up_proj [E, 2F, D]); int4 "
          "repos written by llm-compressor, GPTQModel and AutoRound store them per expert.",
 )

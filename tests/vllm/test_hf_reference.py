@@ -146,3 +146,55 @@ def test_gpt_oss_float_folder_is_transformers_mxfp4_model(tmp_path):
     E.write_mirror_folder(tmp_path / "w4a8", tmp_path / "mirror", w)
     mirror = HFRef(tmp_path / "mirror", q, a8=True, bf16=True).logprobs(IDS)
     assert 1e-4 < float((mirror - got).abs().max()) < 0.05
+
+
+def _text_copy(wrapper: Path, dst: Path, prefix: str = "language_model.") -> None:
+    """The text model of a wrapper folder written out on its own: text_config as config.json, the
+    prefixed tensors renamed, the vision tower's left out (files, not the loader's key mapping)."""
+    cfg = json.loads((wrapper / "config.json").read_text())
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps(cfg["text_config"]))
+    t = {}
+    for f in sorted(wrapper.glob("*.safetensors")):
+        t.update({k[len(prefix):]: v for k, v in load_file(str(f)).items() if k.startswith(prefix)})
+    save_file(t, str(dst / "model.safetensors"))
+
+
+def test_kimi_k25_reference_is_its_deepseek_v3_text_model(tmp_path):
+    """Kimi-K2.5 (no transformers class): the reference is transformers' DeepSeek-V3 class on the
+    wrapper's text_config with the ``language_model.`` prefix mapped away, the vision tower left
+    out; it equals the same class on a copy of the text model written out with renamed files, for
+    the float folder and for the int8-activation mirror (quantised names as the checkpoint has them)."""
+    import int4pack
+    import float_ref as E
+    from hf_reference import HFRef
+
+    src = FIXTURES / "ct_kimik25_w4a16"
+    E.write_float_folder(src, tmp_path / "float")
+    ref = HFRef(tmp_path / "float")
+    assert ref.cls == "DeepseekV3ForCausalLM" and ref.model_type == "kimi_k2"
+    _text_copy(tmp_path / "float", tmp_path / "text")
+    want = HFRef(tmp_path / "text").logprobs(IDS)
+    assert torch.equal(ref.logprobs(IDS), want)
+    int4pack.convert(src, tmp_path / "w4a8")
+    w, q = E.dequantised_w4a8(tmp_path / "w4a8")
+    assert q and all(m.startswith("language_model.") for m in q)
+    E.write_mirror_folder(tmp_path / "w4a8", tmp_path / "mirror", w)
+    _text_copy(tmp_path / "mirror", tmp_path / "mirror_text")
+    got = HFRef(tmp_path / "mirror", q, a8=True, bf16=True).logprobs(IDS)
+    plain = {m[len("language_model."):] for m in q}
+    assert torch.equal(got, HFRef(tmp_path / "mirror_text", plain, a8=True, bf16=True).logprobs(IDS))
+    assert 1e-4 < float((got - want).abs().max()) < 0.1  # the mirror's hooks are in effect
+
+
+def test_a_wrapper_tensor_outside_its_text_model_and_towers_is_refused(tmp_path):
+    import float_ref as E
+    from hf_reference import load
+
+    E.write_float_folder(FIXTURES / "ct_kimik25_w4a16", tmp_path / "float")
+    f = next((tmp_path / "float").glob("*.safetensors"))
+    t = load_file(str(f))
+    t["extra_head.weight"] = torch.zeros(2, 2)
+    save_file(t, str(f))
+    with pytest.raises(ValueError, match="did not load the folder as it is"):
+        load(tmp_path / "float")

@@ -87,3 +87,15 @@ def test_the_plain_folder_is_skipped_with_ranks_only_where_stock_vllm_refuses_it
     res = vs_plain({"token_ids": [1, 2]}, Path("/nonexistent"), {**qwen, "key": "k", "plain_not_run": "--no-plain",
                                                                   "serve_format": "kleidiai"}, "t", None)
     assert res["run"] is False and res["fails"] == [] and res["identical"] is None
+
+
+def test_a_layer_group_is_found_under_the_checkpoint_name_a_wrapper_renames():
+    """vLLM loads Qwen3.5's ``model.language_model.*`` as ``language_model.model.*``: the group of
+    the tensors behind a vLLM layer is looked up under both names, and a name under neither is None."""
+    from lane_checks import _layer_group
+
+    groups = {"model.language_model.layers.0.mlp.experts.0.gate_proj": 32,
+              "model.language_model.layers.1.self_attn.q_proj": 64}
+    assert _layer_group(groups, "language_model.model.layers.0.mlp.experts.routed_experts") == 32
+    assert _layer_group(groups, "language_model.model.layers.1.self_attn.qkv_proj") == 64
+    assert _layer_group(groups, "language_model.model.layers.2.self_attn.qkv_proj") is None

@@ -12,10 +12,17 @@ code (100, cudaErrorNoDevice for the CUDA runtime; ``cudaGetDeviceCount`` also s
 0); the ``*String``/``*ErrorName`` functions return a message. So torch imports,
 ``torch.cuda.is_available()`` is False, and any real CUDA use fails with an error.
 
+Packages built against that torch link the same CUDA libraries: PyPI's aarch64 torchvision 0.28.0
+(``_C.so``) imports ``__cudaInitModule`` and the other ``__cuda*`` registration functions that
+nvcc's generated code calls from static constructors when the library is loaded. ``--also
+PKG_DIR`` adds a package's ``.so`` files to the walk, so the stand-ins export its imports too.
+The registration functions succeed and do nothing (``__cudaRegisterFatBinary`` returns a
+non-null handle, the ``void`` ones return): loading such a library must not fail, only a launch.
+
 Run on the x86-64 host with pyelftools and ziglang on PYTHONPATH (``zig cc`` links for
 aarch64-linux-gnu):
 
-    python3 cuda_stubs.py SITE/torch SYSROOT OUT_DIR
+    python3 cuda_stubs.py SITE/torch SYSROOT OUT_DIR [--also SITE/torchvision ...]
 
 Then put OUT_DIR on the emulated process's LD_LIBRARY_PATH (the wrappers pass it with qemu's -E).
 """
@@ -34,6 +41,10 @@ from elftools.elf.elffile import ELFFile
 NO_DEVICE = 100  # cudaErrorNoDevice; any non-zero status means failure to the caller
 MESSAGE_SUFFIXES = ("String", "ErrorName")
 MESSAGE_FUNCTIONS = {"ncclGetLastError"}  # returns const char*, unlike cudaGetLastError
+# what nvcc's host code calls when a library with device code is loaded or unloaded
+# (crt/host_runtime.h): they must not fail, or the library does not load
+REGISTRATION_VOID = {"__cudaRegisterFatBinaryEnd", "__cudaRegisterFunction", "__cudaRegisterVar",
+                     "__cudaRegisterManagedVar", "__cudaUnregisterFatBinary"}
 
 
 def elf_summary(path: str) -> tuple[list[str], list[tuple[str, str, str, tuple[str, str] | None]], set[str]]:
@@ -62,13 +73,27 @@ def elf_summary(path: str) -> tuple[list[str], list[tuple[str, str, str, tuple[s
         return needed, undefined, defined
 
 
-def missing_imports(torch_dir: str, sysroot: str) -> dict[str, tuple[str | None, dict[str, str]]]:
+def package_roots(pkg_dir: str) -> tuple[list[str], list[str]]:
+    """(the .so files of an extra package, the folders its RPATH names: the package's own and the
+    ``<name>.libs`` beside it, where auditwheel puts the libraries it bundles)."""
+    libs = os.path.normpath(pkg_dir) + ".libs"
+    roots = sorted(os.path.join(r, n) for r, _, names in os.walk(pkg_dir) for n in names
+                   if n.endswith(".so") or ".so." in n)
+    return roots, [pkg_dir] + ([libs] if os.path.isdir(libs) else [])
+
+
+def missing_imports(torch_dir: str, sysroot: str, also: list[str] = ()) -> dict[str, tuple[str | None, dict[str, str]]]:
     """Missing library -> (symbol version node or None, {symbol: ELF type}) for everything that
-    ``import torch`` loads (torch/_C and libtorch_global_deps.so, and what they need)."""
+    ``import torch`` loads (torch/_C and libtorch_global_deps.so, and what they need), and every
+    shared object of the packages in ``also`` (and what they need)."""
     lib = os.path.join(torch_dir, "lib")
     dirs = [lib, os.path.join(sysroot, "usr/lib/aarch64-linux-gnu"), os.path.join(sysroot, "lib/aarch64-linux-gnu")]
     roots = [os.path.join(torch_dir, n) for n in os.listdir(torch_dir) if n.startswith("_C.") and n.endswith(".so")]
     roots.append(os.path.join(lib, "libtorch_global_deps.so"))
+    for pkg in also:
+        r, d = package_roots(pkg)
+        roots += r
+        dirs += d
     seen: dict[str, tuple] = {}
     missing: set[str] = set()
     todo = list(roots)
@@ -101,10 +126,17 @@ def missing_imports(torch_dir: str, sysroot: str) -> dict[str, tuple[str | None,
 
 
 def stub_source(symbols: dict[str, str]) -> str:
-    out = ['static const char message[] = "CUDA is not available: no-GPU stand-in library";']
+    out = ['static const char message[] = "CUDA is not available: no-GPU stand-in library";',
+           "static void *fatbin_handle[8];"]
     for name, typ in sorted(symbols.items()):
         if typ == "STT_OBJECT":
             out.append(f"char {name}[256];")
+        elif name == "__cudaRegisterFatBinary":
+            out.append(f"void **{name}(void *fatbin) {{ (void)fatbin; return fatbin_handle; }}")
+        elif name in REGISTRATION_VOID:
+            out.append(f"void {name}(void) {{}}")
+        elif name == "__cudaInitModule":  # char __cudaInitModule(void **handle): nothing to initialise
+            out.append(f"char {name}(void **handle) {{ (void)handle; return 0; }}")
         elif name.endswith(MESSAGE_SUFFIXES) or name in MESSAGE_FUNCTIONS:
             out.append(f"const char *{name}(void) {{ return message; }}")
         elif name == "cudaGetDeviceCount":
@@ -114,12 +146,12 @@ def stub_source(symbols: dict[str, str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def build(torch_dir: str, sysroot: str, out_dir: str) -> list[str]:
+def build(torch_dir: str, sysroot: str, out_dir: str, also: list[str] = ()) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     made = []
     zig = [sys.executable, "-m", "ziglang", "cc", "-target", "aarch64-linux-gnu.2.17", "-shared", "-O1"]
     with tempfile.TemporaryDirectory() as tmp:
-        for soname, (node, symbols) in missing_imports(torch_dir, sysroot).items():
+        for soname, (node, symbols) in missing_imports(torch_dir, sysroot, also).items():
             src = os.path.join(tmp, soname + ".c")
             with open(src, "w") as f:
                 f.write(stub_source(symbols))
@@ -139,8 +171,11 @@ def main() -> None:
     ap.add_argument("torch_dir", help="the installed torch package folder (SITE/torch)")
     ap.add_argument("sysroot", help="the aarch64 sysroot with libc, libstdc++, libgomp")
     ap.add_argument("out_dir")
+    ap.add_argument("--also", action="append", default=[], metavar="PKG_DIR",
+                    help="an installed package folder built against that torch (SITE/torchvision): its "
+                         ".so files' imports are stood in for too")
     a = ap.parse_args()
-    for line in build(a.torch_dir, a.sysroot, a.out_dir):
+    for line in build(a.torch_dir, a.sysroot, a.out_dir, a.also):
         print("cuda_stubs.py:", line, file=sys.stderr)
 
 

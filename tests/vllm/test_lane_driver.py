@@ -1,0 +1,48 @@
+"""scripts/vllm_arm_e2e.py on x86 alone (no emulated vLLM): what it prepares for a family the packed
+format refuses, and the engine options it records for pipeline ranks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def driver():
+    spec = importlib.util.spec_from_file_location("vllm_arm_e2e", REPO / "scripts" / "vllm_arm_e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_family_the_packed_format_refuses_is_served_in_the_default_format_with_the_reason(driver, tmp_path):
+    """gpt-oss with --serve-format kleidiai: convert refuses the packed format (the plugin loads no
+    expert biases); the run serves the plain W4A8 folder and records why, instead of stopping."""
+    item = driver.resolve_inputs(["gptoss_mxfp4"])[0]
+    rec = driver.prepare(item, tmp_path, serve="kleidiai")
+    assert rec["serve_format"] == "compressed-tensors"
+    assert rec["serve_format_refused"]["serve_format"] == "kleidiai"
+    assert "plugin" in rec["serve_format_refused"]["reason"]
+    assert "plain_dir" not in rec and Path(rec["model_dir"]).name == "w4a8_group"
+    assert (Path(rec["model_dir"]) / "config.json").exists() and not (tmp_path / item["key"] / "packed_group").exists()
+    # the probe output it reads is the plain folder's, and no packed-vs-plain comparison is asked for
+    assert not driver.probe_path(tmp_path, rec, "t").name.endswith("_kleidiai.json")
+    saved = json.loads((tmp_path / item["key"] / "prepare_group_kleidiai.json").read_text())
+    assert saved["serve_format_refused"] == rec["serve_format_refused"]
+
+
+def test_pipeline_ranks_get_a_compilation_mode_that_makes_the_receive_buffers(driver):
+    """vLLM's CPU runner makes the receive buffer of a pipeline rank > 0 only in its warm-up, which
+    compilation mode NONE skips (enforce_eager selects it): with ranks the probe asks for another mode,
+    one that compiles nothing on CPU, and the results say so."""
+    assert driver.engine_record(1) == {"enforce_eager": True}
+    rec = driver.engine_record(2)
+    assert rec["enforce_eager"] is False
+    assert rec["compilation_config"]["mode"] not in ("NONE", "VLLM_COMPILE", "DYNAMO_TRACE_ONCE")
+    assert rec["compilation_config"]["cudagraph_mode"] == "NONE" and rec["compilation_config"]["backend"] == "eager"
+    assert "receive buffer" in rec["why"]
