@@ -28,7 +28,7 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print errors only
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of an error.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", "-j", min=1, metavar="N",
-    help="How many threads to use (by default the cores available, at most 4).")]
+    help="How many threads to use (by default one per available core; convert runs at most 16 jobs at once).")]
 
 
 def _untyped(param) -> None:
