@@ -28,15 +28,13 @@ reader notes; a g_idx that is not trivial; a refusal). Their stats are requant_j
 
 from __future__ import annotations
 
-import mmap
 import os
-import threading
 
 from .errors import OutputError
 from .groups import block, normalize_group, scale_dtype
 from .plan import Job
 from .records import Packing
-from .writer import to_bytes
+from .writer import BufferPool, to_bytes
 
 # kernels, kleidiai and numpy: imported when the work starts, not with convert (none imports torch)
 # (a dry run plans without them)
@@ -190,32 +188,7 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
     yield from flush()
 
 
-class _Buffers:
-    """Page-aligned output buffers (anonymous mappings, reused: fresh memory costs page faults), made
-    as needed up to ``BUFFERS``; taking one waits while all are in use or queued behind the disk,
-    so the workers slow to the disk's pace (writer._StagePool does the same for single tensors)."""
-
-    def __init__(self) -> None:
-        self._free: list[memoryview] = []
-        self._made = 0
-        self._cv = threading.Condition()
-
-    def take(self) -> memoryview:
-        with self._cv:
-            while not self._free and self._made >= BUFFERS:
-                self._cv.wait()
-            if self._free:
-                return self._free.pop()
-            self._made += 1
-        return memoryview(mmap.mmap(-1, BATCH_BYTES))
-
-    def give(self, buf: memoryview) -> None:
-        with self._cv:
-            self._free.append(buf)
-            self._cv.notify()
-
-
-_buffers = _Buffers()
+_buffers = BufferPool(BUFFERS, BATCH_BYTES)  # a batch's output, in file order
 
 
 def _stats(error_stats, tot: list[float], role, g: int) -> dict:

@@ -124,31 +124,33 @@ def _open_direct(path: Path) -> int | None:
         return None
 
 
-class _StagePool:
-    """Page-aligned staging buffers (anonymous mappings) for direct writes, made as needed up to
-    ``_STAGES``; taking one waits while all are queued, so the workers slow to the disk's pace."""
+class BufferPool:
+    """Page-aligned buffers (anonymous mappings, reused: fresh memory costs page faults) of
+    ``nbytes`` each, made as needed up to ``count``; taking one waits while all are in use or queued
+    behind the disk, so the workers slow to the disk's pace."""
 
-    def __init__(self) -> None:
+    def __init__(self, count: int, nbytes: int) -> None:
+        self.count, self.nbytes = count, nbytes
         self._free: list[memoryview] = []
         self._made = 0
         self._cv = threading.Condition()
 
     def take(self) -> memoryview:
         with self._cv:
-            while not self._free and self._made >= _STAGES:
+            while not self._free and self._made >= self.count:
                 self._cv.wait()
             if self._free:
                 return self._free.pop()
             self._made += 1
-        return memoryview(mmap.mmap(-1, _STAGE_BYTES))
+        return memoryview(mmap.mmap(-1, self.nbytes))
 
-    def give(self, stage: memoryview) -> None:
+    def give(self, buf: memoryview) -> None:
         with self._cv:
-            self._free.append(stage)
+            self._free.append(buf)
             self._cv.notify()
 
 
-_stages = _StagePool()
+_stages = BufferPool(_STAGES, _STAGE_BYTES)  # direct writes of single tensors
 
 
 def _copy_crc32(src: memoryview, dst: memoryview, crc: int) -> int:

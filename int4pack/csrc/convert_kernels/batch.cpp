@@ -50,6 +50,35 @@ T load(const uint8_t* p) {
 
 bool in_range(int64_t off, int64_t bytes, int64_t len) { return off >= 0 && bytes >= 0 && off <= len - bytes; }
 
+// One module's output as the descriptor places it, and its CRCs in r: the packed blob (from q and
+// the scales), or the scales beside the int8 weight already written at kbOutQ. bf16 scales are
+// rounded to nearest even as torch casts them (exact for values that are bf16 already).
+void ship(const int64_t* d, int64_t* r, const int8_t* q, const std::vector<float>& s, std::vector<uint16_t>& bits,
+          bool bf16, bool packed, int64_t n, int64_t k, int64_t g, int64_t sbytes, uint8_t* out, int64_t threads) {
+  const uint8_t* sb = reinterpret_cast<const uint8_t*>(s.data());
+  if (bf16) {
+    bits.resize(s.size());
+    for (size_t i = 0; i < s.size(); ++i) {
+      uint32_t w;
+      std::memcpy(&w, &s[i], 4);
+      bits[i] = static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
+    }
+    sb = reinterpret_cast<const uint8_t*>(bits.data());
+  }
+  if (packed) {
+    uint8_t* blob = out + d[kbOutBlob];
+    kleidiai_pack(q, 1, n, k, sb, bf16, nullptr, g, blob, d[kbBlobBytes], threads);
+    r[kbCrcA] = crc32c_extend(0, blob, d[kbBlobBytes]);
+    r[kbZlibQ] = crc32_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
+    r[kbZlibS] = crc32_extend(0, sb, sbytes);
+    r[kbZlibBlob] = crc32_extend(0, blob, d[kbBlobBytes]);
+  } else {
+    std::memcpy(out + d[kbOutS], sb, sbytes);
+    r[kbCrcA] = crc32c_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
+    r[kbCrcB] = crc32c_extend(0, out + d[kbOutS], sbytes);
+  }
+}
+
 }  // namespace
 
 void scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, bool kn, float* out) {
@@ -144,31 +173,8 @@ int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc,
       r[0] = st;
       continue;
     }
-    // the shipped scales: bf16 (exact: lossless_job rounded them) or float32
-    const uint8_t* sb;
-    if (a.bf16) {
-      bits.resize(n * groups);
-      for (int64_t i = 0; i < n * groups; ++i) {
-        uint32_t w;
-        std::memcpy(&w, &s[i], 4);
-        bits[i] = static_cast<uint16_t>(w >> 16);
-      }
-      sb = reinterpret_cast<const uint8_t*>(bits.data());
-    } else {
-      sb = reinterpret_cast<const uint8_t*>(s.data());
-    }
-    if (packed) {
-      uint8_t* blob = out + d[kbOutBlob];
-      kleidiai_pack(q, 1, n, k, sb, a.bf16 != 0, nullptr, g, blob, d[kbBlobBytes], threads);
-      r[kbCrcA] = crc32c_extend(0, blob, d[kbBlobBytes]);
-      r[kbZlibQ] = crc32_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
-      r[kbZlibS] = crc32_extend(0, sb, sbytes);
-      r[kbZlibBlob] = crc32_extend(0, blob, d[kbBlobBytes]);
-    } else {
-      std::memcpy(out + d[kbOutS], sb, sbytes);
-      r[kbCrcA] = crc32c_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
-      r[kbCrcB] = crc32c_extend(0, out + d[kbOutS], sbytes);
-    }
+    // the scales as shipped: bf16 (exact: lossless_job rounded them) or float32
+    ship(d, r, q, s, bits, a.bf16 != 0, packed, n, k, g, sbytes, out, threads);
   }
   return 0;
 }
@@ -298,32 +304,8 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
       r[0] = kNotAsGiven;
       continue;
     }
-    // the shipped scales: bf16 rounded to nearest even (torch's cast; the search's values are bf16
-    // already) or float32
-    const uint8_t* sb;
-    if (a.bf16) {
-      bits.resize(n * groups);
-      for (int64_t i = 0; i < n * groups; ++i) {
-        uint32_t w;
-        std::memcpy(&w, &s[i], 4);
-        bits[i] = static_cast<uint16_t>((w + 0x7FFFu + ((w >> 16) & 1u)) >> 16);
-      }
-      sb = reinterpret_cast<const uint8_t*>(bits.data());
-    } else {
-      sb = reinterpret_cast<const uint8_t*>(s.data());
-    }
-    if (packed) {
-      uint8_t* blob = out + d[kbOutBlob];
-      kleidiai_pack(q, 1, n, k, sb, a.bf16 != 0, nullptr, g, blob, d[kbBlobBytes], threads);
-      r[kbCrcA] = crc32c_extend(0, blob, d[kbBlobBytes]);
-      r[kbZlibQ] = crc32_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
-      r[kbZlibS] = crc32_extend(0, sb, sbytes);
-      r[kbZlibBlob] = crc32_extend(0, blob, d[kbBlobBytes]);
-    } else {
-      std::memcpy(out + d[kbOutS], sb, sbytes);
-      r[kbCrcA] = crc32c_extend(0, reinterpret_cast<const uint8_t*>(q), n * k);
-      r[kbCrcB] = crc32c_extend(0, out + d[kbOutS], sbytes);
-    }
+    // the scales as shipped: bf16 (the search's values are bf16 already) or float32
+    ship(d, r, q, s, bits, a.bf16 != 0, packed, n, k, g, sbytes, out, threads);
   }
   return 0;
 }
