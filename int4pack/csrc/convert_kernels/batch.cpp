@@ -50,6 +50,25 @@ T load(const uint8_t* p) {
 
 bool in_range(int64_t off, int64_t bytes, int64_t len) { return off >= 0 && bytes >= 0 && off <= len - bytes; }
 
+// The checks both batch kinds make of a descriptor row: its shape, scale type, and that its source
+// tensors lie inside the mapping and its outputs inside the buffer.
+void check_row(const int64_t* d, int64_t m, const char* what, int64_t src_len, int64_t out_len) {
+  const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG];
+  I4P_CHECK(n > 0 && k > 0 && gs > 0 && g > 0 && k % g == 0, what, ": module ", m, ": bad shape");
+  I4P_CHECK(d[kbScaleType] >= kScaleF32 && d[kbScaleType] <= kScaleBf16, what, ": scale dtype");
+  const int64_t item = d[kbScaleType] == kScaleF32 ? 4 : 2;
+  I4P_CHECK(in_range(d[kbWords], d[kbD0] * d[kbD1] * 4, src_len) && in_range(d[kbScales], n * gs * item, src_len),
+            what, ": module ", m, ": source outside the mapping");
+  I4P_CHECK(d[kbGidx] < 0 || in_range(d[kbGidx], k * d[kbGidxItem], src_len), what, ": g_idx outside");
+  const int64_t sbytes = n * (k / g) * (d[kbBf16] ? 2 : 4);
+  if (d[kbOutBlob] >= 0) {
+    I4P_CHECK(in_range(d[kbOutBlob], d[kbBlobBytes], out_len), what, ": blob outside the buffer");
+  } else {
+    I4P_CHECK(in_range(d[kbOutQ], n * k, out_len) && in_range(d[kbOutS], sbytes, out_len),
+              what, ": outputs outside the buffer");
+  }
+}
+
 // One module's output as the descriptor places it, and its CRCs in r: the packed blob (from q and
 // the scales), or the scales beside the int8 weight already written at kbOutQ. bf16 scales are
 // rounded to nearest even as torch casts them (exact for values that are bf16 already).
@@ -110,22 +129,11 @@ int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc,
     int64_t* r = res + m * kbResults;
     for (int64_t i = 0; i < kbResults; ++i) r[i] = 0;
     const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG];
-    I4P_CHECK(n > 0 && k > 0 && gs > 0 && g > 0 && k % g == 0, "lossless_batch: module ", m, ": bad shape");
     I4P_CHECK(d[kbLayout] == kGptq || d[kbLayout] == kCt, "lossless_batch: module ", m, ": layout ", d[kbLayout]);
-    const int64_t item = d[kbScaleType] == kScaleF32 ? 4 : 2;
-    I4P_CHECK(d[kbScaleType] >= kScaleF32 && d[kbScaleType] <= kScaleBf16, "lossless_batch: scale dtype");
-    I4P_CHECK(in_range(d[kbWords], d[kbD0] * d[kbD1] * 4, src_len) && in_range(d[kbScales], n * gs * item, src_len),
-              "lossless_batch: module ", m, ": source outside the mapping");
+    check_row(d, m, "lossless_batch", src_len, out_len);
     I4P_CHECK(d[kbZeros] < 0 || in_range(d[kbZeros], d[kbZerosBytes], src_len), "lossless_batch: zeros outside");
-    I4P_CHECK(d[kbGidx] < 0 || in_range(d[kbGidx], k * d[kbGidxItem], src_len), "lossless_batch: g_idx outside");
     const int64_t groups = k / g, sbytes = n * groups * (d[kbBf16] ? 2 : 4);
     const bool packed = d[kbOutBlob] >= 0;
-    if (packed) {
-      I4P_CHECK(in_range(d[kbOutBlob], d[kbBlobBytes], out_len), "lossless_batch: blob outside the buffer");
-    } else {
-      I4P_CHECK(in_range(d[kbOutQ], n * k, out_len) && in_range(d[kbOutS], sbytes, out_len),
-                "lossless_batch: outputs outside the buffer");
-    }
     // what the per-module path would read differently: hand the module back
     bool as_given = d[kbWords] % 4 == 0;
     if (as_given && d[kbZeros] >= 0) {
@@ -201,25 +209,14 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
     for (int64_t i = 0; i < kbResults; ++i) r[i] = 0;
     zgroups[m] = 0;
     const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG], layout = d[kbLayout];
-    I4P_CHECK(n > 0 && k > 0 && gs > 0 && g > 0 && k % g == 0, "requant_batch: module ", m, ": bad shape");
     I4P_CHECK(layout == kGptq || layout == kAwq || layout == kCt, "requant_batch: module ", m, ": layout ", layout);
-    I4P_CHECK(d[kbScaleType] >= kScaleF32 && d[kbScaleType] <= kScaleBf16, "requant_batch: scale dtype");
-    const int64_t item = d[kbScaleType] == kScaleF32 ? 4 : 2;
+    check_row(d, m, "requant_batch", src_len, out_len);
     const int64_t zw = layout == kAwq ? n / 8 : (n + 7) / 8;  // zero words per group (CT: per column of words)
     I4P_CHECK(layout != kAwq || n % 8 == 0, "requant_batch: module ", m, ": AWQ N not a multiple of 8");
-    I4P_CHECK(in_range(d[kbWords], d[kbD0] * d[kbD1] * 4, src_len) && in_range(d[kbScales], n * gs * item, src_len),
-              "requant_batch: module ", m, ": source outside the mapping");
     I4P_CHECK(d[kbZeros] >= 0 && d[kbZerosBytes] == gs * zw * 4 && in_range(d[kbZeros], d[kbZerosBytes], src_len),
               "requant_batch: module ", m, ": zeros outside the mapping or not [G, N/8] words");
-    I4P_CHECK(d[kbGidx] < 0 || in_range(d[kbGidx], k * d[kbGidxItem], src_len), "requant_batch: g_idx outside");
     const int64_t groups = k / g, sbytes = n * groups * (d[kbBf16] ? 2 : 4);
     const bool packed = d[kbOutBlob] >= 0;
-    if (packed) {
-      I4P_CHECK(in_range(d[kbOutBlob], d[kbBlobBytes], out_len), "requant_batch: blob outside the buffer");
-    } else {
-      I4P_CHECK(in_range(d[kbOutQ], n * k, out_len) && in_range(d[kbOutS], sbytes, out_len),
-                "requant_batch: outputs outside the buffer");
-    }
     bool as_given = d[kbWords] % 4 == 0 && d[kbZeros] % 4 == 0;
     if (as_given && d[kbGidx] >= 0) {
       const uint8_t* p = src + d[kbGidx];
