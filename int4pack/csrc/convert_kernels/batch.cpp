@@ -69,6 +69,45 @@ void check_row(const int64_t* d, int64_t m, const char* what, int64_t src_len, i
   }
 }
 
+// Whether a row's g_idx (if stored) is the trivial arange(K) / group, the only one the batches take.
+bool trivial_gidx(const int64_t* d, const uint8_t* src, const char* what) {
+  const uint8_t* p = src + d[kbGidx];
+  const int64_t grp = d[kbGidxGroup], k = d[kbK];
+  I4P_CHECK(grp > 0, what, ": g_idx group");
+  for (int64_t i = 0; i < k; ++i) {
+    const int64_t v = d[kbGidxItem] == 8 ? load<int64_t>(p + 8 * i) : load<int32_t>(p + 4 * i);
+    if (v != i / grp) return false;
+  }
+  return true;
+}
+
+// A row's job arguments read from the source: words, shapes, groups, its scales as float32 (into sscale).
+JobArgs source_args(const int64_t* d, const uint8_t* src, std::vector<float>& sscale) {
+  const int64_t n = d[kbN], gs = d[kbSrcGroups];
+  sscale.resize(n * gs);
+  scales_to_float(src + d[kbScales], n, gs, d[kbScaleType], d[kbScalesKN] != 0, sscale.data());
+  JobArgs a{};
+  a.layout = d[kbLayout];
+  a.data = src + d[kbWords];
+  a.d0 = d[kbD0];
+  a.d1 = d[kbD1];
+  a.n = n;
+  a.k = d[kbK];
+  a.sscale = sscale.data();
+  a.src_groups = gs;
+  a.src_group = d[kbSrcGroup];
+  a.g = d[kbG];
+  a.bf16 = d[kbBf16] != 0;
+  return a;
+}
+
+// Where a row's int8 weight goes: in place in the output (default format) or a scratch buffer (packed).
+int8_t* q_target(const int64_t* d, bool packed, std::vector<int8_t>& qbuf, uint8_t* out) {
+  if (!packed) return reinterpret_cast<int8_t*>(out + d[kbOutQ]);
+  qbuf.resize(d[kbN] * d[kbK]);
+  return qbuf.data();
+}
+
 // One module's output as the descriptor places it, and its CRCs in r: the packed blob (from q and
 // the scales), or the scales beside the int8 weight already written at kbOutQ. bf16 scales are
 // rounded to nearest even as torch casts them (exact for values that are bf16 already).
@@ -128,7 +167,7 @@ int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc,
     const int64_t* d = desc + m * kbFields;
     int64_t* r = res + m * kbResults;
     for (int64_t i = 0; i < kbResults; ++i) r[i] = 0;
-    const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG];
+    const int64_t n = d[kbN], k = d[kbK], g = d[kbG];
     I4P_CHECK(d[kbLayout] == kGptq || d[kbLayout] == kCt, "lossless_batch: module ", m, ": layout ", d[kbLayout]);
     check_row(d, m, "lossless_batch", src_len, out_len);
     I4P_CHECK(d[kbZeros] < 0 || in_range(d[kbZeros], d[kbZerosBytes], src_len), "lossless_batch: zeros outside");
@@ -142,39 +181,14 @@ int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc,
       as_given = std::all_of(z, z + d[kbZerosBytes], [want](uint8_t b) { return b == want; });
     }
     if (as_given && d[kbGidx] >= 0) {
-      const uint8_t* p = src + d[kbGidx];
-      const int64_t grp = d[kbGidxGroup];
-      I4P_CHECK(grp > 0, "lossless_batch: g_idx group");
-      for (int64_t i = 0; i < k && as_given; ++i) {
-        const int64_t v = d[kbGidxItem] == 8 ? load<int64_t>(p + 8 * i) : load<int32_t>(p + 4 * i);
-        as_given = v == i / grp;
-      }
+      as_given = trivial_gidx(d, src, "lossless_batch");
     }
     if (!as_given) {
       r[0] = kNotAsGiven;
       continue;
     }
-    sscale.resize(n * gs);
-    scales_to_float(src + d[kbScales], n, gs, d[kbScaleType], d[kbScalesKN] != 0, sscale.data());
-    JobArgs a{};
-    a.layout = d[kbLayout];
-    a.data = src + d[kbWords];
-    a.d0 = d[kbD0];
-    a.d1 = d[kbD1];
-    a.n = n;
-    a.k = k;
-    a.sscale = sscale.data();
-    a.src_groups = gs;
-    a.src_group = d[kbSrcGroup];
-    a.g = g;
-    a.bf16 = d[kbBf16] != 0;
-    int8_t* q;
-    if (packed) {
-      qbuf.resize(n * k);
-      q = qbuf.data();
-    } else {
-      q = reinterpret_cast<int8_t*>(out + d[kbOutQ]);
-    }
+    JobArgs a = source_args(d, src, sscale);
+    int8_t* q = q_target(d, packed, qbuf, out);
     s.resize(n * groups);
     const int64_t st = lossless_job(a, q, s.data(), tot + 5 * m, r + 1, threads);
     if (st != kDone) {
@@ -219,13 +233,7 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
     const bool packed = d[kbOutBlob] >= 0;
     bool as_given = d[kbWords] % 4 == 0 && d[kbZeros] % 4 == 0;
     if (as_given && d[kbGidx] >= 0) {
-      const uint8_t* p = src + d[kbGidx];
-      const int64_t grp = d[kbGidxGroup];
-      I4P_CHECK(grp > 0, "requant_batch: g_idx group");
-      for (int64_t i = 0; i < k && as_given; ++i) {
-        const int64_t v = d[kbGidxItem] == 8 ? load<int64_t>(p + 8 * i) : load<int32_t>(p + 4 * i);
-        as_given = v == i / grp;
-      }
+      as_given = trivial_gidx(d, src, "requant_batch");
     }
     // the zero points [N, Gs]
     const bool v1 = layout == kGptq && d[kbZeroByte] == 0x77;
@@ -259,33 +267,14 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
       r[0] = kNotAsGiven;
       continue;
     }
-    sscale.resize(n * gs);
-    scales_to_float(src + d[kbScales], n, gs, d[kbScaleType], d[kbScalesKN] != 0, sscale.data());
-    JobArgs a{};
-    a.layout = layout;
-    a.data = src + d[kbWords];
-    a.d0 = d[kbD0];
-    a.d1 = d[kbD1];
-    a.n = n;
-    a.k = k;
-    a.sscale = sscale.data();
-    a.src_groups = gs;
+    JobArgs a = source_args(d, src, sscale);
     a.zeros = zbuf.data();
-    a.src_group = d[kbSrcGroup];
-    a.g = g;
-    a.bf16 = d[kbBf16] != 0;
     a.search = n_coarse > 0;
     a.coarse = n_coarse > 0 ? coarse : nullptr;
     a.n_coarse = n_coarse;
     a.fine = n_fine > 0 ? fine : nullptr;
     a.n_fine = n_fine;
-    int8_t* q;
-    if (packed) {
-      qbuf.resize(n * k);
-      q = qbuf.data();
-    } else {
-      q = reinterpret_cast<int8_t*>(out + d[kbOutQ]);
-    }
+    int8_t* q = q_target(d, packed, qbuf, out);
     s.resize(n * groups);
     flags.resize(n * groups);
     int64_t counts[2] = {0, 0};
