@@ -259,8 +259,8 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
     requant = b.kind == "requant"
     try:
         if requant:
-            coarse, fine = kernels.search_points(True)  # convert searches (to_w4a8's default)
-            res, tot, zgroups = kernels.ext().requant_batch(addr, length, desc, buf, coarse.numpy(), fine.numpy(),
+            coarse, fine = kernels.search_arrays(True)  # convert searches (to_w4a8's default); no torch
+            res, tot, zgroups = kernels.ext().requant_batch(addr, length, desc, buf, coarse, fine,
                                                             kernels.kernel_threads())
             zgroups = zgroups.tolist()
         else:

@@ -447,7 +447,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         window: deque = deque()
         # runs of lossless or requant linear jobs go as one batch each (batch.py): one C++ call each
         units = list(batch.units(todo, plan.reader, shard_of, trusted, pack is not None))
-        if any(u.kind not in ("copy", "lossless") for u in units):  # requant batches: torch's search points
+        if any(not isinstance(u, batch.Batch) and u.kind != "copy" for u in units):  # a per-job module
             load_torch()  # the work needs it: imported here, once, not in a worker (_lazy.py)
         for unit in units:
             window.append((unit, pool.submit(work_batch if isinstance(unit, batch.Batch) else work, unit)))

@@ -22,7 +22,7 @@ from ._lazy import torch
 from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
 
 __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "requant_info", "redo_close_calls",
-           "search_points", "kernel_threads", "threads_here", "crc32c"]
+           "search_points", "search_arrays", "kernel_threads", "threads_here", "crc32c"]
 
 
 def ext():
@@ -125,13 +125,30 @@ def search_points(search: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return coarse, fine
 
 
-def requant_info(search: bool, sums, zero_groups: int) -> dict:
-    """The requant path's info from the kernels' sums (dd, ww, vv, wv, baseline sse, max_abs)."""
-    from . import scale_search as S
+def search_arrays(search: bool):
+    """search_points as float32 numpy arrays, for the requant batches: without torch where
+    scale_search was never imported (its default points, search_grid.py)."""
+    import numpy as np
 
-    st = S.ErrorStats()
+    from . import search_grid
+
+    if not search:
+        return np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float32)
+    if not search_grid.settings_loaded():
+        return search_grid.default_points()
+    c, f = search_points(search)
+    return c.numpy(), f.numpy()
+
+
+def requant_info(search: bool, sums, zero_groups: int) -> dict:
+    """The requant path's info from the kernels' sums (dd, ww, vv, wv, baseline sse, max_abs);
+    torch-free (search_grid), for the batches."""
+    from . import search_grid
+    from .error_stats import ErrorStats
+
+    st = ErrorStats()
     st.dd, st.ww, st.vv, st.wv, base_sse, st.max_abs = (float(v) for v in sums)
-    return S.requant_info(search, st, base_sse, zero_groups)
+    return search_grid.requant_info(search, st, base_sse, zero_groups)
 
 
 def redo_close_calls(amb: torch.Tensor, groups, q, s, tot: list, g: int, gs: int, search: bool, name) -> None:

@@ -13,15 +13,19 @@ has no MiniMax2):
                    inside them; weights are the unbiased sigmoids, renormalised, times
                    ``routed_scaling_factor`` (DeepSeek-V3/R1, Kimi-K2, GLM-4.5/4.6/4.7)
   MiniMax2         as DeepSeekV3 without groups (MiniMax-M2)
+  Llama4           top-1 of the logits, weight the sigmoid of the chosen logit, applied to the
+                   expert's input (vLLM's ``Llama4MoE.custom_routing_function`` with
+                   ``apply_router_weight_on_input``; Llama-4 Scout / Maverick)
   ===============  ==========================================================================
 
-Other types (Llama4, Sigmoid, SigmoidRenorm, DeepseekV4, Custom, Unspecified) are named but not
-served: ``Routing.check`` refuses them, naming the type, and nothing falls back to softmax.
+Other types (Sigmoid, SigmoidRenorm, DeepseekV4, Custom, Unspecified) are named but not served:
+``Routing.check`` refuses them, naming the type, and nothing falls back to softmax.
 
 ``select_experts`` takes the keyword arguments of vLLM's CPU ``select_experts``
 (``fused_moe/cpu_fused_moe.py`` in 0.19.1, ``fused_moe/router/cpu_router.py`` in 0.32.0) so that
 ``Routing.select_kwargs`` feeds either; MiniMax2 is its one-group case (a single group is always
-kept). Ties go to the lower expert (and group) index.
+kept), Llama4 its sigmoid case without renormalisation (or the model's own function, passed as
+``custom_routing_function`` as vLLM's takes it). Ties go to the lower expert (and group) index.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from .errors import RefusedError
 
 __all__ = ["Routing", "SERVED", "from_layer", "select_experts"]
 
-SERVED = ("Default", "Renormalize", "RenormalizeNaive", "DeepSeekV3", "MiniMax2")
+SERVED = ("Default", "Renormalize", "RenormalizeNaive", "DeepSeekV3", "MiniMax2", "Llama4")
 _SIGMOID_BIAS = ("DeepSeekV3", "MiniMax2")
 
 
@@ -75,6 +79,8 @@ class Routing:
         return (self.n_group or 0) > 1
 
     def describe(self) -> str:
+        if self.kind == "Llama4":
+            return f"Llama4 (top-{self.top_k}, sigmoid of the chosen logit, applied to the expert input)"
         parts = [self.scoring, f"top-{self.top_k}"]
         if self.bias:
             parts.append("e_score_correction_bias")
@@ -94,6 +100,9 @@ class Routing:
                     f"{', '.join(SERVED)}")
         if self.top_k < 1:
             return f"top_k is {self.top_k}"
+        if self.kind == "Llama4" and self.top_k != 1:  # one weight per token can scale the input
+            return (f"Llama4 routing weights the expert input, which the MoE op does for top-1 only, "
+                    f"not top-{self.top_k}")
         if num_experts is None:
             return None
         if self.top_k > num_experts:
@@ -119,6 +128,9 @@ class Routing:
     def select_kwargs(self) -> dict:
         """Keyword arguments of vLLM's CPU ``select_experts`` (and of ours) for this routing, less
         the inputs, the bias tensor and the scaling factor (the caller passes the layer's)."""
+        if self.kind == "Llama4":  # sigmoid is monotonic: top-k of the logits, their sigmoids
+            return {"top_k": self.top_k, "use_grouped_topk": False, "renormalize": False,
+                    "num_expert_group": None, "topk_group": None, "scoring_func": "sigmoid"}
         if self.kind == "MiniMax2":  # one group of all experts: the grouped path with nothing masked
             grouped, n_group, topk_group = True, 1, 1
         else:
@@ -155,8 +167,13 @@ def select_experts(hidden_states: torch.Tensor | None, router_logits: torch.Tens
                    use_grouped_topk: bool, renormalize: bool, topk_group: int | None = None,
                    num_expert_group: int | None = None, scoring_func: str = "softmax",
                    routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router logits [T, E]."""
+                   custom_routing_function=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router logits [T, E];
+    ``custom_routing_function`` (a model's, vLLM's calling convention) decides alone where given."""
+    if custom_routing_function is not None:
+        w, ids = custom_routing_function(hidden_states=hidden_states, gating_output=router_logits, topk=top_k,
+                                         renormalize=renormalize)
+        return w.float().contiguous(), ids.to(torch.int32).contiguous()
     logits = router_logits.float()
     if scoring_func == "softmax":
         scores = logits.softmax(-1)

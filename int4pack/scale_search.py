@@ -16,13 +16,13 @@ of the smallest tie, and ties go to the first candidate.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from . import search_grid
 from .error_stats import ErrorStats
 from .errors import InputError
 from .groups import block
+from .search_grid import ZERO_GROUP_SCALE
 
 __all__ = ["QMIN", "QMAX", "TINY", "ZERO_GROUP_SCALE", "COARSE_RATIOS", "FINE_POINTS", "TIE", "ErrorStats",
            "is_group_scale", "ship_scale", "out_scale_dtype", "check_finite", "not_finite", "eval_candidates",
@@ -30,10 +30,9 @@ __all__ = ["QMIN", "QMAX", "TINY", "ZERO_GROUP_SCALE", "COARSE_RATIOS", "FINE_PO
 
 QMIN, QMAX = -8, 7
 TINY = 2.0**-126  # smallest normal fp32, exactly representable in bf16
-ZERO_GROUP_SCALE = 1.0
-# 0.70 .. 1.12 in steps of 0.06, with 1.0 (clip nothing) exactly on the grid
+# 0.70 .. 1.12 in steps of 0.06, with 1.0 (clip nothing) exactly on the grid (search_grid: without torch)
 COARSE_RATIOS = (1.0 + 0.06 * torch.arange(-5, 3, dtype=torch.float64)).float()
-FINE_POINTS = 4
+FINE_POINTS = search_grid.DEFAULT_FINE_POINTS
 TIE = 2.0**-30  # candidate errors within this relative distance tie: the earlier candidate wins
 
 
@@ -133,9 +132,7 @@ def search_chunk(w: torch.Tensor, g: int, search: bool, ws: torch.Tensor):
     return q, best_s, sse, base_sse, int(zero.sum())
 
 
-def candidate_count(search: bool) -> int:
-    """How many scales a group is tried at: RTN, the coarse ratios and the fine points (or RTN alone)."""
-    return 1 if not search else len(COARSE_RATIOS) + 1 + FINE_POINTS
+candidate_count = search_grid.candidate_count
 
 
 def workspace_width(search: bool) -> int:
@@ -143,9 +140,4 @@ def workspace_width(search: bool) -> int:
     return 1 + (max(len(COARSE_RATIOS), FINE_POINTS) if search else 0)
 
 
-def requant_info(search: bool, stats: ErrorStats, baseline_sse: float, zero_groups: int) -> dict:
-    """The requant path's report entry: the error against the source, plain RTN's, and the search."""
-    err = stats.result()
-    err["baseline_rel_l2"] = math.sqrt(baseline_sse / stats.ww) if stats.ww > 0 else 0.0
-    return {"search": search, "candidates": candidate_count(search), "zero_groups": zero_groups,
-            "zero_group_scale": ZERO_GROUP_SCALE, **err}
+requant_info = search_grid.requant_info

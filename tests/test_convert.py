@@ -321,8 +321,9 @@ def test_workers_capped_and_the_cap_moved_by_its_variable(monkeypatch):
 def test_a_convert_of_batches_alone_never_imports_torch(tmp_path, serve_format):
     """mf_mixtral's modules are all lossless, each in one source file: every one goes through the C++
     batches, so the CLI's convert never imports torch (its import is most of a small convert's time).
-    The bytes are those of the per-job torch path (INT4PACK_BATCH=0, another process). A source with
-    requantised modules (gptq_q3_asym) imports it, once the plan is out."""
+    The bytes are those of the per-job torch path (INT4PACK_BATCH=0, another process). So do the
+    requantised modules of GPTQ asym and AWQ sources held in one file (the requant batches); the
+    three-file gptq_q3_asym, whose modules straddle its files, imports it once the plan is out."""
     import subprocess
     import sys
 
@@ -348,3 +349,19 @@ def test_a_convert_of_batches_alone_never_imports_torch(tmp_path, serve_format):
     for name in shards:
         assert (tmp_path / "batch" / name).read_bytes() == (tmp_path / "job" / name).read_bytes(), name
     assert run("gptq_q3_asym", tmp_path / "asym", "1") == "True"
+    from safetensors.torch import load_file, save_file
+
+    for name in ("gptq_q3_asym", "awq_q3"):
+        one = tmp_path / f"one_{name}"  # the same tensors in one file, no index
+        one.mkdir()
+        tensors = {}
+        for f in sorted((FIXTURES / name).iterdir()):
+            if f.suffix == ".safetensors":
+                tensors.update(load_file(f))
+            elif f.name.endswith(".json") and not f.name.endswith(".index.json"):
+                (one / f.name).write_bytes(f.read_bytes())
+        save_file(tensors, str(one / "model.safetensors"), metadata={"format": "pt"})
+        assert run(str(one), tmp_path / f"{name}_batch", "1") == "False", name
+        assert run(str(one), tmp_path / f"{name}_job", "0") == "True", name
+        a, b = tmp_path / f"{name}_batch" / "model.safetensors", tmp_path / f"{name}_job" / "model.safetensors"
+        assert a.read_bytes() == b.read_bytes(), name

@@ -733,3 +733,26 @@ def test_search_points_follow_the_settings(monkeypatch):
     c, f = kernels.search_points(True)
     assert c.tolist() == [1.0, 1.5] and f.tolist() == pytest.approx([-0.5 / 3, 0.5 / 3], rel=1e-6)
     assert [t.numel() for t in kernels.search_points(False)] == [0, 0]
+
+
+def test_torch_free_search_grid_is_torchs_bit_for_bit(monkeypatch):
+    """search_grid's default points (numpy, for the requant batches of a convert without torch) are
+    the bits torch makes of scale_search's settings (arange in float64, linspace in float32), and
+    once scale_search is imported its settings decide there too."""
+    import sys
+
+    import numpy as np
+
+    from int4pack import search_grid
+
+    coarse, fine = search_grid.default_points()
+    c, f = kernels.search_points(True)
+    assert coarse.dtype == fine.dtype == np.float32
+    assert coarse.tobytes() == c.numpy().tobytes() and fine.tobytes() == f.numpy().tobytes()
+    assert search_grid.candidate_count(True) == scale_search.candidate_count(True) == len(coarse) + 1 + len(fine)
+    monkeypatch.setattr(scale_search, "FINE_POINTS", 2)
+    assert kernels.search_arrays(True)[1].tolist() == kernels.search_points(True)[1].tolist()
+    assert len(kernels.search_arrays(True)[1]) == 2 and search_grid.candidate_count(True) == len(coarse) + 3
+    monkeypatch.delitem(sys.modules, "int4pack.scale_search")  # a process that never imported it
+    assert kernels.search_arrays(True)[1].tobytes() == fine.tobytes() and search_grid.candidate_count(True) == 13
+    assert [len(a) for a in kernels.search_arrays(False)] == [0, 0] and search_grid.candidate_count(False) == 1

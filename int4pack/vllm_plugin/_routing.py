@@ -41,7 +41,8 @@ ACT_KIND = {"SWIGLUSTEP": 0, "SWIGLUOAI": 1, "SILU": 2}
 _SELECT = ("vllm.model_executor.layers.fused_moe.router.cpu_router",  # 0.32.0
            "vllm.model_executor.layers.fused_moe.cpu_fused_moe")  # 0.19.1
 _KWARGS = {"top_k", "use_grouped_topk", "renormalize", "num_expert_group", "topk_group", "scoring_func",
-           "routed_scaling_factor", "e_score_correction_bias", "router_logits", "hidden_states"}
+           "routed_scaling_factor", "e_score_correction_bias", "router_logits", "hidden_states",
+           "custom_routing_function"}
 
 
 def layer_routing(layer, prefix: str = "MoE layer") -> rt.Routing:
@@ -71,15 +72,17 @@ def vllm_select():
 
 
 def route(r: rt.Routing, x: torch.Tensor, router_logits: torch.Tensor, bias: torch.Tensor | None,
-          scale: float | None, select=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights, topk_ids) as the layer routes: ``bias`` and ``scale`` are the layer's
-    ``e_score_correction_bias`` and ``routed_scaling_factor`` at forward time."""
+          scale: float | None, select=None, custom=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights, topk_ids) as the layer routes: ``bias``, ``scale`` and ``custom`` are the
+    layer's ``e_score_correction_bias``, ``routed_scaling_factor`` and ``custom_routing_function``
+    at forward time (the last is used for the Llama4 type only: the model's own function)."""
     if r.bias and bias is None:
         raise ValueError(f"{QUANT_METHOD}: routing {r.kind} needs the layer's e_score_correction_bias")
     fn = select or vllm_select()
     return fn(hidden_states=x, router_logits=router_logits, **r.select_kwargs(),
               routed_scaling_factor=1.0 if scale is None else float(scale),
-              e_score_correction_bias=bias if r.bias else None)
+              e_score_correction_bias=bias if r.bias else None,
+              custom_routing_function=custom if r.kind == "Llama4" else None)
 
 
 def moe_op_args(arg_names: list[str], hidden: int, inter: int, group_size: int) -> tuple[int, ...]:

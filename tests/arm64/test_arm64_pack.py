@@ -99,3 +99,13 @@ def test_aarch64_library_packs_kleidiai_bytes(emu_python, aarch64_library, tmp_p
     assert s["arm_lib"]["library"] == str(aarch64_library)
     assert s["arm_lib"]["identical"] == s["native_uint8"] == s["cases"], s.get("failures")
     assert r.returncode == 0
+
+
+def test_aarch64_library_checksums_match_zlib(emu_python, aarch64_library):
+    """The aarch64 build's CRC-32 and CRC-32C (Arm CRC32 instructions where the core has them, as
+    QEMU's neoverse-n2 does, and the table path) against zlib and a bitwise CRC-32C."""
+    r = subprocess.run([str(emu_python), str(REPO / "tests" / "arm64" / "crc_check.py")], capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["checked"] == 14 * 6 and res["bad"] == []

@@ -26,6 +26,10 @@
 #include <immintrin.h>
 #define I4P_AWQ_AVX2 1  // unpack_awq_block_avx2, picked at run time
 #endif
+#if defined(__aarch64__) && defined(__GNUC__) && defined(__linux__)
+#include <sys/auxv.h>
+#define I4P_CRC_ARM 1
+#endif
 
 namespace i4p {
 
@@ -38,6 +42,26 @@ namespace i4p {
 // helpers of the I4P_CLONES functions are forced inline: a call would run their default build
 #define I4P_INLINE inline __attribute__((always_inline))
 #define I4P_LAMBDA_INLINE __attribute__((always_inline))
+
+#ifdef I4P_CRC_ARM
+// Armv8's CRC32 instructions (optional in v8.0, mandatory from v8.1; every Neoverse has them): asked
+// of the kernel (HWCAP_CRC32, bit 7), written through .arch_extension so the build needs no -march.
+// crc32x is zlib's CRC-32, crc32cx CRC-32C; both take 8 little-endian bytes a step.
+inline bool arm_has_crc() {
+  static const bool yes = (getauxval(AT_HWCAP) & (1ul << 7)) != 0;
+  return yes;
+}
+#define I4P_ARM_CRC_OP(name, insn, arg, reg)                                              \
+  I4P_INLINE uint32_t name(uint32_t c, arg x) {                                          \
+    asm(".arch_extension crc\n\t" insn " %w0, %w0, %" reg "1" : "+r"(c) : "r"(x)); \
+    return c;                                                                            \
+  }
+I4P_ARM_CRC_OP(arm_crc32x, "crc32x", uint64_t, "x")
+I4P_ARM_CRC_OP(arm_crc32b, "crc32b", uint32_t, "w")
+I4P_ARM_CRC_OP(arm_crc32cx, "crc32cx", uint64_t, "x")
+I4P_ARM_CRC_OP(arm_crc32cb, "crc32cb", uint32_t, "w")
+#undef I4P_ARM_CRC_OP
+#endif
 
 // byte i of the result = nibble i of w
 I4P_INLINE uint64_t spread_nibbles(uint32_t w) {
