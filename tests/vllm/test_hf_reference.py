@@ -247,10 +247,12 @@ def llama4(tmp_path_factory):
     return d / "float", d / "mirror", q, source, w
 
 
-def _llama4_block_by_hand(t: dict, x: torch.Tensor, a8: bool = False) -> tuple[torch.Tensor, list[int]]:
+def _llama4_block_by_hand(t: dict, x: torch.Tensor, a8: bool = False,
+                          softmax: bool = False) -> tuple[torch.Tensor, list[int]]:
     """Layer 1's MoE block of the fixture in float64 from per-expert tensors ``t`` (names as the
-    wrapper stores them): top-1 of the router logits, the input times sigmoid(logit), the expert's
-    SwiGLU, plus the shared expert; ``a8``: every linear input but the router's fake-quantised to int8."""
+    wrapper stores them): top-1 of the router logits, the input times sigmoid(logit) (``softmax``:
+    the softmax probability), the expert's SwiGLU, plus the shared expert; ``a8``: every linear
+    input but the router's fake-quantised to int8."""
     from hf_reference import fake_quant_int8_rows as fq
 
     p = "language_model.model.layers.1.feed_forward."
@@ -265,7 +267,8 @@ def _llama4_block_by_hand(t: dict, x: torch.Tensor, a8: bool = False) -> tuple[t
         logits = x[i] @ W["router"].T
         e = int(logits.argmax())
         routes.append(e)
-        out[i] = mlp("shared_expert.", x[i:i + 1])[0] + mlp(f"experts.{e}.", x[i:i + 1] * torch.sigmoid(logits[e]))[0]
+        w = logits.softmax(-1)[e] if softmax else torch.sigmoid(logits[e])
+        out[i] = mlp("shared_expert.", x[i:i + 1])[0] + mlp(f"experts.{e}.", x[i:i + 1] * w)[0]
     return out, routes
 
 
@@ -335,3 +338,22 @@ def test_llama4_fused_float_folder_is_checked_with_the_wrapper_prefix(llama4, tm
         _check_experts(fl, experts, "language_model.")
     with pytest.raises(ValueError, match="no per-expert tensors"):
         _check_experts(fl, experts, "")
+
+
+def test_llama4_softmax_weight_mirror_is_the_hand_softmax_block(llama4):
+    """tests/vllm/router_weight_effect.py's other mirror: the same top-1 expert, its input weighted by
+    the softmax probability (a hand float64 computation), not the sigmoid of the logit."""
+    from hf_reference import Float64, HFRef
+    from router_weight_effect import softmax_weights
+
+    _, mirror, q, _, w = llama4
+    ref = softmax_weights(HFRef(mirror, q, a8=True))
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    want, routes = _llama4_block_by_hand(w, x, a8=True, softmax=True)
+    with torch.no_grad(), Float64():
+        ref.routes = []
+        got = ref.model.model.layers[1].feed_forward(x)[0]
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), float((got - want).abs().max())
+    assert ref.routes == [[[e] for e in routes]]
+    sig, _ = _llama4_block_by_hand(w, x, a8=True)
+    assert float((got - sig).abs().max()) > 1e-4
