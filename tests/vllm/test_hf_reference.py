@@ -198,3 +198,162 @@ def test_a_wrapper_tensor_outside_its_text_model_and_towers_is_refused(tmp_path)
     save_file(t, str(f))
     with pytest.raises(ValueError, match="did not load the folder as it is"):
         load(tmp_path / "float")
+
+
+def test_llama4_layout_is_transformers_concatenated_fused_experts():
+    """Per-expert [N, K] tensors -> Llama4TextExperts' fused ones: transformers' own experts class
+    (``chunk(2, -1)`` of x @ gate_up_proj) computes silu(x G^T) * (x U^T) @ D^T per expert, by hand."""
+    import float_ref as E
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    g = torch.Generator().manual_seed(5)
+    n_e, h, i, t = 3, 4, 2, 2
+    per = {f"m.layers.0.feed_forward.experts.{e}.{p}.weight": torch.randn(*(i, h) if p != "down_proj" else (h, i),
+                                                                          generator=g, dtype=torch.float64)
+           for e in range(n_e) for p in ("gate_proj", "up_proj", "down_proj")}
+    fused = E.hf_layout({"model_type": "llama4", "text_config": {"model_type": "llama4_text"}}, per)
+    assert set(fused) == {"m.layers.0.feed_forward.experts.gate_up_proj", "m.layers.0.feed_forward.experts.down_proj"}
+    assert fused["m.layers.0.feed_forward.experts.gate_up_proj"].shape == (n_e, h, 2 * i)
+    cfg = Llama4TextConfig(num_local_experts=n_e, hidden_size=h, intermediate_size=i, hidden_act="silu")
+    ex = Llama4TextExperts(cfg).double()
+    with torch.no_grad():
+        ex.gate_up_proj.copy_(fused["m.layers.0.feed_forward.experts.gate_up_proj"])
+        ex.down_proj.copy_(fused["m.layers.0.feed_forward.experts.down_proj"])
+        x = torch.randn(n_e * t, h, generator=g, dtype=torch.float64)  # expert-major rows, as the class takes them
+        got = ex(x).view(n_e, t, h)
+    for e in range(n_e):
+        w = {p: per[f"m.layers.0.feed_forward.experts.{e}.{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj")}
+        xe = x.view(n_e, t, h)[e]
+        want = (torch.nn.functional.silu(xe @ w["gate_proj"].T) * (xe @ w["up_proj"].T)) @ w["down_proj"].T
+        assert torch.allclose(got[e], want, rtol=0, atol=1e-12)
+    # other model types (per-expert names transformers fuses on load) stay as they are
+    assert E.hf_layout({"model_type": "qwen3_moe"}, per) is per
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    """Llama-4 wrapper fixture: (float folder, mirror folder, quantised names, source float tensors)."""
+    import int4pack
+    import float_ref as E
+
+    d = tmp_path_factory.mktemp("llama4")
+    src = FIXTURES / "ct_llama4_w4a16"
+    E.write_float_folder(src, d / "float")
+    int4pack.convert(src, d / "w4a8", overwrite=True)
+    w, q = E.dequantised_w4a8(d / "w4a8")
+    E.write_mirror_folder(d / "w4a8", d / "mirror", w)
+    _, source, _ = E.dequantised_source(src)
+    return d / "float", d / "mirror", q, source, w
+
+
+def _llama4_block_by_hand(t: dict, x: torch.Tensor, a8: bool = False,
+                          softmax: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """Layer 1's MoE block of the fixture in float64 from per-expert tensors ``t`` (names as the
+    wrapper stores them): top-1 of the router logits, the input times sigmoid(logit) (``softmax``:
+    the softmax probability), the expert's SwiGLU, plus the shared expert; ``a8``: every linear
+    input but the router's fake-quantised to int8."""
+    from hf_reference import fake_quant_int8_rows as fq
+
+    p = "language_model.model.layers.1.feed_forward."
+    W = {k[len(p):-len(".weight")]: v.double() for k, v in t.items() if k.startswith(p) and k.endswith(".weight")}
+
+    def mlp(pre, v):
+        lin = (lambda name, z: (fq(z) if a8 else z) @ W[f"{pre}{name}"].T)
+        return lin("down_proj", torch.nn.functional.silu(lin("gate_proj", v)) * lin("up_proj", v))
+
+    out, routes = torch.zeros_like(x), []
+    for i in range(x.shape[0]):
+        logits = x[i] @ W["router"].T
+        e = int(logits.argmax())
+        routes.append(e)
+        w = logits.softmax(-1)[e] if softmax else torch.sigmoid(logits[e])
+        out[i] = mlp("shared_expert.", x[i:i + 1])[0] + mlp(f"experts.{e}.", x[i:i + 1] * w)[0]
+    return out, routes
+
+
+def test_llama4_reference_moe_block_is_a_hand_float64_computation(llama4):
+    """The reference is transformers' Llama4ForCausalLM on the wrapper's text model (vision model left
+    out); its MoE block, with the per-expert loop the mirror runs, and the class's own fused bmm
+    block both give a hand float64 computation from the source's per-expert tensors, and the routes
+    recorded are the hand top-1."""
+    from hf_reference import Float64, HFRef, load
+
+    fl, _, _, source, _ = llama4
+    ref = HFRef(fl)
+    assert ref.cls == "Llama4ForCausalLM" and ref.model_type == "llama4_text"
+    assert list(ref.experts) == ["model.layers.1.feed_forward.experts"]
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    want, routes = _llama4_block_by_hand(source, x)
+    plain, _ = load(fl)  # no hooks: the class's own forward
+    with torch.no_grad(), Float64():  # the router's sigmoid asks for float32
+        ref.routes = []
+        got = ref.model.model.layers[1].feed_forward(x)[0]
+        own = plain.model.layers[1].feed_forward(x)[0]
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), float((got - want).abs().max())
+    assert torch.allclose(own, want, rtol=0, atol=1e-12), float((own - want).abs().max())
+    assert ref.routes == [[[e] for e in routes]] and len(set(routes)) > 1
+    # the whole model: the per-expert loop gives the class's own logprobs
+    with torch.no_grad(), Float64():
+        base = plain(input_ids=torch.tensor([IDS])).logits[0].log_softmax(-1)
+    assert torch.allclose(ref.logprobs(IDS), base, rtol=0, atol=1e-12)
+
+
+def test_llama4_mirror_quantises_the_weighted_expert_input(llama4):
+    """The int8-activation mirror of the W4A8 conversion: its MoE block is the hand computation with
+    every linear input quantised per token, the experts' after the router weight is applied; the
+    bf16 mirror keeps the route and stays near."""
+    from hf_reference import Float64, HFRef
+
+    _, mirror, q, _, w = llama4
+    assert "language_model.model.layers.1.feed_forward.experts.3.up_proj" in q
+    assert "language_model.model.layers.1.feed_forward.router" not in q
+    ref = HFRef(mirror, q, a8=True)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want, routes = _llama4_block_by_hand(w, x, a8=True)
+    with torch.no_grad(), Float64():
+        ref.routes = []
+        got = ref.model.model.layers[1].feed_forward(x)[0]
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), float((got - want).abs().max())
+    assert ref.routes == [[[e] for e in routes]]
+    unq, _ = _llama4_block_by_hand(w, x)
+    assert float((got - unq).abs().max()) > 1e-4  # the quantisation is in effect
+    lp = ref.logprobs(IDS)
+    bf = HFRef(mirror, q, a8=True, bf16=True)
+    lpb = bf.logprobs(IDS)
+    assert bf.routes == ref.routes and 1e-5 < float((lpb - lp).abs().max()) < 0.1
+
+
+def test_llama4_fused_float_folder_is_checked_with_the_wrapper_prefix(llama4, tmp_path):
+    """A fused float folder under the wrapper's prefix: the model's experts are compared with it."""
+    from hf_reference import _check_experts, load
+
+    fl = llama4[0]
+    _, experts = load(fl)
+    m = experts["model.layers.1.feed_forward.experts"]
+    _check_experts(fl, experts, "language_model.")
+    with torch.no_grad():
+        m.down_proj[2] = m.down_proj[2] * 2
+    with pytest.raises(ValueError, match="fused weights differ"):
+        _check_experts(fl, experts, "language_model.")
+    with pytest.raises(ValueError, match="no per-expert tensors"):
+        _check_experts(fl, experts, "")
+
+
+def test_llama4_softmax_weight_mirror_is_the_hand_softmax_block(llama4):
+    """tests/vllm/router_weight_effect.py's other mirror: the same top-1 expert, its input weighted by
+    the softmax probability (a hand float64 computation), not the sigmoid of the logit."""
+    from hf_reference import Float64, HFRef
+    from router_weight_effect import softmax_weights
+
+    _, mirror, q, _, w = llama4
+    ref = softmax_weights(HFRef(mirror, q, a8=True))
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    want, routes = _llama4_block_by_hand(w, x, a8=True, softmax=True)
+    with torch.no_grad(), Float64():
+        ref.routes = []
+        got = ref.model.model.layers[1].feed_forward(x)[0]
+    assert torch.allclose(got, want, rtol=0, atol=1e-12), float((got - want).abs().max())
+    assert ref.routes == [[[e] for e in routes]]
+    sig, _ = _llama4_block_by_hand(w, x, a8=True)
+    assert float((got - sig).abs().max()) > 1e-4
