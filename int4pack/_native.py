@@ -57,6 +57,8 @@ _SIGNATURES = {
     "i4p_scales_to_float": ([_p, _i, _i, _i, _i, _p], _i),
     "i4p_kleidiai_verify_blob": ([_p, _i, _i, _i, _i, _i, _p, _p, _p, _p, _p, _i], _i),
     "i4p_dequant_sq": ([_p, _i, _i, _i, _p, _i, _p, _p, _p], _i),
+    "i4p_w4a8_matmul": ([_p, _i, _i, _p, _i, _i, _p, _i, _p, _i, _i], _i),
+    "i4p_w4a8_matmul_avx2": ([], _i),
 }
 
 
@@ -458,3 +460,31 @@ class VerifyKernels(_Lib):
         self._call("i4p_ref_pack", _ptr(q), n, k, _ptr(scales), int(scales.dtype == torch.bfloat16),
                    scales.numel(), _ptr(out), threads)
         return out
+
+    def w4a8_matmul(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: int,
+                    out: torch.Tensor | None = None, threads: int = 1, simd: bool = True) -> torch.Tensor:
+        """torch's reference ``_dyn_quant_matmul_4bit`` (its x86 kernel's arithmetic) of x float32 [M, K]
+        with the weights q int8 [N, K] and scales [N, K/block] (bf16 or fp32; block == K: channelwise),
+        without torch's float32 buffer: y float32 [M, N]. ``simd`` False: the portable loops (tests)."""
+        _need(x, "x", torch.float32)
+        _need(q, "q", torch.int8)
+        m, k = x.shape
+        n = q.shape[0]
+        if q.shape[1] != k:
+            raise RuntimeError(f"w4a8_matmul: x has K={k}, q has {q.shape[1]}")
+        self._scales(scales, n)
+        if block < 1 or k % block or scales.shape[1] != k // block:
+            raise RuntimeError(f"w4a8_matmul: scales [{n}, {scales.shape[1]}] are not one per block of {block} "
+                               f"of K={k}")
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        _need(out, "out", torch.float32)
+        if tuple(out.shape) != (m, n):
+            raise RuntimeError(f"w4a8_matmul: out must be [{m}, {n}]")
+        self._call("i4p_w4a8_matmul", _ptr(x), m, k, _ptr(q), n, block, _ptr(scales),
+                   int(scales.dtype == torch.bfloat16), _ptr(out), threads, int(bool(simd)))
+        return out
+
+    def w4a8_matmul_avx2(self) -> bool:
+        """True where ``w4a8_matmul`` runs its AVX2 loops (x86-64 with AVX2)."""
+        return bool(self._lib.i4p_w4a8_matmul_avx2())

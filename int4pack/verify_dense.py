@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from . import kernels
+from . import kernels, verify_matmul
 from . import moe as moe_mod
 from .errors import InputError
 from .groups import block
@@ -32,12 +32,19 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
     n, k = q.shape
     if x.shape[1] != k:
         raise InputError(f"{m}: K={k} in its weights, {x.shape[1]} recorded", tensor=m)
-    with clock("pack"):
-        wp = t.blob(m)
-        if wp is None:
-            wp = moe_mod.pack_for_matmul(q, s, g)
-    with clock("kernel"):
-        y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, block(k, g), k, n)
+    twin = verify_matmul.twin() if t.blob(m) is None and x.dtype == torch.float32 else None
+    if twin is not None and verify_matmul.fits(q, s, block(k, g)):  # torch's reference kernel's twin
+        with clock("kernel"):
+            y_k = verify_matmul.matmul(twin, x, q, s, block(k, g))
+        res["matmul"] = verify_matmul.TWIN
+    else:
+        with clock("pack"):
+            wp = t.blob(m)
+            if wp is None:
+                wp = moe_mod.pack_for_matmul(q, s, g)
+        with clock("kernel"):
+            y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, block(k, g), k, n)
+        res["matmul"] = verify_matmul.TORCH
     with clock("reference"):
         y_c = x @ w_c.t()
     step2 = moe_mod.int8_step(x) ** 2 / 12

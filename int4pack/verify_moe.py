@@ -5,10 +5,11 @@ with a source, on the source's own dequantised weights; the errors against their
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
-from . import _ext, kernels
+from . import _ext, kernels, verify_matmul
 from . import moe as moe_mod
 from .verify_pool import PerThread, parallel
 from .verify_source import Source, weights_vs_source
@@ -29,7 +30,6 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     n_tok = x.shape[0]
 
     use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None
-    res["weights"] = "the checkpoint's KleidiAI blobs" if use_blobs else "packed on the fly"
     hidden = x.shape[1]
     k_slots = ids.shape[1]
     slots_c = torch.zeros(n_tok, k_slots, hidden)
@@ -43,6 +43,11 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     none = torch.empty(e_s, 1)
     moe_mod._check(x, ids, wts, none, none, hidden, inter, g, t.activation)  # moe_forward's own checks
     kernel = moe_mod.MoeRun(x, ids, wts, e_s, hidden, inter, g, False, t.activation)
+    # where torch's op is not KleidiAI, its reference kernel's twin on the int4 values (verify_matmul)
+    twin = verify_matmul.twin() if not use_blobs and kernel.cdt == torch.float32 else None
+    res["weights"] = ("the checkpoint's KleidiAI blobs" if use_blobs else
+                      "the int4 values as read" if twin is not None else "packed on the fly")
+    ran: set[str] = set()  # which matmul ran, per expert (the twin unless an expert's weights do not fit it)
 
     vk = _ext.load("verify_kernels")
     buffers = work if work is not None else PerThread(dict)
@@ -69,16 +74,25 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     qs = {r: t.weight(m) for r, m in slot.items()}
                     cw = {r: dequantize_w4a8(*qs[r]) for r in slot}
                 w13c, w2c = torch.cat([cw["gate"], cw["up"]]), cw["down"]
-            if use_blobs:
+            w13q = w2q = None  # (int4 values, scales) for the twin
+            if twin is not None:
+                if bufs is not None:
+                    w13q, w2q = (bufs.q13, bufs.s13), (bufs.q2, bufs.s2)
+                else:
+                    (qg, sg, _), (qu, su, _), (qd, sd, _) = (qs[r] for r in ("gate", "up", "down"))
+                    w13q, w2q = (torch.cat([qg, qu]), torch.cat([sg, su])), (qd, sd)
+                if not (verify_matmul.fits(*w13q, kernel.g13) and verify_matmul.fits(*w2q, kernel.g2)):
+                    w13q = w2q = None
+            if w13q is None and use_blobs:
                 # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: blobs.py)
                 with clock("read"):
                     w13p = torch.cat([t.blob(slot["gate"]), t.blob(slot["up"])])
                     w2p = t.blob(slot["down"])
-            elif bufs is not None:
+            elif w13q is None and bufs is not None:
                 with clock("pack"):
                     w13p = moe_mod.pack_for_matmul(bufs.q13, bufs.s13, g, out=bufs.p13)
                     w2p = moe_mod.pack_for_matmul(bufs.q2, bufs.s2, g, out=bufs.p2)
-            else:
+            elif w13q is None:
                 (qg, sg, _), (qu, su, _), (qd, sd, _) = (qs[r] for r in ("gate", "up", "down"))
                 with clock("pack"):
                     w13p = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g)
@@ -86,8 +100,14 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             if bufs is None:
                 del qs
             with clock("kernel"):
-                kernel.expert(i, w13p, w2p)
-            del w13p, w2p
+                if w13q is not None:
+                    kernel.expert_with(i, partial(verify_matmul.matmul, twin), w13q, w2q)
+                    out["matmul"] = verify_matmul.TWIN
+                else:
+                    kernel.expert(i, w13p, w2p)
+                    out["matmul"] = verify_matmul.TORCH
+                    del w13p, w2p
+            del w13q, w2q
             if src is not None:
                 cw, sw, probs, st = weights_vs_source(t, src, slot, report, clock, cw)
                 out["problems"] = [f"expert {e}: {p}" for p in probs]
@@ -118,6 +138,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     for i, (e, r) in enumerate(zip(sampled, parallel(pool, one, list(enumerate(sampled))))):
         tt, jj = r["at"]
         res["problems"] += r["problems"]
+        ran.add(r["matmul"])
         slots_c[tt, jj] = r["c"]
         act_var[tt, jj] = r["act_var"]
         if src is not None:
@@ -128,6 +149,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             tick()
     with clock("kernel"):
         y_k = kernel.finish()
+    res["matmul"] = ", ".join(sorted(ran))
     y_c = (slots_c * wts.unsqueeze(2)).sum(1)
     y_s = (slots_s * wts.unsqueeze(2)).sum(1) if src is not None else y_c
 

@@ -10,8 +10,9 @@ started after os.sync(), and print verify's time over convert's (the issue's goa
 Builds a tiny synthetic converted checkpoint in a temp dir: one MoE layer with 128 experts,
 H=2048, I=768, top-8, W4A8 group 128 (bf16 scales) as convert writes it, a real-looking router
 and norm. Then runs verify (structural + numerical pass, no dense linears) and reports the share
-of time spent in the float32 reference, the W4A8 kernel (torch's _dyn_quant_matmul_4bit: KleidiAI
-on Arm, the scalar reference kernel on x86), packing, the error prediction and the structural pass.
+of time spent in the float32 reference, the W4A8 kernel (torch's _dyn_quant_matmul_4bit with KleidiAI
+on Arm; on x86 int4pack's twin of torch's reference kernel, or with INT4PACK_VERIFY_MATMUL=torch
+torch's scalar op itself), packing, the error prediction and the structural pass.
 
     python scripts/bench_verify.py [--tokens 64] [--threads N] [--experts 128] [--against-self]
 """
