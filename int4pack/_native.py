@@ -59,6 +59,7 @@ _SIGNATURES = {
     "i4p_dequant_sq": ([_p, _i, _i, _i, _p, _i, _p, _p, _p], _i),
     "i4p_w4a8_matmul": ([_p, _i, _i, _p, _i, _i, _p, _i, _p, _i, _i], _i),
     "i4p_w4a8_matmul_avx2": ([], _i),
+    "i4p_w4a8_reference": ([_p, _i, _i, _p, _i, _i, _p, _i, _p, _p, _p], _i),
 }
 
 
@@ -488,3 +489,31 @@ class VerifyKernels(_Lib):
     def w4a8_matmul_avx2(self) -> bool:
         """True where ``w4a8_matmul`` runs its AVX2 loops (x86-64 with AVX2)."""
         return bool(self._lib.i4p_w4a8_matmul_avx2())
+
+    def w4a8_reference(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None,
+                       row_sq: torch.Tensor | None = None, col_sq: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 x [M, K] @ W^T for W = ``dequant(q, scales)`` (q int8 [N, K], scales [N, G]) without W:
+        y [M, N] (sums over k in 16 lanes); where given, row_sq [N] and col_sq [K] as ``dequant_sq``'s. One thread."""
+        _need(x, "x", torch.float32)
+        _need(q, "q", torch.int8)
+        m, k = x.shape
+        n = q.shape[0]
+        if q.shape[1] != k:
+            raise RuntimeError(f"w4a8_reference: x has K={k}, q has {q.shape[1]}")
+        self._scales(scales, n)
+        ng = scales.shape[1]
+        if ng < 1 or k % ng:
+            raise RuntimeError(f"w4a8_reference: {ng} groups do not divide K={k}")
+        for name, t, size in (("row_sq", row_sq, n), ("col_sq", col_sq, k)):
+            if t is not None:
+                _need(t, name, torch.float32, 1)
+                if t.numel() != size:
+                    raise RuntimeError(f"w4a8_reference: {name} must hold {size} floats")
+        if out is None:
+            out = torch.empty(m, n, dtype=torch.float32)
+        _need(out, "out", torch.float32)
+        if tuple(out.shape) != (m, n):
+            raise RuntimeError(f"w4a8_reference: out must be [{m}, {n}]")
+        self._call("i4p_w4a8_reference", _ptr(x), m, k, _ptr(q), n, k // ng, _ptr(scales),
+                   int(scales.dtype == torch.bfloat16), _ptr(out), _ptr(row_sq), _ptr(col_sq))
+        return out

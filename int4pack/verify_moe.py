@@ -64,9 +64,11 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
         g2 = wts[tt, jj] ** 2
         with kernels.threads_here(1):
             bufs = _ExpertBuffers.of(t, slot, g, vk, buffers.get())
+            # without a source the float weights are only multiplied: the reference reads the int4 values
+            fused = bufs is not None and src is None
             if bufs is not None:  # each weight read or decoded once, into this thread's buffers
                 with clock("read"):
-                    bufs.fill(t, slot)
+                    bufs.fill(t, slot, dequant=not fused)
                 w13c, w2c = bufs.w13, bufs.w2
                 cw = {"gate": w13c[:bufs.inter], "up": w13c[bufs.inter:], "down": w2c}
             else:
@@ -114,9 +116,14 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 out["stats"] = st
                 wv = [st[r]["budget"] ** 2 * sum_sq(sw[r]) / sw[r].numel() for r in ("gate", "up", "down")]
             with clock("reference"):  # moe.expert_forward's operations, its y13 and act kept for the prediction
-                y13 = xe.float() @ w13c.t()
-                act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation)
-                out["c"] = act @ w2c.t()
+                if fused:  # and the squared weight sums on the way
+                    y13 = vk.w4a8_reference(xe.float().contiguous(), bufs.q13, bufs.s13, row_sq=bufs.sq13)
+                    act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation).contiguous()
+                    out["c"] = vk.w4a8_reference(act, bufs.q2, bufs.s2, col_sq=bufs.sq2)
+                else:
+                    y13 = xe.float() @ w13c.t()
+                    act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation)
+                    out["c"] = act @ w2c.t()
                 if src is not None:
                     w13s = torch.cat([sw["gate"], sw["up"]])
                     out["s"] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
@@ -125,7 +132,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     sq13, sq2 = bufs.sq13, bufs.sq2
                 else:
                     sq13, sq2 = (w13c * w13c).sum(1), (w2c * w2c).sum(0)
-                out["act_var"] = moe_mod.propagated_noise(xe.float(), y13, act, sq13, sq2, w2c.shape[0],
+                out["act_var"] = moe_mod.propagated_noise(xe.float(), y13, act, sq13, sq2, hidden,
                                                           t.activation) * g2
                 if src is not None:
                     out["w_var"] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
@@ -239,10 +246,12 @@ class _ExpertBuffers:
         bufs.vk = vk
         return bufs
 
-    def fill(self, t: Target, slot: dict[str, str]) -> None:
+    def fill(self, t: Target, slot: dict[str, str], dequant: bool = True) -> None:
+        """The expert's int4 values and scales; with ``dequant`` their float32 values and squared sums."""
         i = self.inter
         t.weight_into(slot["gate"], self.q13[:i], self.s13[:i], self.blobs)
         t.weight_into(slot["up"], self.q13[i:], self.s13[i:], self.blobs)
         t.weight_into(slot["down"], self.q2, self.s2, self.blobs)
-        self.vk.dequant_sq(self.q13, self.s13, self.w13, row_sq=self.sq13)
-        self.vk.dequant_sq(self.q2, self.s2, self.w2, col_sq=self.sq2)
+        if dequant:
+            self.vk.dequant_sq(self.q13, self.s13, self.w13, row_sq=self.sq13)
+            self.vk.dequant_sq(self.q2, self.s2, self.w2, col_sq=self.sq2)

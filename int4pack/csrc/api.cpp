@@ -28,6 +28,8 @@ void dequant_sq(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* sc
 void w4a8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N, int64_t bl, const void* scales,
                  bool bf16, float* y, int64_t threads, bool simd);
 bool w4a8_matmul_avx2();
+void w4a8_reference(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N, int64_t g, const void* scales,
+                    bool bf16, float* y, float* row_sq, float* col_sq);
 }
 
 using namespace i4p;
@@ -227,3 +229,12 @@ I4P_EXPORT int64_t i4p_w4a8_matmul(const float* x, int64_t m, int64_t k, const i
 
 // 1 where w4a8_matmul runs its AVX2 loops on this CPU
 I4P_EXPORT int64_t i4p_w4a8_matmul_avx2() { return w4a8_matmul_avx2() ? 1 : 0; }
+
+// verify's float32 reference x @ dequant(q, scales)^T with dequant_sq's squared sums (kleidiai_unpack.cpp)
+I4P_EXPORT int64_t i4p_w4a8_reference(const float* x, int64_t m, int64_t k, const int8_t* q, int64_t n, int64_t g,
+                                      const void* scales, int64_t bf16, float* y, float* row_sq, float* col_sq) {
+  return guarded([&] {
+    w4a8_reference(x, m, k, q, n, g, scales, bf16 != 0, y, row_sq, col_sq);
+    return int64_t{0};
+  });
+}
