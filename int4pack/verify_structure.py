@@ -241,7 +241,9 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
             if t.packed.group(m) != t.group_for(m):
                 problems.add(f"{m}.{SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
                                                  f"for the module is {t.group_for(m)} (-1: channel)")
-            _check_values(m, f"{m}.{SUFFIX}", f"{m}.{SUFFIX} (scales)", dec[0], dec[1], problems, counts)
+            # a blob's values are 4-bit fields minus 8: in [-8, 7] by construction, no range to check
+            _check_values(m, f"{m}.{SUFFIX}", f"{m}.{SUFFIX} (scales)", None, dec[1], problems, counts,
+                          dec[0].numel())
         return
     if m in t.views:
         _check_view(t, m, problems, counts)
@@ -329,9 +331,11 @@ def _blob_check_problem(t: Target, m: str) -> str | None:
 def _check_values(m: str, wn: str, sn: str, q, s: torch.Tensor, problems: Problems, counts: dict,
                   numel: int = 0) -> None:
     """q: the int4 values, or (min, max) of the int8 tensor ``wn`` (of ``numel`` values) as the
-    shard scan found them."""
+    shard scan found them, or None for values that cannot leave [-8, 7] (``numel`` of them)."""
     vk = _ext.load("verify_kernels")
-    if isinstance(q, tuple):
+    if q is None:
+        lo, hi = -8, 7
+    elif isinstance(q, tuple):
         lo, hi = q
     elif vk is not None and q.dtype == torch.int8 and q.is_contiguous():
         lo, hi = vk.int8_range(q)
@@ -348,7 +352,7 @@ def _check_values(m: str, wn: str, sn: str, q, s: torch.Tensor, problems: Proble
     elif float(s.min()) <= 0:
         problems.add(m, f"{sn}: {int((s <= 0).sum())} scale(s) <= 0 (symmetric scales must be positive)")
     counts["modules"] += 1
-    counts["int_values"] += numel if isinstance(q, tuple) else q.numel()
+    counts["int_values"] += numel if q is None or isinstance(q, tuple) else q.numel()
 
 
 def _check_layers(t: Target, problems: Problems) -> None:
