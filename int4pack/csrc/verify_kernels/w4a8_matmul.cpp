@@ -33,13 +33,6 @@
 namespace i4p {
 namespace {
 
-inline float bf16_to_f32(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float v;
-  std::memcpy(&v, &wide, 4);
-  return v;
-}
-
 // One input row as torch quantises it: the int8 values, the zero point and 1 / scale. torch's two
 // kernels add the zero point's two error terms in different orders; `channel` picks the one.
 void quantize_row(const float* x, int64_t K, bool channel, int8_t* q, int32_t* zp_out, float* recip_out) {
@@ -74,32 +67,36 @@ struct Rows {  // the quantised input rows
   std::vector<int32_t> qsum;  // [M, nb]: sum of q over each block
 };
 
-// the (uint32, wrapping as torch's int32) integer sum of row m and weight row n over block b, from
-// sum q w (qw) and sum w (ws) of that block
-inline __attribute__((always_inline)) int32_t block_sum(const Rows& r, int64_t m, int64_t b, uint32_t qw,
-                                                        uint32_t ws) {
-  const uint32_t zp = static_cast<uint32_t>(r.zp[m]);
-  const uint32_t v =
-      qw - 8u * static_cast<uint32_t>(r.qsum[m * r.nb + b]) - zp * (ws - 8u * static_cast<uint32_t>(r.bl));
-  int32_t out;
-  std::memcpy(&out, &v, 4);
-  return out;
-}
-
-inline __attribute__((always_inline)) float scale_at(const void* scales, bool bf16, int64_t i) {
-  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[i]) : static_cast<const float*>(scales)[i];
-}
-
-// torch's float steps for weight row n, given the integer sums of every (input row, block): qw [M, nb], ws [nb]
+// torch's float steps for weight row n, given the integer sums of every (input row, block): qw [M, nb]
+// (sum q w), ws [nb] (sum w). The block sums are (uint32, wrapping as torch's int32)
+// sum q w - 8 sum q - zp (sum w - 8 bl); their products with the scales are independent (the
+// compiler vectorises them), and only their sum runs block after block, as torch's. sc, part: nb floats.
 inline __attribute__((always_inline)) void finish_row(const Rows& r, const uint32_t* qw, const uint32_t* ws,
-                                                      const void* scales, bool bf16, int64_t n, int64_t N, float* y) {
-  const bool channel = r.bl == r.K;
+                                                      const void* scales, bool bf16, int64_t n, int64_t N, float* y,
+                                                      float* sc, float* part) {
+  const int64_t nb = r.nb;
+  if (bf16) {
+    const uint16_t* s16 = static_cast<const uint16_t*>(scales) + n * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint32_t wide = static_cast<uint32_t>(s16[b]) << 16;
+      std::memcpy(&sc[b], &wide, 4);
+    }
+  } else {
+    std::memcpy(sc, static_cast<const float*>(scales) + n * nb, 4 * nb);
+  }
+  const uint32_t len8 = 8u * static_cast<uint32_t>(r.bl);
   for (int64_t m = 0; m < r.M; ++m) {
-    float acc = 0.0f;
-    for (int64_t b = 0; b < r.nb; ++b) {
-      const float s = scale_at(scales, bf16, n * r.nb + b);
-      const float part = static_cast<float>(block_sum(r, m, b, qw[m * r.nb + b], ws[b])) * s;
-      acc = channel ? part : acc + part;
+    const uint32_t* qm = qw + m * nb;
+    const int32_t* qs = r.qsum.data() + m * nb;
+    const uint32_t zp = static_cast<uint32_t>(r.zp[m]);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint32_t v = qm[b] - 8u * static_cast<uint32_t>(qs[b]) - zp * (ws[b] - len8);
+      part[b] = static_cast<float>(static_cast<int32_t>(v)) * sc[b];
+    }
+    float acc = part[0];  // channelwise: the one product; groupwise: 0 + the first, as torch starts
+    if (r.bl != r.K) {
+      acc = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) acc = acc + part[b];
     }
     float v = acc * r.recip[m];
     v = std::max(v, -FLT_MAX);
@@ -112,6 +109,7 @@ inline __attribute__((always_inline)) void finish_row(const Rows& r, const uint3
 void rows_portable(const Rows& r, const int8_t* q, const void* scales, bool bf16, int64_t N, int64_t n0, int64_t n1,
                    float* y) {
   std::vector<uint32_t> qw(r.M * r.nb), ws(r.nb);
+  std::vector<float> sc(r.nb), part(r.nb);
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* w = q + n * r.K;
     for (int64_t b = 0; b < r.nb; ++b) {
@@ -126,7 +124,7 @@ void rows_portable(const Rows& r, const int8_t* q, const void* scales, bool bf16
         qw[m * r.nb + b] = a;
       }
     }
-    finish_row(r, qw.data(), ws.data(), scales, bf16, n, N, y);
+    finish_row(r, qw.data(), ws.data(), scales, bf16, n, N, y, sc.data(), part.data());
   }
 }
 
@@ -138,57 +136,102 @@ __attribute__((target("avx2"), always_inline)) inline uint32_t hsum32(__m256i v)
   return static_cast<uint32_t>(_mm_cvtsi128_si32(s));
 }
 
-// rows_portable in AVX2: 32 nibbles a step, up to 8 steps summed in int16 (|8 * 2 * 15 * 128| <
-// 2^15) before they are widened to int32; input rows 8 at a time (the nibbles made again for each
-// 8); a block's last len % 32 values in scalar.
-__attribute__((target("avx2"))) void rows_avx2(const Rows& r, const int8_t* q, const void* scales, bool bf16,
-                                              int64_t N, int64_t n0, int64_t n1, float* y) {
+// the sums of 4 vectors of 8 int32 (wrapping): [sum a, sum b, sum c, sum d]
+__attribute__((target("avx2"), always_inline)) inline __m128i hsum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i abcd = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+// One weight row's block (its first bl / 32 * 32 values; wb points at the block) against input rows
+// [m0, m0 + mt): acc[j * stride] += 8 lanes of sum q w of row m0 + j; with `with_ws`, *wsum += 8 lanes
+// of sum w. 32 nibbles a step, up to 8 steps summed in int16 (|8 * 2 * 15 * 128| < 2^15) before
+// they are widened to int32.
+__attribute__((target("avx2"), always_inline)) inline void block_sums(const Rows& r, const int8_t* wb, int64_t b,
+                                                                     int64_t m0, int mt, bool with_ws, __m256i* acc,
+                                                                     int stride, __m256i* wsum) {
   const __m256i eight = _mm256_set1_epi8(8), fifteen = _mm256_set1_epi8(15), ones8 = _mm256_set1_epi8(1);
   const __m256i ones16 = _mm256_set1_epi16(1);
-  const int64_t bl = r.bl, steps = bl / 32;
-  std::vector<uint32_t> qw(r.M * r.nb), ws(r.nb);
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* w = q + n * r.K;
-    for (int64_t b = 0; b < r.nb; ++b) {
-      const int8_t* wb = w + b * bl;
-      for (int64_t m0 = 0; m0 < r.M; m0 += 8) {
-        const int mt = static_cast<int>(std::min<int64_t>(8, r.M - m0));
-        __m256i acc[8], wsum = _mm256_setzero_si256();
-        for (int i = 0; i < mt; ++i) acc[i] = _mm256_setzero_si256();
-        for (int64_t s0 = 0; s0 < steps; s0 += 8) {
-          const int ns = static_cast<int>(std::min<int64_t>(8, steps - s0));
-          __m256i u[8];
-          __m256i ws16 = _mm256_setzero_si256();
-          for (int i = 0; i < ns; ++i) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * (s0 + i)));
-            u[i] = _mm256_and_si256(_mm256_add_epi8(v, eight), fifteen);
-            if (m0 == 0) ws16 = _mm256_add_epi16(ws16, _mm256_maddubs_epi16(u[i], ones8));
-          }
-          if (m0 == 0) wsum = _mm256_add_epi32(wsum, _mm256_madd_epi16(ws16, ones16));
-          for (int j = 0; j < mt; ++j) {
-            const int8_t* x = r.q.data() + (m0 + j) * r.K + b * bl + 32 * s0;
-            __m256i p = _mm256_maddubs_epi16(u[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-            for (int i = 1; i < ns; ++i)
-              p = _mm256_add_epi16(
-                  p, _mm256_maddubs_epi16(u[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i))));
-            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(p, ones16));
-          }
-        }
+  const int64_t steps = r.bl / 32;
+  for (int64_t s0 = 0; s0 < steps; s0 += 8) {
+    const int ns = static_cast<int>(std::min<int64_t>(8, steps - s0));
+    __m256i u[8];
+    __m256i ws16 = _mm256_setzero_si256();
+    for (int i = 0; i < ns; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * (s0 + i)));
+      u[i] = _mm256_and_si256(_mm256_add_epi8(v, eight), fifteen);
+      if (with_ws) ws16 = _mm256_add_epi16(ws16, _mm256_maddubs_epi16(u[i], ones8));
+    }
+    if (with_ws) *wsum = _mm256_add_epi32(*wsum, _mm256_madd_epi16(ws16, ones16));
+    for (int j = 0; j < mt; ++j) {
+      const int8_t* x = r.q.data() + (m0 + j) * r.K + b * r.bl + 32 * s0;
+      __m256i p = _mm256_maddubs_epi16(u[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+      for (int i = 1; i < ns; ++i)
+        p = _mm256_add_epi16(
+            p, _mm256_maddubs_epi16(u[i], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * i))));
+      acc[j * stride] = _mm256_add_epi32(acc[j * stride], _mm256_madd_epi16(p, ones16));
+    }
+  }
+}
+
+// a block's last bl % 32 values (channelwise K only) of weight row wb, added in scalar
+inline void block_tail(const Rows& r, const int8_t* wb, int64_t b, uint32_t* qw, uint32_t* ws) {
+  const int64_t k0 = r.bl / 32 * 32;
+  if (k0 == r.bl) return;
+  for (int64_t k = k0; k < r.bl; ++k) ws[b] += static_cast<uint32_t>((wb[k] + 8) & 15);
+  for (int64_t m = 0; m < r.M; ++m) {
+    const int8_t* x = r.q.data() + m * r.K + b * r.bl;
+    for (int64_t k = k0; k < r.bl; ++k)
+      qw[m * r.nb + b] += static_cast<uint32_t>(static_cast<int32_t>(x[k]) * ((wb[k] + 8) & 15));
+  }
+}
+
+// rows_portable in AVX2: weight rows 4 at a time (their 8-lane sums reduced together), input rows 8
+// at a time (the nibbles made again for each 8), the rows past a multiple of 4 one at a time.
+__attribute__((target("avx2"))) void rows_avx2(const Rows& r, const int8_t* q, const void* scales, bool bf16,
+                                              int64_t N, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = r.nb, M = r.M;
+  std::vector<uint32_t> qw(4 * M * nb), ws(4 * nb);
+  std::vector<float> sc(nb), part(nb);
+  alignas(16) uint32_t four[4];
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int mt = static_cast<int>(std::min<int64_t>(8, M - m0));
+        __m256i acc[8 * 4], wsum[4];
+        for (int i = 0; i < 4 * mt; ++i) acc[i] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) wsum[i] = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i)
+          block_sums(r, q + (n + i) * r.K + b * r.bl, b, m0, mt, m0 == 0, acc + i, 4, wsum + i);
         if (m0 == 0) {
-          uint32_t s = hsum32(wsum);
-          for (int64_t k = 32 * steps; k < bl; ++k) s += static_cast<uint32_t>((wb[k] + 8) & 15);
-          ws[b] = s;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(four), hsum4(wsum[0], wsum[1], wsum[2], wsum[3]));
+          for (int i = 0; i < 4; ++i) ws[i * nb + b] = four[i];
         }
         for (int j = 0; j < mt; ++j) {
-          uint32_t a = hsum32(acc[j]);
-          const int8_t* x = r.q.data() + (m0 + j) * r.K + b * bl;
-          for (int64_t k = 32 * steps; k < bl; ++k)
-            a += static_cast<uint32_t>(static_cast<int32_t>(x[k]) * ((wb[k] + 8) & 15));
-          qw[(m0 + j) * r.nb + b] = a;
+          const __m256i* a = acc + 4 * j;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(four), hsum4(a[0], a[1], a[2], a[3]));
+          for (int i = 0; i < 4; ++i) qw[(i * M + m0 + j) * nb + b] = four[i];
         }
       }
+      for (int i = 0; i < 4; ++i) block_tail(r, q + (n + i) * r.K + b * r.bl, b, &qw[i * M * nb], &ws[i * nb]);
     }
-    finish_row(r, qw.data(), ws.data(), scales, bf16, n, N, y);
+    for (int i = 0; i < 4; ++i)
+      finish_row(r, &qw[i * M * nb], &ws[i * nb], scales, bf16, n + i, N, y, sc.data(), part.data());
+  }
+  for (; n < n1; ++n) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* wb = q + n * r.K + b * r.bl;
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        const int mt = static_cast<int>(std::min<int64_t>(8, M - m0));
+        __m256i acc[8], wsum = _mm256_setzero_si256();
+        for (int j = 0; j < mt; ++j) acc[j] = _mm256_setzero_si256();
+        block_sums(r, wb, b, m0, mt, m0 == 0, acc, 1, &wsum);
+        if (m0 == 0) ws[b] = hsum32(wsum);
+        for (int j = 0; j < mt; ++j) qw[(m0 + j) * nb + b] = hsum32(acc[j]);
+      }
+      block_tail(r, wb, b, qw.data(), ws.data());
+    }
+    finish_row(r, qw.data(), ws.data(), scales, bf16, n, N, y, sc.data(), part.data());
   }
 }
 
