@@ -101,6 +101,15 @@ class VerifyKernels(_Lib):
                    int(scales.dtype == torch.bfloat16), _ptr(out), threads, int(bool(simd)))
         return out
 
+    @staticmethod
+    def _sums(a: torch.Tensor | None, b: torch.Tensor | None, na: int, nb: int) -> None:
+        """Squared-weight sums: float32 [na] and [nb] (None: not asked for)."""
+        for name, t, size in (("row sums", a, na), ("column sums", b, nb)):
+            if t is not None:
+                _need(t, name, torch.float32, 1)
+                if t.numel() != size:
+                    raise RuntimeError(f"{name} must hold {size} floats")
+
     def w4a8_matmul_avx2(self) -> bool:
         """True where ``w4a8_matmul`` runs its AVX2 loops (x86-64 with AVX2)."""
         return bool(self._lib.i4p_w4a8_matmul_avx2())
@@ -119,11 +128,7 @@ class VerifyKernels(_Lib):
         ng = scales.shape[1]
         if ng < 1 or k % ng:
             raise RuntimeError(f"w4a8_reference: {ng} groups do not divide K={k}")
-        for name, t, size in (("row_sq", row_sq, n), ("col_sq", col_sq, k)):
-            if t is not None:
-                _need(t, name, torch.float32, 1)
-                if t.numel() != size:
-                    raise RuntimeError(f"w4a8_reference: {name} must hold {size} floats")
+        self._sums(row_sq, col_sq, n, k)
         if out is None:
             out = torch.empty(m, n, dtype=torch.float32)
         _need(out, "out", torch.float32)
@@ -131,4 +136,22 @@ class VerifyKernels(_Lib):
             raise RuntimeError(f"w4a8_reference: out must be [{m}, {n}]")
         self._call("i4p_w4a8_reference", _ptr(x), m, k, _ptr(q), n, k // ng, _ptr(scales),
                    int(scales.dtype == torch.bfloat16), _ptr(out), _ptr(row_sq), _ptr(col_sq))
+        return out
+
+    def act_noise(self, x: torch.Tensor, y13: torch.Tensor, act: torch.Tensor, sq13: torch.Tensor,
+                  sq2: torch.Tensor, kind: int) -> torch.Tensor:
+        """``moe.propagated_noise(x, y13, act, sq13, sq2, H, kind)`` (activations on, no weight term) in
+        one call: x [M, H], y13 [M, 2I], act [M, I], sq13 [2I], sq2 [I], all float32 -> [M] (sums in double)."""
+        _need(x, "x", torch.float32)
+        _need(y13, "y13", torch.float32)
+        _need(act, "act", torch.float32)
+        m, h = x.shape
+        i = act.shape[1]
+        if tuple(y13.shape) != (m, 2 * i) or act.shape[0] != m:
+            raise RuntimeError(f"act_noise: y13 {list(y13.shape)} and act {list(act.shape)} for {m} rows")
+        if sq13 is None or sq2 is None:
+            raise RuntimeError("act_noise: both squared-weight sums are needed")
+        self._sums(sq13, sq2, 2 * i, i)
+        out = torch.empty(m, dtype=torch.float32)
+        self._call("i4p_act_noise", _ptr(x), m, h, _ptr(y13), _ptr(act), i, _ptr(sq13), _ptr(sq2), kind, _ptr(out))
         return out

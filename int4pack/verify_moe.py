@@ -132,8 +132,13 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     sq13, sq2 = bufs.sq13, bufs.sq2
                 else:
                     sq13, sq2 = (w13c * w13c).sum(1), (w2c * w2c).sum(0)
-                out["act_var"] = moe_mod.propagated_noise(xe.float(), y13, act, sq13, sq2, hidden,
-                                                          t.activation) * g2
+                if vk is not None:  # one call without the GIL: 16 threads queue for it on small torch ops
+                    out["act_var"] = vk.act_noise(xe.float().contiguous(), y13.contiguous(), act.contiguous(),
+                                                  sq13.float().contiguous(), sq2.float().contiguous(),
+                                                  t.activation) * g2
+                else:
+                    out["act_var"] = moe_mod.propagated_noise(xe.float(), y13, act, sq13, sq2, hidden,
+                                                              t.activation) * g2
                 if src is not None:
                     out["w_var"] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
                                                         weight_var=wv) * g2

@@ -165,6 +165,26 @@ def test_reference_from_int4_values_is_a_float_matmul_on_the_dequantised_weights
         vk.w4a8_reference(x[:, :-2].contiguous(), q, s)
 
 
+@pytest.mark.parametrize("kind", [0, 1, 2])
+def test_act_noise_is_the_propagated_noise_formula(kind):
+    """The C++ prediction against moe.propagated_noise (torch, float32 sums): the same formula, sums in
+    double instead of float32 over I = 48 terms and exp in another library: agree within 1e-5."""
+    vk = _ext.load("verify_kernels")
+    gen = torch.Generator().manual_seed(kind)
+    m, h, i = 6, 64, 48
+    x = torch.randn(m, h, generator=gen)
+    x[0] = x[0].abs()  # a row without negative values: the step's min(0, min x) is 0
+    y13 = torch.randn(m, 2 * i, generator=gen) * 5  # past the SwiGLU clamps at +-7 too
+    act = moe.activation(y13[:, :i], y13[:, i:], kind).contiguous()
+    sq13, sq2 = torch.rand(2 * i, generator=gen), torch.rand(i, generator=gen)
+    got = vk.act_noise(x, y13, act, sq13, sq2, kind)
+    want = moe.propagated_noise(x, y13, act, sq13, sq2, h, kind)
+    assert got.shape == (m,) and (want > 0).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    with pytest.raises(RuntimeError):
+        vk.act_noise(x, y13[:, :-2].contiguous(), act, sq13, sq2, kind)
+
+
 @pytest.mark.parametrize("kind", [0, 1])
 @pytest.mark.parametrize("activations, weight_var", [(True, None), (False, [1e-4, 2e-4, 3e-4]), (True, [1e-4, 0, 5e-5])])
 def test_expert_noise_equals_the_squared_matrix_form(kind, activations, weight_var):

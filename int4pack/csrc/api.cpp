@@ -28,6 +28,8 @@ void dequant_sq(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* sc
 void w4a8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N, int64_t bl, const void* scales,
                  bool bf16, float* y, int64_t threads, bool simd);
 bool w4a8_matmul_avx2();
+void act_noise(const float* x, int64_t M, int64_t H, const float* y13, const float* act, int64_t I,
+               const float* sq13, const float* sq2, int64_t kind, float* out);
 void w4a8_reference(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N, int64_t g, const void* scales,
                     bool bf16, float* y, float* row_sq, float* col_sq);
 }
@@ -235,6 +237,15 @@ I4P_EXPORT int64_t i4p_w4a8_reference(const float* x, int64_t m, int64_t k, cons
                                       const void* scales, int64_t bf16, float* y, float* row_sq, float* col_sq) {
   return guarded([&] {
     w4a8_reference(x, m, k, q, n, g, scales, bf16 != 0, y, row_sq, col_sq);
+    return int64_t{0};
+  });
+}
+
+// verify's predicted activation-quantisation error of one expert's rows (verify_kernels/noise.cpp)
+I4P_EXPORT int64_t i4p_act_noise(const float* x, int64_t m, int64_t h, const float* y13, const float* act, int64_t i,
+                                 const float* sq13, const float* sq2, int64_t kind, float* out) {
+  return guarded([&] {
+    act_noise(x, m, h, y13, act, i, sq13, sq2, kind, out);
     return int64_t{0};
   });
 }
