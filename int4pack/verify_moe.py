@@ -65,10 +65,10 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
         with kernels.threads_here(1):
             bufs = _ExpertBuffers.of(t, slot, g, vk, buffers.get())
             # without a source the float weights are only multiplied: the reference reads the int4 values
-            fused = bufs is not None and src is None
+            from_int4 = bufs is not None and src is None
             if bufs is not None:  # each weight read or decoded once, into this thread's buffers
                 with clock("read"):
-                    bufs.fill(t, slot, dequant=not fused)
+                    bufs.fill(t, slot, dequant=not from_int4)
                 w13c, w2c = bufs.w13, bufs.w2
                 cw = {"gate": w13c[:bufs.inter], "up": w13c[bufs.inter:], "down": w2c}
             else:
@@ -116,7 +116,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 out["stats"] = st
                 wv = [st[r]["budget"] ** 2 * sum_sq(sw[r]) / sw[r].numel() for r in ("gate", "up", "down")]
             with clock("reference"):  # moe.expert_forward's operations, its y13 and act kept for the prediction
-                if fused:  # and the squared weight sums on the way
+                if from_int4:  # and the squared weight sums on the way
                     y13 = vk.w4a8_reference(xe.float().contiguous(), bufs.q13, bufs.s13, row_sq=bufs.sq13)
                     act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation).contiguous()
                     out["c"] = vk.w4a8_reference(act, bufs.q2, bufs.s2, col_sq=bufs.sq2)
