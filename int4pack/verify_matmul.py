@@ -7,7 +7,7 @@ activations, int4 weights with group scales; 2-3 ns per weight and row on a 2-co
 that takes a float32 buffer of the weights made on the fly from the same int4 values the
 references use. The twin (``csrc/verify_kernels/w4a8_matmul.cpp``, AVX2 where the CPU has it) does
 that kernel's arithmetic on the int4 values and scales themselves, with no buffer: the same bits
-out (tests/test_verify_matmul.py compares it with torch's op), 14-37x faster on 1-8 rows of a
+out (tests/test_verify_matmul.py compares it with torch's op), 10-37x faster on 1-8 rows of a
 Qwen3-30B-A3B expert. ``INT4PACK_VERIFY_MATMUL=torch`` runs torch's op instead.
 """
 
