@@ -69,7 +69,8 @@ def load(name: str):
         if name in _loaded or _error is not None:
             return _loaded.get(name)
         try:
-            from . import _native  # here: it imports torch and numpy, which a plan-only run does without
+            # here: they import torch and numpy, which a plan-only run does without
+            from . import _native, _native_verify
 
             lib = _native.open_library(library_path())
         except (OSError, RuntimeError, AttributeError) as e:
@@ -78,7 +79,7 @@ def load(name: str):
             return None
         _loaded["convert_kernels"] = _native.ConvertKernels(lib)
         _loaded["kleidiai_pack"] = _native.KleidiaiPack(lib)
-        _loaded["verify_kernels"] = _native.VerifyKernels(lib)
+        _loaded["verify_kernels"] = _native_verify.VerifyKernels(lib)
         return _loaded[name]
 
 

@@ -57,6 +57,10 @@ _SIGNATURES = {
     "i4p_scales_to_float": ([_p, _i, _i, _i, _i, _p], _i),
     "i4p_kleidiai_verify_blob": ([_p, _i, _i, _i, _i, _i, _p, _p, _p, _p, _p, _i], _i),
     "i4p_dequant_sq": ([_p, _i, _i, _i, _p, _i, _p, _p, _p], _i),
+    "i4p_w4a8_matmul": ([_p, _i, _i, _p, _i, _i, _p, _i, _p, _i, _i], _i),
+    "i4p_w4a8_matmul_avx2": ([], _i),
+    "i4p_w4a8_reference": ([_p, _i, _i, _p, _i, _i, _p, _i, _p, _p, _p], _i),
+    "i4p_act_noise": ([_p, _i, _i, _p, _p, _i, _p, _p, _i, _p], _i),
 }
 
 
@@ -390,71 +394,3 @@ class KleidiaiPack(_Lib):
         hexes = [f"{crcs[0]:08x}"] + ([None] * 3 if bad & 63 else
                                       [f"{crcs[1]:08x}", f"{crcs[2]:08x}", f"{crcs[3]:08x}" if has_bias else None])
         return bad, hexes, q, scales, (bias if has_bias else None)
-
-
-class VerifyKernels(_Lib):
-    """Whole-matrix helpers of verify (csrc/kleidiai_pack/kleidiai_unpack.cpp)."""
-
-    def int8_range(self, q: torch.Tensor, threads: int = 1) -> tuple[int, int]:
-        _need(q, "q", torch.int8, None)
-        out = torch.zeros(2, dtype=torch.int64)
-        self._call("i4p_int8_range", _ptr(q), q.numel(), threads, out.data_ptr())
-        return int(out[0]), int(out[1])
-
-    @staticmethod
-    def _scales(scales: torch.Tensor, n: int) -> None:
-        if scales.dtype not in (torch.float32, torch.bfloat16) or not scales.is_contiguous() or \
-                scales.dim() != 2 or scales.shape[0] != n:
-            raise RuntimeError(f"scales: expected contiguous fp32 or bf16 [N={n}, G], got {scales.dtype} "
-                               f"{list(scales.shape)}")
-
-    def dequant(self, q: torch.Tensor, scales: torch.Tensor, threads: int = 1) -> torch.Tensor:
-        """float32 [N, K] = q * the scale of each value's group (groups of K / scales.shape[1])."""
-        _need(q, "q", torch.int8)
-        n, k = q.shape
-        self._scales(scales, n)
-        ng = scales.shape[1]
-        if ng < 1 or k % ng:
-            raise RuntimeError(f"dequant: {ng} groups do not divide K={k}")
-        out = torch.empty(n, k, dtype=torch.float32)
-        self._call("i4p_dequant_w4a8", _ptr(q), n, k, k // ng, _ptr(scales), int(scales.dtype == torch.bfloat16),
-                   _ptr(out), threads)
-        return out
-
-    def dequant_sq(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, row_sq: torch.Tensor | None = None,
-                   col_sq: torch.Tensor | None = None) -> torch.Tensor:
-        """``dequant`` into ``out`` (float32 [N, K]), one thread, and where given row_sq [N] = sum over K of
-        out^2 and col_sq [K] = sum over N of out^2 (in double, rounded once)."""
-        _need(q, "q", torch.int8)
-        n, k = q.shape
-        self._scales(scales, n)
-        ng = scales.shape[1]
-        if ng < 1 or k % ng:
-            raise RuntimeError(f"dequant_sq: {ng} groups do not divide K={k}")
-        _need(out, "out", torch.float32)
-        for name, t, size in (("row_sq", row_sq, n), ("col_sq", col_sq, k)):
-            if t is not None:
-                _need(t, name, torch.float32, 1)
-                if t.numel() != size:
-                    raise RuntimeError(f"dequant_sq: {name} must hold {size} floats")
-        if tuple(out.shape) != (n, k):
-            raise RuntimeError(f"dequant_sq: out must be [{n}, {k}]")
-        self._call("i4p_dequant_sq", _ptr(q), n, k, k // ng, _ptr(scales), int(scales.dtype == torch.bfloat16),
-                   _ptr(out), _ptr(row_sq), _ptr(col_sq))
-        return out
-
-    def ref_pack(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None,
-                 threads: int = 1) -> torch.Tensor:
-        """torch's float32 reference layout of (q, scales) (moe._fallback_pack's)."""
-        _need(q, "q", torch.int8)
-        n, k = q.shape
-        self._scales(scales, n)
-        size = n * k // 2 + scales.numel()
-        if out is None:
-            out = torch.empty(size, dtype=torch.float32)
-        _need(out, "out", torch.float32, 1)
-        if out.numel() != size or k % 2:
-            raise RuntimeError(f"ref_pack: out must hold {size} floats and K must be even")
-        self._call("i4p_ref_pack", _ptr(q), n, k, _ptr(scales), int(scales.dtype == torch.bfloat16),
-                   scales.numel(), _ptr(out), threads)
-        return out

@@ -123,12 +123,21 @@ class MoeRun:
 
     def expert(self, e: int, w13, w2) -> None:
         """Expert e's rows through its packed w13 and w2 (nothing to do when no token chose it)."""
+        mm = torch.ops.aten._dyn_quant_matmul_4bit
+        self._run(e, lambda x: mm(x, w13, self.g13, self.hidden, 2 * self.inter),
+                  lambda a: mm(a, w2, self.g2, self.inter, self.hidden))
+
+    def expert_with(self, e: int, matmul, w13, w2) -> None:
+        """``expert`` through another matmul: ``matmul(x, q, scales, block)`` computing what torch's op
+        computes on ``pack_for_matmul(q, scales)``, given w13 and w2 as (int4 values, scales)."""
+        self._run(e, lambda x: matmul(x, *w13, self.g13), lambda a: matmul(a, *w2, self.g2))
+
+    def _run(self, e: int, mm13, mm2) -> None:
         b, n = self.begin[e], self.counts[e]
         if n:
-            mm = torch.ops.aten._dyn_quant_matmul_4bit
-            y13 = mm(self.x_all[b:b + n].contiguous(), w13, self.g13, self.hidden, 2 * self.inter)
+            y13 = mm13(self.x_all[b:b + n].contiguous())
             act = activation(y13[:, :self.inter], y13[:, self.inter:], self.kind)
-            self.y_all[b:b + n] = mm(act.contiguous(), w2, self.g2, self.inter, self.hidden)
+            self.y_all[b:b + n] = mm2(act.contiguous())
 
     def finish(self) -> torch.Tensor:
         y_all = self.y_all if self.on_input else self.y_all * self.gates

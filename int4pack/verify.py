@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from . import verify_matmul
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError
 from .serve_spec import KLEIDIAI, PLAIN
@@ -78,6 +79,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         raise UsageError(f"--experts {experts}: must be at least 1")
     if tokens is not None and tokens < 1:
         raise UsageError(f"--tokens {tokens}: must be at least 1")
+    verify_matmul.setting()  # a bad INT4PACK_VERIFY_MATMUL is a usage error before any work
     folder = resolve_source(out, revision=revision)
     if not (Path(folder) / "config.json").is_file():
         raise InputError(f"{folder}: no config.json", path=str(folder))

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from . import kernels
+from . import _ext, kernels, verify_matmul
 from . import moe as moe_mod
 from .errors import InputError
 from .groups import block
@@ -27,22 +27,39 @@ def check_linear(t: Target, m: str, src: Source | None, report, x: torch.Tensor,
 
 def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, clock) -> dict:
     res: dict = {"module": m, "kind": "dense", "problems": []}
+    vk = _ext.load("verify_kernels")
     with clock("read"):
         q, s, g = t.weight(m)
-        w_c = dequantize_w4a8(q, s, g)
+        # without a source the float weights are only multiplied: the reference reads the int4 values
+        direct = src is None and vk is not None and x.dtype == torch.float32 and q.dim() == 2 \
+            and verify_matmul.fits(q, s, block(q.shape[1], g))
+        w_c = None if direct else dequantize_w4a8(q, s, g)
     n, k = q.shape
     if x.shape[1] != k:
         raise InputError(f"{m}: K={k} in its weights, {x.shape[1]} recorded", tensor=m)
-    with clock("pack"):
-        wp = t.blob(m)
-        if wp is None:
-            wp = moe_mod.pack_for_matmul(q, s, g)
-    with clock("kernel"):
-        y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, block(k, g), k, n)
+    twin = verify_matmul.twin() if t.blob(m) is None and x.dtype == torch.float32 else None
+    if twin is not None and verify_matmul.fits(q, s, block(k, g)):  # torch's reference kernel's twin
+        with clock("kernel"):
+            y_k = verify_matmul.matmul(twin, x, q, s, block(k, g))
+        res["matmul"] = verify_matmul.TWIN
+    else:
+        with clock("pack"):
+            wp = t.blob(m)
+            if wp is None:
+                wp = moe_mod.pack_for_matmul(q, s, g)
+        with clock("kernel"):
+            y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, block(k, g), k, n)
+        res["matmul"] = verify_matmul.TORCH
     with clock("reference"):
-        y_c = x @ w_c.t()
+        if direct:
+            rows = torch.empty(n)
+            y_c = vk.w4a8_reference(x.contiguous(), q.contiguous(), s.contiguous().reshape(n, -1), row_sq=rows)
+            w_sq = math.fsum(rows.double().tolist())
+        else:
+            y_c = x @ w_c.t()
+            w_sq = sum_sq(w_c)
     step2 = moe_mod.int8_step(x) ** 2 / 12
-    act_pred = math.sqrt(float(step2.sum()) * sum_sq(w_c)) / max(float(y_c.double().norm()), 1e-30)
+    act_pred = math.sqrt(float(step2.sum()) * w_sq) / max(float(y_c.double().norm()), 1e-30)
     act_rel = rel(y_k, y_c)
     res.update(act_rel=act_rel, act_pred=act_pred, act_ratio=act_rel / act_pred if act_pred else None)
     if act_rel > K_ACT * act_pred + ABS_FLOOR:

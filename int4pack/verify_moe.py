@@ -5,10 +5,11 @@ with a source, on the source's own dequantised weights; the errors against their
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
-from . import _ext, kernels
+from . import _ext, kernels, verify_matmul
 from . import moe as moe_mod
 from .verify_pool import PerThread, parallel
 from .verify_source import Source, weights_vs_source
@@ -29,7 +30,6 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     n_tok = x.shape[0]
 
     use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None
-    res["weights"] = "the checkpoint's KleidiAI blobs" if use_blobs else "packed on the fly"
     hidden = x.shape[1]
     k_slots = ids.shape[1]
     slots_c = torch.zeros(n_tok, k_slots, hidden)
@@ -43,6 +43,11 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     none = torch.empty(e_s, 1)
     moe_mod._check(x, ids, wts, none, none, hidden, inter, g, t.activation)  # moe_forward's own checks
     kernel = moe_mod.MoeRun(x, ids, wts, e_s, hidden, inter, g, False, t.activation)
+    # where torch's op is not KleidiAI, its reference kernel's twin on the int4 values (verify_matmul)
+    twin = verify_matmul.twin() if not use_blobs and kernel.cdt == torch.float32 else None
+    res["weights"] = ("the checkpoint's KleidiAI blobs" if use_blobs else
+                      "the int4 values as read" if twin is not None else "packed on the fly")
+    ran: set[str] = set()  # which matmul ran, per expert (the twin unless an expert's weights do not fit it)
 
     vk = _ext.load("verify_kernels")
     buffers = work if work is not None else PerThread(dict)
@@ -59,9 +64,11 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
         g2 = wts[tt, jj] ** 2
         with kernels.threads_here(1):
             bufs = _ExpertBuffers.of(t, slot, g, vk, buffers.get())
+            # without a source the float weights are only multiplied: the reference reads the int4 values
+            from_int4 = bufs is not None and src is None
             if bufs is not None:  # each weight read or decoded once, into this thread's buffers
                 with clock("read"):
-                    bufs.fill(t, slot)
+                    bufs.fill(t, slot, dequant=not from_int4)
                 w13c, w2c = bufs.w13, bufs.w2
                 cw = {"gate": w13c[:bufs.inter], "up": w13c[bufs.inter:], "down": w2c}
             else:
@@ -69,16 +76,25 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     qs = {r: t.weight(m) for r, m in slot.items()}
                     cw = {r: dequantize_w4a8(*qs[r]) for r in slot}
                 w13c, w2c = torch.cat([cw["gate"], cw["up"]]), cw["down"]
-            if use_blobs:
+            w13q = w2q = None  # (int4 values, scales) for the twin
+            if twin is not None:
+                if bufs is not None:
+                    w13q, w2q = (bufs.q13, bufs.s13), (bufs.q2, bufs.s2)
+                else:
+                    (qg, sg, _), (qu, su, _), (qd, sd, _) = (qs[r] for r in ("gate", "up", "down"))
+                    w13q, w2q = (torch.cat([qg, qu]), torch.cat([sg, su])), (qd, sd)
+                if not (verify_matmul.fits(*w13q, kernel.g13) and verify_matmul.fits(*w2q, kernel.g2)):
+                    w13q = w2q = None
+            if w13q is None and use_blobs:
                 # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: blobs.py)
                 with clock("read"):
                     w13p = torch.cat([t.blob(slot["gate"]), t.blob(slot["up"])])
                     w2p = t.blob(slot["down"])
-            elif bufs is not None:
+            elif w13q is None and bufs is not None:
                 with clock("pack"):
                     w13p = moe_mod.pack_for_matmul(bufs.q13, bufs.s13, g, out=bufs.p13)
                     w2p = moe_mod.pack_for_matmul(bufs.q2, bufs.s2, g, out=bufs.p2)
-            else:
+            elif w13q is None:
                 (qg, sg, _), (qu, su, _), (qd, sd, _) = (qs[r] for r in ("gate", "up", "down"))
                 with clock("pack"):
                     w13p = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g)
@@ -86,17 +102,28 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             if bufs is None:
                 del qs
             with clock("kernel"):
-                kernel.expert(i, w13p, w2p)
-            del w13p, w2p
+                if w13q is not None:
+                    kernel.expert_with(i, partial(verify_matmul.matmul, twin), w13q, w2q)
+                    out["matmul"] = verify_matmul.TWIN
+                else:
+                    kernel.expert(i, w13p, w2p)
+                    out["matmul"] = verify_matmul.TORCH
+                    del w13p, w2p
+            del w13q, w2q
             if src is not None:
                 cw, sw, probs, st = weights_vs_source(t, src, slot, report, clock, cw)
                 out["problems"] = [f"expert {e}: {p}" for p in probs]
                 out["stats"] = st
                 wv = [st[r]["budget"] ** 2 * sum_sq(sw[r]) / sw[r].numel() for r in ("gate", "up", "down")]
             with clock("reference"):  # moe.expert_forward's operations, its y13 and act kept for the prediction
-                y13 = xe.float() @ w13c.t()
-                act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation)
-                out["c"] = act @ w2c.t()
+                if from_int4:  # and the squared weight sums on the way
+                    y13 = vk.w4a8_reference(xe.float().contiguous(), bufs.q13, bufs.s13, row_sq=bufs.sq13)
+                    act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation).contiguous()
+                    out["c"] = vk.w4a8_reference(act, bufs.q2, bufs.s2, col_sq=bufs.sq2)
+                else:
+                    y13 = xe.float() @ w13c.t()
+                    act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation)
+                    out["c"] = act @ w2c.t()
                 if src is not None:
                     w13s = torch.cat([sw["gate"], sw["up"]])
                     out["s"] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
@@ -105,8 +132,13 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     sq13, sq2 = bufs.sq13, bufs.sq2
                 else:
                     sq13, sq2 = (w13c * w13c).sum(1), (w2c * w2c).sum(0)
-                out["act_var"] = moe_mod.propagated_noise(xe.float(), y13, act, sq13, sq2, w2c.shape[0],
-                                                          t.activation) * g2
+                if vk is not None:  # one call without the GIL: 16 threads queue for it on small torch ops
+                    out["act_var"] = vk.act_noise(xe.float().contiguous(), y13.contiguous(), act.contiguous(),
+                                                  sq13.float().contiguous(), sq2.float().contiguous(),
+                                                  t.activation) * g2
+                else:
+                    out["act_var"] = moe_mod.propagated_noise(xe.float(), y13, act, sq13, sq2, hidden,
+                                                              t.activation) * g2
                 if src is not None:
                     out["w_var"] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
                                                         weight_var=wv) * g2
@@ -118,6 +150,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     for i, (e, r) in enumerate(zip(sampled, parallel(pool, one, list(enumerate(sampled))))):
         tt, jj = r["at"]
         res["problems"] += r["problems"]
+        ran.add(r["matmul"])
         slots_c[tt, jj] = r["c"]
         act_var[tt, jj] = r["act_var"]
         if src is not None:
@@ -128,6 +161,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             tick()
     with clock("kernel"):
         y_k = kernel.finish()
+    res["matmul"] = ", ".join(sorted(ran))
     y_c = (slots_c * wts.unsqueeze(2)).sum(1)
     y_s = (slots_s * wts.unsqueeze(2)).sum(1) if src is not None else y_c
 
@@ -217,10 +251,12 @@ class _ExpertBuffers:
         bufs.vk = vk
         return bufs
 
-    def fill(self, t: Target, slot: dict[str, str]) -> None:
+    def fill(self, t: Target, slot: dict[str, str], dequant: bool = True) -> None:
+        """The expert's int4 values and scales; with ``dequant`` their float32 values and squared sums."""
         i = self.inter
         t.weight_into(slot["gate"], self.q13[:i], self.s13[:i], self.blobs)
         t.weight_into(slot["up"], self.q13[i:], self.s13[i:], self.blobs)
         t.weight_into(slot["down"], self.q2, self.s2, self.blobs)
-        self.vk.dequant_sq(self.q13, self.s13, self.w13, row_sq=self.sq13)
-        self.vk.dequant_sq(self.q2, self.s2, self.w2, col_sq=self.sq2)
+        if dequant:
+            self.vk.dequant_sq(self.q13, self.s13, self.w13, row_sq=self.sq13)
+            self.vk.dequant_sq(self.q2, self.s2, self.w2, col_sq=self.sq2)

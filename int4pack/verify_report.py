@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from . import kleidiai
+from . import verify_matmul
 from .errors import VerifyFailed
 from .serve_spec import BLOB_CHECKS
 from .verify_pool import Clock
@@ -42,9 +42,7 @@ def trust_notes(t: Target, counts: dict, conv_report: dict | None, against: bool
 
 
 def kernel_info() -> dict:
-    # the MoE op is vLLM's algorithm in Python (moe.moe_forward) over torch's matmul op
-    return {"matmul": "kleidiai" if kleidiai.native_kleidiai_available() else "torch reference (x86 fallback)",
-            "moe_op": "python"}
+    return verify_matmul.info()
 
 
 def finish(report: dict, t0: float, clock: Clock, raise_on_failure: bool) -> dict:

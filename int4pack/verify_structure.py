@@ -9,6 +9,7 @@ module has found.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import torch
@@ -247,7 +248,9 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
             if t.packed.group(m) != t.group_for(m):
                 problems.add(f"{m}.{SUFFIX}", f"packed with group {t.packed.group(m)}, but the config's group "
                                                  f"for the module is {t.group_for(m)} (-1: channel)")
-            _check_values(m, f"{m}.{SUFFIX}", f"{m}.{SUFFIX} (scales)", dec[0], dec[1].float(), problems, counts)
+            # a blob's values are 4-bit fields minus 8: in [-8, 7] by construction, no range to check
+            _check_values(m, f"{m}.{SUFFIX}", f"{m}.{SUFFIX} (scales)", None, dec[1], problems, counts,
+                          dec[0].numel())
         return
     if m in t.views:
         _check_view(t, m, problems, counts)
@@ -268,7 +271,7 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
         problems.add(m, f"{sn}: {si.dtype}{list(si.shape)}, expected {want_dt}{list(want_shape)} "
                         f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
         return
-    _check_values(m, wn, sn, t.ranges.get(wn) or ck.get(wn), ck.get(sn).float(), problems, counts, wi.numel)
+    _check_values(m, wn, sn, t.ranges.get(wn) or ck.get(wn), ck.get(sn), problems, counts, wi.numel)
 
 
 def _want_scales(m: str, g: int, k: int, problems: Problems) -> tuple[str, int]:
@@ -300,7 +303,7 @@ def _check_view(t: Target, m: str, problems: Problems, counts: dict) -> None:
                         f"({'channel' if g == -1 else f'group {g}'}, stored transposed)")
         return
     q, s, _ = t.weight(m)
-    _check_values(m, wn, sn, q, s.float(), problems, counts)
+    _check_values(m, wn, sn, q, s, problems, counts)
 
 
 def _blob_check_problem(t: Target, m: str) -> str | None:
@@ -335,9 +338,11 @@ def _blob_check_problem(t: Target, m: str) -> str | None:
 def _check_values(m: str, wn: str, sn: str, q, s: torch.Tensor, problems: Problems, counts: dict,
                   numel: int = 0) -> None:
     """q: the int4 values, or (min, max) of the int8 tensor ``wn`` (of ``numel`` values) as the
-    shard scan found them."""
+    shard scan found them, or None for values that cannot leave [-8, 7] (``numel`` of them)."""
     vk = _ext.load("verify_kernels")
-    if isinstance(q, tuple):
+    if q is None:
+        lo, hi = -8, 7
+    elif isinstance(q, tuple):
         lo, hi = q
     elif vk is not None and q.dtype == torch.int8 and q.is_contiguous():
         lo, hi = vk.int8_range(q)
@@ -345,12 +350,16 @@ def _check_values(m: str, wn: str, sn: str, q, s: torch.Tensor, problems: Proble
         lo, hi = (int(v) for v in torch.aminmax(q)) if q.numel() else (0, 0)
     if lo < -8 or hi > 7:
         problems.add(m, f"{wn}: values in [{lo}, {hi}], outside int4 [-8, 7]")
-    if not bool(torch.isfinite(s).all()):
+    # one reduction when all is well (a NaN makes both bounds NaN): the counts only for a problem
+    lo_s, hi_s = (float(v) for v in torch.aminmax(s)) if s.numel() else (1.0, 1.0)
+    if lo_s > 0 and hi_s < math.inf:
+        pass
+    elif not bool(torch.isfinite(s).all()):
         problems.add(m, f"{sn}: {int((~torch.isfinite(s)).sum())} non-finite scale(s)")
-    elif s.numel() and float(s.min()) <= 0:
+    elif float(s.min()) <= 0:
         problems.add(m, f"{sn}: {int((s <= 0).sum())} scale(s) <= 0 (symmetric scales must be positive)")
     counts["modules"] += 1
-    counts["int_values"] += numel if isinstance(q, tuple) else q.numel()
+    counts["int_values"] += numel if q is None or isinstance(q, tuple) else q.numel()
 
 
 def _check_layers(t: Target, problems: Problems) -> None:

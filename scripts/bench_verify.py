@@ -10,8 +10,9 @@ started after os.sync(), and print verify's time over convert's (the issue's goa
 Builds a tiny synthetic converted checkpoint in a temp dir: one MoE layer with 128 experts,
 H=2048, I=768, top-8, W4A8 group 128 (bf16 scales) as convert writes it, a real-looking router
 and norm. Then runs verify (structural + numerical pass, no dense linears) and reports the share
-of time spent in the float32 reference, the W4A8 kernel (torch's _dyn_quant_matmul_4bit: KleidiAI
-on Arm, the scalar reference kernel on x86), packing, the error prediction and the structural pass.
+of time spent in the float32 reference, the W4A8 kernel (torch's _dyn_quant_matmul_4bit with KleidiAI
+on Arm; on x86 int4pack's twin of torch's reference kernel, or with INT4PACK_VERIFY_MATMUL=torch
+torch's scalar op itself), packing, the error prediction and the structural pass.
 
     python scripts/bench_verify.py [--tokens 64] [--threads N] [--experts 128] [--against-self]
 """
@@ -67,6 +68,7 @@ r = int4pack.verify(out, threads=threads or None, raise_on_failure=False)
 wall = time.perf_counter() - t0
 rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
 print(json.dumps({"seconds": wall, "verify_s": r["timing"]["total"], "rss_mb": rss, "verdict": r["verdict"],
+                  "kernel": r.get("kernel"),
                   "ok": r["ok"], "structural_s": r["structural"]["seconds"], "timing": r["timing"],
                   "threads": r["threads"], "experts": r["checked"].get("experts"),
                   "tokens": sorted({lay.get("tokens") for lay in r["layers"] if lay.get("tokens")}),
@@ -97,9 +99,14 @@ def full(a) -> None:
         ver = _run(VERIFY, dst, a.threads or 0)
         shutil.rmtree(dst, ignore_errors=True)
         row = {"layers": a.layers, "serve_format": serve, "host": platform.machine(), "cores": os.cpu_count(),
-               "torch": torch.__version__, "convert_s": round(conv["seconds"], 2), "convert_rss_mb": round(conv["rss_mb"]),
+               "torch": torch.__version__, "convert_s": round(conv["seconds"], 2),
+               "convert_cpu_s": round(conv["cpu_user"] + conv["cpu_sys"], 1), "convert_rss_mb": round(conv["rss_mb"]),
                "verify_s": round(ver["seconds"], 2), "verify_cpu_s": round(ver["cpu_user"] + ver["cpu_sys"], 1),
                "verify_rss_mb": round(ver["rss_mb"]), "ratio": round(ver["seconds"] / conv["seconds"], 2),
+               # on a loaded host the CPU seconds are the steadier figure
+               "cpu_ratio": round((ver["cpu_user"] + ver["cpu_sys"]) / max(conv["cpu_user"] + conv["cpu_sys"], 1e-9),
+                                  2),
+               "kernel": ver.get("kernel"),
                **{k: ver[k] for k in ("verdict", "ok", "structural_s", "timing", "threads", "experts", "tokens",
                                       "dense")}, "moe_layers": ver["layers"]}
         rows.append(row)
@@ -110,9 +117,9 @@ def full(a) -> None:
         shutil.rmtree(work, ignore_errors=True)
     print()
     for r in rows:
-        print(f"{r['layers']} layers, {r['serve_format']}: convert {r['convert_s']} s, verify {r['verify_s']} s "
-              f"({r['verify_cpu_s']} CPU s, {r['threads']} threads, peak RSS {r['verify_rss_mb']} MB): "
-              f"verify / convert = {r['ratio']}; {r['verdict']}")
+        print(f"{r['layers']} layers, {r['serve_format']}: convert {r['convert_s']} s ({r['convert_cpu_s']} CPU s), "
+              f"verify {r['verify_s']} s ({r['verify_cpu_s']} CPU s, {r['threads']} threads, peak RSS "
+              f"{r['verify_rss_mb']} MB): verify / convert = {r['ratio']} (CPU {r['cpu_ratio']}); {r['verdict']}")
 
 
 def main() -> None:

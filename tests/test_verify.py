@@ -228,3 +228,25 @@ def test_default_tokens_give_every_sampled_expert_its_slots():
     assert int(torch.bincount(ids.reshape(-1), minlength=128).min()) >= MIN_SLOTS_PER_EXPERT
     assert all(len(set(row.tolist())) == 8 for row in ids)  # no expert twice in one token
     assert torch.allclose(wts.sum(1), torch.ones(t))
+
+
+@pytest.mark.parametrize("bad, message", [(float("nan"), "1 non-finite scale(s)"),
+                                          (float("inf"), "1 non-finite scale(s)"),
+                                          (0.0, "1 scale(s) <= 0 (symmetric scales must be positive)"),
+                                          (-0.5, "1 scale(s) <= 0 (symmetric scales must be positive)")])
+def test_a_bad_scale_is_a_structural_problem(converted, tmp_path, bad, message):
+    out = _copy(converted("gptq_q3_sym")[0], tmp_path / "bad")
+    key = f"{EXP}.1.up_proj.weight_scale"
+
+    def edit(t):
+        if key in t:
+            s = t[key].clone()
+            s[3, 0] = bad
+            t[key] = s
+        return t
+
+    _rewrite(out, edit)
+    r = int4pack.verify(out, structural_only=True, raise_on_failure=False)
+    assert not r["ok"]
+    got = [p["message"] for p in r["structural"]["problems"] if p["where"] == f"{EXP}.1.up_proj"]
+    assert got == [f"{key}: {message}"]

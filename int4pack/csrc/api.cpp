@@ -25,6 +25,13 @@ int64_t kleidiai_verify_blob(const uint8_t* blob, int64_t bytes, int64_t N, int6
                              int64_t threads);
 void dequant_sq(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* scales, bool bf16, float* out,
                 float* row_sq, float* col_sq);
+void w4a8_matmul(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N, int64_t bl, const void* scales,
+                 bool bf16, float* y, int64_t threads, bool simd);
+bool w4a8_matmul_avx2();
+void act_noise(const float* x, int64_t M, int64_t H, const float* y13, const float* act, int64_t I,
+               const float* sq13, const float* sq2, int64_t kind, float* out);
+void w4a8_reference(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N, int64_t g, const void* scales,
+                    bool bf16, float* y, float* row_sq, float* col_sq);
 }
 
 using namespace i4p;
@@ -208,6 +215,37 @@ I4P_EXPORT int64_t i4p_dequant_sq(const int8_t* q, int64_t n, int64_t k, int64_t
                                   float* out, float* row_sq, float* col_sq) {
   return guarded([&] {
     dequant_sq(q, n, k, g, scales, bf16 != 0, out, row_sq, col_sq);
+    return int64_t{0};
+  });
+}
+
+// torch's reference W4A8 matmul on int4 values and scales (verify_kernels/w4a8_matmul.cpp); simd 0:
+// the portable loops
+I4P_EXPORT int64_t i4p_w4a8_matmul(const float* x, int64_t m, int64_t k, const int8_t* q, int64_t n, int64_t bl,
+                                   const void* scales, int64_t bf16, float* y, int64_t threads, int64_t simd) {
+  return guarded([&] {
+    w4a8_matmul(x, m, k, q, n, bl, scales, bf16 != 0, y, threads, simd != 0);
+    return int64_t{0};
+  });
+}
+
+// 1 where w4a8_matmul runs its AVX2 loops on this CPU
+I4P_EXPORT int64_t i4p_w4a8_matmul_avx2() { return w4a8_matmul_avx2() ? 1 : 0; }
+
+// verify's float32 reference x @ dequant(q, scales)^T with dequant_sq's squared sums (kleidiai_unpack.cpp)
+I4P_EXPORT int64_t i4p_w4a8_reference(const float* x, int64_t m, int64_t k, const int8_t* q, int64_t n, int64_t g,
+                                      const void* scales, int64_t bf16, float* y, float* row_sq, float* col_sq) {
+  return guarded([&] {
+    w4a8_reference(x, m, k, q, n, g, scales, bf16 != 0, y, row_sq, col_sq);
+    return int64_t{0};
+  });
+}
+
+// verify's predicted activation-quantisation error of one expert's rows (verify_kernels/noise.cpp)
+I4P_EXPORT int64_t i4p_act_noise(const float* x, int64_t m, int64_t h, const float* y13, const float* act, int64_t i,
+                                 const float* sq13, const float* sq2, int64_t kind, float* out) {
+  return guarded([&] {
+    act_noise(x, m, h, y13, act, i, sq13, sq2, kind, out);
     return int64_t{0};
   });
 }
