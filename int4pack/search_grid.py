@@ -40,8 +40,12 @@ def default_points() -> tuple[np.ndarray, np.ndarray]:
 
 
 def settings_loaded() -> bool:
-    """Whether scale_search (and with it torch) is imported: then its settings decide."""
-    return _SETTINGS in sys.modules
+    """Whether scale_search (and with it torch) is imported: then its settings decide. A module
+    another thread is still importing does not count (its settings may not exist yet, and none
+    can have been changed)."""
+    mod = sys.modules.get(_SETTINGS)
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False) \
+        and hasattr(mod, "FINE_POINTS")
 
 
 def candidate_count(search: bool) -> int:

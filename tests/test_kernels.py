@@ -756,3 +756,13 @@ def test_torch_free_search_grid_is_torchs_bit_for_bit(monkeypatch):
     monkeypatch.delitem(sys.modules, "int4pack.scale_search")  # a process that never imported it
     assert kernels.search_arrays(True)[1].tobytes() == fine.tobytes() and search_grid.candidate_count(True) == 13
     assert [len(a) for a in kernels.search_arrays(False)] == [0, 0] and search_grid.candidate_count(False) == 1
+    # another worker thread still importing scale_search (its settings not defined yet): the defaults
+    import importlib.machinery
+    import types
+
+    half = types.ModuleType("int4pack.scale_search")
+    half.__spec__ = importlib.machinery.ModuleSpec("int4pack.scale_search", None)
+    half.__spec__._initializing = True
+    monkeypatch.setitem(sys.modules, "int4pack.scale_search", half)
+    assert not search_grid.settings_loaded() and search_grid.candidate_count(True) == 13
+    assert kernels.search_arrays(True)[0].tobytes() == coarse.tobytes()
