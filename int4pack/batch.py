@@ -148,10 +148,10 @@ class Batch:
         return [(lo, hi) for lo, hi in out]
 
 
-def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], packed: bool):
+def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], packed: bool, alone=None):
     """The jobs in plan order, runs of batchable ones gathered into Batches (a run of one too: a
     dense linear between copies, which then needs no torch). Nothing is batched without the C++
-    library or with INT4PACK_BATCH=0."""
+    library or with INT4PACK_BATCH=0; ``alone(job)``: true for a job that must go per job."""
     from . import kernels
 
     if not ENABLED or kernels.ext() is None:
@@ -167,7 +167,7 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
         yield done
 
     for job in jobs:
-        got = _source(reader, job, packed)
+        got = None if alone is not None and alone(job) else _source(reader, job, packed)
         shard = shard_of.get(job.outputs[0].name)
         nbytes = sum(t.nbytes for t in job.outputs)
         if got is None or shard in trusted or nbytes > BATCH_BYTES or \

@@ -44,7 +44,8 @@ from ._lazy import torch
 from .errors import InputError, RefusedError, UsageError
 from .groups import block
 from .plan import Job, OutTensor, Plan
-from .serve_spec import KLEIDIAI, SUFFIX, crc, is_row_parallel, provenance, provenance_problem, split_problem
+from .serve_spec import (KLEIDIAI, ROTARY, SUFFIX, crc, is_row_parallel, provenance, provenance_problem, rotary_problem,
+                         rotary_rows, split_problem)
 
 __all__ = ["packed_plan", "job_packer", "blob_checks", "split_k", "pack_split", "PackedWeights"]
 
@@ -71,6 +72,8 @@ def blob_checks(packed: dict[str, dict], model_type: str | None = None) -> dict:
             names = list(VLLM_FUSED.get(unit.rsplit(".", 1)[-1], ())) if unit != m else [leaf]
             ent = units.setdefault(unit, {"group_size": g, "names": names, "crc32": [None] * len(names)})
             ent["crc32"][names.index(leaf)] = p["crc32"]
+            if ROTARY in p:  # the plugin undoes vLLM's reordering of this part's bytes
+                ent.setdefault(ROTARY, [None] * len(names))[names.index(leaf)] = p[ROTARY]
         if ent["group_size"] != g:
             ent["group_size"] = "mixed"  # vLLM runs one scheme per module: the plugin refuses it
     for ent in units.values():
@@ -148,11 +151,12 @@ def pack_split(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
     return torch.stack(blobs)
 
 
-def job_packer(tensor_parallel: int = 1):
+def job_packer(tensor_parallel: int = 1, rotary=None):
     """run_job outputs -> packed outputs: each W4A8 module's (weight, weight_scale[, bias]) becomes
     one blob, packed at its job's group (a row parallel module's: one per rank with
     ``tensor_parallel`` > 1); the module's stats gain its provenance (written to the shard header and
-    report)."""
+    report). ``rotary(module)``: the heads whose rows vLLM's model class reorders on load (Llama-4's
+    q_proj / k_proj), or None; such a blob holds its rows in that order (``ROTARY`` in its provenance)."""
 
     def pack(job: Job, tensors: list, stats: dict) -> list:
         if job.kind not in ("linear", "fold"):
@@ -165,12 +169,22 @@ def job_packer(tensor_parallel: int = 1):
         for mod, p in parts.items():
             q, s, b = p["weight"], p["weight_scale"], p.get("bias")
             bias = None if b is None else b.to(torch.float32)
+            heads = rotary(mod) if rotary is not None else None
+            if heads is not None:
+                why = rotary_problem(q.shape[0], None, heads) or ("a bias (vLLM reorders none)" if b is not None else None)
+                if why:
+                    raise RefusedError(f"{mod}: vLLM reorders its rows for the rotary embedding on load, but {why}",
+                                      tensor=mod, hint="Convert without --serve-format kleidiai.")
+                q, s = rotary_rows(q, heads), rotary_rows(s, heads)
             tp = tensor_parallel if tensor_parallel > 1 and is_row_parallel(mod) else 1
             if tp > 1:
                 blob = pack_split(q, s, bias, job.group_size, tp)
             else:
                 blob = kleidiai.pack_portable(q, s, bias, block(q.shape[1], job.group_size), threads=1)
-            stats.setdefault(mod, {})["packed"] = provenance(q, s, bias, job.group_size, blob, tp)
+            prov = provenance(q, s, bias, job.group_size, blob, tp)
+            if heads is not None:
+                prov[ROTARY] = heads
+            stats.setdefault(mod, {})["packed"] = prov
             out.append((f"{mod}.{SUFFIX}", blob))
         return out
 

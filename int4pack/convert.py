@@ -279,8 +279,9 @@ def convert(
                      fresh=not trusted)
         if on_plan is not None:
             on_plan(report)
+        rotary = _rotary(ckpt) if packed else None
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              blobs.job_packer(tensor_parallel) if packed else None, trusted)
+                              blobs.job_packer(tensor_parallel, rotary) if packed else None, trusted, rotary)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -329,14 +330,26 @@ def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str
     return None
 
 
+def _rotary(ckpt: Checkpoint):
+    """module -> the heads whose rows the family's vLLM class reorders on load (families: qk_rotary),
+    or None where it reorders none."""
+    fam = family(ckpt.family_type or "")
+    if fam is None or not fam.qk_rotary:
+        return None
+    tc = ckpt.text_config
+    return lambda module: fam.rotary_heads(module, tc)
+
+
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
-                  rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None) -> dict:
+                  rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None,
+                  rotary=None) -> dict:
     """Compute jobs in a bounded pool; each worker writes its own tensors at their planned offsets.
     The main thread takes results in plan order (per-tensor header entries, stats, progress) and a
     finisher thread closes each shard once all its tensors are in (header, fsync, rename, progress.json),
     so neither the serial bookkeeping nor an fsync holds the workers up. Returns per-module stats.
     ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
-    turns a job's W4A8 tensors into KleidiAI blobs (blobs.job_packer)."""
+    turns a job's W4A8 tensors into KleidiAI blobs (blobs.job_packer); the modules ``rotary`` names
+    go per job (the packer reorders their rows, the batches would not)."""
     from . import kernels
 
     rename = rename or {}
@@ -446,7 +459,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     try:
         window: deque = deque()
         # runs of lossless or requant linear jobs go as one batch each (batch.py): one C++ call each
-        units = list(batch.units(todo, plan.reader, shard_of, trusted, pack is not None))
+        alone = (lambda job: any(rotary(sp.name) for sp in job.specs)) if rotary is not None else None
+        units = list(batch.units(todo, plan.reader, shard_of, trusted, pack is not None, alone))
         if any(not isinstance(u, batch.Batch) and u.kind != "copy" for u in units):  # a per-job module
             load_torch()  # the work needs it: imported here, once, not in a worker (_lazy.py)
         for unit in units:

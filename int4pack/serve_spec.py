@@ -17,7 +17,8 @@ from ._lazy import torch
 from .errors import InputError, UsageError
 from .groups import scale_dtype
 
-__all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "BLOB_CHECKS", "PROVENANCE_BYTES",
+__all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "BLOB_CHECKS", "ROTARY", "rotary_rows",
+           "unshuffle_rotary_bytes", "rotary_problem", "PROVENANCE_BYTES",
            "ROW_PARALLEL", "is_row_parallel", "parse_format", "layout_record", "serve_config",
            "tensor_parallel_size", "split_problem", "read_record", "record_problems", "provenance_problem",
            "crc", "provenance"]
@@ -25,6 +26,7 @@ __all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "BLOB_CHECK
 QUANT_METHOD = "int4pack-kleidiai"  # config.json quant_method: what the vLLM plugin registers
 SUFFIX = "weight_packed"
 BLOB_CHECKS = "blob_checks"  # the layout record's per-blob group and CRC-32, checked by the plugin at load
+ROTARY = "vllm_rotary_heads"  # provenance and blob checks: rows stored in vLLM's Llama-4 rotary order
 VERIFIED_TORCH = ("2.9.1", "2.10.0")  # torch releases whose packer the portable one was proven against
 PROVENANCE_BYTES = 180  # header room per blob for its provenance entry (~150 bytes of JSON)
 
@@ -124,6 +126,30 @@ def _int(v) -> int | None:
     return v if type(v) is int else None
 
 
+def rotary_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows [N, ...] reordered as vLLM's Llama-4 class reorders q_proj/k_proj on load: within each
+    of ``heads`` blocks of rows, the even rows first, then the odd ones (the checkpoint's interleaved
+    rotary pairs to vLLM's halves)."""
+    n = t.shape[0]
+    return t.reshape(heads, n // heads // 2, 2, -1).transpose(1, 2).reshape(t.shape).contiguous()
+
+
+def unshuffle_rotary_bytes(b: torch.Tensor, heads: int) -> torch.Tensor:
+    """A 1-D blob as stored, from the bytes vLLM's Llama-4 class hands on: it reorders any q_proj /
+    k_proj ``weight_packed`` as rows, and a blob's rows are its bytes (undone here, the inverse map)."""
+    return b.reshape(heads, 2, b.numel() // heads // 2).transpose(1, 2).reshape(-1).contiguous()
+
+
+def rotary_problem(n: int, nbytes: int | None, heads) -> str | None:
+    """Why ``heads`` cannot be a module's rotary heads (N rows, a blob of ``nbytes``), or None."""
+    if type(heads) is not int or heads <= 0:
+        return f"{heads!r} is not a positive integer"
+    for what, size in (("rows", n), ("blob bytes", nbytes)):
+        if size is not None and size % (2 * heads):
+            return f"its {size} {what} do not split into {heads} heads of row pairs"
+    return None
+
+
 def provenance_problem(name: str, ent) -> str | None:
     """Why a blob's provenance entry (its shard header's int4pack.tensors) cannot be used, or None."""
     if not isinstance(ent, dict):
@@ -138,6 +164,8 @@ def provenance_problem(name: str, ent) -> str | None:
                 f"of 32 dividing K={ent['k']}")
     if not isinstance(ent.get("bias", False), bool):
         return f"{name}: provenance field 'bias' is {ent.get('bias')!r}, not true or false"
+    if ROTARY in ent and (why := rotary_problem(ent["n"], None, ent[ROTARY])):
+        return f"{name}: provenance field {ROTARY!r}: {why}"
     for field in ("crc32_q", "crc32_scales", "crc32_bias", "crc32"):
         v = ent.get(field)
         if v is not None and not (isinstance(v, str) and len(v) == 8 and all(c in "0123456789abcdef" for c in v)):

@@ -11,6 +11,7 @@ from . import kernels
 from . import moe as moe_mod
 from .errors import InputError
 from .groups import block
+from .serve_spec import rotary_rows
 from .verify_source import Source, bias_vs_source
 from .verify_structure import Target
 from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, rel, sum_sq
@@ -52,6 +53,9 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
     if src is not None:
         with clock("read"):
             w_s = src.dequant(m)
+            heads = t.rotary_heads(m)
+            if heads is not None:  # stored in vLLM's rotary order: the source's rows in that order
+                w_s = rotary_rows(w_s, heads)
         meas = rel(w_c, w_s)
         bud, why = budget(m, w_s, g, report, src)
         if not meas <= bud:

@@ -19,7 +19,7 @@ from .checkpoint import Checkpoint
 from .errors import InputError
 from .formats.compressed_tensors import CompressedTensorsReader
 from .groups import check_group_size
-from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, SUFFIX, is_row_parallel, read_record, record_problems,
+from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, ROTARY, SUFFIX, is_row_parallel, read_record, record_problems,
                          tensor_parallel_size)
 from .w4a8 import dequantize_w4a8
 from .verify_pool import PerThread
@@ -176,6 +176,13 @@ class Target:
         if name not in self.ckpt.tensors:
             return None
         return v.rows(self.ckpt.get(name)) if v else self.ckpt.get(name)
+
+    def rotary_heads(self, m: str) -> int | None:
+        """The heads whose rows module m's blob holds in vLLM's Llama-4 rotary order (its provenance's
+        ``ROTARY``), or None: the source's rows compare to it in that order."""
+        if not self.packed:
+            return None
+        return self.packed.prov.get(f"{m}.{SUFFIX}", {}).get(ROTARY)
 
     def blob(self, m: str) -> torch.Tensor | None:
         """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly).

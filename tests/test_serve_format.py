@@ -317,3 +317,37 @@ def test_two_schemes_packed(tmp_path):
     (tmp_path / "packed" / "config.json").write_text(json.dumps(cfg))
     r = int4pack.verify(tmp_path / "packed", structural_only=True, raise_on_failure=False)
     assert "packed with group 32, but the config's group for the module is -1" in _problems(r), _problems(r)
+
+
+def test_llama4_q_k_rows_in_vllms_rotary_order_verify_against_the_source(pair, tmp_path):
+    """Llama-4's packed q_proj/k_proj blobs hold their rows in vLLM's rotary order, recorded in their
+    provenance: verify compares the source's rows in that order and passes. The same output with the
+    record dropped (the rows stay reordered) fails against the source: the order is checked, not assumed."""
+    import shutil
+
+    plain_dir, packed_dir, _ = pair("ct_llama4_w4a16")
+    src = FIXTURES / "ct_llama4_w4a16"
+    tc = json.loads((packed_dir / "config.json").read_text())["text_config"]
+    m = "language_model.model.layers.1.self_attn.q_proj"
+    plain = load_raw(plain_dir)
+    h, (n, k) = tc["num_attention_heads"], plain[f"{m}.weight"].shape
+    order = [hh * (n // h) + 2 * j + p for hh in range(h) for p in (0, 1) for j in range(n // h // 2)]
+    want = kleidiai.pack_reference(plain[f"{m}.weight"][order], plain[f"{m}.weight_scale"][order], None, 32)
+    assert torch.equal(load_raw(packed_dir)[f"{m}.weight_packed"], want)
+    r = int4pack.verify(packed_dir, against=src, raise_on_failure=False)
+    assert r["ok"], r["verdict"]
+    bad = tmp_path / "bad"
+    shutil.copytree(packed_dir, bad)
+
+    def edit(tensors, meta):
+        ent = json.loads(meta.get("int4pack.tensors") or "{}")
+        if f"{m}.weight_packed" not in ent:
+            return False
+        assert ent[f"{m}.weight_packed"]["packed"].pop(serve_spec.ROTARY) == h
+        meta["int4pack.tensors"] = json.dumps(ent)
+        return True
+
+    _edit(bad, edit)
+    r = int4pack.verify(bad, against=src, raise_on_failure=False)
+    # (the rewritten shard's checksum is a structural problem too; the rows are the numerical pass's)
+    assert not r["ok"] and "out of tolerance" in r["verdict"] and m in r["verdict"], r["verdict"]

