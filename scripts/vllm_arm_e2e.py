@@ -24,7 +24,11 @@ dtype=DTYPE)``, token ids in, greedy), then checks on x86:
     the per-position max difference within TOLERANCES[dtype]["mirror_median"]; and, where the
     reference is transformers' class, the experts vLLM's MoE op was given for each (MoE layer,
     position) are the mirror's in at least TOLERANCES[dtype]["routing"] of them (the routing check
-    that catches a routing bias or a scoring function dropped, which moves logprobs little). The float64
+    that catches a routing bias or a scoring function dropped, which moves logprobs little); where
+    the router weight multiplies the expert input (Llama 4), the vs-mirror median is at most
+    TOLERANCES[dtype]["router_weight"] times the median against the mirror with the softmax
+    probability as that weight (result field vs_mirror_softmax_weight: the same experts, another
+    weight, which moves logprobs less than the gates above on the fixture). The float64
     forward is the hand-written FloatRef (tests/vllm/float_ref.py) for Qwen3-MoE and Mixtral, and transformers' own
     model class for every other family (tests/vllm/hf_reference.py: DeepSeek-V3/R1 with MLA,
     Kimi-K2, GLM-4.5, MiniMax-M2, ...; routing, shared experts and scaling are the class's, not
@@ -97,12 +101,13 @@ PROBE = REPO / "tests" / "vllm" / "probe.py"
 SERVE_FORMATS = ("compressed-tensors", "kleidiai")
 sys.path.insert(0, str(REPO))  # this checkout's int4pack, whatever an (older) editable install maps
 sys.path.insert(0, str(REPO / "tests" / "vllm"))  # the lane's parts: references, controls, checks, probe
-from controls import BIAS, CONTROL_TAG, CONTROLS, mirrors, write_control_copy, write_swapped_copy  # noqa: E402
+from controls import (BIAS, CONTROL_TAG, CONTROLS, mirrors, softmax_weights, write_control_copy,  # noqa: E402
+                      write_swapped_copy)
 from float_ref import (FloatRef, HAND_REF, REFERENCES, greedy, load_tensors, ref_logprobs, reference,  # noqa: E402
                        reference_kind, reference_name, write_float_folder)
 from probe import PP_COMPILATION  # noqa: E402
 from lane_checks import (TOLERANCES, check_layers, compare, error_where, group_label, proof_table,  # noqa: E402
-                         rank_summary, routing_agreement, table)
+                         rank_summary, router_weight_problem, routing_agreement, table)
 
 # fixture -> what it covers (every source format, both MoE namings)
 CASES = {
@@ -390,6 +395,11 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref
             if frac < tol["routing"]:
                 fails.append(f"routing: vLLM chose the mirror's experts for {rec['routing_vs_mirror'].get('agree')}"
                              f" (layer, position) pairs, {frac} < {tol['routing']}")
+        if getattr(mirror, "input_weighted", False):  # which router weight vLLM put on the expert input
+            alt = softmax_weights(mirrors(kind, Path(rec["mirror_dir"]), d, bf16)[0])
+            rec["vs_mirror_softmax_weight"] = compare(ref_logprobs(alt, prompt, gen), prompt, p)
+            bad = router_weight_problem(rec["vs_mirror"], rec["vs_mirror_softmax_weight"], tol["router_weight"])
+            fails += [bad] if bad else []
         if rec["vs_mirror"]["median_over_positions"] > tol["mirror_median"]:
             fails.append(f"logprobs vs int8-activation mirror: median over positions "
                          f"{rec['vs_mirror']['median_over_positions']} > {tol['mirror_median']}")

@@ -23,9 +23,7 @@ FAMILY = Family(
     kept=((r"^(?:vision_model|multi_modal_projector|model\.vision_model|model\.multi_modal_projector)\.",
            "vision encoder and projector: not experts"),),
     # measured under QEMU (docs/serving.md): stock weights the expert input by the softmax probability
-    # (a pass of the lane's gates on the fixture, but not the model's routing); vLLM's llama4.py
-    # permutes the rows of q_proj/k_proj "weight_packed" for its rotary layout, which shuffles blobs
+    # (the lane's router-weight check fails it; its other gates pass on the fixture)
     serve={"0.19.1": "not run",
-           "0.32.0": "no: wrong router weight (stock: softmax, not sigmoid, on the expert input); the packed "
-                     "format stops at load (vLLM permutes the q/k blobs)"},
+           "0.32.0": "packed format only (stock: softmax, not sigmoid, weight on the expert input, no error)"},
 )

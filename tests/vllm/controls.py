@@ -60,6 +60,24 @@ CONTROLS = {
 CONTROL_TAG = {"gate/up swapped in every expert": "_swapped", **{v: f"_{k}" for k, v in CONTROLS.items()}}
 
 
+def softmax_weights(ref):
+    """A transformers reference whose Llama-4 routers give each chosen expert its softmax probability
+    over all experts in place of the sigmoid of its logit (the scores the block multiplies into the
+    expert input): what vLLM's select_experts does without the model's custom routing function."""
+    n = 0
+    for m in ref.model.modules():
+        if type(m).__name__ == "Llama4Router":
+            def forward(x, _m=m):
+                logits = torch.nn.functional.linear(x, _m.weight)
+                top = logits.topk(_m.top_k, dim=-1).indices
+                return torch.zeros_like(logits).scatter(-1, top, logits.softmax(-1).gather(-1, top)), logits
+            m.forward = forward
+            n += 1
+    if not n:
+        raise ValueError(f"{ref.folder}: no Llama4Router in {ref.cls}")
+    return ref
+
+
 def write_control_copy(folder: Path, dst: Path, control: str) -> Path:
     """Copy a served folder (plain or packed) with one routing fact changed; shard names, every
     other tensor and the packed blobs stay as they are."""

@@ -296,6 +296,7 @@ class HFRef:
             raise ValueError(f"quantised modules with no linear of that name in {self.cls}: {missing[:5]}")
         qlayers = {int(m.group(1)) for m in map(_EXPERT.search, self.qmods) if m}
         self.q_experts = {n for n in self.experts if int(_LAYER.search(n + ".").group(1)) in qlayers}
+        self.input_weighted = any(type(m).__name__ in INPUT_WEIGHTED for m in self.experts.values())
         self._exact = {f"{m}.weight" for m in dense} | {f"{n}.{p}" for n in self.q_experts
                                                         for p in ("gate_up_proj", "down_proj")}
         if bf16:

@@ -3,7 +3,7 @@ scripts/vllm_arm_e2e.py run): vLLM's logprobs against the bf16 int8-activation m
 routes (the sigmoid of the top-1 logit on the input) and against the same mirror with the softmax
 probability of that expert on the input (what ``select_experts``' softmax default gives without
 the model's custom routing function). The same experts are chosen either way; the closer mirror
-is the weight vLLM ran. On the lane's fixture the two differ by less than the lane's own gates.
+is the weight vLLM ran (scripts/vllm_arm_e2e.py makes the same comparison its router-weight check).
 
     python tests/vllm/router_weight_effect.py /tmp/e2e/ct_llama4_w4a16 \\
         /tmp/e2e/ct_llama4_w4a16/probe_0.32.0_bfloat16_group.json ... --json out.json
@@ -16,29 +16,11 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from controls import softmax_weights  # noqa: E402
 from float_ref import dequantised_w4a8, ref_logprobs  # noqa: E402
 from hf_reference import HFRef  # noqa: E402
 from lane_checks import compare  # noqa: E402
-
-
-def softmax_weights(ref: HFRef) -> HFRef:
-    """The reference's Llama-4 routers give each chosen expert its softmax probability over all
-    experts in place of the sigmoid of its logit (the scores the block multiplies into the input)."""
-    n = 0
-    for m in ref.model.modules():
-        if type(m).__name__ == "Llama4Router":
-            def forward(x, _m=m):
-                logits = torch.nn.functional.linear(x, _m.weight)
-                top = logits.topk(_m.top_k, dim=-1).indices
-                return torch.zeros_like(logits).scatter(-1, top, logits.softmax(-1).gather(-1, top)), logits
-            m.forward = forward
-            n += 1
-    if not n:
-        raise ValueError(f"{ref.folder}: no Llama4Router in {ref.cls}")
-    return ref
 
 
 def main() -> None:

