@@ -114,8 +114,8 @@ ROUTING: tuple[RoutingServed, ...] = (
     RoutingServed("0.32.0", ("MiniMax2",), "MiniMax-M2", "error", _V032_REFUSE, "source"),
     # on CPU the router is CPURouter, whose routing_method_type ignores custom_routing_function
     # (fused_moe/router/cpu_router.py): Default for Llama-4 and Phi-3.5-MoE, which CPUExpertsInt4 takes
-    RoutingServed("0.32.0", ("Custom", "Llama4"), "Phi-3.5-MoE (Custom), Llama-4 (Llama4)", "wrong",
-                  _V032_SOFTMAX, "source"),
+    RoutingServed("0.32.0", ("Llama4",), "Llama-4", "wrong", _V032_SOFTMAX, "QEMU"),  # docs/serving.md
+    RoutingServed("0.32.0", ("Custom",), "Phi-3.5-MoE", "wrong", _V032_SOFTMAX, "source"),
 )
 
 # releases whose vLLM model class the plugin's routing was served with, where not every release
