@@ -82,13 +82,7 @@ class VerifyKernels(_Lib):
         """torch's reference ``_dyn_quant_matmul_4bit`` (its x86 kernel's arithmetic) of x float32 [M, K]
         with the weights q int8 [N, K] and scales [N, K/block] (bf16 or fp32; block == K: channelwise),
         without torch's float32 buffer: y float32 [M, N]. ``simd`` False: the portable loops (tests)."""
-        _need(x, "x", torch.float32)
-        _need(q, "q", torch.int8)
-        m, k = x.shape
-        n = q.shape[0]
-        if q.shape[1] != k:
-            raise RuntimeError(f"w4a8_matmul: x has K={k}, q has {q.shape[1]}")
-        self._scales(scales, n)
+        m, k, n = self._x_q(x, q, scales, "w4a8_matmul")
         if block < 1 or k % block or scales.shape[1] != k // block:
             raise RuntimeError(f"w4a8_matmul: scales [{n}, {scales.shape[1]}] are not one per block of {block} "
                                f"of K={k}")
@@ -100,6 +94,17 @@ class VerifyKernels(_Lib):
         self._call("i4p_w4a8_matmul", _ptr(x), m, k, _ptr(q), n, block, _ptr(scales),
                    int(scales.dtype == torch.bfloat16), _ptr(out), threads, int(bool(simd)))
         return out
+
+    def _x_q(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, what: str) -> tuple[int, int, int]:
+        """(M, K, N) of activations x float32 [M, K] and weights q int8 [N, K] with their scales."""
+        _need(x, "x", torch.float32)
+        _need(q, "q", torch.int8)
+        m, k = x.shape
+        n = q.shape[0]
+        if q.shape[1] != k:
+            raise RuntimeError(f"{what}: x has K={k}, q has {q.shape[1]}")
+        self._scales(scales, n)
+        return m, k, n
 
     @staticmethod
     def _sums(a: torch.Tensor | None, b: torch.Tensor | None, na: int, nb: int) -> None:
@@ -118,13 +123,7 @@ class VerifyKernels(_Lib):
                        row_sq: torch.Tensor | None = None, col_sq: torch.Tensor | None = None) -> torch.Tensor:
         """float32 x [M, K] @ W^T for W = ``dequant(q, scales)`` (q int8 [N, K], scales [N, G]) without W:
         y [M, N] (sums over k in 16 lanes); where given, row_sq [N] and col_sq [K] as ``dequant_sq``'s. One thread."""
-        _need(x, "x", torch.float32)
-        _need(q, "q", torch.int8)
-        m, k = x.shape
-        n = q.shape[0]
-        if q.shape[1] != k:
-            raise RuntimeError(f"w4a8_reference: x has K={k}, q has {q.shape[1]}")
-        self._scales(scales, n)
+        m, k, n = self._x_q(x, q, scales, "w4a8_reference")
         ng = scales.shape[1]
         if ng < 1 or k % ng:
             raise RuntimeError(f"w4a8_reference: {ng} groups do not divide K={k}")

@@ -268,6 +268,31 @@ int64_t kleidiai_verify_blob(const uint8_t* blob, int64_t bytes, int64_t N, int6
   return std::memcmp(repack, blob, static_cast<size_t>(bytes)) == 0 ? 0 : kBadRepack;
 }
 
+// helpers of the I4P_VCLONES functions below, forced inline so that each build vectorises them
+// row r of dequant_w4a8(q, scales) [N, K] into o [K]: float(q) * its group's scale
+__attribute__((always_inline)) inline void dequant_row(const int8_t* q, int64_t K, int64_t r, int64_t g, int64_t ng,
+                                                       const void* scales, bool bf16, float* o) {
+  for (int64_t j = 0; j < ng; ++j) {
+    const float s = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[r * ng + j])
+                         : static_cast<const float*>(scales)[r * ng + j];
+    const int8_t* a = q + r * K + j * g;
+    for (int64_t i = 0; i < g; ++i) o[j * g + i] = static_cast<float>(a[i]) * s;
+  }
+}
+
+// sum_k a[k] * b[k] in 16 float lanes, added pairwise at the end (one fixed order: the same bits
+// for the squared sums wherever they are made)
+__attribute__((always_inline)) inline float dot16(const float* a, const float* b, int64_t K) {
+  float acc[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= K; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += a[i + l] * b[i + l];
+  for (; i < K; ++i) acc[0] += a[i] * b[i];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
 // out = dequant_w4a8's float32 [N, K] (the same products), and on the way, where not null,
 // row_sq[r] = sum_k out[r, k]^2 and col_sq[k] = sum_r out[r, k]^2 (float sums, as torch's
 // (w * w).sum(dim) of the float weights): the squared-weight sums verify's error prediction needs,
@@ -279,22 +304,8 @@ I4P_VCLONES void dequant_sq(const int8_t* q, int64_t N, int64_t K, int64_t g, co
   if (col_sq) std::fill(col_sq, col_sq + K, 0.0f);
   for (int64_t r = 0; r < N; ++r) {
     float* o = out + r * K;
-    for (int64_t j = 0; j < ng; ++j) {
-      const float s = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[r * ng + j])
-                           : static_cast<const float*>(scales)[r * ng + j];
-      const int8_t* a = q + r * K + j * g;
-      for (int64_t i = 0; i < g; ++i) o[j * g + i] = static_cast<float>(a[i]) * s;
-    }
-    if (row_sq) {
-      float acc[16] = {0};  // 16 lanes, added pairwise at the end
-      int64_t i = 0;
-      for (; i + 16 <= K; i += 16)
-        for (int l = 0; l < 16; ++l) acc[l] += o[i + l] * o[i + l];
-      for (; i < K; ++i) acc[0] += o[i] * o[i];
-      for (int w = 8; w >= 1; w /= 2)
-        for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
-      row_sq[r] = acc[0];
-    }
+    dequant_row(q, K, r, g, ng, scales, bf16, o);
+    if (row_sq) row_sq[r] = dot16(o, o, K);
     if (col_sq)
       for (int64_t i = 0; i < K; ++i) col_sq[i] += o[i] * o[i];
   }
@@ -318,35 +329,11 @@ I4P_VCLONES void w4a8_reference(const float* x, int64_t M, int64_t K, const int8
   float* o = w.data();
   if (col_sq) std::fill(col_sq, col_sq + K, 0.0f);
   for (int64_t r = 0; r < N; ++r) {
-    for (int64_t j = 0; j < ng; ++j) {
-      const float s = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(scales)[r * ng + j])
-                           : static_cast<const float*>(scales)[r * ng + j];
-      const int8_t* a = q + r * K + j * g;
-      for (int64_t i = 0; i < g; ++i) o[j * g + i] = static_cast<float>(a[i]) * s;
-    }
-    if (row_sq) {
-      float acc[16] = {0};
-      int64_t i = 0;
-      for (; i + 16 <= K; i += 16)
-        for (int l = 0; l < 16; ++l) acc[l] += o[i + l] * o[i + l];
-      for (; i < K; ++i) acc[0] += o[i] * o[i];
-      for (int v = 8; v >= 1; v /= 2)
-        for (int l = 0; l < v; ++l) acc[l] += acc[l + v];
-      row_sq[r] = acc[0];
-    }
+    dequant_row(q, K, r, g, ng, scales, bf16, o);
+    if (row_sq) row_sq[r] = dot16(o, o, K);
     if (col_sq)
       for (int64_t i = 0; i < K; ++i) col_sq[i] += o[i] * o[i];
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      float acc[16] = {0};
-      int64_t i = 0;
-      for (; i + 16 <= K; i += 16)
-        for (int l = 0; l < 16; ++l) acc[l] += xm[i + l] * o[i + l];
-      for (; i < K; ++i) acc[0] += xm[i] * o[i];
-      for (int v = 8; v >= 1; v /= 2)
-        for (int l = 0; l < v; ++l) acc[l] += acc[l + v];
-      y[m * N + r] = acc[0];
-    }
+    for (int64_t m = 0; m < M; ++m) y[m * N + r] = dot16(x + m * K, o, K);
   }
 }
 
