@@ -25,6 +25,7 @@ selection (verify_layers), the threads (verify_pool) and the report (verify_repo
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -219,10 +220,14 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
 
     work = PerThread(dict)  # each thread's expert buffers, from one layer to the next
 
+    ahead = {p: chosen[i + 2] for i, p in enumerate(chosen[:-2])}
+
     def layer_one(p):
         ins = layer_in[p]
         if "res" not in ins:
             return ins
+        if p in ahead:  # two layers run at once: the one after them streams in meanwhile
+            threading.Thread(target=t.ckpt.read_ahead, args=(ahead[p] + ".",), daemon=True).start()
         progress.advance(what=p)
         return _guarded(p, "moe", lambda: check_layer(
             t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool, work=work))
