@@ -28,12 +28,7 @@ class VerifyKernels(_Lib):
 
     def dequant(self, q: torch.Tensor, scales: torch.Tensor, threads: int = 1) -> torch.Tensor:
         """float32 [N, K] = q * the scale of each value's group (groups of K / scales.shape[1])."""
-        _need(q, "q", torch.int8)
-        n, k = q.shape
-        self._scales(scales, n)
-        ng = scales.shape[1]
-        if ng < 1 or k % ng:
-            raise RuntimeError(f"dequant: {ng} groups do not divide K={k}")
+        n, k, ng = self._q_groups(q, scales, "dequant")
         out = torch.empty(n, k, dtype=torch.float32)
         self._call("i4p_dequant_w4a8", _ptr(q), n, k, k // ng, _ptr(scales), int(scales.dtype == torch.bfloat16),
                    _ptr(out), threads)
@@ -43,12 +38,7 @@ class VerifyKernels(_Lib):
                    col_sq: torch.Tensor | None = None) -> torch.Tensor:
         """``dequant`` into ``out`` (float32 [N, K]), one thread, and where given row_sq [N] = sum over K of
         out^2 and col_sq [K] = sum over N of out^2 (in double, rounded once)."""
-        _need(q, "q", torch.int8)
-        n, k = q.shape
-        self._scales(scales, n)
-        ng = scales.shape[1]
-        if ng < 1 or k % ng:
-            raise RuntimeError(f"dequant_sq: {ng} groups do not divide K={k}")
+        n, k, ng = self._q_groups(q, scales, "dequant_sq")
         _need(out, "out", torch.float32)
         for name, t, size in (("row_sq", row_sq, n), ("col_sq", col_sq, k)):
             if t is not None:
@@ -95,6 +85,16 @@ class VerifyKernels(_Lib):
                    int(scales.dtype == torch.bfloat16), _ptr(out), threads, int(bool(simd)))
         return out
 
+    def _q_groups(self, q: torch.Tensor, scales: torch.Tensor, what: str) -> tuple[int, int, int]:
+        """(N, K, groups) of weights q int8 [N, K] with scales [N, groups] whose groups divide K."""
+        _need(q, "q", torch.int8)
+        n, k = q.shape
+        self._scales(scales, n)
+        ng = scales.shape[1]
+        if ng < 1 or k % ng:
+            raise RuntimeError(f"{what}: {ng} groups do not divide K={k}")
+        return n, k, ng
+
     def _x_q(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, what: str) -> tuple[int, int, int]:
         """(M, K, N) of activations x float32 [M, K] and weights q int8 [N, K] with their scales."""
         _need(x, "x", torch.float32)
@@ -124,9 +124,7 @@ class VerifyKernels(_Lib):
         """float32 x [M, K] @ W^T for W = ``dequant(q, scales)`` (q int8 [N, K], scales [N, G]) without W:
         y [M, N] (sums over k in 16 lanes); where given, row_sq [N] and col_sq [K] as ``dequant_sq``'s. One thread."""
         m, k, n = self._x_q(x, q, scales, "w4a8_reference")
-        ng = scales.shape[1]
-        if ng < 1 or k % ng:
-            raise RuntimeError(f"w4a8_reference: {ng} groups do not divide K={k}")
+        ng = self._q_groups(q, scales, "w4a8_reference")[2]
         self._sums(row_sq, col_sq, n, k)
         if out is None:
             out = torch.empty(m, n, dtype=torch.float32)
