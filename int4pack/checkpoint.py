@@ -387,24 +387,6 @@ class Checkpoint:
         m = self._map(shard)
         return self._addrs.get(shard), len(m)
 
-    def read_ahead(self, prefix: str) -> None:
-        """Ask the kernel to read the bytes of the tensors named ``prefix``... into the page cache,
-        one request per shard where they lie together (a layer, as convert writes it), else none:
-        a hint that a reader of many small tensors gets at the disk's streaming pace."""
-        advise = getattr(os, "posix_fadvise", None)
-        spans: dict[str, list[int]] = {}
-        for t in self.tensors.values():
-            if t.name.startswith(prefix):
-                s = spans.setdefault(t.file, [t.begin, t.end, 0])
-                s[0], s[1], s[2] = min(s[0], t.begin), max(s[1], t.end), s[2] + t.end - t.begin
-        for shard, (lo, hi, total) in spans.items():
-            if advise is None or hi - lo > 2 * total:  # other tensors between them: not worth reading
-                continue
-            try:
-                advise(self._fd(shard), lo, hi - lo, os.POSIX_FADV_WILLNEED)
-            except (OSError, InputError):
-                pass
-
     def populate(self, shard: str, begin: int, end: int) -> None:
         """Map the pages of bytes [begin, end) of a shard in one call (what ``view`` does per tensor)."""
         lo = begin - begin % mmap.PAGESIZE

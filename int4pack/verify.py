@@ -42,6 +42,7 @@ from .verify_layers import missing, parse_layers, select_layers
 from .verify_moe import check_layer
 from .verify_pool import Clock, PerThread, parallel, shutting, timed, torch_threads
 from .verify_report import finish, kernel_info, trust_notes
+from .verify_scan import read_ahead
 from .verify_source import Source, check_copies
 from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
 from .verify_tolerance import K_ACT, K_WEIGHT, LOSSLESS_BOUND, REL_MARGIN
@@ -227,7 +228,7 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
         if "res" not in ins:
             return ins
         if p in ahead:  # two layers run at once: the one after them streams in meanwhile
-            threading.Thread(target=t.ckpt.read_ahead, args=(ahead[p] + ".",), daemon=True).start()
+            threading.Thread(target=read_ahead, args=(t.ckpt, ahead[p] + "."), daemon=True).start()
         progress.advance(what=p)
         return _guarded(p, "moe", lambda: check_layer(
             t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool, work=work))

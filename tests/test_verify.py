@@ -259,11 +259,12 @@ def test_read_ahead_asks_for_one_layers_bytes_per_shard(monkeypatch, converted):
     import struct
 
     from int4pack.checkpoint import Checkpoint
+    from int4pack.verify_scan import read_ahead
 
     out, _ = converted("gptq_q3_sym")
     calls = []
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((fd, off, n, advice)),
-                        raising=False)
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append(
+        (Path(os.readlink(f"/proc/self/fd/{fd}")).name, off, n, advice)), raising=False)
     want = {}
     for f in sorted(out.glob("*.safetensors")):
         raw = f.read_bytes()
@@ -274,8 +275,7 @@ def test_read_ahead_asks_for_one_layers_bytes_per_shard(monkeypatch, converted):
                 lo, hi = want.get(f.name, (a, b))
                 want[f.name] = (min(lo, a), max(hi, b))
     with Checkpoint(out) as ck:
-        ck.read_ahead("model.layers.1.")
-        fds = {ck._fd(name): name for name in want}
-    assert want and sorted((fds[fd], off, off + n) for fd, off, n, _ in calls) == \
+        read_ahead(ck, "model.layers.1.")
+    assert want and sorted((f, off, off + n) for f, off, n, _ in calls) == \
         sorted((f, lo, hi) for f, (lo, hi) in want.items())
     assert all(a == os.POSIX_FADV_WILLNEED for *_, a in calls)
