@@ -25,7 +25,6 @@ selection (verify_layers), the threads (verify_pool) and the report (verify_repo
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,7 +41,6 @@ from .verify_layers import missing, parse_layers, select_layers
 from .verify_moe import check_layer
 from .verify_pool import Clock, PerThread, parallel, shutting, timed, torch_threads
 from .verify_report import finish, kernel_info, trust_notes
-from .verify_scan import read_ahead
 from .verify_source import Source, check_copies
 from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
 from .verify_tolerance import K_ACT, K_WEIGHT, LOSSLESS_BOUND, REL_MARGIN
@@ -221,14 +219,10 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
 
     work = PerThread(dict)  # each thread's expert buffers, from one layer to the next
 
-    ahead = {p: chosen[i + 2] for i, p in enumerate(chosen[:-2])}
-
     def layer_one(p):
         ins = layer_in[p]
         if "res" not in ins:
             return ins
-        if p in ahead:  # two layers run at once: the one after them streams in meanwhile
-            threading.Thread(target=read_ahead, args=(t.ckpt, ahead[p] + "."), daemon=True).start()
         progress.advance(what=p)
         return _guarded(p, "moe", lambda: check_layer(
             t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool, work=work))

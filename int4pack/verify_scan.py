@@ -139,30 +139,3 @@ def in_order(pool, fn, items: list) -> list:
     if pool is None:
         return [fn(*it) for it in items]
     return [f.result() for f in [pool.submit(fn, *it) for it in items]]
-
-
-def read_ahead(ckpt: Checkpoint, prefix: str) -> None:
-    """Ask the kernel to read the bytes of the tensors named ``prefix``... into the page cache, one
-    request per shard where they lie together (a layer, as convert writes it), else none. convert
-    writes its output past the page cache (O_DIRECT): the numerical pass's many small reads of a
-    layer then find its bytes streamed at the disk's pace. A hint: errors are the readers' to report."""
-    advise = getattr(os, "posix_fadvise", None)
-    spans: dict[str, list[int]] = {}
-    for t in ckpt.tensors.values():
-        if t.name.startswith(prefix):
-            s = spans.setdefault(t.file, [t.begin, t.end, 0])
-            s[0], s[1], s[2] = min(s[0], t.begin), max(s[1], t.end), s[2] + t.end - t.begin
-    for shard, (lo, hi, total) in spans.items():
-        if advise is None or hi - lo > 2 * total:  # other tensors between them: not worth reading
-            continue
-        try:
-            fd = os.open(ckpt.folder / shard, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            advise(fd, lo, hi - lo, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-

@@ -250,32 +250,3 @@ def test_a_bad_scale_is_a_structural_problem(converted, tmp_path, bad, message):
     assert not r["ok"]
     got = [p["message"] for p in r["structural"]["problems"] if p["where"] == f"{EXP}.1.up_proj"]
     assert got == [f"{key}: {message}"]
-
-
-def test_read_ahead_asks_for_one_layers_bytes_per_shard(monkeypatch, converted):
-    """verify's read-ahead of a layer: one WILLNEED request per shard, spanning exactly that layer's
-    tensors (their offsets read here from the safetensors headers)."""
-    import os
-    import struct
-
-    from int4pack.checkpoint import Checkpoint
-    from int4pack.verify_scan import read_ahead
-
-    out, _ = converted("gptq_q3_sym")
-    calls = []
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append(
-        (Path(os.readlink(f"/proc/self/fd/{fd}")).name, off, n, advice)), raising=False)
-    want = {}
-    for f in sorted(out.glob("*.safetensors")):
-        raw = f.read_bytes()
-        n = struct.unpack("<Q", raw[:8])[0]
-        for name, v in json.loads(raw[8:8 + n]).items():
-            if name.startswith("model.layers.1."):
-                a, b = (8 + n + x for x in v["data_offsets"])
-                lo, hi = want.get(f.name, (a, b))
-                want[f.name] = (min(lo, a), max(hi, b))
-    with Checkpoint(out) as ck:
-        read_ahead(ck, "model.layers.1.")
-    assert want and sorted((f, off, off + n) for f, off, n, _ in calls) == \
-        sorted((f, lo, hi) for f, (lo, hi) in want.items())
-    assert all(a == os.POSIX_FADV_WILLNEED for *_, a in calls)
