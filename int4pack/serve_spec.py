@@ -140,8 +140,9 @@ def unshuffle_rotary_bytes(b: torch.Tensor, heads: int) -> torch.Tensor:
     return b.reshape(heads, 2, b.numel() // heads // 2).transpose(1, 2).reshape(-1).contiguous()
 
 
-def rotary_problem(n: int, nbytes: int | None, heads) -> str | None:
-    """Why ``heads`` cannot be a module's rotary heads (N rows, a blob of ``nbytes``), or None."""
+def rotary_problem(n: int | None, nbytes: int | None, heads) -> str | None:
+    """Why ``heads`` cannot be a module's rotary heads (N rows, a blob of ``nbytes``; None: not
+    known here), or None."""
     if type(heads) is not int or heads <= 0:
         return f"{heads!r} is not a positive integer"
     for what, size in (("rows", n), ("blob bytes", nbytes)):

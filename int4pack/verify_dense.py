@@ -30,22 +30,23 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
     vk = _ext.load("verify_kernels")
     with clock("read"):
         q, s, g = t.weight(m)
+        wp = t.blob(m)
+        # the int4 values and scales as they are: the matmul twin and the int4 reference take them
+        as_int4 = x.dtype == torch.float32 and q.dim() == 2 and verify_matmul.fits(q, s, block(q.shape[1], g))
         # without a source the float weights are only multiplied: the reference reads the int4 values
-        direct = src is None and vk is not None and x.dtype == torch.float32 and q.dim() == 2 \
-            and verify_matmul.fits(q, s, block(q.shape[1], g))
+        direct = src is None and vk is not None and as_int4
         w_c = None if direct else dequantize_w4a8(q, s, g)
     n, k = q.shape
     if x.shape[1] != k:
         raise InputError(f"{m}: K={k} in its weights, {x.shape[1]} recorded", tensor=m)
-    twin = verify_matmul.twin() if t.blob(m) is None and x.dtype == torch.float32 else None
-    if twin is not None and verify_matmul.fits(q, s, block(k, g)):  # torch's reference kernel's twin
+    twin = verify_matmul.twin() if wp is None and as_int4 else None
+    if twin is not None:  # torch's reference kernel's twin
         with clock("kernel"):
             y_k = verify_matmul.matmul(twin, x, q, s, block(k, g))
         res["matmul"] = verify_matmul.TWIN
     else:
-        with clock("pack"):
-            wp = t.blob(m)
-            if wp is None:
+        if wp is None:
+            with clock("pack"):
                 wp = moe_mod.pack_for_matmul(q, s, g)
         with clock("kernel"):
             y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, block(k, g), k, n)

@@ -398,7 +398,7 @@ class DenseBlobs:
         what = self.name if loaded_shard_id is None else f"{self.name} part {loaded_shard_id}"
         heads = self.check.rotary[parts[0]] if self.check is not None and len(parts) == 1 else None
         if heads is not None:  # vLLM reordered the blob's bytes as if they were rows: put them back
-            if loaded_weight.dim() != 1 or rotary_problem(2 * heads, loaded_weight.numel(), heads):
+            if loaded_weight.dim() != 1 or rotary_problem(None, loaded_weight.numel(), heads):
                 raise ValueError(f"{QUANT_METHOD}: {what}: a blob of shape {tuple(loaded_weight.shape)} does not "
                                  f"split into the {heads} heads recorded ({ROTARY}); convert again")
             loaded_weight = unshuffle_rotary_bytes(loaded_weight, heads)
