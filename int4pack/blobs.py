@@ -171,10 +171,11 @@ def job_packer(tensor_parallel: int = 1, rotary=None):
             bias = None if b is None else b.to(torch.float32)
             heads = rotary(mod) if rotary is not None else None
             if heads is not None:
-                why = rotary_problem(q.shape[0], None, heads) or ("a bias (vLLM reorders none)" if b is not None else None)
+                why = rotary_problem(q.shape[0], None, heads) or (
+                    "a bias (vLLM reorders none)" if b is not None else None)
                 if why:
                     raise RefusedError(f"{mod}: vLLM reorders its rows for the rotary embedding on load, but {why}",
-                                      tensor=mod, hint="Convert without --serve-format kleidiai.")
+                                       tensor=mod, hint="Convert without --serve-format kleidiai.")
                 q, s = rotary_rows(q, heads), rotary_rows(s, heads)
             tp = tensor_parallel if tensor_parallel > 1 and is_row_parallel(mod) else 1
             if tp > 1:
