@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from . import verify_matmul
-from .checkpoint import Checkpoint, resolve_source
+from .checkpoint import resolve_source
 from .errors import InputError, Int4packError, UsageError
 from .serve_spec import KLEIDIAI, PLAIN
 from .verify_dense import check_linear
@@ -42,6 +42,7 @@ from .verify_moe import check_layer
 from .verify_pool import Clock, PerThread, parallel, shutting, timed, torch_threads
 from .verify_report import finish, kernel_info, trust_notes
 from .verify_source import Source, check_copies
+from .verify_scan import Tapped, scan, shard_kinds
 from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
 from .verify_tolerance import K_ACT, K_WEIGHT, LOSSLESS_BOUND, REL_MARGIN
 
@@ -91,7 +92,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                                 "k_weight * predicted from budgets; layer rel_l2 <= hypot of both"}}
     clock = Clock()
     try:
-        ckpt = Checkpoint(folder)
+        ckpt = Tapped(folder)
     except InputError as e:
         report.update(ok=False, structural={"ok": False, "problems": [{"where": "checkpoint", "message": str(e)}]},
                       layers=[], dense=[])
@@ -124,30 +125,35 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         if sel is not None:
             idx = {layer_index(p) for p in chosen} if isinstance(sel, int) else set(sel)
             dense_mods = [m for m in dense_mods if layer_index(m) in idx]
-        # the structural pass on threads of its own (it waits on the disk), the numbers on the pool
+        conv_report = _read_report(ckpt, Problems())
+        ckpt.kinds = shard_kinds(ckpt, conv_report)  # the numerical pass's reads checksum what they read
+        draws = None if structural_only else _draw(te, chosen, dense_mods, experts, tokens, dense_tokens, gen, clock)
+        # the shard scan reads what the numerical pass will not, on threads of its own (it waits on
+        # the disk), while the numbers run on the pool
+        skip = _planned(te, draws) | set(ckpt.taps)
         spool = ThreadPoolExecutor(max_workers=max(1, workers // 2), thread_name_prefix="int4pack-scan") \
             if workers > 1 else None
         with shutting(spool), ThreadPoolExecutor(max_workers=1) as bg:
-            st_f = bg.submit(timed, check_structure, ckpt, spool) if spool is not None else None
+            scan_f = bg.submit(timed, scan, ckpt, conv_report, spool, skip) if spool is not None else None
             numbers = src = None
-            if not structural_only:
+            if draws is not None:
                 src = Source(against, revision) if against is not None else None
                 progress.start(len(chosen), sum(min(len(te.layers[p]), experts or len(te.layers[p])) for p in chosen),
                                len(dense_mods))
                 try:
-                    numbers = _numerical(te, chosen, dense_mods, src, _read_report(ckpt, Problems()), experts,
-                                         tokens, dense_tokens, gen, clock, progress, pool)
+                    numbers = _numerical(te, chosen, dense_mods, src, conv_report, draws, clock, progress, pool)
                 finally:
                     progress.stop()
                     if src is not None:
                         src.close()
+            scanned, scan_s = scan_f.result() if scan_f is not None else timed(scan, ckpt, conv_report, pool, skip)
             try:
-                (t, problems, counts, conv_report), st_s = st_f.result() if st_f is not None else \
-                    timed(check_structure, ckpt, pool)
+                (t, problems, counts, conv_report), st_s = timed(check_structure, ckpt, spool or pool, scanned, te.checked)
             except InputError as e:
                 report.update(ok=False, layers=[], dense=[], structural={
                     "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
                 return finish(report, t0, clock, raise_on_failure)
+            st_s += scan_s
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
                                 "seconds": round(st_s, 3),
                                 "serve_format": KLEIDIAI if t.packed else PLAIN}
@@ -194,12 +200,11 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
     return finish(report, t0, clock, raise_on_failure)
 
 
-def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source | None, conv_report, experts,
-               tokens, dense_tokens: int, gen, clock, progress, pool) -> dict:
-    """Every chosen MoE layer and dense module through the kernel and the references:
-    {"layers": {prefix: result}, "dense": {module: result}, "copies": the copied tensors' check}."""
-    copies = check_copies(t, src, clock) if src is not None else None
-    # every random draw first, in the order one layer after the other makes them
+def _draw(t: Target, chosen: list[str], dense_mods: list[str], experts, tokens, dense_tokens: int, gen,
+          clock) -> tuple[dict, dict]:
+    """Every random draw of the numerical pass, in the order one layer after the other makes them:
+    ({prefix: moe_inputs}, {module: rows}); a layer or module that cannot even be read gets its
+    failed result instead."""
     layer_in: dict = {}
     for p in chosen:
         r = _guarded(p, "moe", lambda: layer_in.__setitem__(p, moe_inputs(t, p, experts, tokens, gen, clock)))
@@ -210,6 +215,26 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
         r = _guarded(m, "dense", lambda: dense_in.__setitem__(m, dense_input(t, m, dense_tokens, gen)))
         if r is not None:
             dense_in[m] = r
+    return layer_in, dense_in
+
+
+def _planned(t: Target, draws) -> set[tuple[str, str]]:
+    """The (shard, tensor) pairs the numerical pass reads: the shard scan leaves them to it."""
+    if draws is None:
+        return set()
+    layer_in, dense_in = draws
+    mods = [m for p, ins in layer_in.items() for e in ins.get("sampled", ()) for m in t.layers[p][e].values()]
+    mods += [m for m, x in dense_in.items() if not isinstance(x, dict)]
+    tensors = t.ckpt.tensors
+    return {(tensors[n].file, n) for m in mods for n in t.read_names(m) if n in tensors}
+
+
+def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source | None, conv_report, draws,
+               clock, progress, pool) -> dict:
+    """Every chosen MoE layer and dense module through the kernel and the references:
+    {"layers": {prefix: result}, "dense": {module: result}, "copies": the copied tensors' check}."""
+    copies = check_copies(t, src, clock) if src is not None else None
+    layer_in, dense_in = draws
 
     def dense_one(m):
         x = dense_in[m]

@@ -1,6 +1,10 @@
-"""verify's one read of every output byte: the shards in parts of ~256 MB on the pool's threads,
-each tensor's checksum (of the kind convert recorded) and every int8 tensor's range on the way,
-then the shard checksums against convert's report."""
+"""verify's one read of every output byte. The numerical pass reads its tensors through a
+``Tapped`` checkpoint, which checksums each one (of the kind its shard records) and takes each
+int8 tensor's range on the way; the shard scan reads the rest, in parts of ~256 MB on the pool's
+threads, while the numerical pass runs; what neither read (a layer that could not run) is read
+after it. Then the shard checksums are checked against convert's report. The bytes checked are
+the bytes computed on, and the output is read from the disk once.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +18,49 @@ from . import _ext
 from .checkpoint import Checkpoint
 from .writer import _CHECKSUMS, _data_digest, digest_kind, hash_shard
 
-__all__ = ["scan", "check_hashes", "in_order"]
+__all__ = ["Tapped", "shard_kinds", "scan", "finish_scan", "check_hashes", "in_order"]
 
 _PART_BYTES = 256 << 20  # one task of the shard scan
 _READ_BYTES = 16 << 20
+
+
+class Tapped(Checkpoint):
+    """A Checkpoint whose whole-tensor reads (``get``) also record each tensor's checksum, of the
+    kind ``kinds`` names for its shard (a shard not named is not recorded), and an int8 tensor's
+    (min, max): ``taps`` {(shard, name): (crc, range or None)}, what ``finish_scan`` takes instead
+    of reading the tensor again."""
+
+    def __init__(self, folder):
+        super().__init__(folder)
+        self.kinds: dict[str, str] = {}
+        self.taps: dict[tuple[str, str], tuple[int, tuple[int, int] | None]] = {}
+
+    def get(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        x = super().get(name, out)
+        info = self.tensors[name]
+        kind = self.kinds.get(info.file)
+        if kind is not None:
+            flat = x.reshape(-1)
+            crc = _CHECKSUMS[kind][1](flat.view(torch.uint8).numpy() if flat.numel() else b"", 0)
+            self.taps[(info.file, name)] = (crc, _range(flat) if info.dtype == "I8" and flat.numel() else None)
+        return x
+
+
+def _range(q: torch.Tensor) -> tuple[int, int]:
+    vk = _ext.load("verify_kernels")
+    return vk.int8_range(q) if vk is not None else (int(q.min()), int(q.max()))
+
+
+def shard_kinds(ckpt: Checkpoint, report: dict | None) -> dict[str, str]:
+    """Each shard's checksum kind: the one convert's report records for it, else a new shard's."""
+    recs = (report or {}).get("shards")
+    recs = recs if isinstance(recs, dict) else {}
+    out = {}
+    for shard in {info.file for info in ckpt.tensors.values()}:
+        rec = recs.get(shard)
+        out[shard] = digest_kind(rec.get("data_digest") if isinstance(rec, dict)
+                                 and isinstance(rec.get("data_digest"), str) else None)
+    return out
 
 
 def _shard_layout(path: Path) -> tuple[int, list[tuple[tuple[int, int], str, str]]] | None:
@@ -60,48 +103,71 @@ def _scan_part(path: Path, base: int, part: list, kind: str) -> list[tuple[int, 
     return out
 
 
-def scan(ckpt: Checkpoint, report: dict | None, pool) -> tuple[dict, dict]:
-    """Every shard read once, in parts of ~256 MB on the pool's threads: (shard -> (size, data
-    digest of the kind its report entry records, or None)), (int8 tensor -> (min, max))."""
-    recs = (report or {}).get("shards")
-    recs = recs if isinstance(recs, dict) else {}
+def scan(ckpt: Checkpoint, report: dict | None, pool, skip=frozenset()) -> dict:
+    """Every shard's tensors but the (shard, name) pairs in ``skip`` read once, in parts of ~256 MB on
+    the pool's threads: {"layout": {shard: (path, (base, [((begin, end), name, dtype)]) or None,
+    kind)}, "crcs": {(shard, name): crc}, "ranges": {int8 name: (min, max)}, "short": shards that
+    ended early}."""
+    kinds = shard_kinds(ckpt, report)
     jobs, layout = [], {}
-    for shard in sorted({info.file for info in ckpt.tensors.values()}):
+    for shard in sorted(kinds):
         path = ckpt.folder / shard
         lay = _shard_layout(path) if path.is_file() else None
-        rec = recs.get(shard)
-        like = rec.get("data_digest") if isinstance(rec, dict) and isinstance(rec.get("data_digest"), str) else None
-        kind = digest_kind(like)
-        layout[shard] = (path, lay, kind)
-        if lay is None:
-            continue
-        base, named = lay
-        part, size = [], 0
-        for ent in named + [None]:
-            if ent is None or (part and size + ent[0][1] - ent[0][0] > _PART_BYTES):
-                if part:
-                    jobs.append((shard, path, base, part, kind))
-                part, size = [], 0
-            if ent is not None:
-                part.append(ent)
-                size += ent[0][1] - ent[0][0]
+        layout[shard] = (path, lay, kinds[shard])
+        if lay is not None:
+            jobs += _parts(shard, path, lay[0], [ent for ent in lay[1] if (shard, ent[1]) not in skip], kinds[shard])
+    out = {"layout": layout, "crcs": {}, "ranges": {}, "short": set()}
+    _run(pool, jobs, out)
+    return out
+
+
+def _parts(shard: str, path: Path, base: int, named: list, kind: str) -> list[tuple]:
+    """The scan's tasks: runs of tensors of ~256 MB, in file order."""
+    jobs, part, size = [], [], 0
+    for ent in named + [None]:
+        if ent is None or (part and size + ent[0][1] - ent[0][0] > _PART_BYTES):
+            if part:
+                jobs.append((shard, path, base, part, kind))
+            part, size = [], 0
+        if ent is not None:
+            part.append(ent)
+            size += ent[0][1] - ent[0][0]
+    return jobs
+
+
+def _run(pool, jobs: list, out: dict) -> None:
     done = in_order(pool, lambda shard, path, base, part, kind: _scan_part(path, base, part, kind), jobs)
-    crcs: dict[str, list | None] = {shard: [] for shard in layout}
-    ranges: dict[str, tuple[int, int]] = {}
     for (shard, _, _, part, _), res in zip(jobs, done):
-        if res is None or crcs[shard] is None:
-            crcs[shard] = None
+        if res is None:
+            out["short"].add(shard)
             continue
         for ((_, name, _), (crc, rng)) in zip(part, res):
-            crcs[shard].append(crc)
+            out["crcs"][(shard, name)] = crc
             if rng is not None:
-                ranges[name] = rng
+                out["ranges"][name] = rng
+
+
+def finish_scan(ckpt: Checkpoint, pool, scanned: dict, taps: dict) -> tuple[dict, dict]:
+    """(shard -> (size, data digest of the kind its report entry records, or None)), (int8 tensor ->
+    (min, max)): the scan's tensors, the tapped ones (``Tapped.taps``), and the rest read now."""
+    for key, (crc, rng) in taps.items():
+        if key not in scanned["crcs"]:
+            scanned["crcs"][key] = crc
+            if rng is not None:
+                scanned["ranges"][key[1]] = rng
+    jobs = []
+    for shard, (path, lay, kind) in scanned["layout"].items():
+        if lay is not None and shard not in scanned["short"]:
+            jobs += _parts(shard, path, lay[0], [ent for ent in lay[1] if (shard, ent[1]) not in scanned["crcs"]],
+                           kind)
+    _run(pool, jobs, scanned)
     digests = {}
-    for shard, (path, lay, kind) in layout.items():
+    for shard, (path, lay, kind) in scanned["layout"].items():
         size = path.stat().st_size if path.is_file() else None
-        ok = lay is not None and crcs[shard] is not None
-        digests[shard] = (size, _data_digest(crcs[shard], kind) if ok else None)
-    return digests, ranges
+        ok = lay is not None and shard not in scanned["short"]
+        digests[shard] = (size, _data_digest([scanned["crcs"][(shard, name)] for _, name, _ in lay[1]], kind)
+                                if ok else None)
+    return digests, scanned["ranges"]
 
 
 def check_hashes(ckpt: Checkpoint, problems, report: dict | None, digests: dict) -> None:

@@ -24,7 +24,7 @@ from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, ROTARY, SUFFIX, is_row_paral
                          tensor_parallel_size)
 from .w4a8 import dequantize_w4a8
 from .verify_pool import PerThread
-from .verify_scan import check_hashes, in_order, scan
+from .verify_scan import check_hashes, finish_scan, in_order, scan
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
@@ -105,6 +105,7 @@ class Target:
                 self.layers.setdefault(d["moe"], {}).setdefault(d["e"], {})[d["proj"]] = m
         self.routers = routers(ckpt.tensors)
         self.scratch = PerThread(dict)  # each thread's blob buffers (PackedWeights.check_blob)
+        self.checked: dict[str, tuple[list[dict], dict]] = {}  # module -> its structural check, run on the way
 
     def group_for(self, m: str) -> int:
         """Module m's group from its config group; a group equal to K is channelwise."""
@@ -118,7 +119,10 @@ class Target:
 
     def weight(self, m: str) -> tuple[torch.Tensor, torch.Tensor, int]:
         if self.packed:
-            q, s, _ = self.packed.decode(m, check=False)  # checked once, in the structural pass
+            dec = self._checked_decode(m)
+            # (copies: the decode lives in the thread's scratch, which the next module reuses)
+            q, s = (dec[0].clone(), dec[1].clone()) if dec is not None else \
+                self.packed.decode(m, check=False)[:2]  # checked in the structural pass
         elif m in self.views:
             v = self.views[m]
             q, s = (v.rows(self.ckpt.get(f"{v.stored}.{x}")) for x in ("weight", "weight_scale"))
@@ -148,7 +152,10 @@ class Target:
         """``weight(m)``'s int4 values and scales written into q and s (shaped as ``weight_spec`` says):
         read or decoded straight into them, copied where that cannot be. ``scratch``: a dict whose
         uint8 buffers (by size) a packed module's blob is read into."""
-        if self.packed:
+        dec = self._checked_decode(m) if self.packed and scratch is not None else None
+        if dec is not None:
+            qq, ss = dec[0], dec[1]
+        elif self.packed:
             blob = None
             if scratch is not None:
                 info = self.ckpt.tensors[f"{m}.{SUFFIX}"]
@@ -160,6 +167,15 @@ class Target:
             if src.data_ptr() != dst.data_ptr():
                 dst.copy_(src.reshape(dst.shape))
 
+    def _checked_decode(self, m: str) -> tuple | None:
+        """The structural pass's check of packed module m, run here on the blob as read (recorded in
+        ``checked``): its decode, or None (a blob split for tensor parallelism, or one that fails)."""
+        if self.packed.split(m) != 1 or m in self.checked:
+            return None
+        items, counts, dec = _module_problems(self, m)
+        self.checked[m] = (items, counts)
+        return dec
+
     def shape(self, m: str) -> tuple[int, int]:
         if m in self.views:
             v = self.views[m]
@@ -169,6 +185,12 @@ class Target:
     def stored_names(self, m: str) -> set[str]:
         """The output tensors module m's weight, scales and bias live in."""
         return self.views[m].names() if m in self.views else {f"{m}.{x}" for x in ("weight", "weight_scale", "bias")}
+
+    def read_names(self, m: str) -> set[str]:
+        """The output tensors the numerical pass reads for module m (its blob, or weight and scales)."""
+        if self.packed:
+            return {f"{m}.{SUFFIX}"}
+        return self.views[m].names() if m in self.views else {f"{m}.weight", f"{m}.weight_scale"}
 
     def bias(self, m: str) -> torch.Tensor | None:
         """Module m's bias as stored (plain output), or None."""
@@ -224,7 +246,8 @@ def layer_index(prefix: str) -> int:
 # --------------------------------------------------------------------------------- structural
 
 
-def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
+def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> tuple | None:
+    """Module m's structural checks; a packed module's decode (values, scales, bias) when it decodes."""
     ck = t.ckpt
     if t.packed:
         probs, dec = t.packed.check_blob(m, t.scratch.get())
@@ -251,7 +274,7 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
             # a blob's values are 4-bit fields minus 8: in [-8, 7] by construction, no range to check
             _check_values(m, f"{m}.{SUFFIX}", f"{m}.{SUFFIX} (scales)", None, dec[1], problems, counts,
                           dec[0].numel())
-        return
+        return dec
     if m in t.views:
         _check_view(t, m, problems, counts)
         return
@@ -272,6 +295,7 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> None:
                         f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
         return
     _check_values(m, wn, sn, t.ranges.get(wn) or ck.get(wn), ck.get(sn), problems, counts, wi.numel)
+    return None
 
 
 def _want_scales(m: str, g: int, k: int, problems: Problems) -> tuple[str, int]:
@@ -422,19 +446,29 @@ def _read_report(ckpt: Checkpoint, problems: Problems) -> dict | None:
     return report
 
 
-def _module_problems(t: Target, m: str) -> tuple[list[dict], dict]:
-    """One module's structural problems and counts (on its own: modules are checked in parallel)."""
+def _module_problems(t: Target, m: str) -> tuple[list[dict], dict, tuple | None]:
+    """One module's structural problems, counts and decode (on its own: modules are checked in parallel)."""
     problems = Problems()
     counts = {"modules": 0, "int_values": 0, "blobs": 0}
     with kernels.threads_here(1):
-        _check_module(t, m, problems, counts)
-    return problems.items, counts
+        dec = _check_module(t, m, problems, counts)
+    return problems.items, counts, dec
 
 
-def check_structure(ckpt: Checkpoint, pool=None) -> tuple[Target, Problems, dict, dict | None]:
+def _module_check(t: Target, m: str, checked: dict) -> tuple[list[dict], dict]:
+    if m in checked:
+        return checked[m]
+    items, counts, _ = _module_problems(t, m)
+    return items, counts
+
+
+def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
+                    checked: dict | None = None) -> tuple[Target, Problems, dict, dict | None]:
     """Run every structural check on an opened checkpoint: (target, problems, counts, convert's report).
     ``pool`` (a ThreadPoolExecutor): modules and shards are checked on its threads; the problems
-    are listed in the same order as one thread lists them."""
+    are listed in the same order as one thread lists them. ``scanned``: what ``scan`` read while
+    the numerical pass ran (the rest comes from a ``Tapped`` checkpoint's taps, or is read now);
+    ``checked``: modules the numerical pass checked on its way (``Target.checked``)."""
     problems = Problems()
     t = Target(ckpt, problems)
     counts = {"modules": 0, "int_values": 0, "blobs": 0, "moe_layers": len(t.layers),
@@ -443,10 +477,10 @@ def check_structure(ckpt: Checkpoint, pool=None) -> tuple[Target, Problems, dict
     report = _read_report(ckpt, problems)
     # every byte read once, first: the checksums, and the range of every int8 weight on the way
     # (the modules' own checks then read the small tensors only, or blobs from the page cache)
-    digests, t.ranges = scan(ckpt, report, pool)
+    digests, t.ranges = finish_scan(ckpt, pool, scanned or scan(ckpt, report, pool), getattr(ckpt, "taps", {}))
     report_problems = problems.items[problems_before:]
     del problems.items[problems_before:]
-    for items, c in in_order(pool, _module_problems, [(t, m) for m in t.modules]):
+    for items, c in in_order(pool, _module_check, [(t, m, checked or {}) for m in t.modules]):
         problems.items += items
         for key, v in c.items():
             counts[key] += v
