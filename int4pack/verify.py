@@ -45,6 +45,7 @@ from .verify_source import Source, check_copies
 from .verify_scan import Tapped, scan, shard_kinds
 from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
 from .verify_tolerance import K_ACT, K_WEIGHT, LOSSLESS_BOUND, REL_MARGIN
+from .verify_workers import Workers, guarded, use_processes
 
 __all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 
@@ -64,14 +65,16 @@ class NullProgress:
 def verify(out, against=None, *, tokens: int | None = None, layers=None, experts: int | None = None,
            seed: int = 0, threads: int | None = None, structural_only: bool = False, dense: bool = True,
            dense_tokens: int = 8, revision: str | None = None, raise_on_failure: bool = True,
-           progress: NullProgress | None = None) -> dict:
+           progress: NullProgress | None = None, processes: bool | None = None) -> dict:
     """Check a converted W4A8 checkpoint; returns the report, raises VerifyFailed when it fails.
 
     ``layers``: None/"all", a count (seeded sample) or layer indices ("0,3" or [0, 3]); an index the
     model does not have is a UsageError, and a run that checks nothing fails;
     ``experts``: per-layer sample size (default all); ``tokens``: rows per MoE layer (default enough
     for every sampled expert to get >= 2 slots, at least 32). The VerifyFailed carries ``.report``;
-    the report's ``checked`` lists exactly what the numerical pass ran.
+    the report's ``checked`` lists exactly what the numerical pass ran. ``processes``: run the
+    numerical pass on ``threads`` worker processes (True) or threads (False); None: processes from
+    4 workers and 4 MoE layers up (verify_workers.py). The report's ``workers`` says which ran.
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
@@ -131,21 +134,34 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         # the shard scan reads what the numerical pass will not, on threads of its own (it waits on
         # the disk), while the numbers run on the pool
         skip = _planned(te, draws) | set(ckpt.taps)
+        procs = min(workers, len(chosen) + len(dense_mods)) \
+            if draws is not None and use_processes(processes, workers, len(chosen)) else 0
+        report["workers"] = {"kind": "processes" if procs else "threads", "count": procs or workers}
+        src = Source(against, revision) if against is not None and draws is not None else None
+        try:  # the worker processes fork here, before this verify starts any thread
+            procs = Workers(te, procs, src) if procs else None
+        except BaseException:
+            if src is not None:
+                src.close()
+            raise
         spool = ThreadPoolExecutor(max_workers=max(1, workers // 2), thread_name_prefix="int4pack-scan") \
             if workers > 1 else None
         with shutting(spool), ThreadPoolExecutor(max_workers=1) as bg:
             scan_f = bg.submit(timed, scan, ckpt, conv_report, spool, skip) if spool is not None else None
-            numbers = src = None
-            if draws is not None:
-                src = Source(against, revision) if against is not None else None
-                progress.start(len(chosen), sum(min(len(te.layers[p]), experts or len(te.layers[p])) for p in chosen),
-                               len(dense_mods))
-                try:
-                    numbers = _numerical(te, chosen, dense_mods, src, conv_report, draws, clock, progress, pool)
-                finally:
-                    progress.stop()
-                    if src is not None:
-                        src.close()
+            numbers = None
+            try:
+                if draws is not None:
+                    progress.start(len(chosen), sum(min(len(te.layers[p]), experts or len(te.layers[p]))
+                                                    for p in chosen), len(dense_mods))
+                    try:
+                        numbers = _numerical(te, chosen, dense_mods, src, conv_report, draws, clock, progress, pool,
+                                             procs)
+                    finally:
+                        progress.stop()
+            finally:
+                for held in (procs, src):
+                    if held is not None:
+                        held.close()
             scanned, scan_s = scan_f.result() if scan_f is not None else timed(scan, ckpt, conv_report, pool, skip)
             try:
                 (t, problems, counts, conv_report), st_s = timed(check_structure, ckpt, spool or pool, scanned, te.checked)
@@ -207,12 +223,12 @@ def _draw(t: Target, chosen: list[str], dense_mods: list[str], experts, tokens, 
     failed result instead."""
     layer_in: dict = {}
     for p in chosen:
-        r = _guarded(p, "moe", lambda: layer_in.__setitem__(p, moe_inputs(t, p, experts, tokens, gen, clock)))
+        r = guarded(p, "moe", lambda: layer_in.__setitem__(p, moe_inputs(t, p, experts, tokens, gen, clock)))
         if r is not None:
             layer_in[p] = r  # could not even be read: reported as such
     dense_in: dict = {}
     for m in dense_mods:
-        r = _guarded(m, "dense", lambda: dense_in.__setitem__(m, dense_input(t, m, dense_tokens, gen)))
+        r = guarded(m, "dense", lambda: dense_in.__setitem__(m, dense_input(t, m, dense_tokens, gen)))
         if r is not None:
             dense_in[m] = r
     return layer_in, dense_in
@@ -230,9 +246,10 @@ def _planned(t: Target, draws) -> set[tuple[str, str]]:
 
 
 def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source | None, conv_report, draws,
-               clock, progress, pool) -> dict:
+               clock, progress, pool, procs: Workers | None) -> dict:
     """Every chosen MoE layer and dense module through the kernel and the references:
-    {"layers": {prefix: result}, "dense": {module: result}, "copies": the copied tensors' check}."""
+    {"layers": {prefix: result}, "dense": {module: result}, "copies": the copied tensors' check};
+    on the worker processes ``procs`` (verify_workers.py), else on the pool's threads."""
     copies = check_copies(t, src, clock) if src is not None else None
     layer_in, dense_in = draws
 
@@ -240,7 +257,7 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
         x = dense_in[m]
         if isinstance(x, dict):
             return x
-        return _guarded(m, "dense", lambda: check_linear(t, m, src, conv_report, x, clock))
+        return guarded(m, "dense", lambda: check_linear(t, m, src, conv_report, x, clock))
 
     work = PerThread(dict)  # each thread's expert buffers, from one layer to the next
 
@@ -249,14 +266,29 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
         if "res" not in ins:
             return ins
         progress.advance(what=p)
-        return _guarded(p, "moe", lambda: check_layer(
+        return guarded(p, "moe", lambda: check_layer(
             t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool, work=work))
 
+    out: dict = {"layers": {}, "dense": {}, "copies": copies}
+    if procs:
+        def done(kind: str, name: str, r: dict) -> None:
+            if kind == "moe":
+                out["layers"][name] = r
+                progress.advance(layers=1, experts=len(layer_in[name]["sampled"]), what=name)
+            else:
+                out["dense"][name] = r
+                progress.advance(dense=1, what=name)
+
+        procs.run({p: ins for p, ins in layer_in.items() if "res" in ins},
+                  {m: x for m, x in dense_in.items() if not isinstance(x, dict)}, clock, done,
+                  lambda kind, name: layer_one(name) if kind == "moe" else dense_one(name))
+        out["layers"] = {p: out["layers"].get(p, layer_in[p]) for p in chosen}  # (a draw that failed)
+        out["dense"] = {m: out["dense"].get(m, dense_in[m]) for m in dense_mods}
+        return out
     # the dense modules queue on the pool first; two layers at a time feed it their experts,
     # so that one layer's own serial steps (routing, sums) overlap the other's experts
     dense_f = [pool.submit(dense_one, m) for m in dense_mods] if pool is not None else None
     layers_pool = ThreadPoolExecutor(max_workers=2) if pool is not None and len(chosen) > 1 else None
-    out: dict = {"layers": {}, "dense": {}, "copies": copies}
     with shutting(layers_pool):
         for p, r in zip(chosen, parallel(layers_pool, layer_one, [(p,) for p in chosen])):
             out["layers"][p] = r
@@ -266,17 +298,3 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
         out["dense"][m] = dense_one(m) if dense_f is None else dense_f[i].result()
         progress.advance(dense=1)
     return out
-
-
-def _guarded(name: str, kind: str, run) -> dict:
-    """One layer's numerical pass; a checkpoint value that makes it fail (a shape or group the
-    structural pass let through) fails that layer, naming it, instead of ending verify."""
-    try:
-        return run()
-    except Int4packError as e:
-        why = str(e)
-    except (RuntimeError, ValueError, IndexError) as e:
-        why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    key = "layer" if kind == "moe" else "module"
-    return {key: name, "kind": kind, "ok": False, "skipped": True,
-            "problems": [f"the numerical pass could not run on what the checkpoint holds ({why})"]}

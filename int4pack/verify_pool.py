@@ -43,6 +43,13 @@ class Clock:
                 self.s[what] += dt
 
 
+    def add(self, seconds: dict) -> None:
+        """Another clock's seconds (a worker process's) added to this one's."""
+        with self._lock:
+            for what, dt in seconds.items():
+                self.s[what] = self.s.get(what, 0.0) + dt
+
+
 def timed(fn, *args):
     t0 = time.perf_counter()
     return fn(*args), time.perf_counter() - t0
