@@ -162,6 +162,8 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                 for held in (procs, src):
                     if held is not None:
                         held.close()
+                if procs is not None:
+                    report["workers"]["peak_rss_mb"] = procs.peak_rss_mb()
             scanned, scan_s = scan_f.result() if scan_f is not None else timed(scan, ckpt, conv_report, pool, skip)
             try:
                 (t, problems, counts, conv_report), st_s = timed(check_structure, ckpt, spool or pool, scanned, te.checked)

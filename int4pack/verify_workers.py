@@ -12,6 +12,8 @@ way. The workers fork from verify's process, which has torch imported already.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import resource
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -68,12 +70,12 @@ def _open(folder: str, kinds: dict, against: str | None, label: str | None) -> N
     _state.update(t=Target(ckpt, Problems()), src=src, report=_read_report(ckpt, Problems()), work=PerThread(dict))
 
 
-def _handback(clock: Clock) -> tuple[dict, dict, dict]:
+def _handback(clock: Clock) -> tuple[dict, dict, dict, tuple[int, int]]:
     t = _state["t"]
     taps, checked = dict(t.ckpt.taps), dict(t.checked)
     t.ckpt.taps.clear()
     t.checked.clear()
-    return clock.s, taps, checked
+    return clock.s, taps, checked, (os.getpid(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
 def _layer(p: str, ins: dict):
@@ -101,6 +103,7 @@ class Workers:
 
     def __init__(self, t: Target, count: int, src: Source | None):
         self.t, self.count = t, count
+        self.peak_kb: dict[int, int] = {}  # each worker's peak RSS (KB), from its hand-backs
         against = None if src is None else str(src.ckpt.folder)
         # fork: no second import of torch, and a script calling verify is not run again (spawn
         # and forkserver import the caller's __main__ in every worker)
@@ -116,14 +119,19 @@ class Workers:
         futs += [(self.pool.submit(_dense, m, x), "dense", m) for m, x in dense.items()]
         for f, kind, name in futs:
             try:
-                r, s, taps, checked = f.result()
+                r, s, taps, checked, (pid, rss_kb) = f.result()
             except (BrokenProcessPool, OSError):
                 done(kind, name, fallback(kind, name))
                 continue
+            self.peak_kb[pid] = max(self.peak_kb.get(pid, 0), rss_kb)
             clock.add(s)
             self.t.ckpt.taps.update(taps)
             self.t.checked.update(checked)
             done(kind, name, r)
+
+    def peak_rss_mb(self) -> int:
+        """The workers' peak RSS added up (pages shared with verify's process counted in each)."""
+        return round(sum(self.peak_kb.values()) / 1024)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

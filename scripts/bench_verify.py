@@ -72,7 +72,7 @@ print(json.dumps({"seconds": wall, "verify_s": r["timing"]["total"], "rss_mb": r
                   "ok": r["ok"], "structural_s": r["structural"]["seconds"], "timing": r["timing"],
                   "threads": r["threads"], "experts": r["checked"].get("experts"),
                   "tokens": sorted({lay.get("tokens") for lay in r["layers"] if lay.get("tokens")}),
-                  "dense": len(r["dense"]), "layers": len(r["layers"])}))
+                  "dense": len(r["dense"]), "layers": len(r["layers"]), "workers": r.get("workers")}))
 """
 
 
@@ -108,7 +108,7 @@ def full(a) -> None:
                                   2),
                "kernel": ver.get("kernel"),
                **{k: ver[k] for k in ("verdict", "ok", "structural_s", "timing", "threads", "experts", "tokens",
-                                      "dense")}, "moe_layers": ver["layers"]}
+                                      "dense")}, "moe_layers": ver["layers"], "workers": ver.get("workers")}
         rows.append(row)
         print(json.dumps(row), flush=True)
         if a.json_out:
