@@ -147,7 +147,12 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
         out["at"] = (tt, jj)
         return out
 
-    for i, (e, r) in enumerate(zip(sampled, parallel(pool, one, list(enumerate(sampled))))):
+    # the experts in the order their bytes lie in the shards (names sort 0, 1, 10, 100, ...): each
+    # thread's or worker's reads then stream through the file, which the kernel reads ahead
+    order = sorted(range(e_s), key=lambda i: min(t.place(m) for m in experts[sampled[i]].values()))
+    by_i = dict(zip(order, parallel(pool, one, [(i, sampled[i]) for i in order])))
+    for i, e in enumerate(sampled):
+        r = by_i[i]
         tt, jj = r["at"]
         res["problems"] += r["problems"]
         ran.add(r["matmul"])
@@ -254,9 +259,9 @@ class _ExpertBuffers:
     def fill(self, t: Target, slot: dict[str, str], dequant: bool = True) -> None:
         """The expert's int4 values and scales; with ``dequant`` their float32 values and squared sums."""
         i = self.inter
-        t.weight_into(slot["gate"], self.q13[:i], self.s13[:i], self.blobs)
-        t.weight_into(slot["up"], self.q13[i:], self.s13[i:], self.blobs)
-        t.weight_into(slot["down"], self.q2, self.s2, self.blobs)
+        into = {"gate": (self.q13[:i], self.s13[:i]), "up": (self.q13[i:], self.s13[i:]), "down": (self.q2, self.s2)}
+        for r in sorted(into, key=lambda r: t.place(slot[r])):  # in file order
+            t.weight_into(slot[r], *into[r], self.blobs)
         if dequant:
             self.vk.dequant_sq(self.q13, self.s13, self.w13, row_sq=self.sq13)
             self.vk.dequant_sq(self.q2, self.s2, self.w2, col_sq=self.sq2)

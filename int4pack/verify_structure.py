@@ -129,6 +129,7 @@ class Target:
         else:
             q = self.ckpt.get(f"{m}.weight")
             s = self.ckpt.get(f"{m}.weight_scale")
+            self._check_read(m, q, s)
         return q, s, self.group_for(m)
 
     def weight_spec(self, m: str) -> tuple[int, int, torch.dtype, int] | None:
@@ -163,9 +164,16 @@ class Target:
             qq, ss, _ = self.packed.decode(m, blob, check=False, out=(q, s))  # checked in the structural pass
         else:
             qq, ss = self.ckpt.get(f"{m}.weight", out=q), self.ckpt.get(f"{m}.weight_scale", out=s)
+            self._check_read(m, qq, ss)
         for dst, src in ((q, qq), (s, ss)):
             if src.data_ptr() != dst.data_ptr():
                 dst.copy_(src.reshape(dst.shape))
+
+    def _check_read(self, m: str, q: torch.Tensor, s: torch.Tensor) -> None:
+        """The structural pass's check of plain module m, run on its values and scales as read here."""
+        if m not in self.checked:
+            items, counts, _ = _module_problems(self, m, (q, s))
+            self.checked[m] = (items, counts)
 
     def _checked_decode(self, m: str) -> tuple | None:
         """The structural pass's check of packed module m, run here on the blob as read (recorded in
@@ -191,6 +199,12 @@ class Target:
         if self.packed:
             return {f"{m}.{SUFFIX}"}
         return self.views[m].names() if m in self.views else {f"{m}.weight", f"{m}.weight_scale"}
+
+    def place(self, m: str) -> tuple[str, int]:
+        """(shard, offset) of the first byte of module m the numerical pass reads."""
+        tensors = self.ckpt.tensors
+        return min(((tensors[n].file, tensors[n].begin) for n in self.read_names(m) if n in tensors),
+                   default=("", 0))
 
     def bias(self, m: str) -> torch.Tensor | None:
         """Module m's bias as stored (plain output), or None."""
@@ -246,8 +260,9 @@ def layer_index(prefix: str) -> int:
 # --------------------------------------------------------------------------------- structural
 
 
-def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> tuple | None:
-    """Module m's structural checks; a packed module's decode (values, scales, bias) when it decodes."""
+def _check_module(t: Target, m: str, problems: Problems, counts: dict, got: tuple | None = None) -> tuple | None:
+    """Module m's structural checks; a packed module's decode (values, scales, bias) when it decodes.
+    ``got``: a plain module's (int4 values, scales) as the caller read them."""
     ck = t.ckpt
     if t.packed:
         probs, dec = t.packed.check_blob(m, t.scratch.get())
@@ -294,7 +309,8 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict) -> tuple 
         problems.add(m, f"{sn}: {si.dtype}{list(si.shape)}, expected {want_dt}{list(want_shape)} "
                         f"({'channel' if g == -1 else f'group {g}'}); another dtype makes torch fall back silently")
         return
-    _check_values(m, wn, sn, t.ranges.get(wn) or ck.get(wn), ck.get(sn), problems, counts, wi.numel)
+    q, s = got or (t.ranges.get(wn) or ck.get(wn), ck.get(sn))
+    _check_values(m, wn, sn, q, s, problems, counts, wi.numel)
     return None
 
 
@@ -446,12 +462,12 @@ def _read_report(ckpt: Checkpoint, problems: Problems) -> dict | None:
     return report
 
 
-def _module_problems(t: Target, m: str) -> tuple[list[dict], dict, tuple | None]:
+def _module_problems(t: Target, m: str, got: tuple | None = None) -> tuple[list[dict], dict, tuple | None]:
     """One module's structural problems, counts and decode (on its own: modules are checked in parallel)."""
     problems = Problems()
     counts = {"modules": 0, "int_values": 0, "blobs": 0}
     with kernels.threads_here(1):
-        dec = _check_module(t, m, problems, counts)
+        dec = _check_module(t, m, problems, counts, got)
     return problems.items, counts, dec
 
 
