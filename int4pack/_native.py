@@ -373,13 +373,14 @@ class KleidiaiPack(_Lib):
             raise RuntimeError(f"decode buffers: expected int8 [{n}, {k}] and {want[0]} scales of {want[1]} values")
 
     def verify_blob(self, blob: torch.Tensor, n: int, k: int, group_size: int, has_bias: bool,
-                    scratch: dict, threads: int = 1):
+                    scratch: dict, threads: int = 1, into: tuple | None = None):
         """One stored blob checked in one call: (failed decode checks (kleidiai_unpack's bits; 64: the
         repacked bytes differ), CRC-32s (8 hex digits, zlib's) of [the blob, q, scales, bias], q, scales,
         bias | None). The blob is decoded with every check, and only when they pass are the decoded
         values checksummed (bias: None without one), packed again and compared. ``scratch``: a dict of
         this thread's buffers, filled here on first use and reused (q, scales and bias are views of
-        it, valid until the next call for the same shape)."""
+        it, valid until the next call for the same shape). ``into``: (q, scales) buffers of the
+        caller's to decode into instead."""
         _need(blob, "blob", torch.uint8, 1)
         key = (n, k, group_size, blob.numel())
         bufs = scratch.get(key)
@@ -389,6 +390,9 @@ class KleidiaiPack(_Lib):
             bufs = scratch[key] = (*self._decoded(n, k, group_size), torch.empty(n, dtype=torch.float32),
                                    torch.empty(blob.numel(), dtype=torch.uint8), (ctypes.c_uint32 * 4)())
         q, scales, bias, repack, crcs = bufs
+        if into is not None:
+            q, scales = into
+            self._check_decoded(q, scales, n, k, group_size)
         bad = self._call("i4p_kleidiai_verify_blob", _ptr(blob), blob.numel(), n, k, group_size, int(bool(has_bias)),
                          _ptr(q), _ptr(scales), _ptr(bias), _ptr(repack), ctypes.addressof(crcs), threads)
         hexes = [f"{crcs[0]:08x}"] + ([None] * 3 if bad & 63 else

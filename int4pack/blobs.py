@@ -278,10 +278,12 @@ class PackedWeights:
             s = torch.cat([p[1].to(torch.bfloat16) for p in parts], dim=1)
         return q, s, parts[0][2]
 
-    def check_blob(self, m: str, scratch: dict | None = None) -> tuple[list[str], tuple | None]:
+    def check_blob(self, m: str, scratch: dict | None = None, into: tuple | None = None
+                   ) -> tuple[list[str], tuple | None]:
         """Problems of module m's blob (size, inner consistency, provenance, repacking) and its decode.
         ``scratch``: a dict of the calling thread's buffers (verify_blob's): the read, decode, repack
-        and comparison then run in them, in one C++ call, and the decode returned lives there."""
+        and comparison then run in them, in one C++ call, and the decode returned lives there (or in
+        ``into``, (q, scales) buffers of the caller's, where the one call runs)."""
         name = f"{m}.{SUFFIX}"
         info = self.ckpt.tensors[name]
         twice = [f"{m}.{leaf}" for leaf in ("weight", "weight_scale", "bias") if f"{m}.{leaf}" in self.ckpt.tensors]
@@ -304,7 +306,7 @@ class PackedWeights:
             if info.nbytes not in by_size and len(by_size) >= 8:
                 by_size.clear()
             by_size[info.nbytes] = blob = self.ckpt.get(name, out=by_size.get(info.nbytes))
-            return self._checked_in_one(lib, m, blob, scratch)
+            return self._checked_in_one(lib, m, blob, scratch, into)
         blob = self.blob(m)
         want = self.prov[name].get("crc32")
         stored = [f"stored bytes differ from the ones convert wrote (CRC-32 {crc(blob)} != {want})"] \
@@ -324,7 +326,8 @@ class PackedWeights:
             problems.append("repacking the decoded values does not give the same bytes")
         return problems, (q, s, b)
 
-    def _checked_in_one(self, lib, m: str, blob: torch.Tensor, scratch: dict) -> tuple[list[str], tuple | None]:
+    def _checked_in_one(self, lib, m: str, blob: torch.Tensor, scratch: dict,
+                        into: tuple | None = None) -> tuple[list[str], tuple | None]:
         """check_blob of a one-rank blob, its CRC-32s, decode with its checks, repack and comparison in
         one C++ call: the same checks, in the same order, with the same messages."""
         n, k = self.shape(m)
@@ -334,7 +337,8 @@ class PackedWeights:
             kleidiai.check_blob(blob, n, k, g)  # what unpack refuses first
         except InputError as e:
             return [str(e)], None  # (check_blob's size check makes this unreachable)
-        bad, crcs, q, s, b = lib.verify_blob(blob, n, k, g, bool(prov.get("bias")), scratch.setdefault("decode", {}))
+        bad, crcs, q, s, b = lib.verify_blob(blob, n, k, g, bool(prov.get("bias")), scratch.setdefault("decode", {}),
+                                             into=into)
         want = prov.get("crc32")
         problems = [f"stored bytes differ from the ones convert wrote (CRC-32 {crcs[0]} != {want})"] \
             if want is not None and crcs[0] != want else []

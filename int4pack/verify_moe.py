@@ -58,6 +58,8 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
         a 128-expert layer's float weights would be ~2.4 GB at once, one expert's are ~20 MB, in
         buffers the thread reuses for the next expert (``_ExpertBuffers``)."""
         slot = experts[e]
+        if i in after:
+            t.prefetch(experts[sampled[after[i]]].values())
         out: dict = {"problems": []}
         tt, jj = (ids == i).nonzero(as_tuple=True)
         xe = x[tt]
@@ -150,6 +152,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     # the experts in the order their bytes lie in the shards (names sort 0, 1, 10, 100, ...): each
     # thread's or worker's reads then stream through the file, which the kernel reads ahead
     order = sorted(range(e_s), key=lambda i: min(t.place(m) for m in experts[sampled[i]].values()))
+    after = dict(zip(order, order[1:]))  # each expert asks for the next one's bytes as it starts
     by_i = dict(zip(order, parallel(pool, one, [(i, sampled[i]) for i in order])))
     for i, e in enumerate(sampled):
         r = by_i[i]

@@ -46,6 +46,22 @@ class Tapped(Checkpoint):
         return x
 
 
+    def prefetch(self, names) -> None:
+        """Ask the kernel to start reading these tensors (one span per shard): the next expert's
+        bytes come in while this one computes."""
+        spans: dict[str, tuple[int, int]] = {}
+        for n in names:
+            i = self.tensors.get(n)
+            if i is not None and i.end > i.begin:
+                lo, hi = spans.get(i.file, (i.begin, i.end))
+                spans[i.file] = (min(lo, i.begin), max(hi, i.end))
+        for shard, (lo, hi) in spans.items():
+            try:
+                os.posix_fadvise(self._fd(shard), lo, hi - lo, os.POSIX_FADV_WILLNEED)
+            except (OSError, AttributeError):  # a hint only (no posix_fadvise on this platform)
+                return
+
+
 def _range(q: torch.Tensor) -> tuple[int, int]:
     vk = _ext.load("verify_kernels")
     return vk.int8_range(q) if vk is not None else (int(q.min()), int(q.max()))

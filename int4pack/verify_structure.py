@@ -153,7 +153,7 @@ class Target:
         """``weight(m)``'s int4 values and scales written into q and s (shaped as ``weight_spec`` says):
         read or decoded straight into them, copied where that cannot be. ``scratch``: a dict whose
         uint8 buffers (by size) a packed module's blob is read into."""
-        dec = self._checked_decode(m) if self.packed and scratch is not None else None
+        dec = self._checked_decode(m, (q, s)) if self.packed and scratch is not None else None
         if dec is not None:
             qq, ss = dec[0], dec[1]
         elif self.packed:
@@ -175,12 +175,13 @@ class Target:
             items, counts, _ = _module_problems(self, m, (q, s))
             self.checked[m] = (items, counts)
 
-    def _checked_decode(self, m: str) -> tuple | None:
+    def _checked_decode(self, m: str, into: tuple | None = None) -> tuple | None:
         """The structural pass's check of packed module m, run here on the blob as read (recorded in
-        ``checked``): its decode, or None (a blob split for tensor parallelism, or one that fails)."""
+        ``checked``): its decode (into ``into`` where it can), or None (a blob split for tensor
+        parallelism, or one that fails)."""
         if self.packed.split(m) != 1 or m in self.checked:
             return None
-        items, counts, dec = _module_problems(self, m)
+        items, counts, dec = _module_problems(self, m, into=into)
         self.checked[m] = (items, counts)
         return dec
 
@@ -199,6 +200,13 @@ class Target:
         if self.packed:
             return {f"{m}.{SUFFIX}"}
         return self.views[m].names() if m in self.views else {f"{m}.weight", f"{m}.weight_scale"}
+
+    def prefetch(self, mods) -> None:
+        """Start reading what the numerical pass will read of these modules (a hint; a ``Tapped``
+        checkpoint takes it)."""
+        hint = getattr(self.ckpt, "prefetch", None)
+        if hint is not None:
+            hint([n for m in mods for n in self.read_names(m)])
 
     def place(self, m: str) -> tuple[str, int]:
         """(shard, offset) of the first byte of module m the numerical pass reads."""
@@ -260,12 +268,14 @@ def layer_index(prefix: str) -> int:
 # --------------------------------------------------------------------------------- structural
 
 
-def _check_module(t: Target, m: str, problems: Problems, counts: dict, got: tuple | None = None) -> tuple | None:
+def _check_module(t: Target, m: str, problems: Problems, counts: dict, got: tuple | None = None,
+                  into: tuple | None = None) -> tuple | None:
     """Module m's structural checks; a packed module's decode (values, scales, bias) when it decodes.
-    ``got``: a plain module's (int4 values, scales) as the caller read them."""
+    ``got``: a plain module's (int4 values, scales) as the caller read them; ``into``: (q, scales)
+    buffers a packed module's blob may decode into."""
     ck = t.ckpt
     if t.packed:
-        probs, dec = t.packed.check_blob(m, t.scratch.get())
+        probs, dec = t.packed.check_blob(m, t.scratch.get(), into)
         tp = tensor_parallel_size(t.packed.record)
         want = tp if is_row_parallel(m) else 1  # vLLM splits only row parallel modules along K
         if t.packed.split(m) != want:
@@ -462,12 +472,13 @@ def _read_report(ckpt: Checkpoint, problems: Problems) -> dict | None:
     return report
 
 
-def _module_problems(t: Target, m: str, got: tuple | None = None) -> tuple[list[dict], dict, tuple | None]:
+def _module_problems(t: Target, m: str, got: tuple | None = None,
+                     into: tuple | None = None) -> tuple[list[dict], dict, tuple | None]:
     """One module's structural problems, counts and decode (on its own: modules are checked in parallel)."""
     problems = Problems()
     counts = {"modules": 0, "int_values": 0, "blobs": 0}
     with kernels.threads_here(1):
-        dec = _check_module(t, m, problems, counts, got)
+        dec = _check_module(t, m, problems, counts, got, into)
     return problems.items, counts, dec
 
 

@@ -8,9 +8,14 @@ import shutil
 
 import pytest
 
+import json
+
+from typer.testing import CliRunner
+
 import int4pack
 from _reference import FIXTURES
-from int4pack import verify_workers
+from int4pack import verify_scan, verify_workers
+from int4pack.cli import app
 from int4pack.errors import VerifyFailed
 
 
@@ -101,3 +106,26 @@ def test_processes_are_the_default_only_with_cores_and_layers_to_share():
     assert verify_workers.use_processes(None, 16, 48)
     assert verify_workers.use_processes(True, 2, 1) and not verify_workers.use_processes(False, 16, 48)
     assert not verify_workers.use_processes(True, 1, 48)  # one worker: no pool at all
+
+
+def test_the_cli_picks_processes_or_threads(converted):
+    out, _ = converted("gptq_q3_sym")
+    runner = CliRunner()
+    for flag, kind in (("--processes", "processes"), ("--no-processes", "threads")):
+        r = runner.invoke(app, ["verify", str(out), "--threads", "2", flag, "--json"])
+        assert r.exit_code == 0, r.output
+        assert json.loads(r.stdout)["workers"]["kind"] == kind
+
+
+def test_prefetch_asks_for_the_span_of_the_named_tensors(converted, monkeypatch):
+    out, _ = converted("gptq_q3_sym")
+    ck = verify_scan.Tapped(out)
+    names = sorted(n for n in ck.tensors if ".experts.1." in n and ".layers.0." in n)
+    calls = []
+    monkeypatch.setattr(verify_scan.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((fd, off, n, advice)))
+    ck.prefetch(names)
+    infos = [ck.tensors[n] for n in names]
+    assert len({i.file for i in infos}) == 1 and len(calls) == 1
+    fd, off, n, advice = calls[0]
+    assert fd == ck._fd(infos[0].file) and advice == verify_scan.os.POSIX_FADV_WILLNEED
+    assert (off, off + n) == (min(i.begin for i in infos), max(i.end for i in infos))

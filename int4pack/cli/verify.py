@@ -47,6 +47,9 @@ def verify_cmd(
     no_dense: Annotated[bool, typer.Option("--no-dense", help="Skip the dense W4A8 linears.")] = False,
     revision: Annotated[Optional[str], typer.Option(help="The hub revision: a branch, tag or commit.")] = None,
     threads: ThreadsOpt = None,
+    processes: Annotated[Optional[bool], typer.Option(
+        "--processes/--no-processes", help="Run the numerical pass on --threads worker processes, or on threads "
+                                           "(by default processes from 4 threads and 4 MoE layers up).")] = None,
     json_out: JsonOpt = False,
     verbose: VerboseOpt = 0,
     quiet: QuietOpt = False,
@@ -63,7 +66,7 @@ def verify_cmd(
         with o.verify_progress() as bar:
             report = verify(out, against, tokens=tokens, layers=layers, experts=experts, seed=seed,
                             threads=threads, structural_only=structural_only, dense=not no_dense,
-                            revision=revision, raise_on_failure=False, progress=bar)
+                            revision=revision, raise_on_failure=False, progress=bar, processes=processes)
         _render(o, report)
         o.result(report)
         if not report["ok"]:
