@@ -33,7 +33,7 @@ import torch
 
 from . import verify_matmul
 from .checkpoint import resolve_source
-from .errors import InputError, Int4packError, UsageError
+from .errors import InputError, UsageError
 from .serve_spec import KLEIDIAI, PLAIN
 from .verify_dense import check_linear
 from .verify_inputs import dense_input, moe_inputs

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 
 import torch
 
@@ -24,12 +23,10 @@ from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, ROTARY, SUFFIX, is_row_paral
                          tensor_parallel_size)
 from .w4a8 import dequantize_w4a8
 from .verify_pool import PerThread
+from .verify_layout import check_config_index, check_layers, layer_index
 from .verify_scan import check_hashes, finish_scan, in_order, scan
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
-
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
-
 
 class Problems:
     """Every structural problem found, each with where it is and what is wrong."""
@@ -260,11 +257,6 @@ def _module_groups(ckpt: Checkpoint, q: dict, modules: list[str], problems: Prob
     return out
 
 
-def layer_index(prefix: str) -> int:
-    m = _LAYER.search(prefix + ".")
-    return int(m.group(1)) if m else -1
-
-
 # --------------------------------------------------------------------------------- structural
 
 
@@ -412,50 +404,6 @@ def _check_values(m: str, wn: str, sn: str, q, s: torch.Tensor, problems: Proble
     counts["int_values"] += numel if q is None or isinstance(q, tuple) else q.numel()
 
 
-def _check_layers(t: Target, problems: Problems) -> None:
-    want = t.num_experts
-    prefixes = sorted(set(t.layers) | set(t.routers), key=lambda p: (layer_index(p), p))
-    for p in prefixes:
-        experts = t.layers.get(p, {})
-        if not experts and any(n.startswith(f"{p}.experts.") for n in t.ckpt.tensors):
-            continue  # experts kept in float (an MTP block the main model drops): not W4A8, nothing to check
-        if p not in t.routers:
-            problems.add(p, "experts without a router weight")
-        n = want or ((max(experts) + 1) if experts else 0)
-        missing = [e for e in range(n) if e not in experts]
-        if missing:
-            problems.add(p, f"expert(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} missing "
-                            f"({len(experts)} of {n} present; config says {want})")
-        extra = [e for e in experts if e >= n]
-        if extra:
-            problems.add(p, f"expert(s) {extra[:8]} beyond the config's {n} experts")
-        for e, slot in sorted(experts.items()):
-            lack = [r for r in ("gate", "up", "down") if r not in slot]
-            if lack:
-                problems.add(f"{p}.experts.{e}", f"no W4A8 {'/'.join(lack)} projection")
-        schemes = {t.groups.get(m) for slot in experts.values() for m in slot.values()}
-        if len(schemes) > 1:  # vLLM's MoE method runs one scheme for w13 and w2 of every expert
-            problems.add(p, f"experts under several config groups (group sizes {sorted(map(str, schemes))}); "
-                            "vLLM takes one scheme per MoE layer")
-
-
-def _check_config_index(t: Target, problems: Problems) -> None:
-    ck = t.ckpt
-    quant = set(t.modules) | t.stored
-    for m in t.ignore:
-        if m in quant:
-            problems.add(m, "listed in quantization_config.ignore but stored as W4A8 (vLLM would misload it)")
-    for name, info in ck.tensors.items():
-        if name.endswith(".weight") and info.dtype == "I8" and name[:-7] not in quant:
-            problems.add(name, "int8 weight without a weight_scale")
-    nl = ck.text_config.get("num_hidden_layers")
-    if isinstance(nl, int):
-        seen = {layer_index(n) for n in ck.tensors} - {-1}
-        missing = sorted(set(range(nl)) - seen)
-        if missing:
-            problems.add("config", f"num_hidden_layers={nl} but no tensors for layer(s) {missing[:8]}")
-
-
 def _read_report(ckpt: Checkpoint, problems: Problems) -> dict | None:
     """convert's int4pack_report.json, or None (a problem when it is there but unusable)."""
     rp = ckpt.folder / "int4pack_report.json"
@@ -511,8 +459,8 @@ def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
         problems.items += items
         for key, v in c.items():
             counts[key] += v
-    _check_layers(t, problems)
-    _check_config_index(t, problems)
+    check_layers(t, problems)
+    check_config_index(t, problems)
     problems.items += report_problems  # listed where they always were: after the module checks
     check_hashes(ckpt, problems, report, digests)
     return t, problems, counts, report
