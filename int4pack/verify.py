@@ -134,12 +134,12 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         # the shard scan reads what the numerical pass will not, on threads of its own (it waits on
         # the disk), while the numbers run on the pool
         skip = _planned(te, draws) | set(ckpt.taps)
-        procs = min(workers, len(chosen) + len(dense_mods)) \
+        n_procs = min(workers, len(chosen) + len(dense_mods)) \
             if draws is not None and use_processes(processes, workers, len(chosen)) else 0
-        report["workers"] = {"kind": "processes" if procs else "threads", "count": procs or workers}
+        report["workers"] = {"kind": "processes" if n_procs else "threads", "count": n_procs or workers}
         src = Source(against, revision) if against is not None and draws is not None else None
         try:  # the worker processes fork here, before this verify starts any thread
-            procs = Workers(te, procs, src) if procs else None
+            procs = Workers(te, n_procs, src) if n_procs else None
         except BaseException:
             if src is not None:
                 src.close()
@@ -166,7 +166,8 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                     report["workers"]["peak_rss_mb"] = procs.peak_rss_mb()
             scanned, scan_s = scan_f.result() if scan_f is not None else timed(scan, ckpt, conv_report, pool, skip)
             try:
-                (t, problems, counts, conv_report), st_s = timed(check_structure, ckpt, spool or pool, scanned, te.checked)
+                (t, problems, counts, conv_report), st_s = timed(check_structure, ckpt, spool or pool, scanned,
+                                                                  te.checked)
             except InputError as e:
                 report.update(ok=False, layers=[], dense=[], structural={
                     "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})

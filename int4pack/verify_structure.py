@@ -28,6 +28,7 @@ from .verify_scan import check_hashes, finish_scan, in_order, scan
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
+
 class Problems:
     """Every structural problem found, each with where it is and what is wrong."""
 
@@ -450,8 +451,9 @@ def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
               "experts": sum(len(v) for v in t.layers.values())}
     problems_before = len(problems.items)
     report = _read_report(ckpt, problems)
-    # every byte read once, first: the checksums, and the range of every int8 weight on the way
-    # (the modules' own checks then read the small tensors only, or blobs from the page cache)
+    # every byte read once: the checksums and int8 ranges from the numerical pass's reads (taps)
+    # and the scan of the rest; a module the numerical pass checked where it read it is not
+    # checked again (the others read their small tensors, or blobs from the page cache)
     digests, t.ranges = finish_scan(ckpt, pool, scanned or scan(ckpt, report, pool), getattr(ckpt, "taps", {}))
     report_problems = problems.items[problems_before:]
     del problems.items[problems_before:]
