@@ -46,6 +46,7 @@ from .verify_scan import Tapped, scan, shard_kinds
 from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
 from .verify_tolerance import K_ACT, K_WEIGHT, LOSSLESS_BOUND, REL_MARGIN
 from .verify_workers import Workers, guarded, use_processes
+from .verify_workers import start as start_workers
 
 __all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 
@@ -139,11 +140,13 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         report["workers"] = {"kind": "processes" if n_procs else "threads", "count": n_procs or workers}
         src = Source(against, revision) if against is not None and draws is not None else None
         try:  # the worker processes fork here, before this verify starts any thread
-            procs = Workers(te, n_procs, src) if n_procs else None
+            procs = start_workers(te, n_procs, src) if n_procs else None
         except BaseException:
             if src is not None:
                 src.close()
             raise
+        if n_procs and procs is None:  # they could not start: threads
+            report["workers"] = {"kind": "threads", "count": workers, "processes": "could not start"}
         spool = ThreadPoolExecutor(max_workers=max(1, workers // 2), thread_name_prefix="int4pack-scan") \
             if workers > 1 else None
         with shutting(spool), ThreadPoolExecutor(max_workers=1) as bg:

@@ -27,9 +27,9 @@ from .verify_scan import Tapped
 from .verify_source import Source
 from .verify_structure import Problems, Target, _read_report
 
-__all__ = ["MIN_WORKERS", "use_processes", "guarded", "Workers"]
+__all__ = ["MIN_WORKERS", "use_processes", "guarded", "Workers", "start"]
 
-MIN_WORKERS = 4  # below this the GIL costs less than starting processes (2 threads: 1.9x one)
+MIN_WORKERS = 4  # below this, threads (4 threads ran 2.3x one; more ran no faster: W6 in docs/performance.md)
 
 
 def use_processes(processes: bool | None, workers: int, layers: int) -> bool:
@@ -110,7 +110,11 @@ class Workers:
         self.pool = ProcessPoolExecutor(max_workers=count, mp_context=multiprocessing.get_context("fork"),
                                         initializer=_open, initargs=(str(t.ckpt.folder), dict(t.ckpt.kinds),
                                                                      against, None if src is None else src.label))
-        self.pool.submit(_ready).result()  # a fork context starts every worker at the first task
+        try:
+            self.pool.submit(_ready).result()  # a fork context starts every worker at the first task
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, layers: dict, dense: dict, clock: Clock, done, fallback) -> None:
         """layers {prefix: moe_inputs}, dense {module: rows}; ``fallback(kind, name)`` runs a task in
@@ -135,3 +139,12 @@ class Workers:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def start(t: Target, count: int, src: Source | None) -> Workers | None:
+    """``count`` workers, or None where they cannot start (a worker that cannot open the output or
+    the source, a process limit): the numerical pass then runs on threads."""
+    try:
+        return Workers(t, count, src)
+    except (BrokenProcessPool, OSError):
+        return None

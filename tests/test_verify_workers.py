@@ -75,6 +75,19 @@ def test_a_worker_that_dies_leaves_its_layers_to_verify_itself(converted, monkey
     assert got["ok"] and _numbers(got) == _numbers(want)
 
 
+def test_workers_that_cannot_start_leave_the_pass_to_threads(converted, monkeypatch):
+    out, _ = converted("gptq_q3_sym")
+    want = int4pack.verify(out, threads=2, processes=False)
+
+    def cannot_open(*args):
+        raise OSError("no such file")  # the output gone between verify's open and the workers'
+
+    monkeypatch.setattr(verify_workers, "_open", cannot_open)
+    got = int4pack.verify(out, threads=2, processes=True)
+    assert got["workers"] == {"kind": "threads", "count": 2, "processes": "could not start"}
+    assert got["ok"] and _numbers(got) == _numbers(want)
+
+
 def test_progress_in_processes_counts_what_threads_count(converted):
     out, _ = converted("gptq_q3_sym")
     counts = {}
