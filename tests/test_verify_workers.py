@@ -128,6 +128,8 @@ def test_the_cli_picks_processes_or_threads(converted):
         r = runner.invoke(app, ["verify", str(out), "--threads", "2", flag, "--json"])
         assert r.exit_code == 0, r.output
         assert json.loads(r.stdout)["workers"]["kind"] == kind
+    r = runner.invoke(app, ["verify", str(out), "--threads", "2", "--processes", "-v"])
+    assert r.exit_code == 0 and "on 2 processes" in r.output, r.output
 
 
 def test_prefetch_asks_for_the_span_of_the_named_tensors(converted, monkeypatch):

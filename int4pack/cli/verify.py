@@ -101,7 +101,9 @@ def _render(o, r: dict) -> None:
     for note in r.get("trust", []):
         o.text(f"  [dim]note:[/dim] {note}")
     if "kernel" in r:
-        o.text(f"  kernel: {r['kernel']['matmul']}, MoE op {r['kernel']['moe_op']}", level=1)
+        w = r.get("workers") or {}
+        on = f"; on {w['count']} {w['kind']}" if w else ""
+        o.text(f"  kernel: {r['kernel']['matmul']}, MoE op {r['kernel']['moe_op']}{on}", level=1)
     rows = []
     for L in r.get("layers", []):
         if L.get("skipped"):
