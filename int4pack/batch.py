@@ -60,9 +60,11 @@ def _fmt(x: float | None) -> str | None:  # convert._fmt
     return None if x is None else f"{x:.6g}"
 
 
-def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], list] | None:
-    """(source shard, the module's descriptor row, its tensors' byte ranges there) of a job the batch
-    takes, or None."""
+def _source(reader, job: Job, packed: bool) -> tuple | None:
+    """(kind, source shard, the module's descriptor row, its tensors' byte ranges there, None) of a job
+    the batch takes, or None. A module whose tensors lie in several source files is staged: its
+    source is None, its row points into a buffer of its own, and the last item lists the tensors to
+    read into it at those offsets."""
     from . import kleidiai
 
     if job.kind != "linear" or len(job.specs) != 1:
@@ -78,7 +80,7 @@ def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], list] | Non
     layout, words, scales, kn, zeros, zbyte, gidx = where
     stype = _SCALE_TYPES.get(scales.dtype)
     files = {words.file, scales.file} | {t.file for t in (zeros, gidx) if t is not None}
-    if stype is None or words.dtype != "I32" or len(files) != 1 or len(words.shape) != 2 or \
+    if stype is None or words.dtype != "I32" or len(words.shape) != 2 or \
             scales.numel != n * spec.groups or (gidx is not None and tuple(gidx.shape) != (k,)):
         return None
     if kind == "lossless" and layout not in (Packing.GPTQ, Packing.CT):
@@ -92,11 +94,21 @@ def _source(reader, job: Job, packed: bool) -> tuple[str, list[int], list] | Non
             return None
     elif len(outs) != 2 or outs[0].nbytes != n * k or outs[1].nbytes != n * (k // gb) * (4 if scale_dtype(g) == "float32" else 2):
         return None
-    row = [layout, words.begin, words.shape[0], words.shape[1], n, k, scales.begin, stype, int(kn), spec.groups,
-           -1 if zeros is None else zeros.begin, 0 if zeros is None else zeros.nbytes, zbyte,
-           -1 if gidx is None else gidx.begin, 0 if gidx is None else (8 if gidx.dtype == "I64" else 4),
+    parts = [t for t in (words, scales, zeros, gidx) if t is not None]
+    at = {id(t): t.begin for t in parts}
+    staged = None
+    if len(files) > 1:  # each tensor at a 64-byte boundary of the module's own buffer
+        staged, end = [], 0
+        for t in parts:
+            staged.append((t, end))
+            at[id(t)], end = end, end + -(-t.nbytes // 64) * 64
+    row = [layout, at[id(words)], words.shape[0], words.shape[1], n, k, at[id(scales)], stype, int(kn),
+           spec.groups, -1 if zeros is None else at[id(zeros)], 0 if zeros is None else zeros.nbytes, zbyte,
+           -1 if gidx is None else at[id(gidx)], 0 if gidx is None else (8 if gidx.dtype == "I64" else 4),
            spec.group_size, block(k, spec.group_size), gb, int(scale_dtype(g) == "bfloat16"), -1, -1, -1, 0, 0]
-    return kind, words.file, row, [(t.begin, t.end) for t in (words, scales, zeros, gidx) if t is not None]
+    if staged is not None:
+        return kind, None, row, [], staged
+    return kind, words.file, row, [(t.begin, t.end) for t in parts], None
 
 
 def _requant_source(layout, words, zeros, n: int, k: int, spec) -> bool:
@@ -127,14 +139,16 @@ def _requant_source(layout, words, zeros, n: int, k: int, spec) -> bool:
 class Batch:
     """Consecutive jobs run in one C++ call: their descriptor rows and where their source lies."""
 
-    __slots__ = ("jobs", "rows", "shard", "source", "spans", "out_bytes", "kind")
+    __slots__ = ("jobs", "rows", "shard", "source", "spans", "out_bytes", "kind", "staged")
 
-    def __init__(self, shard: str, source: str, kind: str = "lossless"):
+    def __init__(self, shard: str, source: str | None, kind: str = "lossless", staged: list | None = None):
         self.jobs: list[Job] = []
         self.rows: list[list[int]] = []
         self.shard, self.source, self.kind = shard, source, kind
         self.spans: list[tuple[int, int]] = []  # the source tensors' byte ranges
         self.out_bytes = 0
+        # one module whose tensors lie in several source files: (tensor, offset) in a buffer of its own
+        self.staged = staged
 
     def extents(self, gap: int = 1 << 18) -> list[tuple[int, int]]:
         """The source ranges to map, merged where less than ``gap`` apart: a shard may keep each
@@ -175,7 +189,15 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
             yield from flush()
             yield job
             continue
-        kind, source, row, spans = got
+        kind, source, row, spans, staged = got
+        if staged is not None:  # a batch of its own, read into a buffer of its own
+            yield from flush()
+            one = Batch(shard, None, kind, staged)
+            one.jobs.append(job)
+            one.rows.append(row)
+            one.out_bytes = nbytes
+            yield one
+            continue
         if cur is not None and (cur.shard != shard or cur.source != source or cur.kind != kind
                                 or len(cur.jobs) >= BATCH_MODULES or cur.out_bytes + nbytes > BATCH_BYTES):
             yield from flush()
@@ -252,8 +274,15 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
             desc[i, _OUTBLOB], desc[i, _BLOBBYTES] = at[i, 0], job.outputs[0].nbytes
         else:
             desc[i, _OUTQ], desc[i, _OUTS] = at[i, 0], at[i, 1]
-    addr, length = ckpt.mapping(b.source)
-    extents = b.extents()
+    staged = None
+    if b.staged is not None:
+        staged = np.zeros(max(off + -(-t.nbytes // 64) * 64 for t, off in b.staged), dtype=np.uint8)
+        for t, off in b.staged:
+            ckpt.read_into(t.name, memoryview(staged)[off:off + t.nbytes])
+        addr, length, extents = staged.ctypes.data, staged.nbytes, []
+    else:
+        addr, length = ckpt.mapping(b.source)
+        extents = b.extents()
     for lo, hi in extents:
         ckpt.populate(b.source, lo, hi)
     requant = b.kind == "requant"

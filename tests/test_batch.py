@@ -495,10 +495,18 @@ def test_units_batch_runs_within_one_shard_only(tmp_path):
         batches = [u for u in got if isinstance(u, batch.Batch)]
         assert [j for u in got for j in (u.jobs if isinstance(u, batch.Batch) else [u])] == jobs
         assert all(len({shard_of[j.outputs[0].name] for j in b.jobs}) == 1 for b in batches)
-        # a lossless module left out of the batches is one whose tensors lie in two source files
-        singles = [u for u in got if not isinstance(u, batch.Batch) and u in linear]
-        assert all(len({ck.info(key).file for key in u.specs[0].keys}) > 1 for u in singles)
-        assert len(singles) < len(linear) - 3
+        # every lossless module is batched; one whose tensors lie in two source files is a batch of
+        # its own, read into a buffer of its own (staged) at the offsets its row gives
+        assert not [u for u in got if not isinstance(u, batch.Batch) and u in linear]
+        staged = [b for b in batches if b.staged is not None]
+        assert staged and all(len(b.jobs) == 1 and b.source is None for b in staged)
+        for b in staged:
+            files = {ck.info(key).file for key in b.jobs[0].specs[0].keys}
+            assert len(files) > 1 and len(b.staged) >= 2
+            offsets = [off for _, off in b.staged]
+            assert offsets[0] == 0 and all(o % 64 == 0 for o in offsets) and offsets == sorted(offsets)
+            assert b.rows[0][1] == offsets[0] and b.rows[0][6] == offsets[1]  # the words, the scales
+        assert not any(b.staged for b in batches if b.source is not None)
         assert batches and batches[0].jobs == linear[:3]
         assert not any(isinstance(u, batch.Batch) for u in batch.units(jobs, plan.reader, shard_of, {"s1", "s2"}, False))
 

@@ -322,8 +322,9 @@ def test_a_convert_of_batches_alone_never_imports_torch(tmp_path, serve_format):
     """mf_mixtral's modules are all lossless, each in one source file: every one goes through the C++
     batches, so the CLI's convert never imports torch (its import is most of a small convert's time).
     The bytes are those of the per-job torch path (INT4PACK_BATCH=0, another process). So do the
-    requantised modules of GPTQ asym and AWQ sources held in one file (the requant batches); the
-    three-file gptq_q3_asym, whose modules straddle its files, imports it once the plan is out."""
+    requantised modules of GPTQ asym and AWQ sources held in one file (the requant batches), and the
+    three-file gptq_q3_asym, some of whose modules straddle its files (each read into a buffer of its
+    own: a staged batch)."""
     import subprocess
     import sys
 
@@ -348,7 +349,10 @@ def test_a_convert_of_batches_alone_never_imports_torch(tmp_path, serve_format):
     assert shards == sorted(p.name for p in (tmp_path / "job").glob("*.safetensors")) and shards
     for name in shards:
         assert (tmp_path / "batch" / name).read_bytes() == (tmp_path / "job" / name).read_bytes(), name
-    assert run("gptq_q3_asym", tmp_path / "asym", "1") == "True"
+    assert run("gptq_q3_asym", tmp_path / "asym", "1") == "False"
+    assert run("gptq_q3_asym", tmp_path / "asym_job", "0") == "True"
+    for name in sorted(p.name for p in (tmp_path / "asym").glob("*.safetensors")):
+        assert (tmp_path / "asym" / name).read_bytes() == (tmp_path / "asym_job" / name).read_bytes(), name
     from safetensors.torch import load_file, save_file
 
     for name in ("gptq_q3_asym", "awq_q3"):
