@@ -276,7 +276,7 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
             desc[i, _OUTQ], desc[i, _OUTS] = at[i, 0], at[i, 1]
     staged = None
     if b.staged is not None:
-        staged = np.zeros(max(off + -(-t.nbytes // 64) * 64 for t, off in b.staged), dtype=np.uint8)
+        staged = np.zeros(max(off + t.nbytes for t, off in b.staged), dtype=np.uint8)
         for t, off in b.staged:
             ckpt.read_into(t.name, memoryview(staged)[off:off + t.nbytes])
         addr, length, extents = staged.ctypes.data, staged.nbytes, []

@@ -98,7 +98,6 @@ def _scan_part(path: Path, base: int, part: list, kind: str) -> list[tuple[int, 
     """Each tensor's CRC (of the kind the shard records) and, for int8 ones, its (min, max): one
     read of their bytes. None when the file ends early."""
     check = _CHECKSUMS[kind][1]
-    vk = _ext.load("verify_kernels")
     buf = bytearray(_READ_BYTES)
     out = []
     with open(path, "rb") as fh:
@@ -111,8 +110,7 @@ def _scan_part(path: Path, base: int, part: list, kind: str) -> list[tuple[int, 
                 piece = memoryview(buf)[:k]
                 crc = check(piece, crc)
                 if dtype == "I8":
-                    q = torch.frombuffer(piece, dtype=torch.int8)
-                    pl, ph = vk.int8_range(q) if vk is not None else (int(q.min()), int(q.max()))
+                    pl, ph = _range(torch.frombuffer(piece, dtype=torch.int8))
                     lo, hi = (pl, ph) if lo is None else (min(lo, pl), max(hi, ph))
                 off += k
             out.append((crc, None if lo is None else (lo, hi)))
