@@ -34,18 +34,18 @@ from .errors import OutputError
 from .groups import block, normalize_group, scale_dtype
 from .plan import Job
 from .records import Packing
-from .writer import BufferPool, to_bytes
+from .writer import PAGE, BufferPool, to_bytes
 
 # kernels, kleidiai and numpy: imported when the work starts, not with convert (none imports torch)
 # (a dry run plans without them)
 
-__all__ = ["ENABLED", "BATCH_BYTES", "units", "run_batch", "FIELDS", "KINDS"]
+__all__ = ["ENABLED", "BATCH_BYTES", "units", "run_batch", "buffer_positions", "FIELDS", "KINDS"]
 
 ENABLED = os.environ.get("INT4PACK_BATCH", "1").strip() not in ("0", "false", "no", "off")
 # output bytes of one batch at most: a module up to this size goes as a batch of its own, so that
 # the dense linears of a 30B-A3B model (8.4 MB int8 q_proj in the default format) need no torch
 BATCH_BYTES = 16 << 20
-BUFFERS = 8  # batch buffers in all: computing, or queued behind the disk (128 MB of address space)
+BUFFERS = 8  # batch buffers in all: computing, or queued behind the disk (~136 MB of address space)
 BATCH_MODULES = 64
 KINDS = ("lossless", "requant")  # the predicted paths a batch runs (one kind per batch)
 FIELDS = 24  # int64 per module in the descriptor (convert_kernels.h, BatchField)
@@ -210,7 +210,8 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
     yield from flush()
 
 
-_buffers = BufferPool(BUFFERS, BATCH_BYTES)  # a batch's output, in file order
+# a batch's output, in file order; room for a page's shift at each of its outputs (run_batch)
+_buffers = BufferPool(BUFFERS, BATCH_BYTES + 2 * BATCH_MODULES * PAGE)
 
 
 def _stats(error_stats, tot: list[float], role, g: int) -> dict:
@@ -232,24 +233,35 @@ def _requant_stats(kernels, tot: list[float], zero_groups: int, role, g: int) ->
             **{k: _fmt(v) if isinstance(v, float) else v for k, v in info.items()}}
 
 
+def buffer_positions(places: list[tuple[int, int]]) -> list[int]:
+    """Positions in a page-aligned buffer for tensors at (data offset, bytes) in file order: next to
+    each other as in the file, each run of neighbours as far into a page as its first offset, so
+    that the writer sends their whole pages directly (ShardFile.write_batch)."""
+    pos, end, out = 0, None, []
+    for begin, nbytes in places:
+        if begin != end:
+            pos += (begin - pos) % PAGE
+        out.append(pos)
+        pos, end = pos + nbytes, begin + nbytes
+    return out
+
+
 def run_batch(b: Batch, ckpt, plan, shard_file, rename: dict, packed: bool, per_job) -> list[tuple[dict, set]]:
     """Convert a Batch and write its tensors; returns each job's (stats, written names) as convert's
     per-job ``work`` does. ``per_job(job)`` gives a job's (tensors, stats) by the per-job path (for
     a module the C++ hands back)."""
     f = shard_file(b.shard)
-    # the buffer in file order: the tensors of whole pages first, each at a whole page of the buffer
-    places = []
+    places = []  # the buffer in file order (buffer_positions)
     for i, job in enumerate(b.jobs):
         for j, t in enumerate(job.outputs):
             out = rename.get(t.name, t.name)
             places.append((f.place(out)[1], out, t.nbytes, i, j))
     places.sort()
-    pos, at = 0, {}
-    for _, out, nbytes, i, j in places:
-        at[i, j] = pos
-        pos += nbytes
-    if pos > BATCH_BYTES:
-        raise OutputError(f"internal: a batch of {pos} bytes, more than {BATCH_BYTES}")
+    pos = buffer_positions([(begin, nbytes) for begin, _, nbytes, _, _ in places])
+    at = {(i, j): p for (_, _, _, i, j), p in zip(places, pos)}
+    end = pos[-1] + places[-1][2] if places else 0
+    if end > _buffers.nbytes:
+        raise OutputError(f"internal: a batch of {end} bytes, more than {_buffers.nbytes}")
     buf = _buffers.take()
     try:
         answers, crcs = _run(b, ckpt, plan, rename, packed, per_job, at, buf)

@@ -44,6 +44,7 @@ __all__ = [
     "hash_shard",
     "CHECKSUM_KEYS",
     "to_bytes",
+    "PAGE",
 ]
 
 PROGRESS = "progress.json"
@@ -58,7 +59,7 @@ _META_RESERVE_PER_TENSOR = 200  # bytes of header reserved for each tensor's res
 _META_RESERVE_BASE = 8192
 _SPACES = memoryview(b" " * 65536)
 # O_DIRECT: offsets, lengths and buffer addresses in whole pages (no logical block size in use is larger)
-_ALIGN = 4096
+PAGE = 4096
 _STAGE_BYTES = 4 << 20  # one direct write
 _CACHE_WRITE = 1 << 20  # bytes of one batch write through the page cache (write_batch)
 _STAGES = 8  # staging buffers in all: the direct writes queued behind the disk (32 MB)
@@ -106,10 +107,23 @@ def to_bytes(t: torch.Tensor | memoryview | bytes) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def _direct_first(tensors: list[OutTensor]) -> list[OutTensor]:
-    """A shard's file order: the tensors of whole pages first, from a page boundary, so each of them
-    can go to the disk with O_DIRECT; the others (norms, biases: a few KB) after them."""
-    return [t for t in tensors if t.nbytes % _ALIGN == 0] + [t for t in tensors if t.nbytes % _ALIGN]
+def _file_order(tensors: list[OutTensor]) -> tuple[list[OutTensor], int]:
+    """A shard's file order and the bytes of its leading span: tensors of whole pages and pairs of
+    tensors whose bytes add up to whole pages (the packed format's gate and up blobs: 199.5 pages
+    each at 30B-A3B's shapes), in plan order from a page boundary, so that a run of them goes to the
+    disk with O_DIRECT; then the others (norms, biases: a few KB)."""
+    lead: list[OutTensor] = []
+    waiting: dict[int, OutTensor] = {}  # bytes past a page -> a tensor waiting for its partner
+    for t in tensors:
+        part = t.nbytes % PAGE
+        if not part:
+            lead.append(t)
+        elif (partner := waiting.pop(PAGE - part, None)) is not None:
+            lead += (partner, t)
+        else:
+            waiting.setdefault(part, t)
+    led = {id(t) for t in lead}
+    return lead + [t for t in tensors if id(t) not in led], sum(t.nbytes for t in lead)
 
 
 def _open_direct(path: Path) -> int | None:
@@ -202,17 +216,19 @@ class ShardFile:
     their own results in parallel; ``finish`` (one thread, once every tensor is in) writes the
     header, fsyncs and renames ``<name>.tmp`` to its final name.
 
-    Tensors of whole pages lie first, from a page boundary, and are written with O_DIRECT where the
-    file system takes it: the worker copies them into staging buffers (checksumming as it copies)
-    and the shard's I/O thread writes those straight to the disk, with no copy into the page cache
-    and no page allocated per 4 KB there, while the worker goes on computing. The header
-    and the other tensors go through the page cache, as everything does where O_DIRECT is refused.
+    Tensors of whole pages, and pairs that fill whole pages together, lie first, from a page
+    boundary (``_file_order``), and are written with O_DIRECT where the file system takes it: the
+    worker copies a single tensor of whole pages into staging buffers (checksumming as it copies), or
+    hands over a batch's buffer (``write_batch``), and the shard's I/O thread writes those straight
+    to the disk, with no copy into the page cache and no page allocated per 4 KB there, while the
+    worker goes on computing. The header, partial pages and the other tensors go through the page
+    cache, as everything does where O_DIRECT is refused.
     """
 
     def __init__(self, path: Path, tensors: list[OutTensor], meta: dict[str, str], entry_bytes: int = 0):
         self.path = path
         self.tmp = path.with_name(path.name + ".tmp")
-        self.tensors = _direct_first(tensors)  # file order
+        self.tensors, self.direct_bytes = _file_order(tensors)  # file order; its leading span
         self.meta = dict(meta)
         # name -> (planned tensor, data offset): no header entry dicts (~400 B per tensor, kept all run)
         self._planned: dict[str, tuple[OutTensor, int]] = {}
@@ -221,12 +237,11 @@ class ShardFile:
             self._planned[t.name] = (t, off)
             off += t.nbytes
         self.data_size = off
-        self.direct_bytes = sum(t.nbytes for t in self.tensors if t.nbytes % _ALIGN == 0)  # the leading span
         # entry_bytes: more room per tensor for callers whose results say more (blob provenance)
         reserve = _META_RESERVE_BASE + (_META_RESERVE_PER_TENSOR + entry_bytes) * len(tensors)
         probe = _header_raw(self._planned, {**self.meta, "int4pack.tensors": " " * reserve})
         # data from a page boundary (the JSON header is padded with spaces, as safetensors allows)
-        self.header_len = -(-(8 + len(probe)) // _ALIGN) * _ALIGN - 8
+        self.header_len = -(-(8 + len(probe)) // PAGE) * PAGE - 8
         self.digest_kind = digest_kind()  # crc32c with the extension, else zlib's crc32
         self.crc: dict[str, int] = {}  # tensor -> CRC of its bytes, once written
         self._lock = threading.Lock()
@@ -283,7 +298,7 @@ class ShardFile:
         try:
             if self._io_error is not None:
                 raise self._io_error
-            if self._direct and begin < self.direct_bytes:
+            if self._direct and begin < self.direct_bytes and begin % PAGE == 0 == want.nbytes % PAGE:
                 crc, pieces = self._stage_direct(pieces, off), ()
             elif self._io is not None:
                 # through the page cache, but written by the I/O thread too: with many workers, each
@@ -306,7 +321,7 @@ class ShardFile:
         return crc
 
     def place(self, name: str) -> tuple[OutTensor, int]:
-        """A planned tensor and its offset in the data (file order: see ``_direct_first``)."""
+        """A planned tensor and its offset in the data (file order: see ``_file_order``)."""
         got = self._planned.get(name)
         if got is None:
             raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
@@ -315,16 +330,16 @@ class ShardFile:
     def write_batch(self, entries: list[tuple[str, int, int]], buf: memoryview, release=None) -> None:
         """Write planned tensors whose bytes lie in ``buf`` (page-aligned memory, e.g. an anonymous
         mapping): ``entries`` (name, position in buf, CRC of its bytes) in file order. Tensors next to
-        each other in the file and in ``buf`` go out in one write, a direct one where they lie in
-        the leading whole-page span (their positions then in whole pages too). Queued for the I/O
-        thread where the file has one (``release(buf)`` is called once the bytes are written, or
-        dropped after a failure), else written here; thread-safe, as ``write``."""
+        each other in the file and in ``buf`` go out in one write; its whole pages go directly where a
+        position in ``buf`` lies as far into its page as the tensor's offset in the file (the rest,
+        at most a page at each end, through the page cache). Queued for the I/O thread where the
+        file has one (``release(buf)`` is called once the bytes are written, or dropped after a
+        failure), else written here; thread-safe, as ``write``."""
         spans: list[list[int]] = []  # [data offset, position in buf, bytes]
         for name, pos, _ in entries:
             t, begin = self.place(name)
             last = spans[-1] if spans else None
-            if last is not None and last[0] + last[2] == begin and last[1] + last[2] == pos and \
-                    (begin < self.direct_bytes) == (last[0] < self.direct_bytes):
+            if last is not None and last[0] + last[2] == begin and last[1] + last[2] == pos:
                 last[2] += t.nbytes
             else:
                 spans.append([begin, pos, t.nbytes])
@@ -355,17 +370,16 @@ class ShardFile:
             for begin, pos, nbytes in spans:
                 if self._io_error is not None:
                     return
-                piece, off = buf[pos: pos + nbytes], 8 + self.header_len + begin
-                done = 0
-                if self._direct and begin < self.direct_bytes and pos % _ALIGN == 0:
-                    done = self._pwrite_direct(piece, off)
-                # through the page cache (the rest of a refused direct write too), 1 MB at a time: one
-                # write per span (~5 MB) took about twice the CPU per byte (Linux 6.18, 2-core x86-64)
-                while done < nbytes:
-                    step = min(nbytes - done, _CACHE_WRITE)
-                    with self._write_lock:
-                        self._pwrite(piece[done: done + step], off + done)
-                    done += step
+                piece, off = buf[pos: pos + nbytes], 8 + self.header_len + begin  # the data starts on a page
+                lo = hi = 0  # the span's whole pages: piece[lo:hi]
+                if self._direct and (pos - off) % PAGE == 0:
+                    lo = min(nbytes, -off % PAGE)
+                    hi = lo + (nbytes - lo) // PAGE * PAGE
+                self._cached(piece[:lo], off)
+                if hi > lo:
+                    done = lo + self._pwrite_direct(piece[lo:hi], off + lo)
+                    self._cached(piece[done:hi], off + done)  # the rest of a refused direct write
+                self._cached(piece[hi:], off + hi)
         except BaseException as e:
             if release is None:
                 raise
@@ -373,6 +387,13 @@ class ShardFile:
         finally:
             if release is not None:
                 release(buf)
+
+    def _cached(self, piece: memoryview, off: int) -> None:
+        """``piece`` through the page cache, 1 MB at a time: one write per span (~5 MB) took about
+        twice the CPU per byte (Linux 6.18, 2-core x86-64)."""
+        for done in range(0, len(piece), _CACHE_WRITE):
+            with self._write_lock:
+                self._pwrite(piece[done: done + _CACHE_WRITE], off + done)
 
     def _stage_direct(self, pieces, off: int, direct: bool = True) -> int:
         """Copy ``pieces`` (one tensor of whole pages, at a page-aligned ``off``) into staging buffers,

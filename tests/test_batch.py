@@ -297,6 +297,18 @@ def test_requant_modules_it_does_not_take_are_handed_back_unwritten():
 # ------------------------------------------------------------------------------ the writer
 
 
+def test_buffer_positions_keep_each_run_as_far_into_a_page_as_in_the_file():
+    from int4pack.batch import buffer_positions
+
+    # neighbours in the file stay neighbours; a run that starts 2048 into a page starts 2048 into one
+    assert buffer_positions([(2048, 10240), (12288, 8192)]) == [2048, 12288]
+    # a gap in the file (another batch's bytes between): the next run moves to 100 past a page
+    assert buffer_positions([(0, 10240), (409700, 20)]) == [0, 12388]
+    # the same offset within a page: no room lost
+    assert buffer_positions([(0, 4000), (8192, 96)]) == [0, 4096]
+    assert buffer_positions([]) == []
+
+
 def test_write_batch_writes_the_same_file_as_write(tmp_path):
     ts = [OutTensor("a", "U8", (4096,)), OutTensor("b", "U8", (100,)), OutTensor("c", "U8", (8192,)),
           OutTensor("d", "U8", (50,))]

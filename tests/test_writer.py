@@ -334,3 +334,83 @@ def test_failed_direct_write_surfaces_and_leaves_no_shard(tmp_path, monkeypatch)
     sf.abort()
     assert not p.exists() and not sf.tmp.exists()
     assert _stages_idle()
+
+
+def _blob_tensors(seed: int = 7) -> dict[str, torch.Tensor]:
+    """In plan order, as the packed format's experts: a blob of whole pages (down), two blobs of 2.5
+    pages each (gate, up: together whole pages), twice; odd-sized tensors before and after."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def blob(nbytes):
+        return torch.randint(-128, 127, (nbytes,), generator=gen, dtype=torch.int8)
+
+    return {"a.norm": torch.randn(5, generator=gen),  # 20 B
+            "e0.down": blob(8192), "e0.gate": blob(10240), "e0.up": blob(10240),
+            "e1.down": blob(8192), "e1.gate": blob(10240), "e1.up": blob(10240),
+            "z.bias": torch.randn(3, generator=gen).to(torch.bfloat16)}
+
+
+def test_pairs_that_fill_whole_pages_lie_together_and_go_to_the_disk_directly(tmp_path, monkeypatch):
+    """Two tensors whose sizes add up to whole pages lie next to each other, the pair from a page
+    boundary, in plan order with the whole-page tensors; batches of them go directly wherever a
+    buffer's position lies as far into a page as the file offset, also when a batch ends inside a
+    pair; the file is the same, byte for byte, as the page-cache-only writer's of one tensor at a time."""
+    import mmap
+
+    ts = _blob_tensors()
+    raw = {k: t.contiguous().view(torch.uint8).numpy().tobytes() for k, t in ts.items()}
+    ref = tmp_path / "ref.safetensors"
+    with monkeypatch.context() as m:
+        m.setattr(writer, "DIRECT_IO", False)
+        one = writer.ShardFile(ref, _plan(ts), {"format": "pt"})
+        for name in ts:
+            one.write(name, ts[name])
+        rec = one.finish({})
+    data = ref.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    spans = {k: v["data_offsets"] for k, v in json.loads(data[8:8 + n]).items() if k != "__metadata__"}
+    lead = ["e0.down", "e0.gate", "e0.up", "e1.down", "e1.gate", "e1.up"]
+    at = 0
+    for k in lead:  # hand-computed: 8192 + 2 * 10240 = 7 pages per expert, from offset 0
+        assert spans[k] == [at, at + len(raw[k])], k
+        at += len(raw[k])
+    assert at == 14 * 4096 and sorted(spans[k][0] for k in ("a.norm", "z.bias")) == [at, at + 20]
+    assert _read_back(ref)["e1.up"].equal(ts["e1.up"])
+
+    monkeypatch.setattr(writer, "DIRECT_IO", True)
+    direct = []
+    orig = writer.ShardFile._pwrite_direct
+
+    def spy(self, buf, off):
+        direct.append((off - 8 - self.header_len, len(buf)))
+        return orig(self, buf, off)
+
+    monkeypatch.setattr(writer.ShardFile, "_pwrite_direct", spy)
+
+    def batch(sf, names, shift):
+        """``names`` laid out in a fresh page-aligned buffer from ``shift``; returns the buffer."""
+        buf = memoryview(mmap.mmap(-1, 1 << 16))
+        entries, pos = [], shift
+        for k in names:
+            buf[pos: pos + len(raw[k])] = raw[k]
+            entries.append((k, pos, one.crc[k]))
+            pos += len(raw[k])
+        given = []
+        sf.write_batch(entries, buf, given.append)
+        return given
+
+    for shift, expect in ((2048, [(0, 11 * 4096), (12 * 4096, 8192)]), (0, [(0, 11 * 4096)])):
+        p = tmp_path / f"b{shift}.safetensors"
+        two = writer.ShardFile(p, _plan(ts), {"format": "pt"})
+        direct.clear()
+        # a batch that ends inside the second pair (11.5 pages from a page), then a batch of its up
+        # blob at a buffer position as far into a page as its offset (2048: its whole pages go
+        # directly) or not (0: no direct write)
+        batch(two, lead[:5], 0)
+        batch(two, ["e1.up"], shift)
+        two.write("a.norm", ts["a.norm"])
+        two.write("z.bias", ts["z.bias"])
+        assert two.finish({}) == rec and p.read_bytes() == data
+        if _o_direct_works(tmp_path):
+            assert sorted(direct) == expect, shift
+        assert _stages_idle()
