@@ -5,6 +5,7 @@ int8 weights without scales and the layers the config names against what the ind
 from __future__ import annotations
 
 import re
+
 __all__ = ["layer_index", "check_layers", "check_config_index"]
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")

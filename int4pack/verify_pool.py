@@ -42,7 +42,6 @@ class Clock:
             with self._lock:
                 self.s[what] += dt
 
-
     def add(self, seconds: dict) -> None:
         """Another clock's seconds (a worker process's) added to this one's."""
         with self._lock:

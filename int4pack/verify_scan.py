@@ -45,7 +45,6 @@ class Tapped(Checkpoint):
             self.taps[(info.file, name)] = (crc, _range(flat) if info.dtype == "I8" and flat.numel() else None)
         return x
 
-
     def prefetch(self, names) -> None:
         """Ask the kernel to start reading these tensors (one span per shard): the next expert's
         bytes come in while this one computes."""
@@ -122,7 +121,7 @@ def scan(ckpt: Checkpoint, report: dict | None, pool, skip=frozenset()) -> dict:
     the pool's threads: {"layout": {shard: (path, (base, [((begin, end), name, dtype)]) or None,
     kind)}, "crcs": {(shard, name): crc}, "ranges": {int8 name: (min, max)}, "short": shards that
     ended early}."""
-    kinds = shard_kinds(ckpt, report)
+    kinds = getattr(ckpt, "kinds", None) or shard_kinds(ckpt, report)  # a Tapped's: set by verify already
     jobs, layout = [], {}
     for shard in sorted(kinds):
         path = ckpt.folder / shard
