@@ -22,6 +22,7 @@ from ..serve_spec import QUANT_METHOD
 from ..source_folder import load_json
 from . import autoround, awq, compressed_tensors, gptq, mxfp4
 from ._api import Format, Header, Reader, quant_method
+from .float_experts import with_float_experts
 
 __all__ = ["READERS", "Format", "Header", "Reader", "open_reader", "supported", "header_of"]
 
@@ -82,7 +83,7 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     for row in READERS:
         try:
             if row.claims(q, header):
-                return row.reader(ckpt, q, qpath)
+                return with_float_experts(row.reader(ckpt, q, qpath), ckpt)
         except Int4packError as e:  # a config value the reader could not parse: name the file it is in
             e.path = e.path or qpath
             raise
