@@ -31,6 +31,7 @@ READERS: tuple[Format, ...] = (
     gptq.FORMAT,
     autoround.FORMAT,
     awq.FORMAT,
+    # rows that claim part of what a row below claims (float config groups of compressed-tensors): above it
     compressed_tensors.FORMAT,
     mxfp4.FORMAT,
     # rows of containers other than safetensors, and of layouts of their own: after the int4 rows
