@@ -247,6 +247,7 @@ FORMAT = Format(
     METHOD, claims, open_autoround,
     reads="quant_method auto-round (packing auto_round:auto_gptq, auto_round, auto_round:gptqmodel, "
           "auto_round:auto_awq)",
-    lossless="symmetric at group 32/64/128 or channel (GPTQ tensors)",
-    requant="asymmetric, auto_awq, other groups; 8-bit modules beside 4-bit ones",
+    lossless="symmetric with positive scales at group 32/64/128 or channel (GPTQ tensors)",
+    requant="auto-round's full-range symmetric (signed scales, told from the data), asymmetric, auto_awq, other "
+            "groups; 8-bit modules beside 4-bit ones",
     config_files=("quantization_config.json",))
