@@ -208,7 +208,7 @@ def test_unknown_quant_method_lists_the_table(make_ckpt):
 
 
 # -- auto-round 0.16.1's own checkpoints (tests/fixtures/README.md) ------------------------------------
-FIXTURES = {  # fixture -> (packing_format, zero convention, reader, signed symmetric scales)
+AUTOROUND_FIXTURES = {  # fixture -> (packing_format, zero convention, reader, signed symmetric scales)
     "autoround_q3_sym_g32": ("auto_round:auto_gptq", "v1", AutoRoundGPTQReader, True),
     "autoround_q3_sym_g128": ("auto_round:auto_gptq", "v1", AutoRoundGPTQReader, True),
     "autoround_q3_gptq_asym_g32": ("auto_round:auto_gptq", "v1", AutoRoundGPTQReader, False),
@@ -218,7 +218,7 @@ FIXTURES = {  # fixture -> (packing_format, zero convention, reader, signed symm
 }
 
 
-@pytest.mark.parametrize("name", sorted(FIXTURES))
+@pytest.mark.parametrize("name", sorted(AUTOROUND_FIXTURES))
 def test_real_fixture_matches_auto_rounds_own_dequantisation(name, fixture_dir):
     """autoround_dequantized.safetensors holds auto-round's own float16 dequantisation of a few modules
     (an int4 expert's gate/up/down and an attention projection; 8-bit ones in the mixed fixture): the
@@ -226,7 +226,7 @@ def test_real_fixture_matches_auto_rounds_own_dequantisation(name, fixture_dir):
     from safetensors.torch import load_file
 
     folder = fixture_dir(name)
-    packing, conv, cls, signed = FIXTURES[name]
+    packing, conv, cls, signed = AUTOROUND_FIXTURES[name]
     reader = open_reader(Checkpoint(folder))
     assert isinstance(getattr(reader, "inner", reader), cls)
     v = reader.verdict()
@@ -262,7 +262,7 @@ def test_real_mixed_fixture_decisions(fixture_dir):
     assert rows == {("expert", "8-bit"): 1, ("expert", "float"): 1, ("attention", "8-bit"): 12}
 
 
-@pytest.mark.parametrize("name,serve", [(n, "compressed-tensors") for n in sorted(FIXTURES)]
+@pytest.mark.parametrize("name,serve", [(n, "compressed-tensors") for n in sorted(AUTOROUND_FIXTURES)]
                          + [("autoround_q3_sym_g32", "kleidiai"), ("autoround_q3_mixed_g32", "kleidiai")])
 def test_real_fixture_converts_and_verifies(name, serve, fixture_dir, tmp_path):
     import int4pack
