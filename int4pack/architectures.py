@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from .errors import InputError, RefusedError
-from .families import BY_TYPE, FAMILIES, Family, family, name_summary, supported_types
+from .families import BY_TYPE, FAMILIES, Family, family, layer_moe, name_summary, supported_types
 from .routing import Routing
 
 __all__ = [
@@ -305,47 +305,11 @@ def vllm_output_names(model_type: str, names) -> dict[str, str]:
     return out
 
 
-# model types whose vLLM model class builds its MoE layer from the DeepSeek-V2 config keys
-_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-
-
 def routing_from_config(model_type: str, cfg: dict) -> Routing | None:
-    """The routing vLLM's model class gives this model's MoE layers (the config keys it reads in
-    0.19.1 and 0.32.0), with the model's routed_scaling_factor; None for a family not known here."""
-    k = cfg.get("num_experts_per_tok")
-    if model_type == "mixtral":
-        return Routing("softmax", int(k or 2), True)
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        return Routing("softmax", int(k or 0), bool(cfg.get("norm_topk_prob", False)))
-    if model_type == "olmoe":
-        return Routing("softmax", int(k or 0), False)
-    if model_type == "phimoe":
-        return Routing("softmax", int(k or 2), False, custom="phimoe_routing_function")
-    if model_type in _DEEPSEEK:  # vLLM: always grouped top-k; bias only with topk_method noaux_tc
-        return Routing(str(cfg.get("scoring_func") or "softmax"), int(k or 0),
-                       bool(cfg.get("norm_topk_prob", model_type != "deepseek_v2")),
-                       bias=cfg.get("topk_method") == "noaux_tc", n_group=int(cfg.get("n_group") or 1),
-                       topk_group=int(cfg.get("topk_group") or 1),
-                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
-    if model_type == "glm4_moe":  # vLLM: sigmoid and the bias always
-        return Routing("sigmoid", int(k or 0), bool(cfg.get("norm_topk_prob", True)), bias=True,
-                       n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
-    if model_type == "minimax_m2":  # vLLM: renormalise always, bias with use_routing_bias
-        return Routing(str(cfg.get("scoring_func") or "softmax"), int(k or 0), True,
-                       bias=bool(cfg.get("use_routing_bias", False)),
-                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
-    return _from_family(model_type, cfg)
-
-
-def _from_family(model_type: str, cfg: dict) -> Routing | None:
-    """The other families' routing from their facts (int4pack/families/, named as Routing is)."""
-    fam = family(model_type)
-    if fam is None:
-        return None
-    f = fam.facts(cfg)
-    return Routing(f["scoring"], int(f["top_k"] or 0), f["renormalize"], bias=f["bias"], n_group=f["n_group"],
-                   topk_group=f["topk_group"], scale=f["scale"], custom=f["custom"])
+    """The routing vLLM's model class gives this model's first MoE layer (the family table in
+    int4pack/families/), with the model's routed_scaling_factor; None for a family not known here."""
+    row = layer_moe(model_type, cfg)
+    return row.routing if row else None
 
 
 # an MoE block's router weight: mlp.gate (Qwen, DeepSeek), block_sparse_moe.gate (Mixtral),

@@ -206,7 +206,9 @@ def test_routing_facts_from_configs():
     ds = family("deepseek_v3").facts({"num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
                                       "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "norm_topk_prob": True})
     assert ds == {"kind": "DeepSeekV3", "scoring": "sigmoid", "top_k": 8, "renormalize": True, "n_group": 8,
-                  "topk_group": 4, "scale": 2.5, "bias": True, "custom": None}
+                  "topk_group": 4, "scale": 2.5, "bias": True, "custom": None, "per_expert_scale": False,
+                  "hash_routed": False, "softcap": None,
+                  "activation": {"name": "silu", "alpha": None, "limit": None, "order": "halves", "kernel_kind": 0}}
     # DeepSeek-V2-Lite: softmax, no bias, vLLM still passes groups (1 of 1)
     v2 = family("deepseek_v2").facts({"num_experts_per_tok": 6, "topk_method": "greedy", "norm_topk_prob": False})
     assert (v2["kind"], v2["bias"], v2["renormalize"]) == ("Default", False, False)

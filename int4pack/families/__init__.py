@@ -9,10 +9,11 @@ from __future__ import annotations
 import re
 
 from . import deepseek, glm4_moe, gpt_oss, llama4, minimax_m2, mixtral, phimoe, qwen3_next, qwen_moe
-from ._family import CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, kind_of, routing_facts
+from ._family import (CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, LayerMoE, kind_of,
+                      routing_facts)
 
 __all__ = ["Family", "FAMILIES", "BY_TYPE", "family", "family_warnings", "unloadable_releases", "resolve_type", "supported_types", "name_summary",
-           "routing_facts", "kind_of", "DEEPSEEK", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
+           "routing_facts", "kind_of", "LayerMoE", "layer_moe", "moe_layers", "moe_record", "DEEPSEEK", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
 
 FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY, phimoe.FAMILY, *qwen_moe.FAMILIES, *deepseek.FAMILIES, *glm4_moe.FAMILIES,
@@ -24,6 +25,25 @@ assert len(BY_TYPE) == sum(len(f.model_types) for f in FAMILIES), "a model type 
 
 def family(model_type: str) -> Family | None:
     return BY_TYPE.get(model_type)
+
+
+def layer_moe(model_type: str, text_config: dict, layer: int = -1) -> LayerMoE | None:
+    """The routing and activation of one MoE layer (-1: the first MoE layer) of a model of this
+    type, read from its text config; None for a dense layer or a model type no family claims."""
+    fam = family(model_type)
+    return fam.layer_moe(text_config, layer) if fam else None
+
+
+def moe_layers(model_type: str, text_config: dict) -> dict[int, LayerMoE]:
+    """Every MoE layer's routing and activation, by layer index ({} for a type no family claims)."""
+    fam = family(model_type)
+    return fam.moe_layers(text_config) if fam else {}
+
+
+def moe_record(model_type: str, text_config: dict) -> dict[str, dict]:
+    """``moe_layers`` as JSON: {"<layer index>": LayerMoE.to_record()}, for a config record that a
+    runtime reads back with routing.from_record and activation.from_record."""
+    return {str(i): row.to_record() for i, row in moe_layers(model_type, text_config).items()}
 
 
 def resolve_type(config: dict) -> str:
