@@ -43,6 +43,7 @@ import json
 
 from . import kleidiai
 from .architectures import VLLM_FUSED, classify, vllm_module
+from .families import moe_record
 from ._lazy import torch
 from .errors import InputError, RefusedError, UsageError
 from .groups import block
@@ -50,7 +51,7 @@ from .plan import Job, OutTensor, Plan
 from .serve_spec import (KLEIDIAI, PLAIN_MODULES, ROTARY, SUFFIX, crc, is_row_parallel, provenance,
                          provenance_problem, rotary_problem, rotary_rows, split_problem)
 
-__all__ = ["pack_problem", "plain_modules", "packed_plan", "job_packer", "blob_checks", "split_k", "pack_split", "PackedWeights"]
+__all__ = ["pack_problem", "plain_modules", "plain_record", "moe_layers_record", "packed_plan", "job_packer", "blob_checks", "split_k", "pack_split", "PackedWeights"]
 
 
 def blob_checks(packed: dict[str, dict], model_type: str | None = None) -> dict:
@@ -140,6 +141,29 @@ def plain_modules(plan: Plan, model_type: str | None = None) -> dict[str, str]:
             if problem and unit not in why:
                 why[unit] = f"{s.name.rsplit('.', 1)[-1]}: {problem}"
     return {m: why[u] for u, mods in units.items() if u in why for m in mods}
+
+
+def _vllm_unit(module: str, model_type: str | None, rename: dict[str, str]) -> str:
+    """The vLLM module a source module's tensors load into, after convert's renames for vLLM."""
+    return vllm_module(rename.get(f"{module}.weight", f"{module}.weight")[: -len(".weight")], model_type)
+
+
+def plain_record(plain: dict[str, str], model_type: str | None, rename: dict[str, str]) -> dict[str, str]:
+    """``plain_modules`` of the layout record: the vLLM modules kept as plain W4A8, with why."""
+    return {_vllm_unit(m, model_type, rename): why for m, why in plain.items()}
+
+
+def moe_layers_record(plan: Plan, model_type: str | None, text_config: dict, rename: dict[str, str]) -> dict:
+    """``moe_layers`` of the layout record: each MoE layer's routing and activation as the model
+    computes them (families.moe_record), by the vLLM module its experts load into; what the
+    plugin routes and activates by."""
+    facts = moe_record(model_type, text_config)
+    out = {}
+    for m in plan.layout.moe_layers:
+        ent = facts.get(str(m.layer))
+        if ent is not None and m.experts:
+            out[_vllm_unit(next(iter(m.experts[min(m.experts)].values())), model_type, rename)] = ent
+    return out
 
 
 def packed_plan(plan: Plan, tensor_parallel: int = 1, model_type: str | None = None) -> Plan:

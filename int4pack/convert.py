@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from . import _ext, batch, blobs, expert_layout
 from ._lazy import load_torch, torch
 from ._version import __version__
-from .architectures import vllm_module, vllm_output_names
+from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
 from .errors import InputError, OutputError, RefusedError, UsageError
 from .families import family, family_warnings, unloadable_releases
@@ -296,11 +296,10 @@ def convert(
         if packed:
             provs = {rename.get(f"{m}.{SUFFIX}", f"{m}.{SUFFIX}")[: -len(SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
-            units = {vllm_module(rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")], ckpt.family_type): why
-                     for m, why in plain.items()}
-            cfg["quantization_config"] = serve_config(cfg["quantization_config"], plan.group_size,
-                                                      blobs.blob_checks(provs, ckpt.family_type), tensor_parallel,
-                                                      units)
+            cfg["quantization_config"] = serve_config(
+                cfg["quantization_config"], plan.group_size, blobs.blob_checks(provs, ckpt.family_type),
+                tensor_parallel, blobs.plain_record(plain, ckpt.family_type, rename),
+                blobs.moe_layers_record(plan, ckpt.family_type, ckpt.text_config, rename))
             report["serve_format"] = {"format": KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
                 "kleidiai"].items() if k != BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
@@ -322,6 +321,7 @@ def convert(
 
 
 _RUN_ONLY = ("next", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
+
 def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
     """How a kept shard's header metadata differs from what this run would write, or None."""
     try:

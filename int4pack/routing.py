@@ -18,9 +18,11 @@ has no MiniMax2):
                    ``apply_router_weight_on_input``; Llama-4 Scout / Maverick)
   ===============  ==========================================================================
 
-Other types (Sigmoid, SigmoidRenorm, DeepseekV4, Custom, Unspecified) are named but not served:
-``Routing.check`` refuses them, naming the type, and nothing falls back to softmax. ``select_experts``
-computes them all the same (verify's float reference routes by them):
+DeepseekV4 (sqrtsoftplus, below) and Custom where the facts say what it computes (a per-expert
+scale, a soft-cap) are served too. Other types (Sigmoid, SigmoidRenorm, Unspecified, a Custom of an
+unknown custom function) are named but not served: ``Routing.check`` refuses them, naming the type,
+and nothing falls back to softmax. ``select_experts`` computes them all the same (verify's float
+reference routes by them):
 
   sqrtsoftplus     scores sqrt(softplus(logit)) (DeepSeek-V4; vLLM names it DeepseekV4 when renormalised)
   per-expert scale the chosen weights, after renormalising, times a learned scale of each expert
@@ -46,7 +48,9 @@ from .errors import RefusedError
 
 __all__ = ["Routing", "SERVED", "SCORINGS", "from_layer", "from_record", "select_experts", "scores"]
 
-SERVED = ("Default", "Renormalize", "RenormalizeNaive", "DeepSeekV3", "MiniMax2", "Llama4")
+# the kinds the vLLM plugin routes; Custom only where the facts say what it computes (Gemma-4's
+# per-expert scale, a soft-cap), never an unknown custom function
+SERVED = ("Default", "Renormalize", "RenormalizeNaive", "DeepSeekV3", "MiniMax2", "Llama4", "DeepseekV4", "Custom")
 SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 _SIGMOID_BIAS = ("DeepSeekV3", "MiniMax2")
 
@@ -115,7 +119,7 @@ class Routing:
 
     def problem(self, num_experts: int | None = None) -> str | None:
         """Why int4pack cannot route this layer, or None."""
-        if self.kind not in SERVED:
+        if self.kind not in SERVED or (self.kind == "Custom" and self.custom):
             why = f"a custom routing function ({self.custom})" if self.custom else self.describe()
             return (f"routing type {self.kind} is not one int4pack routes ({why}); it routes "
                     f"{', '.join(SERVED)}")

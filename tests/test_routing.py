@@ -155,9 +155,11 @@ def test_kinds_named_and_refused():
         "Custom": rt.Routing("softmax", 2, False, custom="phimoe_routing_function"),
         "Sigmoid": rt.Routing("sigmoid", 2, False),
         "SigmoidRenorm": rt.Routing("sigmoid", 2, True),
-        "DeepseekV4": rt.Routing("sqrtsoftplus", 2, True, bias=True),
         "Unspecified": rt.Routing("softmax", 2, True, bias=True),
     }
+    # served: DeepSeek-V4's sqrtsoftplus, a Custom whose facts are known (Gemma-4, Laguna)
+    assert rt.Routing("sqrtsoftplus", 2, True, bias=True).problem(8) is None
+    assert rt.Routing("softmax", 2, True, per_expert_scale=True).problem(8) is None
     for kind, r in refused.items():
         assert r.kind == kind
         with pytest.raises(RefusedError, match=f"routing type {kind} is not one int4pack routes"):
