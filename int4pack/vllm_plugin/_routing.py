@@ -268,10 +268,11 @@ def moe_plan(layer, prefix: str, record: dict, input_ids: bool = True) -> MoEPla
     if r.hash_routed:
         table = _hash_table(layer)
         if table is None or not input_ids:
-            lack = "the token-id hash table" if table is None else "the token ids (apply_monolithic without input_ids)"
+            lack = ("no token-id hash table (neither its MoE layer nor the layer's router carries one)"
+                    if table is None else "no token ids (its apply_monolithic takes no input_ids)")
             raise ValueError(f"{QUANT_METHOD}: {prefix}: a hash-routed layer ({r.describe()}): {vllm_version()} "
-                             f"hands its W4A8 MoE method no {lack}; serve the default format, or a vLLM whose "
-                             "MoE layer carries both")
+                             f"gives its W4A8 MoE method {lack}; serve the default format, or a vLLM that hands "
+                             "the MoE method both")
     a = layer_activation(layer, entry, prefix)
     kind = a.kernel_kind
     op = None if kind is None else ACT_KIND["SILU"] if kind == 0 else ACT_KIND["SWIGLUOAI"]
