@@ -132,6 +132,10 @@ def record_problems(rec: dict) -> list[str]:
     if plain is not None and not (isinstance(plain, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                                   for k, v in plain.items())):
         out.append(f"{PLAIN_MODULES} is not an object of module names and reasons")
+    layers = rec.get(MOE_LAYERS)
+    if layers is not None and not (isinstance(layers, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("routing"), dict) for v in layers.values())):
+        out.append(f"{MOE_LAYERS} is not an object of MoE layers, each with its routing")
     return out
 
 

@@ -507,3 +507,16 @@ def test_convert_records_each_moe_layers_routing_and_activation(converted):
     assert layers and set(layers) == {m for m in rec[serve_spec.BLOB_CHECKS]["modules"] if m.endswith(".experts")}
     for ent in layers.values():
         assert rt.from_record(ent["routing"]).kind == "MiniMax2" and act.from_record(ent["activation"]) == act.SILU
+
+
+def test_a_damaged_moe_record_is_refused_naming_it(monkeypatch):
+    standin.install(monkeypatch, "0.32")
+    layer = standin.MoELayer("0.32", top_k=2, experts=E)
+    rec = _record(rt.Routing("softmax", 2, True))
+    del rec[serve_spec.MOE_LAYERS][PREFIX]["routing"]["top_k"]
+    with pytest.raises(ValueError, match=f"kleidiai.moe_layers\\['{PREFIX}'\\] is not what convert writes"):
+        _method(layer, rec)
+    assert "moe_layers is not an object" in " ".join(serve_spec.record_problems(
+        {**serve_spec.layout_record(G), serve_spec.MOE_LAYERS: {PREFIX: {"routing": None}}}))
+    with pytest.raises(ValueError, match="records top-3 routing, vLLM's layer top-2"):
+        _method(layer, _record(rt.Routing("softmax", 3, True)))

@@ -239,8 +239,14 @@ def moe_plan(layer, prefix: str, record: dict, input_ids: bool = True) -> MoEPla
     layer where int4pack does not compute it or this vLLM does not hand over what it needs.
     ``input_ids``: whether vLLM hands the method the token ids (``takes_input_ids``)."""
     entry = _entry(record, prefix)
-    if entry is not None and isinstance(entry.get("routing"), dict):
-        r = rt.from_record(entry["routing"])
+    if entry is not None:
+        try:
+            r = rt.from_record(entry["routing"])
+            if isinstance(entry.get("activation"), dict):
+                act.from_record(entry["activation"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{QUANT_METHOD}: quantization_config.kleidiai.{MOE_LAYERS}[{prefix!r}] is not what "
+                             f"convert writes ({type(e).__name__}: {e}). Convert again.") from None
         top_k = getattr(layer, "top_k", None)
         if top_k is not None and int(top_k) != r.top_k:
             raise ValueError(f"{QUANT_METHOD}: {prefix}: the checkpoint records top-{r.top_k} routing, vLLM's "
