@@ -144,8 +144,12 @@ def plain_modules(plan: Plan, model_type: str | None = None) -> dict[str, str]:
 
 
 def _vllm_unit(module: str, model_type: str | None, rename: dict[str, str]) -> str:
-    """The vLLM module a source module's tensors load into, after convert's renames for vLLM."""
-    return vllm_module(rename.get(f"{module}.weight", f"{module}.weight")[: -len(".weight")], model_type)
+    """The vLLM module a source module's tensors load into, after convert's renames for vLLM (of its
+    plain weight or of its blob)."""
+    for leaf in ("weight", SUFFIX):
+        if f"{module}.{leaf}" in rename:
+            return vllm_module(rename[f"{module}.{leaf}"][: -len(leaf) - 1], model_type)
+    return vllm_module(module, model_type)
 
 
 def plain_record(plain: dict[str, str], model_type: str | None, rename: dict[str, str]) -> dict[str, str]:
