@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 
-from . import deepseek, glm4_moe, gpt_oss, llama4, minimax_m2, mixtral, phimoe, qwen3_next, qwen_moe
+from . import (deepseek, deepseek_v4, exaone_moe, gemma4, glm4_moe, glm5, gpt_oss, kimi_linear, laguna, llama4, minimax_m2,
+               minimax_m3, mixtral, phimoe, qwen3_next, qwen_moe, step3p5)
 from ._family import (CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, LayerMoE, kind_of,
                       routing_facts)
 
@@ -18,6 +19,8 @@ __all__ = ["Family", "FAMILIES", "BY_TYPE", "family", "family_warnings", "unload
 FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY, phimoe.FAMILY, *qwen_moe.FAMILIES, *deepseek.FAMILIES, *glm4_moe.FAMILIES,
     minimax_m2.FAMILY, *qwen3_next.FAMILIES, llama4.FAMILY, gpt_oss.FAMILY,
+    gemma4.FAMILY, minimax_m3.FAMILY, *glm5.FAMILIES, deepseek_v4.FAMILY, step3p5.FAMILY, laguna.FAMILY,
+    kimi_linear.FAMILY, exaone_moe.FAMILY,
 )
 BY_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 assert len(BY_TYPE) == sum(len(f.model_types) for f in FAMILIES), "a model type claimed by two families"
