@@ -139,8 +139,11 @@ def moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
     res["router"] = "real" if rw is not None else "random logits"
     res["scoring"] = scoring + (" + score bias" if bias is not None else "") + \
         (" + per-expert scale" if pes is not None else "") + (f", soft-capped {r.softcap:g}" if r and r.softcap else "")
-    if row is not None:
+    if row is not None:  # the model's activation, and the one the W4A8 op and the reference ran
         res["activation"] = row.activation.describe()
+        if row.activation.kernel_kind is None:
+            res["activation"] += f" (checked through {'silu' if t.activation == 0 else 'swigluoai'}: the W4A8 op " \
+                                 "does not compute it)"
     res["input_norm"] = norm is not None
     return {"res": res, "sampled": sampled, "x": x, "ids": ids, "wts": wts}
 

@@ -226,9 +226,17 @@ class Family:
         return {i: r for i, r in rows.items() if r is not None}
 
     def facts(self, tc: dict) -> dict:
-        """The first MoE layer's routing as plain facts (with kind), its activation under ``activation``."""
+        """The first MoE layer's routing as plain facts (with kind), its activation under ``activation``;
+        where the MoE layers differ (hash-routed layers, per-layer clamps), ``by_layer`` lists each
+        kind of layer: its layer indices, routing and activation described."""
         row = self.first_moe(tc)
-        return {**row.routing.to_record(), "activation": row.activation.to_record()}
+        out = {**row.routing.to_record(), "activation": row.activation.to_record()}
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, r in self.moe_layers(tc).items():
+            groups.setdefault((r.routing.describe(), r.activation.describe()), []).append(i)
+        if len(groups) > 1:
+            out["by_layer"] = [{"layers": ids, "routing": how, "activation": a} for (how, a), ids in groups.items()]
+        return out
 
     def is_float_only(self, module: str) -> str | None:
         """Why vLLM builds this linear unquantised, or None."""
