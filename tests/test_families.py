@@ -313,6 +313,11 @@ REAL = {  # fixture: (family type, routing kind, where the score bias lives)
     "ct_qwen3next_w4a16": ("qwen3_next", "RenormalizeNaive", None),
     "ct_kimik25_w4a16": ("kimi_k25", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
     "ct_llama4_w4a16": ("llama4", "Llama4", None),
+    # the late-2026 families (tests/fixtures/README.md "Late-2026 families")
+    "ct_gemma4_w4a16": ("gemma4", "Custom", None),
+    "ct_minimaxm3_w4a16": ("minimax_m3_vl", "MiniMax2", "block_sparse_moe.e_score_correction_bias"),
+    "ct_laguna_w4a16": ("laguna", "Custom", "mlp.experts.e_score_correction_bias"),
+    "ct_glmmoedsa_w4a16": ("glm_moe_dsa", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
 }
 
 
@@ -419,3 +424,171 @@ def test_real_minimax_packed_serving_format(tmp_path):
     assert not any(".up_proj." in n for n in o)
     v = int4pack.verify(tmp_path / "out", against=src)
     assert v["ok"] and v["structural"]["serve_format"] == "kleidiai", v["verdict"]
+
+
+# -- the routing and activation table against the late-2026 fixtures --------------------------------
+
+
+def _text_config(fixture: str) -> dict:
+    c = json.loads((FIXTURES / fixture / "config.json").read_text())
+    return c.get("text_config") or c
+
+
+def _sparse(tc: dict, *kinds: str) -> list[int]:
+    return [i for i, t in enumerate(tc["mlp_layer_types"]) if t in kinds]
+
+
+def test_the_table_reads_each_late_2026_fixture_config():
+    """Each fixture's config read as its transformers 5.23.0 class reads it (the module named per
+    family), against the table's rows."""
+    from int4pack.families import moe_layers
+
+    tc = _text_config("ct_gemma4_w4a16")  # Gemma4TextRouter / Gemma4TextExperts
+    rows = moe_layers("gemma4", tc)
+    assert sorted(rows) == list(range(tc["num_hidden_layers"]))  # every layer: a dense MLP and a MoE
+    r, a = rows[0].routing, rows[0].activation
+    assert (r.scoring, r.top_k, r.renormalize, r.per_expert_scale, r.bias) == ("softmax", tc["top_k_experts"], True,
+                                                                            True, False)
+    assert tc["hidden_activation"] == "gelu_pytorch_tanh" and a.name == "gelu_tanh" and a.kernel_kind is None
+
+    tc = _text_config("ct_minimaxm3_w4a16")  # MiniMaxM3VLTopKRouter / MiniMaxM3VLExperts._apply_gate
+    rows = moe_layers("minimax_m3_vl", tc)
+    assert sorted(rows) == _sparse(tc, "sparse") == [1, 2]
+    r, a = rows[1].routing, rows[1].activation
+    assert (r.kind, r.scale, r.n_group) == ("MiniMax2", tc["routed_scaling_factor"], None)
+    assert (a.name, a.alpha, a.limit, a.kernel_kind) == ("swigluoai", tc["swiglu_alpha"], tc["swiglu_limit"], 1)
+    assert rows[1].shared_experts == 1
+
+    tc = _text_config("ct_laguna_w4a16")  # LagunaTopKRouter / LagunaSparseMoeBlock
+    rows = moe_layers("laguna", tc)
+    assert sorted(rows) == _sparse(tc, "sparse")
+    r = rows[1].routing
+    assert (r.softcap, r.scale, r.scoring, r.bias, r.renormalize) == (
+        tc["moe_router_logit_softcapping"], tc["moe_routed_scaling_factor"], "sigmoid", True, True)
+
+    tc = _text_config("ct_glmmoedsa_w4a16")  # GlmMoeDsaTopkRouter
+    rows = moe_layers("glm_moe_dsa", tc)
+    assert sorted(rows) == _sparse(tc, "sparse")
+    r = rows[1].routing
+    assert (r.kind, r.n_group, r.topk_group, r.scale, r.top_k) == (
+        "DeepSeekV3", tc["n_group"], tc["topk_group"], tc["routed_scaling_factor"], tc["num_experts_per_tok"])
+
+    tc = _text_config("ct_deepseekv4_w4a16")  # DeepseekV4TopKRouter / DeepseekV4HashRouter / _apply_gate
+    rows = moe_layers("deepseek_v4", tc)
+    assert [i for i, row in rows.items() if row.routing.hash_routed] == _sparse(tc, "hash_moe") == [0]
+    assert all(row.routing.bias for i, row in rows.items() if i in _sparse(tc, "moe"))
+    assert all((row.routing.scoring, row.routing.scale, row.activation.name, row.activation.limit) ==
+               (tc["scoring_func"], tc["routed_scaling_factor"], "swiglu_clamp", tc["swiglu_limit"])
+               for row in rows.values())
+
+
+def _f64(t):
+    return t.double()
+
+
+def test_the_table_routes_the_fixtures_routers_as_their_model_classes():
+    """Each fixture's own router tensors: the table's routing (routing.Routing.select with the tensors
+    the table names) against a float64 reference written from the model class's forward."""
+    from int4pack.families import layer_moe
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(24, 128, generator=gen, dtype=torch.float64)
+
+    # Gemma-4 (gemma4/modeling_gemma4.py Gemma4TextRouter): softmax, top-k, renormalise, x per_expert_scale
+    t = _tensors(FIXTURES / "ct_gemma4_w4a16")
+    p = "model.language_model.layers.1.router"
+    logits = x @ _f64(t[f"{p}.proj.weight"]).t()
+    probs = logits.softmax(-1)
+    top = probs.topk(2, dim=-1)
+    want = top.values / top.values.sum(-1, keepdim=True) * _f64(t[f"{p}.per_expert_scale"])[top.indices]
+    row = layer_moe("gemma4", _text_config("ct_gemma4_w4a16"), 1)
+    w, ids = row.routing.select(logits.float(), per_expert_scale=t[f"{p}.per_expert_scale"])
+    assert torch.equal(ids.long(), top.indices)
+    torch.testing.assert_close(w.double(), want, rtol=1e-5, atol=1e-6)
+
+    # Laguna (laguna/modeling_laguna.py LagunaTopKRouter + the block's moe_routed_scaling_factor)
+    tc = _text_config("ct_laguna_w4a16")
+    t = _tensors(FIXTURES / "ct_laguna_w4a16")
+    p, cap = "model.layers.2.mlp", tc["moe_router_logit_softcapping"]
+    logits = x @ _f64(t[f"{p}.gate.weight"]).t()
+    scores = torch.sigmoid(torch.tanh(logits / cap) * cap)
+    bias = _f64(t[f"{p}.experts.e_score_correction_bias"])
+    ref_ids = (scores + bias).topk(2, dim=-1).indices
+    sel = scores.gather(1, ref_ids)
+    want = sel / sel.sum(-1, keepdim=True) * tc["moe_routed_scaling_factor"]
+    w, ids = layer_moe("laguna", tc, 2).routing.select(logits.float(), bias=t[f"{p}.experts.e_score_correction_bias"])
+    assert torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values)
+    torch.testing.assert_close(w.double().sort(-1).values, want.sort(-1).values, rtol=1e-5, atol=1e-6)
+
+    # DeepSeek-V4 (deepseek_v4/modeling_deepseek_v4.py): layer 0 by tid2eid[input_ids], layer 1 by
+    # sqrt(softplus) + bias; both renormalised (+1e-20) and x routed_scaling_factor
+    tc = _text_config("ct_deepseekv4_w4a16")
+    t = _tensors(FIXTURES / "ct_deepseekv4_w4a16")
+    input_ids = torch.randint(0, tc["vocab_size"], (24,), generator=gen)
+    for layer in (0, 1):
+        p = f"model.layers.{layer}.ffn.gate"
+        logits = x @ _f64(t[f"{p}.weight"]).t()
+        scores = torch.nn.functional.softplus(logits).sqrt()
+        row = layer_moe("deepseek_v4", tc, layer)
+        if layer == 0:
+            ref_ids = t[f"{p}.tid2eid"][input_ids].long()
+            w, ids = row.routing.select(logits.float(), hash_table=t[f"{p}.tid2eid"], input_ids=input_ids)
+        else:
+            ref_ids = (scores + _f64(t[f"{p}.bias"])).topk(2, dim=-1).indices
+            w, ids = row.routing.select(logits.float(), bias=t[f"{p}.bias"])
+        sel = scores.gather(1, ref_ids)
+        want = sel / (sel.sum(-1, keepdim=True) + 1e-20) * tc["routed_scaling_factor"]
+        assert torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values), layer
+        torch.testing.assert_close(w.double().sort(-1).values, want.sort(-1).values, rtol=1e-5, atol=1e-6)
+
+
+def test_real_deepseek_v4_converts_verifies_and_names_what_vllm_cannot_compute(tmp_path):
+    """Hash-routed layer 0 (no score bias), sqrt-softplus layers 1-2 with the bias; the experts'
+    SwiGLU clamped at 10, which vLLM's CPU W4A8 op does not compute; tid2eid and the F32 bias copied."""
+    src = FIXTURES / "ct_deepseekv4_w4a16"
+    r = int4pack.convert(src, tmp_path / "out")
+    assert r["plan"]["routing"]["kind"] == "DeepseekV4" and r["plan"]["paths"]["lossless"] == len(r["modules"])
+    assert [g["layers"] for g in r["plan"]["routing"]["by_layer"]] == [[0], [1, 2]]
+    assert any("swiglu_clamp limit 10" in w and "dynamic_4bit_int_moe" in w for w in r["serving"]), r["serving"]
+    assert any("layers 0 choose their experts by the token ids" in w for w in r["serving"])
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"], v["verdict"]
+    assert [("score bias" in lay["scoring"], lay["scoring"].split()[0]) for lay in v["layers"]] == \
+        [(False, "sqrtsoftplus"), (True, "sqrtsoftplus"), (True, "sqrtsoftplus")]
+    assert all("swiglu_clamp limit 10 (checked through silu" in lay["activation"] for lay in v["layers"])
+    s, o = _tensors(src), _tensors(tmp_path / "out")
+    for n in ("model.layers.0.ffn.gate.tid2eid", "model.layers.1.ffn.gate.bias"):
+        assert o[n].dtype == s[n].dtype and torch.equal(o[n], s[n])
+    res = runner.invoke(app, ["inspect", str(src)])
+    assert res.exit_code == 0 and "layers 0: DeepseekV4" in res.output and "hash table" in res.output, res.output
+
+
+def test_real_gemma4_verify_weights_by_the_per_expert_scale(tmp_path):
+    src = FIXTURES / "ct_gemma4_w4a16"
+    int4pack.convert(src, tmp_path / "out")
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"] and all(lay["scoring"] == "softmax + per-expert scale" for lay in v["layers"]), v["verdict"]
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "model.language_model.layers.0.router.proj" in cfg["quantization_config"]["ignore"]
+    o = _tensors(tmp_path / "out")
+    assert o["model.language_model.layers.1.experts.7.gate_proj.weight"].dtype == torch.int8
+    assert o["model.language_model.layers.1.router.per_expert_scale"].dtype == torch.bfloat16
+
+
+def test_qwen3_8_at_512_experts_top_10():
+    """Qwen3.8 reuses qwen3_5_moe at 512 experts, top-10: the table and discovery take it."""
+    from int4pack.families import layer_moe
+
+    tc = {"model_type": "qwen3_5_moe_text", "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": True,
+          "num_hidden_layers": 2}
+    r = layer_moe("qwen3_5_moe", tc).routing
+    assert (r.kind, r.top_k) == ("RenormalizeNaive", 10) and r.problem(512) is None
+    names = [f"model.language_model.layers.0.mlp.experts.{e}.{p}" for e in range(512)
+             for p in ("gate_proj", "up_proj", "down_proj")]
+    lay = discover("qwen3_5_moe", tc, names, [*names, "model.language_model.layers.0.mlp.gate.weight"])
+    assert lay.moe_layers[0].num_experts == 512 and lay.routing["top_k"] == 10
+    logits = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    w, ids = r.select(logits)
+    top = logits.double().softmax(-1).topk(10, dim=-1)
+    assert torch.equal(ids.long(), top.indices)
+    torch.testing.assert_close(w.double(), top.values / top.values.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
