@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import int4pack
@@ -592,3 +593,112 @@ def test_qwen3_8_at_512_experts_top_10():
     top = logits.double().softmax(-1).topk(10, dim=-1)
     assert torch.equal(ids.long(), top.indices)
     torch.testing.assert_close(w.double(), top.values / top.values.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
+
+
+# -- the late-2026 families without a fixture yet: synthetic GPTQ checkpoints in the tensor names
+# their transformers 5.23.0 classes (or, for Kimi-K3, its Kimi-Linear text model) load ----------
+
+
+def _write_late(folder: Path, outer: str | None, text: dict, pre: str, moe_block: str, experts: dict[str, str],
+                shared: str | None, bias: str | None, dense: list[int]) -> Path:
+    """Layers 0..n-1 under ``pre``; ``dense`` layers get an MLP, the others ``moe_block`` with E
+    experts named by ``experts`` (role -> name), a router, the score bias at ``bias`` (under the
+    block) and a shared expert at ``shared``."""
+    from _synth import E, H, I, gptq_sym_linear
+
+    rng = np.random.default_rng(5)
+    t: dict[str, torch.Tensor] = {f"{pre}embed_tokens.weight": torch.randn(128, H).bfloat16(),
+                                  f"{pre}norm.weight": torch.ones(H).bfloat16(), "lm_head.weight": torch.randn(128, H).bfloat16()}
+    shape = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    for li in range(text["num_hidden_layers"]):
+        p = f"{pre}layers.{li}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            t.update(gptq_sym_linear(f"{p}.self_attn.{proj}", H, H, rng))
+        t[f"{p}.input_layernorm.weight"] = torch.ones(H).bfloat16()
+        t[f"{p}.post_attention_layernorm.weight"] = torch.ones(H).bfloat16()
+        if li in dense:
+            for role, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                n, k = shape[role]
+                t.update(gptq_sym_linear(f"{p}.mlp.{proj}", 2 * n if role != "down" else n,
+                                         k if role != "down" else 2 * k, rng))
+            continue
+        m = f"{p}.{moe_block}"
+        for e in range(E):
+            for role, name in experts.items():
+                t.update(gptq_sym_linear(f"{m}.experts.{e}.{name}", *shape[role], rng))
+        if shared:
+            for role, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                t.update(gptq_sym_linear(f"{m}.{shared}.{proj}", *shape[role], rng))
+        t[f"{m}.gate.weight"] = torch.randn(E, H).bfloat16()
+        if bias:
+            t[f"{m}.{bias}"] = torch.randn(E, dtype=torch.float32) * 0.1
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(folder / "model.safetensors"))
+    q = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "checkpoint_format": "gptq"}
+    cfg = {"model_type": outer, "text_config": text, "quantization_config": q} if outer else \
+        {**text, "quantization_config": q}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+_GATE_UP_DOWN = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+LATE = {  # family type: (outer model_type, text config, prefix, MoE block, expert names, shared, bias, dense)
+    "glm5_next": ("glm5_next", {"model_type": "glm5_next_text", "num_hidden_layers": 3, "n_routed_experts": 4,
+                                "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+                                "routed_scaling_factor": 2.5, "swiglu_limit": 10.0, "n_shared_experts": 1,
+                                "mlp_layer_types": ["dense", "sparse", "sparse"]},
+                  "model.language_model.", "mlp", _GATE_UP_DOWN, "shared_experts", "gate.e_score_correction_bias", [0]),
+    "step3p5": (None, {"model_type": "step3p5", "num_hidden_layers": 3, "num_local_experts": 4, "num_experts_per_tok": 2,
+                       "moe_router_scaling_factor": 3.0, "swiglu_limits": [0.0, 0.0, 7.0],
+                       "mlp_layer_types": ["dense", "sparse", "sparse"]},
+                "model.", "mlp", _GATE_UP_DOWN, "shared_experts", "gate.e_score_correction_bias", [0]),
+    "exaone_moe": (None, {"model_type": "exaone_moe", "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                          "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                          "first_k_dense_replace": 1, "num_shared_experts": 1},
+                   "model.", "mlp", _GATE_UP_DOWN, "shared_experts", "e_score_correction_bias", [0]),
+    "kimi_k3": ("kimi_k3", {"model_type": "kimi_linear", "num_hidden_layers": 2, "num_experts": 4,
+                            "num_experts_per_token": 2, "num_expert_group": 2, "topk_group": 1, "moe_renormalize": True,
+                            "routed_scaling_factor": 2.446, "first_k_dense_replace": 1, "num_shared_experts": 1},
+                "language_model.model.", "block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"},
+                "shared_experts", "gate.e_score_correction_bias", [0]),
+}
+
+
+@pytest.mark.parametrize("family_type", sorted(LATE))
+def test_late_families_without_fixtures_convert_verify_inspect(family_type, tmp_path):
+    outer, text, *rest = LATE[family_type]
+    src = _write_late(tmp_path / "src", outer, text, *rest)
+    r = int4pack.convert(src, tmp_path / "out")
+    fam = family(family_type)
+    assert r["plan"]["family"] == fam.name and r["plan"]["paths"]["lossless"] == len(r["modules"])
+    v = int4pack.verify(tmp_path / "out", against=src, experts=4)
+    assert v["ok"], v["verdict"]
+    assert all("score bias" in lay["scoring"] for lay in v["layers"])
+    s, o = _tensors(src), _tensors(tmp_path / "out")
+    bias = [n for n in s if n.endswith("e_score_correction_bias")]
+    assert bias and all(torch.equal(o[n], s[n]) and o[n].dtype == torch.float32 for n in bias)
+    res = runner.invoke(app, ["inspect", str(src)])
+    assert res.exit_code == 0 and fam.name in res.output and r["plan"]["routing"]["kind"] in res.output, res.output
+
+
+def test_late_families_tables():
+    """The rows the synthetic configs above give, read as the transformers 5.23.0 classes read them."""
+    from int4pack.families import moe_layers
+
+    rows = moe_layers("glm5_next", LATE["glm5_next"][1])  # Glm5NextTextTopkRouter, Glm5NextTextExperts
+    assert sorted(rows) == [1, 2]
+    assert (rows[1].routing.kind, rows[1].routing.n_group, rows[1].routing.scale) == ("DeepSeekV3", 2, 2.5)
+    assert (rows[1].activation.name, rows[1].activation.limit, rows[1].shared_gate) == ("swiglu_clamp", 10.0, False)
+
+    rows = moe_layers("step3p5", LATE["step3p5"][1])  # Step3p7SparseMoeBlock: swiglu_limits[layer] or None
+    assert sorted(rows) == [1, 2]
+    assert rows[1].activation.name == "silu" and rows[1].activation.kernel_kind == 0  # limit 0.0: no clamp
+    assert (rows[2].activation.name, rows[2].activation.limit) == ("swiglustep", 7.0)
+    assert (rows[2].routing.kind, rows[2].routing.scale) == ("MiniMax2", 3.0)
+
+    rows = moe_layers("exaone_moe", LATE["exaone_moe"][1])  # ExaoneMoeTopkRouter
+    assert sorted(rows) == [1] and rows[1].routing.kind == "DeepSeekV3" and rows[1].shared_experts == 1
+
+    rows = moe_layers("kimi_k3", LATE["kimi_k3"][1])  # KimiLinearTopkRouter: the attribute_map's names
+    r = rows[1].routing
+    assert (r.kind, r.top_k, r.n_group, r.topk_group, r.renormalize, r.scale) == ("DeepSeekV3", 2, 2, 1, True, 2.446)
