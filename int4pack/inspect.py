@@ -109,7 +109,7 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     gs = {m["group_size"] for m in mods.values() if m["group_size"] is not None}
     skip = unloadable_releases(ckpt.family_type)
     out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
-                             + family_warnings(ckpt.family_type))
+                             + family_warnings(ckpt.family_type, ckpt.text_config))
     out["serving"] = serving_warnings(gs, skip) + out["model_warnings"]
     out["serving_notes"] = serving_notes(gs, skip)  # the same, one short line per release
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
@@ -207,7 +207,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     skip = unloadable_releases(ckpt.family_type)
     # the model class or its routing: printed in full, whatever the dtype
     out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=False)
-                             + family_warnings(ckpt.family_type))
+                             + family_warnings(ckpt.family_type, ckpt.text_config))
     out["serving"] = serving_warnings(g_out, skip) + out["model_warnings"]
     out["serving_notes"] = serving_notes(g_out, skip)
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),

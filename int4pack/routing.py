@@ -79,7 +79,7 @@ class Routing:
         get_routing_method_type; a per-expert scale comes as a custom routing function)."""
         if self.custom:
             return "Llama4" if "Llama4" in self.custom else "Custom"
-        if self.per_expert_scale or self.softcap:
+        if self.per_expert_scale or self.softcap:  # soft-cap: no vLLM routing type names one (inference)
             return "Custom"
         if self.scoring == "sqrtsoftplus":
             return "DeepseekV4" if self.renormalize else "Unspecified"

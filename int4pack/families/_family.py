@@ -101,6 +101,32 @@ def layer_types(tc: dict, key: str, layer: int) -> str | None:
     return str(v[layer]) if isinstance(v, list) and 0 <= layer < len(v) else None
 
 
+_SPARSE = ("sparse", "moe", "hash_moe")
+
+
+def mlp_type(tc: dict, layer: int, dense_first: int = 0) -> str:
+    """"dense", or the MoE layer's type ("sparse", DeepSeek-V4's "moe" / "hash_moe"), as the
+    transformers 5.23 configs of the late-2026 families say it: ``mlp_layer_types`` where listed
+    (what save_pretrained writes), else ``first_k_dense_replace``, ``mlp_only_layers``,
+    ``moe_layer_freq`` or ``moe_layers_enum``, else the first ``dense_first`` layers dense."""
+    t = layer_types(tc, "mlp_layer_types", layer)
+    if t is not None:
+        return t if t in _SPARSE else "dense"
+    freq = tc.get("moe_layer_freq")
+    if isinstance(freq, list) and 0 <= layer < len(freq):
+        return "sparse" if freq[layer] else "dense"
+    enum = tc.get("moe_layers_enum")
+    if isinstance(enum, str):
+        enum = [int(x) for x in enum.split(",") if x.strip()]
+    if isinstance(enum, list):
+        return "sparse" if layer in enum else "dense"
+    only = tc.get("mlp_only_layers")
+    if isinstance(only, list) and layer in only:
+        return "dense"
+    k = _num(tc, "first_k_dense_replace", default=None)
+    return "dense" if layer < int(dense_first if k is None else k) else "sparse"
+
+
 @dataclass(frozen=True)
 class LayerMoE:
     """One MoE layer's routing and activation facts (the table's row)."""
@@ -200,9 +226,17 @@ class Family:
         return {i: r for i, r in rows.items() if r is not None}
 
     def facts(self, tc: dict) -> dict:
-        """The first MoE layer's routing as plain facts (with kind), its activation under ``activation``."""
+        """The first MoE layer's routing as plain facts (with kind), its activation under ``activation``;
+        where the MoE layers differ (hash-routed layers, per-layer clamps), ``by_layer`` lists each
+        kind of layer: its layer indices, routing and activation described."""
         row = self.first_moe(tc)
-        return {**row.routing.to_record(), "activation": row.activation.to_record()}
+        out = {**row.routing.to_record(), "activation": row.activation.to_record()}
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, r in self.moe_layers(tc).items():
+            groups.setdefault((r.routing.describe(), r.activation.describe()), []).append(i)
+        if len(groups) > 1:
+            out["by_layer"] = [{"layers": ids, "routing": how, "activation": a} for (how, a), ids in groups.items()]
+        return out
 
     def is_float_only(self, module: str) -> str | None:
         """Why vLLM builds this linear unquantised, or None."""
