@@ -109,11 +109,13 @@ def split_k(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, gr
 # --------------------------------------------------------------------------------- writing
 
 
-def pack_problem(n: int, k: int, group_size: int) -> str | None:
-    """Why an [N, K] W4A8 linear cannot be a KleidiAI blob that vLLM's fused parameters take, or None."""
+def pack_problem(n: int, k: int, group_size: int, fused: bool = True) -> str | None:
+    """Why an [N, K] W4A8 linear is not served as a KleidiAI blob, or None. ``fused``: vLLM loads it
+    into one parameter with other modules (qkv_proj, in_proj_ba, an expert's w13)."""
     if n % kleidiai.NR:
         return (f"N={n} is not a multiple of {kleidiai.NR} (KleidiAI's row block), so its blob cannot be "
-                "joined with the modules vLLM fuses it with")
+                + ("joined with the modules vLLM fuses it with" if fused else
+                   "split into whole row blocks for tensor parallel ranks"))
     if group_size not in (-1, k) and k % group_size:
         return f"K={k} is not a multiple of the group size {group_size}"
     return None
@@ -130,13 +132,13 @@ def plain_modules(plan: Plan, model_type: str | None = None) -> dict[str, str]:
         if j.kind not in ("linear", "fold"):
             continue
         for s in j.specs:
-            problem = pack_problem(s.n, s.k, j.group_size)
             role, _ = classify(s.name)
+            unit = vllm_module(s.name, model_type)
+            problem = pack_problem(s.n, s.k, j.group_size, fused=role == "expert" or vllm_module(s.name) != s.name)
             if problem and role == "expert":
                 raise RefusedError(f"{s.name}: {problem}; int4pack's vLLM plugin serves routed experts as "
                                    "KleidiAI blobs only", tensor=s.name,
                                    hint="Use the default --serve-format compressed-tensors for this model.")
-            unit = vllm_module(s.name, model_type)
             units.setdefault(unit, []).append(s.name)
             if problem and unit not in why:
                 why[unit] = f"{s.name.rsplit('.', 1)[-1]}: {problem}"

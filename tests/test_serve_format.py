@@ -427,3 +427,18 @@ def test_llama4_q_k_rows_in_vllms_rotary_order_verify_against_the_source(pair, t
     r = int4pack.verify(bad, against=src, raise_on_failure=False)
     # (the rewritten shard's checksum is a structural problem too; the rows are the numerical pass's)
     assert not r["ok"] and "out of tolerance" in r["verdict"] and m in r["verdict"], r["verdict"]
+
+
+def test_laguna_per_head_attention_gate_stays_plain(converted):
+    """Laguna's per-head attention gate g_proj (N = heads, 2 or 4 in the llm-compressor fixture) is
+    not fused by vLLM but has no whole row block: plain W4A8, named; the rest packed, verify passes."""
+    out, rep = converted("ct_laguna_w4a16", serve_format="kleidiai")
+    rec = serve_spec.read_record(json.loads((out / "config.json").read_text())["quantization_config"])
+    plain = rec[serve_spec.PLAIN_MODULES]
+    assert plain and all(m.endswith(".self_attn.g_proj") for m in plain)
+    assert all("row blocks for tensor parallel ranks" in why for why in plain.values())
+    raw = load_raw(out)
+    for m in plain:
+        assert raw[f"{m}.weight"].dtype == torch.int8 and f"{m}.{serve_spec.SUFFIX}" not in raw
+    assert any(k.endswith(f"self_attn.q_proj.{serve_spec.SUFFIX}") for k in raw)
+    assert int4pack.verify(out, against=FIXTURES / "ct_laguna_w4a16")["ok"]
