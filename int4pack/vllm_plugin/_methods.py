@@ -60,20 +60,24 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
         return QUANT_METHOD
 
     def get_quant_method(self, layer, prefix: str):
-        with backend_accepts(layer):
-            try:
-                method = super().get_quant_method(layer, prefix)
-            except Exception:
-                if getattr(layer, "moe_config", None) is not None:
-                    moe_plan(layer, prefix, self.kleidiai)  # int4pack's refusal of the layer, if any, first
+        try:
+            method = super().get_quant_method(layer, prefix)
+        except Exception:
+            if getattr(layer, "moe_config", None) is None:
                 raise
-            if type(method).__name__ == _VLLM_MOE:
-                # refuses a routing or activation int4pack does not compute, or what this vLLM cannot hand it
-                plan = moe_plan(layer, prefix, self.kleidiai, takes_input_ids(type(method)))
+            # vLLM's W4A8 backend refused the layer's routing or activation: int4pack's refusal, if
+            # any, comes first; else the method is built with a type that backend takes
+            moe_plan(layer, prefix, self.kleidiai)
+            with backend_accepts(layer):
+                method = super().get_quant_method(layer, prefix)
+        if type(method).__name__ == _VLLM_MOE:
+            # refuses a routing or activation int4pack does not compute, or what this vLLM cannot hand it
+            plan = moe_plan(layer, prefix, self.kleidiai, takes_input_ids(type(method)))
+            with backend_accepts(layer):
                 packed = _packed_moe_class(type(method))(method.weight_quant, method.input_quant, method.moe)
-                packed.int4pack_plan = plan
-                packed.int4pack_check = (self.kleidiai, prefix)  # the recorded group and CRCs (_layout.blob_check)
-                return packed
+            packed.int4pack_plan = plan
+            packed.int4pack_check = (self.kleidiai, prefix)  # the recorded group and CRCs (_layout.blob_check)
+            return packed
         if method is not None and hasattr(layer, "moe_config") and "Unquantized" not in type(method).__name__:
             # a packed MoE layer needs the method above; vLLM's own would expect int8 weights
             raise RuntimeError(f"{QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
