@@ -8,9 +8,11 @@ same dense kernel) except where the weights come from:
 * MoE layers: vLLM's own ``CompressedTensorsW4A8Int8MoEMethod``, subclassed so that
   ``create_weights`` makes ``w13_weight_packed`` / ``w2_weight_packed`` directly as the uint8
   ``[E, bytes]`` blobs and ``process_weights_after_loading`` packs nothing. Its
-  ``apply_monolithic`` routes as the model does (``_routing.py``: softmax top-k, DeepSeek-V3's
-  grouped sigmoid with bias, MiniMax-M2's sigmoid with bias) and calls vLLM's op
-  ``torch.ops._C.dynamic_4bit_int_moe`` on those two tensors, in the form this vLLM takes.
+  ``apply_monolithic`` routes as the model does (``_routing.moe_plan``, decided at load: softmax
+  top-k, DeepSeek-V3's grouped sigmoid with bias, MiniMax-M2's, DeepSeek-V4's sqrtsoftplus and hash
+  layers, Gemma-4's per-expert scale) and calls vLLM's op ``torch.ops._C.dynamic_4bit_int_moe`` on
+  those two tensors, in the form this vLLM takes, or, for an activation the op cannot apply, runs
+  the experts in steps on the same tensors (``_experts.py``).
   vLLM's own forward routes with softmax only (0.19.1) or refuses the sigmoid types (0.32.0's
   ``CPUExpertsInt4``), so the packed format does not use it. On 0.32.0 vLLM's kernel is still
   built (``make_w4a8_int8_moe_kernel``, as its own method does after packing): its runner reads it.
