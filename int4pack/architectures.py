@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from .errors import InputError, RefusedError
-from .families import BY_TYPE, FAMILIES, Family, family, layer_moe, name_summary, supported_types
+from .families import BY_TYPE, FAMILIES, FUSED_ONLY, Family, family, layer_moe, name_summary, supported_types
 from .routing import Routing
 
 __all__ = [
@@ -40,10 +40,7 @@ __all__ = [
 # model_type -> how routed experts are spelled (the families package holds the facts)
 SUPPORTED = {t: f.experts for t, f in BY_TYPE.items() if not f.refuse}
 # families known only in a fused layout int4pack does not split (named in refusals)
-FUSED = {
-    "granitemoe": "fused block_sparse_moe.input_linear/output_linear",
-    "granitemoeshared": "fused block_sparse_moe.input_linear/output_linear",
-}
+FUSED = FUSED_ONLY
 
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 # an MoE block: mlp, block_sparse_moe, feed_forward, DeepSeek-V4's on-disk ffn, or the decoder layer
@@ -369,7 +366,7 @@ def moe_config(model_type: str, family_type: str, text_config: dict) -> tuple[Mo
     row = fam.first_moe(tc) if fam else None
     facts = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
     # the table's renormalisation (the model class's: Mixtral always, whatever norm_topk_prob says)
-    renorm = row.routing.renormalize if row else bool(tc.get("norm_topk_prob", model_type in ("mixtral", "phimoe")))
+    renorm = row.routing.renormalize if row else bool(tc.get("norm_topk_prob", False))
     # the W4A8 op's activation number where it computes the model's activation, else SiLU * up: the
     # weights are then checked through an activation the op can run (the layer report names the model's)
     kind = row.activation.kernel_kind if row and row.activation.kernel_kind is not None else 0
