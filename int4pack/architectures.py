@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from itertools import islice
 
+from .activation import Activation
 from .errors import InputError, RefusedError
 from .families import BY_TYPE, FAMILIES, FUSED_ONLY, Family, family, layer_moe, name_summary, supported_types
 from .routing import Routing
@@ -352,7 +353,9 @@ class MoEConfig:
     top_k: int
     routing: dict  # the family's routing facts (families/): scoring function, score bias, groups, scale
     renormalize: bool  # top-k weights renormalised to sum 1
-    activation: int  # the W4A8 MoE op's activation kind: 0 SiLU-gated, 1 gpt-oss's clamped SwiGLU
+    # the W4A8 MoE op's activation kind (0 SiLU-gated, 1 gpt-oss's clamped SwiGLU), or the model's
+    # activation.Activation where that op has none
+    activation: int | Activation
     norm_offset: float  # the family's RMSNorm weight offset (1.0 where weights are stored minus one)
 
 
@@ -370,8 +373,8 @@ def moe_config(model_type: str, family_type: str, text_config: dict) -> tuple[Mo
     facts = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
     # the table's renormalisation (the model class's: Mixtral always, whatever norm_topk_prob says)
     renorm = row.routing.renormalize if row else bool(tc.get("norm_topk_prob", False))
-    # the W4A8 op's activation number where it computes the model's activation, else SiLU * up: the
-    # weights are then checked through an activation the op can run (the layer report names the model's)
-    kind = row.activation.kernel_kind if row and row.activation.kernel_kind is not None else 0
+    # the W4A8 op's activation number where it computes the model's activation, else the model's
+    # Activation: verify then runs each expert's two matmuls apart with it between them
+    kind = (row.activation if row.activation.kernel_kind is None else row.activation.kernel_kind) if row else 0
     return MoEConfig(expert_count(tc), top_k, facts, renorm, kind,
                      fam.rmsnorm_offset if fam else 0.0), problems

@@ -147,8 +147,7 @@ def moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
     if row is not None:  # the model's activation, and the one the W4A8 op and the reference ran
         res["activation"] = row.activation.describe()
         if row.activation.kernel_kind is None:
-            res["activation"] += f" (checked through {'silu' if t.activation == 0 else 'swigluoai'}: the W4A8 op " \
-                                 "does not compute it)"
+            res["activation"] += " (not one of the W4A8 op's: each expert's two matmuls run apart, with it between)"
     res["input_norm"] = norm is not None
     return {"res": res, "sampled": sampled, "x": x, "ids": ids, "wts": wts}
 

@@ -559,7 +559,7 @@ def test_real_deepseek_v4_converts_verifies_and_names_what_vllm_cannot_compute(t
     assert v["ok"], v["verdict"]
     assert [("score bias" in lay["scoring"], lay["scoring"].split()[0]) for lay in v["layers"]] == \
         [(False, "sqrtsoftplus"), (True, "sqrtsoftplus"), (True, "sqrtsoftplus")]
-    assert all("swiglu_clamp limit 10 (checked through silu" in lay["activation"] for lay in v["layers"])
+    assert all(lay["activation"].startswith("swiglu_clamp limit 10 (not one of the W4A8 op's") for lay in v["layers"])
     s, o = _tensors(src), _tensors(tmp_path / "out")
     for n in ("model.layers.0.ffn.gate.tid2eid", "model.layers.1.ffn.gate.bias"):
         assert o[n].dtype == s[n].dtype and torch.equal(o[n], s[n])
