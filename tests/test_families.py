@@ -731,3 +731,18 @@ def test_real_step3p5_with_float_stacked_experts_is_refused_naming_them():
     assert res.exit_code == 4, res.output  # refused: the experts are not int4
     assert "fused expert tensors" in res.output and "model.layers.1.moe.down_proj.weight" in res.output
     assert "linearize_moe does not split Step3p7Experts" in res.output
+
+
+def test_shared_experts_in_the_table():
+    """Qwen's shared expert is scaled by sigmoid(shared_expert_gate(x)) (transformers 5.23.0
+    qwen3_5_moe/modeling_qwen3_5_moe.py Qwen3_5MoeSparseMoeBlock.forward); the DeepSeek-style ones
+    are added as they are, n_shared_experts of them; Mixtral and Gemma-4 have none."""
+    from int4pack.families import layer_moe
+
+    q = layer_moe("qwen3_5_moe", {"num_experts_per_tok": 8})
+    assert (q.shared_experts, q.shared_gate) == (1, True)
+    g = layer_moe("glm4_moe", {"num_experts_per_tok": 8, "n_shared_experts": 2})
+    assert (g.shared_experts, g.shared_gate) == (2, False)
+    assert layer_moe("mixtral", {"num_experts_per_tok": 2}).shared_experts == 0
+    assert layer_moe("gemma4", _text_config("ct_gemma4_w4a16")).shared_experts == 0
+    assert layer_moe("glm5_next", _text_config("ct_glm5next_w4a16"), 1).shared_gate is False  # added ungated

@@ -210,7 +210,8 @@ class Family:
             return None  # DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers: dense MLPs
         r = routing_of(self.routing, tc, renormalize_default=self.renormalize_default, renormalize=self.renormalize)
         act = OP_SWIGLUOAI if self.activation == 1 else (from_hidden_act(tc.get("hidden_act")) or SILU)
-        return LayerMoE(r, act, self.shared_experts, self.shared_gate)
+        shared = int(_num(tc, "n_shared_experts", "num_shared_experts", default=self.shared_experts) or 0)
+        return LayerMoE(r, act, shared, self.shared_gate and shared > 0)
 
     def first_moe(self, tc: dict) -> LayerMoE:
         """The first MoE layer's row (the table's summary of the model)."""
