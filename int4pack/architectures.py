@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass, field
 from itertools import islice
 
+from .activation import Activation
 from .errors import InputError, RefusedError
-from .families import BY_TYPE, FAMILIES, Family, family, layer_moe, name_summary, supported_types
+from .families import BY_TYPE, FAMILIES, FUSED_ONLY, Family, family, layer_moe, name_summary, supported_types
 from .routing import Routing
 
 __all__ = [
@@ -40,10 +41,7 @@ __all__ = [
 # model_type -> how routed experts are spelled (the families package holds the facts)
 SUPPORTED = {t: f.experts for t, f in BY_TYPE.items() if not f.refuse}
 # families known only in a fused layout int4pack does not split (named in refusals)
-FUSED = {
-    "granitemoe": "fused block_sparse_moe.input_linear/output_linear",
-    "granitemoeshared": "fused block_sparse_moe.input_linear/output_linear",
-}
+FUSED = FUSED_ONLY
 
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 # an MoE block: mlp, block_sparse_moe, feed_forward, DeepSeek-V4's on-disk ffn, or the decoder layer
@@ -62,7 +60,8 @@ ROUTER = re.compile(rf"\.(?P<block>{_BLOCK})\.(?P<leaf>gate|shared_expert_gate|r
 _FUSED_TENSOR = re.compile(
     r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)"
     r"(_blocks|_scales|_bias|_scale|_packed|\.weight|\.weight_packed|\.qweight|\.weight_scale|\.scales)?$"
-    r"|\.(input_linear|output_linear)\.(weight|weight_packed|qweight)$")
+    r"|\.(input_linear|output_linear)\.(weight|weight_packed|qweight)$"
+    r"|\.moe\.(gate_proj|up_proj|down_proj)\.(weight|weight_packed|qweight)$")  # Step-3.5's stacked experts
 _FUSED_INT = re.compile(r"(_blocks|_packed|\.weight_packed|\.qweight|\.input_linear\.weight|\.output_linear\.weight)$")
 LAYER = re.compile(r"\.layers\.(\d+)\.")  # the layer index in a module or tensor name
 
@@ -294,8 +293,10 @@ def _refuse_fused(model_type: str, fam: Family | None, tensor_names: list[str]) 
     raise RefusedError(
         f"model_type {model_type!r}: fused expert tensors ({what}) in float, not int4: {shown}",
         tensor=fused[0],
-        hint="These experts are not quantised; int4pack converts int4 checkpoints. Quantise per expert first "
-             "(llm-compressor's oneshot splits fused experts into experts.E.{gate,up,down}_proj).")
+        hint="These experts are not quantised; int4pack converts int4 checkpoints. "
+             + ((fam.fused_hint + ".") if fam is not None and fam.fused_hint else
+                "Quantise per expert first (llm-compressor's oneshot splits fused experts into "
+                "experts.E.{gate,up,down}_proj)."))
 
 
 def vllm_output_names(model_type: str, names) -> dict[str, str]:
@@ -352,7 +353,9 @@ class MoEConfig:
     top_k: int
     routing: dict  # the family's routing facts (families/): scoring function, score bias, groups, scale
     renormalize: bool  # top-k weights renormalised to sum 1
-    activation: int  # the W4A8 MoE op's activation kind: 0 SiLU-gated, 1 gpt-oss's clamped SwiGLU
+    # the W4A8 MoE op's activation kind (0 SiLU-gated, 1 gpt-oss's clamped SwiGLU), or the model's
+    # activation.Activation where that op has none
+    activation: int | Activation
     norm_offset: float  # the family's RMSNorm weight offset (1.0 where weights are stored minus one)
 
 
@@ -369,9 +372,9 @@ def moe_config(model_type: str, family_type: str, text_config: dict) -> tuple[Mo
     row = fam.first_moe(tc) if fam else None
     facts = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
     # the table's renormalisation (the model class's: Mixtral always, whatever norm_topk_prob says)
-    renorm = row.routing.renormalize if row else bool(tc.get("norm_topk_prob", model_type in ("mixtral", "phimoe")))
-    # the W4A8 op's activation number where it computes the model's activation, else SiLU * up: the
-    # weights are then checked through an activation the op can run (the layer report names the model's)
-    kind = row.activation.kernel_kind if row and row.activation.kernel_kind is not None else 0
+    renorm = row.routing.renormalize if row else bool(tc.get("norm_topk_prob", False))
+    # the W4A8 op's activation number where it computes the model's activation, else the model's
+    # Activation: verify then runs each expert's two matmuls apart with it between them
+    kind = (row.activation if row.activation.kernel_kind is None else row.activation.kernel_kind) if row else 0
     return MoEConfig(expert_count(tc), top_k, facts, renorm, kind,
                      fam.rmsnorm_offset if fam else 0.0), problems

@@ -133,17 +133,21 @@ def moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
     n_tok = tokens or default_tokens(e_s, k_top)
     x = hidden(gen, n_tok, t.shape(experts[ids_all[0]]["gate"])[1], norm)
     scoring = (r.scoring if r is not None else t.routing.get("scoring")) or "softmax"
-    ids, wts = route(x, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias, routing=r, per_expert_scale=pes)
+    # a latent MoE (Kimi-K3: experts at routed_expert_hidden_size, the router at the model's hidden
+    # size) routes hidden states of its own width: they pick the experts' inputs, nothing more
+    latent = rw is not None and rw.shape[1] != x.shape[1]
+    xr = hidden(gen, n_tok, rw.shape[1], None) if latent else x
+    ids, wts = route(xr, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias, routing=r, per_expert_scale=pes)
     res["tokens"] = n_tok
     res["min_slots"] = int(torch.bincount(ids.reshape(-1), minlength=e_s).min()) if e_s else 0
-    res["router"] = "real" if rw is not None else "random logits"
+    res["router"] = ("real, on hidden states of its own size" if latent else "real") if rw is not None \
+        else "random logits"
     res["scoring"] = scoring + (" + score bias" if bias is not None else "") + \
         (" + per-expert scale" if pes is not None else "") + (f", soft-capped {r.softcap:g}" if r and r.softcap else "")
     if row is not None:  # the model's activation, and the one the W4A8 op and the reference ran
         res["activation"] = row.activation.describe()
         if row.activation.kernel_kind is None:
-            res["activation"] += f" (checked through {'silu' if t.activation == 0 else 'swigluoai'}: the W4A8 op " \
-                                 "does not compute it)"
+            res["activation"] += " (not one of the W4A8 op's: each expert's two matmuls run apart, with it between)"
     res["input_norm"] = norm is not None
     return {"res": res, "sampled": sampled, "x": x, "ids": ids, "wts": wts}
 

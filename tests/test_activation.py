@@ -111,3 +111,32 @@ def test_records_round_trip():
     for a in KINDS:
         rec = a.to_record()
         assert act.from_record(rec) == a and rec["kernel_kind"] == a.kernel_kind
+
+
+def test_the_expert_forward_runs_the_models_activation_between_its_two_matmuls():
+    """moe.MoeRun (verify's kernel side) and moe.expert_forward (its float reference) with an
+    Activation the W4A8 op has none for: each expert's W13, then the activation, then W2, against
+    float64 with DeepSeek-V4's clamp written out; the noise Jacobian against finite differences."""
+    from int4pack import moe
+
+    a = act.Activation("swiglu_clamp", limit=10.0)
+    gen = torch.Generator().manual_seed(4)
+    h, i = 64, 32
+    x = torch.randn(5, h, generator=gen) * 4
+    w13, w2 = torch.randn(2 * i, h, generator=gen), torch.randn(h, i, generator=gen) * 0.1
+    y = (x.double() @ w13.double().t())
+    assert float((y[:, :i] > 10).float().mean()) > 0.1  # the clamp is crossed
+    want = reference("swiglu_clamp", y[:, :i], y[:, i:], limit=10.0) @ w2.double().t()
+    torch.testing.assert_close(moe.expert_forward(x, w13, w2, a).double(), want, rtol=1e-4, atol=1e-4)
+    silu = reference("silu", y[:, :i], y[:, i:]) @ w2.double().t()
+    assert (silu - want).abs().max() > 1.0  # without the clamp: another result
+
+    run = moe.MoeRun(x, torch.zeros(5, 1, dtype=torch.int32), torch.ones(5, 1), 1, h, i, -1, False, a)
+    run.expert_with(0, lambda xx, q, s, blk: xx @ (q * s).t(), (w13, torch.ones(2 * i, 1)), (w2, torch.ones(h, 1)))
+    torch.testing.assert_close(run.finish().double(), want, rtol=1e-4, atol=1e-4)
+
+    g, u = torch.randn(200, generator=gen).double() * 12, torch.randn(200, generator=gen).double() * 12
+    dg, du = moe._act_jacobian(g, u, a)
+    eps = 1e-6
+    torch.testing.assert_close(dg, (a(g + eps, u) - a(g - eps, u)) / (2 * eps), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(du, (a(g, u + eps) - a(g, u - eps)) / (2 * eps), rtol=1e-5, atol=1e-6)

@@ -319,6 +319,9 @@ REAL = {  # fixture: (family type, routing kind, where the score bias lives)
     "ct_minimaxm3_w4a16": ("minimax_m3_vl", "MiniMax2", "block_sparse_moe.e_score_correction_bias"),
     "ct_laguna_w4a16": ("laguna", "Custom", "mlp.experts.e_score_correction_bias"),
     "ct_glmmoedsa_w4a16": ("glm_moe_dsa", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_glm5next_w4a16": ("glm5_next", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_kimik3_w4a16": ("kimi_k3", "DeepSeekV3", "block_sparse_moe.gate.e_score_correction_bias"),
+    "ct_exaonemoe_w4a16": ("exaone_moe", "DeepSeekV3", "mlp.e_score_correction_bias"),
 }
 
 
@@ -556,7 +559,7 @@ def test_real_deepseek_v4_converts_verifies_and_names_what_vllm_cannot_compute(t
     assert v["ok"], v["verdict"]
     assert [("score bias" in lay["scoring"], lay["scoring"].split()[0]) for lay in v["layers"]] == \
         [(False, "sqrtsoftplus"), (True, "sqrtsoftplus"), (True, "sqrtsoftplus")]
-    assert all("swiglu_clamp limit 10 (checked through silu" in lay["activation"] for lay in v["layers"])
+    assert all(lay["activation"].startswith("swiglu_clamp limit 10 (not one of the W4A8 op's") for lay in v["layers"])
     s, o = _tensors(src), _tensors(tmp_path / "out")
     for n in ("model.layers.0.ffn.gate.tid2eid", "model.layers.1.ffn.gate.bias"):
         assert o[n].dtype == s[n].dtype and torch.equal(o[n], s[n])
@@ -702,3 +705,44 @@ def test_late_families_tables():
     rows = moe_layers("kimi_k3", LATE["kimi_k3"][1])  # KimiLinearTopkRouter: the attribute_map's names
     r = rows[1].routing
     assert (r.kind, r.top_k, r.n_group, r.topk_group, r.renormalize, r.scale) == ("DeepSeekV3", 2, 2, 1, True, 2.446)
+
+
+def test_real_kimi_k3_latent_experts_route_on_the_routers_own_width(tmp_path):
+    """Kimi-K3's latent MoE: w1/w3 take the 64-wide latent, the router the 128-wide hidden state."""
+    src = FIXTURES / "ct_kimik3_w4a16"
+    int4pack.convert(src, tmp_path / "out")
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"], v["verdict"]
+    assert all(lay["router"] == "real, on hidden states of its own size" for lay in v["layers"])
+    r = int4pack.inspect(src)
+    assert r["moe"]["routing"]["scale"] == _text_config("ct_kimik3_w4a16")["routed_scaling_factor"]
+
+
+def test_real_glm5next_names_the_clamp_vllm_drops(tmp_path):
+    r = int4pack.convert(FIXTURES / "ct_glm5next_w4a16", tmp_path / "out", dry_run=True)
+    assert r["plan"]["routing"]["activation"] == {"name": "swiglu_clamp", "alpha": None, "limit": 10.0,
+                                                  "order": "halves", "kernel_kind": None}
+    assert any(w.startswith("GLM-5.3-Flash: the experts activate as swiglu_clamp limit 10") for w in r["serving"])
+
+
+def test_real_step3p5_with_float_stacked_experts_is_refused_naming_them():
+    """llm-compressor 0.14.0.1 leaves Step-3.5's stacked 3-D experts in bf16 (tests/fixtures/README.md)."""
+    res = runner.invoke(app, ["convert", str(FIXTURES / "ct_step3p5_w4a16"), "unused", "--dry-run"])
+    assert res.exit_code == 4, res.output  # refused: the experts are not int4
+    assert "fused expert tensors" in res.output and "model.layers.1.moe.down_proj.weight" in res.output
+    assert "linearize_moe does not split Step3p7Experts" in res.output
+
+
+def test_shared_experts_in_the_table():
+    """Qwen's shared expert is scaled by sigmoid(shared_expert_gate(x)) (transformers 5.23.0
+    qwen3_5_moe/modeling_qwen3_5_moe.py Qwen3_5MoeSparseMoeBlock.forward); the DeepSeek-style ones
+    are added as they are, n_shared_experts of them; Mixtral and Gemma-4 have none."""
+    from int4pack.families import layer_moe
+
+    q = layer_moe("qwen3_5_moe", {"num_experts_per_tok": 8})
+    assert (q.shared_experts, q.shared_gate) == (1, True)
+    g = layer_moe("glm4_moe", {"num_experts_per_tok": 8, "n_shared_experts": 2})
+    assert (g.shared_experts, g.shared_gate) == (2, False)
+    assert layer_moe("mixtral", {"num_experts_per_tok": 2}).shared_experts == 0
+    assert layer_moe("gemma4", _text_config("ct_gemma4_w4a16")).shared_experts == 0
+    assert layer_moe("glm5_next", _text_config("ct_glm5next_w4a16"), 1).shared_gate is False  # added ungated

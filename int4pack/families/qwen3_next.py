@@ -35,6 +35,8 @@ QWEN3_NEXT = Family(
             "linear_attn.in_proj_qkvz/in_proj_ba/out_proj",
     routing=SOFTMAX,
     renormalize_default=True,
+    shared_experts=1,
+    shared_gate=True,  # sigmoid(shared_expert_gate(x)) scales the shared expert's output
     rmsnorm_offset=1.0,  # vLLM: GemmaRMSNorm as Qwen3NextRMSNorm / Qwen3_5RMSNorm: x * (1 + weight)
     kept=_KEPT,
     float_only=_FLOAT_ONLY,
@@ -49,6 +51,8 @@ QWEN3_5_MOE = Family(
             "mlp.shared_expert_gate; linear_attn.in_proj_{qkv,z,b,a}/out_proj; mtp.layers.N.mlp.experts.E.*",
     routing=SOFTMAX,
     renormalize_default=True,
+    shared_experts=1,
+    shared_gate=True,  # sigmoid(shared_expert_gate(x)) scales the shared expert's output
     rmsnorm_offset=1.0,  # vLLM: GemmaRMSNorm as Qwen3NextRMSNorm / Qwen3_5RMSNorm: x * (1 + weight)
     text_config="text_config",
     prefixes=("model.language_model.", "model."),

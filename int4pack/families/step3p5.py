@@ -45,6 +45,9 @@ FAMILY = Family(
     kept=((r"\.e_score_correction_bias$|\.router_bias$", "router score bias: copied bit-exactly"),
           (r"^model\.(?:vision_model|multi_modal_projector)\.", "vision tower and projector: not experts")),
     moe=_moe,
+    fused_hint="llm-compressor 0.14.0.1 leaves Step-3.5's stacked experts (model.layers.N.moe.*_proj) in bf16: "
+               "its linearize_moe does not split Step3p7Experts; quantise the experts per expert "
+               "(mlp.experts.E.{gate,up,down}_proj) with another producer",
     serve={"0.19.1": "not run",
            "0.32.0": "not run (stock CPUExpertsInt4 refuses MiniMax2 routing; SWIGLUSTEP run without its clamp)"},
 )
