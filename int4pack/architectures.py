@@ -11,8 +11,9 @@ import re
 from dataclasses import dataclass, field
 from itertools import islice
 
+from .activation import Activation
 from .errors import InputError, RefusedError
-from .families import BY_TYPE, FAMILIES, Family, family, name_summary, supported_types
+from .families import BY_TYPE, FAMILIES, FUSED_ONLY, Family, family, layer_moe, name_summary, supported_types
 from .routing import Routing
 
 __all__ = [
@@ -29,6 +30,8 @@ __all__ = [
     "BUG_REPORT_HINT",
     "routing_from_config",
     "ROUTER",
+    "LAYER",
+    "layer_index",
     "routers",
     "MoEConfig",
     "moe_config",
@@ -38,25 +41,35 @@ __all__ = [
 # model_type -> how routed experts are spelled (the families package holds the facts)
 SUPPORTED = {t: f.experts for t, f in BY_TYPE.items() if not f.refuse}
 # families known only in a fused layout int4pack does not split (named in refusals)
-FUSED = {
-    "granitemoe": "fused block_sparse_moe.input_linear/output_linear",
-    "granitemoeshared": "fused block_sparse_moe.input_linear/output_linear",
-}
+FUSED = FUSED_ONLY
 
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+# an MoE block: mlp, block_sparse_moe, feed_forward, DeepSeek-V4's on-disk ffn, or the decoder layer
+# itself (Gemma-4: layers.N.experts beside the dense layers.N.mlp)
+_BLOCK = r"(?:mlp|block_sparse_moe|feed_forward|ffn|layers\.\d+)"
 _EXPERT = re.compile(
-    r"^(?P<moe>.+?\.(?:mlp|block_sparse_moe|feed_forward))\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
-_SHARED = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward)\.shared_experts?)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+    rf"^(?P<moe>.+?\.{_BLOCK})\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_SHARED = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward|ffn|block_sparse_moe)\.shared_experts?)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _DENSE = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward))\.(?P<proj>gate_proj|up_proj|down_proj)$")
 _ATTN = re.compile(r"\.(self_attn|attention|attn|linear_attn)\.")
-_ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|shared_expert_gate|router)(\.layer)?$")
+# an MoE block's router weight (less ".weight"): mlp.gate (Qwen, DeepSeek), block_sparse_moe.gate
+# (Mixtral), feed_forward.router (Llama 4), mlp.router (gpt-oss), router.layer, Gemma-4's
+# layers.N.router.proj; and Qwen's shared_expert_gate, a float linear kept like the routers
+ROUTER = re.compile(rf"\.(?P<block>{_BLOCK})\.(?P<leaf>gate|shared_expert_gate|router)(?P<sub>\.layer|\.proj)?$")
 # tensor names that mean a fused (3-D) expert layout
 _FUSED_TENSOR = re.compile(
     r"\.experts\.(gate_up_proj|down_proj|gate_proj|up_proj)"
     r"(_blocks|_scales|_bias|_scale|_packed|\.weight|\.weight_packed|\.qweight|\.weight_scale|\.scales)?$"
-    r"|\.(input_linear|output_linear)\.(weight|weight_packed|qweight)$")
+    r"|\.(input_linear|output_linear)\.(weight|weight_packed|qweight)$"
+    r"|\.moe\.(gate_proj|up_proj|down_proj)\.(weight|weight_packed|qweight)$")  # Step-3.5's stacked experts
 _FUSED_INT = re.compile(r"(_blocks|_packed|\.weight_packed|\.qweight|\.input_linear\.weight|\.output_linear\.weight)$")
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
+LAYER = re.compile(r"\.layers\.(\d+)\.")  # the layer index in a module or tensor name
+
+
+def layer_index(name: str) -> int:
+    """The decoder layer a module or tensor name lies in (``...layers.<n>....``), or -1."""
+    m = LAYER.search(f".{name}.")
+    return int(m.group(1)) if m else -1
 
 # vLLM loads these checkpoint linears into one fused module each (the model classes'
 # packed_modules_mapping in vLLM 0.19.1 and 0.32.0): the shards of one fused module, like all
@@ -90,8 +103,7 @@ class MoELayer:
 
     @property
     def layer(self) -> int:
-        m = _LAYER.search(self.prefix + ".")
-        return int(m.group(1)) if m else -1
+        return layer_index(self.prefix)
 
 
 @dataclass
@@ -197,9 +209,10 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
                 layers.setdefault(moe, MoELayer(moe)).shared[d["proj"]] = name
 
     names = set(tensor_names)
-    routers = sorted(t[: -len(".weight")] for t in names if t.endswith(".weight") and _ROUTER.search(t[:-7]))
+    routers = sorted(t[: -len(".weight")] for t in names if t.endswith(".weight") and ROUTER.search(t[:-7]))
     for lay in layers.values():
-        for cand in (f"{lay.prefix}.gate", f"{lay.prefix}.router", f"{lay.prefix}.router.layer"):
+        for cand in (f"{lay.prefix}.gate", f"{lay.prefix}.router", f"{lay.prefix}.router.layer",
+                     f"{lay.prefix}.router.proj"):
             if f"{cand}.weight" in names:
                 lay.router = cand
                 break
@@ -280,8 +293,10 @@ def _refuse_fused(model_type: str, fam: Family | None, tensor_names: list[str]) 
     raise RefusedError(
         f"model_type {model_type!r}: fused expert tensors ({what}) in float, not int4: {shown}",
         tensor=fused[0],
-        hint="These experts are not quantised; int4pack converts int4 checkpoints. Quantise per expert first "
-             "(llm-compressor's oneshot splits fused experts into experts.E.{gate,up,down}_proj).")
+        hint="These experts are not quantised; int4pack converts int4 checkpoints. "
+             + ((fam.fused_hint + ".") if fam is not None and fam.fused_hint else
+                "Quantise per expert first (llm-compressor's oneshot splits fused experts into "
+                "experts.E.{gate,up,down}_proj)."))
 
 
 def vllm_output_names(model_type: str, names) -> dict[str, str]:
@@ -305,59 +320,24 @@ def vllm_output_names(model_type: str, names) -> dict[str, str]:
     return out
 
 
-# model types whose vLLM model class builds its MoE layer from the DeepSeek-V2 config keys
-_DEEPSEEK = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-
-
 def routing_from_config(model_type: str, cfg: dict) -> Routing | None:
-    """The routing vLLM's model class gives this model's MoE layers (the config keys it reads in
-    0.19.1 and 0.32.0), with the model's routed_scaling_factor; None for a family not known here."""
-    k = cfg.get("num_experts_per_tok")
-    if model_type == "mixtral":
-        return Routing("softmax", int(k or 2), True)
-    if model_type in ("qwen2_moe", "qwen3_moe"):
-        return Routing("softmax", int(k or 0), bool(cfg.get("norm_topk_prob", False)))
-    if model_type == "olmoe":
-        return Routing("softmax", int(k or 0), False)
-    if model_type == "phimoe":
-        return Routing("softmax", int(k or 2), False, custom="phimoe_routing_function")
-    if model_type in _DEEPSEEK:  # vLLM: always grouped top-k; bias only with topk_method noaux_tc
-        return Routing(str(cfg.get("scoring_func") or "softmax"), int(k or 0),
-                       bool(cfg.get("norm_topk_prob", model_type != "deepseek_v2")),
-                       bias=cfg.get("topk_method") == "noaux_tc", n_group=int(cfg.get("n_group") or 1),
-                       topk_group=int(cfg.get("topk_group") or 1),
-                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
-    if model_type == "glm4_moe":  # vLLM: sigmoid and the bias always
-        return Routing("sigmoid", int(k or 0), bool(cfg.get("norm_topk_prob", True)), bias=True,
-                       n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
-                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
-    if model_type == "minimax_m2":  # vLLM: renormalise always, bias with use_routing_bias
-        return Routing(str(cfg.get("scoring_func") or "softmax"), int(k or 0), True,
-                       bias=bool(cfg.get("use_routing_bias", False)),
-                       scale=float(cfg.get("routed_scaling_factor") or 1.0))
-    return _from_family(model_type, cfg)
+    """The routing vLLM's model class gives this model's first MoE layer (the family table in
+    int4pack/families/), with the model's routed_scaling_factor; None for a family not known here."""
+    row = layer_moe(model_type, cfg)
+    return row.routing if row else None
 
 
-def _from_family(model_type: str, cfg: dict) -> Routing | None:
-    """The other families' routing from their facts (int4pack/families/, named as Routing is)."""
-    fam = family(model_type)
-    if fam is None:
-        return None
-    f = fam.facts(cfg)
-    return Routing(f["scoring"], int(f["top_k"] or 0), f["renormalize"], bias=f["bias"], n_group=f["n_group"],
-                   topk_group=f["topk_group"], scale=f["scale"], custom=f["custom"])
-
-
-# an MoE block's router weight: mlp.gate (Qwen, DeepSeek), block_sparse_moe.gate (Mixtral),
-# feed_forward.router (Llama 4), mlp.router (gpt-oss)
-ROUTER = re.compile(r"\.(mlp|block_sparse_moe|feed_forward)\.(gate|router)$")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 def routers(names) -> dict[str, str]:
     """MoE block prefix -> its router's weight tensor, among tensor ``names``."""
-    return {n[: -len(".gate.weight")] if n.endswith(".gate.weight") else n[: -len(".router.weight")]: n
-            for n in names if n.endswith(".weight") and ROUTER.search(n[:-7])}
+    out = {}
+    for n in names:
+        m = ROUTER.search(n[:-7]) if n.endswith(".weight") else None
+        if m and m["leaf"] != "shared_expert_gate":
+            out[n[: m.start()] + "." + m["block"]] = n
+    return out
 
 
 def expert_count(text_config: dict) -> int | None:
@@ -373,7 +353,9 @@ class MoEConfig:
     top_k: int
     routing: dict  # the family's routing facts (families/): scoring function, score bias, groups, scale
     renormalize: bool  # top-k weights renormalised to sum 1
-    activation: int  # the W4A8 MoE op's activation kind: 0 SiLU-gated, 1 gpt-oss's clamped SwiGLU
+    # the W4A8 MoE op's activation kind (0 SiLU-gated, 1 gpt-oss's clamped SwiGLU), or the model's
+    # activation.Activation where that op has none
+    activation: int | Activation
     norm_offset: float  # the family's RMSNorm weight offset (1.0 where weights are stored minus one)
 
 
@@ -381,14 +363,18 @@ def moe_config(model_type: str, family_type: str, text_config: dict) -> tuple[Mo
     """The MoE facts of a model config, and what in it is unusable (a default is taken instead)."""
     tc = text_config
     problems = []
-    top_k = tc.get("num_experts_per_tok") or tc.get("moe_topk") or 2
+    top_k = (tc.get("num_experts_per_tok") or tc.get("moe_topk") or tc.get("top_k_experts")
+             or tc.get("num_experts_per_token") or 2)
     if type(top_k) is not int or top_k < 1:
         problems.append(f"num_experts_per_tok is {top_k!r}, not a positive integer")
         top_k = 2
     fam = family(family_type)
+    row = fam.first_moe(tc) if fam else None
     facts = fam.facts(tc) if fam else {"scoring": "softmax", "bias": False}
-    renorm = bool(tc.get("norm_topk_prob", facts.get("renormalize", model_type in ("mixtral", "phimoe"))))
-    act = str(tc.get("hidden_act") or "silu")
-    kind = fam.activation if fam and fam.activation else (1 if "oai" in act else 0)
+    # the table's renormalisation (the model class's: Mixtral always, whatever norm_topk_prob says)
+    renorm = row.routing.renormalize if row else bool(tc.get("norm_topk_prob", False))
+    # the W4A8 op's activation number where it computes the model's activation, else the model's
+    # Activation: verify then runs each expert's two matmuls apart with it between them
+    kind = (row.activation if row.activation.kernel_kind is None else row.activation.kernel_kind) if row else 0
     return MoEConfig(expert_count(tc), top_k, facts, renorm, kind,
                      fam.rmsnorm_offset if fam else 0.0), problems

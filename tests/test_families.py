@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import int4pack
@@ -206,7 +207,9 @@ def test_routing_facts_from_configs():
     ds = family("deepseek_v3").facts({"num_experts_per_tok": 8, "n_group": 8, "topk_group": 4, "topk_method": "noaux_tc",
                                       "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "norm_topk_prob": True})
     assert ds == {"kind": "DeepSeekV3", "scoring": "sigmoid", "top_k": 8, "renormalize": True, "n_group": 8,
-                  "topk_group": 4, "scale": 2.5, "bias": True, "custom": None}
+                  "topk_group": 4, "scale": 2.5, "bias": True, "custom": None, "per_expert_scale": False,
+                  "hash_routed": False, "softcap": None,
+                  "activation": {"name": "silu", "alpha": None, "limit": None, "order": "halves", "kernel_kind": 0}}
     # DeepSeek-V2-Lite: softmax, no bias, vLLM still passes groups (1 of 1)
     v2 = family("deepseek_v2").facts({"num_experts_per_tok": 6, "topk_method": "greedy", "norm_topk_prob": False})
     assert (v2["kind"], v2["bias"], v2["renormalize"]) == ("Default", False, False)
@@ -311,6 +314,14 @@ REAL = {  # fixture: (family type, routing kind, where the score bias lives)
     "ct_qwen3next_w4a16": ("qwen3_next", "RenormalizeNaive", None),
     "ct_kimik25_w4a16": ("kimi_k25", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
     "ct_llama4_w4a16": ("llama4", "Llama4", None),
+    # the late-2026 families (tests/fixtures/README.md "Late-2026 families")
+    "ct_gemma4_w4a16": ("gemma4", "Custom", None),
+    "ct_minimaxm3_w4a16": ("minimax_m3_vl", "MiniMax2", "block_sparse_moe.e_score_correction_bias"),
+    "ct_laguna_w4a16": ("laguna", "Custom", "mlp.experts.e_score_correction_bias"),
+    "ct_glmmoedsa_w4a16": ("glm_moe_dsa", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_glm5next_w4a16": ("glm5_next", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
+    "ct_kimik3_w4a16": ("kimi_k3", "DeepSeekV3", "block_sparse_moe.gate.e_score_correction_bias"),
+    "ct_exaonemoe_w4a16": ("exaone_moe", "DeepSeekV3", "mlp.e_score_correction_bias"),
 }
 
 
@@ -417,3 +428,321 @@ def test_real_minimax_packed_serving_format(tmp_path):
     assert not any(".up_proj." in n for n in o)
     v = int4pack.verify(tmp_path / "out", against=src)
     assert v["ok"] and v["structural"]["serve_format"] == "kleidiai", v["verdict"]
+
+
+# -- the routing and activation table against the late-2026 fixtures --------------------------------
+
+
+def _text_config(fixture: str) -> dict:
+    c = json.loads((FIXTURES / fixture / "config.json").read_text())
+    return c.get("text_config") or c
+
+
+def _sparse(tc: dict, *kinds: str) -> list[int]:
+    return [i for i, t in enumerate(tc["mlp_layer_types"]) if t in kinds]
+
+
+def test_the_table_reads_each_late_2026_fixture_config():
+    """Each fixture's config read as its transformers 5.23.0 class reads it (the module named per
+    family), against the table's rows."""
+    from int4pack.families import moe_layers
+
+    tc = _text_config("ct_gemma4_w4a16")  # Gemma4TextRouter / Gemma4TextExperts
+    rows = moe_layers("gemma4", tc)
+    assert sorted(rows) == list(range(tc["num_hidden_layers"]))  # every layer: a dense MLP and a MoE
+    r, a = rows[0].routing, rows[0].activation
+    assert (r.scoring, r.top_k, r.renormalize, r.per_expert_scale, r.bias) == ("softmax", tc["top_k_experts"], True,
+                                                                            True, False)
+    assert tc["hidden_activation"] == "gelu_pytorch_tanh" and a.name == "gelu_tanh" and a.kernel_kind is None
+
+    tc = _text_config("ct_minimaxm3_w4a16")  # MiniMaxM3VLTopKRouter / MiniMaxM3VLExperts._apply_gate
+    rows = moe_layers("minimax_m3_vl", tc)
+    assert sorted(rows) == _sparse(tc, "sparse") == [1, 2]
+    r, a = rows[1].routing, rows[1].activation
+    assert (r.kind, r.scale, r.n_group) == ("MiniMax2", tc["routed_scaling_factor"], None)
+    assert (a.name, a.alpha, a.limit, a.kernel_kind) == ("swigluoai", tc["swiglu_alpha"], tc["swiglu_limit"], 1)
+    assert rows[1].shared_experts == 1
+
+    tc = _text_config("ct_laguna_w4a16")  # LagunaTopKRouter / LagunaSparseMoeBlock
+    rows = moe_layers("laguna", tc)
+    assert sorted(rows) == _sparse(tc, "sparse")
+    r = rows[1].routing
+    assert (r.softcap, r.scale, r.scoring, r.bias, r.renormalize) == (
+        tc["moe_router_logit_softcapping"], tc["moe_routed_scaling_factor"], "sigmoid", True, True)
+
+    tc = _text_config("ct_glmmoedsa_w4a16")  # GlmMoeDsaTopkRouter
+    rows = moe_layers("glm_moe_dsa", tc)
+    assert sorted(rows) == _sparse(tc, "sparse")
+    r = rows[1].routing
+    assert (r.kind, r.n_group, r.topk_group, r.scale, r.top_k) == (
+        "DeepSeekV3", tc["n_group"], tc["topk_group"], tc["routed_scaling_factor"], tc["num_experts_per_tok"])
+
+    tc = _text_config("ct_deepseekv4_w4a16")  # DeepseekV4TopKRouter / DeepseekV4HashRouter / _apply_gate
+    rows = moe_layers("deepseek_v4", tc)
+    assert [i for i, row in rows.items() if row.routing.hash_routed] == _sparse(tc, "hash_moe") == [0]
+    assert all(row.routing.bias for i, row in rows.items() if i in _sparse(tc, "moe"))
+    assert all((row.routing.scoring, row.routing.scale, row.activation.name, row.activation.limit) ==
+               (tc["scoring_func"], tc["routed_scaling_factor"], "swiglu_clamp", tc["swiglu_limit"])
+               for row in rows.values())
+
+
+def _f64(t):
+    return t.double()
+
+
+def test_the_table_routes_the_fixtures_routers_as_their_model_classes():
+    """Each fixture's own router tensors: the table's routing (routing.Routing.select with the tensors
+    the table names) against a float64 reference written from the model class's forward."""
+    from int4pack.families import layer_moe
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(24, 128, generator=gen, dtype=torch.float64)
+
+    # Gemma-4 (gemma4/modeling_gemma4.py Gemma4TextRouter): softmax, top-k, renormalise, x per_expert_scale
+    t = _tensors(FIXTURES / "ct_gemma4_w4a16")
+    p = "model.language_model.layers.1.router"
+    logits = x @ _f64(t[f"{p}.proj.weight"]).t()
+    probs = logits.softmax(-1)
+    top = probs.topk(2, dim=-1)
+    want = top.values / top.values.sum(-1, keepdim=True) * _f64(t[f"{p}.per_expert_scale"])[top.indices]
+    row = layer_moe("gemma4", _text_config("ct_gemma4_w4a16"), 1)
+    w, ids = row.routing.select(logits.float(), per_expert_scale=t[f"{p}.per_expert_scale"])
+    assert torch.equal(ids.long(), top.indices)
+    torch.testing.assert_close(w.double(), want, rtol=1e-5, atol=1e-6)
+
+    # Laguna (laguna/modeling_laguna.py LagunaTopKRouter + the block's moe_routed_scaling_factor)
+    tc = _text_config("ct_laguna_w4a16")
+    t = _tensors(FIXTURES / "ct_laguna_w4a16")
+    p, cap = "model.layers.2.mlp", tc["moe_router_logit_softcapping"]
+    logits = x @ _f64(t[f"{p}.gate.weight"]).t()
+    scores = torch.sigmoid(torch.tanh(logits / cap) * cap)
+    bias = _f64(t[f"{p}.experts.e_score_correction_bias"])
+    ref_ids = (scores + bias).topk(2, dim=-1).indices
+    sel = scores.gather(1, ref_ids)
+    want = sel / sel.sum(-1, keepdim=True) * tc["moe_routed_scaling_factor"]
+    w, ids = layer_moe("laguna", tc, 2).routing.select(logits.float(), bias=t[f"{p}.experts.e_score_correction_bias"])
+    assert torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values)
+    torch.testing.assert_close(w.double().sort(-1).values, want.sort(-1).values, rtol=1e-5, atol=1e-6)
+
+    # DeepSeek-V4 (deepseek_v4/modeling_deepseek_v4.py): layer 0 by tid2eid[input_ids], layer 1 by
+    # sqrt(softplus) + bias; both renormalised (+1e-20) and x routed_scaling_factor
+    tc = _text_config("ct_deepseekv4_w4a16")
+    t = _tensors(FIXTURES / "ct_deepseekv4_w4a16")
+    input_ids = torch.randint(0, tc["vocab_size"], (24,), generator=gen)
+    for layer in (0, 1):
+        p = f"model.layers.{layer}.ffn.gate"
+        logits = x @ _f64(t[f"{p}.weight"]).t()
+        scores = torch.nn.functional.softplus(logits).sqrt()
+        row = layer_moe("deepseek_v4", tc, layer)
+        if layer == 0:
+            ref_ids = t[f"{p}.tid2eid"][input_ids].long()
+            w, ids = row.routing.select(logits.float(), hash_table=t[f"{p}.tid2eid"], input_ids=input_ids)
+        else:
+            ref_ids = (scores + _f64(t[f"{p}.bias"])).topk(2, dim=-1).indices
+            w, ids = row.routing.select(logits.float(), bias=t[f"{p}.bias"])
+        sel = scores.gather(1, ref_ids)
+        want = sel / (sel.sum(-1, keepdim=True) + 1e-20) * tc["routed_scaling_factor"]
+        assert torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values), layer
+        torch.testing.assert_close(w.double().sort(-1).values, want.sort(-1).values, rtol=1e-5, atol=1e-6)
+
+
+def test_real_deepseek_v4_converts_verifies_and_names_what_vllm_cannot_compute(tmp_path):
+    """Hash-routed layer 0 (no score bias), sqrt-softplus layers 1-2 with the bias; the experts'
+    SwiGLU clamped at 10, which vLLM's CPU W4A8 op does not compute; tid2eid and the F32 bias copied."""
+    src = FIXTURES / "ct_deepseekv4_w4a16"
+    r = int4pack.convert(src, tmp_path / "out")
+    assert r["plan"]["routing"]["kind"] == "DeepseekV4" and r["plan"]["paths"]["lossless"] == len(r["modules"])
+    assert [g["layers"] for g in r["plan"]["routing"]["by_layer"]] == [[0], [1, 2]]
+    assert any("swiglu_clamp limit 10" in w and "dynamic_4bit_int_moe" in w for w in r["serving"]), r["serving"]
+    assert any("layers 0 choose their experts by the token ids" in w for w in r["serving"])
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"], v["verdict"]
+    assert [("score bias" in lay["scoring"], lay["scoring"].split()[0]) for lay in v["layers"]] == \
+        [(False, "sqrtsoftplus"), (True, "sqrtsoftplus"), (True, "sqrtsoftplus")]
+    assert all(lay["activation"].startswith("swiglu_clamp limit 10 (not one of the W4A8 op's") for lay in v["layers"])
+    s, o = _tensors(src), _tensors(tmp_path / "out")
+    for n in ("model.layers.0.ffn.gate.tid2eid", "model.layers.1.ffn.gate.bias"):
+        assert o[n].dtype == s[n].dtype and torch.equal(o[n], s[n])
+    res = runner.invoke(app, ["inspect", str(src)])
+    assert res.exit_code == 0 and "layers 0: DeepseekV4" in res.output and "hash table" in res.output, res.output
+
+
+def test_real_gemma4_verify_weights_by_the_per_expert_scale(tmp_path):
+    src = FIXTURES / "ct_gemma4_w4a16"
+    int4pack.convert(src, tmp_path / "out")
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"] and all(lay["scoring"] == "softmax + per-expert scale" for lay in v["layers"]), v["verdict"]
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "model.language_model.layers.0.router.proj" in cfg["quantization_config"]["ignore"]
+    o = _tensors(tmp_path / "out")
+    assert o["model.language_model.layers.1.experts.7.gate_proj.weight"].dtype == torch.int8
+    assert o["model.language_model.layers.1.router.per_expert_scale"].dtype == torch.bfloat16
+
+
+def test_qwen3_8_at_512_experts_top_10():
+    """Qwen3.8 reuses qwen3_5_moe at 512 experts, top-10: the table and discovery take it."""
+    from int4pack.families import layer_moe
+
+    tc = {"model_type": "qwen3_5_moe_text", "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": True,
+          "num_hidden_layers": 2}
+    r = layer_moe("qwen3_5_moe", tc).routing
+    assert (r.kind, r.top_k) == ("RenormalizeNaive", 10) and r.problem(512) is None
+    names = [f"model.language_model.layers.0.mlp.experts.{e}.{p}" for e in range(512)
+             for p in ("gate_proj", "up_proj", "down_proj")]
+    lay = discover("qwen3_5_moe", tc, names, [*names, "model.language_model.layers.0.mlp.gate.weight"])
+    assert lay.moe_layers[0].num_experts == 512 and lay.routing["top_k"] == 10
+    logits = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+    w, ids = r.select(logits)
+    top = logits.double().softmax(-1).topk(10, dim=-1)
+    assert torch.equal(ids.long(), top.indices)
+    torch.testing.assert_close(w.double(), top.values / top.values.sum(-1, keepdim=True), rtol=1e-5, atol=1e-7)
+
+
+# -- the late-2026 families without a fixture yet: synthetic GPTQ checkpoints in the tensor names
+# their transformers 5.23.0 classes (or, for Kimi-K3, its Kimi-Linear text model) load ----------
+
+
+def _write_late(folder: Path, outer: str | None, text: dict, pre: str, moe_block: str, experts: dict[str, str],
+                shared: str | None, bias: str | None, dense: list[int]) -> Path:
+    """Layers 0..n-1 under ``pre``; ``dense`` layers get an MLP, the others ``moe_block`` with E
+    experts named by ``experts`` (role -> name), a router, the score bias at ``bias`` (under the
+    block) and a shared expert at ``shared``."""
+    from _synth import E, H, I, gptq_sym_linear
+
+    rng = np.random.default_rng(5)
+    t: dict[str, torch.Tensor] = {f"{pre}embed_tokens.weight": torch.randn(128, H).bfloat16(),
+                                  f"{pre}norm.weight": torch.ones(H).bfloat16(), "lm_head.weight": torch.randn(128, H).bfloat16()}
+    shape = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    for li in range(text["num_hidden_layers"]):
+        p = f"{pre}layers.{li}"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            t.update(gptq_sym_linear(f"{p}.self_attn.{proj}", H, H, rng))
+        t[f"{p}.input_layernorm.weight"] = torch.ones(H).bfloat16()
+        t[f"{p}.post_attention_layernorm.weight"] = torch.ones(H).bfloat16()
+        if li in dense:
+            for role, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                n, k = shape[role]
+                t.update(gptq_sym_linear(f"{p}.mlp.{proj}", 2 * n if role != "down" else n,
+                                         k if role != "down" else 2 * k, rng))
+            continue
+        m = f"{p}.{moe_block}"
+        for e in range(E):
+            for role, name in experts.items():
+                t.update(gptq_sym_linear(f"{m}.experts.{e}.{name}", *shape[role], rng))
+        if shared:
+            for role, proj in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+                t.update(gptq_sym_linear(f"{m}.{shared}.{proj}", *shape[role], rng))
+        t[f"{m}.gate.weight"] = torch.randn(E, H).bfloat16()
+        if bias:
+            t[f"{m}.{bias}"] = torch.randn(E, dtype=torch.float32) * 0.1
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(folder / "model.safetensors"))
+    q = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False, "checkpoint_format": "gptq"}
+    cfg = {"model_type": outer, "text_config": text, "quantization_config": q} if outer else \
+        {**text, "quantization_config": q}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+_GATE_UP_DOWN = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+LATE = {  # family type: (outer model_type, text config, prefix, MoE block, expert names, shared, bias, dense)
+    "glm5_next": ("glm5_next", {"model_type": "glm5_next_text", "num_hidden_layers": 3, "n_routed_experts": 4,
+                                "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+                                "routed_scaling_factor": 2.5, "swiglu_limit": 10.0, "n_shared_experts": 1,
+                                "mlp_layer_types": ["dense", "sparse", "sparse"]},
+                  "model.language_model.", "mlp", _GATE_UP_DOWN, "shared_experts", "gate.e_score_correction_bias", [0]),
+    "step3p5": (None, {"model_type": "step3p5", "num_hidden_layers": 3, "num_local_experts": 4, "num_experts_per_tok": 2,
+                       "moe_router_scaling_factor": 3.0, "swiglu_limits": [0.0, 0.0, 7.0],
+                       "mlp_layer_types": ["dense", "sparse", "sparse"]},
+                "model.", "mlp", _GATE_UP_DOWN, "shared_experts", "gate.e_score_correction_bias", [0]),
+    "exaone_moe": (None, {"model_type": "exaone_moe", "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                          "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                          "first_k_dense_replace": 1, "num_shared_experts": 1},
+                   "model.", "mlp", _GATE_UP_DOWN, "shared_experts", "e_score_correction_bias", [0]),
+    "kimi_k3": ("kimi_k3", {"model_type": "kimi_linear", "num_hidden_layers": 2, "num_experts": 4,
+                            "num_experts_per_token": 2, "num_expert_group": 2, "topk_group": 1, "moe_renormalize": True,
+                            "routed_scaling_factor": 2.446, "first_k_dense_replace": 1, "num_shared_experts": 1},
+                "language_model.model.", "block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"},
+                "shared_experts", "gate.e_score_correction_bias", [0]),
+}
+
+
+@pytest.mark.parametrize("family_type", sorted(LATE))
+def test_late_families_without_fixtures_convert_verify_inspect(family_type, tmp_path):
+    outer, text, *rest = LATE[family_type]
+    src = _write_late(tmp_path / "src", outer, text, *rest)
+    r = int4pack.convert(src, tmp_path / "out")
+    fam = family(family_type)
+    assert r["plan"]["family"] == fam.name and r["plan"]["paths"]["lossless"] == len(r["modules"])
+    v = int4pack.verify(tmp_path / "out", against=src, experts=4)
+    assert v["ok"], v["verdict"]
+    assert all("score bias" in lay["scoring"] for lay in v["layers"])
+    s, o = _tensors(src), _tensors(tmp_path / "out")
+    bias = [n for n in s if n.endswith("e_score_correction_bias")]
+    assert bias and all(torch.equal(o[n], s[n]) and o[n].dtype == torch.float32 for n in bias)
+    res = runner.invoke(app, ["inspect", str(src)])
+    assert res.exit_code == 0 and fam.name in res.output and r["plan"]["routing"]["kind"] in res.output, res.output
+
+
+def test_late_families_tables():
+    """The rows the synthetic configs above give, read as the transformers 5.23.0 classes read them."""
+    from int4pack.families import moe_layers
+
+    rows = moe_layers("glm5_next", LATE["glm5_next"][1])  # Glm5NextTextTopkRouter, Glm5NextTextExperts
+    assert sorted(rows) == [1, 2]
+    assert (rows[1].routing.kind, rows[1].routing.n_group, rows[1].routing.scale) == ("DeepSeekV3", 2, 2.5)
+    assert (rows[1].activation.name, rows[1].activation.limit, rows[1].shared_gate) == ("swiglu_clamp", 10.0, False)
+
+    rows = moe_layers("step3p5", LATE["step3p5"][1])  # Step3p7SparseMoeBlock: swiglu_limits[layer] or None
+    assert sorted(rows) == [1, 2]
+    assert rows[1].activation.name == "silu" and rows[1].activation.kernel_kind == 0  # limit 0.0: no clamp
+    assert (rows[2].activation.name, rows[2].activation.limit) == ("swiglustep", 7.0)
+    assert (rows[2].routing.kind, rows[2].routing.scale) == ("MiniMax2", 3.0)
+
+    rows = moe_layers("exaone_moe", LATE["exaone_moe"][1])  # ExaoneMoeTopkRouter
+    assert sorted(rows) == [1] and rows[1].routing.kind == "DeepSeekV3" and rows[1].shared_experts == 1
+
+    rows = moe_layers("kimi_k3", LATE["kimi_k3"][1])  # KimiLinearTopkRouter: the attribute_map's names
+    r = rows[1].routing
+    assert (r.kind, r.top_k, r.n_group, r.topk_group, r.renormalize, r.scale) == ("DeepSeekV3", 2, 2, 1, True, 2.446)
+
+
+def test_real_kimi_k3_latent_experts_route_on_the_routers_own_width(tmp_path):
+    """Kimi-K3's latent MoE: w1/w3 take the 64-wide latent, the router the 128-wide hidden state."""
+    src = FIXTURES / "ct_kimik3_w4a16"
+    int4pack.convert(src, tmp_path / "out")
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"], v["verdict"]
+    assert all(lay["router"] == "real, on hidden states of its own size" for lay in v["layers"])
+    r = int4pack.inspect(src)
+    assert r["moe"]["routing"]["scale"] == _text_config("ct_kimik3_w4a16")["routed_scaling_factor"]
+
+
+def test_real_glm5next_names_the_clamp_vllm_drops(tmp_path):
+    r = int4pack.convert(FIXTURES / "ct_glm5next_w4a16", tmp_path / "out", dry_run=True)
+    assert r["plan"]["routing"]["activation"] == {"name": "swiglu_clamp", "alpha": None, "limit": 10.0,
+                                                  "order": "halves", "kernel_kind": None}
+    assert any(w.startswith("GLM-5.3-Flash: the experts activate as swiglu_clamp limit 10") for w in r["serving"])
+
+
+def test_real_step3p5_with_float_stacked_experts_is_refused_naming_them():
+    """llm-compressor 0.14.0.1 leaves Step-3.5's stacked 3-D experts in bf16 (tests/fixtures/README.md)."""
+    res = runner.invoke(app, ["convert", str(FIXTURES / "ct_step3p5_w4a16"), "unused", "--dry-run"])
+    assert res.exit_code == 4, res.output  # refused: the experts are not int4
+    assert "fused expert tensors" in res.output and "model.layers.1.moe.down_proj.weight" in res.output
+    assert "linearize_moe does not split Step3p7Experts" in res.output
+
+
+def test_shared_experts_in_the_table():
+    """Qwen's shared expert is scaled by sigmoid(shared_expert_gate(x)) (transformers 5.23.0
+    qwen3_5_moe/modeling_qwen3_5_moe.py Qwen3_5MoeSparseMoeBlock.forward); the DeepSeek-style ones
+    are added as they are, n_shared_experts of them; Mixtral and Gemma-4 have none."""
+    from int4pack.families import layer_moe
+
+    q = layer_moe("qwen3_5_moe", {"num_experts_per_tok": 8})
+    assert (q.shared_experts, q.shared_gate) == (1, True)
+    g = layer_moe("glm4_moe", {"num_experts_per_tok": 8, "n_shared_experts": 2})
+    assert (g.shared_experts, g.shared_gate) == (2, False)
+    assert layer_moe("mixtral", {"num_experts_per_tok": 2}).shared_experts == 0
+    assert layer_moe("gemma4", _text_config("ct_gemma4_w4a16")).shared_experts == 0
+    assert layer_moe("glm5_next", _text_config("ct_glm5next_w4a16"), 1).shared_gate is False  # added ungated

@@ -155,9 +155,11 @@ def test_kinds_named_and_refused():
         "Custom": rt.Routing("softmax", 2, False, custom="phimoe_routing_function"),
         "Sigmoid": rt.Routing("sigmoid", 2, False),
         "SigmoidRenorm": rt.Routing("sigmoid", 2, True),
-        "DeepseekV4": rt.Routing("sqrtsoftplus", 2, True, bias=True),
         "Unspecified": rt.Routing("softmax", 2, True, bias=True),
     }
+    # served: DeepSeek-V4's sqrtsoftplus, a Custom whose facts are known (Gemma-4, Laguna)
+    assert rt.Routing("sqrtsoftplus", 2, True, bias=True).problem(8) is None
+    assert rt.Routing("softmax", 2, True, per_expert_scale=True).problem(8) is None
     for kind, r in refused.items():
         assert r.kind == kind
         with pytest.raises(RefusedError, match=f"routing type {kind} is not one int4pack routes"):
@@ -303,3 +305,222 @@ def test_llama4_routes_top1_with_the_sigmoid_of_the_logit():
     with pytest.raises(ValueError, match="for top-1 only, not top-2"):
         glue.layer_routing(fake_layer(top_k=2, renormalize=False, use_grouped_topk=False,
                                       custom_routing_function=Llama4MoE.custom_routing_function))
+
+
+# -- the kinds of late 2026: sqrt-softplus scores, Gemma-4's per-expert scale, DeepSeek-V4's hash
+# routing, Laguna's soft-capped logits; each against a float64 reference written here --------------
+
+
+def reference_2026(logits, *, k, scoring, renorm, bias=None, scale=1.0, softcap=None, per_expert=None,
+                   hash_ids=None):
+    """Per token in float64 with Python math, in the order the model classes compute it
+    (transformers 5.23.0: laguna/modeling_laguna.py LagunaTopKRouter caps then scores;
+    deepseek_v4/modeling_deepseek_v4.py DeepseekV4TopKRouter / DeepseekV4HashRouter; gemma4/
+    modeling_gemma4.py Gemma4TextRouter renormalises, then multiplies by per_expert_scale[ids])."""
+    ids_out, w_out = [], []
+    for t, row in enumerate(logits.double().tolist()):
+        if softcap:
+            row = [softcap * math.tanh(v / softcap) for v in row]
+        if scoring == "softmax":
+            m = max(row)
+            ex = [math.exp(v - m) for v in row]
+            scores = [v / sum(ex) for v in ex]
+        elif scoring == "sigmoid":
+            scores = [1.0 / (1.0 + math.exp(-v)) for v in row]
+        else:  # sqrt(log(1 + e^v)), written so that large v does not overflow
+            scores = [math.sqrt(v + math.log1p(math.exp(-v)) if v > 0 else math.log1p(math.exp(v))) for v in row]
+        if hash_ids is not None:
+            chosen = [int(e) for e in hash_ids[t]]
+        else:
+            choice = [s + (0.0 if bias is None else float(bias[e])) for e, s in enumerate(scores)]
+            chosen = sorted(range(len(row)), key=lambda e: (-choice[e], e))[:k]
+        w = [scores[e] for e in chosen]
+        if renorm:
+            w = [v / sum(w) for v in w]
+        if per_expert is not None:
+            w = [v * float(per_expert[e]) for v, e in zip(w, chosen)]
+        ids_out.append(chosen)
+        w_out.append([v * scale for v in w])
+    return torch.tensor(ids_out), torch.tensor(w_out, dtype=torch.float64)
+
+
+def check_2026(r: rt.Routing, logits, **tensors):
+    w, ids = r.select(logits, **tensors)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    hashed = tensors["hash_table"][tensors["input_ids"]] if r.hash_routed else None
+    ref_ids, ref_w = reference_2026(logits, k=r.top_k, scoring=r.scoring, renorm=r.renormalize,
+                                    bias=tensors.get("bias") if r.bias else None, scale=r.scale, softcap=r.softcap,
+                                    per_expert=tensors.get("per_expert_scale"), hash_ids=hashed)
+    assert torch.equal(ids.long(), ref_ids), (ids, ref_ids)
+    torch.testing.assert_close(w.double(), ref_w, rtol=3e-6, atol=1e-7)
+    return ids, w
+
+
+def test_sqrtsoftplus_with_bias_renormalised_and_scaled():
+    r = rt.Routing("sqrtsoftplus", 6, True, bias=True, scale=1.5)
+    assert r.kind == "DeepseekV4" and r.problem(16) is None  # the plugin routes it (vllm_plugin._routing)
+    logits, bias = rand(9, 16) * 4, rand(16) * 0.2
+    _, w = check_2026(r, logits, bias=bias)
+    torch.testing.assert_close(w.sum(-1), torch.full((9,), 1.5))
+    # large logits: sqrt(softplus(x)) -> sqrt(x), no overflow; very negative ones -> 0, still ordered
+    check_2026(r, torch.tensor([[80.0, -80.0, 0.0, 30.0, -30.0, 1.0, 2.0, 3.0] * 2]), bias=torch.zeros(16))
+    # not renormalised: vLLM has no name for it
+    assert rt.Routing("sqrtsoftplus", 2, False).kind == "Unspecified"
+
+
+def test_sqrtsoftplus_is_not_softmax_or_sigmoid():
+    logits = rand(5, 8) * 3
+    a = rt.scores(logits, "sqrtsoftplus")
+    assert (a - logits.softmax(-1)).abs().max() > 0.1 and (a - logits.sigmoid()).abs().max() > 0.1
+    with pytest.raises(ValueError, match="scoring function 'tanh' is not one of softmax, sigmoid, sqrtsoftplus"):
+        rt.scores(logits, "tanh")
+
+
+def test_per_expert_scale_multiplies_after_renormalising():
+    r = rt.Routing("softmax", 3, True, per_expert_scale=True)
+    assert r.kind == "Custom" and "per-expert scale" in r.describe()
+    logits, pes = rand(7, 8) * 2, torch.rand(8, generator=GEN) + 0.5
+    ids, w = check_2026(r, logits, per_expert_scale=pes)
+    # the scale does not steer the choice: the ids are those of plain renormalised softmax
+    pw, plain = rt.Routing("softmax", 3, True).select(logits)
+    assert torch.equal(ids, plain) and not torch.allclose(w, pw)
+    torch.testing.assert_close(w, pw * pes[ids.long()])
+    with pytest.raises(ValueError, match="needs per_expert_scale"):
+        r.select(logits)
+
+
+def test_hash_routing_takes_the_ids_from_the_table_and_the_weights_from_the_scores():
+    r = rt.Routing("sqrtsoftplus", 2, True, hash_routed=True, scale=1.5)
+    assert r.kind == "DeepseekV4"
+    table = torch.tensor([[0, 1], [7, 3], [5, 5], [2, 6]])  # token 2 maps to one expert twice
+    input_ids = torch.tensor([3, 1, 0, 2, 1])
+    logits = rand(5, 8) * 2
+    ids, w = check_2026(r, logits, hash_table=table, input_ids=input_ids)
+    assert torch.equal(ids.long(), table[input_ids])
+    torch.testing.assert_close(w[3], torch.tensor([0.75, 0.75]))  # a repeated expert: equal halves of 1.5
+    # the logits do not choose: a logit far above the rest changes weights only
+    hot = logits.clone()
+    hot[:, 4] = 50.0
+    _, ids2 = r.select(hot, hash_table=table, input_ids=input_ids)
+    assert torch.equal(ids, ids2)
+    with pytest.raises(ValueError, match="needs hash_table, input_ids"):
+        r.select(logits)
+    with pytest.raises(ValueError, match="not \\[tokens 5, top_k 3\\]"):
+        rt.select_experts(None, logits, 3, False, True, hash_table=table, input_ids=input_ids)
+
+
+def test_soft_capped_logits_before_sigmoid_scoring():
+    r = rt.Routing("sigmoid", 2, True, bias=True, scale=2.5, softcap=3.0)
+    assert r.kind == "Custom" and "soft-capped at 3" in r.describe()
+    logits, bias = rand(9, 8) * 6, rand(8) * 0.1
+    ids, w = check_2026(r, logits, bias=bias)
+    raw_w, _ = rt.Routing("sigmoid", 2, True, bias=True, scale=2.5).select(logits, bias=bias)
+    assert (w - raw_w).abs().max() > 1e-3
+    # and the choice: logits 10 and 4 capped at 1 score 0.7311 and 0.7309, so a bias of 0.01 lifts
+    # expert 1 above expert 0; uncapped (0.99995 against 0.9820 + 0.01) expert 0 wins
+    one = rt.Routing("sigmoid", 1, True, bias=True, softcap=1.0)
+    two = torch.tensor([[10.0, 4.0]])
+    assert check_2026(one, two, bias=torch.tensor([0.0, 0.01]))[0].tolist() == [[1]]
+    assert rt.Routing("sigmoid", 1, True, bias=True).select(two, bias=torch.tensor([0.0, 0.01]))[1].tolist() == [[0]]
+    # a cap of 0 or None is no cap (Laguna's moe_router_logit_softcapping 0.0)
+    a = rt.select_experts(None, logits, 2, False, True, scoring_func="sigmoid", logit_softcap=0.0)
+    b = rt.select_experts(None, logits, 2, False, True, scoring_func="sigmoid")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_new_kinds_break_ties_to_the_lower_index():
+    # four equal logits: soft-capped sigmoid, sqrt-softplus and per-expert-scaled softmax all take 0, 1
+    logits = torch.zeros(1, 4)
+    for r, kw in ((rt.Routing("sigmoid", 2, True, bias=True, softcap=5.0), {"bias": torch.zeros(4)}),
+                  (rt.Routing("sqrtsoftplus", 2, True, bias=True), {"bias": torch.zeros(4)}),
+                  (rt.Routing("softmax", 2, True, per_expert_scale=True), {"per_expert_scale": torch.ones(4)})):
+        ids, w = check_2026(r, logits, **kw)
+        assert ids[0].tolist() == [0, 1]
+        torch.testing.assert_close(w[0], torch.full((2,), 0.5 * r.scale))
+
+
+def test_the_old_call_still_routes_as_before():
+    """select_experts' positional signature (vLLM's CPU select_experts) is unchanged."""
+    logits, bias = rand(6, 16), rand(16) * 0.3
+    w, ids = rt.select_experts(None, logits, 4, True, True, 2, 4, "sigmoid", 2.5, bias)
+    ref_ids, ref_w = reference(logits, k=4, scoring="sigmoid", renorm=True, bias=bias, n_group=4, topk_group=2,
+                               scale=2.5)
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w.double(), ref_w, rtol=2e-6, atol=1e-7)
+
+
+def test_records_round_trip():
+    for r in (rt.Routing("sigmoid", 4, True, bias=True, n_group=4, topk_group=2, scale=2.5),
+              rt.Routing("sqrtsoftplus", 6, True, hash_routed=True, scale=1.5),
+              rt.Routing("softmax", 8, True, per_expert_scale=True),
+              rt.Routing("sigmoid", 8, True, bias=True, softcap=30.0)):
+        rec = r.to_record()
+        assert rec["kind"] == r.kind and rt.from_record(rec) == r
+
+
+# -- one routing table: the disagreements between architectures.routing_from_config and the
+# family facts, each decided by what the model classes do -------------------------------------------
+
+
+def test_sqrtsoftplus_deepseek_config_is_deepseekv4_in_every_reader():
+    """A DeepSeek config with scoring_func sqrtsoftplus (and topk_method noaux_tc): vLLM's
+    get_routing_method_type checks sqrtsoftplus + renormalize first (DeepseekV4); the family facts
+    used to say RenormalizeNaive (and Unspecified with noaux_tc)."""
+    from int4pack.architectures import moe_config
+    from int4pack.families import family
+
+    for extra in ({}, {"topk_method": "noaux_tc"}):
+        cfg = {"num_experts_per_tok": 6, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, **extra}
+        assert routing_from_config("deepseek_v3", cfg).kind == "DeepseekV4"
+        assert family("deepseek_v3").facts(cfg)["kind"] == "DeepseekV4"
+        assert moe_config("deepseek_v3", "deepseek_v3", cfg)[0].routing["kind"] == "DeepseekV4"
+
+
+def test_mixtral_renormalises_whatever_norm_topk_prob_says():
+    """transformers 5.23.0 mixtral/modeling_mixtral.py MixtralTopKRouter always divides the top-k
+    by their sum, and vLLM's mixtral.py builds FusedMoE(renormalize=True): a config's
+    norm_topk_prob false changes neither. The float64 reference below is that router's code."""
+    from int4pack.architectures import moe_config
+    from int4pack.families import family
+
+    cfg = {"num_experts_per_tok": 2, "norm_topk_prob": False, "num_local_experts": 8}
+    r = routing_from_config("mixtral", cfg)
+    assert r.renormalize and family("mixtral").facts(cfg)["renormalize"]
+    assert moe_config("mixtral", "mixtral", cfg)[0].renormalize  # verify's reference weights
+    logits = rand(6, 8) * 2
+    probs = logits.double().softmax(-1)
+    top = probs.topk(2, dim=-1)
+    want = top.values / top.values.sum(-1, keepdim=True)
+    w, ids = r.select(logits)
+    assert torch.equal(ids.long(), top.indices)
+    torch.testing.assert_close(w.double(), want, rtol=2e-6, atol=1e-7)
+
+
+def test_phimoe_does_not_renormalise():
+    """vLLM's phimoe.py: FusedMoE(renormalize=False, custom_routing_function=phimoe_routing_function);
+    the family facts used to say True."""
+    from int4pack.families import family
+
+    cfg = {"num_experts_per_tok": 2}
+    assert routing_from_config("phimoe", cfg).renormalize is False
+    assert family("phimoe").facts(cfg)["renormalize"] is False
+    assert routing_from_config("phimoe", cfg).kind == "Custom"
+
+
+def test_one_router_pattern_and_one_layer_pattern():
+    from int4pack import architectures as arch
+    from int4pack import verify_layout
+
+    names = ["model.layers.0.mlp.gate.weight", "model.layers.1.block_sparse_moe.gate.weight",
+             "language_model.model.layers.2.feed_forward.router.weight", "model.layers.3.mlp.router.weight",
+             "model.language_model.layers.4.router.proj.weight", "model.layers.5.mlp.shared_expert_gate.weight",
+             "model.layers.6.ffn.gate.weight", "model.layers.7.mlp.gate_proj.weight"]
+    got = arch.routers(names)
+    assert got == {"model.layers.0.mlp": names[0], "model.layers.1.block_sparse_moe": names[1],
+                   "language_model.model.layers.2.feed_forward": names[2], "model.layers.3.mlp": names[3],
+                   "model.language_model.layers.4": names[4], "model.layers.6.ffn": names[6]}
+    # discovery's float routers are the same pattern's matches (the shared expert gate kept as one)
+    assert sorted(n for n in names if arch.ROUTER.search(n[:-7])) == sorted([*got.values(), names[5]])
+    assert verify_layout.layer_index is arch.layer_index
+    assert [arch.layer_index(p) for p in ("model.layers.12.mlp", "layers.3", "lm_head", "mtp.layers.0.x")] == \
+        [12, 3, -1, 0]

@@ -248,16 +248,92 @@ def test_dry_run_plans_the_blobs():
     assert packed["plan"]["tensors_out"] < plain["plan"]["tensors_out"]
 
 
-def test_rows_not_in_whole_blocks_are_refused():
+def test_rows_not_in_whole_blocks_stay_plain_or_are_refused_for_experts():
+    """A dense linear KleidiAI cannot pack stays plain W4A8 with its vLLM module's other parts; a
+    routed expert is refused (the plugin's MoE method takes blobs only)."""
     from int4pack.checkpoint import Checkpoint
     from int4pack.plan import make_plan
 
     with Checkpoint(FIXTURES / "gptq_q3_sym") as ckpt:
         plan = make_plan(ckpt)
-    job = next(j for j in plan.jobs if j.kind == "linear")
-    job.specs[0].n = 12
-    with pytest.raises(RefusedError, match="N=12 is not a multiple of 8"):
+    q = next(s for j in plan.jobs if j.kind == "linear" for s in j.specs if s.name.endswith("self_attn.q_proj"))
+    q.n = 12
+    out = blobs.packed_plan(plan)
+    attn = q.name.rsplit(".", 1)[0]
+    assert sorted(out.options[serve_spec.PLAIN_MODULES]) == [f"{attn}.{x}_proj" for x in "kqv"]
+    assert "N=12 is not a multiple of 8" in out.options[serve_spec.PLAIN_MODULES][f"{attn}.k_proj"]
+    names = {t.name for t in out.outputs}
+    assert f"{attn}.k_proj.weight" in names and f"{attn}.k_proj.{serve_spec.SUFFIX}" not in names
+    assert f"{attn}.o_proj.{serve_spec.SUFFIX}" in names and f"{attn}.o_proj.weight" not in names
+    expert = next(s for j in plan.jobs if j.kind in ("linear", "fold") for s in j.specs if ".experts." in s.name)
+    expert.n = 12
+    with pytest.raises(RefusedError, match="N=12 is not a multiple of 8.*routed experts as KleidiAI blobs only"):
         blobs.packed_plan(plan)
+
+
+def _qwen35_quantized_linear_attention(folder: Path) -> dict:
+    """ct_qwen35moe_w4a16 with its linear-attention projections int4 too (as llm-compressor writes
+    them when they are not in ``ignore``): in_proj_b and in_proj_a have N = 4 (the value heads).
+    Returns {module: (q, scales)} of the ints written, from _synth's own quantiser."""
+    import _synth
+
+    src = FIXTURES / "ct_qwen35moe_w4a16"
+    idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for shard in sorted(set(idx.values())):
+        with safe_open(str(src / shard), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    la = "model.layers.0.linear_attn"
+    ints = {}
+    for proj in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        t, q, sc = _synth.ct_pack_linear(f"{la}.{proj}", tensors.pop(f"{la}.{proj}.weight").float(), 32)
+        tensors.update(t)
+        ints[f"{la}.{proj}"] = (q, sc)
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: "model.safetensors" for k in tensors}}))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = [m for m in cfg["quantization_config"]["ignore"] if ".linear_attn." not in m]
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    assert ints[f"{la}.in_proj_a"][0].shape == (4, 128)
+    return ints
+
+
+def test_qwen35_linear_attention_with_n_4_converts_packed(tmp_path):
+    """The packed format decides per vLLM module: in_proj_b + in_proj_a (vLLM's fused in_proj_ba,
+    N = 4 each) are written as plain W4A8, named in the plan, the layout record and inspect;
+    every other W4A8 module, the experts included, is a blob of the source's ints."""
+    ints = _qwen35_quantized_linear_attention(tmp_path / "src")
+    rep = int4pack.convert(tmp_path / "src", tmp_path / "out", serve_format="kleidiai")
+    la = "model.layers.0.linear_attn"
+    assert sorted(rep["plan"][serve_spec.PLAIN_MODULES]) == [f"{la}.in_proj_a", f"{la}.in_proj_b"]
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    rec = cfg["quantization_config"]["kleidiai"]
+    (why,) = rec[serve_spec.PLAIN_MODULES].values()
+    assert list(rec[serve_spec.PLAIN_MODULES]) == [f"{la}.in_proj_ba"] and "N=4 is not a multiple of 8" in why
+    assert f"{la}.in_proj_ba" not in rec[serve_spec.BLOB_CHECKS]["modules"]
+    assert f"{la}.in_proj_qkvz" in rec[serve_spec.BLOB_CHECKS]["modules"]
+    out = load_raw(tmp_path / "out")
+    for proj in ("in_proj_b", "in_proj_a"):
+        q, sc = ints[f"{la}.{proj}"]
+        assert f"{la}.{proj}.{serve_spec.SUFFIX}" not in out
+        assert out[f"{la}.{proj}.weight"].dtype == torch.int8 and torch.equal(out[f"{la}.{proj}.weight"].long(), q)
+        assert torch.equal(out[f"{la}.{proj}.weight_scale"], sc)
+    for proj in ("in_proj_qkv", "in_proj_z", "out_proj"):
+        q, sc = ints[f"{la}.{proj}"]
+        assert f"{la}.{proj}.weight" not in out
+        assert torch.equal(out[f"{la}.{proj}.{serve_spec.SUFFIX}"], kleidiai.pack_reference(q.to(torch.int8), sc, None, 32))
+    experts = [k for k in out if k.startswith("model.layers.") and ".mlp.experts." in k]
+    assert experts and [k for k in experts if not k.endswith(serve_spec.SUFFIX)] == []
+    v = int4pack.verify(tmp_path / "out", against=tmp_path / "src")
+    assert v["ok"], v["verdict"]
+    r = CliRunner().invoke(app, ["inspect", str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    mods = json.loads(r.stdout)["modules"]
+    assert mods[f"{la}.in_proj_a"]["format"] == "int-quantized" and not mods[f"{la}.in_proj_a"]["kleidiai"]
+    assert "N=4 is not a multiple of 8" in mods[f"{la}.in_proj_a"]["kleidiai_reason"]
+    assert mods[f"{la}.in_proj_z"]["kleidiai"]
 
 
 def test_shard_headers_have_room_for_provenance(tmp_path):
@@ -351,3 +427,18 @@ def test_llama4_q_k_rows_in_vllms_rotary_order_verify_against_the_source(pair, t
     r = int4pack.verify(bad, against=src, raise_on_failure=False)
     # (the rewritten shard's checksum is a structural problem too; the rows are the numerical pass's)
     assert not r["ok"] and "out of tolerance" in r["verdict"] and m in r["verdict"], r["verdict"]
+
+
+def test_laguna_per_head_attention_gate_stays_plain(converted):
+    """Laguna's per-head attention gate g_proj (N = heads, 2 or 4 in the llm-compressor fixture) is
+    not fused by vLLM but has no whole row block: plain W4A8, named; the rest packed, verify passes."""
+    out, rep = converted("ct_laguna_w4a16", serve_format="kleidiai")
+    rec = serve_spec.read_record(json.loads((out / "config.json").read_text())["quantization_config"])
+    plain = rec[serve_spec.PLAIN_MODULES]
+    assert plain and all(m.endswith(".self_attn.g_proj") for m in plain)
+    assert all("row blocks for tensor parallel ranks" in why for why in plain.values())
+    raw = load_raw(out)
+    for m in plain:
+        assert raw[f"{m}.weight"].dtype == torch.int8 and f"{m}.{serve_spec.SUFFIX}" not in raw
+    assert any(k.endswith(f"self_attn.q_proj.{serve_spec.SUFFIX}") for k in raw)
+    assert int4pack.verify(out, against=FIXTURES / "ct_laguna_w4a16")["ok"]

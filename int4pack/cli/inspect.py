@@ -69,8 +69,15 @@ def _summary(o, r: dict) -> None:
             rt = moe.get("routing") or {}
             how = rt.get("kind", "?") + f", {rt.get('scoring')}" + (" + score bias" if rt.get("bias") else "") \
                 + (f", groups {rt['n_group']}/top {rt['topk_group']}" if rt.get("n_group") else "") \
-                + (f", top-{rt['top_k']}" if rt.get("top_k") else "") + (", renormalised" if rt.get("renormalize") else "")
+                + (f", top-{rt['top_k']}" if rt.get("top_k") else "") + (", renormalised" if rt.get("renormalize") else "") \
+                + (", per-expert scale" if rt.get("per_expert_scale") else "") \
+                + (", ids from the token-id hash table" if rt.get("hash_routed") else "") \
+                + (f", logits soft-capped at {rt['softcap']:g}" if rt.get("softcap") else "") \
+                + (f", x{rt['scale']:g}" if rt.get("scale") not in (None, 1.0) else "") \
+                + (f"; activation {(rt.get('activation') or {}).get('name')}" if rt.get("activation") else "")
             o.text(f"  family: {moe['family']} ({escape(moe.get('expert_naming') or '')}); routing {how}")
+            for g in rt.get("by_layer") or []:
+                o.text(f"    layers {','.join(map(str, g['layers']))}: {escape(g['routing'])}; {escape(g['activation'])}")
         o.text(f"  MoE: {len(moe['layers'])} layers x {'/'.join(map(str, exp))} experts, {shared} with shared "
                f"experts, {len(moe['routers'])} routers; roles {moe['roles']}")
         for why, n in (moe.get("kept") or {}).items():

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Optional
 
 import typer
 
+from ..architectures import layer_index
 from ..errors import EXIT_VERIFY
 from ._common import (
     DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, examples, library, make_output)
@@ -76,8 +76,8 @@ def verify_cmd(
 
 def _layer_index(layer: str) -> str:
     """model.layers.12.mlp -> 12 (the table's first column stays narrow)."""
-    m = re.search(r"\.layers\.(\d+)\.", f".{layer}.")
-    return m.group(1) if m else layer
+    i = layer_index(layer)
+    return str(i) if i >= 0 else layer
 
 
 def _render(o, r: dict) -> None:

@@ -16,6 +16,7 @@ FAMILY = Family(
     experts="feed_forward.experts.E.{gate,up,down}_proj + feed_forward.shared_expert.* "
             "(router feed_forward.router; dense feed_forward.* layers between MoE layers)",
     routing=LLAMA4,
+    shared_experts=1,
     qk_rotary=True,  # Llama4ForCausalLM.load_weights -> permute_qk_weight_for_rotary (0.19.1 and 0.32.0)
     routing_label="Llama4 (top-1 sigmoid)",
     text_config="text_config",

@@ -13,6 +13,9 @@ FAMILY = Family(
     experts="block_sparse_moe.experts.E.{w1,w3,w2} or (block_sparse_moe|mlp).experts.E.{gate,up,down}_proj",
     routing=SOFTMAX,
     renormalize_default=True,
+    # vLLM's mixtral.py builds FusedMoE(renormalize=True) and transformers' MixtralTopKRouter always
+    # divides by the top-k sum: a norm_topk_prob in the config changes nothing
+    renormalize=True,
     renames=(
         (r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.gate_proj(?=\.|$)", r".block_sparse_moe.experts.\1.w1"),
         (r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.up_proj(?=\.|$)", r".block_sparse_moe.experts.\1.w3"),

@@ -7,6 +7,6 @@ FAMILY = Family(
     model_types=("phimoe",),
     experts="block_sparse_moe.experts.E.{w1,w3,w2}",
     routing=CUSTOM,  # sparsemixer: vLLM's PhiMoE passes its own custom_routing_function
-    renormalize_default=True,
+    renormalize=False,  # phimoe.py: FusedMoE(renormalize=False); sparsemixer weights are its own
     serve={"0.19.1": "no: wrong routing (stock), refused (plugin)", "0.32.0": "no: wrong routing (stock), refused (plugin)"},
 )

@@ -35,6 +35,8 @@ QWEN3_NEXT = Family(
             "linear_attn.in_proj_qkvz/in_proj_ba/out_proj",
     routing=SOFTMAX,
     renormalize_default=True,
+    shared_experts=1,
+    shared_gate=True,  # sigmoid(shared_expert_gate(x)) scales the shared expert's output
     rmsnorm_offset=1.0,  # vLLM: GemmaRMSNorm as Qwen3NextRMSNorm / Qwen3_5RMSNorm: x * (1 + weight)
     kept=_KEPT,
     float_only=_FLOAT_ONLY,
@@ -43,12 +45,14 @@ QWEN3_NEXT = Family(
 )
 
 QWEN3_5_MOE = Family(
-    name="Qwen3.5 / Qwen3.6-MoE",
+    name="Qwen3.5 / 3.6 / 3.8-MoE",
     model_types=("qwen3_5_moe", "qwen3_5_moe_text"),
     experts="[model.language_model.]layers.N.mlp.experts.E.{gate,up,down}_proj + mlp.shared_expert.* + "
             "mlp.shared_expert_gate; linear_attn.in_proj_{qkv,z,b,a}/out_proj; mtp.layers.N.mlp.experts.E.*",
     routing=SOFTMAX,
     renormalize_default=True,
+    shared_experts=1,
+    shared_gate=True,  # sigmoid(shared_expert_gate(x)) scales the shared expert's output
     rmsnorm_offset=1.0,  # vLLM: GemmaRMSNorm as Qwen3NextRMSNorm / Qwen3_5RMSNorm: x * (1 + weight)
     text_config="text_config",
     prefixes=("model.language_model.", "model."),
@@ -58,7 +62,7 @@ QWEN3_5_MOE = Family(
     vllm_fused=_GDN,
     # measured under QEMU (docs/serving.md)
     serve={"0.19.1": _GDN_019, "0.32.0": "yes: both formats (text model and vision-language wrapper)"},
-    note="Qwen's own float checkpoints fuse the experts 3-D (mlp.experts.gate_up_proj [E, 2F, D]); int4 "
+    note="Qwen3.8 (512 experts, top-10) is this model type. Qwen's own float checkpoints fuse the experts 3-D (mlp.experts.gate_up_proj [E, 2F, D]); int4 "
          "repos written by llm-compressor, GPTQModel and AutoRound store them per expert.",
 )
 

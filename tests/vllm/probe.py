@@ -302,9 +302,11 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str, tp: int 
     if "vision_config" in cfg:  # token ids in, no images: the text model only (its multimodal processor
         # needs a tokenizer, which skip_tokenizer_init leaves out: multimodal/processing/processor.py:1047)
         par["language_model_only"] = res["engine_options"]["language_model_only"] = True
-    llm = LLM(model=model_dir, dtype=dtype, skip_tokenizer_init=True, max_model_len=128,
-              max_num_seqs=2, max_num_batched_tokens=128, max_logprobs=vocab, seed=0, **engine_options(pp), **par)
-    try:
+    llm = None
+    try:  # an engine that fails while it starts is torn down here too, not by the next model's start
+        llm = LLM(model=model_dir, dtype=dtype, skip_tokenizer_init=True, max_model_len=128,
+                  max_num_seqs=2, max_num_batched_tokens=128, max_logprobs=vocab, seed=0, **engine_options(pp),
+                  **par)
         res["init_s"] = round(time.perf_counter() - t, 1)
         cc = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
         res["compilation_mode"] = getattr(getattr(cc, "mode", None), "name", None)
@@ -339,7 +341,7 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str, tp: int 
         res["prompt_logprobs"] = [None if d is None else {int(k): float(v.logprob) for k, v in d.items()}
                                   for d in (o.prompt_logprobs or [])]
     finally:
-        del llm
+        llm = None
         _release()
     return res
 
@@ -357,6 +359,40 @@ def _release() -> None:
     gc.collect()
 
 
+def probe_inputs(items: list[str], prompt: list[int], max_tokens: int, dtype: str, tp: int = 1, pp: int = 1) -> int:
+    """Probe each MODEL_DIR=OUT_JSON in turn, writing its JSON; the number that failed. One failed
+    input never decides the next: the failure's traceback holds the half-started engine (its frames
+    reference it), so the frames are cleared and the engine torn down (``_release``) before the next
+    input starts; left to the garbage collector, its teardown would run in the middle of the next
+    model's engine and destroy that engine's process groups (vLLM: "pipeline model parallel group is
+    not initialized")."""
+    failed = 0
+    for item in items:
+        model_dir, _, out = item.partition("=")
+        if not out:
+            raise SystemExit(f"{item}: expected MODEL_DIR=OUT_JSON")
+        t0 = time.perf_counter()
+        R = {"machine": platform.machine(), "python": sys.version.split()[0], "qemu_cpu": os.environ.get("QEMU_CPU"),
+             "model_dir": model_dir, "dtype": dtype, "prompt": list(prompt)}
+        try:
+            R.update(run(model_dir, R["prompt"], max_tokens, dtype, tp, pp))
+        except BaseException as e:  # report the failure as data; the x86 side decides
+            R["error"] = f"{type(e).__name__}: {e}"[:2000]
+            R["traceback"] = traceback.format_exc()[-4000:]
+            R.update({k: _STATE[k] for k in ("vllm", "torch", "moe_op_schema", "import_vllm_s") if k in _STATE})
+            failed += 1
+            traceback.clear_frames(e.__traceback__)
+            del e
+            _release()
+        R["model_s"] = round(time.perf_counter() - t0, 1)
+        R["process_s"] = round(time.perf_counter() - T0, 1)
+        with open(out, "w") as f:
+            json.dump(R, f)
+        print("VLLM_ARM_PROBE", json.dumps({k: R.get(k) for k in ("model_dir", "error", "token_ids", "calls",
+                                                                   "init_s", "model_s")}), flush=True)
+    return failed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+", metavar="MODEL_DIR=OUT_JSON",
@@ -369,27 +405,8 @@ def main() -> None:
     a = ap.parse_args()
     for k, v in _ENV.items():
         os.environ.setdefault(k, v)
-    failed = 0
-    for item in a.models:
-        model_dir, _, out = item.partition("=")
-        if not out:
-            raise SystemExit(f"{item}: expected MODEL_DIR=OUT_JSON")
-        t0 = time.perf_counter()
-        R = {"machine": platform.machine(), "python": sys.version.split()[0], "qemu_cpu": os.environ.get("QEMU_CPU"),
-             "model_dir": model_dir, "dtype": a.dtype, "prompt": [int(x) for x in a.prompt.split(",") if x]}
-        try:
-            R.update(run(model_dir, R["prompt"], a.max_tokens, a.dtype, a.tensor_parallel, a.pipeline_parallel))
-        except BaseException as e:  # report the failure as data; the x86 side decides
-            R["error"] = f"{type(e).__name__}: {e}"[:2000]
-            R["traceback"] = traceback.format_exc()[-4000:]
-            R.update({k: _STATE[k] for k in ("vllm", "torch", "moe_op_schema", "import_vllm_s") if k in _STATE})
-            failed += 1
-        R["model_s"] = round(time.perf_counter() - t0, 1)
-        R["process_s"] = round(time.perf_counter() - T0, 1)
-        with open(out, "w") as f:
-            json.dump(R, f)
-        print("VLLM_ARM_PROBE", json.dumps({k: R.get(k) for k in ("model_dir", "error", "token_ids", "calls",
-                                                                   "init_s", "model_s")}), flush=True)
+    failed = probe_inputs(a.models, [int(x) for x in a.prompt.split(",") if x], a.max_tokens, a.dtype,
+                          a.tensor_parallel, a.pipeline_parallel)
     sys.stdout.flush()
     os._exit(1 if failed else 0)  # skip vLLM's slow interpreter teardown under emulation
 

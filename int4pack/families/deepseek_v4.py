@@ -1,0 +1,51 @@
+"""DeepSeek-V4 Flash / Pro (deepseek_v4).
+
+Read in transformers 5.23.0 models/deepseek_v4/ (modeling_deepseek_v4.py, configuration_deepseek_v4.py)
+and conversion_mapping.py ("deepseek_v4"):
+- DeepseekV4TopKRouter: ``scoring_func`` sqrtsoftplus (sqrt(softplus(logit))), the choice by scores +
+  ``e_score_correction_bias``, top ``num_experts_per_tok`` (6), weights the unbiased scores
+  renormalised, times ``routed_scaling_factor`` (1.5);
+- DeepseekV4HashRouter, for the layers ``mlp_layer_types`` names ``hash_moe`` (by default the first
+  3): the ids are ``gate.tid2eid[input_ids]`` ([vocab, top_k]), the weights as above (no bias);
+- DeepseekV4Experts._apply_gate: silu(clamp(gate, max=swiglu_limit)) * clamp(up, ±swiglu_limit), 10;
+- one shared expert (``mlp.shared_experts``, on disk ``ffn.shared_experts.w1/w2/w3``);
+- on disk the blocks are ``layers.N.ffn.experts.E.w1/w3/w2`` (FP4 in the release), ``ffn.gate.bias``
+  (the score bias) and ``ffn.gate.tid2eid``; transformers renames ``ffn`` to ``mlp``.
+vLLM 0.33.0 classifies the routing DeepseekV4, which CPUExpertsInt4 refuses; its model class has a
+``cpu/`` implementation (families-2026h2.md §3.1).
+"""
+
+from ..activation import Activation
+from ..routing import Routing
+from ._family import DEEPSEEK, Family, LayerMoE, mlp_type, num
+
+
+def _moe(tc: dict, layer: int) -> LayerMoE | None:
+    t = mlp_type(tc, layer)
+    if t == "dense":
+        return None
+    n_hash = num(tc, "num_hash_layers", default=3)
+    hashed = t == "hash_moe" or ("mlp_layer_types" not in tc and layer < int(n_hash))
+    k = int(num(tc, "num_experts_per_tok", default=6))
+    r = Routing(str(tc.get("scoring_func") or "sqrtsoftplus"), k, bool(tc.get("norm_topk_prob", True)),
+                bias=not hashed, hash_routed=hashed, scale=float(num(tc, "routed_scaling_factor", default=1.5)))
+    act = Activation("swiglu_clamp", limit=float(num(tc, "swiglu_limit", default=10.0)))
+    return LayerMoE(r, act, shared_experts=int(num(tc, "n_shared_experts", default=1)))
+
+
+FAMILY = Family(
+    name="DeepSeek-V4",
+    model_types=("deepseek_v4",),
+    experts="model.layers.N.(mlp|ffn).experts.E.{gate,up,down}_proj or .{w1,w3,w2} + shared_experts; "
+            "first layers hash-routed (gate.tid2eid)",
+    routing=DEEPSEEK,
+    routing_label="DeepseekV4 (sqrtsoftplus, score bias, renormalised, x1.5; hash layers); SwiGLU clamped at 10",
+    kept=((r"\.gate\.(?:e_score_correction_bias|bias)$", "router score bias: copied bit-exactly"),
+          (r"\.gate\.tid2eid$", "hash-routing table (token id -> experts): copied"),
+          (r"\.(?:attn_hc|ffn_hc|hc_head|hc_attn_|hc_ffn_)", "hyper-connection parameters: copied"),
+          (r"\.(?:compressor|indexer)\.", "sparse-attention compressor and indexer: not experts")),
+    moe=_moe,
+    serve={"0.19.1": "not run",
+           "0.32.0": "no: DeepseekV4 routing refused by CPUExpertsInt4; hash layers need input_ids"},
+    note="The release's experts are FP4 (E8M0 per-32 scales): an int4 copy is a requantisation.",
+)

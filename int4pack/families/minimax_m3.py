@@ -1,0 +1,49 @@
+"""MiniMax-M3 (minimax_m3_vl wrapper; text minimax_m3_vl_text in transformers 5.23.0, minimax_m3_text
+in vLLM's config).
+
+Read in transformers 5.23.0 models/minimax_m3_vl/ (modeling_minimax_m3_vl.py, configuration_minimax_m3_vl.py)
+and conversion_mapping.py ("minimax_m3_vl"):
+- MiniMaxM3VLTopKRouter: sigmoid scores, ``e_score_correction_bias`` for the choice only, top-k,
+  renormalised; MiniMaxM3VLSparseMoeBlock multiplies the routed output by ``routed_scaling_factor``
+  (2.0) and adds ``shared_experts``: vLLM's MiniMax2 routing type with a scale;
+- MiniMaxM3VLExperts._apply_gate: SwiGLU-OAI, ``swiglu_alpha`` 1.702, ``swiglu_limit`` 7, gate and up
+  the two halves of gate_up_proj (not interleaved);
+- ``mlp_layer_types`` (from ``moe_layer_freq``): the first 3 layers dense;
+- on disk the MoE block is ``language_model.model.layers.N.block_sparse_moe.{experts.E.w1/w3/w2, gate,
+  shared_experts, e_score_correction_bias}``; transformers v5 loads it as
+  ``model.language_model.layers.N.mlp.{experts.gate_up_proj/down_proj, gate, gate.e_score_correction_bias}``,
+  and llm-compressor writes its experts per expert in that naming (``mlp.experts.E.{gate,up,down}_proj``).
+  Both per-expert namings are read; names are written as they are read.
+"""
+
+from ..activation import Activation
+from ..routing import Routing
+from ._family import MINIMAX2, Family, LayerMoE, mlp_type, num
+
+
+def _moe(tc: dict, layer: int) -> LayerMoE | None:
+    if mlp_type(tc, layer, dense_first=0) == "dense":
+        return None
+    k = int(num(tc, "num_experts_per_tok", default=0))
+    r = Routing("sigmoid", k, True, bias=True, scale=float(num(tc, "routed_scaling_factor", default=2.0)))
+    act = Activation("swigluoai", alpha=float(num(tc, "swiglu_alpha", default=1.702)),
+                     limit=float(num(tc, "swiglu_limit", default=7.0)))
+    return LayerMoE(r, act, shared_experts=1)
+
+
+FAMILY = Family(
+    name="MiniMax-M3",
+    model_types=("minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3_text"),
+    experts="language_model.model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2} or "
+            "model.language_model.layers.N.mlp.experts.E.{gate,up,down}_proj, + shared_experts (first 3 layers dense)",
+    routing=MINIMAX2,
+    routing_label="MiniMax2 (sigmoid, score bias, renormalised, x2); SwiGLU-OAI 1.702 / 7",
+    text_config="text_config",
+    prefixes=("model.language_model.", "language_model.model.", "model."),
+    kept=((r"\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
+          (r"^(?:model\.)?(?:vision_tower|multi_modal_projector|patch_merge_mlp)\.", "vision tower and projector: not experts")),
+    moe=_moe,
+    activation=1,
+    serve={"0.19.1": "not run (plain softmax top-k in 0.19.1's select_experts: wrong routing)",
+           "0.32.0": "not run (stock CPUExpertsInt4 refuses MiniMax2 routing)"},
+)
