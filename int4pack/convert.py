@@ -13,6 +13,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -225,7 +226,7 @@ def convert(
         raise UsageError(f"--tensor-parallel {tensor_parallel}: must be at least 1")
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
-    with Checkpoint(folder) as ckpt:
+    with Checkpoint(folder) as ckpt, ExitStack() as held:
         plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
                          strict_group_size=strict_group_size)
         if packed and any(j.kind == "experts" for j in plan.jobs):
@@ -269,6 +270,7 @@ def convert(
         fp += "|vllm-names" if rename else ""
         had_partial = partial_folder(Path(out)).is_dir()
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
+        held.callback(od.release)  # the work folder's lock, however the run ends
         trusted = od.trusted_shards(names)
         sizes = {n: sum(t.nbytes for t in s) for n, s in zip(names, shards)}
         if resume:
