@@ -313,3 +313,50 @@ def test_resume_refuses_a_work_folder_of_another_user(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="belongs to another user"):
         int4pack.convert(FIXTURES / GROUP, tmp_path / "out", resume=True)
     assert (work / "progress.json").read_text() == "{}"
+
+
+# --------------------------------------------------------------------------------- a source that shrinks
+
+
+_SHRINK = """
+import os, sys
+import int4pack
+import int4pack.writer
+from int4pack.errors import Int4packError
+src, out, fmt = sys.argv[1:4]
+shards = sorted(p for p in os.listdir(src) if p.endswith(".safetensors"))
+def shrink(name):  # the first expert is computed from the mapped shards; then they shrink
+    if shards and ".experts." in name:
+        for s in shards:
+            p = os.path.join(src, s)
+            os.truncate(p, os.path.getsize(p) // 2)
+        shards.clear()
+SF = int4pack.writer.ShardFile
+write, write_batch = SF.write, SF.write_batch
+SF.write = lambda self, name, data: (shrink(name), write(self, name, data))[1]
+SF.write_batch = lambda self, entries, *a: (shrink(entries[0][0]), write_batch(self, entries, *a))[1]
+try:
+    int4pack.convert(src, out, serve_format=fmt, threads=1)
+except Int4packError as e:
+    print(f"exit {e.exit_code}: {e}")
+    sys.exit(e.exit_code)
+"""
+
+
+@pytest.mark.parametrize("fixture", ["gptq_q3_sym", GROUP, "awq_q3"])
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "kleidiai"])
+def test_a_source_shard_truncated_mid_run_is_a_clean_error(tmp_path, fixture, fmt):
+    """The shards are mapped; a mapped page past the end of a file that shrank is SIGBUS (exit 135,
+    no message) unless every mapped read checks the size first."""
+    import subprocess
+    import sys
+
+    if not (FIXTURES / fixture).is_dir():
+        pytest.skip(f"no fixture {fixture}")
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / fixture, src)
+    r = subprocess.run([sys.executable, "-c", _SHRINK, str(src), str(tmp_path / "out"), fmt],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert ".safetensors: truncated" in r.stdout and "Traceback" not in r.stderr, r.stdout
+    assert not (tmp_path / "out").exists()
