@@ -206,6 +206,25 @@ def test_plugin_loaders_refuse_same_size_corruptions(corpus, name):
     assert "int4pack-kleidiai" in msg and ("model.layers.0." in msg or "blob_checks" in msg), msg
 
 
+def test_plugin_refuses_a_packed_checkpoint_whose_checks_were_deleted(corpus, tmp_path, monkeypatch):
+    """Deleting blob_checks from config.json must not turn the byte check off: refused at load, unless
+    the one opt-out that names the risk is set; a flipped byte then goes through (that is the risk)."""
+    from int4pack.vllm_plugin import _layout
+
+    for case in ("packed", "packed_flip_byte"):
+        folder = tmp_path / case
+        shutil.copytree(corpus[1][case].folder if case != "packed" else corpus[0]["packed"], folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        del cfg["quantization_config"]["kleidiai"]["blob_checks"]
+        (folder / "config.json").write_text(json.dumps(cfg))
+        monkeypatch.delenv(_layout.ALLOW_UNCHECKED, raising=False)
+        with pytest.raises(ValueError, match="records no blob_checks.*INT4PACK_ALLOW_UNCHECKED_BLOBS=1"):
+            _load_like_vllm(folder)
+        monkeypatch.setenv(_layout.ALLOW_UNCHECKED, "1")
+        _load_like_vllm(folder)
+    assert "INT4PACK_ALLOW_UNCHECKED_BLOBS=1" in (Path(__file__).parents[1] / "docs" / "serve-format.md").read_text()
+
+
 def test_plugin_names_the_corrupted_tensor(corpus):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight_packed"):
         _load_like_vllm(corpus[1]["packed_flip_byte"].folder)
