@@ -11,6 +11,7 @@ import torch
 
 from . import _ext, kernels, verify_matmul
 from . import moe as moe_mod
+from .errors import InputError
 from .verify_pool import PerThread, parallel
 from .verify_source import Source, weights_vs_source
 from .verify_structure import Target
@@ -28,6 +29,12 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     res, sampled, x, ids, wts = (inputs[k] for k in ("res", "sampled", "x", "ids", "wts"))
     e_s = len(sampled)
     n_tok = x.shape[0]
+    for e in sampled:
+        lack = [r for r in ("gate", "up", "down") if r not in experts[e]]
+        if lack:
+            raise InputError(f"{prefix}: expert {e} has no W4A8 {'/'.join(lack)} projection (it has "
+                             f"{', '.join(sorted(experts[e].values()))})", tensor=f"{prefix}.experts.{e}",
+                             hint="The checkpoint lost a tensor; convert again.")
 
     use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None
     hidden = x.shape[1]

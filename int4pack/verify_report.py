@@ -65,7 +65,9 @@ def finish(report: dict, t0: float, clock: Clock, raise_on_failure: bool) -> dic
         if not st.get("ok", False):
             parts.append(f"{len(st.get('problems', []))} structural problem(s)")
         if not report.get("copies", {}).get("ok", True):
-            parts.append(f"{len(report['copies']['problems'])} tensor(s) not as copied from the source")
+            first = report["copies"]["problems"][0] if report["copies"]["problems"] else {}
+            parts.append(first["message"] if first.get("where") == "source" else
+                         f"{len(report['copies']['problems'])} tensor(s) not as copied from the source")
         if fails:
             names = [r.get("layer") or r.get("module") for r in fails]
             parts.append(f"{len(fails)} layer(s)/linear(s) out of tolerance ({', '.join(names[:3])}"

@@ -3,6 +3,8 @@ the tensors the output holds unchanged from it, and each module's weights agains
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -10,12 +12,12 @@ from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
 from .formats import open_reader
-from .plan import make_plan
+from .plan import DENSE_MODES, make_plan
 from .serve_spec import SUFFIX
 from .verify_structure import Target
 from .verify_tolerance import budget, rel
 
-__all__ = ["Source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
+__all__ = ["Source", "recorded_dense", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
 
 
 class Source:
@@ -24,8 +26,9 @@ class Source:
     It plans the source again instead of reading the output's report: the report is written by
     whoever wrote the output, so every budget and copy verify checks against comes from the source."""
 
-    def __init__(self, path, revision):
+    def __init__(self, path, revision, dense: str = "w4a8"):
         self.label = str(path)
+        self.dense = dense  # convert's --dense, as the output records it: the plan depends on it
         self.ckpt = Checkpoint(resolve_source(path, revision=revision))
         self.reader = open_reader(self.ckpt)
         # keyed by the output's module names (convert renames some families for vLLM)
@@ -36,7 +39,7 @@ class Source:
         self.copies: dict[str, str] = {}  # output tensor -> the source tensor it is a copy of
         self.kept_bf16: dict[str, str] = {}  # output module kept in bf16 -> source module
         try:
-            plan = make_plan(self.ckpt)
+            plan = make_plan(self.ckpt, dense=dense)
             self.paths = {ren.get(m, m): p for j in plan.jobs for m, p in j.paths.items()}
             tren = vllm_output_names(self.ckpt.model_type, [j.source for j in plan.jobs if j.kind == "copy"])
             for j in plan.jobs:
@@ -84,6 +87,19 @@ class Source:
         self.ckpt.close()
 
 
+def recorded_dense(ckpt: Checkpoint) -> str:
+    """The ``--dense`` an output was converted with, as its shards record it (``int4pack.target``);
+    the default where none says."""
+    for meta in ckpt.shard_metadata.values():
+        try:
+            got = json.loads(meta.get("int4pack.target") or "{}").get("dense")
+        except (ValueError, AttributeError):
+            continue
+        if got in DENSE_MODES:
+            return got
+    return "w4a8"
+
+
 def same_bytes(a: Checkpoint, an: str, b: Checkpoint, bn: str) -> str | None:
     """Why tensor an of a and bn of b differ (dtype, shape or bytes), or None."""
     ia, ib = a.tensors[an], b.tensors[bn]
@@ -108,6 +124,11 @@ def check_copies(t: Target, src: Source, clock) -> dict:
     if src.plan_error:
         problems.append({"where": "source", "message": f"the source's own plan fails ({src.plan_error}): "
                                                        "the copied tensors cannot be attributed"})
+        return {"ok": False, "checked": 0, "problems": problems}
+    other = _not_the_source(out, src.ckpt)
+    if other:
+        problems.append({"where": "source", "message": f"{src.label} is not the checkpoint this output was converted "
+                                                       f"from ({other}): pass that checkpoint to --against"})
         return {"ok": False, "checked": 0, "problems": problems}
     quant = set(t.modules)
     explained = set(src.copies)
@@ -155,6 +176,17 @@ def check_copies(t: Target, src: Source, clock) -> dict:
                 continue  # a module the source does not quantise: the numerical pass names it
             problems.append({"where": name, "message": "not in the source and not written by convert from it"})
     return {"ok": not problems, "checked": checked, "problems": problems}
+
+
+_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_experts", "num_local_experts",
+               "n_routed_experts", "moe_intermediate_size", "intermediate_size", "num_attention_heads")
+
+
+def _not_the_source(out: Checkpoint, src: Checkpoint) -> str | None:
+    """How the output's model config differs from the source's in what convert keeps, or None."""
+    a, b = out.text_config, src.text_config
+    diff = [f"{k} {a.get(k)!r} here, {b.get(k)!r} there" for k in _SHAPE_KEYS if a.get(k) != b.get(k)]
+    return "; ".join(diff[:3]) or None
 
 
 def bias_vs_source(t: Target, src: Source, m: str) -> list[str]:

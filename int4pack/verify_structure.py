@@ -187,7 +187,13 @@ class Target:
         if m in self.views:
             v = self.views[m]
             return v.hi - v.lo, self.ckpt.tensors[f"{v.stored}.weight"].shape[0]
-        return self.packed.shape(m) if self.packed else tuple(self.ckpt.tensors[f"{m}.weight"].shape)
+        if self.packed:
+            return self.packed.shape(m)
+        info = self.ckpt.tensors.get(f"{m}.weight")
+        if info is None:
+            raise InputError(f"{m}.weight: missing (its weight_scale is there)", tensor=f"{m}.weight",
+                             hint="The checkpoint lost a tensor; convert again.")
+        return tuple(info.shape)
 
     def stored_names(self, m: str) -> set[str]:
         """The output tensors module m's weight, scales and bias live in."""

@@ -379,3 +379,44 @@ def test_a_source_shard_truncated_mid_run_is_a_clean_error(tmp_path, fixture, fm
     assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-2000:])
     assert ".safetensors: truncated" in r.stdout and "Traceback" not in r.stderr, r.stdout
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------- missing tensors, other sources
+
+
+@pytest.mark.parametrize("kind,victim", [("plain", "model.layers.0.mlp.experts.0.down_proj.weight"),
+                                         ("packed", "model.layers.0.mlp.experts.0.down_proj.weight_packed"),
+                                         ("packed", "model.layers.0.mlp.experts.1.gate_proj.weight_packed")])
+@pytest.mark.parametrize("against", [False, True])
+def test_a_removed_tensor_is_named_not_an_internal_error(corpus, tmp_path, kind, victim, against):
+    from corrupt_corpus import reseal
+
+    f = tmp_path / kind
+    shutil.copytree(corpus[0][kind], f)
+    edit_tensors(f, lambda t, m: victim in t and t.pop(victim) is not None)
+    reseal(f)
+    args = ["verify", str(f), "--layers", "0,"] + (["--against", str(FIXTURES / GROUP)] if against else [])
+    for extra in ([], ["--json"]):
+        code, text = _run(*args, *extra)
+        assert code == 6 and "internal error" not in text and "Traceback" not in text, text
+        expert = victim.rsplit(".", 2)[0]  # model.layers.0.mlp.experts.N
+        assert expert in text, text
+
+
+def test_verify_against_another_model_says_so(corpus):
+    other = FIXTURES / "gptq_q3_sym"  # a Qwen3-MoE of other sizes
+    for extra in ([], ["--json"]):
+        code, text = _run("verify", str(corpus[0]["plain"]), "--against", str(other), "--layers", "0,", *extra)
+        assert code == 6 and "internal error" not in text, text
+        assert "is not the checkpoint this output was converted from" in text and "hidden_size" in text, text
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "kleidiai"])
+def test_a_dense_bf16_output_verifies_against_its_source(tmp_path, fmt):
+    """verify plans the source with the --dense the output records, not the default."""
+    out = tmp_path / "out"
+    int4pack.convert(FIXTURES / GROUP, out, dense="bf16", serve_format=fmt)
+    code, text = _run("verify", str(out), "--against", str(FIXTURES / GROUP))
+    assert code == 0, text
+    rep = int4pack.verify(out, FIXTURES / GROUP, layers="0,")
+    assert rep["copies"]["ok"] and rep["copies"]["checked"] > 0
