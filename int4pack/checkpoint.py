@@ -3,6 +3,10 @@
 Nothing here loads the model: headers are parsed (and checked) up front (safetensors_header.py),
 tensors are read one at a time through a read-only, copy-on-write mmap of their shard. The source
 folder (found by source_folder.py) is never written to.
+
+Long: the mappings, the positional reads and the size checks that keep a shrinking shard from
+killing the process (SIGBUS) share one per-shard state (descriptors, maps, header ends); split,
+each part would reach into the others.
 """
 
 from __future__ import annotations
@@ -75,8 +79,15 @@ _FAULT_AROUND = 1 << 21  # a fault maps resident pages around it: up to a whole 
 SOURCE_QUANT_FILES = {"quantize_config.json", "quant_config.json", "recipe.yaml"}
 
 
+# float dtype -> (unsigned view, exponent mask): a value is NaN or infinite when all its exponent bits are set
+_EXPONENT = {"BF16": ("uint16", 0x7F80), "F16": ("uint16", 0x7C00), "F32": ("uint32", 0x7F800000),
+             "F64": ("uint64", 0x7FF0000000000000)}
+
+
 class TensorBytes:
-    """One tensor's bytes, read in chunks when written (a copied embedding never sits in memory)."""
+    """One tensor's bytes, read in chunks when written (a copied embedding never sits in memory).
+    A float tensor's chunks are checked for NaN and infinity on the way: a copied router or norm
+    holding one would make every output of the model NaN, so it is named here, at convert."""
 
     CHUNK = 1 << 24
 
@@ -84,11 +95,28 @@ class TensorBytes:
         self.ckpt, self.name, self.nbytes = ckpt, name, nbytes
 
     def chunks(self):
+        import numpy as np  # here: a Checkpoint opened for its config and headers needs no numpy
+
         buf = bytearray(min(self.CHUNK, self.nbytes))
         mv = memoryview(buf)
+        exp = _EXPONENT.get(self.ckpt.tensors[self.name].dtype)
+        if exp is not None:
+            view, mask = np.dtype(exp[0]), exp[1]
+            bits = np.empty(len(buf) // view.itemsize, dtype=view)
         for off in range(0, self.nbytes, self.CHUNK):
             n = min(self.CHUNK, self.nbytes - off)
             self.ckpt.read_into(self.name, mv[:n], off)
+            if exp is not None:
+                x = np.frombuffer(mv[:n], dtype=view)
+                np.bitwise_and(x, mask, out=bits[: x.size])
+                hit = np.flatnonzero(bits[: x.size] == mask)
+                if hit.size:
+                    t = self.ckpt.tensors[self.name]
+                    raise InputError(f"tensor {self.name!r} ({t.file}) holds {hit.size} NaN or infinite value(s) "
+                                     f"(the first at element {off // view.itemsize + int(hit[0])})",
+                                     path=str(self.ckpt.folder / t.file), tensor=self.name,
+                                     hint="The source is damaged (no model computes with NaN weights); "
+                                          "download it again.")
             yield mv[:n]
 
 

@@ -15,7 +15,7 @@ from .errors import InputError
 from .verify_pool import PerThread, parallel
 from .verify_source import Source, weights_vs_source
 from .verify_structure import Target
-from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, rel, sum_sq
+from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, not_finite, rel, sum_sq
 from .w4a8 import dequantize_w4a8
 
 __all__ = ["check_layer"]
@@ -187,7 +187,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     act_pred = math.sqrt(float(act_var.sum())) / max(float(y_c.double().norm()), 1e-30)
     res.update(rel_l2=rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=cos(y_k, y_s),
                act_rel=act_rel, act_pred=act_pred, act_ratio=act_rel / act_pred if act_pred > 0 else None)
-    if act_rel > K_ACT * act_pred + ABS_FLOOR:
+    if not act_rel <= K_ACT * act_pred + ABS_FLOOR:
         res["problems"].append(f"activation-quantisation error {act_rel:.4g} exceeds {K_ACT} x its predicted "
                                f"{act_pred:.4g}: the kernel or the packed weights disagree with the int4 tensors")
     tol = K_ACT * act_pred
@@ -207,7 +207,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             wstats[e]["slots"] = int(mask.sum())
             if worst is None or we / max(pe, 1e-30) > worst[1]:
                 worst = (e, we / max(pe, 1e-30), we, pe)
-            if we > K_WEIGHT * pe + ABS_FLOOR:
+            if not we <= K_WEIGHT * pe + ABS_FLOOR:
                 res["problems"].append(
                     f"expert {e}: output on its {int(mask.sum())} routed token(s) deviates from the source by "
                     f"{we:.4g} (allowed {K_WEIGHT} x {pe:.4g} from the weight budgets)")
@@ -215,8 +215,9 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             res["worst_expert"] = {"expert": worst[0], "output_rel": worst[2], "output_pred": worst[3]}
         res["expert_stats"] = {str(e): s for e, s in wstats.items()}
     res["tolerance"] = tol
-    if res["rel_l2"] > tol + ABS_FLOOR:
+    if not res["rel_l2"] <= tol + ABS_FLOOR:
         res["problems"].append(f"layer output error {res['rel_l2']:.4g} exceeds the tolerance {tol:.4g}")
+    res["problems"] += not_finite(res)
     res["ok"] = not res["problems"]
     return res
 

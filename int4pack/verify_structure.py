@@ -23,6 +23,7 @@ from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, ROTARY, SUFFIX, is_row_paral
                          tensor_parallel_size)
 from .w4a8 import dequantize_w4a8
 from .verify_pool import PerThread
+from .verify_tolerance import MAX_SCALE
 from .verify_layout import check_config_index, check_layers, layer_index
 from .verify_scan import check_hashes, finish_scan, in_order, scan
 
@@ -401,12 +402,15 @@ def _check_values(m: str, wn: str, sn: str, q, s: torch.Tensor, problems: Proble
         problems.add(m, f"{wn}: values in [{lo}, {hi}], outside int4 [-8, 7]")
     # one reduction when all is well (a NaN makes both bounds NaN): the counts only for a problem
     lo_s, hi_s = (float(v) for v in torch.aminmax(s)) if s.numel() else (1.0, 1.0)
-    if lo_s > 0 and hi_s < math.inf:
+    if lo_s > 0 and hi_s <= MAX_SCALE:
         pass
     elif not bool(torch.isfinite(s).all()):
         problems.add(m, f"{sn}: {int((~torch.isfinite(s)).sum())} non-finite scale(s)")
     elif float(s.min()) <= 0:
         problems.add(m, f"{sn}: {int((s <= 0).sum())} scale(s) <= 0 (symmetric scales must be positive)")
+    else:
+        problems.add(m, f"{sn}: {int((s > MAX_SCALE).sum())} scale(s) above {MAX_SCALE:g} (largest {hi_s:.3g}): no "
+                        "model's weights are that large; the scales are damaged")
     counts["modules"] += 1
     counts["int_values"] += numel if q is None or isinstance(q, tuple) else q.numel()
 

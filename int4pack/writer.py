@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import shutil
+import struct
 import threading
 import time
 import zlib
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._lazy import torch, torch_loaded
-from .errors import OutputError
+from .errors import InputError, OutputError
+from .groups import MAX_SCALE
 from .plan import OutTensor
 from .workdir import partial_folder
 
@@ -49,6 +51,7 @@ __all__ = [
 ]
 
 PROGRESS = "progress.json"
+SCALE_SUFFIX = ".weight_scale"  # the default format's W4A8 scales: checked as they are written
 REPORT_NAME = "int4pack_report.json"  # what marks a folder as an int4pack output
 # test hook: INT4PACK_TEST_SLOW_WRITE_MS=N sleeps N ms before each tensor is written, so that a
 # test's SIGKILL lands mid-run on small fixtures (tests/test_resume.py); unset in normal use
@@ -201,6 +204,30 @@ def json_pieces(obj, depth: int = 2) -> Iterator[str]:
         yield json.dumps(obj, sort_keys=True)
 
 
+# a scale's dtype -> (its bits as unsigned ints, the sign bit cleared, the shift to float32's bits)
+_SCALE_VIEWS = {"BF16": ("<u2", 0x7FFF, 16), "F32": ("<u4", 0x7FFFFFFF, 0)}
+_SCALE_LIMIT = struct.unpack("<I", struct.pack("<f", MAX_SCALE))[0]  # non-negative floats order as their bits
+
+
+def check_scale_bytes(name: str, buf, dtype: str) -> None:
+    """Refuse W4A8 scales (a ``.weight_scale`` tensor's bytes, as written) that are NaN, infinite or
+    above ``MAX_SCALE``: they come from a damaged source value (a 3e38 scale) and would make the
+    output compute garbage. One pass over the scales' bits (1/16 of the int8 weight's bytes or less)."""
+    import numpy as np
+
+    view = _SCALE_VIEWS.get(dtype)
+    if view is None or not len(buf):
+        return
+    x = np.frombuffer(buf, dtype=view[0])
+    if (int((x & view[1]).max()) << view[2]) <= _SCALE_LIMIT:
+        return
+    f = (x.astype("<u4") << view[2]).view("<f4") if view[2] else x.view("<f4")
+    bad = ~(np.abs(f) <= MAX_SCALE)
+    raise InputError(f"{name}: {int(bad.sum())} scale(s) NaN, infinite or above {MAX_SCALE:g} (the first "
+                     f"{float(f[np.flatnonzero(bad)[0]]):.3g}): the source's scales or weights are damaged",
+                     tensor=name, hint="No model's weights are that large; download the source again.")
+
+
 def _disk_error(path: Path, e: OSError) -> OutputError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return OutputError(f"{path}: no space left on the device", path=str(path),
@@ -292,6 +319,8 @@ class ShardFile:
         got = len(buf) if buf is not None else data.nbytes
         if got != want.nbytes:
             raise OutputError(f"internal: {name} has {got} bytes, planned {want.nbytes}", tensor=name)
+        if buf is not None and name.endswith(SCALE_SUFFIX):
+            check_scale_bytes(name, buf, want.dtype)
         off = 8 + self.header_len + begin
         pieces = chunks if buf is None else (buf,)
         crc = 0
@@ -339,6 +368,8 @@ class ShardFile:
         spans: list[list[int]] = []  # [data offset, position in buf, bytes]
         for name, pos, _ in entries:
             t, begin = self.place(name)
+            if name.endswith(SCALE_SUFFIX):
+                check_scale_bytes(name, buf[pos: pos + t.nbytes], t.dtype)
             last = spans[-1] if spans else None
             if last is not None and last[0] + last[2] == begin and last[1] + last[2] == pos:
                 last[2] += t.nbytes

@@ -420,3 +420,68 @@ def test_a_dense_bf16_output_verifies_against_its_source(tmp_path, fmt):
     assert code == 0, text
     rep = int4pack.verify(out, FIXTURES / GROUP, layers="0,")
     assert rep["copies"]["ok"] and rep["copies"]["checked"] > 0
+
+
+# --------------------------------------------------------------------------------- NaN, infinity, absurd values
+
+ROUTER = "model.layers.0.mlp.gate.weight"
+SCALE0 = "model.layers.0.mlp.experts.0.gate_proj.weight_scale"
+
+
+def _source_with(tmp_path, edit) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / GROUP, src)
+    edit_tensors(src, edit)
+    return src
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_convert_names_a_non_finite_copied_tensor(tmp_path, value):
+    src = _source_with(tmp_path, lambda t, m: ROUTER in t and t[ROUTER].view(-1).__setitem__(5, value) is None)
+    for fmt in ("compressed-tensors", "kleidiai"):
+        code, text = _run("convert", str(src), str(tmp_path / fmt), "--serve-format", fmt)
+        assert code == 3 and ROUTER in text and "NaN or infinite" in text and "Traceback" not in text, text
+        assert not (tmp_path / fmt).exists()
+
+
+def test_convert_names_an_absurd_source_scale(tmp_path):
+    src = _source_with(tmp_path, lambda t, m: SCALE0 in t and t[SCALE0].view(-1).__setitem__(3, 3e38) is None)
+    code, text = _run("convert", str(src), str(tmp_path / "out"))
+    assert code == 3 and SCALE0 in text and "above 65536" in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists()
+
+
+def _flip_scale_exponent(t, meta) -> bool:
+    if SCALE0 not in t:
+        return False
+    bits = t[SCALE0].view(torch.int16).view(-1)
+    bits[3] ^= 0x4000  # the top exponent bit of a bf16 scale of ~0.01: ~2.7e36
+    return True
+
+
+def test_a_flipped_scale_exponent_fails_verify_without_a_report(corpus, tmp_path):
+    f = tmp_path / "plain"
+    shutil.copytree(corpus[0]["plain"], f)
+    edit_tensors(f, _flip_scale_exponent)
+    (f / "int4pack_report.json").unlink()
+    rep = int4pack.verify(f, layers="0,", raise_on_failure=False)
+    assert not rep["ok"] and "PASS" not in rep["verdict"]
+    assert any(p["where"] == SCALE0[: -len(".weight_scale")] and "above 65536" in p["message"]
+               for p in rep["structural"]["problems"]), rep["structural"]["problems"]
+
+
+def test_a_non_finite_figure_never_passes(corpus, tmp_path):
+    """A NaN router copied into the output (and into the source it is checked against): the layer's
+    figures are NaN or infinite, which must fail, never print PASS ... rel_l2 inf."""
+    nan_router = lambda t, m: ROUTER in t and t[ROUTER].view(-1).__setitem__(0, float("nan")) is None
+    src = _source_with(tmp_path, nan_router)
+    for kind in ("plain", "packed"):
+        f = tmp_path / kind
+        shutil.copytree(corpus[0][kind], f)
+        edit_tensors(f, nan_router)
+        (f / "int4pack_report.json").unlink()
+        for against in (None, src):
+            rep = int4pack.verify(f, against, layers="0,", raise_on_failure=False)
+            assert not rep["ok"] and rep["verdict"].startswith("FAIL"), (kind, against, rep["verdict"])
+            layer = next(L for L in rep["layers"] if L["layer"] == "model.layers.0.mlp")
+            assert any("non-finite" in p for p in layer["problems"]), layer["problems"]
