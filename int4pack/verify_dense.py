@@ -12,7 +12,7 @@ from . import moe as moe_mod
 from .errors import InputError
 from .groups import block
 from .serve_spec import rotary_rows
-from .verify_source import Source, bias_vs_source
+from .verify_source import Source, bias_vs_source, ints_vs_source, lossless_values
 from .verify_structure import Target
 from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, not_finite, rel, sum_sq
 from .w4a8 import dequantize_w4a8
@@ -78,6 +78,12 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
         bud, why = budget(m, w_s, g, report, src)
         if not meas <= bud:
             res["problems"].append(f"weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        with clock("compare"):  # a lossless linear's ints and scales, exactly (in the blob's row order)
+            want = lossless_values(src.read(m), g)
+            if want is not None and heads is not None:
+                want = tuple(rotary_rows(v, heads) for v in want)
+            res["exact_ints"] = want is not None
+            res["problems"] += ints_vs_source(m, (q, s), want)
         res["problems"] += bias_vs_source(t, src, m)
         with clock("reference"):
             y_s = x @ w_s.t()

@@ -108,8 +108,6 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 with clock("pack"):
                     w13p = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g)
                     w2p = moe_mod.pack_for_matmul(qd, sd, g)
-            if bufs is None:
-                del qs
             with clock("kernel"):
                 if w13q is not None:
                     kernel.expert_with(i, partial(verify_matmul.matmul, twin), w13q, w2q)
@@ -120,10 +118,18 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     del w13p, w2p
             del w13q, w2q
             if src is not None:
-                cw, sw, probs, st = weights_vs_source(t, src, slot, report, clock, cw)
+                if bufs is not None:
+                    ints = {"gate": (bufs.q13[:bufs.inter], bufs.s13[:bufs.inter]),
+                            "up": (bufs.q13[bufs.inter:], bufs.s13[bufs.inter:]), "down": (bufs.q2, bufs.s2)}
+                else:
+                    ints = {r: qs[r][:2] for r in slot}
+                cw, sw, probs, st = weights_vs_source(t, src, slot, report, clock, cw, ints)
+                del ints
                 out["problems"] = [f"expert {e}: {p}" for p in probs]
                 out["stats"] = st
                 wv = [st[r]["budget"] ** 2 * sum_sq(sw[r]) / sw[r].numel() for r in ("gate", "up", "down")]
+            if bufs is None:
+                del qs
             with clock("reference"):  # moe.expert_forward's operations, its y13 and act kept for the prediction
                 if from_int4:  # and the squared weight sums on the way
                     y13 = vk.w4a8_reference(xe.float().contiguous(), bufs.q13, bufs.s13, row_sq=bufs.sq13)

@@ -12,12 +12,14 @@ from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
 from .formats import open_reader
+from .groups import block, check_group_size
+from .scale_search import out_scale_dtype
 from .plan import DENSE_MODES, make_plan
 from .serve_spec import SUFFIX
 from .verify_structure import Target
 from .verify_tolerance import budget, rel
 
-__all__ = ["Source", "recorded_dense", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
+__all__ = ["Source", "recorded_dense", "lossless_values", "ints_vs_source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
 
 
 class Source:
@@ -217,10 +219,58 @@ def _bias_matches(got: torch.Tensor, want: torch.Tensor, perm: torch.Tensor | No
                (got.dtype == w.dtype or got.dtype == torch.float32) for w in cands)
 
 
-def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, clock, conv=None):
+def lossless_values(ql, g: int, cols: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+    """(int4 values int8 [N, K], scales) that a lossless conversion of the source record ``ql`` at
+    target group ``g`` writes: ``codes - 8`` and the source scales cast to the W4A8 dtype, with the
+    act-order fold's permutation applied (``cols`` of a down projection, ``rows`` of its gate and
+    up); None where the module is not lossless from its source (asymmetric, a target group across
+    source groups, no int4 codes). The rule of w4a8.lossless_possible, on the permuted record."""
+    if ql.codes is None or not ql.is_symmetric():
+        return None
+    k = ql.spec.k
+    g = -1 if g == k else g
+    if check_group_size(g, k) is not None:
+        return None
+    gi, codes, scales = ql.group_index(), ql.codes, ql.scales
+    if gi.numel() != k:
+        return None
+    if cols is not None:
+        codes, gi = codes[:, cols], gi[cols]
+    if rows is not None:
+        codes, scales = codes[rows], scales[rows]
+    gs = block(k, g)
+    blocks = gi.view(k // gs, gs)
+    if not bool((blocks == blocks[:, :1]).all()):
+        return None
+    return (codes.to(torch.int8) - 8), scales[:, blocks[:, 0]].to(out_scale_dtype(g))
+
+
+def ints_vs_source(m: str, got: tuple, want: tuple | None) -> list[str]:
+    """A lossless module's int4 values and scales as read (``got``) against what its source gives
+    (``lossless_values``): equal, or a problem naming the first difference. A changed int is found
+    whatever the report says and however small its float error."""
+    if want is None:
+        return []
+    out = []
+    for what, a, b in (("int4 value", got[0], want[0]), ("scale", got[1], want[1])):
+        a = a.reshape(b.shape) if a.numel() == b.numel() else a
+        if a.shape != b.shape:
+            out.append(f"{m}: {what}s shaped {list(a.shape)}, its source gives {list(b.shape)}")
+            continue
+        same = a.to(b.dtype) == b if a.dtype != b.dtype else a == b
+        if not bool(same.all()):
+            r, c = (int(v) for v in (~same).nonzero()[0])
+            out.append(f"{m}: lossless from the source, but {int((~same).sum())} {what}(s) differ from the "
+                       f"source's (the first at row {r}, column {c}: {a[r, c].item():g} here, {b[r, c].item():g} "
+                       "there)")
+    return out
+
+
+def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, clock, conv=None, ints=None):
     """Source float weights aligned with the converted ones (undoing an act-order fold), per-module
-    measured rel_l2 and budget. mods: role -> module name of one MLP; conv: their converted float
-    weights, when already read."""
+    measured rel_l2 and budget, and a lossless module's ints and scales compared exactly. mods:
+    role -> module name of one MLP; conv: their converted float weights, when already read; ints:
+    role -> their (int4 values, scales) as read."""
     with clock("read"):
         conv = conv or {r: t.dequant(m) for r, m in mods.items()}
         srcw = {r: src.dequant(m) for r, m in mods.items()}
@@ -230,6 +280,8 @@ def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, cloc
         alt = {"gate": srcw["gate"][perm], "up": srcw["up"][perm], "down": srcw["down"][:, perm]}
         if rel(conv["down"], alt["down"]) < rel(conv["down"], srcw["down"]):
             srcw = alt
+        else:
+            perm = None
     stats, problems = {}, []
     for r, m in mods.items():
         g = t.group_for(m)
@@ -238,5 +290,11 @@ def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, cloc
         stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why}
         if not meas <= bud:
             problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        if ints is not None and r in ints:
+            with clock("compare"):
+                want = lossless_values(src.read(m), g, perm if r == "down" else None,
+                                       perm if r in ("gate", "up") else None)
+                stats[r]["exact_ints"] = want is not None
+                problems += ints_vs_source(m, ints[r], want)
         problems += bias_vs_source(t, src, m)
     return conv, srcw, problems, stats

@@ -485,3 +485,91 @@ def test_a_non_finite_figure_never_passes(corpus, tmp_path):
             assert not rep["ok"] and rep["verdict"].startswith("FAIL"), (kind, against, rep["verdict"])
             layer = next(L for L in rep["layers"] if L["layer"] == "model.layers.0.mlp")
             assert any("non-finite" in p for p in layer["problems"]), layer["problems"]
+
+
+# --------------------------------------------------------------------------------- lossless ints, exactly
+
+
+def _bump(q: torch.Tensor, at: int) -> None:
+    """One int4 value moved by one step (staying in [-8, 7])."""
+    flat = q.view(-1)
+    flat[at] = flat[at] + 1 if int(flat[at]) < 7 else flat[at] - 1
+
+
+def _one_int_plain(name: str):
+    def edit(t, meta):
+        if name not in t:
+            return False
+        _bump(t[name], 37)
+        return True
+    return edit
+
+
+def _one_int_packed(name: str):
+    """One int4 value of a blob changed, repacked with honest provenance (a consistent forgery)."""
+    from corrupt_corpus import _provenance, _set_prov
+    from int4pack import kleidiai, serve_spec
+
+    def edit(t, meta):
+        if name not in t:
+            return False
+        ents = _provenance(meta)
+        p = ents[name]["packed"]
+        n, k, g = p["n"], p["k"], p["group_size"]
+        blk = k if g in (-1, k) else g
+        q, s, b = kleidiai.unpack(t[name], n, k, blk, bool(p.get("bias")), check=False)
+        q = q.clone()
+        _bump(q, 37)
+        t[name] = kleidiai.pack_portable(q.contiguous(), s, b, blk, threads=1)
+        ents[name]["packed"] = {**serve_spec.provenance(q, s, b, g, t[name])}
+        _set_prov(meta, ents)
+        return True
+    return edit
+
+
+LOSSLESS_CASES = [  # (fixture, module): an expert's projections, a dense linear, a folded act-order down
+    (GROUP, "model.layers.0.mlp.experts.2.up_proj"),
+    (GROUP, "model.layers.0.self_attn.o_proj"),
+    (CHANNEL, "model.layers.0.mlp.experts.1.down_proj"),
+    ("gptq_q3_sym", "model.layers.1.mlp.experts.3.gate_proj"),
+    ("gptq_q3_descact", "model.layers.0.mlp.experts.0.down_proj"),
+]
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "kleidiai"])
+@pytest.mark.parametrize("fixture,module", LOSSLESS_CASES)
+def test_one_changed_int_of_a_lossless_module_fails_verify_against(tmp_path, fmt, fixture, module):
+    """With no report to tighten the budget, the float error of one changed int is far inside the
+    lossless budget (2^-8): only comparing the ints with the source's finds it."""
+    from corrupt_corpus import _sync_checks
+
+    out = tmp_path / "out"
+    int4pack.convert(FIXTURES / fixture, out, serve_format=fmt)
+    rep = int4pack.verify(out, FIXTURES / fixture, layers=f"{module.split('.')[2]},")
+    assert rep["ok"], rep["verdict"]
+    packed = fmt == "kleidiai"
+    edit_tensors(out, _one_int_packed(f"{module}.{SUFFIX}") if packed else _one_int_plain(f"{module}.weight"))
+    if packed:
+        _sync_checks(out)
+    (out / "int4pack_report.json").unlink()
+    rep = int4pack.verify(out, FIXTURES / fixture, layers=f"{module.split('.')[2]},", raise_on_failure=False)
+    assert not rep["ok"], rep["verdict"]
+    found = [p for r in rep["layers"] + rep["dense"] for p in r["problems"]]
+    assert any(f"{module}: lossless from the source, but 1 int4 value(s) differ" in p for p in found), found
+
+
+def test_a_changed_scale_of_a_lossless_module_fails_verify_against(corpus, tmp_path):
+    """A scale 16x off (one low exponent bit) in a lossless module: its scales must equal the source's cast."""
+    f = tmp_path / "plain"
+    shutil.copytree(corpus[0]["plain"], f)
+
+    def edit(t, meta):
+        if SCALE0 not in t:
+            return False
+        t[SCALE0].view(torch.int16).view(-1)[3] ^= 0x0200  # the exponent's 3rd bit: x16 or /16
+        return True
+    edit_tensors(f, edit)
+    (f / "int4pack_report.json").unlink()
+    rep = int4pack.verify(f, FIXTURES / GROUP, layers="0,", raise_on_failure=False)
+    found = [p for r in rep["layers"] for p in r["problems"]]
+    assert not rep["ok"] and any("1 scale(s) differ from the source's" in p for p in found), found
