@@ -34,7 +34,8 @@ from .target_config import output_config
 from .vllm_compat import next_step, routing_warnings, serving_warnings
 from .workdir import check_space, partial_folder
 from .workers import job_workers
-from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
+from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, copy_checksums, digest_kind, shard_names,
+                     tensor_crc)
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
     from .w4a8 import W4A8Linear
@@ -477,7 +478,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             fut.result()
         for shard in sorted(trusted):
             why = (f"tensor {mismatched[shard]} differs" if shard in mismatched else
-                   _kept_header_problem(od.work / shard, meta, kept_results.get(shard, {})))
+                   _kept_header_problem(od.work / shard, meta, copy_checksums(
+                       kept_results.get(shard, {}), od.kept_crcs[shard], kept_kind[shard])))
             if why:
                 od.drop_shard(shard)
                 raise OutputError(f"{od.work / shard}: kept from an interrupted run, but it does not hold what the "

@@ -25,7 +25,7 @@ from .w4a8 import dequantize_w4a8
 from .verify_pool import PerThread
 from .verify_tolerance import MAX_SCALE
 from .verify_layout import check_config_index, check_layers, layer_index
-from .verify_scan import check_hashes, finish_scan, in_order, scan
+from .verify_scan import check_copy_checksums, check_hashes, finish_scan, in_order, scan
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
@@ -464,7 +464,8 @@ def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
     # every byte read once: the checksums and int8 ranges from the numerical pass's reads (taps)
     # and the scan of the rest; a module the numerical pass checked where it read it is not
     # checked again (the others read their small tensors, or blobs from the page cache)
-    digests, t.ranges = finish_scan(ckpt, pool, scanned or scan(ckpt, report, pool), getattr(ckpt, "taps", {}))
+    scanned = scanned or scan(ckpt, report, pool)
+    digests, t.ranges = finish_scan(ckpt, pool, scanned, getattr(ckpt, "taps", {}))
     report_problems = problems.items[problems_before:]
     del problems.items[problems_before:]
     for items, c in in_order(pool, _module_check, [(t, m, checked or {}) for m in t.modules]):
@@ -475,5 +476,6 @@ def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
     check_config_index(t, problems)
     problems.items += report_problems  # listed where they always were: after the module checks
     check_hashes(ckpt, problems, report, digests)
+    check_copy_checksums(ckpt, problems, scanned)
     return t, problems, counts, report
 

@@ -48,6 +48,7 @@ __all__ = [
     "CHECKSUM_KEYS",
     "to_bytes",
     "PAGE",
+    "copy_checksums",
 ]
 
 PROGRESS = "progress.json"
@@ -491,7 +492,8 @@ class ShardFile:
         """Write the final header (with per-tensor results), fsync, rename. Returns checksums."""
         if not self.complete():
             raise OutputError(f"internal: {self.path.name} finished with {len(self.crc)}/{len(self.tensors)} tensors")
-        meta = {**self.meta, "int4pack.tensors": json.dumps(results, sort_keys=True, separators=(",", ":"))}
+        meta = {**self.meta, "int4pack.tensors": json.dumps(copy_checksums(results, self.crc, self.digest_kind),
+                                                             sort_keys=True, separators=(",", ":"))}
         raw = _header_raw(self._planned, meta)
         if len(raw) > self.header_len:
             raise OutputError(f"internal: shard header grew past its reserved {self.header_len} bytes")
@@ -583,6 +585,14 @@ def digest_kind(digest: str | None = None) -> str:
 
         return "crc32c" if kernels.ext() is not None else "crc32"
     return "crc32c" if str(digest).startswith("crc32c:") else "crc32"
+
+
+def copy_checksums(results: dict[str, dict], crcs: dict[str, int], kind: str) -> dict[str, dict]:
+    """A shard's per-tensor header entries with each copied tensor's own CRC added (``{kind: hex}``):
+    a copied tensor (a router, a norm) has no other record of its bytes in the shard, so one
+    changed in place would pass a verify without the report (or with a resealed one)."""
+    return {name: {**ent, kind: f"{crcs[name]:08x}"} if ent.get("path") == "copy" and name in crcs else ent
+            for name, ent in results.items()}
 
 
 def _data_digest(crcs, kind: str) -> str:

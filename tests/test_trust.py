@@ -573,3 +573,23 @@ def test_a_changed_scale_of_a_lossless_module_fails_verify_against(corpus, tmp_p
     rep = int4pack.verify(f, FIXTURES / GROUP, layers="0,", raise_on_failure=False)
     found = [p for r in rep["layers"] for p in r["problems"]]
     assert not rep["ok"] and any("1 scale(s) differ from the source's" in p for p in found), found
+
+
+@pytest.mark.parametrize("kind", ["plain", "packed"])
+@pytest.mark.parametrize("report", ["deleted", "resealed"])
+def test_a_copied_tensor_changed_in_place_fails_plain_verify(corpus, tmp_path, kind, report):
+    """Copied tensors carry a CRC of their own in their shard header: a negated router fails
+    verify without --against, with the report gone or its shard checksums recomputed."""
+    from corrupt_corpus import reseal
+
+    f = tmp_path / kind
+    shutil.copytree(corpus[0][kind], f)
+    edit_tensors(f, lambda t, m: ROUTER in t and bool(t[ROUTER].mul_(-1).numel()))
+    if report == "deleted":
+        (f / "int4pack_report.json").unlink()
+    else:
+        reseal(f)
+    rep = int4pack.verify(f, layers="0,", raise_on_failure=False)
+    assert not rep["ok"], rep["verdict"]
+    assert any(p["where"] == ROUTER and "changed after convert" in p["message"]
+               for p in rep["structural"]["problems"]), rep["structural"]["problems"]
