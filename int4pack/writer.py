@@ -845,10 +845,10 @@ def _lock(work: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return fd  # a file system without flock (some network mounts): the run goes on unlocked
             holder = _holder(fd)
             os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise _disk_error(path, e) from e
             raise OutputError(f"{work.parent / work.name[1:].removesuffix('.int4pack-partial')}: another int4pack "
                               f"run ({holder}) is writing this output in {work}", path=str(work),
                               hint="Wait for it to finish (or stop it), then run again.") from None
