@@ -34,8 +34,8 @@ from .target_config import output_config
 from .vllm_compat import next_step, routing_warnings, serving_warnings
 from .workdir import check_space, partial_folder
 from .workers import job_workers
-from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, copy_checksums, digest_kind, shard_names,
-                     tensor_crc)
+from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, copy_checksums,
+                     digest_kind, shard_names, tensor_crc)
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
     from .w4a8 import W4A8Linear
@@ -392,6 +392,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     def per_job(job: Job) -> tuple[list, dict]:
         tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
         if pack is not None:
+            check_scale_tensors(tensors)  # the writer's scale check, before the scales go into blobs
             tensors = pack(job, tensors, job_stats)
         return tensors, job_stats
 

@@ -229,6 +229,16 @@ def check_scale_bytes(name: str, buf, dtype: str) -> None:
                      tensor=name, hint="No model's weights are that large; download the source again.")
 
 
+def check_scale_tensors(tensors) -> None:
+    """``check_scale_bytes`` of a job's W4A8 scales among its (name, tensor) pairs, before they are
+    packed into blobs (where the writer does not see them)."""
+    for name, data in tensors:
+        if name.endswith(SCALE_SUFFIX) and torch_loaded() and isinstance(data, torch.Tensor):
+            from .checkpoint import DTYPE_NAMES
+
+            check_scale_bytes(name, to_bytes(data), DTYPE_NAMES.get(data.dtype))
+
+
 def _disk_error(path: Path, e: OSError) -> OutputError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return OutputError(f"{path}: no space left on the device", path=str(path),

@@ -446,9 +446,10 @@ def test_convert_names_a_non_finite_copied_tensor(tmp_path, value):
 
 def test_convert_names_an_absurd_source_scale(tmp_path):
     src = _source_with(tmp_path, lambda t, m: SCALE0 in t and t[SCALE0].view(-1).__setitem__(3, 3e38) is None)
-    code, text = _run("convert", str(src), str(tmp_path / "out"))
-    assert code == 3 and SCALE0 in text and "above 65536" in text and "Traceback" not in text, text
-    assert not (tmp_path / "out").exists()
+    for fmt in ("compressed-tensors", "kleidiai"):
+        code, text = _run("convert", str(src), str(tmp_path / fmt), "--serve-format", fmt)
+        assert code == 3 and SCALE0 in text and "above 65536" in text and "Traceback" not in text, text
+        assert not (tmp_path / fmt).exists()
 
 
 def _flip_scale_exponent(t, meta) -> bool:
