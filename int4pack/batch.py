@@ -34,7 +34,7 @@ from .errors import OutputError
 from .groups import block, normalize_group, scale_dtype
 from .plan import Job
 from .records import Packing
-from .writer import PAGE, BufferPool, to_bytes
+from .writer import PAGE, BufferPool, check_scale_bytes, to_bytes
 
 # kernels, kleidiai and numpy: imported when the work starts, not with convert (none imports torch)
 # (a dry run plans without them)
@@ -297,6 +297,10 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
         extents = b.extents()
     for lo, hi in extents:
         ckpt.populate(b.source, lo, hi)
+    if packed:  # the scales go into blobs unseen by the writer's check: the source's, before the C++ reads them
+        for job in b.jobs:
+            sc = plan.reader.in_place(job.specs[0])[2]
+            check_scale_bytes(sc.name, ckpt.raw(sc.name), sc.dtype)
     requant = b.kind == "requant"
     try:
         if requant:

@@ -3,6 +3,10 @@
 Nothing here loads the model: headers are parsed (and checked) up front (safetensors_header.py),
 tensors are read one at a time through a read-only, copy-on-write mmap of their shard. The source
 folder (found by source_folder.py) is never written to.
+
+Long: the mappings, the positional reads and the size checks that keep a shrinking shard from
+killing the process (SIGBUS) share one per-shard state (descriptors, maps, header ends); split,
+each part would reach into the others.
 """
 
 from __future__ import annotations
@@ -75,8 +79,15 @@ _FAULT_AROUND = 1 << 21  # a fault maps resident pages around it: up to a whole 
 SOURCE_QUANT_FILES = {"quantize_config.json", "quant_config.json", "quantization_config.json", "recipe.yaml"}
 
 
+# float dtype -> (unsigned view, exponent mask): a value is NaN or infinite when all its exponent bits are set
+_EXPONENT = {"BF16": ("uint16", 0x7F80), "F16": ("uint16", 0x7C00), "F32": ("uint32", 0x7F800000),
+             "F64": ("uint64", 0x7FF0000000000000)}
+
+
 class TensorBytes:
-    """One tensor's bytes, read in chunks when written (a copied embedding never sits in memory)."""
+    """One tensor's bytes, read in chunks when written (a copied embedding never sits in memory).
+    A float tensor's chunks are checked for NaN and infinity on the way: a copied router or norm
+    holding one would make every output of the model NaN, so it is named here, at convert."""
 
     CHUNK = 1 << 24
 
@@ -84,11 +95,28 @@ class TensorBytes:
         self.ckpt, self.name, self.nbytes = ckpt, name, nbytes
 
     def chunks(self):
+        import numpy as np  # here: a Checkpoint opened for its config and headers needs no numpy
+
         buf = bytearray(min(self.CHUNK, self.nbytes))
         mv = memoryview(buf)
+        exp = _EXPONENT.get(self.ckpt.tensors[self.name].dtype)
+        if exp is not None:
+            view, mask = np.dtype(exp[0]), exp[1]
+            bits = np.empty(len(buf) // view.itemsize, dtype=view)
         for off in range(0, self.nbytes, self.CHUNK):
             n = min(self.CHUNK, self.nbytes - off)
             self.ckpt.read_into(self.name, mv[:n], off)
+            if exp is not None:
+                x = np.frombuffer(mv[:n], dtype=view)
+                np.bitwise_and(x, mask, out=bits[: x.size])
+                hit = np.flatnonzero(bits[: x.size] == mask)
+                if hit.size:
+                    t = self.ckpt.tensors[self.name]
+                    raise InputError(f"tensor {self.name!r} ({t.file}) holds {hit.size} NaN or infinite value(s) "
+                                     f"(the first at element {off // view.itemsize + int(hit[0])})",
+                                     path=str(self.ckpt.folder / t.file), tensor=self.name,
+                                     hint="The source is damaged (no model computes with NaN weights); "
+                                          "download it again.")
             yield mv[:n]
 
 
@@ -170,6 +198,7 @@ class Checkpoint:
         # one read-only descriptor per shard for the positional reads: an open and close per
         # small tensor (scales, zeros, g_idx: three a module) would cost more than the read
         self._fds: dict[str, int] = {}
+        self._ends: dict[str, int] = {}  # shard -> the end of its last tensor (_shard_end)
         self._fds_lock = threading.Lock()
         self._maps_lock = threading.Lock()
         weakref.finalize(self, _close_fds, self._fds)  # a Checkpoint dropped without close()
@@ -279,6 +308,10 @@ class Checkpoint:
                         m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
                 except (OSError, ValueError) as e:
                     raise InputError(f"{shard}: cannot map the file ({e})", path=str(path)) from e
+                if len(m) < self._shard_end(shard):
+                    size = len(m)
+                    m.close()
+                    raise self._truncated(shard, size, self._shard_end(shard))
                 self._addrs[shard] = _map_address(m)
                 self._maps[shard] = m
         return m
@@ -294,11 +327,30 @@ class Checkpoint:
         if _MADVISE(addr + off, length, advice) != 0:
             raise OSError(ctypes.get_errno(), "madvise failed")
 
+    def _check_size(self, shard: str, end: int, name: str | None = None) -> None:
+        """Refuse to touch mapped bytes below ``end`` of a shard that no longer has them: a read of a
+        mapped page past the end of a file that shrank kills the process with SIGBUS. One fstat
+        (about a microsecond) before each mapped read."""
+        try:
+            size = os.fstat(self._fd(shard)).st_size
+        except OSError as e:
+            raise InputError(f"{shard}: cannot read ({e.strerror})", path=str(self.folder / shard)) from e
+        if size < end:
+            raise self._truncated(shard, size, end, name)
+
+    def _truncated(self, shard: str, size: int, end: int, name: str | None = None) -> InputError:
+        what = f" while reading {name!r}" if name else ""
+        return InputError(f"{shard}: truncated{what}: the file is {size} bytes now, its header needs {end}",
+                          path=str(self.folder / shard), tensor=name,
+                          hint="The shard changed or shrank while int4pack read it (another process writing "
+                               "it, or a full disk); download it again.")
+
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes, zero-copy."""
         t = self.info(name)
         m = self._map(t.file)
         self._mapped.add(name)
+        self._check_size(t.file, t.end, name)
         if t.end > len(m):
             raise InputError(f"{t.file}: truncated while reading {name!r}", path=str(self.folder / t.file),
                              tensor=name, hint="The shard changed or is truncated; download it again.")
@@ -385,10 +437,18 @@ class Checkpoint:
         """(address, length) of a shard's read-only mapping, for C++ that reads tensors in place
         (convert's lossless batch); the address is None where the mapping gives none."""
         m = self._map(shard)
+        self._check_size(shard, self._shard_end(shard))
         return self._addrs.get(shard), len(m)
+
+    def _shard_end(self, shard: str) -> int:
+        """The end of the last tensor of a shard, as its header says."""
+        if shard not in self._ends:
+            self._ends[shard] = max((t.end for t in self.tensors.values() if t.file == shard), default=0)
+        return self._ends[shard]
 
     def populate(self, shard: str, begin: int, end: int) -> None:
         """Map the pages of bytes [begin, end) of a shard in one call (what ``view`` does per tensor)."""
+        self._check_size(shard, end)
         lo = begin - begin % mmap.PAGESIZE
         for advice in (_MADV_POPULATE_READ, mmap.MADV_WILLNEED):
             try:

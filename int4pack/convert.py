@@ -13,6 +13,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +34,8 @@ from .target_config import output_config
 from .vllm_compat import next_step, routing_warnings, serving_warnings
 from .workdir import check_space, partial_folder
 from .workers import job_workers
-from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
+from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, copy_checksums,
+                     digest_kind, shard_names, tensor_crc)
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
     from .w4a8 import W4A8Linear
@@ -225,7 +227,7 @@ def convert(
         raise UsageError(f"--tensor-parallel {tensor_parallel}: must be at least 1")
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
-    with Checkpoint(folder) as ckpt:
+    with Checkpoint(folder) as ckpt, ExitStack() as held:
         plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
                          strict_group_size=strict_group_size)
         if packed and any(j.kind == "experts" for j in plan.jobs):
@@ -271,6 +273,7 @@ def convert(
         fp += "|vllm-names" if rename else ""
         had_partial = partial_folder(Path(out)).is_dir()
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
+        held.callback(od.release)  # the work folder's lock, however the run ends
         trusted = od.trusted_shards(names)
         sizes = {n: sum(t.nbytes for t in s) for n, s in zip(names, shards)}
         if resume:
@@ -394,6 +397,7 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
     def per_job(job: Job) -> tuple[list, dict]:
         tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
         if pack is not None:
+            check_scale_tensors(tensors)  # the writer's scale check, before the scales go into blobs
             tensors = pack(job, tensors, job_stats)
         return tensors, job_stats
 
@@ -480,7 +484,8 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
             fut.result()
         for shard in sorted(trusted):
             why = (f"tensor {mismatched[shard]} differs" if shard in mismatched else
-                   _kept_header_problem(od.work / shard, meta, kept_results.get(shard, {})))
+                   _kept_header_problem(od.work / shard, meta, copy_checksums(
+                       kept_results.get(shard, {}), od.kept_crcs[shard], kept_kind[shard])))
             if why:
                 od.drop_shard(shard)
                 raise OutputError(f"{od.work / shard}: kept from an interrupted run, but it does not hold what the "

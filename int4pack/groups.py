@@ -35,6 +35,11 @@ def nests(source_group: int, k: int, group_size: int) -> bool:
     return source_group >= k or (source_group > 0 and source_group % block(k, group_size) == 0)
 
 
+# no W4A8 scale above 2^16 (fp16's largest value, 65504, in bf16): GPTQ and AWQ store fp16 scales,
+# and a weight of 7 x 65536 is no model's; a flipped exponent bit of a bf16 scale lands far above it
+MAX_SCALE = 65536.0
+
+
 def scale_dtype(group_size: int) -> str:
     """The W4A8 scales' dtype: float32 for channelwise, bfloat16 for groups (what KleidiAI takes)."""
     return "float32" if group_size == CHANNEL else "bfloat16"

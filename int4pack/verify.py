@@ -41,7 +41,7 @@ from .verify_layers import missing, parse_layers, select_layers
 from .verify_moe import check_layer
 from .verify_pool import Clock, PerThread, parallel, shutting, timed, torch_threads
 from .verify_report import finish, kernel_info, trust_notes
-from .verify_source import Source, check_copies
+from .verify_source import Source, check_copies, recorded_dense
 from .verify_scan import Tapped, scan, shard_kinds
 from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
 from .verify_tolerance import K_ACT, K_WEIGHT, LOSSLESS_BOUND, REL_MARGIN
@@ -138,7 +138,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         n_procs = min(workers, len(chosen) + len(dense_mods)) \
             if draws is not None and use_processes(processes, workers, len(chosen)) else 0
         report["workers"] = {"kind": "processes" if n_procs else "threads", "count": n_procs or workers}
-        src = Source(against, revision) if against is not None and draws is not None else None
+        src = Source(against, revision, recorded_dense(ckpt)) if against is not None and draws is not None else None
         try:  # the worker processes fork here, before this verify starts any thread
             procs = start_workers(te, n_procs, src) if n_procs else None
         except BaseException:

@@ -12,9 +12,9 @@ from . import moe as moe_mod
 from .errors import InputError
 from .groups import block
 from .serve_spec import rotary_rows
-from .verify_source import Source, bias_vs_source
+from .verify_source import Source, bias_vs_source, ints_vs_source, lossless_values
 from .verify_structure import Target
-from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, rel, sum_sq
+from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, not_finite, rel, sum_sq
 from .w4a8 import dequantize_w4a8
 
 __all__ = ["check_linear"]
@@ -63,7 +63,7 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
     act_pred = math.sqrt(float(step2.sum()) * w_sq) / max(float(y_c.double().norm()), 1e-30)
     act_rel = rel(y_k, y_c)
     res.update(act_rel=act_rel, act_pred=act_pred, act_ratio=act_rel / act_pred if act_pred else None)
-    if act_rel > K_ACT * act_pred + ABS_FLOOR:
+    if not act_rel <= K_ACT * act_pred + ABS_FLOOR:
         res["problems"].append(
             f"activation-quantisation error {act_rel:.4g} exceeds {K_ACT} x predicted {act_pred:.4g}")
     tol = K_ACT * act_pred
@@ -78,6 +78,12 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
         bud, why = budget(m, w_s, g, report, src)
         if not meas <= bud:
             res["problems"].append(f"weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        with clock("compare"):  # a lossless linear's ints and scales, exactly (in the blob's row order)
+            want = lossless_values(src.read(m), g)
+            if want is not None and heads is not None:
+                want = tuple(rotary_rows(v, heads) for v in want)
+            res["exact_ints"] = want is not None
+            res["problems"] += ints_vs_source(m, (q, s), want)
         res["problems"] += bias_vs_source(t, src, m)
         with clock("reference"):
             y_s = x @ w_s.t()
@@ -86,11 +92,12 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
         w_rel = rel(y_c, y_s)
         res.update(weight_rel=w_rel, weight_pred=w_pred, weight_l2=meas, budget=bud)
         tol = math.hypot(K_ACT * act_pred, K_WEIGHT * w_pred)
-        if w_rel > K_WEIGHT * w_pred + ABS_FLOOR:
+        if not w_rel <= K_WEIGHT * w_pred + ABS_FLOOR:
             res["problems"].append(
                 f"output deviates from the source by {w_rel:.4g} (allowed {K_WEIGHT} x {w_pred:.4g})")
     res.update(rel_l2=rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=cos(y_k, y_s), tolerance=tol)
-    if res["rel_l2"] > tol + ABS_FLOOR:
+    if not res["rel_l2"] <= tol + ABS_FLOOR:
         res["problems"].append(f"output error {res['rel_l2']:.4g} exceeds the tolerance {tol:.4g}")
+    res["problems"] += not_finite(res)
     res["ok"] = not res["problems"]
     return res

@@ -11,10 +11,11 @@ import torch
 
 from . import _ext, kernels, verify_matmul
 from . import moe as moe_mod
+from .errors import InputError
 from .verify_pool import PerThread, parallel
 from .verify_source import Source, weights_vs_source
 from .verify_structure import Target
-from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, rel, sum_sq
+from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, not_finite, rel, sum_sq
 from .w4a8 import dequantize_w4a8
 
 __all__ = ["check_layer"]
@@ -28,6 +29,12 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     res, sampled, x, ids, wts = (inputs[k] for k in ("res", "sampled", "x", "ids", "wts"))
     e_s = len(sampled)
     n_tok = x.shape[0]
+    for e in sampled:
+        lack = [r for r in ("gate", "up", "down") if r not in experts[e]]
+        if lack:
+            raise InputError(f"{prefix}: expert {e} has no W4A8 {'/'.join(lack)} projection (it has "
+                             f"{', '.join(sorted(experts[e].values()))})", tensor=f"{prefix}.experts.{e}",
+                             hint="The checkpoint lost a tensor; convert again.")
 
     use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None
     hidden = x.shape[1]
@@ -101,8 +108,6 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 with clock("pack"):
                     w13p = moe_mod.pack_for_matmul(torch.cat([qg, qu]), torch.cat([sg, su]), g)
                     w2p = moe_mod.pack_for_matmul(qd, sd, g)
-            if bufs is None:
-                del qs
             with clock("kernel"):
                 if w13q is not None:
                     kernel.expert_with(i, partial(verify_matmul.matmul, twin), w13q, w2q)
@@ -113,10 +118,18 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     del w13p, w2p
             del w13q, w2q
             if src is not None:
-                cw, sw, probs, st = weights_vs_source(t, src, slot, report, clock, cw)
+                if bufs is not None:
+                    ints = {"gate": (bufs.q13[:bufs.inter], bufs.s13[:bufs.inter]),
+                            "up": (bufs.q13[bufs.inter:], bufs.s13[bufs.inter:]), "down": (bufs.q2, bufs.s2)}
+                else:
+                    ints = {r: qs[r][:2] for r in slot}
+                cw, sw, probs, st = weights_vs_source(t, src, slot, report, clock, cw, ints)
+                del ints
                 out["problems"] = [f"expert {e}: {p}" for p in probs]
                 out["stats"] = st
                 wv = [st[r]["budget"] ** 2 * sum_sq(sw[r]) / sw[r].numel() for r in ("gate", "up", "down")]
+            if bufs is None:
+                del qs
             with clock("reference"):  # moe.expert_forward's operations, its y13 and act kept for the prediction
                 if from_int4:  # and the squared weight sums on the way
                     y13 = vk.w4a8_reference(xe.float().contiguous(), bufs.q13, bufs.s13, row_sq=bufs.sq13)
@@ -181,7 +194,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     act_pred = math.sqrt(float(act_var.sum())) / max(float(y_c.double().norm()), 1e-30)
     res.update(rel_l2=rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=cos(y_k, y_s),
                act_rel=act_rel, act_pred=act_pred, act_ratio=act_rel / act_pred if act_pred > 0 else None)
-    if act_rel > K_ACT * act_pred + ABS_FLOOR:
+    if not act_rel <= K_ACT * act_pred + ABS_FLOOR:
         res["problems"].append(f"activation-quantisation error {act_rel:.4g} exceeds {K_ACT} x its predicted "
                                f"{act_pred:.4g}: the kernel or the packed weights disagree with the int4 tensors")
     tol = K_ACT * act_pred
@@ -201,7 +214,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             wstats[e]["slots"] = int(mask.sum())
             if worst is None or we / max(pe, 1e-30) > worst[1]:
                 worst = (e, we / max(pe, 1e-30), we, pe)
-            if we > K_WEIGHT * pe + ABS_FLOOR:
+            if not we <= K_WEIGHT * pe + ABS_FLOOR:
                 res["problems"].append(
                     f"expert {e}: output on its {int(mask.sum())} routed token(s) deviates from the source by "
                     f"{we:.4g} (allowed {K_WEIGHT} x {pe:.4g} from the weight budgets)")
@@ -209,8 +222,9 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             res["worst_expert"] = {"expert": worst[0], "output_rel": worst[2], "output_pred": worst[3]}
         res["expert_stats"] = {str(e): s for e, s in wstats.items()}
     res["tolerance"] = tol
-    if res["rel_l2"] > tol + ABS_FLOOR:
+    if not res["rel_l2"] <= tol + ABS_FLOOR:
         res["problems"].append(f"layer output error {res['rel_l2']:.4g} exceeds the tolerance {tol:.4g}")
+    res["problems"] += not_finite(res)
     res["ok"] = not res["problems"]
     return res
 

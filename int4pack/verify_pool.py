@@ -29,7 +29,7 @@ class Clock:
     """Seconds per stage, summed over the threads that ran it (so their sum can exceed the wall time)."""
 
     def __init__(self):
-        self.s = {"reference": 0.0, "kernel": 0.0, "pack": 0.0, "read": 0.0, "prediction": 0.0}
+        self.s = {"reference": 0.0, "kernel": 0.0, "pack": 0.0, "read": 0.0, "prediction": 0.0, "compare": 0.0}
         self._lock = threading.Lock()
 
     @contextmanager

@@ -36,8 +36,9 @@ def trust_notes(t: Target, counts: dict, conv_report: dict | None, against: bool
         notes.append("each blob is checked against the provenance in its own shard header (CRCs of the values "
                      "it was packed from) and repacked byte for byte")
         if BLOB_CHECKS not in t.packed.record:
-            notes.append(f"the layout record has no {BLOB_CHECKS} (written by an older int4pack): the vLLM "
-                         "plugin serves these blobs unchecked; convert again to have them checked at load")
+            notes.append(f"the layout record has no {BLOB_CHECKS} (written by an older int4pack, or deleted): the "
+                         "vLLM plugin refuses it unless INT4PACK_ALLOW_UNCHECKED_BLOBS=1; convert again to have "
+                         "its blobs checked at load")
     return notes
 
 
@@ -64,7 +65,9 @@ def finish(report: dict, t0: float, clock: Clock, raise_on_failure: bool) -> dic
         if not st.get("ok", False):
             parts.append(f"{len(st.get('problems', []))} structural problem(s)")
         if not report.get("copies", {}).get("ok", True):
-            parts.append(f"{len(report['copies']['problems'])} tensor(s) not as copied from the source")
+            first = report["copies"]["problems"][0] if report["copies"]["problems"] else {}
+            parts.append(first["message"] if first.get("where") == "source" else
+                         f"{len(report['copies']['problems'])} tensor(s) not as copied from the source")
         if fails:
             names = [r.get("layer") or r.get("module") for r in fails]
             parts.append(f"{len(fails)} layer(s)/linear(s) out of tolerance ({', '.join(names[:3])}"

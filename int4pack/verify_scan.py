@@ -16,9 +16,9 @@ import torch
 
 from . import _ext
 from .checkpoint import Checkpoint
-from .writer import _CHECKSUMS, _data_digest, digest_kind, hash_shard
+from .writer import _CHECKSUMS, _data_digest, digest_kind, hash_shard, tensor_crc
 
-__all__ = ["Tapped", "shard_kinds", "scan", "finish_scan", "check_hashes", "in_order"]
+__all__ = ["Tapped", "shard_kinds", "scan", "finish_scan", "check_hashes", "check_copy_checksums", "in_order"]
 
 _PART_BYTES = 256 << 20  # one task of the shard scan
 _READ_BYTES = 16 << 20
@@ -73,9 +73,42 @@ def shard_kinds(ckpt: Checkpoint, report: dict | None) -> dict[str, str]:
     out = {}
     for shard in {info.file for info in ckpt.tensors.values()}:
         rec = recs.get(shard)
-        out[shard] = digest_kind(rec.get("data_digest") if isinstance(rec, dict)
-                                 and isinstance(rec.get("data_digest"), str) else None)
+        got = rec.get("data_digest") if isinstance(rec, dict) and isinstance(rec.get("data_digest"), str) else None
+        # without a report, the kind the shard's own copied-tensor checksums name (one read serves both)
+        out[shard] = digest_kind(got) if got is not None else next(
+            (k for _, k, _ in _copy_checksums(ckpt, shard)), None) or digest_kind(None)
     return out
+
+
+def _copy_checksums(ckpt: Checkpoint, shard: str) -> list[tuple[str, str, str]]:
+    """(tensor, checksum kind, hex) of each copied tensor whose CRC the shard's header records."""
+    try:
+        ents = json.loads((ckpt.shard_metadata.get(shard) or {}).get("int4pack.tensors") or "{}")
+    except ValueError:
+        return []  # a packed shard's provenance problem, named by its blob checks
+    out = []
+    for name, ent in ents.items() if isinstance(ents, dict) else ():
+        if isinstance(ent, dict) and ent.get("path") == "copy":
+            kind = next((k for k in _CHECKSUMS if isinstance(ent.get(k), str)), None)
+            if kind is not None:
+                out.append((name, kind, ent[kind]))
+    return out
+
+
+def check_copy_checksums(ckpt: Checkpoint, problems, scanned: dict) -> None:
+    """Each copied tensor's bytes (as the scan read them) against the CRC its shard header records:
+    a router or norm changed in place is found without the report, and through a resealed one."""
+    for shard, (_, _, kind) in scanned["layout"].items():
+        for name, ck, want in _copy_checksums(ckpt, shard):
+            info = ckpt.tensors.get(name)
+            if info is None or info.file != shard:
+                continue  # a tensor the index does not put here: the layout checks name it
+            got = scanned["crcs"].get((shard, name)) if ck == kind else None
+            if got is None:  # read in another kind (or not at all): read it again, of the header's kind
+                got = tensor_crc(bytes(ckpt.read_bytes(name)), ck)
+            if f"{got:08x}" != want:
+                problems.add(name, f"bytes differ from the checksum its shard header records ({ck} {want}, "
+                                   f"read {got:08x}): this copied tensor was changed after convert")
 
 
 def _shard_layout(path: Path) -> tuple[int, list[tuple[tuple[int, int], str, str]]] | None:

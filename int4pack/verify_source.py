@@ -3,6 +3,8 @@ the tensors the output holds unchanged from it, and each module's weights agains
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import torch
 
@@ -10,12 +12,14 @@ from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
 from .errors import InputError, Int4packError
 from .formats import open_reader
-from .plan import make_plan
+from .groups import block, check_group_size
+from .scale_search import out_scale_dtype
+from .plan import DENSE_MODES, make_plan
 from .serve_spec import SUFFIX
 from .verify_structure import Target
 from .verify_tolerance import budget, rel
 
-__all__ = ["Source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
+__all__ = ["Source", "recorded_dense", "lossless_values", "ints_vs_source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
 
 
 class Source:
@@ -24,8 +28,9 @@ class Source:
     It plans the source again instead of reading the output's report: the report is written by
     whoever wrote the output, so every budget and copy verify checks against comes from the source."""
 
-    def __init__(self, path, revision):
+    def __init__(self, path, revision, dense: str = "w4a8"):
         self.label = str(path)
+        self.dense = dense  # convert's --dense, as the output records it: the plan depends on it
         self.ckpt = Checkpoint(resolve_source(path, revision=revision))
         self.reader = open_reader(self.ckpt)
         # keyed by the output's module names (convert renames some families for vLLM)
@@ -36,7 +41,7 @@ class Source:
         self.copies: dict[str, str] = {}  # output tensor -> the source tensor it is a copy of
         self.kept_bf16: dict[str, str] = {}  # output module kept in bf16 -> source module
         try:
-            plan = make_plan(self.ckpt)
+            plan = make_plan(self.ckpt, dense=dense)
             self.paths = {ren.get(m, m): p for j in plan.jobs for m, p in j.paths.items()}
             tren = vllm_output_names(self.ckpt.model_type, [j.source for j in plan.jobs if j.kind == "copy"])
             for j in plan.jobs:
@@ -84,6 +89,19 @@ class Source:
         self.ckpt.close()
 
 
+def recorded_dense(ckpt: Checkpoint) -> str:
+    """The ``--dense`` an output was converted with, as its shards record it (``int4pack.target``);
+    the default where none says."""
+    for meta in ckpt.shard_metadata.values():
+        try:
+            got = json.loads(meta.get("int4pack.target") or "{}").get("dense")
+        except (ValueError, AttributeError):
+            continue
+        if got in DENSE_MODES:
+            return got
+    return "w4a8"
+
+
 def same_bytes(a: Checkpoint, an: str, b: Checkpoint, bn: str) -> str | None:
     """Why tensor an of a and bn of b differ (dtype, shape or bytes), or None."""
     ia, ib = a.tensors[an], b.tensors[bn]
@@ -108,6 +126,11 @@ def check_copies(t: Target, src: Source, clock) -> dict:
     if src.plan_error:
         problems.append({"where": "source", "message": f"the source's own plan fails ({src.plan_error}): "
                                                        "the copied tensors cannot be attributed"})
+        return {"ok": False, "checked": 0, "problems": problems}
+    other = _not_the_source(out, src.ckpt)
+    if other:
+        problems.append({"where": "source", "message": f"{src.label} is not the checkpoint this output was converted "
+                                                       f"from ({other}): pass that checkpoint to --against"})
         return {"ok": False, "checked": 0, "problems": problems}
     quant = set(t.modules)
     explained = set(src.copies)
@@ -162,6 +185,17 @@ def check_copies(t: Target, src: Source, clock) -> dict:
     return {"ok": not problems, "checked": checked, "problems": problems}
 
 
+_SHAPE_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "num_experts", "num_local_experts",
+               "n_routed_experts", "moe_intermediate_size", "intermediate_size", "num_attention_heads")
+
+
+def _not_the_source(out: Checkpoint, src: Checkpoint) -> str | None:
+    """How the output's model config differs from the source's in what convert keeps, or None."""
+    a, b = out.text_config, src.text_config
+    diff = [f"{k} {a.get(k)!r} here, {b.get(k)!r} there" for k in _SHAPE_KEYS if a.get(k) != b.get(k)]
+    return "; ".join(diff[:3]) or None
+
+
 def bias_vs_source(t: Target, src: Source, m: str) -> list[str]:
     """A packed blob's bias (inside the blob) against the source module's."""
     if not t.is_blob(m):
@@ -190,10 +224,58 @@ def _bias_matches(got: torch.Tensor, want: torch.Tensor, perm: torch.Tensor | No
                (got.dtype == w.dtype or got.dtype == torch.float32) for w in cands)
 
 
-def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, clock, conv=None):
+def lossless_values(ql, g: int, cols: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+    """(int4 values int8 [N, K], scales) that a lossless conversion of the source record ``ql`` at
+    target group ``g`` writes: ``codes - 8`` and the source scales cast to the W4A8 dtype, with the
+    act-order fold's permutation applied (``cols`` of a down projection, ``rows`` of its gate and
+    up); None where the module is not lossless from its source (asymmetric, a target group across
+    source groups, no int4 codes). The rule of w4a8.lossless_possible, on the permuted record."""
+    if ql.codes is None or not ql.is_symmetric():
+        return None
+    k = ql.spec.k
+    g = -1 if g == k else g
+    if check_group_size(g, k) is not None:
+        return None
+    gi, codes, scales = ql.group_index(), ql.codes, ql.scales
+    if gi.numel() != k:
+        return None
+    if cols is not None:
+        codes, gi = codes[:, cols], gi[cols]
+    if rows is not None:
+        codes, scales = codes[rows], scales[rows]
+    gs = block(k, g)
+    blocks = gi.view(k // gs, gs)
+    if not bool((blocks == blocks[:, :1]).all()):
+        return None
+    return (codes.to(torch.int8) - 8), scales[:, blocks[:, 0]].to(out_scale_dtype(g))
+
+
+def ints_vs_source(m: str, got: tuple, want: tuple | None) -> list[str]:
+    """A lossless module's int4 values and scales as read (``got``) against what its source gives
+    (``lossless_values``): equal, or a problem naming the first difference. A changed int is found
+    whatever the report says and however small its float error."""
+    if want is None:
+        return []
+    out = []
+    for what, a, b in (("int4 value", got[0], want[0]), ("scale", got[1], want[1])):
+        a = a.reshape(b.shape) if a.numel() == b.numel() else a
+        if a.shape != b.shape:
+            out.append(f"{m}: {what}s shaped {list(a.shape)}, its source gives {list(b.shape)}")
+            continue
+        same = a.to(b.dtype) == b if a.dtype != b.dtype else a == b
+        if not bool(same.all()):
+            r, c = (int(v) for v in (~same).nonzero()[0])
+            out.append(f"{m}: lossless from the source, but {int((~same).sum())} {what}(s) differ from the "
+                       f"source's (the first at row {r}, column {c}: {a[r, c].item():g} here, {b[r, c].item():g} "
+                       "there)")
+    return out
+
+
+def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, clock, conv=None, ints=None):
     """Source float weights aligned with the converted ones (undoing an act-order fold), per-module
-    measured rel_l2 and budget. mods: role -> module name of one MLP; conv: their converted float
-    weights, when already read."""
+    measured rel_l2 and budget, and a lossless module's ints and scales compared exactly. mods:
+    role -> module name of one MLP; conv: their converted float weights, when already read; ints:
+    role -> their (int4 values, scales) as read."""
     with clock("read"):
         conv = conv or {r: t.dequant(m) for r, m in mods.items()}
         srcw = {r: src.dequant(m) for r, m in mods.items()}
@@ -203,6 +285,8 @@ def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, cloc
         alt = {"gate": srcw["gate"][perm], "up": srcw["up"][perm], "down": srcw["down"][:, perm]}
         if rel(conv["down"], alt["down"]) < rel(conv["down"], srcw["down"]):
             srcw = alt
+        else:
+            perm = None
     stats, problems = {}, []
     for r, m in mods.items():
         g = t.group_for(m)
@@ -211,5 +295,11 @@ def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, cloc
         stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why}
         if not meas <= bud:
             problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        if ints is not None and r in ints:
+            with clock("compare"):
+                want = lossless_values(src.read(m), g, perm if r == "down" else None,
+                                       perm if r in ("gate", "up") else None)
+                stats[r]["exact_ints"] = want is not None
+                problems += ints_vs_source(m, ints[r], want)
         problems += bias_vs_source(t, src, m)
     return conv, srcw, problems, stats

@@ -23,8 +23,9 @@ from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, ROTARY, SUFFIX, is_row_paral
                          tensor_parallel_size)
 from .w4a8 import dequantize_w4a8
 from .verify_pool import PerThread
+from .verify_tolerance import MAX_SCALE
 from .verify_layout import check_config_index, check_layers, layer_index
-from .verify_scan import check_hashes, finish_scan, in_order, scan
+from .verify_scan import check_copy_checksums, check_hashes, finish_scan, in_order, scan
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
@@ -194,7 +195,13 @@ class Target:
         if m in self.views:
             v = self.views[m]
             return v.hi - v.lo, self.ckpt.tensors[f"{v.stored}.weight"].shape[0]
-        return self.packed.shape(m) if self.is_blob(m) else tuple(self.ckpt.tensors[f"{m}.weight"].shape)
+        if self.is_blob(m):
+            return self.packed.shape(m)
+        info = self.ckpt.tensors.get(f"{m}.weight")
+        if info is None:
+            raise InputError(f"{m}.weight: missing (its weight_scale is there)", tensor=f"{m}.weight",
+                             hint="The checkpoint lost a tensor; convert again.")
+        return tuple(info.shape)
 
     def stored_names(self, m: str) -> set[str]:
         """The output tensors module m's weight, scales and bias live in."""
@@ -402,12 +409,15 @@ def _check_values(m: str, wn: str, sn: str, q, s: torch.Tensor, problems: Proble
         problems.add(m, f"{wn}: values in [{lo}, {hi}], outside int4 [-8, 7]")
     # one reduction when all is well (a NaN makes both bounds NaN): the counts only for a problem
     lo_s, hi_s = (float(v) for v in torch.aminmax(s)) if s.numel() else (1.0, 1.0)
-    if lo_s > 0 and hi_s < math.inf:
+    if lo_s > 0 and hi_s <= MAX_SCALE:
         pass
     elif not bool(torch.isfinite(s).all()):
         problems.add(m, f"{sn}: {int((~torch.isfinite(s)).sum())} non-finite scale(s)")
     elif float(s.min()) <= 0:
         problems.add(m, f"{sn}: {int((s <= 0).sum())} scale(s) <= 0 (symmetric scales must be positive)")
+    else:
+        problems.add(m, f"{sn}: {int((s > MAX_SCALE).sum())} scale(s) above {MAX_SCALE:g} (largest {hi_s:.3g}): no "
+                        "model's weights are that large; the scales are damaged")
     counts["modules"] += 1
     counts["int_values"] += numel if q is None or isinstance(q, tuple) else q.numel()
 
@@ -461,7 +471,8 @@ def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
     # every byte read once: the checksums and int8 ranges from the numerical pass's reads (taps)
     # and the scan of the rest; a module the numerical pass checked where it read it is not
     # checked again (the others read their small tensors, or blobs from the page cache)
-    digests, t.ranges = finish_scan(ckpt, pool, scanned or scan(ckpt, report, pool), getattr(ckpt, "taps", {}))
+    scanned = scanned or scan(ckpt, report, pool)
+    digests, t.ranges = finish_scan(ckpt, pool, scanned, getattr(ckpt, "taps", {}))
     report_problems = problems.items[problems_before:]
     del problems.items[problems_before:]
     for items, c in in_order(pool, _module_check, [(t, m, checked or {}) for m in t.modules]):
@@ -472,5 +483,6 @@ def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
     check_config_index(t, problems)
     problems.items += report_problems  # listed where they always were: after the module checks
     check_hashes(ckpt, problems, report, digests)
+    check_copy_checksums(ckpt, problems, scanned)
     return t, problems, counts, report
 

@@ -12,10 +12,11 @@ import math
 
 import torch
 
-from .groups import block
+from .groups import MAX_SCALE, block
 
 __all__ = ["K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN", "MAX_BUDGET", "ABS_FLOOR", "rel", "cos", "rtn_rel",
-           "report_figure", "budget", "sum_sq"]
+           "report_figure", "budget", "sum_sq", "MAX_SCALE",
+           "not_finite"]
 
 K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
 K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
@@ -23,6 +24,16 @@ LOSSLESS_BOUND = 2.0**-8  # bf16 rounding of a scale: relative error <= 2^-8 per
 REL_MARGIN = 1e-3  # report values carry 6 digits; float32 vs float64 sums differ by ~1e-6
 MAX_BUDGET = 0.35  # no module may be further than this from its source (int4 RTN is ~0.1 on real layers)
 ABS_FLOOR = 1e-6
+_FIGURES = ("rel_l2", "max_abs", "cosine", "act_rel", "act_pred", "weight_rel", "weight_pred", "weight_l2", "budget",
+            "tolerance")
+
+
+def not_finite(res: dict) -> list[str]:
+    """A problem for each figure of a check that is NaN or infinite: such a figure compares with
+    nothing (every comparison with NaN is false), so it fails the check instead of passing it."""
+    bad = [f"{k} {res[k]}" for k in _FIGURES if isinstance(res.get(k), float) and not math.isfinite(res[k])]
+    return [f"non-finite figure(s): {', '.join(bad)} (a NaN or infinity in the weights, scales or copied tensors "
+            "such as the router)"] if bad else []
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

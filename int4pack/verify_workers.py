@@ -49,6 +49,8 @@ def guarded(name: str, kind: str, run) -> dict | None:
         return run()
     except Int4packError as e:
         why = str(e)
+    except KeyError as e:  # a tensor or projection the checkpoint lacks (the structural pass names it)
+        why = f"{e.args[0] if e.args else e!s} is missing"
     except (RuntimeError, ValueError, IndexError) as e:
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
     key = "layer" if kind == "moe" else "module"
@@ -59,13 +61,13 @@ def guarded(name: str, kind: str, run) -> dict | None:
 _state: dict = {}  # a worker's output, source and buffers, opened once by _open
 
 
-def _open(folder: str, kinds: dict, against: str | None, label: str | None) -> None:
+def _open(folder: str, kinds: dict, against: str | None, label: str | None, dense: str = "w4a8") -> None:
     torch.set_num_threads(1)
     ckpt = Tapped(folder)
     ckpt.kinds = kinds
     src = None
     if against is not None:
-        src = Source(against, None)
+        src = Source(against, None, dense)
         src.label = label
     _state.update(t=Target(ckpt, Problems()), src=src, report=_read_report(ckpt, Problems()), work=PerThread(dict))
 
@@ -109,7 +111,8 @@ class Workers:
         # and forkserver import the caller's __main__ in every worker)
         self.pool = ProcessPoolExecutor(max_workers=count, mp_context=multiprocessing.get_context("fork"),
                                         initializer=_open, initargs=(str(t.ckpt.folder), dict(t.ckpt.kinds),
-                                                                     against, None if src is None else src.label))
+                                                                     against, None if src is None else src.label,
+                                                                     "w4a8" if src is None else src.dense))
         try:
             self.pool.submit(_ready).result()  # a fork context starts every worker at the first task
         except BaseException:

@@ -17,11 +17,13 @@ buffers, direct writes, the header slot, the rename); split, each part would rea
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import mmap
 import os
 import shutil
+import struct
 import threading
 import time
 import zlib
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._lazy import torch, torch_loaded
-from .errors import OutputError
+from .errors import InputError, OutputError
+from .groups import MAX_SCALE
 from .plan import OutTensor
 from .workdir import partial_folder
 
@@ -45,9 +48,11 @@ __all__ = [
     "CHECKSUM_KEYS",
     "to_bytes",
     "PAGE",
+    "copy_checksums",
 ]
 
 PROGRESS = "progress.json"
+SCALE_SUFFIX = ".weight_scale"  # the default format's W4A8 scales: checked as they are written
 REPORT_NAME = "int4pack_report.json"  # what marks a folder as an int4pack output
 # test hook: INT4PACK_TEST_SLOW_WRITE_MS=N sleeps N ms before each tensor is written, so that a
 # test's SIGKILL lands mid-run on small fixtures (tests/test_resume.py); unset in normal use
@@ -200,6 +205,40 @@ def json_pieces(obj, depth: int = 2) -> Iterator[str]:
         yield json.dumps(obj, sort_keys=True)
 
 
+# a scale's dtype -> (its bits as unsigned ints, the sign bit cleared, the shift to float32's bits)
+_SCALE_VIEWS = {"BF16": ("<u2", 0x7FFF, 16), "F32": ("<u4", 0x7FFFFFFF, 0)}
+_SCALE_LIMIT = struct.unpack("<I", struct.pack("<f", MAX_SCALE))[0]  # non-negative floats order as their bits
+
+
+def check_scale_bytes(name: str, buf, dtype: str) -> None:
+    """Refuse W4A8 scales (a ``.weight_scale`` tensor's bytes, as written) that are NaN, infinite or
+    above ``MAX_SCALE``: they come from a damaged source value (a 3e38 scale) and would make the
+    output compute garbage. One pass over the scales' bits (1/16 of the int8 weight's bytes or less)."""
+    import numpy as np
+
+    view = _SCALE_VIEWS.get(dtype)
+    if view is None or not len(buf):
+        return
+    x = np.frombuffer(buf, dtype=view[0])
+    if (int((x & view[1]).max()) << view[2]) <= _SCALE_LIMIT:
+        return
+    f = (x.astype("<u4") << view[2]).view("<f4") if view[2] else x.view("<f4")
+    bad = ~(np.abs(f) <= MAX_SCALE)
+    raise InputError(f"{name}: {int(bad.sum())} scale(s) NaN, infinite or above {MAX_SCALE:g} (the first "
+                     f"{float(f[np.flatnonzero(bad)[0]]):.3g}): the source's scales or weights are damaged",
+                     tensor=name, hint="No model's weights are that large; download the source again.")
+
+
+def check_scale_tensors(tensors) -> None:
+    """``check_scale_bytes`` of a job's W4A8 scales among its (name, tensor) pairs, before they are
+    packed into blobs (where the writer does not see them)."""
+    for name, data in tensors:
+        if name.endswith(SCALE_SUFFIX) and torch_loaded() and isinstance(data, torch.Tensor):
+            from .checkpoint import DTYPE_NAMES
+
+            check_scale_bytes(name, to_bytes(data), DTYPE_NAMES.get(data.dtype))
+
+
 def _disk_error(path: Path, e: OSError) -> OutputError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return OutputError(f"{path}: no space left on the device", path=str(path),
@@ -291,6 +330,8 @@ class ShardFile:
         got = len(buf) if buf is not None else data.nbytes
         if got != want.nbytes:
             raise OutputError(f"internal: {name} has {got} bytes, planned {want.nbytes}", tensor=name)
+        if buf is not None and name.endswith(SCALE_SUFFIX):
+            check_scale_bytes(name, buf, want.dtype)
         off = 8 + self.header_len + begin
         pieces = chunks if buf is None else (buf,)
         crc = 0
@@ -338,6 +379,8 @@ class ShardFile:
         spans: list[list[int]] = []  # [data offset, position in buf, bytes]
         for name, pos, _ in entries:
             t, begin = self.place(name)
+            if name.endswith(SCALE_SUFFIX):
+                check_scale_bytes(name, buf[pos: pos + t.nbytes], t.dtype)
             last = spans[-1] if spans else None
             if last is not None and last[0] + last[2] == begin and last[1] + last[2] == pos:
                 last[2] += t.nbytes
@@ -459,7 +502,8 @@ class ShardFile:
         """Write the final header (with per-tensor results), fsync, rename. Returns checksums."""
         if not self.complete():
             raise OutputError(f"internal: {self.path.name} finished with {len(self.crc)}/{len(self.tensors)} tensors")
-        meta = {**self.meta, "int4pack.tensors": json.dumps(results, sort_keys=True, separators=(",", ":"))}
+        meta = {**self.meta, "int4pack.tensors": json.dumps(copy_checksums(results, self.crc, self.digest_kind),
+                                                             sort_keys=True, separators=(",", ":"))}
         raw = _header_raw(self._planned, meta)
         if len(raw) > self.header_len:
             raise OutputError(f"internal: shard header grew past its reserved {self.header_len} bytes")
@@ -553,6 +597,14 @@ def digest_kind(digest: str | None = None) -> str:
     return "crc32c" if str(digest).startswith("crc32c:") else "crc32"
 
 
+def copy_checksums(results: dict[str, dict], crcs: dict[str, int], kind: str) -> dict[str, dict]:
+    """A shard's per-tensor header entries with each copied tensor's own CRC added (``{kind: hex}``):
+    a copied tensor (a router, a norm) has no other record of its bytes in the shard, so one
+    changed in place would pass a verify without the report (or with a resealed one)."""
+    return {name: {**ent, kind: f"{crcs[name]:08x}"} if ent.get("path") == "copy" and name in crcs else ent
+            for name, ent in results.items()}
+
+
 def _data_digest(crcs, kind: str) -> str:
     """The shard's data checksum: sha256 over its tensors' CRCs in file order.
 
@@ -607,16 +659,25 @@ CHECKSUM_KEYS = ("size", "header_sha256", "data_digest")
 
 @dataclass
 class OutputDir:
-    """The final folder, its hidden work folder, and the resume state inside it."""
+    """The final folder, its hidden work folder, and the resume state inside it.
+
+    A work folder is int4pack's when it holds ``MARKER`` (written atomically right after the folder
+    is made, before anything else), or nothing but the files written before it (a run killed
+    there), or a ``progress.json`` (int4pack 0.1.0). One run writes it at a time: ``LOCK`` in it is
+    held with ``fcntl.flock`` for the whole run and names the running process."""
 
     final: Path
     work: Path
     fingerprint: str
     progress: dict
+    lock_fd: int | None = None
 
     @classmethod
     def open(cls, out: Path, source: Path, fingerprint: str, *, overwrite: bool, resume: bool) -> "OutputDir":
         out = out.expanduser().absolute()
+        if out.is_symlink() and not out.exists():  # the final rename would fail after the whole run
+            raise OutputError(f"{out}: is a symlink to {os.readlink(out)}, which does not exist", path=str(out),
+                              hint="Remove the link or pick another OUT.")
         src, outr = source.resolve(), out.resolve()
         if outr == src or src in outr.parents:
             raise OutputError(f"{out}: is inside the source folder {src}", path=str(out),
@@ -627,6 +688,8 @@ class OutputDir:
         if out.exists() and not out.is_dir():
             raise OutputError(f"{out}: exists and is not a folder", path=str(out),
                               hint="Remove the file or pick another OUT.")
+        if out.is_dir() and (out / REPORT_NAME).is_file():
+            _drop_work_files(out)  # left by a run stopped inside commit(), after its rename: the output is whole
         if out.exists() and not overwrite:
             raise OutputError(f"{out}: already exists", path=str(out),
                               hint="Pass --overwrite to replace it, or pick another OUT.")
@@ -647,26 +710,33 @@ class OutputDir:
         if work.exists() and hasattr(os, "getuid") and work.stat().st_uid != os.getuid():
             raise OutputError(f"{work}: the work folder belongs to another user (uid {work.stat().st_uid})",
                               path=str(work), hint="Remove it, or write the output elsewhere.")
-        if work.exists():
-            state = work / PROGRESS
-            if not work.is_dir() or state.is_symlink() or not state.is_file():
-                raise OutputError(f"{work}: exists but is not an int4pack work folder", path=str(work),
-                                  hint="Remove it (it is not ours) and run again.")
-            old = None
-            try:
-                old = json.loads(state.read_text())
-            except (OSError, json.JSONDecodeError):
-                old = None
-            if resume and isinstance(old, dict) and old.get("fingerprint") == fingerprint:
-                progress = old
-            else:
-                shutil.rmtree(work)
+        if work.exists() and not _is_ours(work):
+            raise OutputError(f"{work}: exists but is not an int4pack work folder", path=str(work),
+                              hint="Remove it (it is not ours) and run again.")
         try:
             work.mkdir(parents=False, exist_ok=True)
         except OSError as e:
             raise _disk_error(work, e) from e
-        od = cls(out, work, fingerprint, progress)
-        od.save_progress()
+        lock_fd = _lock(work)  # before anything in it is read or removed: another run may own it
+        try:
+            old = None
+            state = work / PROGRESS
+            if state.is_file() and not state.is_symlink():
+                try:
+                    old = json.loads(state.read_text())
+                except (OSError, ValueError):
+                    old = None
+            if resume and isinstance(old, dict) and old.get("fingerprint") == fingerprint:
+                progress = old
+            else:
+                _clear(work)
+            od = cls(out, work, fingerprint, progress, lock_fd)
+            if not (work / MARKER).is_file():
+                od.write_file(MARKER, (json.dumps({"int4pack_work_folder": 1, "output": out.name}) + "\n").encode())
+            od.save_progress()
+        except BaseException:
+            os.close(lock_fd)
+            raise
         return od
 
     def save_progress(self) -> None:
@@ -727,8 +797,9 @@ class OutputDir:
             raise _disk_error(self.work / src.name, e) from e
 
     def commit(self) -> None:
-        """Swap the finished work folder into place (replacing OUT only when overwriting)."""
-        (self.work / PROGRESS).unlink(missing_ok=True)
+        """Swap the finished work folder into place (replacing OUT only when overwriting). The work
+        files (progress, marker, lock) go once it is in place: a run stopped before that leaves a
+        work folder the next run resumes, one stopped after it a whole OUT (open() tidies it)."""
         old = None
         try:
             if self.final.exists():
@@ -739,5 +810,100 @@ class OutputDir:
             os.replace(self.work, self.final)
         except OSError as e:
             raise _disk_error(self.final, e) from e
+        _drop_work_files(self.final)
+        self.release()
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+    def release(self) -> None:
+        """Let go of the work folder's lock (the process's exit does the same)."""
+        fd, self.lock_fd = self.lock_fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+MARKER = "int4pack-work.json"  # written first in a work folder: it is ours
+LOCK = "int4pack.lock"  # flock'ed by the run writing the folder; holds its process id
+_WORK_FILES = (PROGRESS, MARKER, LOCK)
+_BEFORE_MARKER = {LOCK, MARKER + ".tmp"}  # what a run writes in a new work folder before its marker
+
+
+def _is_ours(work: Path) -> bool:
+    """A work folder int4pack made: the marker, int4pack 0.1.0's progress file, or only what comes
+    before the marker (a run killed between making the folder and writing it)."""
+    if not work.is_dir():
+        return False
+    for name in (MARKER, PROGRESS):
+        p = work / name
+        if p.is_file() and not p.is_symlink():
+            return True
+    try:
+        return all(e.name in _BEFORE_MARKER and e.is_file(follow_symlinks=False) for e in os.scandir(work))
+    except OSError:
+        return False
+
+
+def _lock(work: Path) -> int:
+    """Take the work folder's lock (a file in it, flock'ed) and write this process's id in it;
+    refuse, naming the holder, while another run has it."""
+    path = work / LOCK
+    for _ in range(20):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise _disk_error(path, e) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return fd  # a file system without flock (some network mounts): the run goes on unlocked
+            holder = _holder(fd)
+            os.close(fd)
+            raise OutputError(f"{work.parent / work.name[1:].removesuffix('.int4pack-partial')}: another int4pack "
+                              f"run ({holder}) is writing this output in {work}", path=str(work),
+                              hint="Wait for it to finish (or stop it), then run again.") from None
+        try:  # the folder may have been renamed into OUT (or removed) while this run waited to lock it
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except OSError:
+            same = False
+        if not same:
+            os.close(fd)
+            work.mkdir(exist_ok=True)
+            continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+    raise OutputError(f"{work}: the work folder keeps changing under this run", path=str(work),
+                      hint="Another process is using it; wait for it, then run again.")
+
+
+def _holder(fd: int) -> str:
+    """'process N' as the lock file names its holder (it writes its id just after locking)."""
+    for _ in range(50):
+        pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        if pid:
+            return f"process {pid}"
+        time.sleep(0.01)
+    return "process id not yet written"
+
+
+def _clear(work: Path) -> None:
+    """Empty the work folder for a fresh run, keeping the lock this run holds in it."""
+    for e in os.scandir(work):
+        if e.name == LOCK:
+            continue
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path)
+        else:
+            os.unlink(e.path)
+
+
+def _drop_work_files(folder: Path) -> None:
+    """The work folder's own files, out of a committed output."""
+    for name in _WORK_FILES:
+        p = folder / name
+        if p.is_file() or p.is_symlink():
+            try:
+                p.unlink()
+            except OSError:
+                pass

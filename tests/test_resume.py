@@ -4,7 +4,9 @@ and released tensors keep no pages mapped."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import torch
 
 import int4pack
 from int4pack import writer
+from int4pack.errors import Int4packError, OutputError
 from int4pack.checkpoint import Checkpoint
 from int4pack.plan import make_plan
 from _reference import FIXTURES
@@ -172,3 +175,124 @@ def test_released_tensors_keep_no_pages_mapped(tmp_path):
         m = ck._maps["model.safetensors"]
         first, last = ck.info(names[0]), ck.info(names[-1])
         assert _mapped_pages(m, first.begin, last.end) == 0
+
+
+# --------------------------------------------------------------------------- the work folder's windows
+
+SMALL = FIXTURES / "ct_qwen3moe_w4a16"
+
+
+@pytest.fixture(scope="module")
+def clean_small(tmp_path_factory) -> Path:
+    ref = tmp_path_factory.mktemp("clean") / "out"
+    int4pack.convert(SMALL, ref, max_shard_size="200KB")
+    return ref
+
+
+def _early_states(work: Path) -> list:
+    """What a run killed between making its work folder and its first progress.json rename leaves."""
+    return [
+        lambda: None,  # just made
+        lambda: (work / writer.LOCK).write_text(""),  # locked, no id yet
+        lambda: ((work / writer.LOCK).write_text("123\n"), (work / (writer.MARKER + ".tmp")).write_text("{")),
+        lambda: ((work / writer.LOCK).write_text("123\n"), (work / writer.MARKER).write_text("{}"),
+                 (work / (writer.PROGRESS + ".tmp")).write_text('{"finger')),
+    ]
+
+
+@pytest.mark.parametrize("how", ["--resume", "plain", "--overwrite"])
+def test_a_run_killed_before_its_first_progress_is_taken_up(tmp_path, clean_small, how):
+    out = tmp_path / "out"
+    work = writer.partial_folder(out)
+    for i, state in enumerate(_early_states(work)):
+        work.mkdir()
+        state()
+        int4pack.convert(SMALL, out, max_shard_size="200KB", resume=how == "--resume", overwrite=how == "--overwrite")
+        assert _same_files(out, clean_small), (how, i)
+        assert not work.exists()
+        assert not any((out / n).exists() for n in (writer.LOCK, writer.MARKER, writer.PROGRESS))
+        shutil.rmtree(out)
+
+
+def _commit_cut_at(step: int, monkeypatch) -> None:
+    """commit() stopped (as by SIGKILL) just before its ``step``-th change of the file system."""
+    calls = {"n": 0}
+
+    def cut(fn):
+        def go(*a, **k):
+            calls["n"] += 1
+            if calls["n"] == step:
+                raise KeyboardInterrupt
+            return fn(*a, **k)
+        return go
+
+    for name in ("replace", "unlink", "rename"):
+        monkeypatch.setattr(writer.os, name, cut(getattr(os, name)))
+    monkeypatch.setattr(writer.shutil, "rmtree", cut(shutil.rmtree))
+
+
+@pytest.mark.parametrize("first", ["new", "--overwrite"])
+@pytest.mark.parametrize("step", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("how", ["--resume", "plain", "--overwrite"])
+def test_a_run_killed_inside_commit_is_resumed_or_whole(tmp_path, clean_small, monkeypatch, first, step, how):
+    """A run (into a new OUT, or --overwrite of one) cut at each step of its commit (OUT aside, the
+    work folder in, its work files out): the next run of each kind ends with the whole output and no
+    work files, never 'not ours'; one without --overwrite may only refuse an OUT that is whole."""
+    out = tmp_path / "out"
+    if first == "--overwrite":
+        int4pack.convert(SMALL, out, max_shard_size="200KB")
+    with monkeypatch.context() as m:
+        real = writer.OutputDir.commit
+
+        def commit(self):
+            with monkeypatch.context() as mm:
+                _commit_cut_at(step, mm)
+                real(self)
+        m.setattr(writer.OutputDir, "commit", commit)
+        try:
+            int4pack.convert(SMALL, out, max_shard_size="200KB", overwrite=first == "--overwrite")
+            cut = False
+        except KeyboardInterrupt:
+            cut = True
+    work = writer.partial_folder(out)
+    assert out.is_dir() or work.is_dir()
+    overwrite = how == "--overwrite" or first == "--overwrite"
+    try:
+        int4pack.convert(SMALL, out, max_shard_size="200KB", resume=how == "--resume", overwrite=overwrite)
+    except Int4packError as e:
+        assert not overwrite and "already exists" in str(e), (step, how, e)
+    assert _same_files(out, clean_small), (step, how)
+    assert not any((out / n).exists() for n in (writer.LOCK, writer.MARKER, writer.PROGRESS))
+    assert cut or step > 3
+
+
+def test_a_dangling_symlink_out_is_refused_before_the_work(tmp_path):
+    out = tmp_path / "out"
+    os.symlink(tmp_path / "nowhere", out)
+    called = []
+    with pytest.raises(OutputError, match="symlink.*does not exist"):
+        int4pack.convert(SMALL, out, on_plan=called.append)
+    assert not called and not writer.partial_folder(out).exists() and out.is_symlink()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_one_writer_per_output(tmp_path, resume):
+    """A second run into the OUT a first is writing is refused, naming the first's process, and
+    leaves the first's work folder as it was."""
+    out = tmp_path / "out"
+    with Checkpoint(SMALL) as ck:
+        fp = make_plan(ck).fingerprint(ck)
+    first = writer.OutputDir.open(out, SMALL, fp, overwrite=False, resume=False)
+    (first.work / "model.safetensors").write_bytes(b"half written")
+    before = sorted(p.name for p in first.work.iterdir())
+    try:
+        with pytest.raises(OutputError, match=f"another int4pack run \\(process {os.getpid()}\\)"):
+            int4pack.convert(SMALL, out, resume=resume)
+        assert sorted(p.name for p in first.work.iterdir()) == before
+        assert (first.work / "model.safetensors").read_bytes() == b"half written"
+        r = _cli(["convert", str(SMALL), str(out)])
+        assert r.returncode == 5 and f"process {os.getpid()}" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    finally:
+        first.release()
+    int4pack.convert(SMALL, out, resume=resume)  # the lock is gone with its holder
+    assert not writer.partial_folder(out).exists()

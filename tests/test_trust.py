@@ -206,6 +206,25 @@ def test_plugin_loaders_refuse_same_size_corruptions(corpus, name):
     assert "int4pack-kleidiai" in msg and ("model.layers.0." in msg or "blob_checks" in msg), msg
 
 
+def test_plugin_refuses_a_packed_checkpoint_whose_checks_were_deleted(corpus, tmp_path, monkeypatch):
+    """Deleting blob_checks from config.json must not turn the byte check off: refused at load, unless
+    the one opt-out that names the risk is set; a flipped byte then goes through (that is the risk)."""
+    from int4pack.vllm_plugin import _layout
+
+    for case in ("packed", "packed_flip_byte"):
+        folder = tmp_path / case
+        shutil.copytree(corpus[1][case].folder if case != "packed" else corpus[0]["packed"], folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        del cfg["quantization_config"]["kleidiai"]["blob_checks"]
+        (folder / "config.json").write_text(json.dumps(cfg))
+        monkeypatch.delenv(_layout.ALLOW_UNCHECKED, raising=False)
+        with pytest.raises(ValueError, match="records no blob_checks.*INT4PACK_ALLOW_UNCHECKED_BLOBS=1"):
+            _load_like_vllm(folder)
+        monkeypatch.setenv(_layout.ALLOW_UNCHECKED, "1")
+        _load_like_vllm(folder)
+    assert "INT4PACK_ALLOW_UNCHECKED_BLOBS=1" in (Path(__file__).parents[1] / "docs" / "serve-format.md").read_text()
+
+
 def test_plugin_names_the_corrupted_tensor(corpus):
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight_packed"):
         _load_like_vllm(corpus[1]["packed_flip_byte"].folder)
@@ -313,3 +332,277 @@ def test_resume_refuses_a_work_folder_of_another_user(tmp_path, monkeypatch):
     with pytest.raises(OutputError, match="belongs to another user"):
         int4pack.convert(FIXTURES / GROUP, tmp_path / "out", resume=True)
     assert (work / "progress.json").read_text() == "{}"
+
+
+# --------------------------------------------------------------------------------- a source that shrinks
+
+
+_SHRINK = """
+import os, sys
+import int4pack
+import int4pack.writer
+from int4pack.errors import Int4packError
+src, out, fmt = sys.argv[1:4]
+shards = sorted(p for p in os.listdir(src) if p.endswith(".safetensors"))
+def shrink(name):  # the first expert is computed from the mapped shards; then they shrink
+    if shards and ".experts." in name:
+        for s in shards:
+            p = os.path.join(src, s)
+            os.truncate(p, os.path.getsize(p) // 2)
+        shards.clear()
+SF = int4pack.writer.ShardFile
+write, write_batch = SF.write, SF.write_batch
+SF.write = lambda self, name, data: (shrink(name), write(self, name, data))[1]
+SF.write_batch = lambda self, entries, *a: (shrink(entries[0][0]), write_batch(self, entries, *a))[1]
+try:
+    int4pack.convert(src, out, serve_format=fmt, threads=1)
+except Int4packError as e:
+    print(f"exit {e.exit_code}: {e}")
+    sys.exit(e.exit_code)
+"""
+
+
+@pytest.mark.parametrize("fixture", ["gptq_q3_sym", GROUP, "awq_q3"])
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "kleidiai"])
+def test_a_source_shard_truncated_mid_run_is_a_clean_error(tmp_path, fixture, fmt):
+    """The shards are mapped; a mapped page past the end of a file that shrank is SIGBUS (exit 135,
+    no message) unless every mapped read checks the size first."""
+    import subprocess
+    import sys
+
+    if not (FIXTURES / fixture).is_dir():
+        pytest.skip(f"no fixture {fixture}")
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / fixture, src)
+    r = subprocess.run([sys.executable, "-c", _SHRINK, str(src), str(tmp_path / "out"), fmt],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert ".safetensors: truncated" in r.stdout and "Traceback" not in r.stderr, r.stdout
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------- missing tensors, other sources
+
+
+@pytest.mark.parametrize("kind,victim", [("plain", "model.layers.0.mlp.experts.0.down_proj.weight"),
+                                         ("packed", "model.layers.0.mlp.experts.0.down_proj.weight_packed"),
+                                         ("packed", "model.layers.0.mlp.experts.1.gate_proj.weight_packed")])
+@pytest.mark.parametrize("against", [False, True])
+def test_a_removed_tensor_is_named_not_an_internal_error(corpus, tmp_path, kind, victim, against):
+    from corrupt_corpus import reseal
+
+    f = tmp_path / kind
+    shutil.copytree(corpus[0][kind], f)
+    edit_tensors(f, lambda t, m: victim in t and t.pop(victim) is not None)
+    reseal(f)
+    args = ["verify", str(f), "--layers", "0,"] + (["--against", str(FIXTURES / GROUP)] if against else [])
+    for extra in ([], ["--json"]):
+        code, text = _run(*args, *extra)
+        assert code == 6 and "internal error" not in text and "Traceback" not in text, text
+        expert = victim.rsplit(".", 2)[0]  # model.layers.0.mlp.experts.N
+        assert expert in text, text
+
+
+def test_verify_against_another_model_says_so(corpus):
+    other = FIXTURES / "gptq_q3_sym"  # a Qwen3-MoE of other sizes
+    for extra in ([], ["--json"]):
+        code, text = _run("verify", str(corpus[0]["plain"]), "--against", str(other), "--layers", "0,", *extra)
+        assert code == 6 and "internal error" not in text, text
+        assert "is not the checkpoint this output was converted from" in text and "hidden_size" in text, text
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "kleidiai"])
+def test_a_dense_bf16_output_verifies_against_its_source(tmp_path, fmt):
+    """verify plans the source with the --dense the output records, not the default."""
+    out = tmp_path / "out"
+    int4pack.convert(FIXTURES / GROUP, out, dense="bf16", serve_format=fmt)
+    code, text = _run("verify", str(out), "--against", str(FIXTURES / GROUP))
+    assert code == 0, text
+    rep = int4pack.verify(out, FIXTURES / GROUP, layers="0,")
+    assert rep["copies"]["ok"] and rep["copies"]["checked"] > 0
+
+
+# --------------------------------------------------------------------------------- NaN, infinity, absurd values
+
+ROUTER = "model.layers.0.mlp.gate.weight"
+SCALE0 = "model.layers.0.mlp.experts.0.gate_proj.weight_scale"
+
+
+def _source_with(tmp_path, edit) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / GROUP, src)
+    edit_tensors(src, edit)
+    return src
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_convert_names_a_non_finite_copied_tensor(tmp_path, value):
+    src = _source_with(tmp_path, lambda t, m: ROUTER in t and t[ROUTER].view(-1).__setitem__(5, value) is None)
+    for fmt in ("compressed-tensors", "kleidiai"):
+        code, text = _run("convert", str(src), str(tmp_path / fmt), "--serve-format", fmt)
+        assert code == 3 and ROUTER in text and "NaN or infinite" in text and "Traceback" not in text, text
+        assert not (tmp_path / fmt).exists()
+
+
+def test_convert_names_an_absurd_source_scale(tmp_path):
+    src = _source_with(tmp_path, lambda t, m: SCALE0 in t and t[SCALE0].view(-1).__setitem__(3, 3e38) is None)
+    for fmt in ("compressed-tensors", "kleidiai"):
+        code, text = _run("convert", str(src), str(tmp_path / fmt), "--serve-format", fmt)
+        assert code == 3 and SCALE0 in text and "above 65536" in text and "Traceback" not in text, text
+        assert not (tmp_path / fmt).exists()
+
+
+def _flip_scale_exponent(t, meta) -> bool:
+    if SCALE0 not in t:
+        return False
+    bits = t[SCALE0].view(torch.int16).view(-1)
+    bits[3] ^= 0x4000  # the top exponent bit of a bf16 scale of ~0.01: ~2.7e36
+    return True
+
+
+def test_a_flipped_scale_exponent_fails_verify_without_a_report(corpus, tmp_path):
+    f = tmp_path / "plain"
+    shutil.copytree(corpus[0]["plain"], f)
+    edit_tensors(f, _flip_scale_exponent)
+    (f / "int4pack_report.json").unlink()
+    rep = int4pack.verify(f, layers="0,", raise_on_failure=False)
+    assert not rep["ok"] and "PASS" not in rep["verdict"]
+    assert any(p["where"] == SCALE0[: -len(".weight_scale")] and "above 65536" in p["message"]
+               for p in rep["structural"]["problems"]), rep["structural"]["problems"]
+
+
+def test_a_non_finite_figure_never_passes(corpus, tmp_path):
+    """A NaN router copied into the output (and into the source it is checked against): the layer's
+    figures are NaN or infinite, which must fail, never print PASS ... rel_l2 inf."""
+    from int4pack.writer import tensor_crc
+
+    nan_router = lambda t, m: ROUTER in t and t[ROUTER].view(-1).__setitem__(0, float("nan")) is None
+
+    def resealed_nan_router(t, meta):  # and its header CRC rewritten: the structural pass lets it by
+        if not nan_router(t, meta):
+            return False
+        ents = json.loads(meta["int4pack.tensors"])
+        kind = next(k for k in ("crc32c", "crc32") if k in ents[ROUTER])
+        ents[ROUTER][kind] = f"{tensor_crc(t[ROUTER], kind):08x}"
+        meta["int4pack.tensors"] = json.dumps(ents, sort_keys=True, separators=(",", ":"))
+        return True
+
+    src = _source_with(tmp_path, nan_router)
+    for kind in ("plain", "packed"):
+        f = tmp_path / kind
+        shutil.copytree(corpus[0][kind], f)
+        edit_tensors(f, resealed_nan_router)
+        (f / "int4pack_report.json").unlink()
+        for against in (None, src):
+            rep = int4pack.verify(f, against, layers="0,", raise_on_failure=False)
+            assert not rep["ok"] and rep["verdict"].startswith("FAIL"), (kind, against, rep["verdict"])
+            layer = next(L for L in rep["layers"] if L["layer"] == "model.layers.0.mlp")
+            assert any("non-finite" in p for p in layer["problems"]), layer["problems"]
+
+
+# --------------------------------------------------------------------------------- lossless ints, exactly
+
+
+def _bump(q: torch.Tensor, at: int) -> None:
+    """One int4 value moved by one step (staying in [-8, 7])."""
+    flat = q.view(-1)
+    flat[at] = flat[at] + 1 if int(flat[at]) < 7 else flat[at] - 1
+
+
+def _one_int_plain(name: str):
+    def edit(t, meta):
+        if name not in t:
+            return False
+        _bump(t[name], 37)
+        return True
+    return edit
+
+
+def _one_int_packed(name: str):
+    """One int4 value of a blob changed, repacked with honest provenance (a consistent forgery)."""
+    from corrupt_corpus import _provenance, _set_prov
+    from int4pack import kleidiai, serve_spec
+
+    def edit(t, meta):
+        if name not in t:
+            return False
+        ents = _provenance(meta)
+        p = ents[name]["packed"]
+        n, k, g = p["n"], p["k"], p["group_size"]
+        blk = k if g in (-1, k) else g
+        q, s, b = kleidiai.unpack(t[name], n, k, blk, bool(p.get("bias")), check=False)
+        q = q.clone()
+        _bump(q, 37)
+        t[name] = kleidiai.pack_portable(q.contiguous(), s, b, blk, threads=1)
+        ents[name]["packed"] = {**serve_spec.provenance(q, s, b, g, t[name])}
+        _set_prov(meta, ents)
+        return True
+    return edit
+
+
+LOSSLESS_CASES = [  # (fixture, module): an expert's projections, a dense linear, a folded act-order down
+    (GROUP, "model.layers.0.mlp.experts.2.up_proj"),
+    (GROUP, "model.layers.0.self_attn.o_proj"),
+    (CHANNEL, "model.layers.0.mlp.experts.1.down_proj"),
+    ("gptq_q3_sym", "model.layers.1.mlp.experts.3.gate_proj"),
+    ("gptq_q3_descact", "model.layers.0.mlp.experts.0.down_proj"),
+]
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "kleidiai"])
+@pytest.mark.parametrize("fixture,module", LOSSLESS_CASES)
+def test_one_changed_int_of_a_lossless_module_fails_verify_against(tmp_path, fmt, fixture, module):
+    """With no report to tighten the budget, the float error of one changed int is far inside the
+    lossless budget (2^-8): only comparing the ints with the source's finds it."""
+    from corrupt_corpus import _sync_checks
+
+    out = tmp_path / "out"
+    int4pack.convert(FIXTURES / fixture, out, serve_format=fmt)
+    rep = int4pack.verify(out, FIXTURES / fixture, layers=f"{module.split('.')[2]},")
+    assert rep["ok"], rep["verdict"]
+    packed = fmt == "kleidiai"
+    edit_tensors(out, _one_int_packed(f"{module}.{SUFFIX}") if packed else _one_int_plain(f"{module}.weight"))
+    if packed:
+        _sync_checks(out)
+    (out / "int4pack_report.json").unlink()
+    rep = int4pack.verify(out, FIXTURES / fixture, layers=f"{module.split('.')[2]},", raise_on_failure=False)
+    assert not rep["ok"], rep["verdict"]
+    found = [p for r in rep["layers"] + rep["dense"] for p in r["problems"]]
+    assert any(f"{module}: lossless from the source, but 1 int4 value(s) differ" in p for p in found), found
+
+
+def test_a_changed_scale_of_a_lossless_module_fails_verify_against(corpus, tmp_path):
+    """A scale 16x off (one low exponent bit) in a lossless module: its scales must equal the source's cast."""
+    f = tmp_path / "plain"
+    shutil.copytree(corpus[0]["plain"], f)
+
+    def edit(t, meta):
+        if SCALE0 not in t:
+            return False
+        t[SCALE0].view(torch.int16).view(-1)[3] ^= 0x0200  # the exponent's 3rd bit: x16 or /16
+        return True
+    edit_tensors(f, edit)
+    (f / "int4pack_report.json").unlink()
+    rep = int4pack.verify(f, FIXTURES / GROUP, layers="0,", raise_on_failure=False)
+    found = [p for r in rep["layers"] for p in r["problems"]]
+    assert not rep["ok"] and any("1 scale(s) differ from the source's" in p for p in found), found
+
+
+@pytest.mark.parametrize("kind", ["plain", "packed"])
+@pytest.mark.parametrize("report", ["deleted", "resealed"])
+def test_a_copied_tensor_changed_in_place_fails_plain_verify(corpus, tmp_path, kind, report):
+    """Copied tensors carry a CRC of their own in their shard header: a negated router fails
+    verify without --against, with the report gone or its shard checksums recomputed."""
+    from corrupt_corpus import reseal
+
+    f = tmp_path / kind
+    shutil.copytree(corpus[0][kind], f)
+    edit_tensors(f, lambda t, m: ROUTER in t and bool(t[ROUTER].mul_(-1).numel()))
+    if report == "deleted":
+        (f / "int4pack_report.json").unlink()
+    else:
+        reseal(f)
+    rep = int4pack.verify(f, layers="0,", raise_on_failure=False)
+    assert not rep["ok"], rep["verdict"]
+    assert any(p["where"] == ROUTER and "changed after convert" in p["message"]
+               for p in rep["structural"]["problems"]), rep["structural"]["problems"]

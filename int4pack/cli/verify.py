@@ -119,13 +119,15 @@ def _render(o, r: dict) -> None:
     dense = r.get("dense", [])
     if dense:
         bad = [d for d in dense if not d["ok"]]
-        worst = max(dense, key=lambda d: d["rel_l2"] / max(d["tolerance"], 1e-30))
-        o.text(f"  dense W4A8 linears: {len(dense) - len(bad)}/{len(dense)} ok; closest to its tolerance "
-               f"{worst['module']} rel_l2 {_f(worst['rel_l2'])} (tol {_f(worst['tolerance'])})")
+        ran = [d for d in dense if "rel_l2" in d]  # a linear that could not run has no figures
+        worst = max(ran, key=lambda d: d["rel_l2"] / max(d["tolerance"], 1e-30), default=None)
+        o.text(f"  dense W4A8 linears: {len(dense) - len(bad)}/{len(dense)} ok" + (
+            f"; closest to its tolerance {worst['module']} rel_l2 {_f(worst['rel_l2'])} "
+            f"(tol {_f(worst['tolerance'])})" if worst else ""))
         if o.verbosity >= 1:
             o.table("Dense linears", ["module", "rel_l2", "act (pred)", "tol", "ok"],
-                    [[d["module"], _f(d["rel_l2"]), f"{_f(d['act_rel'])} ({_f(d['act_pred'])})",
-                      _f(d["tolerance"]), d["ok"]] for d in dense])
+                    [[d["module"], _f(d.get("rel_l2")), f"{_f(d.get('act_rel'))} ({_f(d.get('act_pred'))})",
+                      _f(d.get("tolerance")), d["ok"]] for d in dense])
     for L in r.get("layers", []) + dense:
         for p in L.get("problems", []):
             o.text(f"  [red]x[/red] {L.get('layer') or L.get('module')}: {p}")

@@ -49,6 +49,7 @@ __all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_
 _log = logging.getLogger(__name__)
 MAX_THREADS = 16  # threads of the load-time CRC (zlib's CRC-32 releases the GIL)
 _warned_unchecked = []
+ALLOW_UNCHECKED = "INT4PACK_ALLOW_UNCHECKED_BLOBS"  # the one opt-out of the load-time blob check
 
 _HINT = ("Serve the default output of `int4pack convert` (compressed-tensors W4A8: vLLM packs it at load), "
          "or run on an Arm CPU with dotprod and a torch build with KleidiAI.")
@@ -158,11 +159,16 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
     written before they were recorded. Any recorded value out of shape is refused."""
     checks = record.get(BLOB_CHECKS)
     if checks is None:
+        # refused, not warned about: deleting one config field must not turn the byte check off
+        if os.environ.get(ALLOW_UNCHECKED, "").strip() != "1":
+            raise ValueError(f"{QUANT_METHOD}: quantization_config.kleidiai records no {BLOB_CHECKS} (the config "
+                             "was edited, or an older int4pack wrote it): its blobs cannot be checked at load. "
+                             f"Convert again; or, to serve blobs a changed byte of which would go unnoticed, set "
+                             f"{ALLOW_UNCHECKED}=1 (after `int4pack verify` passed on this checkpoint).")
         if not _warned_unchecked:
             _warned_unchecked.append(True)
-            _log.warning("int4pack: this packed checkpoint records no per-blob checks (written before int4pack "
-                         "recorded them): its blobs are served unchecked. Convert again to have them checked "
-                         "at load, or run `int4pack verify` on it.")
+            _log.warning(f"int4pack: {ALLOW_UNCHECKED}=1: this packed checkpoint records no per-blob checks and "
+                         "its blobs are served unchecked. Convert again to have them checked at load.")
         return None
     mods = checks.get("modules") if isinstance(checks, dict) else None
     if not isinstance(checks, dict) or checks.get("algorithm") != "crc32" or not isinstance(mods, dict):
