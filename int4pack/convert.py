@@ -13,6 +13,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +31,7 @@ from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
 from .target_config import output_config
-from .vllm_compat import next_step, routing_warnings, serving_warnings
+from .vllm_compat import next_steps, routing_warnings, serving_warnings
 from .workdir import check_space, partial_folder
 from .workers import job_workers
 from .writer import REPORT_NAME, OutputDir, ShardFile, assign_shards, digest_kind, shard_names, tensor_crc
@@ -249,9 +250,11 @@ def convert(
             # measured vLLM releases that fail on this output: its scales and dtypes, its routing
             "serving": serving_warnings(plan.schemes(), unloadable_releases(ckpt.family_type)) + routing,
             "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
-            "next": next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
-                              own_layout=any(j.kind == "experts" for j in plan.jobs)),
         }
+        report["next"], report["next_command"], report["next_notes"] = next_steps(
+            str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
+            own_layout=any(j.kind == "experts" for j in plan.jobs), tensor_parallel=tensor_parallel,
+            skip=unloadable_releases(ckpt.family_type))
         if packed:
             report["serve_format_planned"] = KLEIDIAI
         if dry_run:
@@ -302,6 +305,7 @@ def convert(
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
         report["kernels"] = _kernels_used()
+        report["created"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         report["workers"] = job_workers(threads)
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
@@ -316,7 +320,7 @@ def convert(
     return report
 
 
-_RUN_ONLY = ("next", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
+_RUN_ONLY = ("next", "next_command", "next_notes", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
 def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
     """How a kept shard's header metadata differs from what this run would write, or None."""
     try:

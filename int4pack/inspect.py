@@ -10,6 +10,8 @@ recorded KleidiAI layout and each blob's shape, and dumps a blob's block structu
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from . import blobs, expert_layout, kleidiai
@@ -22,6 +24,7 @@ from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
 from .serve_spec import QUANT_METHOD, SUFFIX, read_record, record_problems
 from .vllm_compat import routing_warnings, serving_notes, serving_warnings
+from .writer import REPORT_NAME
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -53,7 +56,21 @@ def _head(ckpt: Checkpoint, label: str) -> dict:
             # names with layer/expert numbers folded to N: what a bug report about a layout needs
             "tensor_names": [{"pattern": p, "count": c} for p, c in name_summary(ckpt.tensors)],
             "architectures": ckpt.config.get("architectures"), "shards": len(ckpt.shards),
-            "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values())}
+            "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values()),
+            "made_by": _made_by(ckpt)}
+
+
+def _made_by(ckpt: Checkpoint) -> dict | None:
+    """Which int4pack made this output, from which source and when (its report), or None for a
+    folder int4pack did not write."""
+    path = ckpt.folder / REPORT_NAME
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rep, dict) or "int4pack_version" not in rep:
+        return None
+    return {k: rep.get(k) for k in ("int4pack_version", "source", "created")}
 
 
 def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
@@ -156,7 +173,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     for name, s in sorted(specs.items()):
         rec = {"role": roles.get(name), "format": s.fmt, "n": s.n, "k": s.k, "group_size": s.group_size,
                "sym": s.sym, "act_order": s.act_order, "scale_dtype": s.scale_dtype, "bias": s.has_bias,
-               "path": paths.get(name, "refused" if out["plan"].get("refused") else None)}
+               # int4pack's own output that is no convert source: no path to predict, nothing refused
+               "path": paths.get(name, "refused" if out["plan"].get("refused") and not out["made_by"] else None)}
         if s.refused:
             rec["refused"] = s.refused
         if is_output:

