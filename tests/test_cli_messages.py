@@ -56,7 +56,7 @@ def test_unknown_tensor_names_the_closest():
 
 @pytest.mark.parametrize("cmd", [[], ["convert"], ["verify"], ["inspect"]])
 def test_help_shows_flags_without_a_type(cmd):
-    r = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
+    r = runner.invoke(app, [*cmd, "--help"], terminal_width=200)
     assert r.exit_code == 0
     assert "<bool>" not in r.output
     for line in r.output.splitlines():

@@ -106,7 +106,8 @@ def help_text(doc: str) -> str:
 
 def examples(*pairs: tuple[str, str]) -> str:
     """A command's epilog: each example a sentence, then the command line, indented."""
-    return "\n\n".join(["[bold]Examples[/bold]", *(f"{what}\n  [cyan]{cmd}[/cyan]" for what, cmd in pairs)])
+    # \b: click keeps the paragraph's lines as they are (a command line is never rewrapped)
+    return "\n\n".join(["Examples", *(f"\b\n{what}\n  {cmd}" for what, cmd in pairs)])
 
 
 def make_output(json_mode: bool, verbose: int, quiet: bool, debug: bool) -> Output:

@@ -33,7 +33,7 @@ EXAMPLES = examples(
     ("Use channelwise scales (fp32) instead of groups:", "int4pack convert SRC OUT --group-size channel"),
     ("Print the plan as JSON and write nothing:", "int4pack convert SRC OUT --dry-run --json"),
     ("Continue a run that was interrupted:", "int4pack convert SRC OUT --resume"),
-    ("Store the KleidiAI-packed bytes, for int4pack's vLLM plugin (half the size, nothing packed at load):",
+    ("Store KleidiAI-packed bytes for int4pack's vLLM plugin (half the size):",
      "int4pack convert SRC OUT --serve-format kleidiai"),
 )
 

@@ -14,7 +14,7 @@ from ._common import (
 __all__ = ["inspect_cmd", "EXAMPLES"]
 
 EXAMPLES = examples(
-    ("Show a source's format, MoE structure and what convert will do with each module:",
+    ("Show a source's format, its MoE structure and what convert does with it:",
      "int4pack inspect ./Qwen3-30B-A3B-GPTQ-Int4"),
     ("Show which modules of a converted checkpoint take the KleidiAI path:", "int4pack inspect ./out"),
     ("Show how one tensor's nibbles are laid out:",
