@@ -13,7 +13,6 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -305,7 +304,6 @@ def convert(
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
         report["kernels"] = _kernels_used()
-        report["created"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         report["workers"] = job_workers(threads)
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted

@@ -11,6 +11,7 @@ recorded KleidiAI layout and each blob's shape, and dumps a blob's block structu
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 
 import torch
 
@@ -61,16 +62,18 @@ def _head(ckpt: Checkpoint, label: str) -> dict:
 
 
 def _made_by(ckpt: Checkpoint) -> dict | None:
-    """Which int4pack made this output, from which source and when (its report), or None for a
-    folder int4pack did not write."""
+    """Which int4pack made this output and from which source (its report), and when the report was
+    written (its modification time: the file itself holds no date, so that a conversion's bytes are
+    the same on every run), or None for a folder int4pack did not write."""
     path = ckpt.folder / REPORT_NAME
     try:
         rep = json.loads(path.read_text())
+        written = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     except (OSError, ValueError):
         return None
     if not isinstance(rep, dict) or "int4pack_version" not in rep:
         return None
-    return {k: rep.get(k) for k in ("int4pack_version", "source", "created")}
+    return {"int4pack_version": rep.get("int4pack_version"), "source": rep.get("source"), "written": written}
 
 
 def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:

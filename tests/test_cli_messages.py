@@ -208,6 +208,17 @@ def test_a_local_typo_gets_did_you_mean(monkeypatch):
     assert r.exit_code == 3 and "did you mean" not in r.output
 
 
+def test_a_missing_child_of_a_local_folder_is_not_taken_for_a_hub_repo_id(monkeypatch, tmp_path):
+    """'data/model' with a local folder data: a local path, not the hub repo 'data/model'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "other").mkdir()
+    r = runner.invoke(app, ["inspect", "data/qwen3-gptq"])
+    assert r.exit_code == 3, r.output
+    assert "data/qwen3-gptq: no such folder (data has no 'qwen3-gptq')" in r.output
+    assert "hub" not in r.output.split("hint")[0] and "Hugging Face" not in r.output
+
+
 def test_inspect_shows_a_blobs_scales_and_provenance(tmp_path):
     int4pack.convert(SYM, tmp_path / "packed", serve_format="kleidiai")
     m = "model.layers.0.mlp.experts.0.up_proj"

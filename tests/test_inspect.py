@@ -148,7 +148,7 @@ def test_inspect_says_which_int4pack_made_an_output_and_prints_no_python_reprs(t
 
     runner = CliRunner()
     src = FIXTURES / "gptq_q3_sym"
-    before = datetime.now(timezone.utc).replace(microsecond=0)
+    before = datetime.now(timezone.utc).replace(second=0, microsecond=0)
     for fmt in ("compressed-tensors", "kleidiai"):
         out = tmp_path / fmt
         int4pack.convert(src, out, serve_format=fmt)
@@ -156,7 +156,7 @@ def test_inspect_says_which_int4pack_made_an_output_and_prints_no_python_reprs(t
         assert r.exit_code == 0, r.output
         line = next(x for x in r.output.splitlines() if x.startswith("  made by: "))
         assert line.startswith(f"  made by: int4pack {__version__} from {src}, "), line
-        made = datetime.strptime(line.rsplit(", ", 1)[1], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+        made = datetime.strptime(line.rsplit(", written ", 1)[1], "%Y-%m-%d %H:%M UTC").replace(tzinfo=timezone.utc)
         assert before <= made <= datetime.now(timezone.utc)
         for repr_ in ("None", "{'", "['", "True", "False"):
             assert repr_ not in r.output, (repr_, r.output)

@@ -88,7 +88,7 @@ def _summary(o, r: dict) -> None:
     made = r.get("made_by")
     if made:
         o.text(f"  made by: int4pack {made['int4pack_version']} from {escape(str(made['source']))}"
-               + (f", {made['created']}" if made.get("created") else ""))
+               + f", written {made['written']}")
     if made and not p["ok"]:  # int4pack's own output that is no convert source: verify is its check
         o.text("  a converted output: `int4pack verify PATH --against SOURCE` checks it")
     elif p["ok"]:
