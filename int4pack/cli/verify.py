@@ -96,6 +96,8 @@ def _render(o, r: dict) -> None:
         o.text(f"  note: {n}")
     for p in st["problems"][:20]:
         o.text(f"  [red]x[/red] {p['where']}: {p['message']}")
+        if p.get("hint"):
+            o.text(f"    hint: {p['hint']}")
     cp = r.get("copies")
     if cp is not None:
         o.text(f"  copied tensors: {cp['checked']} compared byte for byte with the source: "
