@@ -248,7 +248,10 @@ def convert(
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
             # measured vLLM releases that fail on this output: its scales and dtypes, its routing
             "serving": serving_warnings(plan.schemes(), unloadable_releases(ckpt.family_type)) + routing,
-            "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
+            "routing_warnings": routing,  # the model class or its routing, not a dtype; in full
+            # the same without vLLM's detail, as the terminal shows them (-v: in full)
+            "routing_notes": ([] if unserved else routing_warnings(ckpt.family_type, ckpt.text_config, packed,
+                                                                   short=True)) + family_warnings(ckpt.family_type),
         }
         report["next"], report["next_command"], report["next_notes"] = next_steps(
             str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
@@ -318,7 +321,7 @@ def convert(
     return report
 
 
-_RUN_ONLY = ("next", "next_command", "next_notes", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
+_RUN_ONLY = ("next", "next_command", "next_notes", "routing_notes", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
 def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
     """How a kept shard's header metadata differs from what this run would write, or None."""
     try:

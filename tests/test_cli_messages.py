@@ -296,3 +296,22 @@ def test_verify_on_a_source_says_to_convert_it_first():
     data = json.loads(runner.invoke(app, ["verify", SYM, "--json"]).stdout)
     (p,) = data["structural"]["problems"]
     assert p["hint"].startswith("verify checks int4pack's output")
+
+
+@pytest.mark.parametrize("name", ["ct_deepseekv3_w4a16", "ct_llama4_w4a16", "ct_minimaxm2_w4a16",
+                                  "ct_deepseekv32_w4a16", "gptq_q3_sym"])
+def test_warnings_fit_three_lines_with_vllms_detail_under_v(tmp_path, name):
+    """At most 3 lines of 80 columns per warning; the vLLM detail (where vLLM raises what) only with
+    -v and in --json, where every warning is there in full."""
+    src = str(FIXTURES / name)
+    for cmd in (["convert", src, str(tmp_path / "o"), "--dry-run"], ["inspect", src]):
+        short = [x for x in runner.invoke(app, cmd).output.splitlines() if x.startswith("warning: ")]
+        full = [x for x in runner.invoke(app, [*cmd, "-v"]).output.splitlines() if x.startswith("warning: ")]
+        assert len(short) == len(full), (short, full)
+        assert all(len(x) <= 240 for x in short), max(short, key=len)
+        data = json.loads(runner.invoke(app, [*cmd, "--json"]).stdout)
+        shown = {w[len("warning: "):] for w in full}
+        every = data["routing_warnings"] if cmd[0] == "convert" else data["serving"]
+        assert set(every) <= shown, (every, full)  # -v shows every warning --json has, in full
+        if name not in ("gptq_q3_sym", "ct_deepseekv32_w4a16"):  # the routing ones quote vLLM's source
+            assert any(".py" in w for w in full) and not any(".py" in w for w in short), (short, full)

@@ -134,7 +134,7 @@ def _render_plan(o: Output, r: dict) -> None:
         more = f" and {len(items) - 1} more" if len(items) > 1 else ""
         o.warning(f"{sum(s['modules'] for s in items)} module(s) cannot run group {items[0]['requested']} "
                   f"({reason}): {items[0]['module']}{more} get {scheme}")
-    for w in r.get("routing_warnings", []):
+    for w in r.get("routing_warnings" if o.verbosity >= 1 else "routing_notes", []):
         o.warning(w)
     paths = p["paths"]
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])

@@ -98,7 +98,8 @@ def _summary(o, r: dict) -> None:
         o.text(f"  convert plan: [red]refused[/red]: {p['refused']}")
         if p.get("hint"):
             o.text(f"  hint: {p['hint']}")
-    for w in r.get("serving_notes", r.get("serving", [])) + r.get("model_warnings", []):
+    full = o.verbosity >= 1  # the vLLM detail (the exception and where vLLM raises it) under -v
+    for w in r.get("serving", []) if full else r.get("serving_notes", []) + r.get("model_notes", []):
         o.warning(w)
     ks = r["kleidiai_summary"]
     o.text(f"  KleidiAI ({'this checkpoint' if r['is_w4a8_output'] else 'after convert'}): {ks['kleidiai']} "
