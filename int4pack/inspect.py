@@ -10,6 +10,9 @@ recorded KleidiAI layout and each blob's shape, and dumps a blob's block structu
 
 from __future__ import annotations
 
+import json
+from datetime import datetime, timezone
+
 import torch
 
 from . import blobs, expert_layout, kleidiai
@@ -22,6 +25,7 @@ from .groups import groupwise_problem
 from .nibbles import AWQ_ORDER
 from .serve_spec import PLAIN_MODULES, QUANT_METHOD, SUFFIX, read_record, record_problems
 from .vllm_compat import routing_warnings, serving_notes, serving_warnings
+from .writer import REPORT_NAME
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -53,7 +57,23 @@ def _head(ckpt: Checkpoint, label: str) -> dict:
             # names with layer/expert numbers folded to N: what a bug report about a layout needs
             "tensor_names": [{"pattern": p, "count": c} for p, c in name_summary(ckpt.tensors)],
             "architectures": ckpt.config.get("architectures"), "shards": len(ckpt.shards),
-            "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values())}
+            "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values()),
+            "made_by": _made_by(ckpt)}
+
+
+def _made_by(ckpt: Checkpoint) -> dict | None:
+    """Which int4pack made this output and from which source (its report), and when the report was
+    written (its modification time: the file itself holds no date, so that a conversion's bytes are
+    the same on every run), or None for a folder int4pack did not write."""
+    path = ckpt.folder / REPORT_NAME
+    try:
+        rep = json.loads(path.read_text())
+        written = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rep, dict) or "int4pack_version" not in rep:
+        return None
+    return {"int4pack_version": rep.get("int4pack_version"), "source": rep.get("source"), "written": written}
 
 
 def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
@@ -110,6 +130,8 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     skip = unloadable_releases(ckpt.family_type)
     out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
                              + family_warnings(ckpt.family_type, ckpt.text_config))
+    out["model_notes"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=True, short=True)
+                          + family_warnings(ckpt.family_type, ckpt.text_config))  # as the terminal shows them
     out["serving"] = serving_warnings(gs, skip) + out["model_warnings"]
     out["serving_notes"] = serving_notes(gs, skip)  # the same, one short line per release
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),
@@ -182,7 +204,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     for name, s in sorted(specs.items()):
         rec = {"role": roles.get(name), "format": s.fmt, "n": s.n, "k": s.k, "group_size": s.group_size,
                "sym": s.sym, "act_order": s.act_order, "scale_dtype": s.scale_dtype, "bias": s.has_bias,
-               "path": paths.get(name, "refused" if out["plan"].get("refused") else None)}
+               # int4pack's own output that is no convert source: no path to predict, nothing refused
+               "path": paths.get(name, "refused" if out["plan"].get("refused") and not out["made_by"] else None)}
         if s.refused:
             rec["refused"] = s.refused
         if is_output:
@@ -208,6 +231,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     # the model class or its routing: printed in full, whatever the dtype
     out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=False)
                              + family_warnings(ckpt.family_type, ckpt.text_config))
+    out["model_notes"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=False, short=True)
+                          + family_warnings(ckpt.family_type, ckpt.text_config))  # as the terminal shows them
     out["serving"] = serving_warnings(g_out, skip) + out["model_warnings"]
     out["serving_notes"] = serving_notes(g_out, skip)
     counts = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),

@@ -71,6 +71,10 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Pa
         raise InputError(f"{s}: no such folder; did you mean {near}?", path=s,
                          hint=f"Pass {near} if that is the checkpoint.")
     parts = s.split("/")
+    if len(parts) == 2 and Path(parts[0]).expanduser().is_dir():  # a local folder's child, misspelt
+        raise InputError(f"{s}: no such folder ({parts[0]} has no {parts[1]!r})", path=s,
+                         hint=f"Check the path (ls {parts[0]}); a hub repo id is read only when no local "
+                              f"folder {parts[0]} exists.")
     if (s.count("/") != 1 or s.startswith((".", "/", "~")) or any(c in s for c in " \\:")
             or any(not x or x in (".", "..") or ".." in x or "--" in x or x[0] in ".-" or x[-1] in ".-"
                    for x in parts)):
@@ -90,10 +94,11 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Pa
     try:
         local = snapshot_download(s, revision=revision, allow_patterns=patterns)
     except LocalEntryNotFoundError as e:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
+        offline = _offline()
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
         raise InputError(f"{s}: not in the local Hugging Face cache and {why}", path=s,
-                         hint="Download it first (hf download " + s + ") or unset HF_HUB_OFFLINE.") from e
+                         hint=f"Download it first (hf download {s})"
+                              + (" or unset HF_HUB_OFFLINE." if offline else ", where the hub can be reached.")) from e
     except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
         raise InputError(f"{s}: {type(e).__name__}: {str(e).splitlines()[0]}", path=s,
                          hint="Check the repo id and revision, and log in (hf auth login) for gated repos.") from e
@@ -105,6 +110,10 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Pa
                          hint="Check the path, or pass a repo id such as Qwen/Qwen3-30B-A3B-GPTQ-Int4.") from e
     _check_snapshot(s, Path(local))
     return Path(local)
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes", "on"}
 
 
 def _did_you_mean(p: Path) -> str | None:
@@ -142,5 +151,5 @@ def _check_snapshot(repo: str, folder: Path) -> None:
             raise InputError(
                 f"{repo}: the cached snapshot {folder.name[:12]} is a partial download: {name} {why}",
                 path=str(folder / name),
-                hint=f"Finish the download (hf download {repo}; it needs the network, so unset HF_HUB_OFFLINE), "
-                     "then run again.")
+                hint=f"Finish the download (hf download {repo}; it needs the network"
+                     + (", so unset HF_HUB_OFFLINE" if _offline() else "") + "), then run again.")

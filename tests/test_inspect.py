@@ -144,3 +144,36 @@ def test_scheme_per_module_before_and_after_convert(tmp_path):
     assert {v["group_size"] for m, v in o["modules"].items() if "kv_b" not in m} == {32}
     res = CliRunner().invoke(app, ["inspect", str(tmp_path / "src")])
     assert res.exit_code == 0 and "group 32 (bf16 scales) x 26, channel (fp32 scales) x 2" in res.output
+
+
+def test_inspect_says_which_int4pack_made_an_output_and_prints_no_python_reprs(tmp_path):
+    from datetime import datetime, timezone
+
+    from typer.testing import CliRunner
+
+    from int4pack import __version__
+    from int4pack.cli import app
+
+    runner = CliRunner()
+    src = FIXTURES / "gptq_q3_sym"
+    before = datetime.now(timezone.utc).replace(second=0, microsecond=0)
+    for fmt in ("compressed-tensors", "kleidiai"):
+        out = tmp_path / fmt
+        int4pack.convert(src, out, serve_format=fmt)
+        r = runner.invoke(app, ["inspect", str(out)], env={"COLUMNS": "80"})
+        assert r.exit_code == 0, r.output
+        line = next(x for x in r.output.splitlines() if x.startswith("  made by: "))
+        assert line.startswith(f"  made by: int4pack {__version__} from {src}, "), line
+        made = datetime.strptime(line.rsplit(", written ", 1)[1], "%Y-%m-%d %H:%M UTC").replace(tzinfo=timezone.utc)
+        assert before <= made <= datetime.now(timezone.utc)
+        for repr_ in ("None", "{'", "['", "True", "False"):
+            assert repr_ not in r.output, (repr_, r.output)
+        assert "refused" not in r.output, r.output  # a healthy output: nothing to refuse
+        # -vv shows more than -v: every quantised module on a row of its own
+        v1 = runner.invoke(app, ["inspect", str(out), "-v"], env={"COLUMNS": "200"}).output
+        v2 = runner.invoke(app, ["inspect", str(out), "-vv"], env={"COLUMNS": "200"}).output
+        mods = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)["modules"]
+        assert "Every quantised module" in v2 and "Every quantised module" not in v1
+        rows = v2[v2.index("Every quantised module"):].splitlines()
+        assert all(any(x.split()[:1] == [m] for x in rows) for m in mods), sorted(mods)[:3]
+    assert runner.invoke(app, ["inspect", str(src)]).output.count("made by") == 0  # not ours

