@@ -18,12 +18,12 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"  # real producer checkpo
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 # Fixtures of the 2025-26 MoE families (DeepSeek-V3 and relatives, GLM, MiniMax-M2, Kimi,
 # Qwen3.5/Qwen3-Next, Llama 4, gpt-oss MXFP4) and of the late-2026 families (Gemma-4,
-# DeepSeek-V4, GLM-5.2, MiniMax-M3, Laguna, EXAONE-MoE, GLM-5.3-Flash, Step-3.5, Kimi-K3, each
-# with its bf16 float twin `dense_<family>`). Their shapes differ from the 2-layer 4-expert
+# DeepSeek-V4, GLM-5.2, MiniMax-M3, Laguna, EXAONE-MoE, GLM-5.3-Flash, Step-3.5 twice, Kimi-K3,
+# each with its bf16 float twin `dense_<family>`). Their shapes differ from the 2-layer 4-expert
 # Qwen3-MoE/Mixtral set the generic fixture tests assume, so those tests leave them out and each
 # family's own tests use them by name.
 LATE_2026_FAMILIES = ("gemma4", "deepseekv4", "glmmoedsa", "minimaxm3", "laguna", "exaonemoe",
-                      "glm5next", "step3p5", "kimik3")
+                      "glm5next", "step3p5", "step3p5flash", "kimik3")
 FAMILY_FIXTURES_2026 = frozenset({
     "ct_deepseekv3_w4a16", "ct_glm4moe_w4a16", "ct_minimaxm2_w4a16", "ct_kimik2_w4a16",
     "ct_qwen35moe_w4a16", "ct_qwen35moe_vl_w4a16", "ct_qwen3next_w4a16", "ct_glm4moelite_w4a16",
