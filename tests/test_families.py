@@ -762,3 +762,15 @@ def test_real_step3p5_clamps_only_the_layers_its_config_names(tmp_path):
     r = int4pack.inspect(src)
     assert r["moe"]["routing"]["scale"] == tc["moe_router_scaling_factor"]
     assert sum(1 for m in r["moe"]["layers"] if m["shared"]) == 2  # share_expert beside moe
+
+
+@pytest.mark.parametrize("fixture", ["ct_gemma4_w4a16", "ct_minimaxm3_w4a16", "ct_glmmoedsa_w4a16",
+                                     "ct_deepseekv4_w4a16", "ct_kimik3_w4a16", "ct_exaonemoe_w4a16"])
+def test_late_fixture_packed_format_verifies(fixture, tmp_path):
+    """The packed serving format of the late-2026 families whose linears KleidiAI packs (Laguna's,
+    GLM-5.3-Flash's and Step-3.5's N = 2 / 4 gate projections are refused until the format decides
+    per module)."""
+    src = FIXTURES / fixture
+    int4pack.convert(src, tmp_path / "out", serve_format="kleidiai")
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"] and v["structural"]["serve_format"] == "kleidiai", v["verdict"]
