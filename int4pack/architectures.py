@@ -46,10 +46,10 @@ FUSED = FUSED_ONLY
 _ROLE = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 # an MoE block: mlp, block_sparse_moe, feed_forward, DeepSeek-V4's on-disk ffn, or the decoder layer
 # itself (Gemma-4: layers.N.experts beside the dense layers.N.mlp)
-_BLOCK = r"(?:mlp|block_sparse_moe|feed_forward|ffn|layers\.\d+)"
+_BLOCK = r"(?:mlp|block_sparse_moe|feed_forward|ffn|moe|layers\.\d+)"  # moe: Step-3.5 (vLLM step3p5.py)
 _EXPERT = re.compile(
     rf"^(?P<moe>.+?\.{_BLOCK})\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
-_SHARED = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward|ffn|block_sparse_moe)\.shared_experts?)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_SHARED = re.compile(r"^(?P<mlp>.+?\.(?:(?:mlp|feed_forward|ffn|block_sparse_moe)\.shared_experts?|share_expert))\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _DENSE = re.compile(r"^(?P<mlp>.+?\.(?:mlp|feed_forward))\.(?P<proj>gate_proj|up_proj|down_proj)$")
 _ATTN = re.compile(r"\.(self_attn|attention|attn|linear_attn)\.")
 # an MoE block's router weight (less ".weight"): mlp.gate (Qwen, DeepSeek), block_sparse_moe.gate
@@ -205,7 +205,8 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
         elif role in ("shared_expert", "dense_mlp"):
             mlps.setdefault(d["mlp"], {})[d["proj"]] = name
             if role == "shared_expert":
-                moe = d["mlp"].rsplit(".", 1)[0]
+                parent, leaf = d["mlp"].rsplit(".", 1)
+                moe = f"{parent}.moe" if leaf == "share_expert" else parent  # Step-3.5: moe beside share_expert
                 layers.setdefault(moe, MoELayer(moe)).shared[d["proj"]] = name
 
     names = set(tensor_names)

@@ -124,7 +124,8 @@ def moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
         norm = norm_weight(ck, prefix, NORMS, t.norm_offset)
         wants_bias = r.bias if r is not None else t.routing.get("bias")
         bias_name = next((n for n in (f"{prefix}.gate.e_score_correction_bias", f"{prefix}.e_score_correction_bias",
-                                      f"{prefix}.experts.e_score_correction_bias", f"{prefix}.gate.bias")
+                                      f"{prefix}.experts.e_score_correction_bias", f"{prefix}.gate.bias",
+                                      f"{prefix}.router_bias")
                           if n in ck.tensors), None) if wants_bias else None
         bias = ck.get(bias_name).float() if bias_name else None
         pes_name = f"{prefix}.router.per_expert_scale"  # Gemma-4: the MoE block is the decoder layer

@@ -322,6 +322,7 @@ REAL = {  # fixture: (family type, routing kind, where the score bias lives)
     "ct_glm5next_w4a16": ("glm5_next", "DeepSeekV3", "mlp.gate.e_score_correction_bias"),
     "ct_kimik3_w4a16": ("kimi_k3", "DeepSeekV3", "block_sparse_moe.gate.e_score_correction_bias"),
     "ct_exaonemoe_w4a16": ("exaone_moe", "DeepSeekV3", "mlp.e_score_correction_bias"),
+    "ct_step3p5flash_w4a16": ("step3p5", "MiniMax2", "moe.router_bias"),
 }
 
 
@@ -746,3 +747,30 @@ def test_shared_experts_in_the_table():
     assert layer_moe("mixtral", {"num_experts_per_tok": 2}).shared_experts == 0
     assert layer_moe("gemma4", _text_config("ct_gemma4_w4a16")).shared_experts == 0
     assert layer_moe("glm5_next", _text_config("ct_glm5next_w4a16"), 1).shared_gate is False  # added ungated
+
+
+def test_real_step3p5_clamps_only_the_layers_its_config_names(tmp_path):
+    """swiglu_limits [0, 0, 7]: layer 1 SiLU * up (0 is no clamp), layer 2 the clamp after the SiLU
+    (transformers 5.23.0 step3p7/modeling_step3p7.py Step3p7SparseMoeBlock / Step3p7Experts)."""
+    src = FIXTURES / "ct_step3p5flash_w4a16"
+    tc = _text_config("ct_step3p5flash_w4a16")
+    assert tc["swiglu_limits"] == [0, 0, 7]
+    int4pack.convert(src, tmp_path / "out")
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"], v["verdict"]
+    assert [lay["activation"].split(" (")[0] for lay in v["layers"]] == ["silu", "swiglustep limit 7"]
+    r = int4pack.inspect(src)
+    assert r["moe"]["routing"]["scale"] == tc["moe_router_scaling_factor"]
+    assert sum(1 for m in r["moe"]["layers"] if m["shared"]) == 2  # share_expert beside moe
+
+
+@pytest.mark.parametrize("fixture", ["ct_gemma4_w4a16", "ct_minimaxm3_w4a16", "ct_glmmoedsa_w4a16",
+                                     "ct_deepseekv4_w4a16", "ct_kimik3_w4a16", "ct_exaonemoe_w4a16"])
+def test_late_fixture_packed_format_verifies(fixture, tmp_path):
+    """The packed serving format of the late-2026 families whose linears KleidiAI packs (Laguna's,
+    GLM-5.3-Flash's and Step-3.5's N = 2 / 4 gate projections are refused until the format decides
+    per module)."""
+    src = FIXTURES / fixture
+    int4pack.convert(src, tmp_path / "out", serve_format="kleidiai")
+    v = int4pack.verify(tmp_path / "out", against=src)
+    assert v["ok"] and v["structural"]["serve_format"] == "kleidiai", v["verdict"]

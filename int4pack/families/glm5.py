@@ -47,6 +47,10 @@ GLM_MOE_DSA = Family(
     routing=DEEPSEEK_V3,
     routing_label="DeepSeekV3",
     kept=(_BIAS, (r"\.self_attn\.indexer\.(?:k_norm|weights_proj\.bias)", "sparse-attention indexer norms: copied")),
+    # vLLM's GlmMoeDsaForCausalLM is DeepSeek-V3.2's model with its DSA indexer (inference from the
+    # class names): the indexer's wk and weights_proj load into the unquantised wk_weights_proj
+    float_only=((r"\.indexer\.(?:wk|weights_proj)$",
+                 "vLLM builds the indexer's wk_weights_proj unquantised (as DeepSeek-V3.2's)"),),
     moe=_glm52,
     serve={"0.19.1": "no: MLA refused on CPU", "0.32.0": "not run (DeepSeekV3 routing: packed format)"},
 )

