@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import int4pack
-from _reference import FAMILY_FIXTURES_2026, FIXTURES, awq_decode, gptq_decode, load_all
+from _reference import FAMILY_FIXTURES_2026, FIXTURES, FORMAT_FIXTURES, awq_decode, gptq_decode, load_all
 from int4pack.cli import app
 from int4pack.inspect import kleidiai_gate
 
@@ -33,7 +33,8 @@ EXPECTED = {
 
 
 def test_every_fixture_is_listed():
-    present = {p.name for p in FIXTURES.iterdir() if p.is_dir()} - {"dense_qwen3moe"} - FAMILY_FIXTURES_2026
+    present = ({p.name for p in FIXTURES.iterdir() if p.is_dir()} - {"dense_qwen3moe"} - FAMILY_FIXTURES_2026
+               - FORMAT_FIXTURES)
     assert present == set(EXPECTED)
 
 
