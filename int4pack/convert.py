@@ -34,8 +34,8 @@ from .target_config import output_config
 from .vllm_compat import next_steps, routing_warnings, serving_warnings
 from .workdir import check_space, partial_folder
 from .workers import job_workers
-from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, copy_checksums,
-                     digest_kind, shard_names, tensor_crc)
+from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, check_target,
+                     copy_checksums, digest_kind, shard_names, tensor_crc)
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
     from .w4a8 import W4A8Linear
@@ -264,7 +264,11 @@ def convert(
         if packed:
             report["serve_format_planned"] = KLEIDIAI
             report["plan"][PLAIN_MODULES] = plain
-        if dry_run:
+        if dry_run:  # refuse what the run would refuse: the output folder, the free space
+            check_target(Path(out), folder, overwrite=overwrite)
+            extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
+            where = next(p for p in Path(out).expanduser().absolute().parents if p.is_dir())
+            check_space(where, where, sum(t.nbytes for t in plan.outputs) + extra, len(plan.outputs), fresh=False)
             report["dry_run"] = True
             report["output"] = str(out)
             report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m), "group_size": j.group_size}

@@ -657,6 +657,54 @@ def hash_shard(path: Path, like: str | None = None, per_tensor: dict | None = No
 CHECKSUM_KEYS = ("size", "header_sha256", "data_digest")
 
 
+def check_target(out: Path, source: Path, *, overwrite: bool) -> None:
+    """Refuse an OUT that a run could not write or must not replace, changing nothing: what
+    ``OutputDir.open`` checks first, and what ``convert --dry-run`` checks so that it says ok only to
+    what the run accepts."""
+    out = out.expanduser().absolute()
+    _check_place(out, source)
+    _check_existing(out, overwrite)
+    _check_work(partial_folder(out))
+
+
+def _check_place(out: Path, source: Path) -> None:
+    if out.is_symlink() and not out.exists():  # the final rename would fail after the whole run
+        raise OutputError(f"{out}: is a symlink to {os.readlink(out)}, which does not exist", path=str(out),
+                          hint="Remove the link or pick another OUT.")
+    src, outr = source.resolve(), out.resolve()
+    if outr == src or src in outr.parents:
+        raise OutputError(f"{out}: is inside the source folder {src}", path=str(out),
+                          hint="The source is read-only to int4pack; write the output elsewhere.")
+    if outr in src.parents:
+        raise OutputError(f"{out}: contains the source folder {src}", path=str(out),
+                          hint="Pick an OUT that does not contain the source.")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a folder", path=str(out),
+                          hint="Remove the file or pick another OUT.")
+
+
+def _check_existing(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise OutputError(f"{out}: already exists", path=str(out),
+                          hint="Pass --overwrite to replace it, or pick another OUT.")
+    if out.exists() and any(out.iterdir()) and not (out / REPORT_NAME).is_file():
+        # --overwrite replaces a previous int4pack output, never an arbitrary folder
+        raise OutputError(f"{out}: is not empty and is not an int4pack output (no {REPORT_NAME})",
+                          path=str(out), hint="Pick another OUT, or remove that folder yourself.")
+
+
+def _check_work(work: Path) -> None:
+    if work.is_symlink():
+        raise OutputError(f"{work}: the work folder is a symlink (to {os.readlink(work)})", path=str(work),
+                          hint="int4pack builds the output in a folder of its own; remove the link and run again.")
+    if work.exists() and hasattr(os, "getuid") and work.stat().st_uid != os.getuid():
+        raise OutputError(f"{work}: the work folder belongs to another user (uid {work.stat().st_uid})",
+                          path=str(work), hint="Remove it, or write the output elsewhere.")
+    if work.exists() and not _is_ours(work):
+        raise OutputError(f"{work}: exists but is not an int4pack work folder", path=str(work),
+                          hint="Remove it (it is not ours) and run again.")
+
+
 @dataclass
 class OutputDir:
     """The final folder, its hidden work folder, and the resume state inside it.
@@ -675,44 +723,18 @@ class OutputDir:
     @classmethod
     def open(cls, out: Path, source: Path, fingerprint: str, *, overwrite: bool, resume: bool) -> "OutputDir":
         out = out.expanduser().absolute()
-        if out.is_symlink() and not out.exists():  # the final rename would fail after the whole run
-            raise OutputError(f"{out}: is a symlink to {os.readlink(out)}, which does not exist", path=str(out),
-                              hint="Remove the link or pick another OUT.")
-        src, outr = source.resolve(), out.resolve()
-        if outr == src or src in outr.parents:
-            raise OutputError(f"{out}: is inside the source folder {src}", path=str(out),
-                              hint="The source is read-only to int4pack; write the output elsewhere.")
-        if outr in src.parents:
-            raise OutputError(f"{out}: contains the source folder {src}", path=str(out),
-                              hint="Pick an OUT that does not contain the source.")
-        if out.exists() and not out.is_dir():
-            raise OutputError(f"{out}: exists and is not a folder", path=str(out),
-                              hint="Remove the file or pick another OUT.")
+        _check_place(out, source)
         if out.is_dir() and (out / REPORT_NAME).is_file():
             _drop_work_files(out)  # left by a run stopped inside commit(), after its rename: the output is whole
-        if out.exists() and not overwrite:
-            raise OutputError(f"{out}: already exists", path=str(out),
-                              hint="Pass --overwrite to replace it, or pick another OUT.")
-        if out.exists() and any(out.iterdir()) and not (out / REPORT_NAME).is_file():
-            # --overwrite replaces a previous int4pack output, never an arbitrary folder
-            raise OutputError(f"{out}: is not empty and is not an int4pack output (no {REPORT_NAME})",
-                              path=str(out), hint="Pick another OUT, or remove that folder yourself.")
+        _check_existing(out, overwrite)
         try:  # missing parents are created, as mkdir -p would
             out.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise OutputError(f"{out.parent}: cannot create the output's parent folder: {e.strerror or e}",
                               path=str(out.parent), hint="Pick an OUT whose parent can be a folder.") from e
         work = partial_folder(out)
+        _check_work(work)
         progress = {"fingerprint": fingerprint, "shards": {}, "jobs": {}}
-        if work.is_symlink():
-            raise OutputError(f"{work}: the work folder is a symlink (to {os.readlink(work)})", path=str(work),
-                              hint="int4pack builds the output in a folder of its own; remove the link and run again.")
-        if work.exists() and hasattr(os, "getuid") and work.stat().st_uid != os.getuid():
-            raise OutputError(f"{work}: the work folder belongs to another user (uid {work.stat().st_uid})",
-                              path=str(work), hint="Remove it, or write the output elsewhere.")
-        if work.exists() and not _is_ours(work):
-            raise OutputError(f"{work}: exists but is not an int4pack work folder", path=str(work),
-                              hint="Remove it (it is not ours) and run again.")
         try:
             work.mkdir(parents=False, exist_ok=True)
         except OSError as e:

@@ -144,6 +144,29 @@ def test_free_space_is_checked_against_the_plan(tmp_path, monkeypatch):
     assert not out.exists() and not (out.parent / ".out.int4pack-partial").exists()
 
 
+def test_dry_run_refuses_what_the_run_refuses(tmp_path, monkeypatch):
+    """--dry-run says ok only where the run would start: an existing OUT without --overwrite, a
+    folder that is not an int4pack output, a dangling link, too little free space: each the run's
+    exit code and message, and nothing written."""
+    out = tmp_path / "out"
+    int4pack.convert(SYM, out)
+    for args, want in ((["convert", SYM, str(out), "--dry-run"], "already exists"),
+                       (["convert", SYM, str(tmp_path), "--dry-run", "--overwrite"], "is not an int4pack output")):
+        dry = runner.invoke(app, args)
+        real = runner.invoke(app, [a for a in args if a != "--dry-run"])
+        assert dry.exit_code == real.exit_code == EXIT_OUTPUT and want in dry.output, dry.output
+    assert runner.invoke(app, ["convert", SYM, str(out), "--dry-run", "--overwrite"]).exit_code == 0
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    r = runner.invoke(app, ["convert", SYM, str(tmp_path / "link"), "--dry-run"])
+    assert r.exit_code == EXIT_OUTPUT and "which does not exist" in r.output
+    plan_bytes = int4pack.convert(SYM, tmp_path / "dry", dry_run=True)["plan"]["out_bytes"]
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=plan_bytes // 2))
+    r = runner.invoke(app, ["convert", SYM, str(tmp_path / "new" / "out"), "--dry-run"])
+    assert r.exit_code == EXIT_OUTPUT and "not enough free space" in r.output, r.output
+    assert not (tmp_path / "new").exists() and not (tmp_path / "dry").exists()
+
+
 def test_one_short_serving_line_and_the_next_step(tmp_path):
     r = runner.invoke(app, ["convert", SYM, str(tmp_path / "out")])
     assert r.exit_code == 0
