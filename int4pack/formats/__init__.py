@@ -62,6 +62,12 @@ def open_reader(ckpt: Checkpoint) -> Reader:
         if method in {"compressed-tensors", "compressed_tensors"} or "config_groups" in q:
             from .compressed_tensors import CompressedTensorsReader
             return CompressedTensorsReader(ckpt, q)
+        if method == "gguf":  # the container gguf_checkpoint.py made the record
+            from .gguf import GGUFReader
+            return GGUFReader(ckpt, q)
+        if method == "mlx":  # the container mlx_checkpoint.py made the record
+            from .mlx import MLXReader
+            return MLXReader(ckpt, q)
         if method == "mxfp4" and ckpt.family_type == "gpt_oss":  # the only MXFP4 layout int4pack reads
             from .mxfp4 import MXFP4Reader
             return MXFP4Reader(ckpt, q)

@@ -1,0 +1,97 @@
+"""Tiny GGUF models written by the gguf package's own writer and quantiser (GGUFWriter,
+gguf.quants.quantize): the producer's files, for the GGUF reader's tests. Types gguf cannot
+quantise (the K-quants, IQ4_*) get random blocks with sane fp16 scales, which gguf's own
+dequantize then defines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+H, I, E, LAYERS, HEADS, KV, HEAD_DIM, VOCAB = 256, 256, 4, 2, 2, 1, 128, 320
+_SCALE_AT = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2), "IQ4_XS": (0, 2),
+             "Q8_0": (0, 2)}  # fp16 scale bytes of each block (Q4_K/Q5_K: d and dmin)
+
+
+def blocks(rng, x: np.ndarray, qtype: str) -> np.ndarray:
+    """x float32 [..., K] in ``qtype``'s block bytes: gguf's quantiser, else random blocks."""
+    import gguf
+    from gguf import quants
+
+    t = gguf.GGMLQuantizationType[qtype]
+    try:
+        return quants.quantize(x, t)
+    except NotImplementedError:
+        bs, ts = gguf.GGML_QUANT_SIZES[t]
+        n_blocks = x.size // bs
+        b = rng.integers(0, 256, (n_blocks, ts), dtype=np.uint8)
+        lo, hi = _SCALE_AT[qtype]
+        scale = rng.uniform(0.001, 0.01, (n_blocks, (hi - lo) // 2)).astype(np.float16)
+        b[:, lo:hi] = scale.view(np.uint8).reshape(n_blocks, hi - lo)
+        return b.reshape(*x.shape[:-1], x.shape[-1] // bs * ts)
+
+
+def write_qwen3moe(path: Path, *, expert_type: str = "Q4_0", attn_type: str = "Q4_0", embed_type: str = "F16",
+                   output: bool = True, seed: int = 0, split_max_tensors: int = 0) -> Path:
+    """A 2-layer qwen3moe GGUF with the tensors and metadata llama.cpp's converter writes."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, "qwen3moe", split_max_tensors=split_max_tensors)
+    w.add_block_count(LAYERS)
+    w.add_context_length(4096)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(3 * H)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV)
+    w.add_key_length(HEAD_DIM)
+    w.add_value_length(HEAD_DIM)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(E)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(I)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    tokens = [bytes([b]).decode("latin-1") for b in range(256)] + [f"t{i}" for i in range(VOCAB - 258)] + \
+        ["<|endoftext|>", "<|im_end|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (VOCAB - 2) + [3, 3])
+    w.add_token_merges(["t 0", "t 1"])
+    w.add_eos_token_id(VOCAB - 1)
+    w.add_bos_token_id(VOCAB - 2)
+    w.add_chat_template("{{ messages }}")
+
+    def put(name: str, shape: tuple, qtype: str, scale: float = 0.05) -> None:
+        x = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if qtype == "F32":
+            w.add_tensor(name, x)
+        elif qtype == "F16":
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, blocks(rng, x, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+    put("token_embd.weight", (VOCAB, H), embed_type)
+    for i in range(LAYERS):
+        put(f"blk.{i}.attn_norm.weight", (H,), "F32", 1.0)
+        put(f"blk.{i}.attn_q.weight", (HEADS * HEAD_DIM, H), attn_type)
+        put(f"blk.{i}.attn_k.weight", (KV * HEAD_DIM, H), attn_type)
+        put(f"blk.{i}.attn_v.weight", (KV * HEAD_DIM, H), attn_type)
+        put(f"blk.{i}.attn_output.weight", (H, HEADS * HEAD_DIM), attn_type)
+        put(f"blk.{i}.attn_q_norm.weight", (HEAD_DIM,), "F32", 1.0)
+        put(f"blk.{i}.attn_k_norm.weight", (HEAD_DIM,), "F32", 1.0)
+        put(f"blk.{i}.ffn_norm.weight", (H,), "F32", 1.0)
+        put(f"blk.{i}.ffn_gate_inp.weight", (E, H), "F32")
+        put(f"blk.{i}.ffn_gate_exps.weight", (E, I, H), expert_type)
+        put(f"blk.{i}.ffn_up_exps.weight", (E, I, H), expert_type)
+        put(f"blk.{i}.ffn_down_exps.weight", (E, H, I), expert_type)
+    put("output_norm.weight", (H,), "F32", 1.0)
+    if output:
+        put("output.weight", (VOCAB, H), "Q6_K" if embed_type != "F16" else "F16")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
