@@ -137,6 +137,13 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
         self._start_io()
         self._init_derived()
         headers = [_read_header(f) for f in files]
+        for f, (_, infos) in zip(files, headers):  # first: a type int4pack cannot read is named before anything
+            for name, qtype, *_ in infos:
+                if qtype not in GGUF_TYPES and qtype not in FLOAT_TYPES:
+                    raise RefusedError(f"{f.name}: tensor {name!r} is {qtype}, a GGUF type int4pack does not read",
+                                       path=str(f), tensor=name,
+                                       hint="int4pack reads GGUF F32/F16/BF16 and " + ", ".join(GGUF_TYPES) +
+                                            "; pick a quantisation of the model in one of them (e.g. Q4_0, Q4_K_M).")
         self.metadata: dict = headers[0][0]
         arch = str(self.metadata.get("general.architecture") or "")
         names = {name for _, infos in headers for name, *_ in infos}
@@ -175,11 +182,6 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
                                path=str(self.folder / file), tensor=name,
                                hint="int4pack maps GGUF names with gguf's TensorNameMap; this tensor is not one "
                                     f"{self.arch.cls} loads.")
-        if qtype not in GGUF_TYPES and qtype not in FLOAT_TYPES:
-            raise RefusedError(f"{file}: tensor {name!r} is {qtype}, a GGUF type int4pack does not read",
-                               path=str(self.folder / file), tensor=name,
-                               hint="int4pack reads GGUF F32/F16/BF16 and " + ", ".join(GGUF_TYPES) +
-                                    "; pick a quantisation of the model in one of them (e.g. Q4_0, Q4_K_M).")
         self.types[qtype] = self.types.get(qtype, 0) + 1
         shape = tuple(reversed(ne))  # GGUF's ne[0] is the fastest-varying dimension
         key = f"{hf}.{suffix}"

@@ -12,6 +12,10 @@ import numpy as np
 H, I, E, LAYERS, HEADS, KV, HEAD_DIM, VOCAB = 256, 256, 4, 2, 2, 1, 128, 320
 _SCALE_AT = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210), "IQ4_NL": (0, 2), "IQ4_XS": (0, 2),
              "Q8_0": (0, 2)}  # fp16 scale bytes of each block (Q4_K/Q5_K: d and dmin)
+# Q4_K/Q5_K: 12 bytes of 6-bit scales sc and mins m at byte 4 (ggml's get_scale_min_k4), all sc = 8, m = 60
+# (value d * (8 q - 60)) or sc = 4, m = 62 (d * (4 q - 62)); Q6_K: int8 scales at byte 192
+_SUB_SCALES = {"Q4_K": (4, [8] * 4 + [252] * 4 + [0xC8] * 4), "Q5_K": (4, [4] * 4 + [254] * 4 + [0xE4] * 4),
+               "Q6_K": (192, [8] * 16)}
 
 
 def blocks(rng, x: np.ndarray, qtype: str) -> np.ndarray:
@@ -26,6 +30,9 @@ def blocks(rng, x: np.ndarray, qtype: str) -> np.ndarray:
         bs, ts = gguf.GGML_QUANT_SIZES[t]
         n_blocks = x.size // bs
         b = rng.integers(0, 256, (n_blocks, ts), dtype=np.uint8)
+        if qtype in _SUB_SCALES:  # sub-block scales and mins that centre the values, as a quantiser's would
+            at, sub = _SUB_SCALES[qtype]
+            b[:, at:at + len(sub)] = sub
         lo, hi = _SCALE_AT[qtype]
         scale = rng.uniform(0.001, 0.01, (n_blocks, (hi - lo) // 2)).astype(np.float16)
         b[:, lo:hi] = scale.view(np.uint8).reshape(n_blocks, hi - lo)
