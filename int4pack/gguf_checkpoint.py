@@ -123,6 +123,8 @@ class GGUFLinear:
 class GGUFCheckpoint(DerivedTensors, Checkpoint):
     """See the module docstring."""
 
+    container = "gguf"  # what the reader table's rows see (formats/_api.Header)
+
     def __init__(self, path: str | os.PathLike):
         files = gguf_files(Path(path))
         self.folder = files[0].parent

@@ -83,6 +83,8 @@ class MLXLinear:
 class MLXCheckpoint(DerivedTensors, Checkpoint):
     """See the module docstring."""
 
+    container = "mlx"  # what the reader table's rows see (formats/_api.Header)
+
     def __init__(self, folder: str | os.PathLike):
         super().__init__(folder)
         self._init_derived()

@@ -16,9 +16,11 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ..nibbles import unpack_rows
-from ._common import cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, nontrivial_g_idx, owned, prefixes_with
+from ._api import Format, Header, quant_method
+from ._common import check_dtype, check_shape, g_idx_unless_trivial, nontrivial_g_idx, owned, prefixes_with, \
+    quant_params
 
-__all__ = ["CompressedTensorsReader", "Scheme"]
+__all__ = ["CompressedTensorsReader", "Scheme", "FORMAT", "claims"]
 
 _PACK = "pack-quantized"
 _INT = ("int-quantized", "naive-quantized")
@@ -74,16 +76,15 @@ def _scheme(name: str, group: dict, top_format: str | None) -> Scheme:
         raise InputError(f"quantization_config config group {name!r}: weights is a {type(w).__name__}, "
                          "not an object", hint="Fix the config: weights holds num_bits, strategy, group_size.")
     fmt = str(group.get("format") or top_format or "")
-    gs = w.get("group_size")
     try:
-        gs = int(gs) if gs is not None else None
-    except (TypeError, ValueError):
-        raise InputError(f"quantization_config config group {name!r}: group_size={gs!r} is not an integer",
-                         hint="Fix the config: group_size must be a number.") from None
-    strategy = str(w.get("strategy") or ("group" if gs and int(gs) > 0 else "channel"))
+        p = quant_params(w, bits=None, group_size=None)
+    except InputError as e:
+        raise InputError(f"quantization_config config group {name!r}: {str(e).removeprefix('quantization_config ')}",
+                         hint=e.hint) from None
+    strategy = str(w.get("strategy") or ("group" if p.group_size and p.group_size > 0 else "channel"))
     s = Scheme(name=name, targets=[str(t) for t in (group.get("targets") or [])], format=fmt,
-               bits=w.get("num_bits"), type=str(w.get("type", "int")), symmetric=cfg_bool(w, "symmetric", True),
-               strategy=strategy, group_size=int(gs) if gs is not None else None, problem=None)
+               bits=p.bits, type=str(w.get("type", "int")), symmetric=p.sym,
+               strategy=strategy, group_size=p.group_size, problem=None)
     s.problem = _scheme_problem(s, w)
     return s
 
@@ -121,13 +122,17 @@ def _small_ints(ck: Checkpoint, name: str) -> list:
     return np.frombuffer(ck.read_bytes(name), dtype=dt).reshape(t.shape).tolist()
 
 
+def claims(q: dict | None, header: Header) -> bool:
+    return q is not None and (quant_method(q) in ("compressed-tensors", "compressed_tensors") or "config_groups" in q)
+
+
 class CompressedTensorsReader:
     name = "compressed-tensors"
 
-    def __init__(self, ckpt: Checkpoint, qcfg: dict):
+    def __init__(self, ckpt: Checkpoint, qcfg: dict, path: str | None = None):
         self.ckpt = ckpt
         self.cfg = qcfg
-        self.path = str(ckpt.folder / "config.json")
+        self.path = path or str(ckpt.folder / "config.json")
         self.top_format = qcfg.get("format")
         self.version = str(qcfg.get("version") or "unknown")
         groups = qcfg.get("config_groups") or {}
@@ -415,3 +420,10 @@ class CompressedTensorsReader:
             if z.shape[0] == 1:
                 z = owned(z.expand(spec.n, groups))
         return None if bool((z == 8).all()) else z
+
+
+FORMAT = Format(
+    "compressed-tensors", claims, CompressedTensorsReader,
+    reads="quant_method compressed-tensors (pack-quantized, int-quantized)",
+    lossless="pack-quantized symmetric without g_idx at group 32/64/128 or channel; int-quantized W4A8 re-emitted",
+    requant="asymmetric, g_idx, other groups")

@@ -22,6 +22,7 @@ from .._lazy import torch
 from ..errors import RefusedError
 from ..gguf_checkpoint import FLOAT_TYPES, GGUF_TYPES, GGUFCheckpoint
 from ..records import FormatVerdict, LinearSpec, QuantLinear
+from ._api import Format, Header
 
 __all__ = ["GGUFReader", "q4_0_codes"]
 
@@ -118,3 +119,15 @@ class GGUFReader:
 
         w = quants.dequantize(blocks, GGMLQuantizationType[lin.qtype])
         return QuantLinear(spec, None, torch.ones(spec.n, 1), None, dense=torch.from_numpy(np.ascontiguousarray(w)))
+
+
+def claims(config: dict | None, header: Header) -> bool:
+    return header.container == "gguf"
+
+
+FORMAT = Format(
+    "gguf", claims, lambda ckpt, config, path: GGUFReader(ckpt, config),
+    reads="GGUF files (llama.cpp; a .gguf file, a folder holding one, or a split set) of qwen3moe and qwen2moe: "
+          "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16/BF16/F32",
+    lossless="Q4_0 modules whose block scales are all >= 0",
+    requant="every other type, and Q4_0 modules with negative block scales (llama.cpp's usual)")

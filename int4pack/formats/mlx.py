@@ -13,6 +13,7 @@ from .._lazy import torch
 from ..errors import RefusedError
 from ..mlx_checkpoint import MLXCheckpoint, dequantize
 from ..records import FormatVerdict, LinearSpec, QuantLinear
+from ._api import Format, Header
 
 __all__ = ["MLXReader"]
 
@@ -59,3 +60,14 @@ class MLXReader:
         codes, s, b = self.ckpt.linear_data(lin)
         w = torch.from_numpy(dequantize(codes, s, b, lin.group))
         return QuantLinear(spec, None, torch.from_numpy(s), None, dense=w)
+
+
+def claims(config: dict | None, header: Header) -> bool:
+    return header.container == "mlx"
+
+
+FORMAT = Format(
+    "mlx", claims, lambda ckpt, config, path: MLXReader(ckpt, config),
+    reads="MLX affine (mlx-lm): 4- and 8-bit, groups 32/64/128, switch_mlp experts, per-module bits",
+    lossless="none (q * scale + bias has a float bias)",
+    requant="every linear")

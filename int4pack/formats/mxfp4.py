@@ -21,8 +21,9 @@ from .._lazy import torch
 from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
+from ._api import Format, Header, quant_method
 
-__all__ = ["E2M1", "BLOCK", "decode", "deinterleave", "MXFP4Reader", "is_mxfp4"]
+__all__ = ["E2M1", "BLOCK", "decode", "deinterleave", "MXFP4Reader", "is_mxfp4", "FORMAT", "claims"]
 
 # E2M1 code -> value (sign bit 3, two exponent bits, one mantissa bit; OCP MX v1.0)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -35,7 +36,12 @@ _SPEC = re.compile(r"^(?P<p>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj
 
 
 def is_mxfp4(q: dict | None) -> bool:
-    return str((q or {}).get("quant_method", "")).lower() == "mxfp4"
+    return quant_method(q) == "mxfp4"
+
+
+def claims(q: dict | None, header: Header) -> bool:
+    """gpt-oss's MXFP4 release, the only MXFP4 layout this reader knows."""
+    return is_mxfp4(q) and header.model_type == "gpt_oss"
 
 
 def decode(blocks, scales):
@@ -68,7 +74,7 @@ class MXFP4Reader:
 
     name = "mxfp4"
 
-    def __init__(self, ckpt: Checkpoint, q: dict):
+    def __init__(self, ckpt: Checkpoint, q: dict, path: str | None = None):
         self.ckpt = ckpt
         self.q = q
         self._where: dict[str, tuple[str, int, str]] = {}  # module -> (experts prefix, e, role)
@@ -183,3 +189,10 @@ class MXFP4Reader:
             base = f"{m['p']}.{m['e']}"
             out[mod] = [f"{base}.gate_proj", f"{base}.up_proj", f"{base}.down_proj"]
         return out
+
+
+FORMAT = Format(
+    "mxfp4", claims, MXFP4Reader,
+    reads="quant_method mxfp4 (gpt-oss's release only)",
+    lossless="none (E2M1 values are not an int4 grid)",
+    requant="every expert, gate/up de-interleaved")
