@@ -134,7 +134,7 @@ def tokenizer_files(meta: dict, max_len: int | None) -> tuple[dict[str, bytes], 
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     tok = {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-        "normalizer": {"type": "NFC"} if pre == "qwen2" else None,
+        "normalizer": None,  # llama.cpp normalises nothing (transformers' GGUF tokenizer neither)
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
             {"type": "Split", "pattern": {"Regex": _PRE[pre]}, "behavior": "Isolated", "invert": False},
             byte_level]},
