@@ -40,7 +40,8 @@ GGUF_TYPES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K"
               "IQ4_NL": 32, "IQ4_XS": 32}
 FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # ggml type -> safetensors dtype
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-_LINEAR_LEAF = re.compile(r"(^|\.)(q|k|v|o|gate|up|down)_proj$")
+_LINEAR_LEAF = re.compile(r"\.((q|k|v|o|gate|up|down)_proj|w1|w2|w3)$")
+_EXPERT_LEAF = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 _ONE_ROW = (".mlp.shared_expert_gate",)  # HF holds these [1, H]; GGUF stores [H]
 
 
@@ -112,12 +113,13 @@ def _read_header(path: Path):
 
 
 class GGUFLinear:
-    """Where one linear's GGUF data lies: its key in ``tensors``, ggml type, [N, K], GGUF tensor name."""
+    """Where one linear's GGUF data lies: its key in ``tensors``, ggml type, [N, K], GGUF tensor name, and
+    for a RoPE-permuted q/k projection the GGUF row of each HF row."""
 
-    __slots__ = ("key", "qtype", "n", "k", "source")
+    __slots__ = ("key", "qtype", "n", "k", "source", "rows")
 
-    def __init__(self, key: str, qtype: str, n: int, k: int, source: str):
-        self.key, self.qtype, self.n, self.k, self.source = key, qtype, n, k, source
+    def __init__(self, key: str, qtype: str, n: int, k: int, source: str, rows: np.ndarray | None = None):
+        self.key, self.qtype, self.n, self.k, self.source, self.rows = key, qtype, n, k, source, rows
 
 
 class GGUFCheckpoint(DerivedTensors, Checkpoint):
@@ -188,7 +190,7 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
         shape = tuple(reversed(ne))  # GGUF's ne[0] is the fastest-varying dimension
         key = f"{hf}.{suffix}"
         quant = qtype in GGUF_TYPES
-        if ".experts." in hf and hf.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj"):
+        if ".experts." in hf and hf.rsplit(".", 1)[-1] in _EXPERT_LEAF:
             if len(shape) != 3 or suffix != "weight":
                 raise InputError(f"{name}: fused experts of shape {list(shape)}, expected [E, N, K]", tensor=name,
                                  path=str(self.folder / file), hint="The file is not a layout llama.cpp writes.")
@@ -200,21 +202,51 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
             return
         if hf.endswith(_ONE_ROW) and len(shape) == 1:
             shape = (1, shape[0])
+        rows = self._rope_rows(hf, shape[0])
         if suffix == "weight" and len(shape) == 2 and _LINEAR_LEAF.search(hf) and quant:
-            self._linear(hf, file, qtype, shape[0], shape[1], off, nbytes, name)
+            self._linear(hf, file, qtype, shape[0], shape[1], off, nbytes, name, rows)
+        elif not quant and rows is not None:  # a float q/k projection: its rows put back in HF's order
+            self.add_derived(TensorInfo(key, file, FLOAT_TYPES[qtype], shape, 0, nbytes),
+                             self._float_rows(file, qtype, shape, off, nbytes, rows))
         elif not quant:
             self.tensors[key] = TensorInfo(key, file, FLOAT_TYPES[qtype], shape, off, off + nbytes)
         else:  # a quantised tensor vLLM loads in float: BF16, dequantised when read
             self.add_derived(TensorInfo(key, file, "BF16", shape, 0, 2 * int(np.prod(shape))),
                              self._dequant_rows(file, qtype, shape, off, nbytes))
 
-    def _linear(self, module: str, file: str, qtype: str, n: int, k: int, off: int, nbytes: int, src: str) -> None:
+    def _rope_rows(self, hf: str, n: int) -> np.ndarray | None:
+        """HF row r of a q/k projection llama.cpp permuted is GGUF row rows[r] (None: not permuted).
+
+        LlamaModel.permute: W.reshape(h, 2, n / h / 2, K).swapaxes(1, 2), h the module's heads."""
+        if not self.arch.rope_permuted or not hf.endswith((".q_proj", ".k_proj")):
+            return None
+        key = "num_attention_heads" if hf.endswith(".q_proj") else "num_key_value_heads"
+        h = int(self.config.get(key) or self.config["num_attention_heads"])
+        if n % (2 * h):
+            raise InputError(f"{hf}: {n} rows are not {h} heads of pairs", tensor=hf,
+                             hint="The metadata's head counts disagree with the tensor; the file is damaged.")
+        perm = np.arange(n).reshape(h, 2, n // h // 2).swapaxes(1, 2).reshape(-1)  # GGUF row i = HF row perm[i]
+        return np.argsort(perm)
+
+    def _float_rows(self, file: str, qtype: str, shape: tuple, off: int, nbytes: int, order: np.ndarray):
+        info = TensorInfo("", file, FLOAT_TYPES[qtype], shape, off, off + nbytes)
+        item = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[qtype]
+
+        def rows(r0: int, r1: int) -> np.ndarray:
+            buf = np.empty(shape, item)
+            Checkpoint._read(self, info, buf, 0, nbytes)
+            return buf[order[r0:r1]]
+
+        return rows
+
+    def _linear(self, module: str, file: str, qtype: str, n: int, k: int, off: int, nbytes: int, src: str,
+                rows: np.ndarray | None = None) -> None:
         key = f"{module}.weight"
         if qtype in GGUF_TYPES:
             self.tensors[key] = TensorInfo(key, file, "U8", (n, nbytes // n), off, off + nbytes)
         else:
             self.tensors[key] = TensorInfo(key, file, FLOAT_TYPES[qtype], (n, k), off, off + nbytes)
-        self.gguf_linears[module] = GGUFLinear(key, qtype, n, k, src)
+        self.gguf_linears[module] = GGUFLinear(key, qtype, n, k, src, rows)
 
     def _dequant_rows(self, file: str, qtype: str, shape: tuple, off: int, nbytes: int):
         rows_n = shape[0]
@@ -233,7 +265,8 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
     def block_bytes(self, lin: GGUFLinear) -> np.ndarray:
         """A quantised linear's block bytes, U8 [N, bytes per row], in memory of its own."""
         t = self.tensors[lin.key]
-        return np.frombuffer(self.read_bytes(lin.key), np.uint8).reshape(t.shape)
+        b = np.frombuffer(self.read_bytes(lin.key), np.uint8).reshape(t.shape)
+        return b if lin.rows is None else b[lin.rows]  # rows of blocks are independent
 
     def extra_files(self) -> list[str]:
         return []  # the folder's other files belong to other quantisations or the hub's card

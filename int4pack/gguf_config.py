@@ -23,9 +23,11 @@ class Arch:
     """One GGUF architecture: its HF model type and class, metadata -> config keys, HF parameter names."""
 
     def __init__(self, gguf_name: str, model_type: str, cls: str, keys: dict[str, str], modules: tuple[str, ...],
-                 defaults: dict | None = None):
+                 defaults: dict | None = None, rope_permuted: bool = False):
         self.gguf_name, self.model_type, self.cls = gguf_name, model_type, cls
         self.keys, self.modules, self.defaults = keys, modules, defaults or {}
+        # llama.cpp's LlamaModel.permute reorders q_proj/k_proj rows for its RoPE (conversion/llama.py)
+        self.rope_permuted = rope_permuted
 
 
 # GGUF_CONFIG_MAPPING's shared part (transformers' qwen2_moe / qwen3_moe rows)
@@ -69,6 +71,14 @@ ARCHS: dict[str, Arch] = {a.gguf_name: a for a in (
                  "mlp.shared_expert.down_proj", "mlp.shared_expert_gate"),
          # llama.cpp's qwen2moe does not renormalise the top-k weights (Qwen2MoeConfig's default too)
          {"norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    # llama.cpp writes Mixtral as "llama" with experts; transformers' llama row, plus the expert keys
+    Arch("llama", "mixtral", "MixtralForCausalLM",
+         {k: v for k, v in _COMMON.items() if not k.startswith("expert_")} |
+         {"rope.dimension_count": "head_dim", "expert_count": "num_local_experts",
+          "expert_used_count": "num_experts_per_tok"},
+         _layers(*_ATTN, "input_layernorm", "post_attention_layernorm", "block_sparse_moe.gate",
+                 "block_sparse_moe.experts.w1", "block_sparse_moe.experts.w3", "block_sparse_moe.experts.w2"),
+         {"sliding_window": None}, rope_permuted=True),
 )}
 
 
@@ -98,8 +108,12 @@ def build_config(meta: dict, arch_name: str, has_output: bool, path: str) -> tup
             cfg[hf] = v
     for k, v in arch.defaults.items():
         cfg.setdefault(k, v)
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_experts")
-               if k not in cfg]
+    if arch_name == "llama" and not _meta(meta, "expert_count", arch_name):
+        raise RefusedError(f"{path}: a dense llama GGUF (no {arch_name}.expert_count): int4pack converts MoE models",
+                           path=path, hint="Pass a Mixtral GGUF, or another MoE architecture: " +
+                                           ", ".join(sorted(ARCHS)) + ".")
+    experts = "num_local_experts" if arch.model_type == "mixtral" else "num_experts"
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", experts) if k not in cfg]
     if missing:
         raise RefusedError(f"{path}: the GGUF metadata has no {', '.join(missing)} "
                            f"({', '.join(f'{arch_name}.' + k for k, v in arch.keys.items() if v in missing)})",

@@ -109,6 +109,7 @@ class GGUFReader:
             raise RefusedError(f"{spec.name}: not a linear of this GGUF checkpoint", tensor=spec.name)
         if lin.qtype in FLOAT_TYPES:
             w = self.ckpt.get(lin.key).float()
+            w = w if lin.rows is None else w[torch.from_numpy(lin.rows)]
             return QuantLinear(spec, None, torch.ones(spec.n, 1), None, dense=w)
         blocks = self.ckpt.block_bytes(lin)
         if lin.qtype == "Q4_0":

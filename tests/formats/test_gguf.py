@@ -17,7 +17,7 @@ import gguf  # noqa: E402
 from gguf import quants  # noqa: E402
 
 import int4pack  # noqa: E402
-from _gguf_files import E, H, I, LAYERS, VOCAB, blocks, write_qwen3moe  # noqa: E402
+from _gguf_files import E, H, I, LAYERS, VOCAB, blocks, llama_permute, write_moe, write_qwen3moe  # noqa: E402
 from int4pack.containers import open_checkpoint  # noqa: E402
 from int4pack.errors import InputError, RefusedError  # noqa: E402
 from int4pack.formats import open_reader  # noqa: E402
@@ -65,18 +65,45 @@ def test_experts_split_as_gguf_reads_them(tmp_path, qtype):
         assert np.array_equal(got, ref["blk.1.attn_output.weight"])
 
 
-def test_expert_orientation_against_the_written_floats(tmp_path):
-    """Independent of gguf's reader: F16 experts come back as the [E, N, K] floats written."""
-    p = write_qwen3moe(tmp_path / "m.gguf", expert_type="F16", seed=3)
-    rng = np.random.default_rng(3)  # write_qwen3moe's draws, in its order
-    for shape in [(VOCAB, H), (H,), (256, H), (128, H), (128, H), (H, 256), (128,), (128,), (H,), (E, H)]:
-        rng.standard_normal(shape)
-    gate = (rng.standard_normal((E, I, H)) * 0.05).astype(np.float32).astype(np.float16)
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama"])
+def test_float_tensors_against_the_written_floats(tmp_path, arch):
+    """Independent of gguf's reader: F16 experts and attention come back as the HF-order floats drawn
+    (llama: q/k rows permuted by llama.cpp's rule when written, put back when read)."""
+    written: dict = {}
+    p = write_moe(tmp_path / "m.gguf", arch, expert_type="F16", attn_type="F16", seed=3, written=written)
+    experts = "block_sparse_moe.experts" if arch == "llama" else "mlp.experts"
+    names = ("w1", "w3", "w2") if arch == "llama" else ("gate_proj", "up_proj", "down_proj")
     with open_checkpoint(p) as ck:
         r = open_reader(ck)
+        specs = r.linears()
         for e in range(E):
-            got = r.read(r.linears()[f"model.layers.0.mlp.experts.{e}.gate_proj"]).dequantize().numpy()
-            assert np.array_equal(got, gate[e].astype(np.float32))
+            for proj, gname in zip(names, ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")):
+                got = r.read(specs[f"model.layers.1.{experts}.{e}.{proj}"]).dequantize().numpy()
+                want = written[f"blk.1.{gname}.weight"][e].astype(np.float16).astype(np.float32)
+                assert np.array_equal(got, want), (e, proj)
+        for proj, gname in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
+            got = ck.get(f"model.layers.0.self_attn.{proj}.weight").float().numpy()
+            assert np.array_equal(got, written[f"blk.0.{gname}.weight"].astype(np.float16).astype(np.float32)), proj
+        if arch == "qwen2moe":
+            assert ck.tensors["model.layers.0.mlp.shared_expert_gate.weight"].shape == (1, H)
+            got = ck.get("model.layers.0.self_attn.q_proj.bias").numpy()
+            assert np.array_equal(got, written["blk.0.attn_q.bias"])
+
+
+@pytest.mark.parametrize("arch", ["qwen2moe", "llama"])
+def test_other_architectures_convert_and_verify(tmp_path, arch):
+    p = write_moe(tmp_path / "m.gguf", arch, expert_type="Q4_K", attn_type="Q4_0")
+    ref = _producer(p)
+    with open_checkpoint(p) as ck:
+        r = open_reader(ck)
+        if arch == "llama":  # a quantised q projection: its rows put back in HF order, block bytes intact
+            got = r.read(r.linears()["model.layers.0.self_attn.q_proj"]).dequantize().numpy()
+            gguf_rows = ref["blk.0.attn_q.weight"]
+            assert np.array_equal(llama_permute(got, 2), gguf_rows)
+        assert ck.config["model_type"] == {"qwen2moe": "qwen2_moe", "llama": "mixtral"}[arch]
+    out = tmp_path / "out"
+    int4pack.convert(p, out)
+    assert verify(out, against=p)["ok"]
 
 
 def test_config_and_tokenizer_from_the_metadata(tmp_path):
