@@ -29,6 +29,7 @@ EXPECTED = {
     "ct_qwen3moe_w4a8_int_g32": ("compressed-tensors", "int-quantized", False, {"reemit"}),
     "ct018_q3_actorder": ("compressed-tensors", "pack-quantized", True, {"fold", "requant"}),
     "mf_mixtral": ("compressed-tensors", "pack-quantized", False, {"lossless"}),
+    "mlx_qwen3moe_mixed": ("mlx", "mlx affine", False, {"requant"}),
 }
 
 

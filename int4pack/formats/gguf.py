@@ -89,10 +89,14 @@ class GGUFReader:
                             "to bf16, 8 of fp16's 11 mantissa bits: the module's error in the report); one with "
                             "negative scales (llama.cpp's quantiser writes d = max / -8: about half the blocks) holds "
                             "+8|d|, which symmetric int4 cannot, and is requantised from its exact values")
-        requant = sorted(t for t in lin if t != "Q4_0")
+        requant = sorted(t for t in lin if t in GGUF_TYPES and t != "Q4_0")
         if requant:
             warnings.append(f"{', '.join(requant)} linears are dequantised by gguf and requantised to int4 "
                             "(lossy; the report gives each module's error)")
+        floats = sorted(t for t in lin if t in FLOAT_TYPES)
+        if floats:
+            warnings.append(f"{', '.join(floats)} experts are quantised to int4 from their float values (lossy; "
+                            "the report gives each module's error)")
         derived = sorted(n for n in self.ckpt.tensors if self.ckpt.is_derived(n))
         if derived:
             warnings.append(f"{len(derived)} quantised tensor(s) vLLM loads in float (e.g. {derived[0]}) are "
