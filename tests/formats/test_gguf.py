@@ -138,7 +138,9 @@ def test_tied_embeddings_and_a_quantised_embedding(tmp_path):
 @pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K"])
 def test_convert_and_verify_against_the_gguf(tmp_path, qtype, serve_format):
-    p = write_qwen3moe(tmp_path / "m.gguf", expert_type=qtype, attn_type="Q6_K" if qtype == "Q4_K" else qtype)
+    # the K-quant file also has a Q8_0 embedding and a Q6_K lm_head: BF16 in the output, compared by verify
+    p = write_qwen3moe(tmp_path / "m.gguf", expert_type=qtype, attn_type="Q6_K" if qtype == "Q4_K" else qtype,
+                       embed_type="Q8_0" if qtype == "Q4_K" else "F16")
     out = tmp_path / "out"
     rep = int4pack.convert(p, out, serve_format=serve_format)
     mods = rep["modules"]
@@ -217,3 +219,12 @@ def test_an_unknown_architecture_is_refused_by_name(tmp_path):
     w.close()
     with pytest.raises(RefusedError, match="'deepseek2'"):
         open_checkpoint(p)
+
+
+def test_a_folder_with_two_models_asks_for_the_file(tmp_path):
+    write_qwen3moe(tmp_path / "a-Q4_0.gguf")
+    write_qwen3moe(tmp_path / "a-Q8_0.gguf", expert_type="Q8_0")
+    with pytest.raises(InputError, match="2 GGUF models"):
+        open_checkpoint(tmp_path)
+    with open_checkpoint(tmp_path / "a-Q8_0.gguf") as ck:
+        assert ck.files == ["a-Q8_0.gguf"]
