@@ -18,6 +18,7 @@ from gguf import quants  # noqa: E402
 
 import int4pack  # noqa: E402
 from _gguf_files import E, H, I, LAYERS, VOCAB, blocks, llama_permute, write_moe, write_qwen3moe  # noqa: E402
+from _reference import FIXTURES  # noqa: E402
 from int4pack.containers import open_checkpoint  # noqa: E402
 from int4pack.errors import InputError, RefusedError  # noqa: E402
 from int4pack.formats import open_reader  # noqa: E402
@@ -228,3 +229,69 @@ def test_a_folder_with_two_models_asks_for_the_file(tmp_path):
         open_checkpoint(tmp_path)
     with open_checkpoint(tmp_path / "a-Q8_0.gguf") as ck:
         assert ck.files == ["a-Q8_0.gguf"]
+
+
+# llama.cpp's own converter and quantiser (tests/fixtures/make_fixtures_gguf.py)
+LAYERS_REAL = 2
+REAL = {"gguf_qwen3moe_q4_0": "tiny-qwen3moe-Q4_0.gguf", "gguf_qwen3moe_q4_k_m": "tiny-qwen3moe-Q4_K_M.gguf"}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_llama_cpp_files_read_as_gguf_dequantises_them(name):
+    path = FIXTURES / name / REAL[name]
+    ref = _producer(path)
+    with open_checkpoint(FIXTURES / name) as ck:
+        r = open_reader(ck)
+        specs = r.linears()
+        assert len(specs) == LAYERS_REAL * (4 * 3 + 4)
+        for mod, spec in specs.items():
+            lin = ck.gguf_linears[mod]
+            fused = ref[lin.source]
+            want = fused[int(mod.split(".experts.")[1].split(".")[0])] if ".experts." in mod else fused
+            assert np.array_equal(r.read(spec).dequantize().numpy(), want), mod
+
+
+def test_llama_cpp_q4_0_keeps_ints_exactly_where_its_scales_allow(tmp_path):
+    """A module is lossless iff every block scale d >= 0 (read here from gguf's reader's block bytes)."""
+    name = "gguf_qwen3moe_q4_0"
+    rd = gguf.GGUFReader(FIXTURES / name / REAL[name])
+    nonneg = {}
+    for t in rd.tensors:
+        if t.tensor_type == gguf.GGMLQuantizationType.Q4_0:
+            b = np.asarray(t.data)
+            d = np.ascontiguousarray(b.reshape(*b.shape[:-1], -1, 18)[..., :2]).view(np.float16)[..., 0]
+            nonneg[t.name] = (d >= 0).reshape(d.shape[0], -1).all(axis=1) if d.ndim == 3 else bool((d >= 0).all())
+    out = tmp_path / "out"
+    rep = int4pack.convert(FIXTURES / name, out)
+    with open_checkpoint(FIXTURES / name) as ck:
+        for mod, st in rep["modules"].items():
+            lin = ck.gguf_linears[mod]
+            ok = nonneg[lin.source]
+            if ".experts." in mod:
+                ok = bool(ok[int(mod.split(".experts.")[1].split(".")[0])])
+            assert (st["path"] == "lossless") == ok, mod
+            if st["path"] == "requant":
+                assert float(st["rel_l2"]) <= float(st["baseline_rel_l2"]), mod
+    assert verify(out, against=FIXTURES / name)["ok"]
+
+
+@pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_llama_cpp_files_convert_and_verify(tmp_path, name, serve_format):
+    out = tmp_path / "out"
+    int4pack.convert(FIXTURES / name / REAL[name], out, serve_format=serve_format)
+    assert verify(out, against=FIXTURES / name / REAL[name])["ok"]
+
+
+def test_the_rebuilt_tokenizer_is_transformers_own():
+    """tokenizer.json from the metadata against transformers' GGUF tokenizer of the same file."""
+    name = "gguf_qwen3moe_q4_0"
+    ref = json.loads((FIXTURES / name / "transformers_tokenizer.json").read_text())
+    with open_checkpoint(FIXTURES / name) as ck:
+        ours = json.loads(ck.generated_files()["tokenizer.json"])
+    assert ours["model"]["vocab"] == ref["model"]["vocab"]
+    assert [m.split(" ") if isinstance(m, str) else m for m in ours["model"]["merges"]] == ref["model"]["merges"]
+    assert [(a["id"], a["content"], a["special"]) for a in ours["added_tokens"]] == \
+        [(a["id"], a["content"], a["special"]) for a in ref["added_tokens"]]
+    assert ours["pre_tokenizer"]["pretokenizers"][0] == ref["pre_tokenizer"]["pretokenizers"][0]  # the split regex
+    assert ours["normalizer"] == ref["normalizer"]
