@@ -1,8 +1,9 @@
 """Mixed precision in one checkpoint: what a linear that is not int4 becomes, and why (the plan says it).
 
 vLLM's W4A8 MoE layer (Arm CPU, compressed-tensors int-quantized or int4pack's packed format) takes
-one scheme for all the experts of a layer, so an expert held in 8 bits or in float beside int4
-siblings is requantised to int4 from its own values, with the same error-minimising search as any
+one scheme for all the experts of a layer (compressed-tensors' ``get_moe_method`` refuses projections
+of different schemes; a layer whose experts are all in ``ignore`` loads unquantised), so an expert
+held in 8 bits or in float beside int4 siblings is requantised to int4 from its own values, with the same error-minimising search as any
 requantised module (its error is reported with the rest). A dense linear (attention, shared expert,
 dense MLP, MTP) is loaded by vLLM's Arm path either as W4A8 or unquantised in bf16 (listed in the
 output's ``ignore``): int4 ones follow ``--dense`` (W4A8 unless it says bf16); 8-bit ones are

@@ -23,6 +23,7 @@ from ..source_folder import load_json
 from . import autoround, awq, compressed_tensors, gptq, mxfp4
 from . import gguf, mlx
 from ._api import Format, Header, Reader, quant_method
+from .float_experts import with_float_experts
 
 __all__ = ["READERS", "Format", "Header", "Reader", "open_reader", "supported", "header_of"]
 
@@ -31,6 +32,7 @@ READERS: tuple[Format, ...] = (
     gptq.FORMAT,
     autoround.FORMAT,
     awq.FORMAT,
+    # rows that claim part of what a row below claims (float config groups of compressed-tensors): above it
     compressed_tensors.FORMAT,
     mxfp4.FORMAT,
     # rows of containers other than safetensors, and of layouts of their own: after the int4 rows
@@ -85,7 +87,7 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     for row in READERS:
         try:
             if row.claims(q, header):
-                return row.reader(ckpt, q, qpath)
+                return with_float_experts(row.reader(ckpt, q, qpath), ckpt)
         except Int4packError as e:  # a config value the reader could not parse: name the file it is in
             e.path = e.path or qpath
             raise

@@ -328,7 +328,7 @@ class GPTQReader:
         """Where a module's data lies, for convert's lossless batch (batch.py), which reads it in place:
         (layout, words, scales, scales stored [G, N], zeros, the byte of a zero point of 8, g_idx),
         TensorInfos (zeros and g_idx may be None); None where ``read`` is the only way."""
-        if spec.refused or spec.has_bias or spec.bits != 4:
+        if spec.refused or spec.has_bias or spec.bits != 4 or spec.signed_scales:
             return None
         t = self.ckpt.tensors
         g = t.get(f"{spec.name}.g_idx")
