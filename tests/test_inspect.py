@@ -30,6 +30,8 @@ EXPECTED = {
     "ct018_q3_actorder": ("compressed-tensors", "pack-quantized", True, {"fold", "requant"}),
     "mf_mixtral": ("compressed-tensors", "pack-quantized", False, {"lossless"}),
     "mlx_qwen3moe_mixed": ("mlx", "mlx affine", False, {"requant"}),
+    "mlx_q3_4bit_g64": ("mlx", "mlx affine", False, {"requant"}),
+    "mlx_q3_mixed_4_8": ("mlx", "mlx affine", False, {"requant", "dequant"}),  # 8-bit attention: bf16
     "gguf_qwen3moe_q4_0": ("gguf", "gguf qwen3moe", False, {"requant"}),
     # Q4_K_M on K = 128 falls back to Q5_0 (kept in bf16 when dense) and Q8_0 (the down experts)
     "gguf_qwen3moe_q4_k_m": ("gguf", "gguf qwen3moe", False, {"requant", "dequant"}),

@@ -59,7 +59,8 @@ class MLXReader:
             raise RefusedError(f"{spec.name}: not an MLX linear of this checkpoint", tensor=spec.name)
         codes, s, b = self.ckpt.linear_data(lin)
         w = torch.from_numpy(dequantize(codes, s, b, lin.group))
-        return QuantLinear(spec, None, torch.from_numpy(s), None, dense=w)
+        # the dense record's scales only need to be positive (MLX's may be negative or zero): the weights are in w
+        return QuantLinear(spec, None, torch.ones(spec.n, 1), None, dense=w)
 
 
 def claims(config: dict | None, header: Header) -> bool:

@@ -42,15 +42,23 @@ def _check(ck, r, spec, want: torch.Tensor) -> None:
     assert torch.equal(r.read(spec).dequantize(), exact)  # float32, one rounding: what gets requantised
 
 
-def test_every_kind_of_module_dequantises_as_mlx_does():
-    ref = load_file(MLX / "mlx_dequantized.safetensors")
-    with open_checkpoint(MLX) as ck:
+# mlx_lm.convert's own folders (tests/fixtures/make_fixtures_formats.py): reference keys "<module>.weight"
+CONVERTED = ["mlx_q3_4bit_g64", "mlx_q3_mixed_4_8"]
+
+
+@pytest.mark.parametrize("name", ["mlx_qwen3moe_mixed", *CONVERTED])
+def test_every_kind_of_module_dequantises_as_mlx_does(name):
+    folder = FIXTURES / name
+    ref = {k.removesuffix(".weight"): v for k, v in load_file(folder / "mlx_dequantized.safetensors").items()}
+    with open_checkpoint(folder) as ck:
         r = open_reader(ck)
         specs = r.linears()
-        assert specs["model.layers.1.mlp.experts.0.down_proj"].bits == 8  # the per-module entries
-        assert specs["model.layers.1.mlp.experts.0.down_proj"].group_size == 32
-        assert specs["model.layers.0.self_attn.q_proj"].group_size == 128
-        assert specs["model.layers.0.self_attn.v_proj"].group_size == 64
+        q = json.loads((folder / "config.json").read_text())["quantization"]
+        for mod, spec in specs.items():  # the per-module entries (stacked experts: their switch_mlp entry)
+            entry = q.get(mod.replace(".experts.", ".switch_mlp.").split(".switch_mlp.")[0] + ".switch_mlp." +
+                          mod.rsplit(".", 1)[1]) if ".experts." in mod else q.get(mod)
+            entry = entry if isinstance(entry, dict) else q
+            assert (spec.bits, spec.group_size) == (entry["bits"], entry["group_size"]), mod
         for mod, want in ref.items():
             if ".switch_mlp." in mod:  # stacked [E, N, K]: one linear per expert
                 moe, proj = mod.split(".switch_mlp.")
@@ -63,23 +71,27 @@ def test_every_kind_of_module_dequantises_as_mlx_does():
                 assert got.dtype == torch.bfloat16 and ck.is_derived(f"{mod}.weight")
                 # mlx's two roundings against our one: half a bf16 step of q * scale (at most
                 # (2^bits - 1) * scale, the stored scales read with safetensors) and one of the value
-                bits = (json.loads((MLX / "config.json").read_text())["quantization"].get(mod) or {}).get("bits", 4)
-                scales = load_file(MLX / "model.safetensors")[f"{mod}.scales"].float()
+                bits = (json.loads((folder / "config.json").read_text())["quantization"].get(mod) or {}).get("bits", 4)
+                scales = load_file(folder / "model.safetensors")[f"{mod}.scales"].float()
                 top = (2 ** bits - 1) * scales.abs().amax(dim=1, keepdim=True)  # mlx writes negative scales too
                 tol = (top + want.float().abs()) * 2 ** -8
                 assert bool(((got.float() - want.float()).abs() <= tol).all()), mod
 
 
 @pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
-def test_convert_and_verify_against_the_mlx_checkpoint(tmp_path, serve_format):
+@pytest.mark.parametrize("name", ["mlx_qwen3moe_mixed", *CONVERTED])
+def test_convert_and_verify_against_the_mlx_checkpoint(tmp_path, name, serve_format):
     out = tmp_path / "out"
-    rep = int4pack.convert(MLX, out, serve_format=serve_format)
+    rep = int4pack.convert(FIXTURES / name, out, serve_format=serve_format)
     assert len(rep["modules"]) == 32
-    for m, st in rep["modules"].items():  # the search never loses to plain RTN
-        assert st["path"] == "requant" and float(st["rel_l2"]) <= float(st["baseline_rel_l2"]), m
+    for m, st in rep["modules"].items():  # the search never loses to plain RTN; 8-bit attention is kept bf16
+        want = "dequant" if name == "mlx_q3_mixed_4_8" and ".self_attn." in m else "requant"
+        assert st["path"] == want, m
+        if want == "requant":
+            assert float(st["rel_l2"]) <= float(st["baseline_rel_l2"]), m
     cfg = json.loads((out / "config.json").read_text())
-    assert "quantization" not in cfg  # the source's MLX record stays behind
-    assert verify(out, against=MLX)["ok"]
+    assert "quantization" not in cfg and "quantization" not in cfg["quantization_config"]  # the MLX record stays behind
+    assert verify(out, against=FIXTURES / name)["ok"]
 
 
 def _edited(tmp_path: Path, edit) -> Path:
