@@ -132,7 +132,7 @@ def claims(config: dict | None, header: Header) -> bool:
 
 FORMAT = Format(
     "gguf", claims, lambda ckpt, config, path: GGUFReader(ckpt, config),
-    reads="GGUF files (llama.cpp; a .gguf file, a folder holding one, or a split set) of qwen3moe and qwen2moe: "
+    reads="GGUF files (llama.cpp; a .gguf file, a folder holding one, or a split set) of qwen3moe, qwen2moe and llama with experts (Mixtral): "
           "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16/BF16/F32",
     lossless="Q4_0 modules whose block scales are all >= 0",
     requant="every other type, and Q4_0 modules with negative block scales (llama.cpp's usual)")
