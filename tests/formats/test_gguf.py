@@ -17,7 +17,7 @@ import gguf  # noqa: E402
 from gguf import quants  # noqa: E402
 
 import int4pack  # noqa: E402
-from _gguf_files import E, H, I, LAYERS, VOCAB, blocks, llama_permute, write_moe, write_qwen3moe  # noqa: E402
+from _gguf_files import E, H, I, LAYERS, blocks, llama_permute, write_moe, write_qwen3moe  # noqa: E402
 from _reference import FIXTURES  # noqa: E402
 from int4pack.containers import open_checkpoint  # noqa: E402
 from int4pack.errors import InputError, RefusedError  # noqa: E402
@@ -295,3 +295,12 @@ def test_the_rebuilt_tokenizer_is_transformers_own():
         [(a["id"], a["content"], a["special"]) for a in ref["added_tokens"]]
     assert ours["pre_tokenizer"]["pretokenizers"][0] == ref["pre_tokenizer"]["pretokenizers"][0]  # the split regex
     assert ours["normalizer"] == ref["normalizer"]
+
+
+@pytest.mark.parametrize("keep", [100, 5000, -1000])
+def test_a_truncated_file_is_refused_naming_it(tmp_path, keep):
+    data = (FIXTURES / "gguf_qwen3moe_q4_0" / REAL["gguf_qwen3moe_q4_0"]).read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[:keep])
+    with pytest.raises(InputError, match="cut.gguf"):
+        open_checkpoint(p)
