@@ -87,7 +87,8 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     for row in READERS:
         try:
             if row.claims(q, header):
-                return with_float_experts(row.reader(ckpt, q, qpath), ckpt)
+                reader = row.reader(ckpt, q, qpath)
+                return with_float_experts(reader, ckpt) if row.float_siblings else reader
         except Int4packError as e:  # a config value the reader could not parse: name the file it is in
             e.path = e.path or qpath
             raise

@@ -250,4 +250,4 @@ FORMAT = Format(
     lossless="symmetric with positive scales at group 32/64/128 or channel (GPTQ tensors)",
     requant="auto-round's full-range symmetric (signed scales, told from the data), asymmetric, auto_awq, other "
             "groups; 8-bit modules beside 4-bit ones",
-    config_files=("quantization_config.json",))
+    config_files=("quantization_config.json",), float_siblings=True)

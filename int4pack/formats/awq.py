@@ -141,4 +141,5 @@ FORMAT = Format(
     "awq", claims, AWQReader,
     reads="quant_method awq (GEMM)",
     lossless="none (AWQ is asymmetric: its zero points are not the symmetric int4 grid)",
-    requant="every module")
+    requant="every module",
+    float_siblings=True)

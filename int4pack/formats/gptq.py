@@ -381,4 +381,5 @@ FORMAT = Format(
     "gptq", claims, GPTQReader,
     reads="quant_method gptq (v1 and v2 zero points, told apart by the data)",
     lossless="symmetric, no act-order, group 32/64/128 or channel",
-    requant="asymmetric, act-order (g_idx), other groups; 8-bit modules beside 4-bit ones")
+    requant="asymmetric, act-order (g_idx), other groups; 8-bit modules beside 4-bit ones",
+    float_siblings=True)
