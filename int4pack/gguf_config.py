@@ -136,7 +136,7 @@ def tokenizer_files(meta: dict, max_len: int | None) -> tuple[dict[str, bytes], 
     """({file name: bytes}, why not written) of a byte-level BPE tokenizer (``tokenizer.ggml.model``
     gpt2) with a known pre-tokenizer; other tokenizers give no files and the reason."""
     model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges")
+    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges", [])  # none: no merges
     if model != "gpt2" or pre not in _PRE or not isinstance(tokens, list) or not isinstance(merges, list):
         why = (f"tokenizer.ggml.model {model!r} with pre-tokenizer {pre!r}: int4pack rebuilds byte-level BPE "
                f"tokenizers ({', '.join(sorted(_PRE))}) only")

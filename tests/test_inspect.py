@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import int4pack
-from _reference import FAMILY_FIXTURES_2026, FIXTURES, awq_decode, gptq_decode, load_all
+from _reference import FAMILY_FIXTURES_2026, FIXTURES, FORMAT_FIXTURES, awq_decode, gptq_decode, load_all
 from int4pack.cli import app
 from int4pack.inspect import kleidiai_gate
 
@@ -40,6 +40,9 @@ EXPECTED = {
     "gguf_qwen3moe_q4_0": ("gguf", "gguf qwen3moe", False, {"requant"}),
     # Q4_K_M on K = 128 falls back to Q5_0 (kept in bf16 when dense) and Q8_0 (the down experts)
     "gguf_qwen3moe_q4_k_m": ("gguf", "gguf qwen3moe", False, {"requant", "dequant"}),
+    "gguf_q3_q8_0": ("gguf", "gguf qwen3moe", False, {"requant", "dequant"}),  # Q8_0 attention: bf16
+    "gguf_q3_q4_0": ("gguf", "gguf qwen3moe", False, {"requant"}),
+    "gguf_q3_q4_k_m": ("gguf", "gguf qwen3moe", False, {"requant", "dequant"}),
 }
 # mixed-precision fixtures (8-bit and bf16 modules, an MTP block): their verdicts and each module's decision
 # are checked in tests/formats/test_autoround.py and test_compressed_tensors.py
@@ -47,8 +50,10 @@ MIXED = {"autoround_q3_asym_g32", "autoround_q3_mixed_g32", "ct_qwen3moe_mixed_w
 
 
 def test_every_fixture_is_listed():
-    present = {p.name for p in FIXTURES.iterdir() if p.is_dir()} - {"dense_qwen3moe"} - FAMILY_FIXTURES_2026
-    assert present == set(EXPECTED) | MIXED
+    # the other source formats' fixtures are checked by their formats' tests (tests/formats/)
+    present = ({p.name for p in FIXTURES.iterdir() if p.is_dir()} - {"dense_qwen3moe"} - FAMILY_FIXTURES_2026
+               - FORMAT_FIXTURES)
+    assert present == (set(EXPECTED) | MIXED) - FORMAT_FIXTURES
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -232,8 +232,11 @@ def test_a_folder_with_two_models_asks_for_the_file(tmp_path):
 
 
 # llama.cpp's own converter and quantiser (tests/fixtures/make_fixtures_gguf.py)
+# and tests/fixtures/make_fixtures_formats.py's: the converter's Q8_0, its F16 quantised by gguf to Q4_0, and
+# auto-round 0.16.1's GGUF export (Q4_K, Q5_0, Q6_K, Q8_0)
 LAYERS_REAL = 2
-REAL = {"gguf_qwen3moe_q4_0": "tiny-qwen3moe-Q4_0.gguf", "gguf_qwen3moe_q4_k_m": "tiny-qwen3moe-Q4_K_M.gguf"}
+REAL = {"gguf_qwen3moe_q4_0": "tiny-qwen3moe-Q4_0.gguf", "gguf_qwen3moe_q4_k_m": "tiny-qwen3moe-Q4_K_M.gguf",
+        "gguf_q3_q8_0": "model.gguf", "gguf_q3_q4_0": "model.gguf", "gguf_q3_q4_k_m": "model.gguf"}
 
 
 @pytest.mark.parametrize("name", sorted(REAL))
@@ -281,6 +284,16 @@ def test_llama_cpp_files_convert_and_verify(tmp_path, name, serve_format):
     out = tmp_path / "out"
     int4pack.convert(FIXTURES / name / REAL[name], out, serve_format=serve_format)
     assert verify(out, against=FIXTURES / name / REAL[name])["ok"]
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_the_rebuilt_tokenizer_has_the_files_tokens(name):
+    r = gguf.GGUFReader(FIXTURES / name / REAL[name])
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    merges = r.fields["tokenizer.ggml.merges"].contents() if "tokenizer.ggml.merges" in r.fields else []
+    with open_checkpoint(FIXTURES / name) as ck:
+        tok = json.loads(ck.generated_files()["tokenizer.json"])
+    assert tok["model"]["vocab"] == {t: i for i, t in enumerate(tokens)} and tok["model"]["merges"] == merges
 
 
 def test_the_rebuilt_tokenizer_is_transformers_own():

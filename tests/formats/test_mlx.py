@@ -49,7 +49,7 @@ CONVERTED = ["mlx_q3_4bit_g64", "mlx_q3_mixed_4_8"]
 @pytest.mark.parametrize("name", ["mlx_qwen3moe_mixed", *CONVERTED])
 def test_every_kind_of_module_dequantises_as_mlx_does(name):
     folder = FIXTURES / name
-    ref = {k.removesuffix(".weight"): v for k, v in load_file(folder / "mlx_dequantized.safetensors").items()}
+    ref = {k.removesuffix(".weight"): v for k, v in load_file(folder / "reference" / "mlx_dequantized.safetensors").items()}
     with open_checkpoint(folder) as ck:
         r = open_reader(ck)
         specs = r.linears()
