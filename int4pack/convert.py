@@ -23,6 +23,7 @@ from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
+from .containers import open_checkpoint
 from .errors import InputError, OutputError, RefusedError, UsageError
 from .families import family, family_warnings, unloadable_releases
 from .formats import Reader
@@ -227,7 +228,7 @@ def convert(
         raise UsageError(f"--tensor-parallel {tensor_parallel}: must be at least 1")
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
-    with Checkpoint(folder) as ckpt, ExitStack() as held:
+    with open_checkpoint(folder) as ckpt, ExitStack() as held:
         plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
                          strict_group_size=strict_group_size)
         if packed and any(j.kind == "experts" for j in plan.jobs):
@@ -318,6 +319,8 @@ def convert(
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
         for name in ckpt.extra_files():
             od.copy_file(ckpt.folder / name)
+        for name, data in getattr(ckpt, "generated_files", dict)().items():  # a GGUF's tokenizer
+            od.write_file(name, data)
         report["kernels"] = _kernels_used()
         report["workers"] = job_workers(threads)
         report["modules"] = dict(sorted(stats.items()))

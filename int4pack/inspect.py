@@ -18,6 +18,7 @@ import torch
 from . import blobs, expert_layout, kleidiai
 from .architectures import classify, discover, name_summary, vllm_module
 from .checkpoint import Checkpoint, resolve_source
+from .containers import open_checkpoint
 from .errors import InputError, Int4packError, UsageError
 from .families import family
 from .families import family_warnings, unloadable_releases
@@ -384,7 +385,7 @@ def _dump_blob(pw: blobs.PackedWeights, m: str, rows: int) -> dict:
 def inspect(path, tensor: str | None = None, *, revision: str | None = None, rows: int = 8, cols: int = 8) -> dict:
     """Summary of a checkpoint (``tensor`` None) or a layout dump of one tensor / module."""
     folder = resolve_source(path, revision=revision)
-    with Checkpoint(folder) as ckpt:
+    with open_checkpoint(folder) as ckpt:
         if tensor is None:
             return _summary(ckpt, str(path))
         rec = read_record(ckpt.quant_config)

@@ -61,6 +61,8 @@ def resolve_source(src: str | os.PathLike, *, revision: str | None = None) -> Pa
     """
     p = Path(src).expanduser()
     if p.exists():
+        if p.is_file() and p.suffix == ".gguf":  # a GGUF model is a file (gguf_checkpoint.py)
+            return p.resolve()
         if not p.is_dir():
             raise InputError(f"{p}: not a folder", path=str(p),
                              hint="Pass the checkpoint folder (the one holding config.json).")

@@ -10,6 +10,7 @@ import torch
 
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, resolve_source
+from .containers import open_checkpoint
 from .errors import InputError, Int4packError
 from .formats import open_reader
 from .groups import block, check_group_size
@@ -31,7 +32,7 @@ class Source:
     def __init__(self, path, revision, dense: str = "w4a8"):
         self.label = str(path)
         self.dense = dense  # convert's --dense, as the output records it: the plan depends on it
-        self.ckpt = Checkpoint(resolve_source(path, revision=revision))
+        self.ckpt = open_checkpoint(resolve_source(path, revision=revision))
         self.reader = open_reader(self.ckpt)
         # keyed by the output's module names (convert renames some families for vLLM)
         ren = {k[:-7]: v[:-7] for k, v in vllm_output_names(

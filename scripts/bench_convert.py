@@ -2,6 +2,7 @@
 """Conversion speed and memory against a copy baseline measured in the same run.
 
     python scripts/bench_convert.py --sizes 1 4 --formats gptq-sym gptq-asym awq ct --threads 1 2
+    (also gguf-q4_0, gguf-q4_k and mlx: scripts/make_synthetic_gguf.py)
 
 For each format and input size (GB), it writes a synthetic Qwen3-30B-A3B-shaped checkpoint
 (scripts/make_synthetic.py), drops nothing from the page cache (these machines are shared),
@@ -38,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # this checkout's int4pack, installed or not
 from make_synthetic import make  # noqa: E402
+import make_synthetic_gguf  # noqa: E402  (gguf-q4_0, gguf-q4_k, mlx)
 
 LAYER_GB = 0.31
 
@@ -186,10 +188,10 @@ def main() -> None:
             src = work / f"{fmt}-{layers}L"
             if not src.exists():
                 t0 = time.perf_counter()
-                make(src, fmt, layers)
+                (make_synthetic_gguf.make if fmt in make_synthetic_gguf.FORMATS else make)(src, fmt, layers)
                 print(f"wrote {src} in {time.perf_counter() - t0:.1f} s", flush=True)
             size = sum(p.stat().st_size for p in src.iterdir())
-            params = _params(src)
+            params = make_synthetic_gguf.params(src) if fmt in make_synthetic_gguf.FORMATS else _params(src)
             bases: dict[int, dict] = {}  # one baseline per output size: it does not depend on the threads
             for serve, th in [(sv, th) for sv in a.serve_formats for th in a.threads]:
                 dst = work / "out"

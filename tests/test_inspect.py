@@ -34,6 +34,15 @@ EXPECTED = {
     "ct_qwen3moe_w4a8_int_g32": ("compressed-tensors", "int-quantized", False, {"reemit"}),
     "ct018_q3_actorder": ("compressed-tensors", "pack-quantized", True, {"fold", "requant"}),
     "mf_mixtral": ("compressed-tensors", "pack-quantized", False, {"lossless"}),
+    "mlx_qwen3moe_mixed": ("mlx", "mlx affine", False, {"requant"}),
+    "mlx_q3_4bit_g64": ("mlx", "mlx affine", False, {"requant"}),
+    "mlx_q3_mixed_4_8": ("mlx", "mlx affine", False, {"requant", "dequant"}),  # 8-bit attention: bf16
+    "gguf_qwen3moe_q4_0": ("gguf", "gguf qwen3moe", False, {"requant"}),
+    # Q4_K_M on K = 128 falls back to Q5_0 (kept in bf16 when dense) and Q8_0 (the down experts)
+    "gguf_qwen3moe_q4_k_m": ("gguf", "gguf qwen3moe", False, {"requant", "dequant"}),
+    "gguf_q3_q8_0": ("gguf", "gguf qwen3moe", False, {"requant", "dequant"}),  # Q8_0 attention: bf16
+    "gguf_q3_q4_0": ("gguf", "gguf qwen3moe", False, {"requant"}),
+    "gguf_q3_q4_k_m": ("gguf", "gguf qwen3moe", False, {"requant", "dequant"}),
 }
 # mixed-precision fixtures (8-bit and bf16 modules, an MTP block): their verdicts and each module's decision
 # are checked in tests/formats/test_autoround.py and test_compressed_tensors.py
@@ -41,9 +50,10 @@ MIXED = {"autoround_q3_asym_g32", "autoround_q3_mixed_g32", "ct_qwen3moe_mixed_w
 
 
 def test_every_fixture_is_listed():
-    present = {p.name for p in FIXTURES.iterdir() if p.is_dir()} - {"dense_qwen3moe"} - FAMILY_FIXTURES_2026
-    # FORMAT_FIXTURES: the other source formats, each checked by its reader's own tests (tests/formats)
-    assert present == set(EXPECTED) | MIXED | FORMAT_FIXTURES
+    # the other source formats' fixtures are checked by their formats' tests (tests/formats/)
+    present = ({p.name for p in FIXTURES.iterdir() if p.is_dir()} - {"dense_qwen3moe"} - FAMILY_FIXTURES_2026
+               - FORMAT_FIXTURES)
+    assert present == (set(EXPECTED) | MIXED) - FORMAT_FIXTURES
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -58,7 +68,8 @@ def test_fixture_verdict(name):
     assert {m["path"] for m in mods.values()} == paths
     assert r["plan"]["ok"]
     assert len(r["moe"]["layers"]) == 2 and all(m["experts"] == 4 for m in r["moe"]["layers"])
-    assert all(m["kleidiai"] for m in mods.values())  # after convert every module takes KleidiAI
+    # after convert every W4A8 module takes KleidiAI (a module kept in bf16 is no W4A8 module)
+    assert all(m["kleidiai"] for m in mods.values() if m["path"] != "dequant")
     assert sum(t["bytes"] for t in r["tensors"]) == r["bytes"]
     if fmt == "gptq":
         assert r["format"]["zero_convention"] == "v1"

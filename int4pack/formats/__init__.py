@@ -21,6 +21,7 @@ from ..errors import InputError, Int4packError, RefusedError
 from ..serve_spec import QUANT_METHOD
 from ..source_folder import load_json
 from . import autoround, awq, compressed_tensors, gptq, mxfp4
+from . import gguf, mlx
 from ._api import Format, Header, Reader, quant_method
 from .float_experts import with_float_experts
 
@@ -35,6 +36,8 @@ READERS: tuple[Format, ...] = (
     compressed_tensors.FORMAT,
     mxfp4.FORMAT,
     # rows of containers other than safetensors, and of layouts of their own: after the int4 rows
+    gguf.FORMAT,
+    mlx.FORMAT,
     # rows of float sources (BF16, FP8, FP4): last, for they claim what no row above did
 )
 

@@ -1,0 +1,138 @@
+"""GGUF reader (llama.cpp; container in gguf_checkpoint.py): the quantised linears of a GGUF file.
+
+* ``Q4_0`` is symmetric int4 per 32 inputs: a block is an fp16 scale ``d`` and 16 bytes holding
+  32 codes, element j < 16 in the low nibble of byte j and element 16 + j in its high nibble, value
+  ``(q - 8) * d`` (ggml-quants.c ``dequantize_row_q4_0``; gguf.quants.Q4_0). llama.cpp's quantiser
+  sets ``d = max / -8`` with ``max`` the block's signed value of largest magnitude, so about half
+  the blocks have d < 0, and their code 0 holds +8|d|, which symmetric int4 [-8, 7] cannot hold.
+  The record keeps every value exact: a block with d >= 0 as it is (codes q, zero 8, scale d), a
+  block with d < 0 as codes 15 - q, zero 7, scale -d (the same (8 - q)|d|). A module whose scales
+  are all >= 0 keeps its ints (KleidiAI's group 32; d cast to bf16, which rounds it: bf16 keeps 8
+  of fp16's 11 mantissa bits); any other is requantised from those exact values.
+* every other type of GGUF_TYPES (Q4_1, Q5_0/Q5_1, Q8_0, Q4_K/Q5_K/Q6_K, IQ4_NL/IQ4_XS) and float
+  experts: dequantised to float32 by gguf's own ``gguf.quants.dequantize`` and requantised by
+  convert's error-minimising search (the ``dense`` record, as for MXFP4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .._lazy import torch
+from ..errors import RefusedError
+from ..gguf_checkpoint import FLOAT_TYPES, GGUF_TYPES, GGUFCheckpoint
+from ..records import FormatVerdict, LinearSpec, QuantLinear
+from ._api import Format, Header
+
+__all__ = ["GGUFReader", "q4_0_codes"]
+
+_BITS = {"Q4_0": 4, "Q4_1": 4, "IQ4_NL": 4, "IQ4_XS": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6,
+         "Q8_0": 8}  # the source's bits, reported
+_Q4_0_BLOCK = 18  # 2 bytes fp16 d + 16 bytes of nibbles, per 32 inputs
+
+
+def q4_0_codes(blocks: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Q4_0 block bytes U8 [N, K/32 * 18] -> the canonical record's (codes uint8 [N, K] in 0..15,
+    scales float16 [N, K/32] >= 0, zeros uint8 [N, K/32] or None when every d >= 0)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, k // 32, _Q4_0_BLOCK)
+    d = np.ascontiguousarray(b[:, :, :2]).view(np.float16).reshape(n, k // 32)
+    qs = b[:, :, 2:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # [N, K/32, 32]
+    neg = d < 0
+    if not neg.any():
+        return codes.reshape(n, k), d, None
+    codes = np.where(neg[:, :, None], 15 - codes, codes).astype(np.uint8)
+    zeros = np.where(neg, 7, 8).astype(np.uint8)
+    return codes.reshape(n, k), np.abs(d), zeros
+
+
+class GGUFReader:
+    name = "gguf"
+
+    def __init__(self, ckpt: GGUFCheckpoint, q: dict):
+        self.ckpt = ckpt
+        self.q = q
+        self._specs: dict[str, LinearSpec] | None = None
+
+    def linears(self) -> dict[str, LinearSpec]:
+        if self._specs is not None:
+            return self._specs
+        specs = {}
+        for mod, lin in sorted(self.ckpt.gguf_linears.items()):
+            t = self.ckpt.tensors[lin.key]
+            refused = None
+            if lin.k % 32 and lin.qtype in GGUF_TYPES:
+                refused = f"in_features {lin.k} is not a multiple of GGUF's 32-input blocks"
+            group = GGUF_TYPES.get(lin.qtype, 32)  # float experts: requantised at the finest group vLLM runs
+            specs[mod] = LinearSpec(
+                name=mod, fmt=f"gguf-{lin.qtype.lower()}", n=lin.n, k=lin.k, bits=_BITS.get(lin.qtype, 16),
+                group_size=group, sym=False,  # Q4_0: its data decides (d >= 0)
+                act_order=False, keys=(lin.key,),
+                scale_dtype="F16" if lin.qtype in GGUF_TYPES else t.dtype, refused=refused,
+                notes=[f"GGUF {lin.source} ({lin.qtype})"])
+        self._specs = specs
+        return specs
+
+    def verdict(self) -> FormatVerdict:
+        types = self.ckpt.types
+        lin = {}
+        for s in self.ckpt.gguf_linears.values():
+            lin[s.qtype] = lin.get(s.qtype, 0) + 1
+        ev = [f"GGUF file(s) {', '.join(self.ckpt.files)}, architecture {self.ckpt.arch.gguf_name!r} "
+              f"-> {self.ckpt.arch.model_type}",
+              "tensor types: " + ", ".join(f"{t} x{n}" for t, n in sorted(types.items())),
+              "linears: " + ", ".join(f"{t} x{n}" for t, n in sorted(lin.items()))]
+        warnings = []
+        if "Q4_0" in lin:
+            warnings.append("Q4_0: a module whose block scales are all >= 0 keeps its ints (its fp16 scales rounded "
+                            "to bf16, 8 of fp16's 11 mantissa bits: the module's error in the report); one with "
+                            "negative scales (llama.cpp's quantiser writes d = max / -8: about half the blocks) holds "
+                            "+8|d|, which symmetric int4 cannot, and is requantised from its exact values")
+        requant = sorted(t for t in lin if t in GGUF_TYPES and t != "Q4_0")
+        if requant:
+            warnings.append(f"{', '.join(requant)} linears are dequantised by gguf and requantised to int4 "
+                            "(lossy; the report gives each module's error)")
+        floats = sorted(t for t in lin if t in FLOAT_TYPES)
+        if floats:
+            warnings.append(f"{', '.join(floats)} experts are quantised to int4 from their float values (lossy; "
+                            "the report gives each module's error)")
+        derived = sorted(n for n in self.ckpt.tensors if self.ckpt.is_derived(n))
+        if derived:
+            warnings.append(f"{len(derived)} quantised tensor(s) vLLM loads in float (e.g. {derived[0]}) are "
+                            "dequantised to bf16")
+        if self.ckpt.tokenizer_note:
+            warnings.append(f"no tokenizer written ({self.ckpt.tokenizer_note}); pass the original model's "
+                            "tokenizer to vLLM (--tokenizer)")
+        return FormatVerdict("gguf", f"gguf {self.ckpt.arch.gguf_name}", evidence=ev, warnings=warnings,
+                             extra={"gguf_types": dict(sorted(lin.items()))})
+
+    def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
+        lin = self.ckpt.gguf_linears.get(spec.name)
+        if lin is None:
+            raise RefusedError(f"{spec.name}: not a linear of this GGUF checkpoint", tensor=spec.name)
+        if lin.qtype in FLOAT_TYPES:
+            w = self.ckpt.get(lin.key).float()
+            w = w if lin.rows is None else w[torch.from_numpy(lin.rows)]
+            return QuantLinear(spec, None, torch.ones(spec.n, 1), None, dense=w)
+        blocks = self.ckpt.block_bytes(lin)
+        if lin.qtype == "Q4_0":
+            codes, d, zeros = q4_0_codes(blocks, lin.k)
+            return QuantLinear(spec, torch.from_numpy(codes), torch.from_numpy(d),
+                               None if zeros is None else torch.from_numpy(zeros))
+        from gguf import GGMLQuantizationType, quants
+
+        w = quants.dequantize(blocks, GGMLQuantizationType[lin.qtype])
+        return QuantLinear(spec, None, torch.ones(spec.n, 1), None, dense=torch.from_numpy(np.ascontiguousarray(w)))
+
+
+def claims(config: dict | None, header: Header) -> bool:
+    return header.container == "gguf"
+
+
+FORMAT = Format(
+    "gguf", claims, lambda ckpt, config, path: GGUFReader(ckpt, config),
+    reads="GGUF files (llama.cpp; a .gguf file, a folder holding one, or a split set) of qwen3moe, qwen2moe and llama with experts (Mixtral): "
+          "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16/BF16/F32",
+    lossless="Q4_0 modules whose block scales are all >= 0",
+    requant="every other type, and Q4_0 modules with negative block scales (llama.cpp's usual)")
