@@ -40,10 +40,16 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     """Pick the reader for the checkpoint's quant_method; refuse anything else clearly."""
     q = ckpt.quant_config
     if q is None:
+        from .float import FloatReader, is_float_source
+
+        if is_float_source(ckpt):  # bf16/fp16/fp32 weights: quantised data-free (float.py)
+            return FloatReader(ckpt)
         raise RefusedError(
-            f"{ckpt.folder}: no quantization_config (config.json, quantize_config.json or quant_config.json)",
+            f"{ckpt.folder}: no quantization_config (config.json, quantize_config.json or quant_config.json) "
+            "and no float linear weights",
             path=str(ckpt.folder),
-            hint="int4pack converts int4 GPTQ, AWQ or compressed-tensors checkpoints; quantise the model first.")
+            hint="int4pack converts int4 GPTQ, AWQ, compressed-tensors, FP8 and FP4 checkpoints, and float "
+                 "(bf16/fp16/fp32) ones of the MoE families it knows.")
     qpath = str(getattr(ckpt, "quant_config_path", None) or ckpt.folder / "config.json")
     _check_types(q, qpath)
     method = str(q.get("quant_method", "")).lower()
