@@ -65,7 +65,21 @@ def open_reader(ckpt: Checkpoint) -> Reader:
         if method == "awq":
             from .awq import AWQReader
             return AWQReader(ckpt, q)
+        if method == "fp8":  # the official FP8 layout (weight_scale_inv): dequantised, requantised
+            from .fp8 import FP8Reader
+            return FP8Reader(ckpt, q)
+        if method == "modelopt":
+            from .fp4 import ModelOptNVFP4Reader, is_modelopt_nvfp4
+            if is_modelopt_nvfp4(q):
+                return ModelOptNVFP4Reader(ckpt, q)
         if method in {"compressed-tensors", "compressed_tensors"} or "config_groups" in q:
+            from .fp4 import CT_FP4_FORMATS, CTFP4Reader, ct_formats
+            fmts = ct_formats(q)
+            if fmts and fmts <= {"float-quantized"}:
+                from .fp8 import CTFP8Reader
+                return CTFP8Reader(ckpt, q)
+            if fmts and fmts <= set(CT_FP4_FORMATS):
+                return CTFP4Reader(ckpt, q)
             from .compressed_tensors import CompressedTensorsReader
             return CompressedTensorsReader(ckpt, q)
         if method == "mxfp4" and ckpt.family_type == "gpt_oss":  # the only MXFP4 layout int4pack reads
