@@ -57,10 +57,10 @@ def test_fixture_verdict(name):
         assert not any(m["sym"] for m in mods.values())
 
 
-def test_float_checkpoint_shows_refusal():
+def test_float_checkpoint_shows_data_free_plan():
     r = int4pack.inspect(FIXTURES / "dense_qwen3moe")
-    assert r["format"]["format"] == "none"
-    assert not r["plan"]["ok"] and "quantization_config" in r["plan"]["refused"]
+    assert r["format"]["format"] == "float" and "quantised from float, data-free" in r["format"]["detail"]
+    assert r["plan"]["ok"] and r["plan"]["paths"]["requant"] == len(r["modules"]) > 0
     assert r["tensor_count"] > 0
 
 
