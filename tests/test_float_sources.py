@@ -165,9 +165,39 @@ SOURCES = {
         "num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32})),
     "ct_nvfp4": lambda t: (*_fp4(t, "nvfp4"), _ct_config("nvfp4-pack-quantized", {
         "num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16})),
+    "mxfp4_blocks": lambda t: (*_blocks_layout(*_fp4(t, "mxfp4")), {"quant_method": "mxfp4"}),
+    "fp8_fp4_experts": lambda t: (*_fp4_experts(t), {"quant_method": "fp8", "weight_block_size": [32, 32],
+                                                     "scale_fmt": "ue8m0", "expert_dtype": "fp4"}),
     "modelopt_nvfp4": lambda t: (*_fp4(t, "modelopt"), {"quant_method": "modelopt", "quant_algo": "NVFP4",
                                                         "group_size": 16, "exclude_modules": ["lm_head"]}),
 }
+
+
+def _blocks_layout(tensors: dict, ref: dict):
+    """OpenAI's MXFP4 naming per linear: weight_blocks [N, K/32, 16], weight_scales [N, K/32]."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_packed"):
+            m = name[: -len(".weight_packed")]
+            out[f"{m}.weight_blocks"] = t.reshape(t.shape[0], -1, 16)
+            out[f"{m}.weight_scales"] = tensors[f"{m}.weight_scale"]
+        elif not name.endswith(".weight_scale"):
+            out[name] = t
+    return out, ref
+
+
+def _fp4_experts(tensors: dict):
+    """DeepSeek-V4 style: experts as E2M1 pairs in I8 [N, K/2] with an E8M0 weight_scale_inv per 32, the other
+    linears FP8 per 32x32 block."""
+    experts = {k: v for k, v in tensors.items() if ".experts." in k}
+    out, ref = _fp8({k: v for k, v in tensors.items() if k not in experts}, (32, 32))
+    packed, ref4 = _fp4(experts, "mxfp4")
+    for name, t in packed.items():
+        if name.endswith(".weight_packed"):
+            m = name[: -len(".weight_packed")]
+            out[f"{m}.weight"] = t.view(torch.int8)
+            out[f"{m}.weight_scale_inv"] = packed[f"{m}.weight_scale"].view(torch.float8_e8m0fnu)
+    return out, {**ref, **ref4}
 
 
 def _ct_fp8(tensors: dict, strategy):
@@ -208,7 +238,7 @@ def sources(tmp_path_factory):
 
 
 # exact: every product fits float32 (bf16/E8M0 scales, E2M1 x E8M0); otherwise a float32 rounding of it
-_EXACT = {"float", "fp8_ue8m0", "ct_fp8_block", "ct_fp8_channel", "ct_fp8_tensor", "ct_mxfp4"}
+_EXACT = {"float", "fp8_ue8m0", "ct_fp8_block", "ct_fp8_channel", "ct_fp8_tensor", "ct_mxfp4", "mxfp4_blocks"}
 
 
 @pytest.mark.parametrize("kind", sorted(SOURCES))
@@ -229,7 +259,8 @@ def test_reader_dequantises_as_the_reference(sources, kind):
             assert s.sym is False and s.group_size == 32  # never lossless; the least-error group vLLM runs
 
 
-@pytest.mark.parametrize("kind", ["float", "fp8_block", "ct_fp8_block", "ct_mxfp4", "ct_nvfp4", "modelopt_nvfp4"])
+@pytest.mark.parametrize("kind", ["float", "fp8_block", "ct_fp8_block", "ct_mxfp4", "ct_nvfp4", "modelopt_nvfp4",
+                                  "mxfp4_blocks", "fp8_fp4_experts"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_converts_and_verifies_against_the_source(sources, tmp_path, family, kind):
     folder, _ = sources(family, kind)

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from ..formats.float import VALUES
 from ..output import human_bytes
 from ._common import DebugOpt, JsonOpt, QuietOpt, VerboseOpt, error_boundary, examples, library, make_output
 
@@ -95,14 +96,15 @@ def _summary(o, r: dict) -> None:
            f"module(s) take the KleidiAI path, {ks['fallback']} fall back to torch's float32 reference")
     mods = r["modules"]
     act = sum(1 for m in mods.values() if m["act_order"])
-    fp4 = sum(1 for m in mods.values() if m["format"] == "mxfp4")
-    asym = sum(1 for m in mods.values() if not m["sym"] and m["format"] != "mxfp4")
-    what = f"{fp4} MXFP4 (4-bit float, requantised by convert), " if fp4 else ""
-    o.text(f"  {len(mods)} {'4-bit' if fp4 else 'int4'} modules: {what}{asym} asymmetric, {act} with act-order (g_idx)")
+    fl = sum(1 for m in mods.values() if m["format"] in VALUES)
+    asym = sum(1 for m in mods.values() if not m["sym"] and m["format"] not in VALUES)
+    kinds = "/".join(sorted({VALUES[m["format"]][1] for m in mods.values() if m["format"] in VALUES}))
+    what = f"{fl} {kinds} (not int4 values, requantised by convert), " if fl else ""
+    o.text(f"  {len(mods)} {'quantised' if fl else 'int4'} modules: {what}{asym} asymmetric, {act} with act-order (g_idx)")
     # one row per distinct (role, shape, path, kleidiai): a 30B model has ~18k modules
     groups: dict[tuple, list] = {}
     for name, m in mods.items():
-        sym = "e2m1" if m["format"] == "mxfp4" else "sym" if m["sym"] else "asym"
+        sym = VALUES[m["format"]][0] if m["format"] in VALUES else "sym" if m["sym"] else "asym"
         key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), sym,
                "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-",
                "yes" if m["kleidiai"] else m["kleidiai_reason"])

@@ -82,9 +82,14 @@ def open_reader(ckpt: Checkpoint) -> Reader:
                 return CTFP4Reader(ckpt, q)
             from .compressed_tensors import CompressedTensorsReader
             return CompressedTensorsReader(ckpt, q)
-        if method == "mxfp4" and ckpt.family_type == "gpt_oss":  # the only MXFP4 layout int4pack reads
+        if method == "mxfp4" and ckpt.family_type == "gpt_oss":  # fused experts in gpt-oss's own layout
             from .mxfp4 import MXFP4Reader
             return MXFP4Reader(ckpt, q)
+        if method == "mxfp4":
+            from ..families import family
+            from .mxfp4 import MXFP4LinearReader
+            if family(ckpt.family_type) is not None:
+                return MXFP4LinearReader(ckpt, q)
     except Int4packError as e:  # a config value the reader could not parse: name the file it is in
         e.path = e.path or qpath
         raise

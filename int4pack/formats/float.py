@@ -21,7 +21,7 @@ from ..errors import InputError, RefusedError
 from ..families import family, supported_types
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 
-__all__ = ["FLOAT_DTYPES", "DATA_FREE", "REQUANT_GROUP", "NOT_INT4", "float_spec", "float_linear", "stays_float",
+__all__ = ["FLOAT_DTYPES", "VALUES", "DATA_FREE", "REQUANT_GROUP", "NOT_INT4", "float_spec", "float_linear", "stays_float",
            "float_weights", "FloatReader", "is_float_source"]
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
@@ -31,6 +31,9 @@ DATA_FREE = "quantised from float, data-free"
 REQUANT_GROUP = 32
 NOT_INT4 = ("no module is lossless: the source values are not int4 values, so every linear is requantised "
             "(the report gives each module's error beside plain RTN's)")
+# LinearSpec.fmt of the readers whose values are not int4 -> (their values, what users call them)
+VALUES = {"float": ("float", "float"), "fp8": ("e4m3", "FP8"), "ct-fp8": ("e4m3", "FP8"),
+          "mxfp4": ("e2m1", "MXFP4"), "nvfp4": ("e2m1", "NVFP4")}
 _LAYER = re.compile(r"\.layers\.\d+\.")
 _ROUTER = re.compile(r"\.(?:gate|router|shared_expert_gate)(?:\.layer)?$")
 _NOT_LINEAR = re.compile(r"(?:embed|norm|wte|wpe|rotary|position)", re.I)

@@ -137,6 +137,7 @@ def _module(ckpt: Checkpoint, mod: str, scale_key: str, configured, fmt: str, ex
                          hint="The scales disagree with the weights or the config; the checkpoint is corrupt.")
     keys = [w, sc] + [f"{mod}.{x}" for x in ("bias",) + tuple(extra_keys) if f"{mod}.{x}" in ckpt.tensors]
     note = f"{kind} x {st.dtype} scale per {blk[0]}x{blk[1]} block, dequantised exactly, then requantised"
+    fmt = "mxfp4" if kind == "e2m1" else fmt  # E2M1 with an E8M0 scale per 32: MXFP4 values
     return float_spec(mod, fmt, n, k, tuple(keys), st.dtype, has_bias=f"{mod}.bias" in ckpt.tensors, notes=[note])
 
 
@@ -187,7 +188,7 @@ class FP8Reader:
 
     def verdict(self) -> FormatVerdict:
         specs = self.linears()
-        fp4 = sum(1 for s in specs.values() if "e2m1" in s.notes[0])
+        fp4 = sum(1 for s in specs.values() if s.fmt == "mxfp4")
         blk = f"{self.block[0]}x{self.block[1]} blocks" if self.block else "one scale per tensor"
         detail = f"FP8 e4m3 weights, weight_scale_inv per {blk}" + (f", {fp4} FP4-packed expert linear(s)" if fp4 else "")
         return FormatVerdict(
