@@ -327,7 +327,7 @@ def test_fp8_scale_shape_that_fits_no_block_is_named(sources, tmp_path):
 
 def test_e4m3_table_covers_every_byte():
     """The readers' own e4m3 decoding against torch's for all 256 bytes (NaN bytes refused)."""
-    from int4pack.formats.fp8 import e4m3
+    from int4pack.formats.minifloat import e4m3
 
     b = torch.arange(256, dtype=torch.uint8)
     finite = (b & 0x7F) != 0x7F

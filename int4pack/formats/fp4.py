@@ -24,36 +24,11 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from .float import DATA_FREE, NOT_INT4, float_linear, float_spec
+from .minifloat import e4m3, e8m0, positive, raw_bytes, unpack_e2m1
 
-__all__ = ["E2M1", "unpack_e2m1", "e8m0", "CT_FP4_FORMATS", "ct_formats", "CTFP4Reader", "ModelOptNVFP4Reader", "is_modelopt_nvfp4"]
+__all__ = ["CT_FP4_FORMATS", "ct_formats", "CTFP4Reader", "ModelOptNVFP4Reader", "is_modelopt_nvfp4"]
 
-# E2M1 code -> value (sign bit 3, two exponent bits, one mantissa bit; OCP MX v1.0)
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-_E8M0_NAN = 255
 CT_FP4_FORMATS = {"mxfp4-pack-quantized": ("MXFP4", 32), "nvfp4-pack-quantized": ("NVFP4", 16)}
-
-
-def unpack_e2m1(packed) -> "torch.Tensor":
-    """U8 [..., K/2] -> float32 [..., K]: code 2j in the low nibble of byte j, code 2j+1 in the high."""
-    b = packed.to(torch.int64)
-    codes = torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
-    return torch.tensor(E2M1, dtype=torch.float32)[codes]
-
-
-def e8m0(scales) -> "torch.Tensor":
-    """E8M0 bytes -> float32 2^(e - 127), exactly (2^-127 is a float32 subnormal); ValueError for 255 (NaN)."""
-    s = scales.to(torch.int64)
-    if s.numel() and int(s.max()) == _E8M0_NAN:
-        raise ValueError("E8M0 scale 255 (NaN)")
-    return torch.exp2(s.to(torch.float64) - 127).to(torch.float32)
-
-
-def _bytes(ckpt: Checkpoint, name: str) -> "torch.Tensor":
-    """A 1-byte tensor's raw bytes as uint8 in its stored shape (U8, I8, F8_E4M3, F8_E8M0 alike)."""
-    import numpy as np
-
-    t = ckpt.info(name)
-    return torch.from_numpy(np.frombuffer(ckpt.read_bytes(name), dtype=np.uint8).reshape(t.shape).copy())
 
 
 def _need(ckpt: Checkpoint, name: str, dtypes: tuple[str, ...], shape: tuple[int, ...] | None, what: str) -> None:
@@ -69,30 +44,21 @@ def _need(ckpt: Checkpoint, name: str, dtypes: tuple[str, ...], shape: tuple[int
                          hint="The tensors of this module disagree; the checkpoint is corrupt.")
 
 
-def _positive(s: "torch.Tensor", name: str) -> "torch.Tensor":
-    if not bool(torch.isfinite(s).all()) or bool((s < 0).any()):
-        raise InputError(f"{name}: NaN, Inf or negative scale", tensor=name,
-                         hint="The scales are corrupt; re-download the checkpoint.")
-    return s
-
-
 def _fp4_weights(ckpt: Checkpoint, spec: LinearSpec, packed: str, scale: str, block: int, global_div=None,
                  global_mul=None) -> "torch.Tensor":
     """float32 [N, K] of one FP4 module: E2M1 codes times their block scale (E8M0, or E4M3 with a global
     scale divided or multiplied in, in float32 as the producer's own dequantisation)."""
-    from .fp8 import e4m3
-
-    codes = unpack_e2m1(_bytes(ckpt, packed))
-    raw = _bytes(ckpt, scale)
+    codes = unpack_e2m1(raw_bytes(ckpt, packed))
+    raw = raw_bytes(ckpt, scale)
     try:
         s = e8m0(raw) if ckpt.tensors[scale].dtype in ("U8", "F8_E8M0") else e4m3(raw)
     except ValueError as e:
         raise InputError(f"{scale}: {e}", tensor=scale, hint="The scales are corrupt; re-download the checkpoint.") from None
-    s = _positive(s, scale)
+    s = positive(s, scale)
     if global_div is not None:
-        s = s / _positive(ckpt.get(global_div).float().reshape(()), global_div)
+        s = s / positive(ckpt.get(global_div).float().reshape(()), global_div)
     if global_mul is not None:
-        s = s * _positive(ckpt.get(global_mul).float().reshape(()), global_mul)
+        s = s * positive(ckpt.get(global_mul).float().reshape(()), global_mul)
     n, k = spec.n, spec.k
     return (codes.view(n, k // block, block) * s.view(n, k // block, 1)).view(n, k)
 

@@ -25,38 +25,11 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from .float import DATA_FREE, FLOAT_DTYPES, NOT_INT4, float_linear, float_spec
-from .fp4 import _bytes, _positive, e8m0, unpack_e2m1
+from .minifloat import e4m3, e8m0, positive, raw_bytes, unpack_e2m1
 
-__all__ = ["e4m3", "E4M3_NAN", "block_dequant", "block_of", "FP8Reader", "CTFP8Reader", "is_official_fp8"]
+__all__ = ["block_dequant", "block_of", "FP8Reader", "CTFP8Reader", "is_official_fp8"]
 
-E4M3_NAN = (0x7F, 0xFF)
 _SCALE_DTYPES = FLOAT_DTYPES + ("F8_E8M0", "U8")
-_LUT: list = []
-
-
-def _e4m3_table() -> "torch.Tensor":
-    if not _LUT:
-        vals = []
-        for b in range(256):
-            sign = -1.0 if b & 0x80 else 1.0
-            e, m = (b >> 3) & 0x0F, b & 0x07
-            if b & 0x7F == 0x7F:
-                v = float("nan")
-            elif e == 0:
-                v = sign * m / 8 * 2.0**-6  # subnormal
-            else:
-                v = sign * (1 + m / 8) * 2.0 ** (e - 7)
-            vals.append(v)
-        _LUT.append(torch.tensor(vals, dtype=torch.float32))
-    return _LUT[0]
-
-
-def e4m3(raw) -> "torch.Tensor":
-    """F8_E4M3 bytes (uint8, any shape) -> float32, exactly; ValueError for a NaN byte."""
-    v = _e4m3_table()[raw.to(torch.int64)]
-    if not bool(torch.isfinite(v).all()):
-        raise ValueError("e4m3 NaN (byte 0x7F or 0xFF)")
-    return v
 
 
 def block_of(n: int, k: int, scale_shape: tuple[int, ...], configured: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -89,20 +62,20 @@ def _scale_f32(ckpt: Checkpoint, name: str) -> "torch.Tensor":
     t = ckpt.tensors[name]
     try:
         if t.dtype in ("F8_E8M0", "U8"):
-            s = e8m0(_bytes(ckpt, name))
+            s = e8m0(raw_bytes(ckpt, name))
         elif t.dtype == "F8_E4M3":
-            s = e4m3(_bytes(ckpt, name))
+            s = e4m3(raw_bytes(ckpt, name))
         else:
             s = ckpt.get(name).float()
     except ValueError as e:
         raise InputError(f"{name}: {e}", tensor=name, hint="The scales are corrupt; re-download the checkpoint.") from None
-    return _positive(s, name)
+    return positive(s, name)
 
 
 def _values(ckpt: Checkpoint, name: str, k: int) -> "torch.Tensor":
     """float32 [N, K] of an e4m3 weight, or of an FP4-packed (I8/U8 [N, K/2]) one."""
     t = ckpt.tensors[name]
-    raw = _bytes(ckpt, name)
+    raw = raw_bytes(ckpt, name)
     if t.dtype in ("I8", "U8"):
         return unpack_e2m1(raw)
     try:

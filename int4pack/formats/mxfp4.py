@@ -26,7 +26,7 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from .float import DATA_FREE, NOT_INT4, float_linear, float_spec
-from .fp4 import E2M1
+from .minifloat import E2M1
 
 __all__ = ["E2M1", "BLOCK", "decode", "deinterleave", "MXFP4Reader", "MXFP4LinearReader", "is_mxfp4"]
 
