@@ -188,7 +188,7 @@ def convert(
     out: str | Path,
     *,
     group_size: int | str | None = "auto",
-    dense: str = "w4a8",
+    dense: str | None = None,
     max_shard_size: int | str = "5GB",
     dry_run: bool = False,
     overwrite: bool = False,

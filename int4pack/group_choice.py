@@ -25,6 +25,8 @@ def one_scheme(specs: list[LinearSpec]) -> int:
 
 
 def predict_path(spec: LinearSpec, g: int, folded: bool) -> str:
+    if spec.bits != 4:  # an 8-bit or float module: read as its float values
+        return "requant"
     # each target group inside one source group: the ints carry over unchanged
     same_group = nests(spec.group_size, spec.k, g)
     if spec.sym and same_group and not spec.act_order:
@@ -62,7 +64,7 @@ class Unit:
         self.specs = specs
         self.key = vllm_module(specs[0].name)
         # modules differ only in these fields as far as the choice goes (an MoE layer has two kinds)
-        sigs = {(s.k, s.group_size, s.sym, s.act_order, s.fmt, s.name in folded): s for s in specs}
+        sigs = {(s.k, s.group_size, s.sym, s.act_order, s.fmt, s.bits, s.name in folded): s for s in specs}
         self.kinds = list(sigs.items())
         self.ks = sorted({s.k for s in specs})
         self.sources = sorted({src for (k, src, *_) in sigs if src < k})  # real groups (not channel-like)

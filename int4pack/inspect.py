@@ -256,6 +256,10 @@ def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int, quantised: bool =
                                 rows, cols)
         return out
     ql = reader.read(spec)
+    if ql.dense is not None:  # a module read as its float values (8-bit, float, not int4): no nibbles to map
+        out.update(format=spec.fmt, n=spec.n, k=spec.k, bits=spec.bits, layout=f"{spec.bits}-bit source read as its "
+                   "float values (requantised or kept in bf16 by convert)", window=_window(ql.dense, rows, cols))
+        return out
     fmt = {"gptq": "gptq", "awq": "awq", "ct-pack": "ct", "ct-int": "ct-int"}[spec.fmt]
     out.update(format=spec.fmt, n=spec.n, k=spec.k, group_size=spec.group_size, sym=spec.sym,
                act_order=spec.act_order)

@@ -20,11 +20,11 @@ from .errors import RefusedError, UsageError
 from .formats import open_reader
 from .group_choice import Unit, choose_groups, predict_path, tied_units
 from .groups import parse_group_size, scale_dtype, scheme_label
+from .precision import DENSE_MODES, decide
+from .precision import summary as precision_summary
 from .records import FormatVerdict, LinearSpec
 
-__all__ = ["OutTensor", "Job", "Plan", "make_plan", "parse_size", "parse_group_size"]
-
-DENSE_MODES = ("w4a8", "bf16")
+__all__ = ["OutTensor", "Job", "Plan", "make_plan", "parse_size", "parse_group_size", "DENSE_MODES"]
 
 
 @dataclass(frozen=True, slots=True)  # slots: the plan holds a few per module for the whole run
@@ -76,6 +76,7 @@ class Plan:
     reader: object = field(default=None, repr=False)  # the format reader that read the headers
     groups: dict[str, int] = field(default_factory=dict)  # W4A8 module -> its target group
     substituted: list[dict] = field(default_factory=list)  # where --group-size N could not be used
+    mixed: list[dict] = field(default_factory=list)  # modules not in int4: what each became (precision.py)
 
     @property
     def outputs(self) -> list[OutTensor]:
@@ -136,6 +137,7 @@ class Plan:
             "schemes": [{"group_size": g, "scheme": scheme_label(g), "modules": n} for g, n in self.schemes().items()],
             "group_substitutions": self.substituted,
             "dense": self.dense,
+            "mixed_precision": self.mixed,
             "paths": self.path_counts(),
             "tensors_in": len(self.accounted),
             "tensors_out": len(self.outputs),
@@ -178,13 +180,14 @@ def _w4a8_outputs(spec: LinearSpec, g: int, bias_dtype: str | None) -> list[OutT
     return out
 
 
-def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: str = "w4a8",
+def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: str | None = None,
               source_label: str | None = None, strict_group_size: bool = False) -> Plan:
     """Validate the whole checkpoint and decide every tensor's fate. Raises on any refusal.
 
     ``group_size`` is a model-wide request; a module that cannot run it takes the group it can
-    (listed in ``Plan.substituted``), or, with ``strict_group_size``, the plan is refused."""
-    if dense not in DENSE_MODES:
+    (listed in ``Plan.substituted``), or, with ``strict_group_size``, the plan is refused.
+    ``dense``: what dense linears become (precision.py); None is the default, int4 ones to W4A8."""
+    if dense is not None and dense not in DENSE_MODES:
         raise UsageError(f"--dense {dense!r}: expected one of {', '.join(DENSE_MODES)}")
     requested = parse_group_size(group_size)
     reader = open_reader(ckpt)
@@ -206,14 +209,16 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
                            hint="int4pack targets MoE checkpoints; the tensor names did not match any expert layout.")
 
     # float_only: a linear vLLM builds without quantisation (families/): dequantised to bfloat16
-    w4a8_specs = [s for s in specs.values() if layout.roles[s.name] != "float_only"
-                  and (dense == "w4a8" or layout.roles[s.name] == "expert")]
+    fates = {s.name: decide(s, layout.roles[s.name], dense, layout.roles[s.name] == "float_only")
+             for s in specs.values()}
+    w4a8_specs = [s for s in specs.values() if fates[s.name].w4a8]
     w4a8_names = {s.name for s in w4a8_specs}
 
-    # MLP triples whose down projection carries act-order get folded together
+    # MLP triples whose down projection carries act-order get folded together (int4 triples only)
     fold_of: dict[str, list[str]] = {}
     for t in layout.mlps:
-        if {"gate", "up", "down"} <= t.keys() and specs[t["down"]].act_order:
+        if {"gate", "up", "down"} <= t.keys() and specs[t["down"]].act_order \
+                and all(specs[t[r]].bits == 4 for r in ("gate", "up", "down")):
             members = [t["gate"], t["up"], t["down"]]
             if all(m in w4a8_names for m in members):
                 for m in members:
@@ -294,8 +299,11 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
     jobs.sort(key=lambda j: j.outputs[0].name)
     distinct = set(groups.values())
     one = distinct.pop() if len(distinct) == 1 else None
-    opts = {"group_size": one, "dense": dense}
+    mixed = precision_summary(specs, layout.roles, fates)
+    opts = {"group_size": one, "dense": dense or "w4a8"}
+    if mixed:  # --dense given or not decides the 8-bit dense linears
+        opts["mixed"] = [(m["first"], m["path"], m["modules"]) for m in mixed]
     if one is None:  # per module: the mapping decides the output bytes
         opts["groups"] = hashlib.sha256(json.dumps(groups, sort_keys=True).encode()).hexdigest()
-    return Plan(source_label or str(ckpt.folder), verdict, layout, one, dense, jobs, accounted, opts, reader,
-                groups=groups, substituted=substituted)
+    return Plan(source_label or str(ckpt.folder), verdict, layout, one, dense or "w4a8", jobs, accounted, opts,
+                reader, groups=groups, substituted=substituted, mixed=mixed)

@@ -23,7 +23,7 @@ from _reference import FIXTURES
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import open_reader
-from int4pack.formats.float import DATA_FREE
+from int4pack.formats.float_source import DATA_FREE
 
 # OCP Microscaling Formats (MX) v1.0, table of FP4 E2M1: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa
 OCP_E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

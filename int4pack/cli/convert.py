@@ -52,9 +52,10 @@ def convert_cmd(
         "--strict-group-size",
         help="Refuse when a module cannot run --group-size N, instead of giving it the group it can run "
              "(reported).")] = False,
-    dense: Annotated[Dense, typer.Option(
-        help="What the non-expert int4 linears become: w4a8 (vLLM's dense W4A8 path) or bf16 "
-             "(dequantised).")] = Dense.w4a8,
+    dense: Annotated[Optional[Dense], typer.Option(
+        help="What the non-expert linears become: w4a8 (vLLM's dense W4A8 path) or bf16 (dequantised). "
+             "Left out: int4 ones become W4A8 and 8-bit ones bf16; float ones always stay as they are.",
+        show_default=False)] = None,
     max_shard_size: Annotated[str, typer.Option(
         metavar="SIZE", help="The largest output shard, such as 5GB or 500MB.")] = "5GB",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the source and print the plan; write nothing.")
@@ -89,7 +90,7 @@ def convert_cmd(
     with error_boundary(o, lambda: _left_behind(out)):
         convert = library("convert")
         with o.progress("converting") as bar:
-            report = convert(src, out, group_size=group_size, dense=dense.value, max_shard_size=max_shard_size,
+            report = convert(src, out, group_size=group_size, dense=dense.value if dense else None, max_shard_size=max_shard_size,
                              dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
                              revision=revision, serve_format=serve_format.value, progress=bar,
                              strict_group_size=strict_group_size, tensor_parallel=tensor_parallel,

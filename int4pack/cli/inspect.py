@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from ..formats.float import VALUES
+from ..formats.float_source import VALUES
 from ..output import human_bytes
 from ._common import DebugOpt, JsonOpt, QuietOpt, VerboseOpt, error_boundary, examples, library, make_output
 

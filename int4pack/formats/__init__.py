@@ -1,6 +1,10 @@
-"""Source format readers: one module per format behind one small interface.
+"""Source format readers: one module per format, listed in one table, ``READERS``.
 
-A reader is built from a Checkpoint; it only parses headers and config until ``read``:
+Each row (``_api.Format``) names its reader and says which sources it claims, from the
+quantization config and the tensor headers only. The planner, verify and inspect open every
+source through ``open_reader``, which asks the rows in order; a source no row claims is refused
+naming its quant_method (or file type) and the formats of the table. A reader only parses headers
+and config until ``read``:
 
     reader = open_reader(ckpt)
     reader.verdict()            -> FormatVerdict (format, version, v1/v2 evidence, warnings)
@@ -11,98 +15,100 @@ A reader is built from a Checkpoint; it only parses headers and config until ``r
 from __future__ import annotations
 
 import json
-from typing import Protocol
 
 from ..checkpoint import Checkpoint
 from ..errors import InputError, Int4packError, RefusedError
-from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ..serve_spec import QUANT_METHOD
+from ..source_folder import load_json
+from . import autoround, awq, compressed_tensors, gptq, mxfp4
+from ._api import Format, Header, Reader, quant_method
+from . import float_source, fp4, fp8
+from .float_experts import with_float_experts
 
-__all__ = ["Reader", "open_reader"]
+__all__ = ["READERS", "Format", "Header", "Reader", "open_reader", "supported", "header_of"]
 
-
-class Reader(Protocol):
-    name: str
-
-    def verdict(self) -> FormatVerdict: ...
-
-    def linears(self) -> dict[str, LinearSpec]: ...
-
-    def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
-        """The module's data. unpack=False may leave the codes packed (QuantLinear.packed)."""
-        ...
-
+# Asked in order; the first row that claims a source reads it.
+READERS: tuple[Format, ...] = (
+    gptq.FORMAT,
+    autoround.FORMAT,
+    awq.FORMAT,
+    fp8.CT_FORMAT,  # compressed-tensors configs of float groups only: before the int4 row that claims them all
+    fp4.CT_FORMAT,
+    compressed_tensors.FORMAT,
+    mxfp4.FORMAT,
+    # rows of containers other than safetensors, and of layouts of their own: after the int4 rows
+    # rows of float sources (BF16, FP8, FP4): last, for they claim what no row above did
+    fp8.FORMAT,
+    fp4.MODELOPT_FORMAT,
+    mxfp4.LINEAR_FORMAT,
+    float_source.FORMAT,
+)
 
 PACKED = QUANT_METHOD  # the packed serving format: not a source
 
 
-def open_reader(ckpt: Checkpoint) -> Reader:
-    """Pick the reader for the checkpoint's quant_method; refuse anything else clearly."""
-    q = ckpt.quant_config
-    if q is None:
-        from .float import FloatReader, is_float_source
+def supported() -> str:
+    """The table's formats, as a refusal lists them."""
+    return "; ".join(f"{r.name}: {r.reads}" for r in READERS)
 
-        if is_float_source(ckpt):  # bf16/fp16/fp32 weights: quantised data-free (float.py)
-            return FloatReader(ckpt)
-        raise RefusedError(
-            f"{ckpt.folder}: no quantization_config (config.json, quantize_config.json or quant_config.json) "
-            "and no float linear weights",
-            path=str(ckpt.folder),
-            hint="int4pack converts int4 GPTQ, AWQ, compressed-tensors, FP8 and FP4 checkpoints, and float "
-                 "(bf16/fp16/fp32) ones of the MoE families it knows.")
-    qpath = str(getattr(ckpt, "quant_config_path", None) or ckpt.folder / "config.json")
-    _check_types(q, qpath)
-    method = str(q.get("quant_method", "")).lower()
+
+def header_of(ckpt: Checkpoint) -> Header:
+    """What the rows' ``claims`` see of a source."""
+    return Header(getattr(ckpt, "container", "safetensors"), ckpt.tensors, ckpt.family_type, tuple(ckpt.shards))
+
+
+def _config(ckpt: Checkpoint) -> tuple[dict | None, str]:
+    """The quantization config and the file it is in: the checkpoint's own (config.json, the GPTQ and
+    AWQ side files), else a side file a row names (AutoRound's quantization_config.json)."""
+    q = ckpt.quant_config
+    if q is not None:
+        return q, str(getattr(ckpt, "quant_config_path", None) or ckpt.folder / "config.json")
+    for name in dict.fromkeys(f for r in READERS for f in r.config_files):
+        p = ckpt.folder / name
+        ckpt.check_link(p)
+        if p.is_file():
+            side = load_json(p)
+            if not isinstance(side, dict):
+                raise InputError(f"{p}: holds a {type(side).__name__}, not a quantization config object",
+                                 path=str(p), hint="Fix or re-download the file.")
+            return side, str(p)
+    return None, str(ckpt.folder / "config.json")
+
+
+def open_reader(ckpt: Checkpoint) -> Reader:
+    """The reader of the first row of READERS that claims the checkpoint; refuse anything else clearly."""
+    q, qpath = _config(ckpt)
+    if q is not None:
+        _check_types(q, qpath)
+    method = quant_method(q)
     if method == PACKED:
         raise RefusedError(
             f"{ckpt.folder}: int4pack's packed serving format (quant_method {PACKED!r}, written by convert "
             "--serve-format kleidiai): it is for serving through int4pack's vLLM plugin and cannot be a source",
             path=str(ckpt.folder), hint="Convert from the original int4 checkpoint; int4pack verify checks this one.")
-    try:
-        if method == "gptq" or (not method and "bits" in q and "desc_act" in q):
-            from .gptq import GPTQReader
-            return GPTQReader(ckpt, q)
-        if method == "awq":
-            from .awq import AWQReader
-            return AWQReader(ckpt, q)
-        if method == "fp8":  # the official FP8 layout (weight_scale_inv): dequantised, requantised
-            from .fp8 import FP8Reader
-            return FP8Reader(ckpt, q)
-        if method == "modelopt":
-            from .fp4 import ModelOptNVFP4Reader, is_modelopt_nvfp4
-            if is_modelopt_nvfp4(q):
-                return ModelOptNVFP4Reader(ckpt, q)
-        if method in {"compressed-tensors", "compressed_tensors"} or "config_groups" in q:
-            from .fp4 import CT_FP4_FORMATS, CTFP4Reader, ct_formats
-            fmts = ct_formats(q)
-            if fmts and fmts <= {"float-quantized"}:
-                from .fp8 import CTFP8Reader
-                return CTFP8Reader(ckpt, q)
-            if fmts and fmts <= set(CT_FP4_FORMATS):
-                return CTFP4Reader(ckpt, q)
-            from .compressed_tensors import CompressedTensorsReader
-            return CompressedTensorsReader(ckpt, q)
-        if method == "mxfp4" and ckpt.family_type == "gpt_oss":  # fused experts in gpt-oss's own layout
-            from .mxfp4 import MXFP4Reader
-            return MXFP4Reader(ckpt, q)
-        if method == "mxfp4":
-            from ..families import family
-            from .mxfp4 import MXFP4LinearReader
-            if family(ckpt.family_type) is not None:
-                return MXFP4LinearReader(ckpt, q)
-    except Int4packError as e:  # a config value the reader could not parse: name the file it is in
-        e.path = e.path or qpath
-        raise
+    header = header_of(ckpt)
+    for row in READERS:
+        try:
+            if row.claims(q, header):
+                return with_float_experts(row.reader(ckpt, q, qpath), ckpt)
+        except Int4packError as e:  # a config value the reader could not parse: name the file it is in
+            e.path = e.path or qpath
+            raise
+    if q is None:
+        raise RefusedError(
+            f"{ckpt.folder}: no quantization_config (config.json, quantize_config.json, quant_config.json or "
+            "quantization_config.json)", path=str(ckpt.folder),
+            hint=f"int4pack reads {supported()}. Quantise the model first.")
     from ..families import family
 
     fam = family(ckpt.family_type)
     if fam is not None and fam.refuse:  # say why the family is refused, not only that its format is
         raise RefusedError(f"model_type {ckpt.family_type!r} ({fam.name}), quant_method "
                            f"{q.get('quant_method')!r}: {fam.refuse}", path=qpath,
-                           hint="int4pack converts int4 GPTQ, AWQ or compressed-tensors checkpoints.")
+                           hint=f"int4pack reads {supported()}.")
     raise RefusedError(
         f"quant_method {q.get('quant_method')!r} is not supported", path=qpath,
-        hint="Supported: gptq, awq (gemm), compressed-tensors (pack-quantized, int-quantized).")
+        hint=f"Supported: {supported()}.")
 
 
 # JSON types the readers rely on for the keys they read (None is always allowed: "not set")
@@ -113,6 +119,7 @@ _QCFG_TYPES = {
     "desc_act": (bool, int), "zero_point": (bool, int), "is_marlin_format": (bool, int), "dynamic": (dict,),
     "config_groups": (dict,), "ignore": (list,), "sparsity_config": (dict,), "transform_config": (dict,),
     "modules_to_not_convert": (list,), "modules_in_block_to_quantize": (list,), "quantization_status": (str,),
+    "packing_format": (str,), "extra_config": (dict,), "data_type": (str,), "act_bits": _NUM,
 }
 _GROUP_TYPES = {"targets": (list,), "format": (str,), "weights": (dict,)}
 _WEIGHT_TYPES = {"num_bits": (int,), "type": (str,), "symmetric": (bool, int), "strategy": (str,),

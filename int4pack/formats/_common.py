@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,8 +25,19 @@ __all__ = [
     "g_idx_unless_trivial",
     "nontrivial_g_idx",
     "cfg_int",
+    "cfg_bool",
+    "QuantParams",
+    "quant_params",
     "require_bits4",
+    "WIDE_BITS",
+    "byte_rows",
+    "byte_cols",
+    "dequantize_rows",
 ]
+
+# widths a module may have: 4-bit (converted as it is) and 8-bit (beside 4-bit modules: read as its
+# float values, then requantised or kept in bf16, as the plan decides)
+WIDE_BITS = (4, 8)
 
 def all_bytes(data: bytearray, byte: int) -> bool:
     """Every byte is ``byte``: one memcmp (a uniform word such as 0x88888888 reads so in any byte order)."""
@@ -151,6 +163,32 @@ def cfg_bool(cfg: dict, key: str, default: bool) -> bool:
                      hint="Fix the config: it must be a boolean.")
 
 
+@dataclass(frozen=True)
+class QuantParams:
+    """The config preamble every int reader starts from: bits, group along K, symmetry."""
+
+    bits: int | None
+    group_size: int | None  # as the config writes it: -1, 0 or None mean one group over all of K
+    sym: bool
+
+    def group_along(self, k: int) -> int:
+        """The source group along K of a linear with ``k`` inputs."""
+        return self.group_size if self.group_size and self.group_size > 0 else k
+
+    def overridden(self, cfg: dict) -> "QuantParams":
+        """These parameters with a per-module override's keys applied (GPTQ dynamic, AutoRound extra_config)."""
+        return quant_params(cfg, bits=self.bits, group_size=self.group_size, sym=self.sym)
+
+
+def quant_params(cfg: dict, *, bits: int | None = 4, group_size: int | None = 128, sym: bool = True) -> QuantParams:
+    """bits / group size / symmetry under each producer's key (GPTQ and AutoRound ``bits``, AutoAWQ's
+    ``w_bit``, compressed-tensors' ``num_bits``; ``group_size`` or ``q_group_size``; ``sym`` or
+    ``symmetric``), with the format's defaults for keys that are absent."""
+    return QuantParams(cfg_int(cfg, "bits", "w_bit", "num_bits", default=bits),
+                       cfg_int(cfg, "group_size", "q_group_size", default=group_size),
+                       cfg_bool(cfg, "symmetric" if "sym" not in cfg and "symmetric" in cfg else "sym", sym))
+
+
 def require_bits4(bits: int | None, module: str, path: str | None = None) -> None:
     if bits != 4:
         raise RefusedError(f"int4pack converts 4-bit checkpoints only; the config says bits={bits} "
@@ -161,3 +199,23 @@ def require_bits4(bits: int | None, module: str, path: str | None = None) -> Non
 def owned(t: torch.Tensor) -> torch.Tensor:
     """A contiguous private copy (views of the read-only mmap must not escape)."""
     return t.clone(memory_format=torch.contiguous_format)
+
+
+def byte_rows(w: np.ndarray) -> np.ndarray:
+    """uint32 [A, B] words packed along dim 0, four 8-bit values each (low byte first) -> uint8 [4A, B]."""
+    return np.ascontiguousarray(w.astype("<u4").view(np.uint8).reshape(w.shape[0], w.shape[1], 4)
+                                .transpose(0, 2, 1)).reshape(4 * w.shape[0], w.shape[1])
+
+
+def byte_cols(w: np.ndarray) -> np.ndarray:
+    """uint32 [A, B] words packed along dim 1 -> uint8 [A, 4B]: column 4j+m is byte m of word j."""
+    return np.ascontiguousarray(w.astype("<u4")).view(np.uint8).reshape(w.shape[0], 4 * w.shape[1])
+
+
+def dequantize_rows(u: np.ndarray, z: np.ndarray | int, scales: torch.Tensor, g_idx: np.ndarray) -> torch.Tensor:
+    """float32 [N, K] = (u - z[:, g]) * scales[:, g], g = g_idx[k]: unsigned codes [N, K], zero points
+    [N, G] (or one for all), scales [N, G]."""
+    g = torch.from_numpy(np.asarray(g_idx, dtype=np.int64))
+    s = scales.float()[:, g]
+    zz = float(z) if np.isscalar(z) else torch.from_numpy(np.ascontiguousarray(z)).float()[:, g]
+    return (torch.from_numpy(np.ascontiguousarray(u)).float() - zz) * s

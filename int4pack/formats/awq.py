@@ -12,10 +12,11 @@ from .._lazy import torch
 from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
-from ._common import (
-    all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, need, prefixes_with, read_transposed, require_bits4)
+from ._api import Format, Header, quant_method
+from ._common import all_bytes, cfg_bool, check_dtype, check_shape, need, prefixes_with, quant_params, read_transposed, \
+    require_bits4
 
-__all__ = ["AWQReader"]
+__all__ = ["AWQReader", "FORMAT", "claims"]
 
 _REFUSED_VERSIONS = {
     "gemv": "qweight [N, K/8] packed along K with transposed, padded scales/qzeros",
@@ -28,15 +29,19 @@ _REFUSED_VERSIONS = {
 _SCALE_DTYPES = ("F16", "BF16", "F32")
 
 
+def claims(q: dict | None, header: Header) -> bool:
+    return quant_method(q) == "awq"
+
+
 class AWQReader:
     name = "awq"
 
-    def __init__(self, ckpt: Checkpoint, qcfg: dict):
+    def __init__(self, ckpt: Checkpoint, qcfg: dict, path: str | None = None):
         self.ckpt = ckpt
         self.cfg = qcfg
-        self.path = str(ckpt.folder / "config.json")
-        self.bits = cfg_int(qcfg, "bits", "w_bit", default=4)
-        self.group = cfg_int(qcfg, "group_size", "q_group_size", default=128)
+        self.path = path or str(ckpt.folder / "config.json")
+        self.params = quant_params(qcfg)
+        self.bits, self.group = self.params.bits, self.params.group_size
         self.version = str(qcfg.get("version") or qcfg.get("format") or "gemm").lower()
         self.zero_point = cfg_bool(qcfg, "zero_point", True)
         self.not_convert = [str(m) for m in (qcfg.get("modules_to_not_convert") or [])]
@@ -70,7 +75,7 @@ class AWQReader:
                              f"{list(qshape)} and {list(sshape)}", tensor=qweight,
                              hint="3-D or fused AWQ tensors are not a layout int4pack reads.")
         k, n = qshape[0], qshape[1] * 8
-        group = self.group if self.group and self.group > 0 else k
+        group = self.params.group_along(k)
         groups = -(-k // group)
         check_shape(ck, scales, (groups, n), f"[ceil(K/group_size), N] for K={k}, N={n}, group_size={group}")
         check_shape(ck, qzeros, (groups, n // 8), f"[G, N/8] for G={groups}, N={n}")
@@ -99,7 +104,7 @@ class AWQReader:
                     f"{len(self.modules)} module(s) with qweight"]
         if self.not_convert:
             evidence.append(f"modules_to_not_convert: {self.not_convert} (informational; tensors decide)")
-        return FormatVerdict(format="awq", detail="awq gemm", evidence=evidence,
+        return FormatVerdict(format=self.name, detail="awq gemm", evidence=evidence,
                              extra={"version": self.version})
 
     def in_place(self, spec: LinearSpec) -> tuple | None:
@@ -130,3 +135,10 @@ class AWQReader:
         scales = read_transposed(ck, f"{spec.name}.scales")
         bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
         return QuantLinear(spec, codes, scales, zeros, None, bias, packed=packed)
+
+
+FORMAT = Format(
+    "awq", claims, AWQReader,
+    reads="quant_method awq (GEMM)",
+    lossless="none (AWQ is asymmetric: its zero points are not the symmetric int4 grid)",
+    requant="every module")

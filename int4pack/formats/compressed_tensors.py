@@ -16,9 +16,11 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ..nibbles import unpack_rows
-from ._common import cfg_bool, check_dtype, check_shape, g_idx_unless_trivial, nontrivial_g_idx, owned, prefixes_with
+from ._api import Format, Header, quant_method
+from ._common import WIDE_BITS, byte_cols, byte_rows, check_dtype, check_shape, dequantize_rows, \
+    g_idx_unless_trivial, nontrivial_g_idx, owned, prefixes_with, quant_params
 
-__all__ = ["CompressedTensorsReader", "Scheme"]
+__all__ = ["CompressedTensorsReader", "Scheme", "FORMAT", "claims"]
 
 _PACK = "pack-quantized"
 _INT = ("int-quantized", "naive-quantized")
@@ -74,16 +76,15 @@ def _scheme(name: str, group: dict, top_format: str | None) -> Scheme:
         raise InputError(f"quantization_config config group {name!r}: weights is a {type(w).__name__}, "
                          "not an object", hint="Fix the config: weights holds num_bits, strategy, group_size.")
     fmt = str(group.get("format") or top_format or "")
-    gs = w.get("group_size")
     try:
-        gs = int(gs) if gs is not None else None
-    except (TypeError, ValueError):
-        raise InputError(f"quantization_config config group {name!r}: group_size={gs!r} is not an integer",
-                         hint="Fix the config: group_size must be a number.") from None
-    strategy = str(w.get("strategy") or ("group" if gs and int(gs) > 0 else "channel"))
+        p = quant_params(w, bits=None, group_size=None)
+    except InputError as e:
+        raise InputError(f"quantization_config config group {name!r}: {str(e).removeprefix('quantization_config ')}",
+                         hint=e.hint) from None
+    strategy = str(w.get("strategy") or ("group" if p.group_size and p.group_size > 0 else "channel"))
     s = Scheme(name=name, targets=[str(t) for t in (group.get("targets") or [])], format=fmt,
-               bits=w.get("num_bits"), type=str(w.get("type", "int")), symmetric=cfg_bool(w, "symmetric", True),
-               strategy=strategy, group_size=int(gs) if gs is not None else None, problem=None)
+               bits=p.bits, type=str(w.get("type", "int")), symmetric=p.sym,
+               strategy=strategy, group_size=p.group_size, problem=None)
     s.problem = _scheme_problem(s, w)
     return s
 
@@ -97,8 +98,8 @@ def _scheme_problem(s: Scheme, w: dict) -> str | None:
         return f"format {s.format!r} is not an int4 layout int4pack reads"
     if s.type != "int":
         return f"weights type {s.type!r} (int4pack converts int weights only)"
-    if s.bits != 4:
-        return f"num_bits={s.bits}; int4pack converts 4-bit checkpoints only"
+    if s.bits not in WIDE_BITS:
+        return f"num_bits={s.bits}; int4pack reads 4-bit modules (and 8-bit ones beside them)"
     if s.strategy not in _STRATEGIES:
         return f"strategy {s.strategy!r} is not supported (group, channel or tensor only)"
     if w.get("dynamic"):
@@ -121,13 +122,17 @@ def _small_ints(ck: Checkpoint, name: str) -> list:
     return np.frombuffer(ck.read_bytes(name), dtype=dt).reshape(t.shape).tolist()
 
 
+def claims(q: dict | None, header: Header) -> bool:
+    return q is not None and (quant_method(q) in ("compressed-tensors", "compressed_tensors") or "config_groups" in q)
+
+
 class CompressedTensorsReader:
     name = "compressed-tensors"
 
-    def __init__(self, ckpt: Checkpoint, qcfg: dict):
+    def __init__(self, ckpt: Checkpoint, qcfg: dict, path: str | None = None):
         self.ckpt = ckpt
         self.cfg = qcfg
-        self.path = str(ckpt.folder / "config.json")
+        self.path = path or str(ckpt.folder / "config.json")
         self.top_format = qcfg.get("format")
         self.version = str(qcfg.get("version") or "unknown")
         groups = qcfg.get("config_groups") or {}
@@ -151,6 +156,12 @@ class CompressedTensorsReader:
             s = self.schemes[0]
             raise RefusedError(f"compressed-tensors config group {s.name!r}: {s.problem}", path=self.path,
                                hint="int4pack converts int4 (pack-quantized / int-quantized) weights only.")
+        if not any(s.bits == 4 for s in self.schemes if not s.problem):
+            s = next(s for s in self.schemes if not s.problem)
+            raise RefusedError(f"compressed-tensors config group {s.name!r}: num_bits={s.bits} and no config group "
+                               "is 4-bit; int4pack converts 4-bit checkpoints only", path=self.path,
+                               hint="int4pack converts int4 (pack-quantized / int-quantized) weights only; 8-bit "
+                                    "modules are read where they sit beside 4-bit ones.")
         sparsity = self.cfg.get("sparsity_config") or {}
         if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
             raise RefusedError(f"compressed-tensors sparsity_config format {sparsity.get('format')!r}",
@@ -218,7 +229,7 @@ class CompressedTensorsReader:
                               has_bias=f"{module}.bias" in ck.tensors,
                               refused=f"config group {scheme.name!r}: {scheme.problem}", notes=notes)
         if packed:
-            n, k, keys = self._pack_tensors(module, notes)
+            n, k, keys = self._pack_tensors(module, notes, scheme.bits)
         else:
             n, k, keys = self._int_tensors(module)
         return self._finish(module, scheme, n, k, keys, notes, "ct-pack" if packed else "ct-int")
@@ -238,13 +249,14 @@ class CompressedTensorsReader:
                 return t.shape[0], t.shape[1] * (8 if key == "weight_packed" else 1)
         return 0, 0
 
-    def _pack_tensors(self, module: str, notes: list[str]) -> tuple[int, int, list[str]]:
+    def _pack_tensors(self, module: str, notes: list[str], bits: int = 4) -> tuple[int, int, list[str]]:
         ck = self.ckpt
         wp = f"{module}.weight_packed"
+        per_word = 32 // bits
         check_dtype(ck, wp, ("I32",), "weight_packed")
         pshape = ck.tensors[wp].shape
         if len(pshape) != 2:
-            raise InputError(f"{wp}: expected 2 dims [N, ceil(K/8)], got {list(pshape)}", tensor=wp)
+            raise InputError(f"{wp}: expected 2 dims [N, ceil(K/{per_word})], got {list(pshape)}", tensor=wp)
         keys = [wp]
         ws = f"{module}.weight_shape"
         if ws in ck.tensors:
@@ -252,11 +264,11 @@ class CompressedTensorsReader:
             if len(shape) != 2:
                 raise InputError(f"{ws}: expected [N, K], got {shape}", tensor=ws)
             n, k = int(shape[0]), int(shape[1])
-            check_shape(ck, wp, (n, -(-k // 8)), f"weight_shape {[n, k]} packed 8 per int32")
+            check_shape(ck, wp, (n, -(-k // per_word)), f"weight_shape {[n, k]} packed {per_word} per int32")
             keys.append(ws)
         else:
-            n, k = pshape[0], pshape[1] * 8
-            notes.append("no weight_shape; K taken as 8 x packed columns")
+            n, k = pshape[0], pshape[1] * per_word
+            notes.append(f"no weight_shape; K taken as {per_word} x packed columns")
         return n, k, keys
 
     def _int_tensors(self, module: str) -> tuple[int, int, list[str]]:
@@ -315,7 +327,10 @@ class CompressedTensorsReader:
             keys.extend(acts)
             notes.append("static activation qparams dropped (the target quantises activations per token)")
         sym = scheme.symmetric and zp not in ck.tensors
-        return LinearSpec(name=module, fmt=fmt, n=n, k=k, bits=4, group_size=group, sym=sym, act_order=act_order,
+        if scheme.bits != 4:
+            notes.append(f"{scheme.bits}-bit (config group {scheme.name!r}): read as its float values")
+        return LinearSpec(name=module, fmt=fmt, n=n, k=k, bits=scheme.bits, group_size=group, sym=sym,
+                          act_order=act_order,
                           keys=tuple(keys), scale_dtype=ck.tensors[sc].dtype, has_bias=has_bias, notes=notes)
 
     def _check_zp(self, zp: str, n: int, groups: int, scheme: Scheme) -> None:
@@ -325,7 +340,9 @@ class CompressedTensorsReader:
                 check_shape(self.ckpt, zp, (1,), "a tensor-strategy zero point")
             check_dtype(self.ckpt, zp, ("I8", "I32"), "weight_zero_point")
         elif t.dtype == "I32":  # >= 0.9.4: packed along N
-            check_shape(self.ckpt, zp, (-(-n // 8), groups), f"packed [ceil(N/8), G] for N={n}, G={groups}")
+            per_word = 32 // scheme.bits
+            check_shape(self.ckpt, zp, (-(-n // per_word), groups),
+                        f"packed [ceil(N/{per_word}), G] for N={n}, G={groups}")
         else:  # older: unpacked signed int8
             check_dtype(self.ckpt, zp, ("I8",), "weight_zero_point (packed int32 or unpacked int8)")
             check_shape(self.ckpt, zp, (n, groups), f"unpacked [N, G] for N={n}, G={groups}")
@@ -357,7 +374,7 @@ class CompressedTensorsReader:
         """Where a pack-quantized module's data lies, for convert's lossless batch (batch.py), which
         reads it in place (see GPTQReader.in_place); None where ``read`` is the only way."""
         t = self.ckpt.tensors
-        if spec.refused or spec.has_bias or spec.fmt != "ct-pack":
+        if spec.refused or spec.has_bias or spec.fmt != "ct-pack" or spec.bits != 4:
             return None
         sc, g = t[f"{spec.name}.weight_scale"], t.get(f"{spec.name}.weight_g_idx")
         z = t.get(f"{spec.name}.weight_zero_point")
@@ -370,6 +387,8 @@ class CompressedTensorsReader:
         if spec.refused:
             raise RefusedError(f"{spec.name}: {spec.refused}", tensor=spec.name,
                                hint="Only int4 weights can be converted.")
+        if spec.bits != 4:
+            return self._read_wide(spec)
         from .. import kernels  # torch's: imported when the work starts, not by the plan
 
         ck = self.ckpt
@@ -390,6 +409,37 @@ class CompressedTensorsReader:
             g_idx = g_idx_unless_trivial(ck, f"{spec.name}.weight_g_idx", spec.k, spec.groups, spec.group_size)
         bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
         return QuantLinear(spec, codes, scales, zeros, g_idx, bias, packed)
+
+    def _read_wide(self, spec: LinearSpec) -> QuantLinear:
+        """An 8-bit module: its float weights (QuantLinear.dense). Stored values are signed (pack-quantized
+        keeps value + 128 in each byte, compressed-tensors' pack_to_int32), and so are its zero points."""
+        ck = self.ckpt
+        if spec.fmt == "ct-pack":
+            q = byte_cols(ck.array(f"{spec.name}.weight_packed").view(np.uint32))[:, : spec.k].astype(np.int16) - 128
+        else:
+            q = ck.array(f"{spec.name}.weight").astype(np.int16)
+        scales = ck.get(f"{spec.name}.weight_scale")
+        if scales.numel() == 1:
+            scales = owned(scales.reshape(1, 1).expand(spec.n, 1))
+        zp: np.ndarray | int = 0
+        name = f"{spec.name}.weight_zero_point"
+        if name in ck.tensors:
+            t = ck.array(name)
+            if t.dtype == np.int32 and t.ndim == 2:  # packed along N, value + 128 a byte
+                zp = byte_rows(t.view(np.uint32))[: spec.n].astype(np.int16) - 128
+            else:
+                zp = t.astype(np.int16).reshape(-1, t.shape[-1] if t.ndim == 2 else 1)
+                if zp.shape[0] == 1:
+                    zp = np.broadcast_to(zp, (spec.n, zp.shape[1]))
+        g_idx = np.arange(spec.k) // spec.group_size
+        if f"{spec.name}.weight_g_idx" in ck.tensors:
+            g = nontrivial_g_idx(ck, f"{spec.name}.weight_g_idx", spec.k, spec.groups, spec.group_size)
+            g_idx = g if g is not None else g_idx
+        if scales.shape[1] == 1:
+            g_idx = np.zeros(spec.k, dtype=np.int64)
+        w = dequantize_rows(q, zp, scales, g_idx)
+        bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
+        return QuantLinear(spec, None, scales, None, None, bias, dense=w)
 
     def _int_codes(self, name: str) -> torch.Tensor:
         q = self.ckpt.get(name).to(torch.int16)
@@ -415,3 +465,10 @@ class CompressedTensorsReader:
             if z.shape[0] == 1:
                 z = owned(z.expand(spec.n, groups))
         return None if bool((z == 8).all()) else z
+
+
+FORMAT = Format(
+    "compressed-tensors", claims, CompressedTensorsReader,
+    reads="quant_method compressed-tensors (pack-quantized, int-quantized)",
+    lossless="pack-quantized symmetric without g_idx at group 32/64/128 or channel; int-quantized W4A8 re-emitted",
+    requant="asymmetric, g_idx, other groups")

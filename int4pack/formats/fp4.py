@@ -1,5 +1,5 @@
 """FP4 sources (formats.md, "Float, FP8 and FP4 sources"): E2M1 weights with their block scales,
-dequantised exactly and requantised to W4A8 (formats/float.py).
+dequantised exactly and requantised to W4A8 (formats/float_source.py).
 
 * compressed-tensors ``mxfp4-pack-quantized``: ``weight_packed`` U8 [N, K/2] (two E2M1 codes a byte,
   low nibble first), ``weight_scale`` U8 [N, K/32] E8M0 (2^(e - 127)).
@@ -23,10 +23,12 @@ from .._lazy import torch
 from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
-from .float import DATA_FREE, NOT_INT4, float_linear, float_spec
+from ._api import Format, Header, quant_method
+from .float_source import DATA_FREE, NOT_INT4, float_linear, float_spec
 from .minifloat import e4m3, e8m0, positive, raw_bytes, unpack_e2m1
 
-__all__ = ["CT_FP4_FORMATS", "ct_formats", "CTFP4Reader", "ModelOptNVFP4Reader", "is_modelopt_nvfp4"]
+__all__ = ["CT_FP4_FORMATS", "ct_formats", "CTFP4Reader", "ModelOptNVFP4Reader", "is_modelopt_nvfp4", "CT_FORMAT",
+           "MODELOPT_FORMAT"]
 
 CT_FP4_FORMATS = {"mxfp4-pack-quantized": ("MXFP4", 32), "nvfp4-pack-quantized": ("NVFP4", 16)}
 
@@ -139,10 +141,10 @@ def ct_formats(q: dict) -> set[str]:
     return out
 
 
-def is_modelopt_nvfp4(q: dict | None) -> bool:
+def is_modelopt_nvfp4(q: dict | None, header: Header | None = None) -> bool:
     q = q or {}
     algo = str(q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo") or "").upper()
-    return str(q.get("quant_method", "")).lower() == "modelopt" and algo == "NVFP4"
+    return quant_method(q) == "modelopt" and algo == "NVFP4"
 
 
 _MODELOPT_WEIGHT = re.compile(r"^(?P<m>.+)\.weight_scale_2$")
@@ -195,3 +197,20 @@ class ModelOptNVFP4Reader:
         ck, m = self.ckpt, spec.name
         w = _fp4_weights(ck, spec, f"{m}.weight", f"{m}.weight_scale", 16, global_mul=f"{m}.weight_scale_2")
         return float_linear(spec, w, ck.get(f"{m}.bias") if spec.has_bias else None)
+
+
+def _claims_ct(q: dict | None, header: Header) -> bool:
+    if q is None or not (quant_method(q) in ("compressed-tensors", "compressed_tensors") or "config_groups" in q):
+        return False
+    fmts = ct_formats(q)
+    return bool(fmts) and fmts <= set(CT_FP4_FORMATS)
+
+
+CT_FORMAT = Format(
+    "compressed-tensors", _claims_ct, lambda ckpt, q, path: CTFP4Reader(ckpt, q),
+    reads="compressed-tensors mxfp4-pack-quantized / nvfp4-pack-quantized (E2M1 with E8M0 or E4M3 block scales)",
+    lossless="none (E2M1 values are not int4 values)", requant="every FP4 linear, dequantised exactly, data-free")
+MODELOPT_FORMAT = Format(
+    "modelopt", is_modelopt_nvfp4, lambda ckpt, q, path: ModelOptNVFP4Reader(ckpt, q),
+    reads="quant_method modelopt, quant_algo NVFP4 (E2M1, E4M3 scale per 16, weight_scale_2)",
+    lossless="none (E2M1 values are not int4 values)", requant="every NVFP4 linear, dequantised exactly, data-free")

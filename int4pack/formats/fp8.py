@@ -1,5 +1,5 @@
 """FP8 sources (formats.md, "Float, FP8 and FP4 sources"): e4m3 weights with their scales, dequantised
-exactly to float32 and requantised to W4A8 (formats/float.py).
+exactly to float32 and requantised to W4A8 (formats/float_source.py).
 
 * The official layout (``quant_method: "fp8"``, as DeepSeek-V3/R1, Qwen3 and GLM publish it and
   transformers' ``FineGrainedFP8Config`` writes it): ``weight`` F8_E4M3 [N, K] and ``weight_scale_inv``
@@ -24,10 +24,11 @@ from .._lazy import torch
 from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
-from .float import DATA_FREE, FLOAT_DTYPES, NOT_INT4, float_linear, float_spec
+from ._api import Format, Header, quant_method
+from .float_source import DATA_FREE, FLOAT_DTYPES, NOT_INT4, float_linear, float_spec
 from .minifloat import e4m3, e8m0, positive, raw_bytes, unpack_e2m1
 
-__all__ = ["block_dequant", "block_of", "FP8Reader", "CTFP8Reader", "is_official_fp8"]
+__all__ = ["block_dequant", "block_of", "FP8Reader", "CTFP8Reader", "is_official_fp8", "FORMAT", "CT_FORMAT"]
 
 _SCALE_DTYPES = FLOAT_DTYPES + ("F8_E8M0", "U8")
 
@@ -122,8 +123,8 @@ def _read(ckpt: Checkpoint, spec: LinearSpec, scale_key: str, configured) -> Qua
     return float_linear(spec, w, ckpt.get(f"{m}.bias") if spec.has_bias else None)
 
 
-def is_official_fp8(q: dict | None) -> bool:
-    return str((q or {}).get("quant_method", "")).lower() == "fp8"
+def is_official_fp8(q: dict | None, header: Header | None = None) -> bool:
+    return quant_method(q) == "fp8"
 
 
 def _configured_block(q: dict, path: str) -> tuple[int, int] | None:
@@ -141,10 +142,10 @@ class FP8Reader:
 
     name = "fp8"
 
-    def __init__(self, ckpt: Checkpoint, q: dict):
+    def __init__(self, ckpt: Checkpoint, q: dict, path: str | None = None):
         self.ckpt = ckpt
         self.q = q
-        self.path = str(getattr(ckpt, "quant_config_path", None) or ckpt.folder / "config.json")
+        self.path = path or str(getattr(ckpt, "quant_config_path", None) or ckpt.folder / "config.json")
         self.block = _configured_block(q, self.path)
         fmt = str(q.get("fmt") or "e4m3").lower()
         if fmt != "e4m3":
@@ -218,3 +219,22 @@ class CTFP8Reader:
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         return _read(self.ckpt, spec, "weight_scale", self.block)
+
+
+def _claims_ct(q: dict | None, header: Header) -> bool:
+    from .fp4 import ct_formats
+
+    if q is None or not (quant_method(q) in ("compressed-tensors", "compressed_tensors") or "config_groups" in q):
+        return False
+    fmts = ct_formats(q)
+    return bool(fmts) and fmts <= {"float-quantized"}
+
+
+FORMAT = Format(
+    "fp8", is_official_fp8, FP8Reader,
+    reads="quant_method fp8 (e4m3 weight, weight_scale_inv per weight_block_size block; FP4-packed experts)",
+    lossless="none (FP8 values are not int4 values)", requant="every FP8 linear, dequantised exactly, data-free")
+CT_FORMAT = Format(
+    "compressed-tensors", _claims_ct, lambda ckpt, q, path: CTFP8Reader(ckpt, q),
+    reads="compressed-tensors float-quantized (FP8 e4m3, tensor/channel/group/block scales)",
+    lossless="none (FP8 values are not int4 values)", requant="every FP8 linear, dequantised exactly, data-free")

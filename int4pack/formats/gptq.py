@@ -16,15 +16,17 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ..nibbles import nibble_cols, nibble_rows
+from ._api import Format, Header, quant_method
 from ._common import (
-    all_bytes, cfg_bool, cfg_int, check_dtype, check_shape, g_idx_unless_trivial, need, nontrivial_g_idx, prefixes_with,
-    read_transposed, require_bits4)
+    QuantParams, WIDE_BITS, all_bytes, byte_cols, byte_rows, cfg_bool, check_dtype, check_shape, dequantize_rows,
+    g_idx_unless_trivial, need, nontrivial_g_idx, prefixes_with, quant_params, read_transposed, require_bits4)
 
-__all__ = ["GPTQReader", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
+__all__ = ["GPTQReader", "FORMAT", "claims", "V1_SYM_WORD", "V2_SYM_WORD", "V1_OFFSET"]
 
 V1_SYM_WORD = 0x77777777
 V2_SYM_WORD = 0x88888888
 V1_OFFSET = 0x11111111  # v1 stores zero-1 per nibble; GPTQModel converts whole words
+V1_OFFSET_8 = 0x01010101  # the same for 8-bit zero points, four a word
 _LABELS = {"gptq": "v1", "gptq_v2": "v2"}
 _REFUSED_LABELS = {
     "marlin": "a Marlin-repacked layout (tile-permuted qweight and scales)",
@@ -86,16 +88,21 @@ def _group_code_sums(w: np.ndarray, g_idx: np.ndarray | None, groups: int, group
     return out
 
 
+def claims(q: dict | None, header: Header) -> bool:
+    """quant_method gptq, or an old GPTQ config without one (bits and desc_act)."""
+    return q is not None and (quant_method(q) == "gptq" or (not quant_method(q) and "bits" in q and "desc_act" in q))
+
+
 class GPTQReader:
     name = "gptq"
+    fmt = "gptq"  # the LinearSpec.fmt of its modules (the layout of their tensors)
 
-    def __init__(self, ckpt: Checkpoint, qcfg: dict):
+    def __init__(self, ckpt: Checkpoint, qcfg: dict, path: str | None = None):
         self.ckpt = ckpt
         self.cfg = qcfg
-        self.path = str(ckpt.folder / "config.json")
-        self.bits = cfg_int(qcfg, "bits", "w_bit", default=4)
-        self.group = cfg_int(qcfg, "group_size", "q_group_size", default=128)
-        self.sym = cfg_bool(qcfg, "sym", True)
+        self.path = path or str(ckpt.folder / "config.json")
+        self.params = quant_params(qcfg)
+        self.bits, self.group, self.sym = self.params.bits, self.params.group_size, self.params.sym
         self.desc_act = cfg_bool(qcfg, "desc_act", False)
         self.dynamic = qcfg.get("dynamic") or {}
         if not isinstance(self.dynamic, dict):
@@ -131,14 +138,14 @@ class GPTQReader:
         require_bits4(self.bits, first, self.path)
         self._checked = True
 
-    def _module_cfg(self, name: str) -> tuple[dict, list[str]]:
-        """Effective bits/group/sym/desc_act for one module, and notes on how they were decided."""
-        eff = {"bits": self.bits, "group_size": self.group, "sym": self.sym, "desc_act": self.desc_act,
-               "override": False}
+    def _module_cfg(self, name: str) -> tuple[QuantParams, bool, str | None, list[str]]:
+        """One module's parameters, its desc_act, the override that set its bits (None: the config's),
+        and notes on how they were decided."""
+        eff, desc_act, override = self.params, self.desc_act, None
         notes = []
         if self.in_block and not any(m in name for m in self.in_block):
             notes.append("not in modules_in_block_to_quantize, but its qweight is present")
-        for key, override in self.dynamic.items():
+        for key, rule in self.dynamic.items():
             negative = key.startswith("-:")
             pattern = key[2:] if key.startswith(("-:", "+:")) else key
             try:
@@ -150,27 +157,22 @@ class GPTQReader:
                 continue
             if negative:
                 notes.append(f"dynamic rule {key!r} says not quantised, but its qweight is present")
-            elif isinstance(override, dict):
-                bits = cfg_int(override, "bits", "w_bit")
-                group = cfg_int(override, "group_size", "q_group_size")
-                if bits is not None:
-                    eff["bits"], eff["override"] = bits, True
-                if group is not None:
-                    eff["group_size"] = group
-                for flag in ("sym", "desc_act"):
-                    if flag in override:
-                        eff[flag] = bool(override[flag])
+            elif isinstance(rule, dict):
+                eff = eff.overridden(rule)
+                desc_act = cfg_bool(rule, "desc_act", desc_act)
+                if any(k in rule for k in ("bits", "w_bit")):
+                    override = f"the dynamic rule {key!r}"
                 notes.append(f"dynamic rule {key!r} applies")
             break  # first match wins
-        return eff, notes
+        return eff, desc_act, override, notes
 
     # -- per module ------------------------------------------------------------------------
     def _spec(self, name: str) -> LinearSpec:
         ck = self.ckpt
-        qweight = need(ck, name, "qweight", "GPTQ tensors")
-        eff, notes = self._module_cfg(name)
-        if eff["bits"] != 4:
-            return self._refused_spec(name, qweight, eff, notes)
+        qweight = need(ck, name, "qweight", f"{self.name} tensors")
+        eff, desc_act, override, notes = self._module_cfg(name)
+        if eff.bits not in WIDE_BITS:
+            return self._refused_spec(name, qweight, eff, override, notes)
         qzeros = need(ck, name, "qzeros", "a qweight")
         scales = need(ck, name, "scales", "a qweight")
         check_dtype(ck, qweight, ("I32",), "qweight (pack_dtype int32)")
@@ -178,48 +180,54 @@ class GPTQReader:
         check_dtype(ck, scales, _SCALE_DTYPES, "scales")
         qshape = ck.tensors[qweight].shape
         if len(qshape) != 2:
-            raise InputError(f"{qweight}: expected 2 dims [K/8, N], got {list(qshape)}", tensor=qweight,
+            raise InputError(f"{qweight}: expected 2 dims [K*bits/32, N], got {list(qshape)}", tensor=qweight,
                              hint="3-D or fused GPTQ tensors are not a layout int4pack reads.")
-        k, n = qshape[0] * 8, qshape[1]
-        group = eff["group_size"] if eff["group_size"] and eff["group_size"] > 0 else k
+        per_word = 32 // eff.bits
+        k, n = qshape[0] * per_word, qshape[1]
+        group = eff.group_along(k)
         groups = -(-k // group)
-        check_shape(ck, scales, (groups, n), f"[ceil(K/group_size), N] for K={k}, N={n}, group_size={group}")
-        check_shape(ck, qzeros, (groups, -(-n // 8)), f"[G, N/8] for G={groups}, N={n}")
+        check_shape(ck, scales, (groups, n), f"[ceil(K/group_size), N] for K={k}, N={n}, group_size={group}"
+                    + (f" ({eff.bits}-bit: K = {per_word} x qweight rows)" if eff.bits != 4 else ""))
+        check_shape(ck, qzeros, (groups, -(-n // per_word)), f"[G, N*bits/32] for G={groups}, N={n}")
         keys = [qweight, qzeros, scales]
         act_order = False
         g_name = f"{name}.g_idx"
         if g_name in ck.tensors:
             act_order = nontrivial_g_idx(ck, g_name, k, groups, group) is not None
             keys.append(g_name)
-        elif eff["desc_act"]:
+        elif desc_act:
             notes.append("desc_act is set but there is no g_idx; groups taken as contiguous")
         b_name = f"{name}.bias"
         has_bias = b_name in ck.tensors
         if has_bias:
             check_shape(ck, b_name, (n,), f"out_features N={n}")
             keys.append(b_name)
-        return LinearSpec(name=name, fmt="gptq", n=n, k=k, bits=4, group_size=group, sym=eff["sym"],
+        if eff.bits != 4:
+            notes.append(f"{eff.bits}-bit" + (f" by {override}" if override else "") + ": read as its float values")
+        return LinearSpec(name=name, fmt=self.fmt, n=n, k=k, bits=eff.bits, group_size=group, sym=eff.sym,
                           act_order=act_order, keys=tuple(keys), scale_dtype=ck.tensors[scales].dtype,
                           has_bias=has_bias, notes=notes)
 
-    def _refused_spec(self, name: str, qweight: str, eff: dict, notes: list[str]) -> LinearSpec:
-        """A module the config makes non-4-bit: listed (so its tensors are accounted) but refused."""
+    def _refused_spec(self, name: str, qweight: str, eff: QuantParams, override: str | None,
+                      notes: list[str]) -> LinearSpec:
+        """A module the config gives a width int4pack does not read: listed (so its tensors are
+        accounted) but refused."""
         ck = self.ckpt
         keys = tuple(f"{name}.{s}" for s in ("qweight", "qzeros", "scales", "g_idx", "bias")
                      if f"{name}.{s}" in ck.tensors)
         rows, n = ck.tensors[qweight].shape[:2]
-        k = rows * 32 // eff["bits"] if eff["bits"] else 0
-        group = eff["group_size"] if eff["group_size"] and eff["group_size"] > 0 else max(k, 1)
-        why = (f"bits={eff['bits']} by the dynamic override; int4pack converts 4-bit modules only"
-               if eff["override"] else f"bits={eff['bits']}; int4pack converts 4-bit modules only")
+        k = rows * 32 // eff.bits if eff.bits else 0
+        group = eff.group_along(max(k, 1))
+        why = (f"bits={eff.bits}" + (f" by {override}" if override else "")
+               + "; int4pack reads 4-bit modules (and 8-bit ones beside them)")
         scale_dtype = ck.tensors.get(f"{name}.scales", ck.tensors[qweight]).dtype
-        return LinearSpec(name=name, fmt="gptq", n=n, k=k, bits=eff["bits"], group_size=group, sym=eff["sym"],
+        return LinearSpec(name=name, fmt=self.fmt, n=n, k=k, bits=eff.bits or 0, group_size=group, sym=eff.sym,
                           act_order=False, keys=keys, scale_dtype=scale_dtype,
                           has_bias=f"{name}.bias" in ck.tensors, refused=why, notes=notes)
 
     # -- v1 / v2 ---------------------------------------------------------------------------
     def _sample(self, specs: dict[str, LinearSpec]) -> list[LinearSpec]:
-        ok = [s for s in specs.values() if not s.refused]
+        ok = [s for s in specs.values() if not s.refused and s.bits == 4]
         if len(ok) <= _SAMPLE:
             return ok
         step = (len(ok) - 1) / (_SAMPLE - 1)
@@ -301,7 +309,7 @@ class GPTQReader:
 
     def _make_verdict(self, conv: str, label: str | None, evidence: list[str],
                       warnings: list[str]) -> FormatVerdict:
-        return FormatVerdict(format="gptq", detail=f"gptq {conv} zero points", evidence=evidence,
+        return FormatVerdict(format=self.name, detail=f"gptq {conv} zero points", evidence=evidence,
                              warnings=warnings, extra={"zero_convention": conv, "label": label})
 
     # -- interface -------------------------------------------------------------------------
@@ -320,7 +328,7 @@ class GPTQReader:
         """Where a module's data lies, for convert's lossless batch (batch.py), which reads it in place:
         (layout, words, scales, scales stored [G, N], zeros, the byte of a zero point of 8, g_idx),
         TensorInfos (zeros and g_idx may be None); None where ``read`` is the only way."""
-        if spec.refused or spec.has_bias:
+        if spec.refused or spec.has_bias or spec.bits != 4:
             return None
         t = self.ckpt.tensors
         g = t.get(f"{spec.name}.g_idx")
@@ -335,6 +343,8 @@ class GPTQReader:
                                hint="Only 4-bit modules can be converted.")
         ck = self.ckpt
         conv = self.verdict().extra["zero_convention"]
+        if spec.bits != 4:
+            return self._read_wide(spec, conv)
         from .. import kernels  # torch's: imported when the work starts, not by the plan
 
         qweight = ck.view(f"{spec.name}.qweight")  # mapped; convert releases it after the job
@@ -351,3 +361,24 @@ class GPTQReader:
             g_idx = g_idx_unless_trivial(ck, f"{spec.name}.g_idx", spec.k, spec.groups, spec.group_size)
         bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
         return QuantLinear(spec, codes, scales, zeros, g_idx, bias, packed)
+
+    def _read_wide(self, spec: LinearSpec, conv: str) -> QuantLinear:
+        """An 8-bit module: its float weights (QuantLinear.dense), for convert to requantise or keep in bf16."""
+        ck = self.ckpt
+        u = byte_rows(self._words(f"{spec.name}.qweight"))  # [K, N]
+        zw = self._words(f"{spec.name}.qzeros")
+        if conv == "v1":  # zero - 1 per byte, converted back on whole words as for int4
+            zw = zw + np.uint32(V1_OFFSET_8)
+        z = byte_cols(zw)[:, : spec.n]  # [G, N]
+        g_idx = self._group_index(spec) if f"{spec.name}.g_idx" in ck.tensors else np.arange(spec.k) // spec.group_size
+        scales = read_transposed(ck, f"{spec.name}.scales")  # [N, G]
+        w = dequantize_rows(u.T, z.T, scales, g_idx)
+        bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
+        return QuantLinear(spec, None, scales, None, None, bias, dense=w)
+
+
+FORMAT = Format(
+    "gptq", claims, GPTQReader,
+    reads="quant_method gptq (v1 and v2 zero points, told apart by the data)",
+    lossless="symmetric, no act-order, group 32/64/128 or channel",
+    requant="asymmetric, act-order (g_idx), other groups; 8-bit modules beside 4-bit ones")

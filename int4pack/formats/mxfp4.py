@@ -25,10 +25,12 @@ from .._lazy import torch
 from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
-from .float import DATA_FREE, NOT_INT4, float_linear, float_spec
+from ._api import Format, Header, quant_method
+from .float_source import DATA_FREE, NOT_INT4, float_linear, float_spec
 from .minifloat import E2M1
 
-__all__ = ["E2M1", "BLOCK", "decode", "deinterleave", "MXFP4Reader", "MXFP4LinearReader", "is_mxfp4"]
+__all__ = ["E2M1", "BLOCK", "decode", "deinterleave", "MXFP4Reader", "MXFP4LinearReader", "is_mxfp4", "FORMAT",
+           "claims", "LINEAR_FORMAT", "claims_linears"]
 
 BLOCK = 32  # inputs per E8M0 scale
 _E8M0_NAN = 255
@@ -39,7 +41,12 @@ _SPEC = re.compile(r"^(?P<p>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj
 
 
 def is_mxfp4(q: dict | None) -> bool:
-    return str((q or {}).get("quant_method", "")).lower() == "mxfp4"
+    return quant_method(q) == "mxfp4"
+
+
+def claims(q: dict | None, header: Header) -> bool:
+    """gpt-oss's MXFP4 release, the only MXFP4 layout this reader knows."""
+    return is_mxfp4(q) and header.model_type == "gpt_oss"
 
 
 def decode(blocks, scales):
@@ -72,7 +79,7 @@ class MXFP4Reader:
 
     name = "mxfp4"
 
-    def __init__(self, ckpt: Checkpoint, q: dict):
+    def __init__(self, ckpt: Checkpoint, q: dict, path: str | None = None):
         self.ckpt = ckpt
         self.q = q
         self._where: dict[str, tuple[str, int, str]] = {}  # module -> (experts prefix, e, role)
@@ -189,6 +196,13 @@ class MXFP4Reader:
         return out
 
 
+FORMAT = Format(
+    "mxfp4", claims, MXFP4Reader,
+    reads="quant_method mxfp4 (gpt-oss's release only)",
+    lossless="none (E2M1 values are not an int4 grid)",
+    requant="every expert, gate/up de-interleaved")
+
+
 _LINEAR = re.compile(r"^(?P<m>.+)\.weight_blocks$")
 
 
@@ -249,3 +263,17 @@ class MXFP4LinearReader:
             raise InputError(f"{m}.weight_scales: {err}", tensor=f"{m}.weight_scales",
                              hint="The checkpoint is damaged; re-download it.") from None
         return float_linear(spec, w, ck.get(f"{m}.bias") if spec.has_bias else None)
+
+
+def claims_linears(q: dict | None, header: Header) -> bool:
+    """MXFP4 in a family other than gpt-oss that int4pack knows (OpenAI's naming per linear)."""
+    from ..families import family
+
+    return is_mxfp4(q) and header.model_type != "gpt_oss" and family(header.model_type) is not None
+
+
+LINEAR_FORMAT = Format(
+    "mxfp4", claims_linears, lambda ckpt, q, path: MXFP4LinearReader(ckpt, q),
+    reads="quant_method mxfp4 in other families: per-linear weight_blocks/weight_scales (E2M1, E8M0 per 32)",
+    lossless="none (E2M1 values are not an int4 grid)",
+    requant="every linear, dequantised exactly, then quantised data-free")

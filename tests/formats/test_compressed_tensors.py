@@ -190,11 +190,22 @@ def test_int_quantized_codes_and_range(make_ckpt):
         read_one(make_ckpt(t, c, name="bad"))
 
 
-def test_mixed_precision_refuses_only_8bit_group(make_ckpt):
+def pack_bytes_k(u: np.ndarray) -> np.ndarray:
+    """uint8 values [N, K] -> int32 [N, ceil(K/4)]: byte i of word j holds k = 4j + i (python ints)."""
+    n, k = u.shape
+    out = np.zeros((n, -(-k // 4)), dtype=np.int64)
+    for r in range(n):
+        for c in range(k):
+            out[r, c // 4] += int(u[r, c]) << (8 * (c % 4))
+    return out.astype(np.uint32).view(np.int32)
+
+
+def test_mixed_precision_8bit_int_quantized_group_reads_floats(make_ckpt):
     rng = np.random.default_rng(5)
     t, truth = ct_tensors(rng, M)
-    t[f"{A}.weight"] = rng.integers(-128, 128, (16, 24)).astype(np.int8)
-    t[f"{A}.weight_scale"] = torch.ones(16, 1, dtype=torch.bfloat16)
+    qa = rng.integers(-128, 128, (16, 24)).astype(np.int8)
+    sa = torch.from_numpy(rng.uniform(0.001, 0.002, (16, 1))).to(torch.bfloat16)
+    t[f"{A}.weight"], t[f"{A}.weight_scale"] = qa, sa
     c = cfg(fmt="mixed-precision", targets=[r"re:.*experts.*"])
     c["config_groups"]["group_0"]["format"] = "pack-quantized"
     c["config_groups"]["group_1"] = {"targets": [r"re:.*self_attn.*"], "format": "int-quantized",
@@ -202,11 +213,47 @@ def test_mixed_precision_refuses_only_8bit_group(make_ckpt):
                                                  "strategy": "channel"}}
     r = open_reader(Checkpoint(make_ckpt(t, c)))
     specs = r.linears()
-    assert specs[A].refused and "num_bits=8" in specs[A].refused and "group_1" in specs[A].refused
+    assert specs[A].refused is None and specs[A].bits == 8 and specs[A].fmt == "ct-int"
     assert set(specs[A].keys) == {f"{A}.weight", f"{A}.weight_scale"}
-    assert specs[M].refused is None and specs[M].fmt == "ct-pack"
+    np.testing.assert_allclose(r.read(specs[A]).dense.numpy(), qa * sa.double().numpy(), rtol=1e-6)
+    assert r.in_place(specs[A]) is None
+    assert specs[M].refused is None and specs[M].fmt == "ct-pack" and specs[M].bits == 4
     np.testing.assert_allclose(r.read(specs[M]).dequantize().numpy(), truth, rtol=1e-6)
-    assert any("group_1" in w for w in r.verdict().warnings)
+
+
+@pytest.mark.parametrize("zp_kind", [None, "packed", "int8"])
+def test_8bit_pack_quantized_group_reads_floats(make_ckpt, zp_kind):
+    """compressed-tensors' pack_to_int32 stores value + 128 a byte along K, zero points the same along N."""
+    rng = np.random.default_rng(6)
+    t, _ = ct_tensors(rng, M)
+    n, k, g = 16, 40, 8
+    q = rng.integers(-128, 128, (n, k))
+    s = torch.from_numpy(rng.uniform(0.001, 0.002, (n, k // g))).to(torch.bfloat16)
+    zp = np.zeros((n, k // g), np.int64)
+    t.update({f"{A}.weight_packed": pack_bytes_k(q + 128), f"{A}.weight_shape": np.array([n, k], np.int64),
+              f"{A}.weight_scale": s})
+    if zp_kind:
+        zp = rng.integers(-20, 20, (n, k // g))
+        t[f"{A}.weight_zero_point"] = (pack_bytes_k((zp + 128).T).T.copy() if zp_kind == "packed"
+                                      else zp.astype(np.int8))
+    c = cfg(fmt="mixed-precision", targets=[r"re:.*experts.*"])
+    c["config_groups"]["group_0"]["format"] = "pack-quantized"
+    c["config_groups"]["group_1"] = {"targets": [r"re:.*self_attn.*"], "format": "pack-quantized",
+                                     "weights": {"num_bits": 8, "type": "int", "symmetric": zp_kind is None,
+                                                 "strategy": "group", "group_size": g}}
+    r = open_reader(Checkpoint(make_ckpt(t, c)))
+    spec = r.linears()[A]
+    assert (spec.bits, spec.n, spec.k, spec.groups) == (8, n, k, k // g)
+    gi = np.arange(k) // g
+    truth = (q - zp[:, gi]) * s.double().numpy()[:, gi]
+    np.testing.assert_allclose(r.read(spec).dense.numpy(), truth, rtol=1e-6, atol=1e-9)
+
+
+def test_8bit_only_is_refused(make_ckpt):
+    t = {f"{A}.weight": np.zeros((16, 24), np.int8), f"{A}.weight_scale": torch.ones(16, 1, dtype=torch.bfloat16)}
+    c = cfg({"num_bits": 8, "strategy": "channel", "group_size": None}, fmt="int-quantized")
+    with pytest.raises(RefusedError, match="no config group is 4-bit"):
+        open_reader(Checkpoint(make_ckpt(t, c))).linears()
 
 
 @pytest.mark.parametrize("c,match", [

@@ -281,22 +281,66 @@ def test_group_minus_one_is_whole_k(make_ckpt):
     np.testing.assert_allclose(reader.read(spec).dequantize().numpy(), truth, rtol=1e-6)
 
 
-def test_dynamic_override_8bit_is_refused_per_module(make_ckpt):
+def pack_bytes(u: np.ndarray) -> np.ndarray:
+    """[A, B] 8-bit codes -> int32 [A/4, B], packed down dim 0 (byte i of word r holds row 4r + i)."""
+    a, b = u.shape
+    out = np.zeros((a // 4, b), dtype=np.int64)
+    for r in range(a // 4):
+        for c in range(b):
+            out[r, c] = sum(int(u[4 * r + i, c]) << (8 * i) for i in range(4))
+    return out.astype(np.uint32).view(np.int32)
+
+
+def gptq8_tensors(rng, m, k=64, n=16, group=16, store="v1", asym=False):
+    """An 8-bit GPTQ module (qweight [K/4, N], qzeros [G, N/4]) and the float64 weights it encodes."""
+    groups = k // group
+    z = rng.integers(100, 156, (groups, n)) if asym else np.full((groups, n), 128)
+    gi = np.arange(k) // group
+    u = np.clip(z[gi] + np.round(rng.normal(0, 40, (k, n))), 0, 255).astype(np.int64)
+    s = rng.uniform(0.001, 0.002, (groups, n)).astype(np.float16)
+    stored = z - 1 if store == "v1" else z
+    out = {f"{m}.qweight": pack_bytes(u), f"{m}.qzeros": pack_bytes(stored.T).T.copy(), f"{m}.scales": s,
+           f"{m}.g_idx": gi.astype(np.int32)}
+    return out, ((u - z[gi]) * s.astype(np.float64)[gi]).T
+
+
+def test_hand_checked_8bit_word():
+    assert int(pack_bytes(np.array([[0x10], [0x32], [0x54], [0x76]]))[0, 0]) == 0x76543210
+
+
+@pytest.mark.parametrize("store,asym", [("v1", False), ("v1", True), ("v2", True)])
+def test_dynamic_override_8bit_reads_its_float_values(make_ckpt, store, asym):
     rng = np.random.default_rng(7)
-    t0, _ = gptq_tensors(rng, M0)
-    t1, truth1 = gptq_tensors(rng, M1)
-    # an 8-bit module: 4 codes per word, so qweight has K/4 rows
-    t0[f"{M0}.qweight"] = np.zeros((16, 16), np.int32)
+    t0, truth0 = gptq8_tensors(rng, M0, store=store, asym=asym)
+    t1, truth1 = gptq_tensors(rng, M1, store=store)
     dyn = {r"+:.*experts\.0\..*": {"bits": 8}, r"-:.*experts\.1\..*": {}}
-    reader = open_reader(Checkpoint(make_ckpt({**t0, **t1}, cfg(dynamic=dyn))))
+    reader = open_reader(Checkpoint(make_ckpt({**t0, **t1}, cfg(dynamic=dyn, sym=not asym,
+                                                                checkpoint_format="gptq" if store == "v1" else "gptq_v2"))))
+    assert reader.verdict().extra["zero_convention"] == store  # told by the 4-bit module
     specs = reader.linears()
-    assert specs[M0].refused and "bits=8" in specs[M0].refused and "dynamic" in specs[M0].refused
-    assert set(specs[M0].keys) == set(t0)
-    with pytest.raises(RefusedError, match=M0):
-        reader.read(specs[M0])
+    s0 = specs[M0]
+    assert s0.refused is None and s0.bits == 8 and (s0.n, s0.k, s0.groups) == (16, 64, 4)
+    assert set(s0.keys) == set(t0) and any("8-bit by the dynamic rule" in n for n in s0.notes)
+    q0 = reader.read(s0)
+    assert q0.codes is None and q0.dense.dtype == torch.float32
+    np.testing.assert_allclose(q0.dense.numpy(), truth0, rtol=1e-6, atol=1e-9)
+    assert reader.in_place(s0) is None  # never batched as int4 words
     # "-:" says float, but the tensors are there: tensors decide, with a note
     assert specs[M1].refused is None and any("not quantised" in n for n in specs[M1].notes)
     np.testing.assert_allclose(reader.read(specs[M1]).dequantize().numpy(), truth1, rtol=1e-6)
+
+
+def test_dynamic_override_3bit_is_refused_per_module(make_ckpt):
+    rng = np.random.default_rng(7)
+    t0, _ = gptq_tensors(rng, M0)
+    t1, _ = gptq_tensors(rng, M1)
+    t0[f"{M0}.qweight"] = np.zeros((6, 16), np.int32)  # 3-bit: 32 codes in 3 words
+    reader = open_reader(Checkpoint(make_ckpt({**t0, **t1}, cfg(dynamic={r".*experts\.0\..*": {"bits": 3}}))))
+    specs = reader.linears()
+    assert specs[M0].refused and "bits=3" in specs[M0].refused and "dynamic" in specs[M0].refused
+    assert set(specs[M0].keys) == set(t0)
+    with pytest.raises(RefusedError, match=M0):
+        reader.read(specs[M0])
 
 
 def test_modules_in_block_to_quantize_only_notes(make_ckpt):

@@ -20,9 +20,10 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..families import family, supported_types
 from ..records import FormatVerdict, LinearSpec, QuantLinear
+from ._api import Format, Header
 
 __all__ = ["FLOAT_DTYPES", "VALUES", "DATA_FREE", "REQUANT_GROUP", "NOT_INT4", "float_spec", "float_linear", "stays_float",
-           "float_weights", "FloatReader", "is_float_source"]
+           "float_weights", "FloatReader", "is_float_source", "claims", "FORMAT"]
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 DATA_FREE = "quantised from float, data-free"
@@ -42,7 +43,9 @@ _NOT_LINEAR = re.compile(r"(?:embed|norm|wte|wpe|rotary|position)", re.I)
 def float_spec(name: str, fmt: str, n: int, k: int, keys: tuple[str, ...], scale_dtype: str, *,
                has_bias: bool = False, notes: list[str] | None = None) -> LinearSpec:
     """The plan's record of a linear whose source values are not int4: never lossless (sym False),
-    its group the least-error one vLLM runs (``REQUANT_GROUP``, or K when K is smaller)."""
+    its group the least-error one vLLM runs (``REQUANT_GROUP``, or K when K is smaller). bits 4: a
+    W4A8 target like an int4 module of the source (precision.py: dense ones follow --dense), not a
+    float module beside int4 ones (bits 16, kept float by default)."""
     return LinearSpec(name, fmt, n, k, 4, min(REQUANT_GROUP, k) if k else 1, False, False, tuple(keys), scale_dtype,
                       has_bias=has_bias, notes=list(notes or []))
 
@@ -134,3 +137,16 @@ class FloatReader:
         w = ck.get(spec.keys[0])
         bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
         return float_linear(spec, w, bias)
+
+
+def claims(q: dict | None, header: Header) -> bool:
+    """No quantization config and some 2-D float weights (the reader refuses a family it does not know)."""
+    return q is None and any(n.endswith(".weight") and t.dtype in FLOAT_DTYPES and len(t.shape) == 2
+                             for n, t in header.tensors.items())
+
+
+FORMAT = Format(
+    "float", claims, lambda ckpt, q, path: FloatReader(ckpt),
+    reads="bf16/fp16/fp32 checkpoints (no quantization_config) of the families int4pack knows, quantised data-free",
+    lossless="none (float values)",
+    requant="every linear of the decoder layers but routers, norms and what vLLM keeps float")
