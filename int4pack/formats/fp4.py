@@ -111,6 +111,10 @@ class CTFP4Reader:
             specs[mod] = float_spec(mod, kind, n, k, tuple(keys), ck.tensors[sc].dtype,
                                     has_bias=f"{mod}.bias" in ck.tensors,
                                     notes=[f"{kind.upper()} (E2M1, block {block}) dequantised, then requantised"])
+        if not specs:
+            raise RefusedError(f"compressed-tensors format {'/'.join(self.formats)!r}, but no module has a U8 "
+                               "weight_packed", path=str(ck.folder / "config.json"),
+                               hint="The tensors are not the layout the config claims; re-export the checkpoint.")
         self._specs = specs
         return specs
 

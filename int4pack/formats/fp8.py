@@ -204,6 +204,10 @@ class CTFP8Reader:
                 if f"{m}.weight_zero_point" in ck.tensors:
                     raise RefusedError(f"{m}.weight_zero_point: asymmetric FP8 is not a layout vLLM or int4pack reads",
                                        tensor=f"{m}.weight_zero_point", hint="Use a symmetric FP8 checkpoint.")
+            if not mods:
+                raise RefusedError("compressed-tensors format 'float-quantized', but no module has an F8_E4M3 weight "
+                                   "with a weight_scale", path=str(ck.folder / "config.json"),
+                                   hint="The tensors are not the layout the config claims; re-export the checkpoint.")
             self._specs = {m: _module(ck, m, "weight_scale", self.block, "ct-fp8", ("input_scale",)) for m in mods}
         return self._specs
 
