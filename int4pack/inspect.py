@@ -56,10 +56,11 @@ def _head(ckpt: Checkpoint, label: str) -> dict:
             "tensor_count": len(ckpt.tensors), "bytes": sum(t.nbytes for t in ckpt.tensors.values())}
 
 
-def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
-    """(the MoE structure for the summary, module -> role)."""
+def _moe(ckpt: Checkpoint, linears: list[str], split=frozenset()) -> tuple[dict, dict]:
+    """(the MoE structure for the summary, module -> role); ``split``: fused tensors the reader splits."""
     try:
-        lay = discover(ckpt.family_type, ckpt.text_config, sorted(linears), sorted(ckpt.tensors))
+        lay = discover(ckpt.family_type, ckpt.text_config, sorted(linears),
+                       sorted(t for t in ckpt.tensors if t not in split))
     except Int4packError as e:
         return {"error": str(e), "hint": e.hint}, {}
     fam = family(ckpt.family_type)
@@ -138,7 +139,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
         out["format"] = {"format": "none" if ckpt.quant_config is None else "unknown", "detail": str(e),
                          "evidence": [], "warnings": []}
     out["quantization_config"] = ckpt.quant_config
-    out["moe"], roles = _moe(ckpt, list(specs))
+    split = reader.split_tensors() if specs and hasattr(reader, "split_tensors") else frozenset()
+    out["moe"], roles = _moe(ckpt, list(specs), split)
     try:
         if out["format"].get("detail", "").endswith("gate then up in gate_up_proj)"):
             raise InputError("a W4A8 output in gpt-oss's per-expert layout is not a convert source",

@@ -278,6 +278,37 @@ def test_converts_and_verifies_against_the_source(sources, tmp_path, family, kin
         assert r["ok"], r
 
 
+def _fused_experts(tensors: dict, transposed: bool) -> dict:
+    """transformers 5's fused experts: gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], or
+    transposed ([E, H, 2I], [E, I, H]) as Llama-4 stores them."""
+    out = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for moe in sorted({k.split(".experts.")[0] for k in tensors if ".experts." in k}):
+        n = len({k.split(".experts.")[1].split(".")[0] for k in tensors if k.startswith(moe + ".experts.")})
+        gu = torch.stack([torch.cat([tensors[f"{moe}.experts.{e}.gate_proj.weight"],
+                                     tensors[f"{moe}.experts.{e}.up_proj.weight"]]) for e in range(n)])
+        dn = torch.stack([tensors[f"{moe}.experts.{e}.down_proj.weight"] for e in range(n)])
+        out[f"{moe}.experts.gate_up_proj"] = gu.transpose(1, 2).contiguous() if transposed else gu
+        out[f"{moe}.experts.down_proj"] = dn.transpose(1, 2).contiguous() if transposed else dn
+    return out
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fused_float_experts_split_per_expert(tmp_path, transposed):
+    tensors, cfg = _float_source("qwen3_moe")
+    src = _save(tmp_path / "src", _fused_experts(tensors, transposed), cfg, None)
+    with Checkpoint(src) as ck:
+        reader = open_reader(ck)
+        specs = reader.linears()
+        want = {k[:-7]: v for k, v in tensors.items() if _is_linear(k, v)}
+        assert set(specs) == set(want)
+        for m, s in specs.items():
+            assert torch.equal(reader.read(s).dequantize(), want[m].float()), m
+    out = tmp_path / "out"
+    rep = int4pack.convert(src, out)
+    assert all(v["path"] == "requant" for v in rep["modules"].values())
+    assert int4pack.verify(out, against=src, tokens=32)["ok"]
+
+
 def test_float_checkpoint_of_an_unknown_family_is_refused(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "dense_qwen3moe", src)

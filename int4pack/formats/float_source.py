@@ -90,8 +90,18 @@ def is_float_source(ckpt: Checkpoint) -> bool:
     return ckpt.quant_config is None and bool(float_weights(ckpt))
 
 
+_FUSED = re.compile(r"^(?P<p>.+\.experts)\.gate_up_proj$")
+_ROLES = ("gate_proj", "up_proj", "down_proj")
+
+
 class FloatReader:
-    """A bf16/fp16/fp32 checkpoint: the linears ``stays_float`` does not keep, as float records."""
+    """A bf16/fp16/fp32 checkpoint: the linears ``stays_float`` does not keep, as float records.
+
+    Fused 3-D experts, as transformers 5 and the Qwen3.5/3.6 releases store them, are split per expert
+    (``<moe>.experts.E.{gate,up,down}_proj``, N-major like nn.Linear): ``gate_up_proj`` [E, 2I, H] with
+    gate the first I rows and ``down_proj`` [E, H, I] (Qwen3.5-MoE's ``chunk(2)``), or transposed,
+    ``gate_up_proj`` [E, H, 2I] and ``down_proj`` [E, I, H] (Llama-4's ``bmm``), told apart by the shapes.
+    """
 
     name = "float"
 
@@ -104,11 +114,62 @@ class FloatReader:
                 hint="int4pack quantises float checkpoints of the families it knows: "
                      + ", ".join(supported_types()) + ".")
         self._specs: dict[str, LinearSpec] | None = None
+        self._fused: dict[str, tuple[str, int, int, bool]] = {}  # module -> (fused tensor, expert, role, transposed)
+
+    def split_tensors(self) -> set[str]:
+        """The fused expert tensors this reader splits per expert."""
+        self.linears()
+        return {v[0] for v in self._fused.values()}
+
+    def _split(self, specs: dict[str, LinearSpec]) -> None:
+        ck = self.ckpt
+        for name in sorted(ck.tensors):
+            m = _FUSED.match(name)
+            t = ck.tensors[name]
+            if not m or t.dtype not in FLOAT_DTYPES or len(t.shape) != 3:
+                continue
+            p, dn = m["p"], f"{m['p']}.down_proj"
+            if stays_float(ck.family_type, f"{p}.0.gate_proj") or ck.family_type == "gpt_oss":
+                continue  # an MTP block vLLM drops is copied; gpt-oss interleaves gate/up rows (discover refuses)
+            d = ck.tensors.get(dn)
+            if d is None or d.dtype not in FLOAT_DTYPES or len(d.shape) != 3 or d.shape[0] != t.shape[0]:
+                raise InputError(f"{name}: fused float experts without a matching 3-D {dn}", tensor=name,
+                                 hint="The checkpoint is incomplete or not a layout int4pack knows; re-download it.")
+            e_n, a, b = t.shape
+            if a == 2 * d.shape[2] and b == d.shape[1]:
+                transposed, i, h = False, d.shape[2], b  # [E, 2I, H] and [E, H, I]
+            elif b == 2 * d.shape[1] and a == d.shape[2]:
+                transposed, i, h = True, d.shape[1], a  # [E, H, 2I] and [E, I, H]
+            else:
+                raise InputError(f"{name}: shape {list(t.shape)} and {dn} {list(d.shape)} are neither [E, 2I, H] / "
+                                 "[E, H, I] nor [E, H, 2I] / [E, I, H]", tensor=name,
+                                 hint="The fused experts disagree with each other; the checkpoint is corrupt.")
+            for e in range(e_n):
+                for role, (n, k) in enumerate(((i, h), (i, h), (h, i))):
+                    mod = f"{p}.{e}.{_ROLES[role]}"
+                    src = dn if role == 2 else name
+                    # the fused tensor is named once (expert 0), so the plan counts its bytes once
+                    keys = (src,) if e == 0 and role != 1 else ()
+                    specs[mod] = float_spec(mod, "float", n, k, keys, t.dtype,
+                                            notes=[f"expert {e} of the fused {src}"])
+                    self._fused[mod] = (src, e, role, transposed)
+
+    def _expert(self, name: str, e: int):
+        """Expert e's slice of a fused [E, ...] tensor, read alone (a positional read at its offset)."""
+        from ..safetensors_header import torch_dtype
+
+        t = self.ckpt.info(name)
+        per = t.nbytes // t.shape[0]
+        out = torch.empty(tuple(t.shape[1:]), dtype=torch_dtype(t.dtype))
+        buf = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+        self.ckpt.read_into(name, buf.numpy().reshape(-1).view("u1"), e * per)
+        return out
 
     def linears(self) -> dict[str, LinearSpec]:
         if self._specs is None:
             ck = self.ckpt
             specs = {}
+            self._split(specs)
             for name in float_weights(ck):
                 mod = name[: -len(".weight")]
                 if stays_float(ck.family_type, mod):
@@ -134,6 +195,13 @@ class FloatReader:
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         ck = self.ckpt
+        if spec.name in self._fused:
+            src, e, role, transposed = self._fused[spec.name]
+            t = self._expert(src, e)
+            t = t.T if transposed else t  # N-major: [2I, H] or [H, I]
+            if role < 2:
+                t = t[:spec.n] if role == 0 else t[spec.n:]
+            return float_linear(spec, t)
         w = ck.get(spec.keys[0])
         bias = ck.get(f"{spec.name}.bias") if spec.has_bias else None
         return float_linear(spec, w, bias)
