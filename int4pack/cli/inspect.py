@@ -7,7 +7,6 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from ..formats.float_source import VALUES
 from ..output import human_bytes
 from ._common import DebugOpt, JsonOpt, QuietOpt, VerboseOpt, error_boundary, examples, library, make_output
 
@@ -96,6 +95,8 @@ def _summary(o, r: dict) -> None:
            f"module(s) take the KleidiAI path, {ks['fallback']} fall back to torch's float32 reference")
     mods = r["modules"]
     act = sum(1 for m in mods.values() if m["act_order"])
+    from ..formats.float_source import VALUES  # here: --help must not import the readers (numpy)
+
     fl = sum(1 for m in mods.values() if m["format"] in VALUES)
     asym = sum(1 for m in mods.values() if not m["sym"] and m["format"] not in VALUES)
     kinds = "/".join(sorted({VALUES[m["format"]][1] for m in mods.values() if m["format"] in VALUES}))
