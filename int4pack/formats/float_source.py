@@ -56,7 +56,9 @@ def float_linear(spec: LinearSpec, weight, bias=None) -> QuantLinear:
     if tuple(w.shape) != (spec.n, spec.k):
         raise InputError(f"{spec.name}: weights of shape {list(w.shape)}, expected [{spec.n}, {spec.k}]",
                          tensor=spec.name, hint="The checkpoint is corrupt or not the layout its config claims.")
-    if not bool(torch.isfinite(w).all()):
+    from .minifloat import finite
+
+    if not finite(w):
         raise InputError(f"{spec.name}: the weights hold NaN or Inf", tensor=spec.name,
                          hint="The checkpoint is corrupt; re-download it.")
     return QuantLinear(spec, None, torch.empty(spec.n, 0), None, bias=bias, dense=w.contiguous())
