@@ -276,6 +276,10 @@ def test_converts_and_verifies_against_the_source(sources, tmp_path, family, kin
             assert float(v["rel_l2"]) <= float(v["baseline_rel_l2"]) * (1 + 1e-9), m
         r = int4pack.verify(out, against=folder, tokens=32)
         assert r["ok"], r
+        seen = int4pack.inspect(out)  # the output says where it came from, with each module's errors
+        assert DATA_FREE in seen["converted_from"]["detail"]
+        assert {m: (v["rel_l2"], v["baseline_rel_l2"]) for m, v in seen["modules"].items()} == \
+            {m: (v["rel_l2"], v["baseline_rel_l2"]) for m, v in mods.items()}
 
 
 def _fused_experts(tensors: dict, transposed: bool) -> dict:

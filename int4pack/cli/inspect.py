@@ -57,6 +57,15 @@ def _summary(o, r: dict) -> None:
         o.text(f"  evidence: {ev}")
     for w in f.get("warnings", []):
         o.warning(w)
+    src = r.get("converted_from")
+    if isinstance(src, dict):
+        o.text(f"  converted by int4pack from: {src.get('format')} ({src.get('detail')})")
+        errs = [(float(m["rel_l2"]), float(m["baseline_rel_l2"] or 0), n) for n, m in r["modules"].items()
+                if m.get("rel_l2") not in (None, "0") and m.get("baseline_rel_l2") is not None]
+        if errs:
+            worst = max(errs)
+            o.text(f"  weight error against the source (its report): mean rel_l2 {sum(e[0] for e in errs) / len(errs):.4g}, "
+                   f"plain RTN {sum(e[1] for e in errs) / len(errs):.4g}; worst {worst[2]} {worst[0]:.4g} (RTN {worst[1]:.4g})")
     moe = r["moe"]
     if "error" in moe:
         o.text(f"  MoE: [red]{escape(moe['error'])}[/red]")
