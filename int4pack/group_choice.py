@@ -25,7 +25,7 @@ def one_scheme(specs: list[LinearSpec]) -> int:
 
 
 def predict_path(spec: LinearSpec, g: int, folded: bool) -> str:
-    if spec.bits != 4:  # an 8-bit or float module: read as its float values
+    if spec.bits != 4 or spec.signed_scales:  # read as float values, or a signed grid (records.py)
         return "requant"
     # each target group inside one source group: the ints carry over unchanged
     same_group = nests(spec.group_size, spec.k, g)

@@ -35,6 +35,10 @@ class LinearSpec:
     has_bias: bool = False
     refused: str | None = None  # reason this module cannot be converted, if any
     notes: list[str] = field(default_factory=list)
+    # symmetric scales that carry a sign (AutoRound's full-range int: the largest |w| of each group at
+    # q = -8, so a group led by a positive weight has a negative scale); other producers' are positive.
+    # Such a module is requantised: a W4A8 scale is positive
+    signed_scales: bool = False
 
     @property
     def groups(self) -> int:

@@ -120,7 +120,12 @@ def check_copies(t: Target, src: Source, clock) -> dict:
             checked += 1
             if why:
                 problems.append({"where": name, "message": f"not the source's {sname}: {why}"})
-        for m, sm in sorted(src.kept_bf16.items()):
+        # the source's plan keeps these in bf16 by default; --dense says otherwise for dense linears: an
+        # output module in W4A8 is checked by the numerical pass, one in bf16 against the source dequantised
+        kept = {m: sm for m, sm in src.kept_bf16.items() if m not in quant}
+        kept.update({m: s.name for m, s in src.specs.items() if m not in quant and m not in kept
+                     and getattr(out.tensors.get(f"{m}.weight"), "dtype", None) == "BF16"})
+        for m, sm in sorted(kept.items()):
             ql = src.reader.read(src.reader.linears()[sm])
             want = {f"{m}.weight": ql.dequantize().to(torch.bfloat16)}
             if ql.bias is not None:

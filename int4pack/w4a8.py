@@ -207,7 +207,7 @@ def check_scales(ql: QuantLinear) -> None:
     bad = ~torch.isfinite(s)
     if bool(bad.any()):
         raise _refusal(ql, SCALE_NOT_FINITE, first(bad))
-    if bool((s < 0).any()):
+    if not ql.spec.signed_scales and bool((s < 0).any()):
         raise _refusal(ql, SCALE_NEGATIVE, first(s < 0))
     zero = s == 0
     if bool(zero.any()):
@@ -252,6 +252,8 @@ def to_w4a8(ql: QuantLinear, group_size: int, *, search: bool = True) -> W4A8Lin
     else requant), then that path's one C++ call, or its torch twin where the C++ library is
     unavailable (the same bytes). ``ql`` may still hold its codes packed."""
     n, k = ql.spec.n, ql.spec.k
+    if ql.spec.signed_scales and ql.dense is None:  # W4A8 scales stay positive: the signed grid is requantised
+        ql = replace(ql, dense=_checked(ql).dequantize())
     if ql.dense is not None:  # a float source (MXFP4): no ints to keep, requantised
         if tuple(ql.dense.shape) != (n, k):
             raise InputError(f"{ql.spec.name}: weights shape {tuple(ql.dense.shape)} != spec [{n}, {k}]",

@@ -27,12 +27,21 @@ FAMILY_FIXTURES_2026 = frozenset({
 })
 
 
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, else every one in the folder (a
+    producer's reference values may lie beside the shards of an indexed checkpoint)."""
+    idx = Path(folder) / "model.safetensors.index.json"
+    if idx.is_file():
+        return sorted(Path(folder) / f for f in set(json.loads(idx.read_text())["weight_map"].values()))
+    return sorted(Path(folder).glob("*.safetensors"))
+
+
 def load_all(folder: Path) -> dict[str, "np.ndarray"]:
     """Every tensor of a folder as numpy (bf16 widened to float32), via the safetensors library."""
     import torch
 
     out = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
+    for f in checkpoint_files(folder):
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
                 t = fh.get_tensor(k)
@@ -43,7 +52,7 @@ def load_all(folder: Path) -> dict[str, "np.ndarray"]:
 def load_raw(folder: Path) -> dict:
     """Every tensor as a torch tensor in its stored dtype (for bit-exact comparisons)."""
     out = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
+    for f in checkpoint_files(folder):
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
                 out[k] = fh.get_tensor(k)

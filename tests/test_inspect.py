@@ -23,6 +23,11 @@ EXPECTED = {
     "gptq_mixtral_sym": ("gptq", "gptq v1", False, {"lossless"}),
     "awq_q3": ("awq", "awq gemm", False, {"requant"}),
     "awqpack_mixtral": ("awq", "awq gemm", False, {"requant"}),
+    # auto-round 0.16.1: full-range symmetric scales are signed, so symmetric modules are requantised too
+    "autoround_q3_sym_g32": ("auto-round", "gptq v1", False, {"requant"}),
+    "autoround_q3_sym_g128": ("auto-round", "gptq v1", False, {"requant"}),
+    "autoround_q3_gptq_asym_g32": ("auto-round", "gptq v1", False, {"requant"}),
+    "autoround_q3_awq_g32": ("auto-round", "awq gemm", False, {"requant"}),
     "ct_qwen3moe_w4a16": ("compressed-tensors", "pack-quantized", False, {"lossless"}),
     "ct_qwen3moe_w4a16_asym_g32": ("compressed-tensors", "pack-quantized", False, {"requant"}),
     "ct_qwen3moe_w4a16_channel": ("compressed-tensors", "pack-quantized", False, {"lossless"}),
@@ -30,11 +35,14 @@ EXPECTED = {
     "ct018_q3_actorder": ("compressed-tensors", "pack-quantized", True, {"fold", "requant"}),
     "mf_mixtral": ("compressed-tensors", "pack-quantized", False, {"lossless"}),
 }
+# mixed-precision fixtures (8-bit and bf16 modules, an MTP block): their verdicts and each module's decision
+# are checked in tests/formats/test_autoround.py and test_compressed_tensors.py
+MIXED = {"autoround_q3_asym_g32", "autoround_q3_mixed_g32", "ct_qwen3moe_mixed_w4w8", "ct_qwen3moe_mixed_experts"}
 
 
 def test_every_fixture_is_listed():
     present = {p.name for p in FIXTURES.iterdir() if p.is_dir()} - {"dense_qwen3moe"} - FAMILY_FIXTURES_2026
-    assert present == set(EXPECTED)
+    assert present == set(EXPECTED) | MIXED
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

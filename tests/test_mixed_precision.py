@@ -137,11 +137,14 @@ def test_converted_values_and_ignore(make_ckpt, tmp_path):
     assert report["modules"][WIDE_ATTN]["path"] == "dequant"
 
 
-def test_verify_against_the_source_passes(make_ckpt, tmp_path):
+@pytest.mark.parametrize("dense", [None, "w4a8", "bf16"])
+def test_verify_against_the_source_passes(make_ckpt, tmp_path, dense):
     folder, _ = build(make_ckpt)
-    int4pack.convert(folder, tmp_path / "out")
+    int4pack.convert(folder, tmp_path / "out", dense=dense)
     r = int4pack.verify(tmp_path / "out", against=folder, processes=False)
     assert r["ok"]
+    checked = {d["module"] for d in r["dense"] if not d.get("skipped")}
+    assert (WIDE_ATTN in checked) == (dense == "w4a8")  # a W4A8 dense linear is checked numerically
 
 
 def test_a_whole_8bit_model_is_refused(make_ckpt):

@@ -127,6 +127,9 @@ def _render_plan(o: Output, r: dict) -> None:
         o.text(f"  kept as is: {n} tensor(s), {why}")
     g = ", ".join(f"{s['scheme']} x {s['modules']}" for s in p["schemes"])
     o.text(f"  target: W4A8, {g} module(s), dense linears as {p['dense']}")
+    for m in p.get("mixed_precision") or []:  # modules that are not int4: what each became (precision.py)
+        o.text(f"  mixed precision: {m['modules']} {m['role']} module(s) in {m['source']} (e.g. {m['first']}): "
+               f"{m['decision']}")
     subs: dict[tuple, list] = {}  # one line per (reason, substitute): a large model repeats them per layer
     for sub in p["group_substitutions"]:
         subs.setdefault((sub["reason"], sub["scheme"]), []).append(sub)

@@ -32,7 +32,8 @@ READERS: tuple[Format, ...] = (
     gptq.FORMAT,
     autoround.FORMAT,
     awq.FORMAT,
-    fp8.CT_FORMAT,  # compressed-tensors configs of float groups only: before the int4 row that claims them all
+    # rows that claim part of what a row below claims (float config groups of compressed-tensors): above it
+    fp8.CT_FORMAT,
     fp4.CT_FORMAT,
     compressed_tensors.FORMAT,
     mxfp4.FORMAT,
@@ -90,7 +91,8 @@ def open_reader(ckpt: Checkpoint) -> Reader:
     for row in READERS:
         try:
             if row.claims(q, header):
-                return with_float_experts(row.reader(ckpt, q, qpath), ckpt)
+                reader = row.reader(ckpt, q, qpath)
+                return with_float_experts(reader, ckpt) if row.float_siblings else reader
         except Int4packError as e:  # a config value the reader could not parse: name the file it is in
             e.path = e.path or qpath
             raise

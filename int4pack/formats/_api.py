@@ -54,6 +54,8 @@ class Format:
     lossless: str  # what keeps its int4 values (the lossless path)
     requant: str  # what is requantised with the error-minimising search
     config_files: tuple[str, ...] = ()  # side files its quantization config may be in (besides config.json)
+    # its checkpoints may hold float experts beside quantised ones: open_reader adds them (float_experts.py)
+    float_siblings: bool = False
 
 
 def quant_method(config: dict | None) -> str:

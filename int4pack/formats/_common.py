@@ -201,6 +201,16 @@ def owned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+_SIGN = {"F16": (np.uint16, 0x8000), "BF16": (np.uint16, 0x8000), "F32": (np.uint32, 0x80000000)}
+
+
+def has_negative(ckpt: Checkpoint, name: str) -> bool:
+    """Whether a float tensor holds a value below zero: its sign bits, read without torch (-0.0 aside)."""
+    dt, bit = _SIGN[ckpt.info(name).dtype]
+    v = np.frombuffer(ckpt.read_bytes(name), dt)
+    return bool(((v & dt(bit)) != 0).__and__((v & dt(bit - 1)) != 0).any())
+
+
 def byte_rows(w: np.ndarray) -> np.ndarray:
     """uint32 [A, B] words packed along dim 0, four 8-bit values each (low byte first) -> uint8 [4A, B]."""
     return np.ascontiguousarray(w.astype("<u4").view(np.uint8).reshape(w.shape[0], w.shape[1], 4)

@@ -22,7 +22,7 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec
 from ._api import Format, Header, quant_method
-from ._common import QuantParams, cfg_int, require_bits4
+from ._common import QuantParams, cfg_int, has_negative, require_bits4
 from .awq import AWQReader
 from .gptq import GPTQReader
 
@@ -113,6 +113,39 @@ class _ExtraConfig:
             [f"extra_config {key!r} applies"]
 
 
+_SIGN_SAMPLE = 8
+SIGNED_WARNING = ("AutoRound's symmetric int4 is full-range: each group's largest |w| sits at q = -8, so a group "
+                  "led by a positive weight has a negative scale and holds -7..8 x |scale|, which no int4 group "
+                  "with a positive scale holds exactly; its symmetric modules are requantised (W4A8 scales are "
+                  "positive), each error reported beside plain RTN's")
+
+
+def _mark_signed(reader, specs: dict[str, LinearSpec]) -> str:
+    """AutoRound's symmetric int (``quant_tensor_sym``, "full range"): scale = -w / 8 for a group led by a
+    positive w. Told from the data: the scales of up to 8 symmetric modules, spread over the model,
+    read for their sign bits; where one is negative, every symmetric module is marked (records.py)."""
+    sym = [s for s in specs.values() if s.sym and not s.refused]
+    if not sym:
+        return "no symmetric module"
+    step = max(1, len(sym) // _SIGN_SAMPLE)
+    sample = sym[::step][:_SIGN_SAMPLE]
+    neg = [s.name for s in sample if has_negative(reader.ckpt, next(k for k in s.keys if k.endswith(".scales")))]
+    if not neg:
+        return f"scales of {len(sample)} sampled symmetric module(s) all positive: carried over as they are"
+    for s in sym:  # 8-bit ones too: their float values are exact either way
+        s.signed_scales = True
+        s.notes.append("AutoRound full-range symmetric scales (signed)" + (": requantised" if s.bits == 4 else ""))
+    return f"negative scales in {len(neg)} of {len(sample)} sampled symmetric module(s), e.g. {neg[0]}"
+
+
+def _say_signed(v: FormatVerdict, found: str | None, specs: dict[str, LinearSpec]) -> None:
+    if found is None:
+        return
+    v.evidence.append(found)
+    if any(s.signed_scales and s.bits == 4 for s in specs.values()):
+        v.warnings.append(SIGNED_WARNING)
+
+
 class AutoRoundGPTQReader(GPTQReader):
     """AutoRound's auto_round / auto_gptq / gptqmodel packings: GPTQ tensors."""
 
@@ -123,6 +156,7 @@ class AutoRoundGPTQReader(GPTQReader):
         self.packing = _packing(q)
         self.extra = _ExtraConfig(q, self.path)
         self.dynamic = {}  # AutoRound's overrides are extra_config's
+        self._signed: str | None = None  # what the scales' signs showed (evidence)
 
     def _label(self) -> str | None:
         return "gptq" if PACKINGS[self.packing][1] == "v1" else "gptq_v2"
@@ -136,6 +170,12 @@ class AutoRoundGPTQReader(GPTQReader):
         eff, override, notes = self.extra.module_params(self.params, name)
         return eff, False, override, notes  # AutoRound keeps the input order (no act-order)
 
+    def linears(self) -> dict[str, LinearSpec]:
+        specs = super().linears()
+        if self._signed is None:
+            self._signed = _mark_signed(self, specs)
+        return specs
+
     def _make_verdict(self, conv: str, label: str | None, evidence: list[str], warnings: list[str]) -> FormatVerdict:
         v = super()._make_verdict(conv, label, evidence, warnings)
         v.detail = f"auto-round {self.packing}: gptq {conv} zero points"
@@ -144,6 +184,7 @@ class AutoRoundGPTQReader(GPTQReader):
                              f"sym {self.sym}")
         if self.extra.exact:
             v.evidence.append(f"extra_config overrides {len(self.extra.exact)} module name(s) or pattern(s)")
+        _say_signed(v, self._signed, self.linears())
         v.extra["packing_format"] = self.packing
         return v
 
@@ -157,6 +198,7 @@ class AutoRoundAWQReader(AWQReader):
         super().__init__(ckpt, q, path)
         self.packing = _packing(q)
         self.extra = _ExtraConfig(q, self.path)
+        self._signed: str | None = None
 
     def _check_config(self) -> None:
         _check(self.cfg, self.path)
@@ -174,13 +216,21 @@ class AutoRoundAWQReader(AWQReader):
                                hint="Export the model with packing auto_round:auto_gptq to convert mixed groups.")
         spec = super()._spec(name)
         spec.notes.extend(notes)
+        spec.sym = spec.sym or eff.sym  # the AWQ reader takes every module as asymmetric; the data decide
         return spec
+
+    def linears(self) -> dict[str, LinearSpec]:
+        specs = super().linears()
+        if self._signed is None:
+            self._signed = _mark_signed(self, specs)
+        return specs
 
     def verdict(self) -> FormatVerdict:
         v = super().verdict()
         v.detail = f"auto-round {self.packing}: awq gemm"
         v.evidence.insert(0, f"quant_method auto-round, packing_format {self.packing!r}")
         v.extra["packing_format"] = self.packing
+        _say_signed(v, self._signed, self.linears())
         return v
 
 
@@ -197,6 +247,7 @@ FORMAT = Format(
     METHOD, claims, open_autoround,
     reads="quant_method auto-round (packing auto_round:auto_gptq, auto_round, auto_round:gptqmodel, "
           "auto_round:auto_awq)",
-    lossless="symmetric at group 32/64/128 or channel (GPTQ tensors)",
-    requant="asymmetric, auto_awq, other groups; 8-bit modules beside 4-bit ones",
-    config_files=("quantization_config.json",))
+    lossless="symmetric with positive scales at group 32/64/128 or channel (GPTQ tensors)",
+    requant="auto-round's full-range symmetric (signed scales, told from the data), asymmetric, auto_awq, other "
+            "groups; 8-bit modules beside 4-bit ones",
+    config_files=("quantization_config.json",), float_siblings=True)

@@ -110,7 +110,7 @@ class AWQReader:
     def in_place(self, spec: LinearSpec) -> tuple | None:
         """Where a module's data lies, for convert's batches (batch.py), which read it in place (see
         GPTQReader.in_place); None where ``read`` is the only way."""
-        if spec.refused or spec.has_bias:
+        if spec.refused or spec.has_bias or spec.signed_scales:
             return None
         t = self.ckpt.tensors
         return (Packing.AWQ, t[f"{spec.name}.qweight"], t[f"{spec.name}.scales"], True, t[f"{spec.name}.qzeros"],
@@ -141,4 +141,5 @@ FORMAT = Format(
     "awq", claims, AWQReader,
     reads="quant_method awq (GEMM)",
     lossless="none (AWQ is asymmetric: its zero points are not the symmetric int4 grid)",
-    requant="every module")
+    requant="every module",
+    float_siblings=True)

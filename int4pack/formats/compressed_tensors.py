@@ -471,4 +471,5 @@ FORMAT = Format(
     "compressed-tensors", claims, CompressedTensorsReader,
     reads="quant_method compressed-tensors (pack-quantized, int-quantized)",
     lossless="pack-quantized symmetric without g_idx at group 32/64/128 or channel; int-quantized W4A8 re-emitted",
-    requant="asymmetric, g_idx, other groups")
+    requant="asymmetric, g_idx, other groups; 8-bit modules beside 4-bit ones",
+    float_siblings=True)

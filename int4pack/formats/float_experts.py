@@ -56,6 +56,8 @@ class FloatExperts:
         self._extra: dict[str, LinearSpec] | None = None
 
     def __getattr__(self, attr):  # units() and the like: the inner reader's, where it has them
+        if attr.startswith("__") or attr == "inner":  # not while copying or unpickling (no inner yet)
+            raise AttributeError(attr)
         return getattr(self.inner, attr)
 
     def extra(self) -> dict[str, LinearSpec]:

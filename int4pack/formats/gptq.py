@@ -328,7 +328,7 @@ class GPTQReader:
         """Where a module's data lies, for convert's lossless batch (batch.py), which reads it in place:
         (layout, words, scales, scales stored [G, N], zeros, the byte of a zero point of 8, g_idx),
         TensorInfos (zeros and g_idx may be None); None where ``read`` is the only way."""
-        if spec.refused or spec.has_bias or spec.bits != 4:
+        if spec.refused or spec.has_bias or spec.bits != 4 or spec.signed_scales:
             return None
         t = self.ckpt.tensors
         g = t.get(f"{spec.name}.g_idx")
@@ -381,4 +381,5 @@ FORMAT = Format(
     "gptq", claims, GPTQReader,
     reads="quant_method gptq (v1 and v2 zero points, told apart by the data)",
     lossless="symmetric, no act-order, group 32/64/128 or channel",
-    requant="asymmetric, act-order (g_idx), other groups; 8-bit modules beside 4-bit ones")
+    requant="asymmetric, act-order (g_idx), other groups; 8-bit modules beside 4-bit ones",
+    float_siblings=True)

@@ -13,7 +13,7 @@ import torch
 from int4pack.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import READERS, open_reader
-from int4pack.formats.autoround import AutoRoundAWQReader, AutoRoundGPTQReader
+from int4pack.formats.autoround import SIGNED_WARNING, AutoRoundAWQReader, AutoRoundGPTQReader
 from int4pack.plan import make_plan
 from test_awq import awq_tensors
 from test_gptq import gptq8_tensors, gptq_tensors
@@ -72,6 +72,26 @@ def test_symmetric_at_kleidiai_groups_is_lossless(make_ckpt, group):
     assert set(p for j in plan.jobs for p in j.paths.values()) == {"lossless"}
     assert plan.group_size == group
     assert plan.verdict.format == "auto-round"
+
+
+def test_full_range_signed_scales_are_requantised(make_ckpt):
+    """auto-round's quant_tensor_sym: scale = -max / 8 for a group led by a positive weight, so that the
+    largest weight sits at q = -8; such groups hold -7..8 x |scale|, no positive-scale int4 grid."""
+    rng = np.random.default_rng(12)
+    t, truth = moe(rng, group=32)
+    m = f"{L0}.experts.0.up_proj"
+    s = t[f"{m}.scales"].copy()
+    s[:, ::2] *= -1  # every other column's scales negative, as auto-round writes them
+    t[f"{m}.scales"] = s
+    truth[m] = truth[m] * np.where(np.arange(H) % 2 == 0, -1.0, 1.0)[:, None]
+    reader = open_reader(Checkpoint(make_ckpt(t, cfg(group_size=32))))
+    v = reader.verdict()
+    assert v.warnings == [SIGNED_WARNING] and any(e.startswith("negative scales in") for e in v.evidence)
+    specs = reader.linears()
+    assert all(sp.signed_scales for sp in specs.values())
+    np.testing.assert_allclose(reader.read(specs[m]).dequantize().numpy(), truth[m], rtol=1e-6, atol=0)
+    plan = make_plan(reader.ckpt)
+    assert set(p for j in plan.jobs for p in j.paths.values()) == {"requant"}
 
 
 def test_asymmetric_is_requantised(make_ckpt):
@@ -185,3 +205,71 @@ def test_unknown_quant_method_lists_the_table(make_ckpt):
         open_reader(Checkpoint(make_ckpt(t, cfg(quant_method="hqq"))))
     for row in READERS:
         assert f"{row.name}: {row.reads}" in e.value.hint
+
+
+# -- auto-round 0.16.1's own checkpoints (tests/fixtures/README.md) ------------------------------------
+AUTOROUND_FIXTURES = {  # fixture -> (packing_format, zero convention, reader, signed symmetric scales)
+    "autoround_q3_sym_g32": ("auto_round:auto_gptq", "v1", AutoRoundGPTQReader, True),
+    "autoround_q3_sym_g128": ("auto_round:auto_gptq", "v1", AutoRoundGPTQReader, True),
+    "autoround_q3_gptq_asym_g32": ("auto_round:auto_gptq", "v1", AutoRoundGPTQReader, False),
+    "autoround_q3_asym_g32": ("auto_round", "v2", AutoRoundGPTQReader, False),
+    "autoround_q3_awq_g32": ("auto_round:auto_awq", None, AutoRoundAWQReader, False),
+    "autoround_q3_mixed_g32": ("auto_round:auto_gptq", "v1", AutoRoundGPTQReader, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AUTOROUND_FIXTURES))
+def test_real_fixture_matches_auto_rounds_own_dequantisation(name, fixture_dir):
+    """autoround_dequantized.safetensors holds auto-round's own float16 dequantisation of a few modules
+    (an int4 expert's gate/up/down and an attention projection; 8-bit ones in the mixed fixture): the
+    reader's exact float32 values, rounded to float16 once, are those bit for bit."""
+    from safetensors.torch import load_file
+
+    folder = fixture_dir(name)
+    packing, conv, cls, signed = AUTOROUND_FIXTURES[name]
+    reader = open_reader(Checkpoint(folder))
+    assert isinstance(getattr(reader, "inner", reader), cls)
+    v = reader.verdict()
+    assert v.format == "auto-round" and v.extra["packing_format"] == packing
+    assert v.warnings == ([SIGNED_WARNING] if signed else [])
+    if conv:
+        assert v.extra["zero_convention"] == conv
+    specs = reader.linears()
+    ref = load_file(str(folder / "autoround_dequantized.safetensors"))
+    assert len(ref) == 4
+    for key, w in ref.items():
+        spec = specs[key[: -len(".weight")]]
+        ours = reader.read(spec).dequantize()
+        assert ours.shape == w.shape == (spec.n, spec.k)
+        torch.testing.assert_close(ours.to(torch.float16), w, rtol=0, atol=0, msg=key)
+
+
+def test_real_mixed_fixture_decisions(fixture_dir):
+    folder = fixture_dir("autoround_q3_mixed_g32")
+    ck = Checkpoint(folder)
+    plan = make_plan(ck)
+    p = {m: x for j in plan.jobs for m, x in j.paths.items()}
+    assert p["model.layers.1.mlp.experts.2.down_proj"] == "requant"  # 8-bit beside int4 siblings
+    assert p["model.layers.0.mlp.experts.1.up_proj"] == "requant"  # bf16 beside int4 siblings
+    assert p["model.layers.1.mlp.experts.2.gate_proj"] == "requant"  # signed scales (see below)
+    attn = [m for m in p if ".self_attn." in m]
+    assert attn and all(p[m] == "dequant" for m in attn)  # 8-bit attention, MTP's included: bf16
+    # the MTP block in model_extra_tensors.safetensors: its int4 experts converted, mtp.fc copied
+    assert "model_extra_tensors.safetensors" in ck.shards
+    assert p["mtp.layers.0.mlp.experts.0.gate_proj"] == "requant"
+    assert plan.accounted["mtp.fc.weight"] == "copied"
+    rows = {(r["role"], r["source"]): r["modules"] for r in plan.summary()["mixed_precision"]}
+    assert rows == {("expert", "8-bit"): 1, ("expert", "float"): 1, ("attention", "8-bit"): 12}
+
+
+@pytest.mark.parametrize("name,serve", [(n, "compressed-tensors") for n in sorted(AUTOROUND_FIXTURES)]
+                         + [("autoround_q3_sym_g32", "kleidiai"), ("autoround_q3_mixed_g32", "kleidiai")])
+def test_real_fixture_converts_and_verifies(name, serve, fixture_dir, tmp_path):
+    import int4pack
+
+    report = int4pack.convert(fixture_dir(name), tmp_path / "out", serve_format=serve)
+    assert "lossless" not in {m["path"] for m in report["modules"].values()}  # signed or asymmetric: requantised
+    for m, rec in report["modules"].items():
+        if rec["path"] == "requant":  # never worse than plain RTN
+            assert float(rec["rel_l2"]) <= float(rec["baseline_rel_l2"]) * (1 + 1e-6), m
+    assert int4pack.verify(tmp_path / "out", against=fixture_dir(name), processes=False)["ok"]

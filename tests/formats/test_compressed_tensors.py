@@ -363,3 +363,50 @@ def test_weight_shape_not_two_numbers_is_refused(make_ckpt, stored):
     t[f"{M}.weight_shape"] = stored
     with pytest.raises(InputError, match=r"weight_shape: expected \[N, K\]"):
         open_reader(Checkpoint(make_ckpt(t, cfg({})))).linears()
+
+
+# -- llm-compressor 0.14.0.1's mixed-precision checkpoints (tests/fixtures/README.md) ---------------------
+def _decode_8bit_rows(tensors: dict, m: str, rows: int = 4) -> np.ndarray:
+    """float64 [rows, K] of an 8-bit pack-quantized module, one python int shift per value (symmetric)."""
+    n, k = (int(x) for x in tensors[f"{m}.weight_shape"])
+    words = tensors[f"{m}.weight_packed"]
+    s = tensors[f"{m}.weight_scale"]
+    g = k // s.shape[1]
+    out = np.zeros((rows, k))
+    for r in range(rows):
+        for c in range(k):
+            q = ((int(words[r, c // 4]) & 0xFFFFFFFF) >> (8 * (c % 4)) & 0xFF) - 128
+            out[r, c] = q * s[r, c // g]
+    return out
+
+
+@pytest.mark.parametrize("name,wide", [("ct_qwen3moe_mixed_w4w8", "model.layers.1.self_attn.o_proj"),
+                                       ("ct_qwen3moe_mixed_experts", "model.layers.1.mlp.experts.0.down_proj")])
+def test_real_mixed_precision_fixture(name, wide, fixture_dir, raw):
+    tensors = raw(fixture_dir(name))
+    r = open_reader(Checkpoint(fixture_dir(name)))
+    specs = r.linears()
+    assert {s.bits for s in specs.values()} == {4, 8} and not any(s.refused for s in specs.values())
+    spec = specs[wide]
+    assert spec.bits == 8 and spec.fmt == "ct-pack"
+    np.testing.assert_allclose(r.read(spec).dense.numpy()[:4], _decode_8bit_rows(tensors, wide), rtol=1e-6)
+    for m, s in specs.items():  # the int4 ones as before: the independent decoder
+        if s.bits == 4:
+            np.testing.assert_allclose(r.read(s).dequantize().numpy(), ct_decode(tensors, m, 32)["w"], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name,role,path", [("ct_qwen3moe_mixed_w4w8", "attention", "dequant"),
+                                            ("ct_qwen3moe_mixed_experts", "expert", "requant")])
+def test_real_mixed_precision_converts_and_verifies(name, role, path, fixture_dir, tmp_path):
+    import int4pack
+
+    report = int4pack.convert(fixture_dir(name), tmp_path / "out")
+    rows = report["plan"]["mixed_precision"]
+    assert [(x["role"], x["source"], x["path"]) for x in rows] == [(role, "8-bit", path)]
+    wide = [m for m, rec in report["modules"].items() if rec["path"] == path]
+    assert len(wide) == rows[0]["modules"] == (8 if role == "attention" else 6)  # 4 projections / 3, 2 layers
+    for m in wide:
+        if path == "requant":
+            assert float(report["modules"][m]["rel_l2"]) <= float(report["modules"][m]["baseline_rel_l2"]) * (1 + 1e-6)
+    assert {rec["path"] for m, rec in report["modules"].items() if m not in wide} == {"lossless"}
+    assert int4pack.verify(tmp_path / "out", against=fixture_dir(name), processes=False)["ok"]
