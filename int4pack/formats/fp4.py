@@ -215,8 +215,10 @@ def _claims_ct(q: dict | None, header: Header) -> bool:
 CT_FORMAT = Format(
     "compressed-tensors", _claims_ct, lambda ckpt, q, path: CTFP4Reader(ckpt, q),
     reads="compressed-tensors mxfp4-pack-quantized / nvfp4-pack-quantized (E2M1 with E8M0 or E4M3 block scales)",
-    lossless="none (E2M1 values are not int4 values)", requant="every FP4 linear, dequantised exactly, data-free")
+    lossless="none (E2M1 values are not int4 values)", requant="every FP4 linear, dequantised exactly, data-free",
+    float_siblings=True)
 MODELOPT_FORMAT = Format(
     "modelopt", is_modelopt_nvfp4, lambda ckpt, q, path: ModelOptNVFP4Reader(ckpt, q),
     reads="quant_method modelopt, quant_algo NVFP4 (E2M1, E4M3 scale per 16, weight_scale_2)",
-    lossless="none (E2M1 values are not int4 values)", requant="every NVFP4 linear, dequantised exactly, data-free")
+    lossless="none (E2M1 values are not int4 values)", requant="every NVFP4 linear, dequantised exactly, data-free",
+    float_siblings=True)

@@ -241,8 +241,10 @@ def _claims_ct(q: dict | None, header: Header) -> bool:
 FORMAT = Format(
     "fp8", is_official_fp8, FP8Reader,
     reads="quant_method fp8 (e4m3 weight, weight_scale_inv per weight_block_size block; FP4-packed experts)",
-    lossless="none (FP8 values are not int4 values)", requant="every FP8 linear, dequantised exactly, data-free")
+    lossless="none (FP8 values are not int4 values)", requant="every FP8 linear, dequantised exactly, data-free",
+    float_siblings=True)
 CT_FORMAT = Format(
     "compressed-tensors", _claims_ct, lambda ckpt, q, path: CTFP8Reader(ckpt, q),
     reads="compressed-tensors float-quantized (FP8 e4m3, tensor/channel/group/block scales)",
-    lossless="none (FP8 values are not int4 values)", requant="every FP8 linear, dequantised exactly, data-free")
+    lossless="none (FP8 values are not int4 values)", requant="every FP8 linear, dequantised exactly, data-free",
+    float_siblings=True)

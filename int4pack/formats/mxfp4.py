@@ -276,4 +276,5 @@ LINEAR_FORMAT = Format(
     "mxfp4", claims_linears, lambda ckpt, q, path: MXFP4LinearReader(ckpt, q),
     reads="quant_method mxfp4 in other families: per-linear weight_blocks/weight_scales (E2M1, E8M0 per 32)",
     lossless="none (E2M1 values are not an int4 grid)",
-    requant="every linear, dequantised exactly, then quantised data-free")
+    requant="every linear, dequantised exactly, then quantised data-free",
+    float_siblings=True)
