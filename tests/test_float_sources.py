@@ -332,6 +332,24 @@ def test_float_linears_kept_float(sources):
         assert any(".mlp.shared_experts." in m for m in specs) and any(".self_attn." in m for m in specs)
 
 
+def test_modelopt_side_file(sources, tmp_path):
+    """ModelOpt's older exports keep the config in hf_quant_config.json, not in config.json."""
+    folder, ref = sources("qwen3_moe", "modelopt_nvfp4")
+    src = tmp_path / "src"
+    shutil.copytree(folder, src)
+    cfg = json.loads((src / "config.json").read_text())
+    q = cfg.pop("quantization_config")
+    (src / "config.json").write_text(json.dumps(cfg))
+    (src / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.37.0"},
+                                                          "quantization": {"quant_algo": q["quant_algo"],
+                                                                           "group_size": 16}}))
+    with Checkpoint(src) as ck:
+        reader = open_reader(ck)
+        assert reader.name == "modelopt-nvfp4" and set(reader.linears()) == set(ref)
+    int4pack.convert(src, tmp_path / "out")  # the side file is the source's record: not copied (vLLM would read it)
+    assert not (tmp_path / "out" / "hf_quant_config.json").exists()
+
+
 def test_fp8_nan_byte_is_named(sources, tmp_path):
     folder, _ = sources("qwen3_moe", "fp8_block")
     src = tmp_path / "src"

@@ -150,7 +150,9 @@ def ct_formats(q: dict) -> set[str]:
 def is_modelopt_nvfp4(q: dict | None, header: Header | None = None) -> bool:
     q = q or {}
     algo = str(q.get("quant_algo") or (q.get("quantization") or {}).get("quant_algo") or "").upper()
-    return quant_method(q) == "modelopt" and algo == "NVFP4"
+    producer = q.get("producer") if isinstance(q.get("producer"), dict) else {}
+    # config.json's quantization_config, or the older side file hf_quant_config.json ({"producer": ..., "quantization": ...})
+    return (quant_method(q) == "modelopt" or str(producer.get("name", "")).lower() == "modelopt") and algo == "NVFP4"
 
 
 _MODELOPT_WEIGHT = re.compile(r"^(?P<m>.+)\.weight_scale_2$")
@@ -220,5 +222,6 @@ CT_FORMAT = Format(
 MODELOPT_FORMAT = Format(
     "modelopt", is_modelopt_nvfp4, lambda ckpt, q, path: ModelOptNVFP4Reader(ckpt, q),
     reads="quant_method modelopt, quant_algo NVFP4 (E2M1, E4M3 scale per 16, weight_scale_2)",
+    config_files=("hf_quant_config.json",),
     lossless="none (E2M1 values are not int4 values)", requant="every NVFP4 linear, dequantised exactly, data-free",
     float_siblings=True)
