@@ -388,3 +388,75 @@ def test_e4m3_table_covers_every_byte():
     with pytest.raises(ValueError):
         e4m3(b)
     assert math.isnan(float(b[~finite][:1].view(torch.float8_e4m3fn).float()))
+
+
+# ---- the real producers' checkpoints (tests/fixtures/README.md, "Other source formats")
+
+def _raw(folder) -> dict:
+    out = {}
+    for f in sorted(folder.glob("model*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _producer_reference(name: str) -> dict:
+    """{module: float64 weights} decoded here from the producer's tensors: torch's e4m3 cast, the OCP E2M1 table."""
+    t = _raw(FIXTURES / name)
+    table = torch.tensor(OCP_E2M1, dtype=torch.float64)
+    ref = {}
+    for key, v in t.items():
+        if name.startswith("fp8") and key.endswith(".weight_scale_inv"):
+            m = key[: -len(".weight_scale_inv")]
+            w = t[f"{m}.weight"].double()
+            n, k = w.shape
+            ref[m] = w * _expand(v.double(), n, k, 32, 32)
+        elif name.endswith("fp8_block") and key.endswith(".weight_scale") and t[key[:-6]].dtype == torch.float8_e4m3fn:
+            m = key[: -len(".weight_scale")]
+            w = t[f"{m}.weight"].double()
+            n, k = w.shape
+            ref[m] = w * _expand(v.double(), n, k, -(-n // v.shape[0]), -(-k // v.shape[1]))
+        elif key.endswith(".weight_packed"):
+            m = key[: -len(".weight_packed")]
+            b = v.numpy()
+            codes = torch.from_numpy(np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[0], -1).astype(np.int64))
+            s = t[f"{m}.weight_scale"]
+            if name.endswith("mxfp4a16"):
+                s = torch.exp2(s.double() - 127)
+            else:
+                s = s.double() / t[f"{m}.weight_global_scale"].double()
+            block = codes.shape[1] // s.shape[1]
+            ref[m] = table[codes] * s.repeat_interleave(block, 1)
+    return ref
+
+
+PRODUCED = ["fp8_qwen3moe_block32", "ct_qwen3moe_fp8_block", "ct_qwen3moe_nvfp4a16", "ct_qwen3moe_mxfp4a16"]
+
+
+@pytest.mark.parametrize("name", PRODUCED)
+def test_producer_fixture_dequantised_as_decoded_independently(name):
+    ref = _producer_reference(name)
+    dense = _raw(FIXTURES / "dense_qwen3moe")  # the float model every one of them was made from
+    with Checkpoint(FIXTURES / name) as ck:
+        reader = open_reader(ck)
+        specs = reader.linears()
+        assert set(specs) == set(ref) and ref
+        for m, s in specs.items():
+            got = reader.read(s).dequantize().double()
+            assert torch.allclose(got, ref[m], rtol=2.0**-21, atol=0), m
+            assert rel_err(got, dense[f"{m}.weight"].double()) < 0.2, m  # the layout read as its producer meant
+
+
+def rel_err(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("name", PRODUCED + ["dense_glm4moe"])
+def test_producer_fixture_converts_and_verifies(tmp_path, name):
+    for fmt in ("compressed-tensors", "kleidiai"):
+        out = tmp_path / fmt
+        rep = int4pack.convert(FIXTURES / name, out, serve_format=fmt)
+        assert DATA_FREE in rep["plan"]["format"]["detail"]
+        mods = rep["modules"]
+        assert mods and all(v["path"] == "requant" and float(v["rel_l2"]) <= float(v["baseline_rel_l2"]) * (1 + 1e-9)
+                            for v in mods.values())
+        assert int4pack.verify(out, against=FIXTURES / name, tokens=32)["ok"]
