@@ -25,6 +25,15 @@ FAMILY_FIXTURES_2026 = frozenset({
     "ct_qwen35moe_w4a16", "ct_qwen35moe_vl_w4a16", "ct_qwen3next_w4a16", "ct_glm4moelite_w4a16",
     "ct_deepseekv32_w4a16", "ct_kimik25_w4a16", "ct_llama4_w4a16", "gptoss_mxfp4",
 })
+# Fixtures of the other source formats (tests/fixtures/README.md, "Other source formats"): AutoRound,
+# MLX, GGUF, FP8, FP4, mixed precision and float sources, read by their own format's tests
+FORMAT_FIXTURES = frozenset({
+    "autoround_q3_sym_g32", "autoround_q3_sym_g128", "autoround_q3_asym_g32", "autoround_q3_gptq_asym_g32",
+    "autoround_q3_awq_g32", "autoround_q3_mixed_g32", "ct_qwen3moe_mixed_w4w8", "ct_qwen3moe_mixed_experts",
+    "mlx_q3_4bit_g64", "mlx_q3_mixed_4_8", "gguf_q3_q8_0", "gguf_q3_q4_0", "gguf_q3_q4_k_m",
+    "fp8_qwen3moe_block32", "ct_qwen3moe_fp8_block", "ct_qwen3moe_nvfp4a16", "ct_qwen3moe_mxfp4a16",
+    "dense_glm4moe",
+})
 
 
 def checkpoint_files(folder: Path) -> list[Path]:

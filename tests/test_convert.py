@@ -16,6 +16,7 @@ import int4pack
 from int4pack.architectures import vllm_output_names
 from _reference import (
     FAMILY_FIXTURES_2026,
+    FORMAT_FIXTURES,
     FIXTURES,
     awq_decode,
     ct_decode,
@@ -32,7 +33,8 @@ from _reference import (
 
 
 ALL = sorted(p.name for p in FIXTURES.iterdir()
-             if p.is_dir() and p.name != "dense_qwen3moe" and p.name not in FAMILY_FIXTURES_2026) \
+             if p.is_dir() and p.name != "dense_qwen3moe" and p.name not in FAMILY_FIXTURES_2026
+             and p.name not in FORMAT_FIXTURES) \
     if FIXTURES.is_dir() else []
 
 
