@@ -77,10 +77,11 @@ def _made_by(ckpt: Checkpoint) -> dict | None:
     return {"int4pack_version": rep.get("int4pack_version"), "source": rep.get("source"), "written": written}
 
 
-def _moe(ckpt: Checkpoint, linears: list[str]) -> tuple[dict, dict]:
-    """(the MoE structure for the summary, module -> role)."""
+def _moe(ckpt: Checkpoint, linears: list[str], split=frozenset()) -> tuple[dict, dict]:
+    """(the MoE structure for the summary, module -> role); ``split``: fused tensors the reader splits."""
     try:
-        lay = discover(ckpt.family_type, ckpt.text_config, sorted(linears), sorted(ckpt.tensors))
+        lay = discover(ckpt.family_type, ckpt.text_config, sorted(linears),
+                       sorted(t for t in ckpt.tensors if t not in split))
     except Int4packError as e:
         return {"error": str(e), "hint": e.hint}, {}
     fam = family(ckpt.family_type)
@@ -187,7 +188,8 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
         out["format"] = {"format": "none" if ckpt.quant_config is None else "unknown", "detail": str(e),
                          "evidence": [], "warnings": []}
     out["quantization_config"] = ckpt.quant_config
-    out["moe"], roles = _moe(ckpt, list(specs))
+    split = reader.split_tensors() if specs and hasattr(reader, "split_tensors") else frozenset()
+    out["moe"], roles = _moe(ckpt, list(specs), split)
     try:
         if out["format"].get("detail", "").endswith("gate then up in gate_up_proj)"):
             raise InputError("a W4A8 output in gpt-oss's per-expert layout is not a convert source",
@@ -382,12 +384,36 @@ def _dump_blob(pw: blobs.PackedWeights, m: str, rows: int) -> dict:
             "window": {"q": q[:rows, :8].tolist(), "scales": s.float()[:rows, :2].tolist()}}
 
 
+def _with_conversion(ckpt: Checkpoint, out: dict) -> dict:
+    """An int4pack output: the source format its shards record (``converted_from``: e.g. "quantised from
+    float, data-free") and, where its report is beside it, each module's error against the source and
+    plain RTN's (``rel_l2``, ``baseline_rel_l2``)."""
+    import json
+
+    from .writer import REPORT_NAME
+
+    meta = next((m for m in ckpt.shard_metadata.values() if "int4pack.source_format" in (m or {})), None)
+    if meta is None:
+        return out
+    try:
+        out["converted_from"] = json.loads(meta["int4pack.source_format"])
+        report = ckpt.folder / REPORT_NAME
+        errors = json.loads(report.read_text()).get("modules", {}) if report.is_file() else {}
+    except (ValueError, OSError, AttributeError):
+        return out  # a damaged record: inspect shows the rest; verify checks the output
+    for m, rec in out.get("modules", {}).items():
+        e = errors.get(m) if isinstance(errors, dict) else None
+        if isinstance(e, dict) and e.get("rel_l2") is not None:
+            rec["rel_l2"], rec["baseline_rel_l2"] = e.get("rel_l2"), e.get("baseline_rel_l2")
+    return out
+
+
 def inspect(path, tensor: str | None = None, *, revision: str | None = None, rows: int = 8, cols: int = 8) -> dict:
     """Summary of a checkpoint (``tensor`` None) or a layout dump of one tensor / module."""
     folder = resolve_source(path, revision=revision)
     with open_checkpoint(folder) as ckpt:
         if tensor is None:
-            return _summary(ckpt, str(path))
+            return _with_conversion(ckpt, _summary(ckpt, str(path)))
         rec = read_record(ckpt.quant_config)
         if rec is not None:
             m = tensor[: -len(SUFFIX) - 1] if tensor.endswith(f".{SUFFIX}") else tensor

@@ -203,7 +203,9 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
         raise RefusedError(f"{ckpt.folder}: no int4 linear found although quant_method is "
                            f"{(ckpt.quant_config or {}).get('quant_method')!r}",
                            hint="The checkpoint may not be quantised; nothing to convert.")
-    layout = discover(ckpt.family_type, ckpt.text_config, sorted(specs), sorted(ckpt.tensors))
+    # fused expert tensors the reader splits per expert itself (float sources) are not refused as fused
+    split = reader.split_tensors() if hasattr(reader, "split_tensors") else set()
+    layout = discover(ckpt.family_type, ckpt.text_config, sorted(specs), sorted(t for t in ckpt.tensors if t not in split))
     if not layout.moe_layers:
         raise RefusedError(f"{ckpt.folder}: no routed experts found in a {ckpt.model_type!r} checkpoint",
                            hint="int4pack targets MoE checkpoints; the tensor names did not match any expert layout.")

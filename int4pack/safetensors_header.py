@@ -32,11 +32,12 @@ _DTYPE_SPECS = {
     "BOOL": ("bool", 1),
     "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),  # MX block scales (2^(e - 127)): DeepSeek-V3.2/V4 ue8m0
 }
 ITEMSIZE = {k: size for k, (_, size) in _DTYPE_SPECS.items()}
 DTYPE_KEY = {k: k for k in _DTYPE_SPECS}  # the shared name string instead of one per tensor from JSON
 # same-size dtypes numpy has, to read into a torch tensor through its numpy view
-NUMPY_VIEW = {"BF16": "int16", "F8_E4M3": "uint8", "F8_E5M2": "uint8"}
+NUMPY_VIEW = {"BF16": "int16", "F8_E4M3": "uint8", "F8_E5M2": "uint8", "F8_E8M0": "uint8"}
 # the dtypes numpy reads as they are (``Checkpoint.array``)
 NUMPY_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
                 "U8": "u1", "U16": "<u2", "U32": "<u4", "U64": "<u8", "BOOL": "?"}

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Write large synthetic int4 MoE checkpoints in Qwen3-30B-A3B shapes, fast.
 
-    python scripts/make_synthetic.py OUT --format gptq-sym|gptq-asym|awq|ct|ct-asym --layers 3
+    python scripts/make_synthetic.py OUT --format gptq-sym|gptq-asym|awq|ct|ct-asym|fp8|bf16 --layers 3
 
 Shapes per layer: hidden 2048, 128 experts of intermediate 768 (gate/up [768, 2048], down
 [2048, 768]), attention q [4096, 2048], k/v [512, 2048], o [2048, 4096], group 128. About
 0.31 GB of int4 per layer: 3 layers ~ 1 GB, 13 layers ~ 4 GB. The values are random (valid
-nibbles, positive fp16/bf16 scales); GPTQ asym zeros are drawn so the data reads as v1.
+nibbles, positive fp16/bf16 scales); GPTQ asym zeros are drawn so the data reads as v1. ``fp8``:
+the official FP8 layout (e4m3 bytes without NaN, float32 ``weight_scale_inv`` per 128x128 block),
+about 0.62 GB per layer; ``bf16``: float weights (no quantization_config), about 1.24 GB per layer.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 H, I, E, G = 2048, 768, 128, 128
-FORMATS = ("gptq-sym", "gptq-asym", "awq", "ct", "ct-asym")
+FORMATS = ("gptq-sym", "gptq-asym", "awq", "ct", "ct-asym", "fp8", "bf16")
 
 
 def _words(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -48,6 +50,13 @@ def linear(fmt: str, name: str, n: int, k: int, gen: torch.Generator) -> dict[st
         return {f"{name}.qweight": _words(gen, k // 8, n), f"{name}.qzeros": zeros,
                 f"{name}.scales": _scales(gen, (g, n), torch.float16),
                 f"{name}.g_idx": (torch.arange(k, dtype=torch.int32) // G)}
+    if fmt == "fp8":  # e4m3 bytes 0x00-0x7E and 0x80-0xFE: every finite value, no NaN
+        b = torch.randint(0, 127, (n, k), dtype=torch.uint8, generator=gen) | \
+            (torch.randint(0, 2, (n, k), dtype=torch.uint8, generator=gen) << 7)
+        return {f"{name}.weight": b.view(torch.float8_e4m3fn),
+                f"{name}.weight_scale_inv": torch.rand((-(-n // 128), -(-k // 128)), generator=gen) * 1e-4 + 1e-5}
+    if fmt == "bf16":
+        return {f"{name}.weight": (torch.randn((n, k), generator=gen) * 0.02).to(torch.bfloat16)}
     if fmt == "awq":
         return {f"{name}.qweight": _words(gen, k, n // 8), f"{name}.qzeros": _nibble_words(gen, 5, 10, g, n // 8),
                 f"{name}.scales": _scales(gen, (g, n), torch.float16)}
@@ -62,6 +71,8 @@ def quant_config(fmt: str) -> dict:
     if fmt.startswith("gptq"):
         return {"quant_method": "gptq", "bits": 4, "group_size": G, "desc_act": False, "sym": fmt == "gptq-sym",
                 "checkpoint_format": "gptq", "pack_dtype": "int32"}
+    if fmt == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     if fmt == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": G, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": ["gate"]}
@@ -118,7 +129,7 @@ def make(out: Path, fmt: str, layers: int, seed: int = 0, vocab: int = 4096, *, 
            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
            "vocab_size": vocab, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": str(fdt).replace("torch.", ""),
-           "quantization_config": quant_config(fmt)}
+           **({} if fmt == "bf16" else {"quantization_config": quant_config(fmt)})}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return total
 

@@ -547,8 +547,9 @@ def build_corpus(dest: str | os.PathLike, fixtures: str | os.PathLike = DEFAULT_
     f = case("unknown_quant_method", "quant_method 'hqq'", exit=4, mention=["config.json"])
     _edit_json(f / "config.json", _qcfg(lambda q: q.__setitem__("quant_method", "hqq")))
 
-    f = case("no_quantization_config", "a float (unquantised) checkpoint", base="dense_qwen3moe", exit=4,
-             mention=["quantization_config"])
+    f = case("float_unknown_family", "a float checkpoint of a model type that is not an MoE family",
+             base="dense_qwen3moe", exit=4, mention=["llama", "config.json"])
+    _edit_json(f / "config.json", lambda c: c.__setitem__("model_type", "llama"))
 
     f = case("gptq_marlin", "GPTQ checkpoint_format marlin", exit=4, mention=["config.json"])
     _edit_json(f / "config.json", _qcfg(lambda q: q.update(checkpoint_format="marlin", format="marlin")))

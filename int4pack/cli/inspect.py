@@ -58,6 +58,15 @@ def _summary(o, r: dict) -> None:
         o.text(f"  evidence: {ev}")
     for w in f.get("warnings", []):
         o.warning(w)
+    src = r.get("converted_from")
+    if isinstance(src, dict):
+        o.text(f"  converted by int4pack from: {src.get('format')} ({src.get('detail')})")
+        errs = [(float(m["rel_l2"]), float(m["baseline_rel_l2"] or 0), n) for n, m in r["modules"].items()
+                if m.get("rel_l2") not in (None, "0") and m.get("baseline_rel_l2") is not None]
+        if errs:
+            worst = max(errs)
+            o.text(f"  weight error against the source (its report): mean rel_l2 {sum(e[0] for e in errs) / len(errs):.4g}, "
+                   f"plain RTN {sum(e[1] for e in errs) / len(errs):.4g}; worst {worst[2]} {worst[0]:.4g} (RTN {worst[1]:.4g})")
     moe = r["moe"]
     if "error" in moe:
         o.text(f"  MoE: [red]{escape(moe['error'])}[/red]")
@@ -113,14 +122,17 @@ def _summary(o, r: dict) -> None:
            f"module(s) take the KleidiAI path, {ks['fallback']} fall back to torch's float32 reference")
     mods = r["modules"]
     act = sum(1 for m in mods.values() if m["act_order"])
-    fp4 = sum(1 for m in mods.values() if m["format"] == "mxfp4")
-    asym = sum(1 for m in mods.values() if not m["sym"] and m["format"] != "mxfp4")
-    what = f"{fp4} MXFP4 (4-bit float, requantised by convert), " if fp4 else ""
-    o.text(f"  {len(mods)} {'4-bit' if fp4 else 'int4'} modules: {what}{asym} asymmetric, {act} with act-order (g_idx)")
+    from ..formats.float_source import VALUES  # here: --help must not import the readers (numpy)
+
+    fl = sum(1 for m in mods.values() if m["format"] in VALUES)
+    asym = sum(1 for m in mods.values() if not m["sym"] and m["format"] not in VALUES)
+    kinds = "/".join(sorted({VALUES[m["format"]][1] for m in mods.values() if m["format"] in VALUES}))
+    what = f"{fl} {kinds} (not int4 values, requantised by convert), " if fl else ""
+    o.text(f"  {len(mods)} {'quantised' if fl else 'int4'} modules: {what}{asym} asymmetric, {act} with act-order (g_idx)")
     # one row per distinct (role, shape, path, kleidiai): a 30B model has ~18k modules
     groups: dict[tuple, list] = {}
     for name, m in mods.items():
-        sym = "e2m1" if m["format"] == "mxfp4" else "sym" if m["sym"] else "asym"
+        sym = VALUES[m["format"]][0] if m["format"] in VALUES else "sym" if m["sym"] else "asym"
         key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), sym,
                "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-",
                "yes" if m["kleidiai"] else m["kleidiai_reason"])

@@ -23,6 +23,7 @@ from ..source_folder import load_json
 from . import autoround, awq, compressed_tensors, gptq, mxfp4
 from . import gguf, mlx
 from ._api import Format, Header, Reader, quant_method
+from . import float_source, fp4, fp8
 from .float_experts import with_float_experts
 
 __all__ = ["READERS", "Format", "Header", "Reader", "open_reader", "supported", "header_of"]
@@ -33,12 +34,18 @@ READERS: tuple[Format, ...] = (
     autoround.FORMAT,
     awq.FORMAT,
     # rows that claim part of what a row below claims (float config groups of compressed-tensors): above it
+    fp8.CT_FORMAT,
+    fp4.CT_FORMAT,
     compressed_tensors.FORMAT,
     mxfp4.FORMAT,
     # rows of containers other than safetensors, and of layouts of their own: after the int4 rows
     gguf.FORMAT,
     mlx.FORMAT,
     # rows of float sources (BF16, FP8, FP4): last, for they claim what no row above did
+    fp8.FORMAT,
+    fp4.MODELOPT_FORMAT,
+    mxfp4.LINEAR_FORMAT,
+    float_source.FORMAT,
 )
 
 PACKED = QUANT_METHOD  # the packed serving format: not a source

@@ -7,6 +7,10 @@ OpenAI's release stores each MoE layer's experts fused 3-D, in MXFP4:
     <moe>.experts.gate_up_proj_bias    [E, 2I]                rows interleaved: even = gate, odd = up
     <moe>.experts.down_proj_{blocks [E, H, I/32, 16], scales [E, H, I/32], bias [E, H]}
 
+The same OpenAI naming on the linears of any other family int4pack knows (``MXFP4LinearReader``):
+
+    <module>.weight_blocks  U8 [N, K/32, 16],  <module>.weight_scales  U8 [N, K/32]   (+ <module>.bias)
+
 MXFP4 is not an int4 layout: its 16 values are not evenly spaced. The reader decodes one expert at a
 time to float32 (exactly: every value is a 2-bit-mantissa float times a power of two), splits the
 interleaved rows into gate and up, and hands W4A8 per-expert linears ``<moe>.experts.E.gate_proj``,
@@ -22,11 +26,12 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header, quant_method
+from .float_source import DATA_FREE, NOT_INT4, float_linear, float_spec
+from .minifloat import E2M1
 
-__all__ = ["E2M1", "BLOCK", "decode", "deinterleave", "MXFP4Reader", "is_mxfp4", "FORMAT", "claims"]
+__all__ = ["E2M1", "BLOCK", "decode", "deinterleave", "MXFP4Reader", "MXFP4LinearReader", "is_mxfp4", "FORMAT",
+           "claims", "LINEAR_FORMAT", "claims_linears"]
 
-# E2M1 code -> value (sign bit 3, two exponent bits, one mantissa bit; OCP MX v1.0)
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 BLOCK = 32  # inputs per E8M0 scale
 _E8M0_NAN = 255
 _FUSED = re.compile(r"^(?P<p>.+\.experts)\.gate_up_proj_blocks$")
@@ -196,3 +201,80 @@ FORMAT = Format(
     reads="quant_method mxfp4 (gpt-oss's release only)",
     lossless="none (E2M1 values are not an int4 grid)",
     requant="every expert, gate/up de-interleaved")
+
+
+_LINEAR = re.compile(r"^(?P<m>.+)\.weight_blocks$")
+
+
+class MXFP4LinearReader:
+    """OpenAI's ``_blocks``/``_scales`` MXFP4 naming on per-module linears of any family int4pack knows
+    (see the module docstring); fused gpt-oss-style experts outside gpt-oss are refused by name."""
+
+    name = "mxfp4-linear"
+
+    def __init__(self, ckpt: Checkpoint, q: dict):
+        self.ckpt = ckpt
+        self.q = q
+        self._specs: dict[str, LinearSpec] | None = None
+
+    def linears(self) -> dict[str, LinearSpec]:
+        if self._specs is not None:
+            return self._specs
+        ck = self.ckpt
+        fused = sorted(n for n in ck.tensors if _FUSED.match(n))
+        if fused:
+            raise RefusedError(f"{fused[0]}: fused MXFP4 experts in a {ck.family_type!r} checkpoint; int4pack "
+                               "splits fused MXFP4 experts only in gpt-oss's layout (gate/up rows interleaved)",
+                               tensor=fused[0], hint="Use a checkpoint with one weight_blocks per expert linear.")
+        specs = {}
+        for name in sorted(ck.tensors):
+            mm = _LINEAR.match(name)
+            if not mm:
+                continue
+            mod, sn = mm["m"], f"{mm['m']}.weight_scales"
+            b, s = ck.tensors[name], ck.tensors.get(sn)
+            if s is None:
+                raise InputError(f"{mod}: has weight_blocks but no {sn}", tensor=sn,
+                                 hint="The checkpoint is incomplete; re-download it.")
+            if b.dtype != "U8" or s.dtype != "U8" or len(b.shape) != 3 or b.shape[2] != BLOCK // 2 \
+                    or tuple(s.shape) != tuple(b.shape[:2]):
+                raise InputError(f"{name}: {b.dtype}{list(b.shape)} with scales {s.dtype}{list(s.shape)}; expected "
+                                 "U8 [N, K/32, 16] and U8 [N, K/32]", tensor=name,
+                                 hint="The checkpoint is not the MXFP4 layout its config claims.")
+            keys = tuple(k for k in (name, sn, f"{mod}.bias") if k in ck.tensors)
+            specs[mod] = float_spec(mod, "mxfp4", b.shape[0], b.shape[1] * BLOCK, keys, "U8",
+                                    has_bias=f"{mod}.bias" in ck.tensors,
+                                    notes=["MXFP4 (E2M1, E8M0 per 32) dequantised, then requantised"])
+        self._specs = specs
+        return specs
+
+    def verdict(self) -> FormatVerdict:
+        return FormatVerdict(
+            "mxfp4", f"MXFP4 linears (weight_blocks/weight_scales: E2M1 values, E8M0 scale per 32), dequantised "
+                     f"exactly, then {DATA_FREE}",
+            evidence=["quant_method: mxfp4", f"{len(self.linears())} linear(s) with weight_blocks"],
+            warnings=["MXFP4 is a 4-bit float: " + NOT_INT4], extra={"source_kind": "fp4", "data_free": True})
+
+    def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
+        ck, m = self.ckpt, spec.name
+        try:
+            w = decode(ck.get(f"{m}.weight_blocks"), ck.get(f"{m}.weight_scales"))
+        except ValueError as err:
+            raise InputError(f"{m}.weight_scales: {err}", tensor=f"{m}.weight_scales",
+                             hint="The checkpoint is damaged; re-download it.") from None
+        return float_linear(spec, w, ck.get(f"{m}.bias") if spec.has_bias else None)
+
+
+def claims_linears(q: dict | None, header: Header) -> bool:
+    """MXFP4 in a family other than gpt-oss that int4pack knows (OpenAI's naming per linear)."""
+    from ..families import family
+
+    return is_mxfp4(q) and header.model_type != "gpt_oss" and family(header.model_type) is not None
+
+
+LINEAR_FORMAT = Format(
+    "mxfp4", claims_linears, lambda ckpt, q, path: MXFP4LinearReader(ckpt, q),
+    reads="quant_method mxfp4 in other families: per-linear weight_blocks/weight_scales (E2M1, E8M0 per 32)",
+    lossless="none (E2M1 values are not an int4 grid)",
+    requant="every linear, dequantised exactly, then quantised data-free",
+    float_siblings=True)
