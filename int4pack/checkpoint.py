@@ -75,10 +75,8 @@ def _map_address(m: mmap.mmap) -> int | None:
 
 _FAULT_AROUND = 1 << 21  # a fault maps resident pages around it: up to a whole large folio (<= 2 MB)
 
-# files that describe the source's quantisation and must not reach the output (vLLM reads
-# hf_quant_config.json as ModelOpt's)
-SOURCE_QUANT_FILES = {"quantize_config.json", "quant_config.json", "quantization_config.json", "recipe.yaml",
-                      "hf_quant_config.json"}
+# files that describe the source's quantisation and must not reach the output (vLLM reads hf_quant_config.json)
+SOURCE_QUANT_FILES = {"quantize_config.json", "quant_config.json", "quantization_config.json", "recipe.yaml", "hf_quant_config.json"}
 
 
 # float dtype -> (unsigned view, exponent mask): a value is NaN or infinite when all its exponent bits are set

@@ -446,6 +446,19 @@ def test_producer_fixture_dequantised_as_decoded_independently(name):
             assert rel_err(got, dense[f"{m}.weight"].double()) < 0.2, m  # the layout read as its producer meant
 
 
+@pytest.mark.parametrize("name", [n for n in PRODUCED if n.startswith("ct_")])
+def test_producer_fixture_matches_compressed_tensors_own_decompression(name):
+    """compressed-tensors 0.19's own decompress (bf16, stored beside the fixture): the readers' float32
+    values cast to bf16 are those bits."""
+    want = load_file(str(FIXTURES / name / "reference" / "ct_dequantized.safetensors"))
+    with Checkpoint(FIXTURES / name) as ck:
+        reader = open_reader(ck)
+        specs = reader.linears()
+        for key, w in want.items():
+            got = reader.read(specs[key[: -len(".weight")]]).dequantize()
+            assert torch.equal(got.to(torch.bfloat16), w), key
+
+
 def rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm())
 
