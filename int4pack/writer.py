@@ -205,6 +205,30 @@ def json_pieces(obj, depth: int = 2) -> Iterator[str]:
         yield json.dumps(obj, sort_keys=True)
 
 
+def report_pieces(obj, level: int = 0, depth: int = 2):
+    """The report as JSON, one line per entry down to ``depth`` (one line per module), compact below;
+    in pieces, so a large report is written without a copy of it in memory, each line by the C encoder."""
+    if isinstance(obj, dict) and obj and level < depth:
+        pad, sep = "  " * (level + 1), "{\n"
+        for k, v in sorted(obj.items()):
+            yield f"{sep}{pad}{json.dumps(str(k))}: "
+            yield from report_pieces(v, level + 1, depth)
+            sep = ",\n"
+        yield "\n" + "  " * level + "}"
+    else:
+        yield json.dumps(obj, sort_keys=True, separators=(", ", ": "))
+
+
+def index_pieces(total_size: int, weight_map: dict[str, str]):
+    """json.dumps({"metadata": ..., "weight_map": sorted}, indent=2) + newline, in pieces."""
+    yield f'{{\n  "metadata": {{\n    "total_size": {int(total_size)}\n  }},\n  "weight_map": {{'
+    sep = "\n"
+    for name in sorted(weight_map):
+        yield f"{sep}    {json.dumps(name)}: {json.dumps(weight_map[name])}"
+        sep = ",\n"
+    yield "\n  }\n}\n" if weight_map else "}\n}\n"
+
+
 # a scale's dtype -> (its bits as unsigned ints, the sign bit cleared, the shift to float32's bits)
 _SCALE_VIEWS = {"BF16": ("<u2", 0x7FFF, 16), "F32": ("<u4", 0x7FFFFFFF, 0)}
 _SCALE_LIMIT = struct.unpack("<I", struct.pack("<f", MAX_SCALE))[0]  # non-negative floats order as their bits

@@ -203,11 +203,19 @@ PREFIX = "model.layers.1.mlp.experts"
 
 
 def _record(routing: rt.Routing | None = None, activation: act.Activation | None = None, **extra) -> dict:
+    """A layout record as convert writes it, less the blob checks: the routing tests load stand-in
+    blobs, so they run with the check's opt-out set (``_unchecked``); the check has its own tests."""
     rec = {**serve_spec.layout_record(G), **extra}
     if routing is not None:
         rec[serve_spec.MOE_LAYERS] = {PREFIX: {"routing": routing.to_record(),
                                                "activation": (activation or act.SILU).to_record()}}
     return rec
+
+
+def _unchecked(monkeypatch) -> None:
+    from int4pack.vllm_plugin._layout import ALLOW_UNCHECKED
+
+    monkeypatch.setenv(ALLOW_UNCHECKED, "1")
 
 
 def _method(layer, record: dict, prefix: str = PREFIX):
@@ -337,6 +345,7 @@ def test_deepseek_v4_routing_and_clamped_swiglu_run_in_steps(monkeypatch):
     """sqrtsoftplus with a bias, renormalised, x1.5 on the layer, SwiGLU clamped at 10: the op
     cannot apply this clamp, so the experts run as W13, the clamped activation, W2 on the same
     packed tensors. Against a float64 reference; the op's unclamped SiLU is off by far more."""
+    _unchecked(monkeypatch)
     sa = standin.install(monkeypatch, "055e47c")
     q, f = _weights(1)
     gen = torch.Generator().manual_seed(2)
@@ -363,6 +372,7 @@ def test_gemma4_per_expert_scale_from_the_custom_function_and_gelu_tanh(monkeypa
     """Gemma-4: softmax, top-k, renormalised, times the learned per-expert scale, which vLLM's
     class keeps in the closure of the custom routing function it gives the layer; GELU-tanh
     experts, in steps. Without the record (the layer alone: a custom function) it is refused."""
+    _unchecked(monkeypatch)
     sa = standin.install(monkeypatch, "0.32")
     q, f = _weights(3)
     pes = torch.nn.Parameter(torch.rand(E) + 0.5, requires_grad=False)
@@ -404,6 +414,7 @@ def test_gemma4_per_expert_scale_from_the_custom_function_and_gelu_tanh(monkeypa
 def test_hash_routing_takes_the_token_ids_or_is_refused_naming_the_version(monkeypatch, shape):
     """DeepSeek-V4's hash layers: ids = table[input_ids]. Served where vLLM hands apply_monolithic
     the token ids (055e47c's signature) and the layer carries the table; refused at load otherwise."""
+    _unchecked(monkeypatch)
     sa = standin.install(monkeypatch, shape)
     q, f = _weights(5)
     gen = torch.Generator().manual_seed(6)

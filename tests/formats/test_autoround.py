@@ -220,7 +220,7 @@ AUTOROUND_FIXTURES = {  # fixture -> (packing_format, zero convention, reader, s
 
 @pytest.mark.parametrize("name", sorted(AUTOROUND_FIXTURES))
 def test_real_fixture_matches_auto_rounds_own_dequantisation(name, fixture_dir):
-    """autoround_dequantized.safetensors holds auto-round's own float16 dequantisation of a few modules
+    """reference/autoround_dequantized.safetensors holds auto-round's own float16 dequantisation of a few modules
     (an int4 expert's gate/up/down and an attention projection; 8-bit ones in the mixed fixture): the
     reader's exact float32 values, rounded to float16 once, are those bit for bit."""
     from safetensors.torch import load_file
@@ -235,7 +235,7 @@ def test_real_fixture_matches_auto_rounds_own_dequantisation(name, fixture_dir):
     if conv:
         assert v.extra["zero_convention"] == conv
     specs = reader.linears()
-    ref = load_file(str(folder / "autoround_dequantized.safetensors"))
+    ref = load_file(str(folder / "reference" / "autoround_dequantized.safetensors"))
     assert len(ref) == 4
     for key, w in ref.items():
         spec = specs[key[: -len(".weight")]]
