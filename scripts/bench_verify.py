@@ -5,7 +5,7 @@ Full scale (``--layers 48``: the Qwen3-30B-A3B shape, 15.7 GB of GPTQ int4, scri
 for each serving format, convert the checkpoint and verify the output, each in a fresh subprocess
 started after os.sync(), and print verify's time over convert's (the issue's goal: at most 1.5).
 
-    python scripts/bench_verify.py --layers 48 --serve-formats compressed-tensors kleidiai --json out.json
+    python scripts/bench_verify.py --layers 48 --serve-formats compressed-tensors kleidiai --json-out out.json [--against]
 
 Builds a tiny synthetic converted checkpoint in a temp dir: one MoE layer with 128 experts,
 H=2048, I=768, top-8, W4A8 group 128 (bf16 scales) as convert writes it, a real-looking router
@@ -64,7 +64,8 @@ if os.environ.get("INT4PACK_BENCH_TREE"):
     sys.path.insert(0, os.environ["INT4PACK_BENCH_TREE"])
 import int4pack
 out, threads = sys.argv[1], int(sys.argv[2])
-r = int4pack.verify(out, threads=threads or None, raise_on_failure=False)
+against = sys.argv[3] if len(sys.argv) > 3 else None
+r = int4pack.verify(out, against=against, threads=threads or None, raise_on_failure=False)
 wall = time.perf_counter() - t0
 rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
 print(json.dumps({"seconds": wall, "verify_s": r["timing"]["total"], "rss_mb": rss, "verdict": r["verdict"],
@@ -97,6 +98,8 @@ def full(a) -> None:
         conv = _run(CONVERT_RM, src, dst, a.convert_threads, serve)
         os.sync()
         ver = _run(VERIFY, dst, a.threads or 0)
+        os.sync()
+        vag = _run(VERIFY, dst, a.threads or 0, src) if a.against else None
         shutil.rmtree(dst, ignore_errors=True)
         row = {"layers": a.layers, "serve_format": serve, "host": platform.machine(), "cores": os.cpu_count(),
                "torch": torch.__version__, "convert_s": round(conv["seconds"], 2),
@@ -109,6 +112,10 @@ def full(a) -> None:
                "kernel": ver.get("kernel"),
                **{k: ver[k] for k in ("verdict", "ok", "structural_s", "timing", "threads", "experts", "tokens",
                                       "dense")}, "moe_layers": ver["layers"], "workers": ver.get("workers")}
+        if vag is not None:  # verify --against the source, in the same block
+            row.update(against_s=round(vag["seconds"], 2), against_cpu_s=round(vag["cpu_user"] + vag["cpu_sys"], 1),
+                       against_rss_mb=round(vag["rss_mb"]), against_ratio=round(vag["seconds"] / conv["seconds"], 2),
+                       against_verdict=vag["verdict"], against_ok=vag["ok"], against_timing=vag["timing"])
         rows.append(row)
         print(json.dumps(row), flush=True)
         if a.json_out:
@@ -120,6 +127,9 @@ def full(a) -> None:
         print(f"{r['layers']} layers, {r['serve_format']}: convert {r['convert_s']} s ({r['convert_cpu_s']} CPU s), "
               f"verify {r['verify_s']} s ({r['verify_cpu_s']} CPU s, {r['threads']} threads, peak RSS "
               f"{r['verify_rss_mb']} MB): verify / convert = {r['ratio']} (CPU {r['cpu_ratio']}); {r['verdict']}")
+        if "against_s" in r:
+            print(f"  verify --against the source {r['against_s']} s ({r['against_cpu_s']} CPU s, peak RSS "
+                  f"{r['against_rss_mb']} MB): --against / convert = {r['against_ratio']}; {r['against_verdict']}")
 
 
 def main() -> None:
@@ -131,6 +141,8 @@ def main() -> None:
     ap.add_argument("--convert-threads", type=int, default=0, help="with --layers: convert's --threads (0: default)")
     ap.add_argument("--workdir", type=Path, default=None, help="with --layers: where the checkpoints go")
     ap.add_argument("--json-out", type=Path, default=None, help="with --layers: write the rows here")
+    ap.add_argument("--against", action="store_true",
+                    help="with --layers: also verify each output --against its source (its time over convert's)")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768)
