@@ -26,40 +26,14 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))  # the corrupted-output editors the trust tests use
 
 MODULE = "model.layers.0.mlp.experts.2.up_proj"
-AT = 37  # the flat index of the value moved
-
-
-def _bump(q) -> None:
-    flat = q.view(-1)
-    flat[AT] = flat[AT] + 1 if int(flat[AT]) < 7 else flat[AT] - 1
 
 
 def forge(out: Path, packed: bool) -> None:
-    from corrupt_corpus import _provenance, _set_prov, _sync_checks, edit_tensors
+    from corrupt_corpus import _sync_checks, edit_tensors, one_int
 
-    from int4pack import kleidiai, serve_spec
+    from int4pack import serve_spec
 
-    name = f"{MODULE}.{serve_spec.SUFFIX}" if packed else f"{MODULE}.weight"
-
-    def edit(t, meta):
-        if name not in t:
-            return False
-        if not packed:
-            _bump(t[name])
-            return True
-        ents = _provenance(meta)
-        p = ents[name]["packed"]
-        n, k, g = p["n"], p["k"], p["group_size"]
-        blk = k if g in (-1, k) else g
-        q, s, b = kleidiai.unpack(t[name], n, k, blk, bool(p.get("bias")), check=False)
-        q = q.clone()
-        _bump(q)
-        t[name] = kleidiai.pack_portable(q.contiguous(), s, b, blk, threads=1)
-        ents[name]["packed"] = {**serve_spec.provenance(q, s, b, g, t[name])}
-        _set_prov(meta, ents)
-        return True
-
-    edit_tensors(out, edit)
+    edit_tensors(out, one_int(f"{MODULE}.{serve_spec.SUFFIX}" if packed else f"{MODULE}.weight", packed))
     if packed:
         _sync_checks(out)
     (out / "int4pack_report.json").unlink()

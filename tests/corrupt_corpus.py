@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["Case", "build", "reseal", "edit_tensors", "edit_config"]
+__all__ = ["Case", "build", "reseal", "edit_tensors", "edit_config", "repack", "bump", "one_int"]
 
 L0 = "model.layers.0.mlp.experts"
 L1 = "model.layers.1.mlp.experts"
@@ -301,11 +301,11 @@ def _edit_check(cfg: dict) -> None:
     ent["crc32"][0][0] = f"{int(c, 16) ^ 1:08x}"
 
 
-def _forge_packed(f: Path, name: str) -> None:
-    """Replace an expert's int4 values by others (a 72 % error), repacked with honest provenance."""
+def repack(name: str, change):
+    """An edit_tensors editor: blob ``name``'s int4 values replaced by ``change(q)`` and repacked,
+    with honest provenance (a consistent forgery; _sync_checks then rewrites the blob checks)."""
     from int4pack import kleidiai
     from int4pack import serve_spec
-    from int4pack import blobs
 
     def edit(t, meta):
         if name not in t:
@@ -315,13 +315,31 @@ def _forge_packed(f: Path, name: str) -> None:
         n, k, g = p["n"], p["k"], p["group_size"]
         block = k if g in (-1, k) else g
         q, s, b = kleidiai.unpack(t[name], n, k, block, bool(p.get("bias")), check=False)
-        q = torch.roll(q, 1, dims=1).contiguous()  # the right values in the wrong places
+        q = change(q.clone()).contiguous()
         t[name] = kleidiai.pack_portable(q, s, b, block, threads=1)
         ents[name]["packed"] = {**serve_spec.provenance(q, s, b, g, t[name])}
         _set_prov(meta, ents)
         return True
+    return edit
 
-    edit_tensors(f, edit)
+
+def bump(q: torch.Tensor, at: int = 37) -> torch.Tensor:
+    """One int4 value moved by one step (staying in [-8, 7]), in place."""
+    flat = q.view(-1)
+    flat[at] = flat[at] + 1 if int(flat[at]) < 7 else flat[at] - 1
+    return q
+
+
+def one_int(name: str, packed: bool):
+    """An edit_tensors editor: one int4 value of ``name`` (a blob, or a plain int8 weight) moved by one step."""
+    if packed:
+        return repack(name, bump)
+    return lambda t, meta: name in t and bump(t[name]) is not None
+
+
+def _forge_packed(f: Path, name: str) -> None:
+    """Replace an expert's int4 values by others (a 72 % error), repacked with honest provenance."""
+    edit_tensors(f, repack(name, lambda q: torch.roll(q, 1, dims=1)))  # the right values in the wrong places
     edit_report(f, lambda r: r["modules"][name[: -len(SUF) - 1]].__setitem__("rel_l2", "0.9"))
 
 

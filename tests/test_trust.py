@@ -503,43 +503,6 @@ def test_a_non_finite_figure_never_passes(corpus, tmp_path):
 # --------------------------------------------------------------------------------- lossless ints, exactly
 
 
-def _bump(q: torch.Tensor, at: int) -> None:
-    """One int4 value moved by one step (staying in [-8, 7])."""
-    flat = q.view(-1)
-    flat[at] = flat[at] + 1 if int(flat[at]) < 7 else flat[at] - 1
-
-
-def _one_int_plain(name: str):
-    def edit(t, meta):
-        if name not in t:
-            return False
-        _bump(t[name], 37)
-        return True
-    return edit
-
-
-def _one_int_packed(name: str):
-    """One int4 value of a blob changed, repacked with honest provenance (a consistent forgery)."""
-    from corrupt_corpus import _provenance, _set_prov
-    from int4pack import kleidiai, serve_spec
-
-    def edit(t, meta):
-        if name not in t:
-            return False
-        ents = _provenance(meta)
-        p = ents[name]["packed"]
-        n, k, g = p["n"], p["k"], p["group_size"]
-        blk = k if g in (-1, k) else g
-        q, s, b = kleidiai.unpack(t[name], n, k, blk, bool(p.get("bias")), check=False)
-        q = q.clone()
-        _bump(q, 37)
-        t[name] = kleidiai.pack_portable(q.contiguous(), s, b, blk, threads=1)
-        ents[name]["packed"] = {**serve_spec.provenance(q, s, b, g, t[name])}
-        _set_prov(meta, ents)
-        return True
-    return edit
-
-
 LOSSLESS_CASES = [  # (fixture, module): an expert's projections, a dense linear, a folded act-order down
     (GROUP, "model.layers.0.mlp.experts.2.up_proj"),
     (GROUP, "model.layers.0.self_attn.o_proj"),
@@ -554,14 +517,14 @@ LOSSLESS_CASES = [  # (fixture, module): an expert's projections, a dense linear
 def test_one_changed_int_of_a_lossless_module_fails_verify_against(tmp_path, fmt, fixture, module):
     """With no report to tighten the budget, the float error of one changed int is far inside the
     lossless budget (2^-8): only comparing the ints with the source's finds it."""
-    from corrupt_corpus import _sync_checks
+    from corrupt_corpus import _sync_checks, one_int
 
     out = tmp_path / "out"
     int4pack.convert(FIXTURES / fixture, out, serve_format=fmt)
     rep = int4pack.verify(out, FIXTURES / fixture, layers=f"{module.split('.')[2]},")
     assert rep["ok"], rep["verdict"]
     packed = fmt == "kleidiai"
-    edit_tensors(out, _one_int_packed(f"{module}.{SUFFIX}") if packed else _one_int_plain(f"{module}.weight"))
+    edit_tensors(out, one_int(f"{module}.{SUFFIX}" if packed else f"{module}.weight", packed))
     if packed:
         _sync_checks(out)
     (out / "int4pack_report.json").unlink()
