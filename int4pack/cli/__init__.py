@@ -19,8 +19,8 @@ __all__ = ["app", "main"]
 
 app = typer.Typer(
     name="int4pack",
-    help="Convert int4 MoE checkpoints (GPTQ, AWQ, compressed-tensors) into the W4A8 layout that "
-         "Arm CPUs run fast (KleidiAI, vLLM's CPU W4A8 MoE backend).",
+    help="Convert MoE checkpoints (GPTQ, AWQ, AutoRound, compressed-tensors, GGUF, MLX, FP8, FP4, bf16) "
+         "into the W4A8 layout that Arm CPUs run fast (KleidiAI, vLLM's CPU W4A8 MoE backend).",
     epilog="Exit codes: 0 ok, 1 internal error (a bug), 2 usage error, 3 bad input, 4 refused layout, "
            "5 output problem, 6 verification failed, 130 interrupted. Run int4pack COMMAND --help for a "
            "command's options and examples.",

@@ -81,7 +81,7 @@ def convert_cmd(
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
 ) -> None:
-    """Convert an int4 MoE checkpoint (GPTQ, AWQ or compressed-tensors) to vLLM's W4A8 layout.
+    """Convert a MoE checkpoint (int4, FP8, FP4 or float) to vLLM's W4A8 layout.
 
     The output is a compressed-tensors int-quantized W4A8 checkpoint that vLLM's Arm CPU backend
     loads as it is. Beside it, int4pack_report.json records how each module was converted, its
