@@ -131,9 +131,9 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
     gs = {m["group_size"] for m in mods.values() if m["group_size"] is not None}
     skip = unloadable_releases(ckpt.family_type)
     out["model_warnings"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=True)
-                             + family_warnings(ckpt.family_type, ckpt.text_config))
+                             + family_warnings(ckpt.family_type, ckpt.text_config, packed=True))
     out["model_notes"] = (routing_warnings(ckpt.family_type, ckpt.text_config, packed=True, short=True)
-                          + family_warnings(ckpt.family_type, ckpt.text_config))  # as the terminal shows them
+                          + family_warnings(ckpt.family_type, ckpt.text_config, packed=True))  # as the terminal shows them
     out["serving"] = serving_warnings(gs, skip) + out["model_warnings"]
     out["serving_notes"] = serving_notes(gs, skip)  # the same, one short line per release
     out["kleidiai_summary"] = {"kleidiai": sum(1 for m in mods.values() if m["kleidiai"]),

