@@ -33,7 +33,7 @@ from .records import QuantLinear
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
 from .target_config import output_config
 from .vllm_compat import serving_report
-from .workdir import check_space, partial_folder
+from .workdir import check_space, folder_bytes, partial_folder
 from .workers import job_workers
 from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, check_target,
                      copy_checksums, digest_kind, index_pieces, report_pieces, shard_names, tensor_crc)
@@ -245,6 +245,8 @@ def convert(
         rename = vllm_output_names(ckpt.family_type, [t.name for t in plan.outputs])  # names vLLM loads
         fp += "|vllm-names" if rename else ""
         had_partial = partial_folder(Path(out)).is_dir()
+        # what a run without --resume replaces: said, not deleted silently
+        dropped = folder_bytes(partial_folder(Path(out))) if had_partial and not resume else None
         od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
         held.callback(od.release)  # the work folder's lock, however the run ends
         trusted = od.trusted_shards(names)
@@ -252,6 +254,8 @@ def convert(
         if resume:
             report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
                                 "kept_shards": sorted(trusted), "kept_bytes": sum(sizes[n] for n in trusted)}
+        elif dropped is not None:
+            report["replaced_partial"] = {"partial": str(od.work), "bytes": dropped}
         extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
         check_space(od.work, od.final.parent, sum(v for n, v in sizes.items() if n not in trusted) + extra, len(plan.outputs),
                      fresh=not trusted)
@@ -298,7 +302,7 @@ def convert(
     return report
 
 
-_RUN_ONLY = ("next", "next_command", "next_notes", "routing_notes", "resume", "serve_format_planned", "workers")  # in the returned report, not in the file
+_RUN_ONLY = ("next", "next_command", "next_notes", "routing_notes", "resume", "replaced_partial", "serve_format_planned", "workers")  # in the returned report, not in the file
 
 
 def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:

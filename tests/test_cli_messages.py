@@ -349,3 +349,38 @@ def test_deepseek_v4s_default_output_is_not_sent_to_stock_vllm(tmp_path):
     assert set(kinds) == {"0.19.1", "0.32.0"}, rep["routing_warnings"]
     assert "wrong routing" in kinds["0.19.1"] and "cannot serve" in kinds["0.32.0"]
     assert all("not yet served" in w for w in kinds.values())  # the plugin's V4 routing is not proven in a vLLM
+
+
+def test_a_partial_output_is_kept_by_resume_and_replaced_aloud_without_it(tmp_path, monkeypatch):
+    """Interrupted after its last shard: --resume says nothing is left to write but the small files;
+    a run without --resume says it replaced the earlier run's partial output and how big it was."""
+    from int4pack import writer
+
+    out = tmp_path / "out"
+    work = tmp_path / ".out.int4pack-partial"
+
+    def interrupted():
+        def stop(self):
+            raise KeyboardInterrupt
+        with monkeypatch.context() as m:
+            m.setattr(writer.OutputDir, "commit", stop)
+            r = runner.invoke(app, ["convert", SYM, str(out), "--max-shard-size", "100KB"])
+        assert r.exit_code == 130 and work.is_dir() and not out.exists(), r.output
+
+    interrupted()
+    r = runner.invoke(app, ["convert", SYM, str(out), "--max-shard-size", "100KB", "--resume"])
+    assert r.exit_code == 0, r.output
+    total = len(json.loads((out / "int4pack_report.json").read_text())["shards"])
+    assert f"kept {total} of {total} shard(s)" in r.output
+    assert "nothing left but the index, config and report" in r.output and "writing the rest" not in r.output
+    shutil.rmtree(out)
+    interrupted()
+    size = sum(p.stat().st_size for p in work.rglob("*") if p.is_file())
+    r = runner.invoke(app, ["convert", SYM, str(out), "--max-shard-size", "100KB", "--json"])
+    assert r.exit_code == 0, r.output
+    rp = json.loads(r.stdout)["replaced_partial"]
+    assert rp["partial"] == str(work) and rp["bytes"] == size
+    shutil.rmtree(out)
+    interrupted()
+    r = runner.invoke(app, ["convert", SYM, str(out), "--max-shard-size", "100KB"])
+    assert "warning: replaced the partial output of an earlier run" in " ".join(r.output.split()), r.output

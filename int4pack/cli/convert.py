@@ -146,11 +146,17 @@ def _render_plan(o: Output, r: dict) -> None:
            f"{human_bytes(p['in_bytes'])} read -> {human_bytes(p['out_bytes'])} written")
     if r.get("serve_format_planned"):
         o.text(f"  serve format: {r['serve_format_planned']} (vLLM loads it through int4pack's plugin)")
+    rp = r.get("replaced_partial")
+    if rp is not None:
+        o.warning(f"replaced the partial output of an earlier run ({human_bytes(rp['bytes'])} in {rp['partial']}); "
+                  "--resume keeps the finished shards of an interrupted run")
     rs = r.get("resume")
     if rs is not None:
         if rs["kept_shards"]:
+            rest = ("nothing left but the index, config and report" if len(rs["kept_shards"]) == rs["shards"]
+                    else "writing the rest")
             o.text(f"  resume: kept {len(rs['kept_shards'])} of {rs['shards']} shard(s) "
-                   f"({human_bytes(rs['kept_bytes'])}) whose checksums still match; writing the rest")
+                   f"({human_bytes(rs['kept_bytes'])}) whose checksums still match; {rest}")
         elif rs["found"]:
             o.text(f"  resume: no finished shard of this source and these options in {rs['partial']}; "
                    f"starting from the beginning")
