@@ -13,6 +13,7 @@ from ..safetensors_header import NUMPY_DTYPES, torch_dtype
 from ..errors import InputError, RefusedError
 
 __all__ = [
+    "SpecsOnce",
     "all_bytes",
     "read_transposed",
     "prefixes_with",
@@ -229,3 +230,20 @@ def dequantize_rows(u: np.ndarray, z: np.ndarray | int, scales: torch.Tensor, g_
     s = scales.float()[:, g]
     zz = float(z) if np.isscalar(z) else torch.from_numpy(np.ascontiguousarray(z)).float()[:, g]
     return (torch.from_numpy(np.ascontiguousarray(u)).float() - zz) * s
+
+
+class SpecsOnce:
+    """A reader's checkpoint and config, and its ``linears()`` found once (``_find_linears``) and kept."""
+
+    def __init__(self, ckpt, q: dict):
+        self.ckpt = ckpt
+        self.q = q
+        self._specs = None
+
+    def linears(self):
+        if self._specs is None:
+            self._specs = self._find_linears()
+        return self._specs
+
+    def _find_linears(self):
+        raise NotImplementedError

@@ -24,6 +24,7 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header, quant_method
+from ._common import SpecsOnce
 from .float_source import DATA_FREE, NOT_INT4, float_linear, float_spec
 from .minifloat import e4m3, e8m0, positive, raw_bytes, unpack_e2m1
 
@@ -158,19 +159,12 @@ def is_modelopt_nvfp4(q: dict | None, header: Header | None = None) -> bool:
 _MODELOPT_WEIGHT = re.compile(r"^(?P<m>.+)\.weight_scale_2$")
 
 
-class ModelOptNVFP4Reader:
+class ModelOptNVFP4Reader(SpecsOnce):
     """NVIDIA ModelOpt NVFP4 modules (``weight`` U8 E2M1 pairs, ``weight_scale`` E4M3 per 16, ``weight_scale_2``)."""
 
     name = "modelopt-nvfp4"
 
-    def __init__(self, ckpt: Checkpoint, q: dict):
-        self.ckpt = ckpt
-        self.q = q
-        self._specs: dict[str, LinearSpec] | None = None
-
-    def linears(self) -> dict[str, LinearSpec]:
-        if self._specs is not None:
-            return self._specs
+    def _find_linears(self) -> dict[str, LinearSpec]:
         ck = self.ckpt
         specs = {}
         for name in sorted(ck.tensors):
@@ -190,7 +184,6 @@ class ModelOptNVFP4Reader:
             keys = [k_ for k_ in (w, sc, name, f"{mod}.input_scale", f"{mod}.bias") if k_ in ck.tensors]
             specs[mod] = float_spec(mod, "nvfp4", n, k, tuple(keys), "F8_E4M3", has_bias=f"{mod}.bias" in ck.tensors,
                                     notes=["ModelOpt NVFP4 (E2M1, block 16) dequantised, then requantised"])
-        self._specs = specs
         return specs
 
     def verdict(self) -> FormatVerdict:

@@ -23,6 +23,7 @@ from ..errors import RefusedError
 from ..gguf_checkpoint import FLOAT_TYPES, GGUF_TYPES, GGUFCheckpoint
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header
+from ._common import SpecsOnce
 
 __all__ = ["GGUFReader", "q4_0_codes"]
 
@@ -47,17 +48,11 @@ def q4_0_codes(blocks: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.n
     return codes.reshape(n, k), np.abs(d), zeros
 
 
-class GGUFReader:
+class GGUFReader(SpecsOnce):
     name = "gguf"
+    ckpt: GGUFCheckpoint
 
-    def __init__(self, ckpt: GGUFCheckpoint, q: dict):
-        self.ckpt = ckpt
-        self.q = q
-        self._specs: dict[str, LinearSpec] | None = None
-
-    def linears(self) -> dict[str, LinearSpec]:
-        if self._specs is not None:
-            return self._specs
+    def _find_linears(self) -> dict[str, LinearSpec]:
         specs = {}
         for mod, lin in sorted(self.ckpt.gguf_linears.items()):
             t = self.ckpt.tensors[lin.key]
@@ -71,7 +66,6 @@ class GGUFReader:
                 act_order=False, keys=(lin.key,),
                 scale_dtype="F16" if lin.qtype in GGUF_TYPES else t.dtype, refused=refused,
                 notes=[f"GGUF {lin.source} ({lin.qtype})"])
-        self._specs = specs
         return specs
 
     def verdict(self) -> FormatVerdict:

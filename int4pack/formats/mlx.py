@@ -14,27 +14,21 @@ from ..errors import RefusedError
 from ..mlx_checkpoint import MLXCheckpoint, dequantize
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header
+from ._common import SpecsOnce
 
 __all__ = ["MLXReader"]
 
 
-class MLXReader:
+class MLXReader(SpecsOnce):
     name = "mlx"
+    ckpt: MLXCheckpoint
 
-    def __init__(self, ckpt: MLXCheckpoint, q: dict):
-        self.ckpt = ckpt
-        self.q = q
-        self._specs: dict[str, LinearSpec] | None = None
-
-    def linears(self) -> dict[str, LinearSpec]:
-        if self._specs is None:
-            t = self.ckpt.tensors
-            self._specs = {
-                m: LinearSpec(name=m, fmt=f"mlx-{lin.bits}bit", n=lin.n, k=lin.k, bits=lin.bits, group_size=lin.group,
+    def _find_linears(self) -> dict[str, LinearSpec]:
+        t = self.ckpt.tensors
+        return {m: LinearSpec(name=m, fmt=f"mlx-{lin.bits}bit", n=lin.n, k=lin.k, bits=lin.bits, group_size=lin.group,
                               sym=False, act_order=False, keys=(lin.weight, lin.scales, lin.biases),
                               scale_dtype=t[lin.scales].dtype, has_bias=False)
                 for m, lin in sorted(self.ckpt.mlx_linears.items())}
-        return self._specs
 
     def verdict(self) -> FormatVerdict:
         kinds: dict[str, int] = {}

@@ -26,6 +26,7 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header, quant_method
+from ._common import SpecsOnce
 from .float_source import DATA_FREE, NOT_INT4, float_linear, float_spec
 from .minifloat import E2M1
 
@@ -206,20 +207,13 @@ FORMAT = Format(
 _LINEAR = re.compile(r"^(?P<m>.+)\.weight_blocks$")
 
 
-class MXFP4LinearReader:
+class MXFP4LinearReader(SpecsOnce):
     """OpenAI's ``_blocks``/``_scales`` MXFP4 naming on per-module linears of any family int4pack knows
     (see the module docstring); fused gpt-oss-style experts outside gpt-oss are refused by name."""
 
     name = "mxfp4-linear"
 
-    def __init__(self, ckpt: Checkpoint, q: dict):
-        self.ckpt = ckpt
-        self.q = q
-        self._specs: dict[str, LinearSpec] | None = None
-
-    def linears(self) -> dict[str, LinearSpec]:
-        if self._specs is not None:
-            return self._specs
+    def _find_linears(self) -> dict[str, LinearSpec]:
         ck = self.ckpt
         fused = sorted(n for n in ck.tensors if _FUSED.match(n))
         if fused:
@@ -245,7 +239,6 @@ class MXFP4LinearReader:
             specs[mod] = float_spec(mod, "mxfp4", b.shape[0], b.shape[1] * BLOCK, keys, "U8",
                                     has_bias=f"{mod}.bias" in ck.tensors,
                                     notes=["MXFP4 (E2M1, E8M0 per 32) dequantised, then requantised"])
-        self._specs = specs
         return specs
 
     def verdict(self) -> FormatVerdict:
