@@ -14,6 +14,7 @@ from ..errors import InputError, RefusedError
 
 __all__ = [
     "SpecsOnce",
+    "read_expert",
     "all_bytes",
     "read_transposed",
     "prefixes_with",
@@ -56,6 +57,16 @@ def read_transposed(ckpt: Checkpoint, name: str) -> torch.Tensor:
     dt = torch_dtype(t.dtype)
     words = np.frombuffer(ckpt.read_bytes(name), _UINT[dt.itemsize]).reshape(t.shape)
     return torch.from_numpy(np.ascontiguousarray(words.T)).view(dt)
+
+
+def read_expert(ckpt: Checkpoint, name: str, e: int) -> torch.Tensor:
+    """Expert e's slice of a fused [E, ...] tensor, read alone (a positional read at its offset)."""
+    t = ckpt.info(name)
+    per = t.nbytes // t.shape[0]
+    out = torch.empty(tuple(t.shape[1:]), dtype=torch_dtype(t.dtype))
+    buf = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    ckpt.read_into(name, buf.numpy().reshape(-1).view("u1"), e * per)
+    return out
 
 
 def prefixes_with(ckpt: Checkpoint, suffix: str) -> list[str]:

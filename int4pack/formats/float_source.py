@@ -21,6 +21,7 @@ from ..errors import InputError, RefusedError
 from ..families import family, supported_types
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header
+from ._common import read_expert
 
 __all__ = ["FLOAT_DTYPES", "VALUES", "DATA_FREE", "REQUANT_GROUP", "NOT_INT4", "float_spec", "float_linear", "stays_float",
            "float_weights", "FloatReader", "is_float_source", "claims", "FORMAT"]
@@ -156,17 +157,6 @@ class FloatReader:
                                             notes=[f"expert {e} of the fused {src}"])
                     self._fused[mod] = (src, e, role, transposed)
 
-    def _expert(self, name: str, e: int):
-        """Expert e's slice of a fused [E, ...] tensor, read alone (a positional read at its offset)."""
-        from ..safetensors_header import torch_dtype
-
-        t = self.ckpt.info(name)
-        per = t.nbytes // t.shape[0]
-        out = torch.empty(tuple(t.shape[1:]), dtype=torch_dtype(t.dtype))
-        buf = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-        self.ckpt.read_into(name, buf.numpy().reshape(-1).view("u1"), e * per)
-        return out
-
     def linears(self) -> dict[str, LinearSpec]:
         if self._specs is None:
             ck = self.ckpt
@@ -199,7 +189,7 @@ class FloatReader:
         ck = self.ckpt
         if spec.name in self._fused:
             src, e, role, transposed = self._fused[spec.name]
-            t = self._expert(src, e)
+            t = read_expert(self.ckpt, src, e)
             t = t.T if transposed else t  # N-major: [2I, H] or [H, I]
             if role < 2:
                 t = t[:spec.n] if role == 0 else t[spec.n:]

@@ -26,7 +26,7 @@ from ..checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header, quant_method
-from ._common import SpecsOnce
+from ._common import SpecsOnce, read_expert
 from .float_source import DATA_FREE, NOT_INT4, float_linear, float_spec
 from .minifloat import E2M1
 
@@ -155,26 +155,15 @@ class MXFP4Reader:
                                  tensor=an, hint="The checkpoint is corrupt.")
         return got
 
-    def _expert_rows(self, name: str, e: int):
-        """Expert e's slice of a fused [E, ...] tensor, read alone (positional read at its offset)."""
-        from ..checkpoint import torch_dtype
-
-        t = self.ckpt.info(name)
-        per = t.nbytes // t.shape[0]
-        out = torch.empty(tuple(t.shape[1:]), dtype=torch_dtype(t.dtype))
-        buf = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-        self.ckpt.read_into(name, buf.numpy().reshape(-1).view("u1"), e * per)
-        return out
-
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         self.linears()
         if spec.name not in self._where:
             raise RefusedError(f"{spec.name}: not an MXFP4 expert of this checkpoint", tensor=spec.name)
         p, e, role = self._where[spec.name]
         part = "down_proj" if role == "down" else "gate_up_proj"
-        blocks = self._expert_rows(f"{p}.{part}_blocks", e)
-        scales = self._expert_rows(f"{p}.{part}_scales", e)
-        bias = self._expert_rows(f"{p}.{part}_bias", e) if spec.has_bias else None
+        blocks = read_expert(self.ckpt, f"{p}.{part}_blocks", e)
+        scales = read_expert(self.ckpt, f"{p}.{part}_scales", e)
+        bias = read_expert(self.ckpt, f"{p}.{part}_bias", e) if spec.has_bias else None
         if role != "down":
             pick = 0 if role == "gate" else 1
             blocks, scales = blocks[pick::2], scales[pick::2]
