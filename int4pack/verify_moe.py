@@ -13,7 +13,8 @@ from . import _ext, kernels, verify_matmul
 from . import moe as moe_mod
 from .errors import InputError
 from .verify_pool import PerThread, parallel
-from .verify_source import Source, weights_vs_source
+from .verify_exact import exact_expert, exact_reference, exact_stats
+from .verify_source import Source, bias_vs_source, weights_vs_source
 from .verify_structure import Target
 from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, not_finite, rel, sum_sq
 from .w4a8 import dequantize_w4a8
@@ -73,11 +74,20 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
         g2 = wts[tt, jj] ** 2
         with kernels.threads_here(1):
             bufs = _ExpertBuffers.of(t, slot, g, vk, buffers.get())
-            # without a source the float weights are only multiplied: the reference reads the int4 values
-            from_int4 = bufs is not None and src is None
+            exact = None  # a lossless expert equal to its source: {role: source scales} (verify_exact)
             if bufs is not None:  # each weight read or decoded once, into this thread's buffers
                 with clock("read"):
-                    bufs.fill(t, slot, dequant=not from_int4)
+                    bufs.fill(t, slot)
+                if src is not None:
+                    with clock("compare"):
+                        exact = exact_expert(t, src, slot, bufs.views())
+            # without a source, or with one whose ints these are, the float weights are only
+            # multiplied: the references read the int4 values
+            from_int4 = bufs is not None and (src is None or exact is not None)
+            if bufs is not None:
+                if not from_int4:
+                    with clock("read"):
+                        bufs.dequant()
                 w13c, w2c = bufs.w13, bufs.w2
                 cw = {"gate": w13c[:bufs.inter], "up": w13c[bufs.inter:], "down": w2c}
             else:
@@ -117,7 +127,16 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     out["matmul"] = verify_matmul.TORCH
                     del w13p, w2p
             del w13q, w2q
-            if src is not None:
+            if exact is not None:
+                with clock("reference"):
+                    sref = exact_reference(vk, xe.float().contiguous(), bufs.q13, bufs.q2, exact, t.activation)
+                with clock("compare"):
+                    st, probs, wv = exact_stats(t, src, slot, report, vk, bufs.views(), exact, sref)
+                    probs += [p for m in slot.values() for p in bias_vs_source(t, src, m)]
+                out["problems"] = [f"expert {e}: {p}" for p in probs]
+                out["stats"] = st
+                out["s"] = sref["y"]
+            elif src is not None:
                 if bufs is not None:
                     ints = {"gate": (bufs.q13[:bufs.inter], bufs.s13[:bufs.inter]),
                             "up": (bufs.q13[bufs.inter:], bufs.s13[bufs.inter:]), "down": (bufs.q2, bufs.s2)}
@@ -139,7 +158,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     y13 = xe.float() @ w13c.t()
                     act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation)
                     out["c"] = act @ w2c.t()
-                if src is not None:
+                if src is not None and exact is None:
                     w13s = torch.cat([sw["gate"], sw["up"]])
                     out["s"] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
             with clock("prediction"):
@@ -155,7 +174,11 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 else:
                     out["act_var"] = moe_mod.propagated_noise(xe.float(), y13, act, sq13, sq2, hidden,
                                                               t.activation) * g2
-                if src is not None:
+                if exact is not None:  # expert_noise's, from the source reference's own passes
+                    out["w_var"] = moe_mod.propagated_noise(xe.float(), sref["y13"], sref["act"], sref["sq13"],
+                                                            sref["sq2"], hidden, t.activation, activations=False,
+                                                            weight_var=wv) * g2
+                elif src is not None:
                     out["w_var"] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
                                                         weight_var=wv) * g2
         if src is not None:
@@ -274,12 +297,18 @@ class _ExpertBuffers:
         bufs.vk = vk
         return bufs
 
-    def fill(self, t: Target, slot: dict[str, str], dequant: bool = True) -> None:
-        """The expert's int4 values and scales; with ``dequant`` their float32 values and squared sums."""
+    def views(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """role -> (int4 values, scales) of the expert in the buffers."""
         i = self.inter
-        into = {"gate": (self.q13[:i], self.s13[:i]), "up": (self.q13[i:], self.s13[i:]), "down": (self.q2, self.s2)}
+        return {"gate": (self.q13[:i], self.s13[:i]), "up": (self.q13[i:], self.s13[i:]), "down": (self.q2, self.s2)}
+
+    def fill(self, t: Target, slot: dict[str, str]) -> None:
+        """The expert's int4 values and scales."""
+        into = self.views()
         for r in sorted(into, key=lambda r: t.place(slot[r])):  # in file order
             t.weight_into(slot[r], *into[r], self.blobs)
-        if dequant:
-            self.vk.dequant_sq(self.q13, self.s13, self.w13, row_sq=self.sq13)
-            self.vk.dequant_sq(self.q2, self.s2, self.w2, col_sq=self.sq2)
+
+    def dequant(self) -> None:
+        """Their float32 values and squared sums."""
+        self.vk.dequant_sq(self.q13, self.s13, self.w13, row_sq=self.sq13)
+        self.vk.dequant_sq(self.q2, self.s2, self.w2, col_sq=self.sq2)

@@ -13,14 +13,19 @@ from .checkpoint import Checkpoint, resolve_source
 from .containers import open_checkpoint
 from .errors import InputError, Int4packError
 from .formats import open_reader
-from .groups import block, check_group_size
 from .scale_search import out_scale_dtype
 from .plan import DENSE_MODES, make_plan
 from .serve_spec import SUFFIX
+from .verify_exact import source_groups
 from .verify_structure import Target
 from .verify_tolerance import budget, rel
 
 __all__ = ["Source", "recorded_dense", "lossless_values", "ints_vs_source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
+
+# the int4 readers (gptq, awq, compressed-tensors) return a bias exactly when their spec's has_bias
+# says so; check_copies asks every module for its bias, and reading one (unpack=False) maps the
+# module's packed weights: the whole source, for a question the spec answers
+_BIAS_IFF_SPEC = ("gptq", "awq", "ct-pack", "ct-int")
 
 
 class Source:
@@ -72,7 +77,10 @@ class Source:
             return self._cache[m].bias
         if m not in self.specs:
             return self.read(m).bias  # the error read() gives
-        return self.reader.read(self.specs[m], unpack=False).bias
+        spec = self.specs[m]
+        if spec.fmt in _BIAS_IFF_SPEC and not spec.has_bias:
+            return None  # these readers read a bias exactly when the spec has one: no weight bytes mapped
+        return self.reader.read(spec, unpack=False).bias
 
     def forget(self, mods) -> None:
         """Drop what was read of ``mods`` (one expert's, once checked): the cache stays one expert per thread."""
@@ -231,24 +239,19 @@ def lossless_values(ql, g: int, cols: torch.Tensor | None = None, rows: torch.Te
     act-order fold's permutation applied (``cols`` of a down projection, ``rows`` of its gate and
     up); None where the module is not lossless from its source (asymmetric, a target group across
     source groups, no int4 codes). The rule of w4a8.lossless_possible, on the permuted record."""
-    if ql.codes is None or ql.spec.signed_scales or not ql.is_symmetric():
-        return None  # signed scales (auto-round's full-range grid): requantised, not kept
-    k = ql.spec.k
-    g = -1 if g == k else g
-    if check_group_size(g, k) is not None:
+    if ql.codes is None:
         return None
     gi, codes, scales = ql.group_index(), ql.codes, ql.scales
-    if gi.numel() != k:
+    if gi.numel() != ql.spec.k:
         return None
     if cols is not None:
         codes, gi = codes[:, cols], gi[cols]
     if rows is not None:
         codes, scales = codes[rows], scales[rows]
-    gs = block(k, g)
-    blocks = gi.view(k // gs, gs)
-    if not bool((blocks == blocks[:, :1]).all()):
+    grp = source_groups(ql, g, gi)
+    if grp is None:
         return None
-    return (codes.to(torch.int8) - 8), scales[:, blocks[:, 0]].to(out_scale_dtype(g))
+    return (codes.to(torch.int8) - 8), scales[:, grp].to(out_scale_dtype(g))
 
 
 def ints_vs_source(m: str, got: tuple, want: tuple | None) -> list[str]:

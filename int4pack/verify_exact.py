@@ -1,0 +1,124 @@
+"""verify --against's exact path for an expert its source plans lossless: the source's int4 codes
+compared with the output's int4 values as integers, its scales with the output's as stored, and,
+where all three projections are equal, the source's float32 reference and its error prediction
+computed from those same integers with the source's own scales (``w4a8_reference``), so that no
+float32 copy of any weight matrix is made, on either side.
+
+Where anything differs (one int, one scale, a NaN), the expert goes the general way
+(verify_source.weights_vs_source), which names the module, the row and the column: this path only
+ever passes what the general one would pass, faster.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from . import moe as moe_mod
+from .groups import block, check_group_size, nests
+from .scale_search import out_scale_dtype
+from .verify_tolerance import budget
+
+__all__ = ["source_groups", "exact_expert", "exact_reference", "exact_stats"]
+
+ROLES = ("gate", "up", "down")
+
+
+def source_groups(ql, g: int, gi: torch.Tensor | None = None) -> torch.Tensor | None:
+    """For a lossless conversion of the source record ``ql`` at target group ``g``: the source
+    group of each target group (its scales are ``ql.scales[:, index]``), or None where the module
+    is not lossless from its source (signed or asymmetric scales, a target group across source
+    groups, no int4 codes). ``gi``: the source's group of each input column (permuted by an
+    act-order fold), else its own. The rule of w4a8.lossless_possible."""
+    if (ql.codes is None and ql.packed is None) or ql.spec.signed_scales or not ql.is_symmetric():
+        return None  # signed scales (auto-round's full-range grid): requantised, not kept
+    k = ql.spec.k
+    g = -1 if g == k else g
+    if check_group_size(g, k) is not None:
+        return None
+    gs = block(k, g)
+    if gi is None and ql.g_idx is None:  # contiguous source groups: nested or not, no index to build
+        src_gs = ql.spec.group_size
+        return torch.arange(0, k, gs) // src_gs if nests(src_gs, k, g) and ql.scales.shape[1] == -(-k // src_gs) \
+            else None
+    gi = ql.group_index() if gi is None else gi
+    if gi.numel() != k:
+        return None
+    blocks = gi.view(k // gs, gs)
+    if not bool((blocks == blocks[:, :1]).all()):
+        return None
+    return blocks[:, 0]
+
+
+def exact_expert(t, src, slot: dict[str, str], views: dict[str, tuple]) -> dict[str, torch.Tensor] | None:
+    """{role: the source's scales, float32 [N, groups] at the output's group} where each of the
+    expert's projections is planned lossless from the source and its int4 values and scales as read
+    (``views``: role -> (int8 [N, K], scales)) are exactly the source's codes - 8 and its scales cast
+    to the output's dtype; else None (the general path then checks the expert and names what
+    differs). The source records stay in ``src``'s cache for the bias check: ``src.forget`` drops them."""
+    out = {}
+    for r in ROLES:
+        m = slot[r]
+        if src.paths.get(m) != "lossless":
+            return None  # a fold permutes, a requant rounds anew: the float comparison decides
+        ql = src.read(m)
+        if ql.g_idx is not None and not ql.has_trivial_g_idx():
+            return None
+        g = t.group_for(m)
+        grp = source_groups(ql, g)
+        q, s = views[r]
+        if grp is None or ql.codes is None or tuple(ql.codes.shape) != tuple(q.shape):
+            return None
+        want = ql.scales[:, grp]
+        if s.dtype != out_scale_dtype(g) or tuple(s.shape) != tuple(want.shape):
+            return None
+        # codes are 0..15, the values -8..7: one int8 sum and a comparison (numpy's: torch.equal
+        # measured 5-10x slower on int8), no float anywhere
+        if not (np.array_equal(ql.codes.numpy(), (q + 8).view(torch.uint8).numpy())
+                and torch.equal(s, want.to(s.dtype))):
+            return None
+        out[r] = want.float().contiguous()
+    return out
+
+
+def exact_reference(vk, xe: torch.Tensor, q13, q2, scales: dict[str, torch.Tensor], activation) -> dict:
+    """The source's float32 expert on rows ``xe``, from the output's int4 values (equal to the
+    source's codes - 8) and the source's scales: what moe.expert_forward gives on the source's
+    dequantised weights, the same products, summed in the kernel's order. Also its y13 and
+    activation (the weight-noise prediction's), the squared row sums of its gate and up and the
+    squared column sums of its down."""
+    inter = q2.shape[1]
+    s13 = torch.cat([scales["gate"], scales["up"]])
+    sq13, sq2 = torch.empty(q13.shape[0]), torch.empty(inter)
+    y13 = vk.w4a8_reference(xe, q13, s13, row_sq=sq13)
+    act = moe_mod.activation(y13[:, :inter], y13[:, inter:], activation).contiguous()
+    y = vk.w4a8_reference(act, q2, scales["down"], col_sq=sq2)
+    return {"y": y, "y13": y13, "act": act, "sq13": sq13, "sq2": sq2}
+
+
+def exact_stats(t, src, slot: dict[str, str], report, vk, views: dict[str, tuple], scales: dict[str, torch.Tensor],
+                ref: dict) -> tuple[dict, list[str], list[float]]:
+    """Each projection's rel_l2 against the source and its budget (verify_tolerance.budget), as
+    weights_vs_source gives them, without either float matrix: the ints are equal, so the difference
+    is the scales' alone, ||q * (s_out - s_src)|| over ||q * s_src||, each squared row sum made by
+    the kernel from the int8 values. Returns (stats, problems, the weight variances of the
+    prediction: budget^2 * sum of squares / elements, per role)."""
+    inter = views["gate"][0].shape[0]
+    den = {"gate": ref["sq13"][:inter], "up": ref["sq13"][inter:], "down": ref["sq2"]}
+    stats, problems, wv = {}, [], []
+    for r in ROLES:
+        m = slot[r]
+        q, s = views[r]
+        ds = (s.float() - scales[r]).contiguous()  # exact: two floats within a factor 2 (Sterbenz)
+        num_rows = torch.empty(q.shape[0])
+        vk.w4a8_reference(torch.empty(0, q.shape[1]), q, ds, row_sq=num_rows)
+        num, d = float(num_rows.double().sum()), float(den[r].double().sum())
+        meas = math.sqrt(num) / math.sqrt(d) if d > 0 else (0.0 if num == 0 else math.inf)
+        bud, why = budget(m, None, t.group_for(m), report, src)  # lossless: the bound needs no weights
+        stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why, "exact_ints": True}
+        if not meas <= bud:
+            problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        wv.append(bud ** 2 * d / q.numel())
+    return stats, problems, wv
