@@ -12,6 +12,7 @@ from . import moe as moe_mod
 from .errors import InputError
 from .groups import block
 from .serve_spec import rotary_rows
+from .verify_exact import exact_module, rel_from, scale_error_sq
 from .verify_source import Source, bias_vs_source, ints_vs_source, lossless_values
 from .verify_structure import Target
 from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, not_finite, rel, sum_sq
@@ -33,8 +34,14 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
         wp = t.blob(m)
         # the int4 values and scales as they are: the matmul twin and the int4 reference take them
         as_int4 = x.dtype == torch.float32 and q.dim() == 2 and verify_matmul.fits(q, s, block(q.shape[1], g))
-        # without a source the float weights are only multiplied: the reference reads the int4 values
-        direct = src is None and vk is not None and as_int4
+    exact = None  # a lossless linear equal to its source: the source's scales (verify_exact.py)
+    if src is not None and vk is not None and as_int4 and t.rotary_heads(m) is None:
+        with clock("compare"):
+            exact = exact_module(t, src, m, q, s.reshape(q.shape[0], -1))
+    # without a source, or with one whose ints these are, the float weights are only multiplied:
+    # the references read the int4 values
+    direct = (src is None or exact is not None) and vk is not None and as_int4
+    with clock("read"):
         w_c = None if direct else dequantize_w4a8(q, s, g)
     n, k = q.shape
     if x.shape[1] != k:
@@ -68,7 +75,22 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
             f"activation-quantisation error {act_rel:.4g} exceeds {K_ACT} x predicted {act_pred:.4g}")
     tol = K_ACT * act_pred
     y_s = y_c
-    if src is not None:
+    if exact is not None:
+        with clock("reference"):
+            srows = torch.empty(n)
+            y_s = vk.w4a8_reference(x.contiguous(), q.contiguous(), exact, row_sq=srows)
+            s_sq = math.fsum(srows.double().tolist())
+        with clock("compare"):
+            meas = rel_from(scale_error_sq(vk, q.contiguous(), s, exact), s_sq)
+        bud, why = budget(m, None, g, report, src)  # lossless: the bound needs no weights
+        if not meas <= bud:
+            res["problems"].append(f"weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
+        res["exact_ints"] = True
+        res["problems"] += bias_vs_source(t, src, m)
+        src.forget([m])
+        tol = _weight_check(res, y_c, y_s, bud * math.sqrt(s_sq / (n * k) * float(x.double().pow(2).sum()) * n)
+                            / max(float(y_s.double().norm()), 1e-30), meas, bud, act_pred)
+    elif src is not None:
         with clock("read"):
             w_s = src.dequant(m)
             heads = t.rotary_heads(m)
@@ -87,17 +109,24 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
         res["problems"] += bias_vs_source(t, src, m)
         with clock("reference"):
             y_s = x @ w_s.t()
-        w_pred = bud * math.sqrt(sum_sq(w_s) / w_s.numel() * float(x.double().pow(2).sum()) * n) \
-            / max(float(y_s.double().norm()), 1e-30)
-        w_rel = rel(y_c, y_s)
-        res.update(weight_rel=w_rel, weight_pred=w_pred, weight_l2=meas, budget=bud)
-        tol = math.hypot(K_ACT * act_pred, K_WEIGHT * w_pred)
-        if not w_rel <= K_WEIGHT * w_pred + ABS_FLOOR:
-            res["problems"].append(
-                f"output deviates from the source by {w_rel:.4g} (allowed {K_WEIGHT} x {w_pred:.4g})")
+        src.forget([m])
+        tol = _weight_check(res, y_c, y_s, bud * math.sqrt(sum_sq(w_s) / w_s.numel() * float(x.double().pow(2).sum())
+                                                            * n) / max(float(y_s.double().norm()), 1e-30),
+                            meas, bud, act_pred)
     res.update(rel_l2=rel(y_k, y_s), max_abs=float((y_k - y_s).abs().max()), cosine=cos(y_k, y_s), tolerance=tol)
     if not res["rel_l2"] <= tol + ABS_FLOOR:
         res["problems"].append(f"output error {res['rel_l2']:.4g} exceeds the tolerance {tol:.4g}")
     res["problems"] += not_finite(res)
     res["ok"] = not res["problems"]
     return res
+
+
+def _weight_check(res: dict, y_c: torch.Tensor, y_s: torch.Tensor, w_pred: float, meas: float, bud: float,
+                  act_pred: float) -> float:
+    """The output's deviation from the source against its prediction from the weight budget
+    (recorded in ``res``); returns the layer tolerance."""
+    w_rel = rel(y_c, y_s)
+    res.update(weight_rel=w_rel, weight_pred=w_pred, weight_l2=meas, budget=bud)
+    if not w_rel <= K_WEIGHT * w_pred + ABS_FLOOR:
+        res["problems"].append(f"output deviates from the source by {w_rel:.4g} (allowed {K_WEIGHT} x {w_pred:.4g})")
+    return math.hypot(K_ACT * act_pred, K_WEIGHT * w_pred)

@@ -21,7 +21,8 @@ from .groups import block, check_group_size, nests
 from .scale_search import out_scale_dtype
 from .verify_tolerance import budget
 
-__all__ = ["source_groups", "exact_expert", "exact_reference", "exact_stats"]
+__all__ = ["source_groups", "exact_module", "exact_expert", "scale_error_sq", "rel_from", "exact_reference",
+           "exact_stats"]
 
 ROLES = ("gate", "up", "down")
 
@@ -52,35 +53,65 @@ def source_groups(ql, g: int, gi: torch.Tensor | None = None) -> torch.Tensor | 
     return blocks[:, 0]
 
 
+def exact_module(t, src, m: str, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:
+    """The source's scales of module m, float32 [N, groups] at the output's group, where m is
+    planned lossless from the source and its int4 values and scales as read (q int8 [N, K], s) are
+    exactly the source's codes - 8 and its scales cast to the output's dtype; else None (the general
+    path then checks it and names what differs). The source record stays in ``src``'s cache for
+    the bias check: ``src.forget`` drops it."""
+    if src.paths.get(m) != "lossless":
+        return None  # a fold permutes, a requant rounds anew: the float comparison decides
+    ql = src.read(m)
+    if ql.g_idx is not None and not ql.has_trivial_g_idx():
+        return None
+    g = t.group_for(m)
+    grp = source_groups(ql, g)
+    if grp is None or ql.codes is None or tuple(ql.codes.shape) != tuple(q.shape):
+        return None
+    want = ql.scales[:, grp]
+    if s.dtype != out_scale_dtype(g) or tuple(s.shape) != tuple(want.shape):
+        return None
+    # codes are 0..15, the values -8..7: one int8 sum and a comparison, no float anywhere
+    if not (_same_bytes(ql.codes, q + 8) and torch.equal(s, want.to(s.dtype))):
+        return None
+    return want.float().contiguous()
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors of one size hold the same bytes: compared 8 at a time as
+    uint64 (torch.equal on int8 measured 5-10x slower, numpy on bytes 4x)."""
+    x, y = a.contiguous().view(torch.uint8).numpy().reshape(-1), b.contiguous().view(torch.uint8).numpy().reshape(-1)
+    if x.size != y.size:
+        return False
+    w = x.size // 8 * 8
+    return bool(np.array_equal(x[:w].view(np.uint64), y[:w].view(np.uint64)) and np.array_equal(x[w:], y[w:]))
+
+
 def exact_expert(t, src, slot: dict[str, str], views: dict[str, tuple]) -> dict[str, torch.Tensor] | None:
-    """{role: the source's scales, float32 [N, groups] at the output's group} where each of the
-    expert's projections is planned lossless from the source and its int4 values and scales as read
-    (``views``: role -> (int8 [N, K], scales)) are exactly the source's codes - 8 and its scales cast
-    to the output's dtype; else None (the general path then checks the expert and names what
-    differs). The source records stay in ``src``'s cache for the bias check: ``src.forget`` drops them."""
+    """{role: ``exact_module``'s source scales} where each of the expert's projections (``views``:
+    role -> (int8 [N, K], scales) as read) passes it; else None."""
     out = {}
     for r in ROLES:
-        m = slot[r]
-        if src.paths.get(m) != "lossless":
-            return None  # a fold permutes, a requant rounds anew: the float comparison decides
-        ql = src.read(m)
-        if ql.g_idx is not None and not ql.has_trivial_g_idx():
+        sc = exact_module(t, src, slot[r], *views[r])
+        if sc is None:
             return None
-        g = t.group_for(m)
-        grp = source_groups(ql, g)
-        q, s = views[r]
-        if grp is None or ql.codes is None or tuple(ql.codes.shape) != tuple(q.shape):
-            return None
-        want = ql.scales[:, grp]
-        if s.dtype != out_scale_dtype(g) or tuple(s.shape) != tuple(want.shape):
-            return None
-        # codes are 0..15, the values -8..7: one int8 sum and a comparison (numpy's: torch.equal
-        # measured 5-10x slower on int8), no float anywhere
-        if not (np.array_equal(ql.codes.numpy(), (q + 8).view(torch.uint8).numpy())
-                and torch.equal(s, want.to(s.dtype))):
-            return None
-        out[r] = want.float().contiguous()
+        out[r] = sc
     return out
+
+
+def scale_error_sq(vk, q: torch.Tensor, s: torch.Tensor, s_src: torch.Tensor) -> float:
+    """||q * s - q * s_src||^2 over the whole matrix, for ints equal on both sides: the scales'
+    difference (exact in float32: two floats within a factor 2, Sterbenz) times the ints, squared
+    and summed by the kernel row by row, from the int8 values (no float matrix)."""
+    ds = (s.float().reshape(s_src.shape) - s_src).contiguous()
+    rows = torch.empty(q.shape[0])
+    vk.w4a8_reference(torch.empty(0, q.shape[1]), q, ds, row_sq=rows)
+    return float(rows.double().sum())
+
+
+def rel_from(num_sq: float, den_sq: float) -> float:
+    """verify_tolerance.rel's figure from its squared numerator and denominator."""
+    return math.sqrt(num_sq) / math.sqrt(den_sq) if den_sq > 0 else (0.0 if num_sq == 0 else math.inf)
 
 
 def exact_reference(vk, xe: torch.Tensor, q13, q2, scales: dict[str, torch.Tensor], activation) -> dict:
@@ -111,11 +142,8 @@ def exact_stats(t, src, slot: dict[str, str], report, vk, views: dict[str, tuple
     for r in ROLES:
         m = slot[r]
         q, s = views[r]
-        ds = (s.float() - scales[r]).contiguous()  # exact: two floats within a factor 2 (Sterbenz)
-        num_rows = torch.empty(q.shape[0])
-        vk.w4a8_reference(torch.empty(0, q.shape[1]), q, ds, row_sq=num_rows)
-        num, d = float(num_rows.double().sum()), float(den[r].double().sum())
-        meas = math.sqrt(num) / math.sqrt(d) if d > 0 else (0.0 if num == 0 else math.inf)
+        d = float(den[r].double().sum())
+        meas = rel_from(scale_error_sq(vk, q, s, scales[r]), d)
         bud, why = budget(m, None, t.group_for(m), report, src)  # lossless: the bound needs no weights
         stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why, "exact_ints": True}
         if not meas <= bud:

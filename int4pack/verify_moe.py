@@ -183,6 +183,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                                                         weight_var=wv) * g2
         if src is not None:
             src.forget(slot.values())
+            out["exact"] = exact is not None
         out["at"] = (tt, jj)
         return out
 
@@ -241,6 +242,9 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 res["problems"].append(
                     f"expert {e}: output on its {int(mask.sum())} routed token(s) deviates from the source by "
                     f"{we:.4g} (allowed {K_WEIGHT} x {pe:.4g} from the weight budgets)")
+        # how many sampled experts were found equal to their source as integers (verify_exact.py);
+        # the others were compared as floats, and any int that differs named
+        res["experts_exact"] = sum(by_i[i]["exact"] for i in range(e_s))
         if worst:
             res["worst_expert"] = {"expert": worst[0], "output_rel": worst[2], "output_pred": worst[3]}
         res["expert_stats"] = {str(e): s for e, s in wstats.items()}
