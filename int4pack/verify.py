@@ -163,21 +163,27 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                     try:
                         numbers = _numerical(te, chosen, dense_mods, src, conv_report, draws, clock, progress, pool,
                                              procs)
-                    finally:
+                    except BaseException:
                         progress.stop()
+                        raise
             finally:
                 for held in (procs, src):
                     if held is not None:
                         held.close()
                 if procs is not None:
                     report["workers"]["peak_rss_mb"] = procs.peak_rss_mb()
-            scanned, scan_s = scan_f.result() if scan_f is not None else timed(scan, ckpt, conv_report, pool, skip)
+            # the structural pass says where it is: the scan's last reads, then layer after layer
+            progress.phase("structure: reading the rest")
             try:
+                scanned, scan_s = scan_f.result() if scan_f is not None else timed(scan, ckpt, conv_report, pool,
+                                                                                   skip)
                 (t, problems, counts, conv_report), st_s = timed(check_structure, ckpt, spool or pool, scanned,
-                                                                  te.checked)
+                                                                  te.checked, progress.phase)
             except InputError as e:
                 report.update(ok=False, layers=[], dense=[], structural={"ok": False, "problems": [_problem(e)]})
                 return finish(report, t0, clock, raise_on_failure)
+            finally:
+                progress.stop()
         report["structural"] = {"ok": not problems, "problems": problems.items, "counts": counts,
                                 # the scan of what the numerical pass did not read, then the checks
                                 "seconds": round(scan_s + st_s, 3), "scan_seconds": round(scan_s, 3),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 
 import torch
 
@@ -25,7 +26,7 @@ from .w4a8 import dequantize_w4a8
 from .verify_pool import PerThread
 from .verify_tolerance import MAX_SCALE
 from .verify_layout import check_config_index, check_layers, layer_index
-from .verify_scan import check_copy_checksums, check_hashes, finish_scan, in_order, scan
+from .verify_scan import check_copy_checksums, check_hashes, finish_scan, scan
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 
@@ -457,12 +458,14 @@ def _module_check(t: Target, m: str, checked: dict) -> tuple[list[dict], dict]:
 
 
 def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
-                    checked: dict | None = None) -> tuple[Target, Problems, dict, dict | None]:
+                    checked: dict | None = None, say=None) -> tuple[Target, Problems, dict, dict | None]:
     """Run every structural check on an opened checkpoint: (target, problems, counts, convert's report).
     ``pool`` (a ThreadPoolExecutor): modules and shards are checked on its threads; the problems
     are listed in the same order as one thread lists them. ``scanned``: what ``scan`` read while
     the numerical pass ran (the rest comes from a ``Tapped`` checkpoint's taps, or is read now);
-    ``checked``: modules the numerical pass checked on its way (``Target.checked``)."""
+    ``checked``: modules the numerical pass checked on its way (``Target.checked``); ``say``: called
+    with a line of where the pass is (the shards' checksums, then each layer whose modules are done)."""
+    say = say or (lambda what: None)
     problems = Problems()
     t = Target(ckpt, problems)
     counts = {"modules": 0, "int_values": 0, "blobs": 0, "moe_layers": len(t.layers),
@@ -476,10 +479,18 @@ def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
     digests, t.ranges = finish_scan(ckpt, pool, scanned, getattr(ckpt, "taps", {}))
     report_problems = problems.items[problems_before:]
     del problems.items[problems_before:]
-    for items, c in in_order(pool, _module_check, [(t, m, checked or {}) for m in t.modules]):
+    left = Counter(i for i in map(layer_index, t.modules) if i >= 0)  # each layer's modules not yet checked
+    done, n_layers = 0, len(left)
+    say(f"structure: checking {len(t.modules)} modules")
+    for m, (items, c) in zip(t.modules, _each(pool, _module_check, [(t, m, checked or {}) for m in t.modules])):
         problems.items += items
         for key, v in c.items():
             counts[key] += v
+        i = layer_index(m)
+        left[i] -= 1
+        if i >= 0 and not left[i]:
+            done += 1
+            say(f"structure: layers {done}/{n_layers}")
     check_layers(t, problems)
     check_config_index(t, problems)
     problems.items += report_problems  # listed where they always were: after the module checks
@@ -487,3 +498,18 @@ def check_structure(ckpt: Checkpoint, pool=None, scanned: dict | None = None,
     check_copy_checksums(ckpt, problems, scanned)
     return t, problems, counts, report
 
+
+
+def _each(pool, fn, items: list):
+    """fn(*item) for each item, in order, each result as it is ready (on the pool's threads)."""
+    if pool is None:
+        for it in items:
+            yield fn(*it)
+        return
+    futs = [pool.submit(fn, *it) for it in items]
+    try:
+        for f in futs:
+            yield f.result()
+    finally:
+        for f in futs:
+            f.cancel()

@@ -45,6 +45,12 @@ def test_lossless_experts_are_checked_as_ints_with_their_float64_figures(tmp_pat
                 want = rel_l2(w4a8_decode(conv, m)["w"], _source_w(src, m))
                 assert st[r]["exact_ints"] and st[r]["rel_l2"] == pytest.approx(want, rel=1e-4, abs=1e-9), (m, st[r])
                 seen += 1
+    for d in rep["dense"]:  # a dense linear: the same figures, from its int4 values
+        m = d["module"]
+        if f"{m}.weight" in conv and f"{m}.weight_scale" in conv:
+            want = rel_l2(w4a8_decode(conv, m)["w"], _source_w(src, m))
+            assert d["exact_ints"] and d["weight_l2"] == pytest.approx(want, rel=1e-4, abs=1e-9), (m, d)
+            seen += 1
     assert seen
 
 
