@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _build
+from .groups import is_channelwise
 from ._lazy import torch, torch_loaded  # the batches pass numpy arrays and addresses: no torch
 
 ABI_VERSION = 2
@@ -117,6 +118,13 @@ def _need(t: torch.Tensor, what: str, dtype: torch.dtype, dim: int | None = 2) -
         want = f"contiguous {dtype}" + ("" if dim is None else f" {dim}-D")
         got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise RuntimeError(f"{what}: expected a {want} CPU tensor, got {got}")
+
+
+def _channel_block(k: int, block: int) -> bool:
+    """Whether a pack/unpack block (groups.block: K for channel) is channelwise; -1 is no block here."""
+    if block <= 0:
+        raise RuntimeError(f"group_size {block}: give the block (K for channelwise)")
+    return is_channelwise(k, block)
 
 
 def _bytes(buf, writable: bool = False):
@@ -331,7 +339,7 @@ class KleidiaiPack(_Lib):
             raise RuntimeError("out: one row per expert")
         if scales.dtype not in (torch.float32, torch.bfloat16) or not scales.is_contiguous():
             raise RuntimeError("scales: contiguous fp32 [E, N] or bf16 [E, N, K/g]")
-        per = e * n * (1 if group_size == k else (k // group_size if group_size > 0 else 0))
+        per = e * n * (k // group_size if group_size > 0 else 0)  # the block: K for channel
         if scales.numel() != per:
             raise RuntimeError("scales: fp32 [E, N] or bf16 [E, N, K/g]")
         if bias is not None:
@@ -359,14 +367,14 @@ class KleidiaiPack(_Lib):
     @staticmethod
     def _decoded(n: int, k: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh (q int8 [N, K], scales fp32 [N, 1] (channel, g == K) | bf16 [N, K/g]) for a decode."""
-        channel = group_size == k
+        channel = _channel_block(k, group_size)
         return torch.empty(n, k, dtype=torch.int8), (torch.empty(n, 1, dtype=torch.float32) if channel else
                                                      torch.empty(n, k // group_size, dtype=torch.bfloat16))
 
     @staticmethod
     def _check_decoded(q: torch.Tensor, scales: torch.Tensor, n: int, k: int, group_size: int) -> None:
         _need(q, "q", torch.int8)
-        channel = group_size == k
+        channel = _channel_block(k, group_size)
         want = (torch.float32, n) if channel else (torch.bfloat16, n * (k // max(group_size, 1)))
         if tuple(q.shape) != (n, k) or scales.dtype != want[0] or scales.numel() != want[1] \
                 or not scales.is_contiguous():

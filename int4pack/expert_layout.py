@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 
 from ._lazy import torch
+from .groups import scale_st_dtype, scales_per_row
 from .records import LinearSpec
 
 __all__ = ["GATE_UP", "outputs", "tensors", "views", "View", "output_specs"]
@@ -37,7 +38,7 @@ def outputs(base: str, n_i: int, h: int, g: int, bias_dtype: str | None) -> list
     out = []
     for leaf, n, k in ((GATE_UP, 2 * n_i, h), ("down_proj", h, n_i)):
         out.append((f"{base}.{leaf}.weight", "I8", (k, n)))
-        out.append((f"{base}.{leaf}.weight_scale", *(("F32", (1, n)) if g == -1 else ("BF16", (k // g, n)))))
+        out.append((f"{base}.{leaf}.weight_scale", scale_st_dtype(g), (scales_per_row(k, g), n)))
         if bias_dtype:
             out.append((f"{base}.{leaf}.bias", bias_dtype, (n,)))
     return out

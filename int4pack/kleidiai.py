@@ -170,7 +170,7 @@ def pack_reference(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | N
     nb = r8 // NR
     qn = _pad_rows(q.numpy(), r8)
     bias_np = _pad_rows(bias.numpy(), r8) if bias is not None else np.zeros(r8, np.float32)
-    if g == k:  # channelwise
+    if is_channelwise(k, g):
         kp = _roundup(k, 32)
         qp = np.zeros((r8, kp), np.int8)
         qp[:, :k] = qn
@@ -272,7 +272,7 @@ def pack_portable(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | No
 
 def _torch_pack(q, scales, bias, g):
     n, k = q.shape
-    sc = scales.reshape(n, 1) if g == k else scales  # vLLM passes channelwise scales as [N, 1]
+    sc = scales.reshape(n, 1) if is_channelwise(k, g) else scales  # vLLM passes channelwise scales as [N, 1]
     return torch.ops.aten._dyn_quant_pack_4bit_weight(nibble_pack(q), sc, bias, g, k, n)
 
 
@@ -363,7 +363,7 @@ def unpack_problem(bad: int, n: int, k: int, group_size: int) -> str:
     """What the C++ decoder's failed-check bits ``bad`` (non-zero) mean: the first in the order
     unpack_torch checks them (``group_size`` K for channelwise)."""
     what = next(what for bit, what in _UNPACK_CHECKS if bad & bit)
-    return f"KleidiAI blob is inconsistent: {what if bad & 3 != 2 or group_size == k else what + ' and scales'}"
+    return f"KleidiAI blob is inconsistent: {what if bad & 3 != 2 or is_channelwise(k, group_size) else what + ' and scales'}"
 
 
 # the C++ decoder's failed-check bits (kleidiai_unpack.cpp), in the order unpack_torch checks them

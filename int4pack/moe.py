@@ -20,7 +20,7 @@ import torch
 from . import _ext, kleidiai
 from .activation import Activation
 from .errors import InputError
-from .groups import block, groupwise_problem
+from .groups import block, groupwise_problem, is_channel, is_channelwise
 
 __all__ = [
     "ACTIVATIONS",
@@ -64,7 +64,7 @@ def _check(x, topk_ids, topk_weights, w13, w2, hidden, inter, group_size, activa
         raise InputError("topk_ids and topk_weights must both be [T, K] with T = x.shape[0]")
     if w13.dim() != 2 or w2.dim() != 2 or w13.shape[0] != w2.shape[0]:
         raise InputError("w13_packed and w2_packed must be [E, ...] with the same E")
-    if group_size != -1 and (groupwise_problem(group_size, hidden) or groupwise_problem(group_size, inter)):
+    if not is_channel(group_size) and (groupwise_problem(group_size, hidden) or groupwise_problem(group_size, inter)):
         raise InputError(f"group size {group_size} must be -1 or a multiple of 32 dividing and smaller than "
                          f"H={hidden} and I={inter}")
     if not isinstance(activation_kind, Activation) and activation_kind not in ACTIVATIONS:
@@ -107,7 +107,7 @@ class MoeRun:
     def __init__(self, x, topk_ids, topk_weights, e_count: int, hidden: int, inter: int, group_size: int,
                  apply_router_weight_on_input: bool = False, activation_kind: int = 0):
         t, k = topk_ids.shape
-        chan = group_size == -1
+        chan = is_channel(group_size)
         self.g13, self.g2 = (hidden, inter) if chan else (group_size, group_size)
         self.hidden, self.inter, self.kind = hidden, inter, activation_kind
         self.on_input = apply_router_weight_on_input
@@ -288,7 +288,7 @@ def _nibbles(q: torch.Tensor) -> torch.Tensor:
 
 def _torch_pack(q, scales, g, bias=None):
     n, k = q.shape
-    sc = scales.reshape(n, 1) if g == k else scales.contiguous()
+    sc = scales.reshape(n, 1) if is_channelwise(k, g) else scales.contiguous()
     return torch.ops.aten._dyn_quant_pack_4bit_weight(_nibbles(q), sc, bias, g, k, n)
 
 

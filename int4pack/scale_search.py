@@ -21,7 +21,7 @@ import torch
 from . import search_grid
 from .error_stats import ErrorStats
 from .errors import InputError
-from .groups import block
+from .groups import block, group_scale, scale_dtype
 from .search_grid import ZERO_GROUP_SCALE
 
 __all__ = ["QMIN", "QMAX", "TINY", "ZERO_GROUP_SCALE", "COARSE_RATIOS", "FINE_POINTS", "TIE", "ErrorStats",
@@ -37,7 +37,7 @@ TIE = 2.0**-30  # candidate errors within this relative distance tie: the earlie
 
 
 def is_group_scale(g: int) -> bool:
-    return g != -1
+    return group_scale(g)
 
 
 def ship_scale(s: torch.Tensor, g: int) -> torch.Tensor:
@@ -46,7 +46,7 @@ def ship_scale(s: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def out_scale_dtype(g: int) -> torch.dtype:
-    return torch.bfloat16 if is_group_scale(g) else torch.float32
+    return getattr(torch, scale_dtype(g))
 
 def check_finite(t: torch.Tensor, what: str, name: str | None) -> None:
     if not bool(torch.isfinite(t).all()):

@@ -25,6 +25,7 @@ import json
 import re
 
 from .architectures import VLLM_FUSED, vllm_module, vllm_output_names
+from .groups import is_channel
 
 __all__ = ["w4a8_quant_config", "output_config", "ignore_list", "scheme_targets", "CT_VERSION"]
 
@@ -79,7 +80,7 @@ def _alternation(items, escape: bool = True) -> str:
 
 
 def _scheme(group_size: int, targets: list[str]) -> dict:
-    channel = group_size == -1
+    channel = is_channel(group_size)
     weights = {
         "num_bits": 4,
         "type": "int",

