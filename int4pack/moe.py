@@ -20,7 +20,7 @@ import torch
 from . import _ext, kleidiai
 from .activation import Activation
 from .errors import InputError
-from .groups import block, groupwise_problem, is_channel, is_channelwise
+from .groups import block, groupwise_problem, is_channel
 
 __all__ = [
     "ACTIVATIONS",
@@ -280,16 +280,8 @@ def propagated_noise(xe: torch.Tensor, y13: torch.Tensor, act: torch.Tensor, w13
 # ------------------------------------------------------------------------------------ packing
 
 
-def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] in [-8, 7] -> uint8 [N, K/2], q+8, even k in the low nibble (the ops' input)."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
-    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
-
-
 def _torch_pack(q, scales, g, bias=None):
-    n, k = q.shape
-    sc = scales.reshape(n, 1) if is_channelwise(k, g) else scales.contiguous()
-    return torch.ops.aten._dyn_quant_pack_4bit_weight(_nibbles(q), sc, bias, g, k, n)
+    return kleidiai.torch_pack(q, scales, bias, g)
 
 
 def _fallback_pack(q, scales, g, out=None):
@@ -315,10 +307,8 @@ def _fallback_pack(q, scales, g, out=None):
 @lru_cache(maxsize=None)
 def _fallback_layout_ok() -> bool:
     """Our fallback construction equals torch's packer output here (checked once, both layouts)."""
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randint(-8, 8, (24, 64), generator=gen, dtype=torch.int8)
-    for g, sc in ((32, (torch.rand(24, 2, generator=gen) + 0.01).bfloat16()),
-                  (64, torch.rand(24, 1, generator=gen) + 0.01)):
+    for g in (32, 64):
+        q, sc, _ = kleidiai.probe_matrix(g, n=24, k=64, seed=1)
         ref = _torch_pack(q, sc, g)
         if ref.dtype != torch.float32 or not torch.equal(ref, _fallback_pack(q, sc, g)):
             return False
