@@ -24,6 +24,7 @@ from ._version import __version__
 from .architectures import vllm_output_names
 from .checkpoint import Checkpoint, read_header, resolve_source
 from .containers import open_checkpoint
+from .error_stats import module_stats
 from .errors import InputError, OutputError, RefusedError, UsageError
 from .families import family
 from .formats import Reader
@@ -81,14 +82,8 @@ def _flush_and_trim(f: ShardFile) -> None:  # finisher thread
     _trim_heap()
 
 
-def _fmt(x: float | None) -> str | None:
-    return None if x is None else f"{x:.6g}"
-
-
 def _w_stats(w: W4A8Linear, role: str) -> dict:
-    e = w.error or {}
-    return {"path": w.path, "role": role, "group_size": w.group_size,
-            **{k: _fmt(v) if isinstance(v, float) else v for k, v in e.items()}}
+    return module_stats(w.path, role, w.group_size, w.error or {})
 
 
 def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:

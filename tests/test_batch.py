@@ -546,3 +546,24 @@ def test_a_shard_is_mapped_once_whatever_the_threads(tmp_path):
             for t in threads:
                 t.join()
             assert len(set(got)) == 1 and got[0] == ck.mapping(shard)[0]
+
+
+def test_one_stats_builder_for_the_batches_and_the_torch_jobs():
+    """A module's report entry, written by hand: 6 significant digits in the report, 3 on a terminal,
+    the same builder for the C++ batches' lossless and requant entries and convert's torch jobs."""
+    convert = importlib.import_module("int4pack.convert")
+    from int4pack.error_stats import ErrorStats, module_stats, short_number
+
+    e = {"rel_l2": 0.0123456789, "max_abs": 2.0, "cosine": 0.99999994, "baseline_rel_l2": None, "exact_ints": True}
+    want = {"path": "lossless", "role": "expert", "group_size": 32, "rel_l2": "0.0123457", "max_abs": "2",
+            "cosine": "1", "baseline_rel_l2": None, "exact_ints": True}
+    assert module_stats("lossless", "expert", 32, e) == want
+    assert batch._stats(ErrorStats, [0.0, 4.0, 4.0, 4.0, 0.0], "expert", -1) == {
+        "path": "lossless", "role": "expert", "group_size": -1, "rel_l2": "0", "max_abs": "0", "cosine": "1",
+        "baseline_rel_l2": None, "exact_ints": True}
+
+    class W:
+        path, group_size, error = "lossless", 32, e
+
+    assert convert._w_stats(W, "expert") == want
+    assert [short_number(x) for x in (None, "", "0.0123457", 2, 0.99999994)] == ["-", "-", "0.0123", "2", "1"]
