@@ -35,6 +35,7 @@ _SIGNATURES = {
     "i4p_abi_version": ([], _i),
     "i4p_last_error": ([], ctypes.c_char_p),
     "i4p_source_hash": ([], ctypes.c_char_p),
+    "i4p_tables": ([], ctypes.c_char_p),
     "i4p_unpack_gptq": ([_p, _i, _i, _p, _i], _i),
     "i4p_unpack_ct": ([_p, _i, _i, _i, _p, _i], _i),
     "i4p_unpack_awq": ([_p, _i, _i, _p, _i], _i),
@@ -74,7 +75,9 @@ def open_library(path: Path | None = None) -> ctypes.CDLL:
     path = path or library_path()
     lib = ctypes.CDLL(str(path))
     for name, (args, res) in _SIGNATURES.items():
-        fn = getattr(lib, name)
+        fn = getattr(lib, name, None)
+        if fn is None:
+            raise RuntimeError(f"{path} has no {name}: it was built from other sources")
         fn.argtypes, fn.restype = args, res
     if lib.i4p_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has interface version {lib.i4p_abi_version()}, this int4pack needs "
@@ -91,6 +94,17 @@ def open_library(path: Path | None = None) -> ctypes.CDLL:
 class _Lib:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
+
+    def tables(self) -> dict[str, dict[str, int]]:
+        """The library's own tables (csrc/convert_kernels/convert_kernels.h, named once there): the tensor
+        jobs' statuses, the batch descriptor's fields, its result columns and its scale types, as
+        {"job_status": {"done": 0, ...}, "batch_field": {...}, "batch_result": {...}, "scale_type": {...}}."""
+        out = {}
+        for part in self._lib.i4p_tables().decode().split(";"):
+            if part:
+                table, items = part.split(":", 1)
+                out[table] = {k: int(v) for k, v in (i.split("=") for i in items.split(",") if i)}
+        return out
 
     def _call(self, name: str, *args) -> int:
         st = getattr(self._lib, name)(*args)

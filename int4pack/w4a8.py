@@ -207,9 +207,9 @@ def check_scales(ql: QuantLinear) -> None:
 
     bad = ~torch.isfinite(s)
     if bool(bad.any()):
-        raise _refusal(ql, SCALE_NOT_FINITE, first(bad))
+        raise _refusal(ql, "scale_not_finite", first(bad))
     if not ql.spec.signed_scales and bool((s < 0).any()):
-        raise _refusal(ql, SCALE_NEGATIVE, first(s < 0))
+        raise _refusal(ql, "scale_negative", first(s < 0))
     zero = s == 0
     if bool(zero.any()):
         ql = ql.unpacked()
@@ -218,28 +218,31 @@ def check_scales(ql: QuantLinear) -> None:
         erased = zero[:, gi] & (ql.codes != z)  # [N, K]: a code a zero scale would wipe out
         if bool(erased.any()):
             n, k = (int(i) for i in erased.nonzero()[0])
-            raise _refusal(ql, SCALE_ERASES, [n, int(gi[k]), 0])
+            raise _refusal(ql, "scale_erases", [n, int(gi[k]), 0])
 
 
-# what a tensor job refuses (csrc/convert_kernels/convert_kernels.h, JobStatus), with the place
-# [row, group, how many more] where its message names one
-SCALE_NOT_FINITE, SCALE_NEGATIVE, SCALE_ERASES, CAST_NOT_FINITE, WEIGHT_NOT_FINITE = 1, 2, 3, 4, 5
+def _status_name(status: int) -> str:
+    """A tensor job's refusal as the library names it (its JobStatus table, read from it)."""
+    return next(name for name, v in _kernels.ext().tables()["job_status"].items() if v == status)
 
 
-def _refusal(ql: QuantLinear | None, status: int, where: list[int]) -> InputError:
-    """The error of a refused source, naming the tensor (``ql`` None: a bare float weight)."""
-    if status == CAST_NOT_FINITE:
+def _refusal(ql: QuantLinear | None, status: int | str, where: list[int]) -> InputError:
+    """The error of a refused source, naming the tensor (``ql`` None: a bare float weight). ``status``:
+    a tensor job's (the library's number) or the torch checks' (its name there, e.g. "scale_negative"),
+    with the place [row, group, how many more] where its message names one."""
+    status = _status_name(status) if isinstance(status, int) else status
+    if status == "cast_not_finite":
         return not_finite("scales (after the cast to the W4A8 dtype)", ql.spec.name)
-    if status == WEIGHT_NOT_FINITE:
+    if status == "weight_not_finite":
         return not_finite("weights", None if ql is None else ql.spec.name)
     name = next((k for k in ql.spec.keys if k.endswith((".scales", ".weight_scale"))), f"{ql.spec.name}.scales")
     fix = "re-download or re-export the checkpoint"
     n, g, more = where
     at = f"row {n}, group {g}" + (f" (and {more} more)" if more else "")
-    if status == SCALE_NOT_FINITE:
+    if status == "scale_not_finite":
         return InputError(f"{name}: NaN or Inf scale at {at}", tensor=name,
                           hint=f"The scales are corrupt (or overflowed their dtype when saved); {fix}.")
-    if status == SCALE_NEGATIVE:
+    if status == "scale_negative":
         return InputError(f"{name}: negative scale at {at}", tensor=name,
                           hint=f"No int4 producer writes negative scales: the tensor is corrupt or not the "
                                f"layout the config claims; {fix}.")
