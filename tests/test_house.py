@@ -140,3 +140,39 @@ def test_a_release_number_is_written_in_the_release_table_only():
     plugin = {f for f in files if f.startswith("int4pack/vllm_plugin/")}
     assert files - plugin == {"int4pack/vllm_releases.py"}, sorted(files - plugin)
     assert len(plugin) <= PLUGIN_RELEASE_FILES, sorted(plugin)
+
+
+def _code_map() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Layout of the code")
+    return text[start:text.index("\n```\n", text.index("```", start) + 3)]
+
+
+def code_map_missing(code_map: str, package: Path) -> list[str]:
+    """The modules and subpackages of ``package`` that the code map does not name."""
+    names = [p.name for p in sorted(package.glob("*.py"))]
+    names += [p.name + "/" for p in sorted(package.iterdir())
+              if p.is_dir() and ((p / "__init__.py").is_file() or p.name == "csrc")]
+    return [n for n in names if not re.search(r"(?<![\w/.])" + re.escape(n) + r"(?![\w])", code_map)]
+
+
+def test_the_code_map_finder_sees_a_missing_module(tmp_path):
+    for f in ("a.py", "ab.py", "b_c.py"):
+        (tmp_path / f).write_text("")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "__init__.py").write_text("")
+    assert code_map_missing("  ab.py   x\n  sub/  y\n  x_b_c.py z", tmp_path) == ["a.py", "b_c.py"]
+
+
+def test_the_readme_code_map_names_every_module():
+    """README "Layout of the code" names every module and subpackage of int4pack/."""
+    assert code_map_missing(_code_map(), ROOT / "int4pack") == [], "add it to the README's code map"
+
+
+def test_performance_md_holds_the_current_figures_only():
+    """docs/performance.md: the current figures with their commands (history stays in git), not a
+    log written release by release."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert len(text.splitlines()) <= 260
+    assert not re.search(r"(?i)\b(this|the|two|three) releases? before\b|\bthis release\b|\bearlier releases?\b", text)
+    assert "### verify --against, measured" in text and text.count("```bash") >= 5
