@@ -22,8 +22,8 @@ from . import _ext, batch, blobs, expert_layout
 from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
-from .checkpoint import Checkpoint, read_header, resolve_source
-from .containers import open_checkpoint
+from .sources.checkpoint import Checkpoint, read_header, resolve_source
+from .sources.containers import open_checkpoint
 from .error_stats import module_stats
 from .errors import InputError, OutputError, RefusedError, UsageError
 from .families import family

@@ -17,8 +17,8 @@ import torch
 
 from . import blobs, expert_layout, kleidiai
 from .architectures import classify, discover, name_summary, vllm_module
-from .checkpoint import Checkpoint, resolve_source
-from .containers import open_checkpoint
+from .sources.checkpoint import Checkpoint, resolve_source
+from .sources.containers import open_checkpoint
 from .errors import InputError, Int4packError, UsageError
 from .families import family
 from .families import family_warnings, unloadable_releases

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from . import expert_layout
 from ._version import __version__
 from .architectures import Layout, discover
-from .checkpoint import ITEMSIZE, Checkpoint, TensorInfo
+from .sources.checkpoint import ITEMSIZE, Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
 from .formats import open_reader
 from .group_choice import Unit, choose_groups, predict_path, tied_units

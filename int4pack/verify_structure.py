@@ -15,7 +15,7 @@ import torch
 
 from . import _ext, blobs, expert_layout, kernels, kleidiai
 from .architectures import classify, moe_config, routers, vllm_module
-from .checkpoint import Checkpoint
+from .sources.checkpoint import Checkpoint
 from .errors import InputError
 from .formats.compressed_tensors import CompressedTensorsReader
 from .groups import check_group_size

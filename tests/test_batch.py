@@ -493,7 +493,7 @@ def test_a_refused_scale_is_refused_with_the_same_message(tmp_path, monkeypatch,
 def test_units_batch_runs_within_one_shard_only(tmp_path):
     """units(): consecutive batchable jobs of one output shard (a run of one is a batch too), trusted
     shards never batched."""
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
     from int4pack.plan import make_plan
 
     if ext is None:
@@ -528,7 +528,7 @@ def test_a_shard_is_mapped_once_whatever_the_threads(tmp_path):
     the first and unmap it under the reader (a crash seen once in 30 conversions before the lock)."""
     import threading
 
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
 
     for _ in range(20):
         with Checkpoint(FIXTURES / "gptq_q3_sym") as ck:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from int4pack import kernels, scale_search, w4a8
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import InputError
 from int4pack.formats import open_reader
 from int4pack.groups import auto_group, normalize_group

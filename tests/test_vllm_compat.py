@@ -166,7 +166,7 @@ def test_vllm_output_names_rules():
 
 def test_renamed_mixtral_tensors_are_the_source_ones(converted):
     """The rename moves tensors, it does not mix them up: w1 = gate_proj, w3 = up_proj, w2 = down_proj."""
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
     from int4pack.formats import open_reader
 
     out = converted("gptq_mixtral_sym")

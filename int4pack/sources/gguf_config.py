@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 
-from .errors import RefusedError
-from .families import mixtral, qwen_moe
+from ..errors import RefusedError
+from ..families import mixtral, qwen_moe
 
 __all__ = ["ARCHS", "Arch", "build_config", "tokenizer_files"]
 
