@@ -18,7 +18,8 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _ext, batch, blobs, expert_layout
+from . import _ext, batch, blobs
+from .serving import expert_layout
 from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
@@ -32,8 +33,8 @@ from .groups import scale_dtype
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
-from .target_config import output_config
-from .vllm_compat import serving_report
+from .serving.target_config import output_config
+from .serving.vllm_compat import serving_report
 from .workdir import check_space, folder_bytes, partial_folder
 from .workers import job_workers
 from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, check_target,

@@ -15,7 +15,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import blobs, expert_layout, kleidiai
+from . import blobs, kleidiai
+from .serving import expert_layout
 from .architectures import classify, discover, name_summary, vllm_module
 from .sources.checkpoint import Checkpoint, resolve_source
 from .sources.containers import open_checkpoint
@@ -25,7 +26,7 @@ from .families import family_warnings, unloadable_releases
 from .groups import channel_group, groupwise_problem, is_channel, is_channelwise, scale_st_dtype
 from .nibbles import AWQ_ORDER
 from .serve_spec import PLAIN_MODULES, QUANT_METHOD, SUFFIX, read_record, record_problems
-from .vllm_compat import routing_warnings, serving_notes, serving_warnings
+from .serving.vllm_compat import routing_warnings, serving_notes, serving_warnings
 from .writer import REPORT_NAME
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]

@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from . import expert_layout
+from .serving import expert_layout
 from ._version import __version__
 from .architectures import Layout, discover
 from .sources.checkpoint import ITEMSIZE, Checkpoint, TensorInfo

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from . import _ext, blobs, expert_layout, kernels, kleidiai
+from . import _ext, blobs, kernels, kleidiai
+from .serving import expert_layout
 from .architectures import classify, moe_config, routers, vllm_module
 from .sources.checkpoint import Checkpoint
 from .errors import InputError

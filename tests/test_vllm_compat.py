@@ -186,7 +186,7 @@ def test_renamed_mixtral_tensors_are_the_source_ones(converted):
 def test_packed_warnings_say_what_the_plugin_does_with_each_layer():
     """From the family table (int4pack.families): DeepSeek-V4's clamped SwiGLU runs in steps, its
     hash-routed first layer needs the token ids and the table; a softmax Qwen3-MoE needs nothing."""
-    from int4pack.vllm_compat import routing_warnings
+    from int4pack.serving.vllm_compat import routing_warnings
 
     cfg = json.loads((FIXTURES / "ct_deepseekv4_w4a16" / "config.json").read_text())
     notes = routing_warnings(cfg["model_type"], cfg, packed=True)

@@ -10,7 +10,7 @@ import re
 
 from . import (deepseek, deepseek_v4, exaone_moe, gemma4, glm4_moe, glm5, gpt_oss, kimi_linear, laguna, llama4, minimax_m2,
                minimax_m3, mixtral, phimoe, qwen3_next, qwen_moe, step3p5)
-from ..vllm_releases import STOCK, named
+from ..serving.vllm_releases import STOCK, named
 from ._family import (CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, LayerMoE, kind_of,
                       routing_facts)
 

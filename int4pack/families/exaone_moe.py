@@ -10,7 +10,7 @@ score bias on disk is ``mlp.e_score_correction_bias`` (transformers: ``mlp.gate.
 from ..activation import SILU, from_hidden_act
 from ..routing import Routing
 from ._family import DEEPSEEK_V3, Family, LayerMoE, mlp_type, num
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:

@@ -17,7 +17,7 @@ branch (no per-expert scale: wrong, no error). The CPU W4A8 MoE op has no GELU a
 from ..activation import GELU_TANH, from_hidden_act
 from ..routing import Routing
 from ._family import SOFTMAX, Family, LayerMoE, num
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:

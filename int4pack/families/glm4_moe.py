@@ -7,7 +7,7 @@ Glm4MoeLiteForCausalLM) and transformers 5.23's CONFIG_MAPPING.
 """
 
 from ._family import DEEPSEEK_V3, Family
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 _KEPT = ((r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly"),)
 

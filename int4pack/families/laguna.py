@@ -14,7 +14,7 @@ conversion_mapping.py ("laguna"):
 from ..activation import SILU, from_hidden_act
 from ..routing import Routing
 from ._family import MINIMAX2, Family, LayerMoE, mlp_type, num
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:

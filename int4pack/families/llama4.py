@@ -9,7 +9,7 @@ Routing: Llama4MoE.custom_routing_function (top-1, sigmoid), apply_router_weight
 """
 
 from ._family import LLAMA4, Family
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 FAMILY = Family(
     name="Llama-4 Scout / Maverick",

@@ -11,7 +11,7 @@ recorded under ``<layer>.mlp.experts``, the name its MoE method is given.
 """
 
 from ._family import MINIMAX2, Family
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 _MOE = r"\.(?:mlp|block_sparse_moe)"
 

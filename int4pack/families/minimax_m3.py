@@ -19,7 +19,7 @@ and conversion_mapping.py ("minimax_m3_vl"):
 from ..activation import Activation
 from ..routing import Routing
 from ._family import MINIMAX2, Family, LayerMoE, mlp_type, num
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:

@@ -1,7 +1,7 @@
 """Mixtral (and the Mixtral-style checkpoints GPTQModel writes with transformers 5 names)."""
 
 from ._family import SOFTMAX, Family
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 # vLLM V019 and V032 MixtralForCausalLM load experts as block_sparse_moe.experts.E.w1/w3/w2
 # (FusedMoE.make_expert_params_mapping) and the router as block_sparse_moe.gate; GPTQModel writes

@@ -1,7 +1,7 @@
 """Phi-3.5-MoE."""
 
 from ._family import CUSTOM, Family
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 FAMILY = Family(
     name="Phi-3.5-MoE",

@@ -19,7 +19,7 @@ layers/mamba/gdn/qwen_gdn_linear_attn.py):
 """
 
 from ._family import SOFTMAX, Family
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 _GDN = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
 _FLOAT_ONLY = ((r"\.shared_expert_gate$", "vLLM builds shared_expert_gate as ReplicatedLinear(quant_config=None)"),)

@@ -2,7 +2,7 @@
 experts as mlp.experts.E.{gate,up,down}_proj."""
 
 from ._family import SOFTMAX, Family
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 QWEN2 = Family(
     name="Qwen1.5/Qwen2-MoE",

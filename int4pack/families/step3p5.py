@@ -18,7 +18,7 @@ config's model_type is step3p5) and conversion_mapping.py ("step3p7"):
 from ..activation import SILU, Activation, from_hidden_act
 from ..routing import Routing
 from ._family import MINIMAX2, Family, LayerMoE, mlp_type, num
-from ..vllm_releases import V019, V032
+from ..serving.vllm_releases import V019, V032
 
 
 def _limit(tc: dict, layer: int) -> float | None:

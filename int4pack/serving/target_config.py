@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 import re
 
-from .architectures import VLLM_FUSED, vllm_module, vllm_output_names
-from .groups import is_channel
+from ..architectures import VLLM_FUSED, vllm_module, vllm_output_names
+from ..groups import is_channel
 
 __all__ = ["w4a8_quant_config", "output_config", "ignore_list", "scheme_targets", "CT_VERSION"]
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import re
 
-from ._lazy import torch
-from .groups import scale_st_dtype, scales_per_row
-from .records import LinearSpec
+from .._lazy import torch
+from ..groups import scale_st_dtype, scales_per_row
+from ..records import LinearSpec
 
 __all__ = ["GATE_UP", "outputs", "tensors", "views", "View", "output_specs"]
 

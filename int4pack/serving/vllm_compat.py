@@ -12,11 +12,11 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
-from .architectures import routing_from_config
-from .families import NOT_SERVED, family, family_warnings, unloadable_releases, moe_layers
-from .groups import scale_kind
-from .routing import Routing
-from .routing import SERVED as PACKED_ROUTES
+from ..architectures import routing_from_config
+from ..families import NOT_SERVED, family, family_warnings, unloadable_releases, moe_layers
+from ..groups import scale_kind
+from ..routing import Routing
+from ..routing import SERVED as PACKED_ROUTES
 from .vllm_releases import (HASH_TABLE_ON_ROUTER, MEASURED, PLUGIN_ONLY, RELEASES, ROUTING, STOCK, RoutingServed, Served,
                             named, version_key)
 
