@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import _build
+from .groups import is_channelwise
 from ._lazy import torch, torch_loaded  # the batches pass numpy arrays and addresses: no torch
 
 ABI_VERSION = 2
@@ -34,6 +35,7 @@ _SIGNATURES = {
     "i4p_abi_version": ([], _i),
     "i4p_last_error": ([], ctypes.c_char_p),
     "i4p_source_hash": ([], ctypes.c_char_p),
+    "i4p_tables": ([], ctypes.c_char_p),
     "i4p_unpack_gptq": ([_p, _i, _i, _p, _i], _i),
     "i4p_unpack_ct": ([_p, _i, _i, _i, _p, _i], _i),
     "i4p_unpack_awq": ([_p, _i, _i, _p, _i], _i),
@@ -73,7 +75,9 @@ def open_library(path: Path | None = None) -> ctypes.CDLL:
     path = path or library_path()
     lib = ctypes.CDLL(str(path))
     for name, (args, res) in _SIGNATURES.items():
-        fn = getattr(lib, name)
+        fn = getattr(lib, name, None)
+        if fn is None:
+            raise RuntimeError(f"{path} has no {name}: it was built from other sources")
         fn.argtypes, fn.restype = args, res
     if lib.i4p_abi_version() != ABI_VERSION:
         raise RuntimeError(f"{path} has interface version {lib.i4p_abi_version()}, this int4pack needs "
@@ -90,6 +94,17 @@ def open_library(path: Path | None = None) -> ctypes.CDLL:
 class _Lib:
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
+
+    def tables(self) -> dict[str, dict[str, int]]:
+        """The library's own tables (csrc/convert_kernels/convert_kernels.h, named once there): the tensor
+        jobs' statuses, the batch descriptor's fields, its result columns and its scale types, as
+        {"job_status": {"done": 0, ...}, "batch_field": {...}, "batch_result": {...}, "scale_type": {...}}."""
+        out = {}
+        for part in self._lib.i4p_tables().decode().split(";"):
+            if part:
+                table, items = part.split(":", 1)
+                out[table] = {k: int(v) for k, v in (i.split("=") for i in items.split(",") if i)}
+        return out
 
     def _call(self, name: str, *args) -> int:
         st = getattr(self._lib, name)(*args)
@@ -117,6 +132,13 @@ def _need(t: torch.Tensor, what: str, dtype: torch.dtype, dim: int | None = 2) -
         want = f"contiguous {dtype}" + ("" if dim is None else f" {dim}-D")
         got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise RuntimeError(f"{what}: expected a {want} CPU tensor, got {got}")
+
+
+def _channel_block(k: int, block: int) -> bool:
+    """Whether a pack/unpack block (groups.block: K for channel) is channelwise; -1 is no block here."""
+    if block <= 0:
+        raise RuntimeError(f"group_size {block}: give the block (K for channelwise)")
+    return is_channelwise(k, block)
 
 
 def _bytes(buf, writable: bool = False):
@@ -331,7 +353,7 @@ class KleidiaiPack(_Lib):
             raise RuntimeError("out: one row per expert")
         if scales.dtype not in (torch.float32, torch.bfloat16) or not scales.is_contiguous():
             raise RuntimeError("scales: contiguous fp32 [E, N] or bf16 [E, N, K/g]")
-        per = e * n * (1 if group_size == k else (k // group_size if group_size > 0 else 0))
+        per = e * n * (k // group_size if group_size > 0 else 0)  # the block: K for channel
         if scales.numel() != per:
             raise RuntimeError("scales: fp32 [E, N] or bf16 [E, N, K/g]")
         if bias is not None:
@@ -359,14 +381,14 @@ class KleidiaiPack(_Lib):
     @staticmethod
     def _decoded(n: int, k: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Fresh (q int8 [N, K], scales fp32 [N, 1] (channel, g == K) | bf16 [N, K/g]) for a decode."""
-        channel = group_size == k
+        channel = _channel_block(k, group_size)
         return torch.empty(n, k, dtype=torch.int8), (torch.empty(n, 1, dtype=torch.float32) if channel else
                                                      torch.empty(n, k // group_size, dtype=torch.bfloat16))
 
     @staticmethod
     def _check_decoded(q: torch.Tensor, scales: torch.Tensor, n: int, k: int, group_size: int) -> None:
         _need(q, "q", torch.int8)
-        channel = group_size == k
+        channel = _channel_block(k, group_size)
         want = (torch.float32, n) if channel else (torch.bfloat16, n * (k // max(group_size, 1)))
         if tuple(q.shape) != (n, k) or scales.dtype != want[0] or scales.numel() != want[1] \
                 or not scales.is_contiguous():

@@ -72,7 +72,7 @@ def layer_index(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 # vLLM loads these checkpoint linears into one fused module each (the model classes'
-# packed_modules_mapping in vLLM 0.19.1 and 0.32.0): the shards of one fused module, like all
+# packed_modules_mapping in vLLM V019 and V032): the shards of one fused module, like all
 # experts of one MoE layer, run under one quantisation scheme
 VLLM_FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 
+from .error_stats import module_stats
 from .errors import OutputError
 from .groups import block, normalize_group, scale_dtype
 from .plan import Job
@@ -54,10 +55,6 @@ _SCALE_TYPES = {"F32": 0, "F16": 1, "BF16": 2}
 (_LAYOUT, _WORDS, _D0, _D1, _N, _K, _SCALES, _STYPE, _KN, _GS, _ZEROS, _ZBYTES, _ZBYTE, _GIDX, _GITEM,
  _GGROUP, _SRCG, _G, _BF16, _OUTQ, _OUTS, _OUTBLOB, _BLOBBYTES) = range(23)
 _CRC_A, _CRC_B, _ZLIB_Q, _ZLIB_S, _ZLIB_BLOB = 4, 5, 6, 7, 8  # result columns (BatchResult)
-
-
-def _fmt(x: float | None) -> str | None:  # convert._fmt
-    return None if x is None else f"{x:.6g}"
 
 
 def _source(reader, job: Job, packed: bool) -> tuple | None:
@@ -220,17 +217,14 @@ def _stats(error_stats, tot: list[float], role, g: int) -> dict:
     st = error_stats()
     st.dd, st.ww, st.vv, st.wv, st.max_abs = tot
     e = st.result()
-    return {"path": "lossless", "role": role, "group_size": g, "rel_l2": _fmt(e["rel_l2"]),
-            "max_abs": _fmt(e["max_abs"]), "cosine": _fmt(e["cosine"]), "baseline_rel_l2": None,
-            "exact_ints": True}
+    return module_stats("lossless", role, g, {**e, "baseline_rel_l2": None, "exact_ints": True})
 
 
 def _requant_stats(kernels, tot: list[float], zero_groups: int, role, g: int) -> dict:
     """convert._w_stats of a requantised W4A8Linear (w4a8.requant_job's info dict)."""
     info = kernels.requant_info(True, tot, zero_groups)
     info["exact_ints"] = False
-    return {"path": "requant", "role": role, "group_size": g,
-            **{k: _fmt(v) if isinstance(v, float) else v for k, v in info.items()}}
+    return module_stats("requant", role, g, info)
 
 
 def buffer_positions(places: list[tuple[int, int]]) -> list[int]:

@@ -46,7 +46,7 @@ from .architectures import VLLM_FUSED, classify, vllm_module
 from .families import moe_record
 from ._lazy import torch
 from .errors import InputError, RefusedError, UsageError
-from .groups import block
+from .groups import block, channel_group, is_channelwise
 from .plan import Job, OutTensor, Plan
 from .serve_spec import (KLEIDIAI, PLAIN_MODULES, ROTARY, SUFFIX, crc, is_row_parallel, provenance,
                          provenance_problem, rotary_problem, rotary_rows, split_problem)
@@ -66,7 +66,7 @@ def blob_checks(packed: dict[str, dict], model_type: str | None = None) -> dict:
         role, d = classify(m)
         unit = vllm_module(m, model_type)
         leaf = m.rsplit(".", 1)[-1]
-        g = -1 if p["group_size"] in (-1, p["k"]) else p["group_size"]
+        g = channel_group(p["k"], p["group_size"])
         if role == "expert":
             ent = units.setdefault(unit, {"group_size": g, "names": [None, None, None], "experts": {}})
             i = ("gate", "up", "down").index(d["proj"])
@@ -94,7 +94,7 @@ def split_k(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, gr
     scale as float32 (exact)."""
     n, k = q.shape
     kp = k // tp
-    chan = group_size in (-1, k)
+    chan = is_channelwise(k, group_size)
     out = []
     for r in range(tp):
         qs = q[:, r * kp:(r + 1) * kp]
@@ -309,7 +309,7 @@ class PackedWeights:
         """Module m's group as packed (-1: channelwise), from its provenance."""
         n, k = self.shape(m)
         g = int(self.prov[f"{m}.{SUFFIX}"]["group_size"])
-        return -1 if g in (-1, k) else g
+        return channel_group(k, g)
 
     def block(self, m: str) -> int:
         """Module m's group as the packer takes it (channelwise: its K, per rank for a K-split)."""

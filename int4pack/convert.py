@@ -18,12 +18,14 @@ from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _ext, batch, blobs, expert_layout
+from . import _ext, batch, blobs
+from .serving import expert_layout
 from ._lazy import load_torch, torch
 from ._version import __version__
 from .architectures import vllm_output_names
-from .checkpoint import Checkpoint, read_header, resolve_source
-from .containers import open_checkpoint
+from .sources.checkpoint import Checkpoint, read_header, resolve_source
+from .sources.containers import open_checkpoint
+from .error_stats import module_stats
 from .errors import InputError, OutputError, RefusedError, UsageError
 from .families import family
 from .formats import Reader
@@ -31,8 +33,8 @@ from .groups import scale_dtype
 from .plan import Job, OutTensor, Plan, make_plan, parse_size
 from .records import QuantLinear
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
-from .target_config import output_config
-from .vllm_compat import serving_report
+from .serving.target_config import output_config
+from .serving.vllm_compat import serving_report
 from .workdir import check_space, folder_bytes, partial_folder
 from .workers import job_workers
 from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, check_target,
@@ -81,14 +83,8 @@ def _flush_and_trim(f: ShardFile) -> None:  # finisher thread
     _trim_heap()
 
 
-def _fmt(x: float | None) -> str | None:
-    return None if x is None else f"{x:.6g}"
-
-
 def _w_stats(w: W4A8Linear, role: str) -> dict:
-    e = w.error or {}
-    return {"path": w.path, "role": role, "group_size": w.group_size,
-            **{k: _fmt(v) if isinstance(v, float) else v for k, v in e.items()}}
+    return module_stats(w.path, role, w.group_size, w.error or {})
 
 
 def run_job(job: Job, ckpt: Checkpoint, reader: Reader, plan: Plan) -> tuple[list, dict]:

@@ -1,6 +1,8 @@
 """Running sums of a weight's error (rel_l2, max_abs, cosine), kept apart from scale_search so
 that a convert whose modules all go through the C++ batches (which return the sums) never
-imports torch."""
+imports torch; and the one builder of a converted module's report entry (``module_stats``) with
+the two ways its figures are written (``report_number``: the report's, ``short_number``: a
+terminal's)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,24 @@ import math
 
 from ._lazy import torch
 
-__all__ = ["ErrorStats"]
+__all__ = ["ErrorStats", "module_stats", "report_number", "short_number"]
+
+
+def report_number(x: float | None) -> str | None:
+    """A figure as the report writes it: 6 significant digits (None stays None)."""
+    return None if x is None else f"{x:.6g}"
+
+
+def short_number(x) -> str:
+    """A figure as a terminal shows it: 3 significant digits, "-" where there is none."""
+    return "-" if x in (None, "") else f"{float(x):.3g}"
+
+
+def module_stats(path: str, role, group_size: int, error: dict) -> dict:
+    """A converted module's entry in the report's ``stats`` (every path: the torch jobs and the C++
+    batches): its path, role and target group, then its error figures, floats as ``report_number``."""
+    return {"path": path, "role": role, "group_size": group_size,
+            **{k: report_number(v) if isinstance(v, float) else v for k, v in error.items()}}
 
 
 class ErrorStats:

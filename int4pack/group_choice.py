@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .architectures import vllm_module
 from .errors import RefusedError
-from .groups import AUTO_GROUPS, auto_group, groupwise_problem, nests, scheme_label
+from .groups import AUTO_GROUPS, auto_group, groupwise_problem, is_channel, nests, scheme_label
 from .records import LinearSpec
 
 __all__ = ["KEEPS_INTS", "one_scheme", "predict_path", "tied_units", "Unit", "choose_groups"]
@@ -95,7 +95,7 @@ class Unit:
         coarsest); otherwise the least error."""
         if not self.keeps:
             return self.requant_group()
-        return max(self.keeps, key=lambda g: (popular.get(g, 0), g == -1, g))
+        return max(self.keeps, key=lambda g: (popular.get(g, 0), is_channel(g), g))
 
     def accepts(self, g: int) -> bool:
         """Whether one model-wide group ``g`` costs this unit nothing: its ints kept where they can
@@ -103,7 +103,7 @@ class Unit:
         if self.keeps:
             return g in self.keeps
         want = self.requant_group()
-        return self.problem(g) is None and (want == -1 or g != -1 and g <= want)
+        return self.problem(g) is None and (is_channel(want) or not is_channel(g) and g <= want)
 
 
 def choose_groups(requested: int | None, units: list[Unit], strict: bool) -> tuple[dict[str, int], list[dict]]:

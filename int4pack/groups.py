@@ -11,12 +11,28 @@ from __future__ import annotations
 
 from .errors import UsageError
 
-__all__ = ["CHANNEL", "AUTO_GROUPS", "is_channelwise", "block", "nests", "scale_dtype", "scheme_label",
+__all__ = ["CHANNEL", "MULTIPLE", "AUTO_GROUPS", "is_channel", "is_channelwise", "channel_group", "scale_kind", "block", "scales_per_row",
+           "nests", "scale_dtype", "scale_st_dtype", "group_scale", "scheme_label",
            "check_group_size", "groupwise_problem", "parse_group_size", "normalize_group", "auto_group"]
 
 CHANNEL = -1
 MULTIPLE = 32
 AUTO_GROUPS = (128, 64, 32)  # what auto tries, largest first, when the source's group cannot stay
+
+
+def is_channel(group_size: int) -> bool:
+    """Whether a group size is the channelwise spelling, -1 (a group of all of K is ``is_channelwise``)."""
+    return group_size == CHANNEL
+
+
+def channel_group(k: int, group_size: int) -> int:
+    """The group as reports and records name it: -1 for a group of all of K, else itself."""
+    return CHANNEL if is_channelwise(k, group_size) else group_size
+
+
+def scale_kind(group_size: int) -> str:
+    """"channel" (fp32 scales) or "group" (bf16 scales), as the serving tables name a scale kind."""
+    return "channel" if is_channel(group_size) else "group"
 
 
 def is_channelwise(k: int, group_size: int) -> bool:
@@ -27,6 +43,11 @@ def is_channelwise(k: int, group_size: int) -> bool:
 def block(k: int, group_size: int) -> int:
     """The columns one scale covers, as the kernels and the packer take it: -1 is all of K."""
     return k if group_size == CHANNEL else group_size
+
+
+def scales_per_row(k: int, group_size: int) -> int:
+    """How many scales one row of K columns has: 1 for channelwise, K / g for a group."""
+    return k // block(k, group_size)
 
 
 def nests(source_group: int, k: int, group_size: int) -> bool:
@@ -43,6 +64,19 @@ MAX_SCALE = 65536.0
 def scale_dtype(group_size: int) -> str:
     """The W4A8 scales' dtype: float32 for channelwise, bfloat16 for groups (what KleidiAI takes)."""
     return "float32" if group_size == CHANNEL else "bfloat16"
+
+
+_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16"}
+
+
+def scale_st_dtype(group_size: int) -> str:
+    """``scale_dtype`` as safetensors names it (F32, BF16)."""
+    return _ST_DTYPE[scale_dtype(group_size)]
+
+
+def group_scale(group_size: int) -> bool:
+    """Whether the scales ship in bf16 (the kernels' "groupwise scales" flag): every group but -1."""
+    return scale_dtype(group_size) == "bfloat16"
 
 
 def scheme_label(g: int) -> str:

@@ -15,17 +15,18 @@ from datetime import datetime, timezone
 
 import torch
 
-from . import blobs, expert_layout, kleidiai
+from . import blobs, kleidiai
+from .serving import expert_layout
 from .architectures import classify, discover, name_summary, vllm_module
-from .checkpoint import Checkpoint, resolve_source
-from .containers import open_checkpoint
+from .sources.checkpoint import Checkpoint, resolve_source
+from .sources.containers import open_checkpoint
 from .errors import InputError, Int4packError, UsageError
 from .families import family
 from .families import family_warnings, unloadable_releases
-from .groups import groupwise_problem
+from .groups import channel_group, groupwise_problem, is_channel, is_channelwise, scale_st_dtype
 from .nibbles import AWQ_ORDER
 from .serve_spec import PLAIN_MODULES, QUANT_METHOD, SUFFIX, read_record, record_problems
-from .vllm_compat import routing_warnings, serving_notes, serving_warnings
+from .serving.vllm_compat import routing_warnings, serving_notes, serving_warnings
 from .writer import REPORT_NAME
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
@@ -35,7 +36,7 @@ _MAIN_SUFFIXES = ("qweight", "weight_packed", "weight")
 
 def kleidiai_gate(k: int, group_size: int, scale_dtype: str) -> tuple[bool, str]:
     """Will torch's packer take KleidiAI for this [N, K] int4 matrix (on an Arm host with dotprod)?"""
-    if group_size in (-1, k):
+    if is_channelwise(k, group_size):
         if scale_dtype != "F32":
             return False, f"channelwise needs float32 scales, got {scale_dtype}: silent float32 fallback"
         return True, "channelwise qsi4cxp (fp32 scales)"
@@ -117,9 +118,9 @@ def _packed_summary(ckpt: Checkpoint, label: str, rec: dict) -> dict:
                        "kleidiai": False, "kleidiai_reason": str(e)}
             continue
         g = pw.group(m)
-        chan = g == -1
+        chan = is_channel(g)
         mods[m] = {"role": roles.get(m) or classify(m)[0], "format": "kleidiai", "n": n, "k": k, "group_size": g,
-                   "sym": True, "act_order": False, "scale_dtype": "F32" if chan else "BF16",
+                   "sym": True, "act_order": False, "scale_dtype": scale_st_dtype(g),
                    "bias": bool(pw.prov[f"{m}.{SUFFIX}"].get("bias")), "path": "packed",
                    "bytes": ckpt.tensors[f"{m}.{SUFFIX}"].nbytes, "kleidiai": True,
                    "kleidiai_reason": "packed " + ("channelwise qsi4cxp (fp32 scales)" if chan else
@@ -197,7 +198,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
         plan = make_plan(ckpt, source_label=label)
         paths = {m: p for j in plan.jobs for m, p in j.paths.items()}
         out["plan"] = {"ok": True, "group_size": plan.group_size, "paths": plan.path_counts(),
-                       "scale_dtype": None if plan.group_size is None else "F32" if plan.group_size == -1 else "BF16",
+                       "scale_dtype": None if plan.group_size is None else scale_st_dtype(plan.group_size),
                        "schemes": plan.summary()["schemes"]}
     except Int4packError as e:
         paths, plan = {}, None
@@ -215,7 +216,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
             ok, why = kleidiai_gate(s.k, s.group_size, s.scale_dtype)
         elif plan is not None and name in plan.groups:
             g = rec["target_group_size"] = plan.groups[name]
-            ok, why = kleidiai_gate(s.k, g, "F32" if g == -1 else "BF16")
+            ok, why = kleidiai_gate(s.k, g, scale_st_dtype(g))
             why = "after convert: " + why
         elif plan is not None:
             ok, why = None, f"after convert: {rec['path']} (not W4A8)"
@@ -227,7 +228,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     out["modules"] = mods
     out["tensors"] = _tensor_rows(ckpt)
     out["is_w4a8_output"] = is_output
-    g_out = ({-1 if m["group_size"] in (-1, m["k"]) else m["group_size"] for m in mods.values()} if is_output
+    g_out = ({channel_group(m["k"], m["group_size"]) for m in mods.values()} if is_output
              else set(plan.schemes()) if plan else set())
     # measured vLLM releases that fail on this output (or the output convert writes by default)
     skip = unloadable_releases(ckpt.family_type)

@@ -116,11 +116,10 @@ def search_points(search: bool) -> tuple[torch.Tensor, torch.Tensor]:
     ratios, fine_points, last = S.COARSE_RATIOS, S.FINE_POINTS, _points
     if last is not None and last[0] is ratios and last[1] == ratios._version and last[2] == fine_points:
         return last[3]
+    from .search_grid import fine_offsets
+
     coarse = ratios.float().contiguous().clone()
-    fine = empty
-    if fine_points > 0 and len(ratios) > 1:
-        step = float(ratios[1] - ratios[0])
-        fine = torch.linspace(-step, step, fine_points + 2)[1:-1].float().contiguous()
+    fine = torch.from_numpy(fine_offsets(coarse.numpy(), fine_points))
     _points = (ratios, ratios._version, fine_points, (coarse, fine))
     return coarse, fine
 

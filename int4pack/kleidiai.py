@@ -29,7 +29,7 @@ import numpy as np
 
 from ._lazy import torch
 from .errors import InputError
-from .groups import check_group_size, is_channelwise
+from .groups import block, check_group_size, is_channelwise, scales_per_row
 
 __all__ = [
     "LAYOUT_NAME",
@@ -39,6 +39,8 @@ __all__ = [
     "SR",
     "packed_size",
     "nibble_pack",
+    "torch_pack",
+    "probe_matrix",
     "pack_reference",
     "pack_portable",
     "pack_experts",
@@ -170,7 +172,7 @@ def pack_reference(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | N
     nb = r8 // NR
     qn = _pad_rows(q.numpy(), r8)
     bias_np = _pad_rows(bias.numpy(), r8) if bias is not None else np.zeros(r8, np.float32)
-    if g == k:  # channelwise
+    if is_channelwise(k, g):
         kp = _roundup(k, 32)
         qp = np.zeros((r8, kp), np.int8)
         qp[:, :k] = qn
@@ -270,10 +272,22 @@ def pack_portable(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | No
 # torch's own packer (Arm + KleidiAI + dotprod only)
 
 
-def _torch_pack(q, scales, bias, g):
+def torch_pack(q, scales, bias, g):
+    """torch's packer on int8 [N, K] and its scales, for the block ``g`` (K for channelwise): a KleidiAI
+    blob where torch's KleidiAI path is live, its float32 reference buffer elsewhere."""
     n, k = q.shape
-    sc = scales.reshape(n, 1) if g == k else scales  # vLLM passes channelwise scales as [N, 1]
+    sc = scales.reshape(n, 1) if is_channelwise(k, g) else scales.contiguous()  # vLLM passes channelwise as [N, 1]
     return torch.ops.aten._dyn_quant_pack_4bit_weight(nibble_pack(q), sc, bias, g, k, n)
+
+
+def probe_matrix(g: int, n: int = 13, k: int = 64, seed: int = 19):
+    """(q int8 [N, K], scales, bias fp32 [N]): the small random matrix a packer probe packs, for the
+    block ``g`` (K: channelwise fp32 scales [N, 1], else bf16 [N, K/g]). 13 rows: the padding of the
+    last 8-row block is part of the layout too."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    s = torch.rand(n, scales_per_row(k, g), generator=gen) * 0.01 + 0.001
+    return q, (s if is_channelwise(k, g) else s.to(torch.bfloat16)), torch.randn(n, generator=gen)
 
 
 @lru_cache(maxsize=None)
@@ -288,11 +302,9 @@ def native_kleidiai_available(n: int = 13, k: int = 64) -> bool:
     if not hasattr(torch.ops.aten, "_dyn_quant_pack_4bit_weight"):
         return False
     try:
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
-        for g, sc in ((32, torch.full((n, k // 32), 0.01, dtype=torch.bfloat16)),
-                      (k, torch.full((n,), 0.01, dtype=torch.float32))):
-            out = _torch_pack(q, sc, None, g)
+        for g in (32, k):
+            q, sc, _ = probe_matrix(g, n, k)
+            out = torch_pack(q, sc, None, g)
             if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != packed_size(n, k, g):
                 return False
     except Exception:  # an op that refuses the probe is not usable either
@@ -308,7 +320,7 @@ def pack(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group
     q, scales, bias, g = _prep(q, scales, bias, group_size)
     n, k = q.shape
     if packer in {"auto", "native"} and native_kleidiai_available():
-        out = _torch_pack(q, scales, bias, g)
+        out = torch_pack(q, scales, bias, g)
         if out.dtype == torch.uint8 and out.numel() == packed_size(n, k, g):
             return out.contiguous(), "native"
         if packer == "native":
@@ -363,7 +375,7 @@ def unpack_problem(bad: int, n: int, k: int, group_size: int) -> str:
     """What the C++ decoder's failed-check bits ``bad`` (non-zero) mean: the first in the order
     unpack_torch checks them (``group_size`` K for channelwise)."""
     what = next(what for bit, what in _UNPACK_CHECKS if bad & bit)
-    return f"KleidiAI blob is inconsistent: {what if bad & 3 != 2 or group_size == k else what + ' and scales'}"
+    return f"KleidiAI blob is inconsistent: {what if bad & 3 != 2 or is_channelwise(k, group_size) else what + ' and scales'}"
 
 
 # the C++ decoder's failed-check bits (kleidiai_unpack.cpp), in the order unpack_torch checks them
@@ -441,5 +453,4 @@ def load_for_matmul(blob: torch.Tensor, n: int, k: int, group_size: int, has_bia
     if native_kleidiai_available():
         return blob.contiguous()
     q, scales, bias = unpack(blob, n, k, group_size, has_bias)
-    g = k if is_channelwise(k, group_size) else group_size
-    return _torch_pack(q, scales, bias, g)
+    return torch_pack(q, scales, bias, block(k, group_size))

@@ -20,7 +20,7 @@ import torch
 from . import _ext, kleidiai
 from .activation import Activation
 from .errors import InputError
-from .groups import block, groupwise_problem
+from .groups import block, groupwise_problem, is_channel
 
 __all__ = [
     "ACTIVATIONS",
@@ -64,7 +64,7 @@ def _check(x, topk_ids, topk_weights, w13, w2, hidden, inter, group_size, activa
         raise InputError("topk_ids and topk_weights must both be [T, K] with T = x.shape[0]")
     if w13.dim() != 2 or w2.dim() != 2 or w13.shape[0] != w2.shape[0]:
         raise InputError("w13_packed and w2_packed must be [E, ...] with the same E")
-    if group_size != -1 and (groupwise_problem(group_size, hidden) or groupwise_problem(group_size, inter)):
+    if not is_channel(group_size) and (groupwise_problem(group_size, hidden) or groupwise_problem(group_size, inter)):
         raise InputError(f"group size {group_size} must be -1 or a multiple of 32 dividing and smaller than "
                          f"H={hidden} and I={inter}")
     if not isinstance(activation_kind, Activation) and activation_kind not in ACTIVATIONS:
@@ -107,7 +107,7 @@ class MoeRun:
     def __init__(self, x, topk_ids, topk_weights, e_count: int, hidden: int, inter: int, group_size: int,
                  apply_router_weight_on_input: bool = False, activation_kind: int = 0):
         t, k = topk_ids.shape
-        chan = group_size == -1
+        chan = is_channel(group_size)
         self.g13, self.g2 = (hidden, inter) if chan else (group_size, group_size)
         self.hidden, self.inter, self.kind = hidden, inter, activation_kind
         self.on_input = apply_router_weight_on_input
@@ -280,16 +280,8 @@ def propagated_noise(xe: torch.Tensor, y13: torch.Tensor, act: torch.Tensor, w13
 # ------------------------------------------------------------------------------------ packing
 
 
-def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] in [-8, 7] -> uint8 [N, K/2], q+8, even k in the low nibble (the ops' input)."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
-    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
-
-
 def _torch_pack(q, scales, g, bias=None):
-    n, k = q.shape
-    sc = scales.reshape(n, 1) if g == k else scales.contiguous()
-    return torch.ops.aten._dyn_quant_pack_4bit_weight(_nibbles(q), sc, bias, g, k, n)
+    return kleidiai.torch_pack(q, scales, bias, g)
 
 
 def _fallback_pack(q, scales, g, out=None):
@@ -315,10 +307,8 @@ def _fallback_pack(q, scales, g, out=None):
 @lru_cache(maxsize=None)
 def _fallback_layout_ok() -> bool:
     """Our fallback construction equals torch's packer output here (checked once, both layouts)."""
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randint(-8, 8, (24, 64), generator=gen, dtype=torch.int8)
-    for g, sc in ((32, (torch.rand(24, 2, generator=gen) + 0.01).bfloat16()),
-                  (64, torch.rand(24, 1, generator=gen) + 0.01)):
+    for g in (32, 64):
+        q, sc, _ = kleidiai.probe_matrix(g, n=24, k=64, seed=1)
         ref = _torch_pack(q, sc, g)
         if ref.dtype != torch.float32 or not torch.equal(ref, _fallback_pack(q, sc, g)):
             return False

@@ -1,5 +1,6 @@
 """int4 nibble layouts: where each of a 32-bit word's eight 4-bit codes sits, and the torch/numpy
-unpacking that reads them (the C++ kernels' twins, and the readers' small tensors)."""
+unpacking that reads them (the C++ kernels' twins, and the readers' small tensors). The one packing
+of int4 values into byte pairs (torch's packer's input) is kleidiai.nibble_pack."""
 
 from __future__ import annotations
 

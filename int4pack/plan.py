@@ -12,14 +12,14 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from . import expert_layout
+from .serving import expert_layout
 from ._version import __version__
 from .architectures import Layout, discover
-from .checkpoint import ITEMSIZE, Checkpoint, TensorInfo
+from .sources.checkpoint import ITEMSIZE, Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
 from .formats import open_reader
 from .group_choice import Unit, choose_groups, predict_path, tied_units
-from .groups import parse_group_size, scale_dtype, scheme_label
+from .groups import parse_group_size, scale_dtype, scale_st_dtype, scales_per_row, scheme_label
 from .precision import DENSE_MODES, decide
 from .precision import summary as precision_summary
 from .records import FormatVerdict, LinearSpec
@@ -171,10 +171,7 @@ def parse_size(s: str | int) -> int:
 
 def _w4a8_outputs(spec: LinearSpec, g: int, bias_dtype: str | None) -> list[OutTensor]:
     out = [OutTensor(f"{spec.name}.weight", "I8", (spec.n, spec.k))]
-    if g == -1:
-        out.append(OutTensor(f"{spec.name}.weight_scale", "F32", (spec.n, 1)))
-    else:
-        out.append(OutTensor(f"{spec.name}.weight_scale", "BF16", (spec.n, spec.k // g)))
+    out.append(OutTensor(f"{spec.name}.weight_scale", scale_st_dtype(g), (spec.n, scales_per_row(spec.k, g))))
     if bias_dtype:
         out.append(OutTensor(f"{spec.name}.bias", bias_dtype, (spec.n,)))
     return out

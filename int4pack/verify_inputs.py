@@ -8,7 +8,7 @@ import torch
 
 from . import routing as rt
 from .architectures import layer_index
-from .checkpoint import Checkpoint
+from .sources.checkpoint import Checkpoint
 from .families import layer_moe
 from .verify_structure import Target
 

@@ -6,16 +6,13 @@ from __future__ import annotations
 import time
 
 from . import verify_matmul
+from .error_stats import short_number as _fmt
 from .errors import VerifyFailed
 from .serve_spec import BLOB_CHECKS
 from .verify_pool import Clock
 from .verify_structure import Target
 
 __all__ = ["trust_notes", "kernel_info", "finish"]
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
 
 
 def trust_notes(t: Target, counts: dict, conv_report: dict | None, against: bool) -> list[str]:

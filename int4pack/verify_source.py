@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from .architectures import vllm_output_names
-from .checkpoint import Checkpoint, resolve_source
-from .containers import open_checkpoint
+from .sources.checkpoint import Checkpoint, resolve_source
+from .sources.containers import open_checkpoint
 from .errors import InputError, Int4packError
 from .formats import open_reader
 from .scale_search import out_scale_dtype

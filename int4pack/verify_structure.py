@@ -14,9 +14,10 @@ from collections import Counter
 
 import torch
 
-from . import _ext, blobs, expert_layout, kernels, kleidiai
+from . import _ext, blobs, kernels, kleidiai
+from .serving import expert_layout
 from .architectures import classify, moe_config, routers, vllm_module
-from .checkpoint import Checkpoint
+from .sources.checkpoint import Checkpoint
 from .errors import InputError
 from .formats.compressed_tensors import CompressedTensorsReader
 from .groups import check_group_size

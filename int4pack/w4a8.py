@@ -31,7 +31,8 @@ import torch
 from . import _ext
 from . import kernels as _kernels
 from .errors import InputError, UsageError
-from .groups import block, check_group_size, nests, normalize_group
+from .groups import (CHANNEL, block, check_group_size, group_scale, is_channelwise, nests, normalize_group,
+                     scales_per_row)
 from .records import Packing, QuantLinear
 from .scale_search import (ErrorStats, check_finite, not_finite, out_scale_dtype, requant_info, search_chunk,
                            workspace_width)
@@ -79,11 +80,11 @@ def dequantize_w4a8(q: torch.Tensor, scales: torch.Tensor, group_size: int) -> t
     vk = _ext.load("verify_kernels")
     if vk is not None and q.dtype == torch.int8 and q.is_contiguous() and scales.dtype in (torch.float32,
                                                                                           torch.bfloat16):
-        ng = 1 if group_size in (-1, k) else k // group_size
+        ng = scales_per_row(k, group_size)
         if scales.numel() == n * ng:  # the same products, in C++
             return vk.dequant(q, scales.contiguous().reshape(n, ng), _kernels.kernel_threads())
     s = scales.float()
-    if group_size == -1 or group_size == k:
+    if is_channelwise(k, group_size):
         return q.float() * s.reshape(n, 1)
     return (q.float().view(n, k // group_size, group_size) * s.view(n, -1, 1)).view(n, k)
 
@@ -177,8 +178,8 @@ def lossless_possible(ql: QuantLinear, g: int) -> bool:
     group, or channel -> group, also qualifies). Reads no codes: a packed record can be asked.
     """
     k = ql.spec.k
-    if g == k:
-        g = -1
+    if is_channelwise(k, g):
+        g = CHANNEL
     if check_group_size(g, k) is not None:
         return False
     if ql.spec.signed_scales or not ql.is_symmetric():  # W4A8 scales are positive
@@ -206,9 +207,9 @@ def check_scales(ql: QuantLinear) -> None:
 
     bad = ~torch.isfinite(s)
     if bool(bad.any()):
-        raise _refusal(ql, SCALE_NOT_FINITE, first(bad))
+        raise _refusal(ql, "scale_not_finite", first(bad))
     if not ql.spec.signed_scales and bool((s < 0).any()):
-        raise _refusal(ql, SCALE_NEGATIVE, first(s < 0))
+        raise _refusal(ql, "scale_negative", first(s < 0))
     zero = s == 0
     if bool(zero.any()):
         ql = ql.unpacked()
@@ -217,28 +218,31 @@ def check_scales(ql: QuantLinear) -> None:
         erased = zero[:, gi] & (ql.codes != z)  # [N, K]: a code a zero scale would wipe out
         if bool(erased.any()):
             n, k = (int(i) for i in erased.nonzero()[0])
-            raise _refusal(ql, SCALE_ERASES, [n, int(gi[k]), 0])
+            raise _refusal(ql, "scale_erases", [n, int(gi[k]), 0])
 
 
-# what a tensor job refuses (csrc/convert_kernels/convert_kernels.h, JobStatus), with the place
-# [row, group, how many more] where its message names one
-SCALE_NOT_FINITE, SCALE_NEGATIVE, SCALE_ERASES, CAST_NOT_FINITE, WEIGHT_NOT_FINITE = 1, 2, 3, 4, 5
+def _status_name(status: int) -> str:
+    """A tensor job's refusal as the library names it (its JobStatus table, read from it)."""
+    return next(name for name, v in _kernels.ext().tables()["job_status"].items() if v == status)
 
 
-def _refusal(ql: QuantLinear | None, status: int, where: list[int]) -> InputError:
-    """The error of a refused source, naming the tensor (``ql`` None: a bare float weight)."""
-    if status == CAST_NOT_FINITE:
+def _refusal(ql: QuantLinear | None, status: int | str, where: list[int]) -> InputError:
+    """The error of a refused source, naming the tensor (``ql`` None: a bare float weight). ``status``:
+    a tensor job's (the library's number) or the torch checks' (its name there, e.g. "scale_negative"),
+    with the place [row, group, how many more] where its message names one."""
+    status = _status_name(status) if isinstance(status, int) else status
+    if status == "cast_not_finite":
         return not_finite("scales (after the cast to the W4A8 dtype)", ql.spec.name)
-    if status == WEIGHT_NOT_FINITE:
+    if status == "weight_not_finite":
         return not_finite("weights", None if ql is None else ql.spec.name)
     name = next((k for k in ql.spec.keys if k.endswith((".scales", ".weight_scale"))), f"{ql.spec.name}.scales")
     fix = "re-download or re-export the checkpoint"
     n, g, more = where
     at = f"row {n}, group {g}" + (f" (and {more} more)" if more else "")
-    if status == SCALE_NOT_FINITE:
+    if status == "scale_not_finite":
         return InputError(f"{name}: NaN or Inf scale at {at}", tensor=name,
                           hint=f"The scales are corrupt (or overflowed their dtype when saved); {fix}.")
-    if status == SCALE_NEGATIVE:
+    if status == "scale_negative":
         return InputError(f"{name}: negative scale at {at}", tensor=name,
                           hint=f"No int4 producer writes negative scales: the tensor is corrupt or not the "
                                f"layout the config claims; {fix}.")
@@ -303,7 +307,7 @@ def lossless_job(ql: QuantLinear, g: int) -> W4A8Linear:
     layout, data = _job_source(ql)
     zeros, gidx, src_group = _job_groups(ql)
     status, where, q, s, tot = _kernels.ext().lossless_job(layout, data, n, k, ql.scales, zeros, gidx, src_group,
-                                                           block(k, g), g != -1, _kernels.kernel_threads())
+                                                           block(k, g), group_scale(g), _kernels.kernel_threads())
     if status:
         raise _refusal(ql, status, where)
     st = ErrorStats()
@@ -367,7 +371,7 @@ def _requant_cpp(m, ql: QuantLinear | None, source, n: int, k: int, g: int, sear
     zeros, gidx, src_group = (None, None, 1) if ql is None else _job_groups(ql)
     sscale = None if ql is None else ql.scales
     status, where, q, s, flags, tot, zero_groups, close = m.requant_job(
-        layout, data, n, k, sscale, zeros, gidx, src_group, block(k, g), g != -1, search, coarse, fine,
+        layout, data, n, k, sscale, zeros, gidx, src_group, block(k, g), group_scale(g), search, coarse, fine,
         _kernels.kernel_threads())
     if status:
         raise _refusal(ql, status, where)

@@ -58,7 +58,7 @@ def rel(a, b) -> float:
 def measure(src: Path, lc_python: str, group: int) -> list[dict]:
     import int4pack.formats as formats
     from int4pack.architectures import classify
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
     from int4pack.w4a8 import requantize
 
     rows = []

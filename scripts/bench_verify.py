@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import int4pack  # noqa: E402
-from int4pack.target_config import w4a8_quant_config  # noqa: E402
+from int4pack.serving.target_config import w4a8_quant_config  # noqa: E402
 
 
 def build(folder: Path, experts: int, hidden: int, inter: int, group: int, top_k: int, seed: int) -> None:

@@ -34,7 +34,7 @@ _C, _W = _s.modules["int4pack.convert"], _s.modules["int4pack.writer"]
 _MODE = __import__("os").environ["INT4PACK_FLOOR"]
 if _MODE == "write-only":
     import torch as _t
-    from int4pack.safetensors_header import DTYPES as _D
+    from int4pack.sources.safetensors_header import DTYPES as _D
     _ready = {}
     def _made(t):
         key = (t.dtype, t.shape)

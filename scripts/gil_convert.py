@@ -54,7 +54,8 @@ def _timed(fn):
 
 def _instrument() -> None:
     """Wrap every call known to release the GIL on convert's path."""
-    from int4pack import _native, checkpoint, serve_spec
+    from int4pack import _native, serve_spec
+    from int4pack.sources import checkpoint
 
     _native._Lib._call = _timed(_native._Lib._call)
     _native.ConvertKernels.crc32c = _timed(_native.ConvertKernels.crc32c)

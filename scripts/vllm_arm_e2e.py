@@ -253,7 +253,7 @@ def plugin_env(work: Path) -> dict:
 def stock_refusal(rec: dict, vllm: str) -> str | None:
     """What int4pack says stock vLLM ``vllm`` does with rec's plain folder (int4pack/vllm_compat.py):
     the first line naming that version, or None where stock vLLM serves it."""
-    from int4pack.vllm_compat import routing_warnings
+    from int4pack.serving.vllm_compat import routing_warnings
 
     cfg = json.loads((Path(rec["plain_dir"]) / "config.json").read_text())
     tc = cfg.get("text_config") or cfg

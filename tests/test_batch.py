@@ -493,7 +493,7 @@ def test_a_refused_scale_is_refused_with_the_same_message(tmp_path, monkeypatch,
 def test_units_batch_runs_within_one_shard_only(tmp_path):
     """units(): consecutive batchable jobs of one output shard (a run of one is a batch too), trusted
     shards never batched."""
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
     from int4pack.plan import make_plan
 
     if ext is None:
@@ -528,7 +528,7 @@ def test_a_shard_is_mapped_once_whatever_the_threads(tmp_path):
     the first and unmap it under the reader (a crash seen once in 30 conversions before the lock)."""
     import threading
 
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
 
     for _ in range(20):
         with Checkpoint(FIXTURES / "gptq_q3_sym") as ck:
@@ -546,3 +546,51 @@ def test_a_shard_is_mapped_once_whatever_the_threads(tmp_path):
             for t in threads:
                 t.join()
             assert len(set(got)) == 1 and got[0] == ck.mapping(shard)[0]
+
+
+def test_one_stats_builder_for_the_batches_and_the_torch_jobs():
+    """A module's report entry, written by hand: 6 significant digits in the report, 3 on a terminal,
+    the same builder for the C++ batches' lossless and requant entries and convert's torch jobs."""
+    convert = importlib.import_module("int4pack.convert")
+    from int4pack.error_stats import ErrorStats, module_stats, short_number
+
+    e = {"rel_l2": 0.0123456789, "max_abs": 2.0, "cosine": 0.99999994, "baseline_rel_l2": None, "exact_ints": True}
+    want = {"path": "lossless", "role": "expert", "group_size": 32, "rel_l2": "0.0123457", "max_abs": "2",
+            "cosine": "1", "baseline_rel_l2": None, "exact_ints": True}
+    assert module_stats("lossless", "expert", 32, e) == want
+    assert batch._stats(ErrorStats, [0.0, 4.0, 4.0, 4.0, 0.0], "expert", -1) == {
+        "path": "lossless", "role": "expert", "group_size": -1, "rel_l2": "0", "max_abs": "0", "cosine": "1",
+        "baseline_rel_l2": None, "exact_ints": True}
+
+    class W:
+        path, group_size, error = "lossless", 32, e
+
+    assert convert._w_stats(W, "expert") == want
+    assert [short_number(x) for x in (None, "", "0.0123457", 2, 0.99999994)] == ["-", "-", "0.0123", "2", "1"]
+
+
+def test_the_batch_columns_and_job_statuses_are_the_librarys():
+    """batch.py's descriptor and result columns against the table the library exports (named once in
+    convert_kernels.h), and every job status the library can return worded by w4a8._refusal."""
+    from int4pack import w4a8
+    from int4pack.records import LinearSpec, QuantLinear
+
+    t = kernels.ext().tables()
+    f, r = t["batch_field"], t["batch_result"]
+    names = ("layout", "words", "d0", "d1", "n", "k", "scales", "scale_type", "scales_kn", "src_groups", "zeros",
+             "zeros_bytes", "zero_byte", "gidx", "gidx_item", "gidx_group", "src_group", "g", "bf16", "out_q",
+             "out_s", "out_blob", "blob_bytes")
+    cols = (batch._LAYOUT, batch._WORDS, batch._D0, batch._D1, batch._N, batch._K, batch._SCALES, batch._STYPE,
+            batch._KN, batch._GS, batch._ZEROS, batch._ZBYTES, batch._ZBYTE, batch._GIDX, batch._GITEM,
+            batch._GGROUP, batch._SRCG, batch._G, batch._BF16, batch._OUTQ, batch._OUTS, batch._OUTBLOB,
+            batch._BLOBBYTES)
+    assert dict(zip(names, cols)) == {n: f[n] for n in names} and batch.FIELDS == f["fields"]
+    assert (batch._CRC_A, batch._CRC_B, batch._ZLIB_Q, batch._ZLIB_S, batch._ZLIB_BLOB) == tuple(
+        r[n] for n in ("crc_a", "crc_b", "zlib_q", "zlib_s", "zlib_blob"))
+    assert batch._SCALE_TYPES == t["scale_type"]
+    assert t["job_status"]["done"] == 0 and len(set(t["job_status"].values())) == len(t["job_status"]) == 6
+    spec = LinearSpec(name="m", fmt="gptq", n=8, k=64, group_size=32, sym=True, act_order=False, bits=4,
+                      scale_dtype="F16", has_bias=False, keys=("m.scales",))
+    ql = QuantLinear(spec=spec, codes=torch.zeros(8, 64, dtype=torch.uint8), scales=torch.ones(8, 2), zeros=None)
+    said = {w4a8._refusal(ql, v, [1, 0, 0]).args[0] for k, v in t["job_status"].items() if k != "done"}
+    assert len(said) == 5 and any("NaN or Inf scale at row 1" in s for s in said)

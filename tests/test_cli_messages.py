@@ -19,7 +19,7 @@ from _reference import FIXTURES
 from int4pack import batch
 from int4pack.cli import app
 from int4pack.errors import EXIT_OUTPUT, EXIT_REFUSED, EXIT_USAGE
-from int4pack.vllm_compat import MEASURED, next_step, routing_warnings
+from int4pack.serving.vllm_compat import MEASURED, next_step, routing_warnings
 
 runner = CliRunner()
 SYM = str(FIXTURES / "gptq_q3_sym")

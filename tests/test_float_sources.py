@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import int4pack
 from _reference import FIXTURES
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import open_reader
 from int4pack.formats.float_source import DATA_FREE

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import int4pack
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import Int4packError
 from int4pack.formats import open_reader
 from int4pack.plan import make_plan

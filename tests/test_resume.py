@@ -20,7 +20,7 @@ import torch
 import int4pack
 from int4pack import writer
 from int4pack.errors import Int4packError, OutputError
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.plan import make_plan
 from _reference import FIXTURES
 

@@ -251,7 +251,7 @@ def test_dry_run_plans_the_blobs():
 def test_rows_not_in_whole_blocks_stay_plain_or_are_refused_for_experts():
     """A dense linear KleidiAI cannot pack stays plain W4A8 with its vLLM module's other parts; a
     routed expert is refused (the plugin's MoE method takes blobs only)."""
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
     from int4pack.plan import make_plan
 
     with Checkpoint(FIXTURES / "gptq_q3_sym") as ckpt:

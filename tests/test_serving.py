@@ -1,4 +1,4 @@
-"""The recorded serving table (int4pack/vllm_compat.py) against the measured vLLM runs it summarises,
+"""The recorded serving table (int4pack/serving/vllm_compat.py) against the measured vLLM runs it summarises,
 and the warnings that convert and inspect derive from it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import int4pack
-from int4pack import vllm_compat as serving
+from int4pack.serving import vllm_compat as serving
 from _reference import FIXTURES
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 import pytest
 
-from int4pack.target_config import scheme_targets, w4a8_quant_config
+from int4pack.serving.target_config import scheme_targets, w4a8_quant_config
 from _reference import VllmSchemes, vllm_detects_w4a8
 
 VERSIONS = ("0.19.1", "0.32.0")

@@ -83,7 +83,7 @@ def test_converter_stores_row_parallel_modules_per_rank(outs, fx):
 
 
 def test_verify_reads_split_blobs_and_catches_swapped_ranks(outs, tmp_path):
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
 
     d = outs["ct_qwen3moe_w4a16"]["dirs"]["tp2"]
     with Checkpoint(d) as ck:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 import int4pack
 from int4pack import _ext, blobs, kleidiai, moe, verify_moe
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import InputError
 from int4pack.serve_spec import SUFFIX, read_record
 from int4pack.w4a8 import dequantize_w4a8

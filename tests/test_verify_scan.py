@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import int4pack
-from int4pack import checkpoint, verify_scan
+from int4pack import verify_scan
+from int4pack.sources import checkpoint
 from int4pack.writer import hash_shard
 
 

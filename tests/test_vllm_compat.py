@@ -166,7 +166,7 @@ def test_vllm_output_names_rules():
 
 def test_renamed_mixtral_tensors_are_the_source_ones(converted):
     """The rename moves tensors, it does not mix them up: w1 = gate_proj, w3 = up_proj, w2 = down_proj."""
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
     from int4pack.formats import open_reader
 
     out = converted("gptq_mixtral_sym")
@@ -186,7 +186,7 @@ def test_renamed_mixtral_tensors_are_the_source_ones(converted):
 def test_packed_warnings_say_what_the_plugin_does_with_each_layer():
     """From the family table (int4pack.families): DeepSeek-V4's clamped SwiGLU runs in steps, its
     hash-routed first layer needs the token ids and the table; a softmax Qwen3-MoE needs nothing."""
-    from int4pack.vllm_compat import routing_warnings
+    from int4pack.serving.vllm_compat import routing_warnings
 
     cfg = json.loads((FIXTURES / "ct_deepseekv4_w4a16" / "config.json").read_text())
     notes = routing_warnings(cfg["model_type"], cfg, packed=True)

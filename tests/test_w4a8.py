@@ -626,7 +626,7 @@ def test_lossless_job_on_packed_words(monkeypatch, layout, src_g, g, dtype, n, k
 
 @pytest.mark.parametrize("name", ["gptq_q3_sym", "gptq_q3_asym", "ct_qwen3moe_w4a16", "mf_mixtral"])
 def test_readers_packed_records_unpack_to_the_same_codes(name):
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
     from int4pack.formats import open_reader
     folder = FIXTURES / name
     with Checkpoint(folder) as ck:

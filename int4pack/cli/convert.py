@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from ..error_stats import short_number
 from ..output import Output, human_bytes
 from ._common import (
     DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, examples, library, make_output)
@@ -199,6 +200,4 @@ def _render_next(o: Output, r: dict) -> None:
 
 def _error_row(module: str, stats: dict) -> list[str]:
     """A module's row in the error tables: 3 significant digits (the report holds 6)."""
-    def short(x) -> str:
-        return "-" if x in (None, "") else f"{float(x):.3g}"
-    return [module, stats["path"], short(stats.get("rel_l2")), short(stats.get("baseline_rel_l2"))]
+    return [module, stats["path"], short_number(stats.get("rel_l2")), short_number(stats.get("baseline_rel_l2"))]

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from ..groups import is_channel
 from ..output import human_bytes
 from ._common import (
     DebugOpt, JsonOpt, QuietOpt, VerboseOpt, error_boundary, examples, library, make_output, tensor_parallel_line)
@@ -181,7 +182,7 @@ def _groups(m: dict) -> str:
     def name(g):
         if not isinstance(g, int) or not isinstance(m.get("k"), int):
             return "?"  # unreadable (a packed blob without usable provenance: see kleidiai_reason)
-        return "ch" if g == -1 or g >= m["k"] else str(g)
+        return "ch" if is_channel(g) or g >= m["k"] else str(g)
     g = m.get("target_group_size")
     return name(m["group_size"]) + ("" if g is None else f"->{name(g)}")
 

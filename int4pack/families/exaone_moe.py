@@ -10,6 +10,7 @@ score bias on disk is ``mlp.e_score_correction_bias`` (transformers: ``mlp.gate.
 from ..activation import SILU, from_hidden_act
 from ..routing import Routing
 from ._family import DEEPSEEK_V3, Family, LayerMoE, mlp_type, num
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:
@@ -30,5 +31,5 @@ FAMILY = Family(
     routing_label="DeepSeekV3",
     kept=((r"\.e_score_correction_bias$", "router score bias: copied bit-exactly"),),
     moe=_moe,
-    serve={"0.19.1": "not run", "0.32.0": "not run (stock CPUExpertsInt4 refuses DeepSeekV3 routing)"},
+    serve={V019: "not run", V032: "not run (stock CPUExpertsInt4 refuses DeepSeekV3 routing)"},
 )

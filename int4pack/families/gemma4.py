@@ -10,13 +10,14 @@ Read in transformers 5.23.0 models/gemma4/modeling_gemma4.py and configuration_g
 - the experts' activation is ``hidden_activation`` (gelu_pytorch_tanh) of gate, times up;
 - text model under ``model.language_model.``, vision/audio towers beside it.
 vLLM (families-2026h2.md §1.2): gemma4.py passes ``custom_routing_function=self.router.routing_function``,
-routing type Custom, which CPUExpertsInt4 refuses (0.32.0); 0.19.1 takes the plain softmax top-k
+routing type Custom, which CPUExpertsInt4 refuses (V032); V019 takes the plain softmax top-k
 branch (no per-expert scale: wrong, no error). The CPU W4A8 MoE op has no GELU activation either.
 """
 
 from ..activation import GELU_TANH, from_hidden_act
 from ..routing import Routing
 from ._family import SOFTMAX, Family, LayerMoE, num
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:
@@ -39,6 +40,6 @@ FAMILY = Family(
     kept=((r"\.router\.(?:scale|per_expert_scale)$", "router input scale and per-expert scale: copied"),
           (r"^model\.(?:vision_tower|audio_tower|embed_vision|embed_audio)\.", "vision and audio towers: not experts")),
     moe=_moe,
-    serve={"0.19.1": "no: routed as plain softmax top-k (no per-expert scale), no error",
-           "0.32.0": "no: Custom routing refused by CPUExpertsInt4; GELU experts"},
+    serve={V019: "no: routed as plain softmax top-k (no per-expert scale), no error",
+           V032: "no: Custom routing refused by CPUExpertsInt4; GELU experts"},
 )

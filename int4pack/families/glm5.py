@@ -17,6 +17,7 @@ vLLM: both route DeepSeekV3, which stock CPUExpertsInt4 refuses (families-2026h2
 from ..activation import SILU, Activation
 from ..routing import Routing
 from ._family import DEEPSEEK_V3, Family, LayerMoE, mlp_type, num
+from ..serving.vllm_releases import V019, V032
 
 _BIAS = (r"\.gate\.e_score_correction_bias$", "router score bias: copied bit-exactly")
 
@@ -52,7 +53,7 @@ GLM_MOE_DSA = Family(
     float_only=((r"\.indexer\.(?:wk|weights_proj)$",
                  "vLLM builds the indexer's wk_weights_proj unquantised (as DeepSeek-V3.2's)"),),
     moe=_glm52,
-    serve={"0.19.1": "no: MLA refused on CPU", "0.32.0": "not run (DeepSeekV3 routing: packed format)"},
+    serve={V019: "no: MLA refused on CPU", V032: "not run (DeepSeekV3 routing: packed format)"},
 )
 
 GLM5_NEXT = Family(
@@ -68,7 +69,7 @@ GLM5_NEXT = Family(
           (r"\.(?:attn_hc|ffn_hc|hc_head)\.", "hyper-connection parameters: copied"),
           (r"^model\.(?:visual|vision_tower)\.", "vision tower: not experts")),
     moe=_glm53,
-    serve={"0.19.1": "not run", "0.32.0": "not run (no CPU path for KDA / DSA attention found)"},
+    serve={V019: "not run", V032: "not run (no CPU path for KDA / DSA attention found)"},
 )
 
 FAMILIES = (GLM_MOE_DSA, GLM5_NEXT)

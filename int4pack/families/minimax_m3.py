@@ -19,6 +19,7 @@ and conversion_mapping.py ("minimax_m3_vl"):
 from ..activation import Activation
 from ..routing import Routing
 from ._family import MINIMAX2, Family, LayerMoE, mlp_type, num
+from ..serving.vllm_releases import V019, V032
 
 
 def _moe(tc: dict, layer: int) -> LayerMoE | None:
@@ -44,6 +45,6 @@ FAMILY = Family(
           (r"^(?:model\.)?(?:vision_tower|multi_modal_projector|patch_merge_mlp)\.", "vision tower and projector: not experts")),
     moe=_moe,
     activation=1,
-    serve={"0.19.1": "not run (plain softmax top-k in 0.19.1's select_experts: wrong routing)",
-           "0.32.0": "not run (stock CPUExpertsInt4 refuses MiniMax2 routing)"},
+    serve={V019: f"not run (plain softmax top-k in {V019}'s select_experts: wrong routing)",
+           V032: "not run (stock CPUExpertsInt4 refuses MiniMax2 routing)"},
 )

@@ -1,8 +1,9 @@
 """Mixtral (and the Mixtral-style checkpoints GPTQModel writes with transformers 5 names)."""
 
 from ._family import SOFTMAX, Family
+from ..serving.vllm_releases import V019, V032
 
-# vLLM 0.19.1 and 0.32.0 MixtralForCausalLM load experts as block_sparse_moe.experts.E.w1/w3/w2
+# vLLM V019 and V032 MixtralForCausalLM load experts as block_sparse_moe.experts.E.w1/w3/w2
 # (FusedMoE.make_expert_params_mapping) and the router as block_sparse_moe.gate; GPTQModel writes
 # mlp.experts.E.gate_proj and mlp.gate, which vLLM's loader cannot place (KeyError)
 _W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -23,5 +24,5 @@ FAMILY = Family(
         (r"\.mlp\.experts\.(\d+)\.(w[123])(?=\.|$)", r".block_sparse_moe.experts.\1.\2"),
         (r"\.mlp\.gate(?=\.|$)", ".block_sparse_moe.gate"),
     ),
-    serve={"0.19.1": "yes (float32)", "0.32.0": "yes"},
+    serve={V019: "yes (float32)", V032: "yes"},
 )

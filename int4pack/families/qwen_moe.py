@@ -2,6 +2,7 @@
 experts as mlp.experts.E.{gate,up,down}_proj."""
 
 from ._family import SOFTMAX, Family
+from ..serving.vllm_releases import V019, V032
 
 QWEN2 = Family(
     name="Qwen1.5/Qwen2-MoE",
@@ -10,7 +11,7 @@ QWEN2 = Family(
     routing=SOFTMAX,
     shared_experts=1,
     shared_gate=True,  # sigmoid(shared_expert_gate(x)) scales the shared expert's output
-    serve={"0.19.1": "not run (softmax, as Qwen3-MoE)", "0.32.0": "not run (softmax, as Qwen3-MoE)"},
+    serve={V019: "not run (softmax, as Qwen3-MoE)", V032: "not run (softmax, as Qwen3-MoE)"},
 )
 
 QWEN3 = Family(
@@ -18,7 +19,7 @@ QWEN3 = Family(
     model_types=("qwen3_moe",),
     experts="mlp.experts.E.{gate,up,down}_proj (dense mlp_only_layers)",
     routing=SOFTMAX,
-    serve={"0.19.1": "yes (float32)", "0.32.0": "yes"},
+    serve={V019: "yes (float32)", V032: "yes"},
 )
 
 OLMOE = Family(
@@ -26,7 +27,7 @@ OLMOE = Family(
     model_types=("olmoe",),
     experts="mlp.experts.E.{gate,up,down}_proj",
     routing=SOFTMAX,
-    serve={"0.19.1": "not run (softmax, as Qwen3-MoE)", "0.32.0": "not run (softmax, as Qwen3-MoE)"},
+    serve={V019: "not run (softmax, as Qwen3-MoE)", V032: "not run (softmax, as Qwen3-MoE)"},
 )
 
 FAMILIES = (QWEN2, QWEN3, OLMOE)

@@ -18,6 +18,7 @@ config's model_type is step3p5) and conversion_mapping.py ("step3p7"):
 from ..activation import SILU, Activation, from_hidden_act
 from ..routing import Routing
 from ._family import MINIMAX2, Family, LayerMoE, mlp_type, num
+from ..serving.vllm_releases import V019, V032
 
 
 def _limit(tc: dict, layer: int) -> float | None:
@@ -51,6 +52,6 @@ FAMILY = Family(
     fused_hint="llm-compressor 0.14.0.1 leaves Step-3.5's stacked experts (model.layers.N.moe.*_proj) in bf16: "
                "its linearize_moe does not split Step3p7Experts; quantise the experts per expert "
                "(mlp.experts.E.{gate,up,down}_proj) with another producer",
-    serve={"0.19.1": "not run",
-           "0.32.0": "not run (stock CPUExpertsInt4 refuses MiniMax2 routing; SWIGLUSTEP run without its clamp)"},
+    serve={V019: "not run",
+           V032: "not run (stock CPUExpertsInt4 refuses MiniMax2 routing; SWIGLUSTEP run without its clamp)"},
 )

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..errors import InputError, Int4packError, RefusedError
 from ..serve_spec import QUANT_METHOD
-from ..source_folder import load_json
+from ..sources.source_folder import load_json
 from . import autoround, awq, compressed_tensors, gptq, mxfp4
 from . import gguf, mlx
 from ._api import Format, Header, Reader, quant_method

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
 from ..records import FormatVerdict, LinearSpec, QuantLinear
-from ..safetensors_header import TensorInfo
+from ..sources.safetensors_header import TensorInfo
 
 __all__ = ["Header", "Format", "Reader", "quant_method"]
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._lazy import torch
-from ..checkpoint import Checkpoint
-from ..safetensors_header import NUMPY_DTYPES, torch_dtype
+from ..sources.checkpoint import Checkpoint
+from ..sources.safetensors_header import NUMPY_DTYPES, torch_dtype
 from ..errors import InputError, RefusedError
 
 __all__ = [

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec
 from ._api import Format, Header, quant_method

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._lazy import torch
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ._api import Format, Header, quant_method

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._lazy import torch
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ..nibbles import unpack_rows

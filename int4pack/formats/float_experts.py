@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from .._lazy import torch
 from ..architectures import classify
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 
 __all__ = ["FLOAT_DTYPES", "with_float_experts", "FloatExperts"]

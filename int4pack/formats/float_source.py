@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from .._lazy import torch
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..families import family, supported_types
 from ..records import FormatVerdict, LinearSpec, QuantLinear

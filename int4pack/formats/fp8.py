@@ -21,7 +21,7 @@ value at most (exact for bf16/fp16/E8M0 scales), as the producers' own float32 d
 from __future__ import annotations
 
 from .._lazy import torch
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header, quant_method

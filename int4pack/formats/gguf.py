@@ -20,7 +20,7 @@ import numpy as np
 
 from .._lazy import torch
 from ..errors import RefusedError
-from ..gguf_checkpoint import FLOAT_TYPES, GGUF_TYPES, GGUFCheckpoint
+from ..sources.gguf_checkpoint import FLOAT_TYPES, GGUF_TYPES, GGUFCheckpoint
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header
 from ._common import SpecsOnce

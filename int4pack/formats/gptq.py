@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from .._lazy import torch
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, Packing, QuantLinear
 from ..nibbles import nibble_cols, nibble_rows

@@ -4,7 +4,7 @@ scales), each exactly to float32, for the FP8 and FP4 readers (formats/fp8.py, f
 from __future__ import annotations
 
 from .._lazy import torch
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..errors import InputError
 
 __all__ = ["E2M1", "E4M3_NAN", "unpack_e2m1", "e8m0", "e4m3", "raw_bytes", "finite", "positive"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .._lazy import torch
 from ..errors import RefusedError
-from ..mlx_checkpoint import MLXCheckpoint, dequantize
+from ..sources.mlx_checkpoint import MLXCheckpoint, dequantize
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header
 from ._common import SpecsOnce

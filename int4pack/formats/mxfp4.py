@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 
 from .._lazy import torch
-from ..checkpoint import Checkpoint
+from ..sources.checkpoint import Checkpoint
 from ..errors import InputError, RefusedError
 from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header, quant_method

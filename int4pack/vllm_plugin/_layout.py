@@ -55,12 +55,7 @@ _HINT = ("Serve the default output of `int4pack convert` (compressed-tensors W4A
          "or run on an Arm CPU with dotprod and a torch build with KleidiAI.")
 
 
-def _probe(group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(19)
-    n, k = 13, 64  # 13 rows: the padding of the last 8-row block is part of the layout too
-    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
-    s = torch.rand(n, 1 if group_size == k else k // group_size, generator=gen) * 0.01 + 0.001
-    return q, (s if group_size == k else s.to(torch.bfloat16)), torch.randn(n, generator=gen)
+_probe = kleidiai.probe_matrix
 
 
 def runtime_problem(record: dict) -> str | None:

@@ -44,7 +44,7 @@ def x86_side(out: Path) -> None:
 
     import int4pack
     from int4pack import serve_spec
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
 
     fixtures = Path(__file__).resolve().parents[1] / "fixtures"
     tensors, meta = {}, []

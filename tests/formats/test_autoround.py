@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import READERS, open_reader
 from int4pack.formats.autoround import SIGNED_WARNING, AutoRoundAWQReader, AutoRoundGPTQReader

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import InputError
 from int4pack.formats._common import all_bytes, g_idx_unless_trivial, read_transposed
 from int4pack.nibbles import nibble_rows, unpack_rows
@@ -190,8 +190,8 @@ def test_non_trivial_g_idx_out_of_range_is_refused(make_ckpt):
 
 def test_dtype_tables_match_torch():
     """The plan's torch-free dtype tables (safetensors_header.py) against torch's own dtypes."""
-    from int4pack import checkpoint
-    from int4pack import safetensors_header as c
+    from int4pack.sources import checkpoint
+    from int4pack.sources import safetensors_header as c
 
     assert checkpoint.DTYPE_NAMES is c.DTYPE_NAMES  # as the writer takes them
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from _reference import ct_decode
-from int4pack.checkpoint import Checkpoint
+from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import open_reader
 from int4pack.formats.compressed_tensors import CompressedTensorsReader

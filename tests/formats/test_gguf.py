@@ -19,7 +19,7 @@ from gguf import quants  # noqa: E402
 import int4pack  # noqa: E402
 from _gguf_files import E, H, I, LAYERS, blocks, llama_permute, write_moe, write_qwen3moe  # noqa: E402
 from _reference import FIXTURES  # noqa: E402
-from int4pack.containers import open_checkpoint  # noqa: E402
+from int4pack.sources.containers import open_checkpoint  # noqa: E402
 from int4pack.errors import InputError, RefusedError  # noqa: E402
 from int4pack.formats import open_reader  # noqa: E402
 from int4pack.formats.gguf import q4_0_codes  # noqa: E402

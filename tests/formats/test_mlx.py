@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import int4pack  # noqa: E402
 from _reference import FIXTURES  # noqa: E402
-from int4pack.containers import open_checkpoint  # noqa: E402
+from int4pack.sources.containers import open_checkpoint  # noqa: E402
 from int4pack.errors import RefusedError  # noqa: E402
 from int4pack.formats import open_reader  # noqa: E402
 from int4pack.verify import verify  # noqa: E402

@@ -21,7 +21,7 @@ from hf_reference import fake_quant_int8_rows  # the kernel's int8 activations
 
 def dequantised_source(src: Path) -> tuple[dict, dict[str, torch.Tensor], set[str]]:
     """(config, float32 tensors with every quantised linear dequantised, quantised module names)."""
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
     from int4pack.formats import open_reader
 
     with Checkpoint(src) as ckpt:

@@ -120,7 +120,7 @@ def disk_groups(out_dir: Path) -> dict[str, int]:
     names them."""
     from int4pack import serve_spec
     from int4pack import blobs
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
 
     out = {}
     with Checkpoint(out_dir) as ck:

@@ -251,14 +251,16 @@ struct JobArgs {
 
 // a job's answer: done, or what it refused, with the place in report[3] (row, group, how many
 // more of the same kind) where the message names one (w4a8._refusal words it)
-enum JobStatus : int64_t {
-  kDone = 0,
-  kScaleNotFinite = 1,  // a source scale NaN or Inf (report: the first, row-major)
-  kScaleNegative = 2,  // a negative source scale (report: the first)
-  kScaleErases = 3,  // a zero scale over a code off its zero point (report: row, source group)
-  kCastNotFinite = 4,  // a target scale not finite once cast to bf16 (lossless)
-  kWeightNotFinite = 5,  // a source value (c - z) * s not finite (requant)
-};
+// (the X lists name each value once: the enums and the table i4p_tables() exports to Python)
+#define I4P_JOB_STATUS(X)                                                                      \
+  X(kDone, 0, done)                                                                            \
+  X(kScaleNotFinite, 1, scale_not_finite)   /* a source scale NaN or Inf (report: the first) */ \
+  X(kScaleNegative, 2, scale_negative)      /* a negative source scale (report: the first) */   \
+  X(kScaleErases, 3, scale_erases)          /* a zero scale over a code off its zero point */   \
+  X(kCastNotFinite, 4, cast_not_finite)     /* a target scale not finite in bf16 (lossless) */  \
+  X(kWeightNotFinite, 5, weight_not_finite) /* a source value (c - z) * s not finite (requant) */
+#define I4P_ENUM_ITEM(e, v, name) e = v,
+enum JobStatus : int64_t { I4P_JOB_STATUS(I4P_ENUM_ITEM) };
 
 // the job's shapes, groups and g_idx; last: the last layout the job reads
 void check_job(const JobArgs& a, int64_t last, const char* what);
@@ -301,20 +303,30 @@ bool use_crc32_clmul(bool on);  // tests: the carry-less multiply path (x86-64) 
 
 // ---- batch.cpp: the lossless path of many modules in one call (int4pack/batch.py)
 // source scale dtypes, and the fields of one module's row of int64 in the descriptor (batch.FIELDS)
-enum ScaleType : int64_t { kScaleF32 = 0, kScaleF16 = 1, kScaleBf16 = 2 };
-enum BatchField : int64_t {
-  kbLayout, kbWords, kbD0, kbD1, kbN, kbK,  // Layout (kGptq, kCt), byte offset and shape of the words
-  kbScales, kbScaleType, kbScalesKN, kbSrcGroups,  // source scales: offset, ScaleType, stored [Gs, N], Gs
-  kbZeros, kbZerosBytes, kbZeroByte,  // packed zero points (offset or -1), their size, the byte of a zero of 8
-  kbGidx, kbGidxItem, kbGidxGroup,  // g_idx (offset or -1), its item size (4, 8), the group it must follow
-  kbSrcGroup, kbG, kbBf16,  // JobArgs' src_group, g, bf16
-  kbOutQ, kbOutS, kbOutBlob, kbBlobBytes,  // places in the output buffer (-1: not written), blob size
-  kbFields = 24
-};
+#define I4P_SCALE_TYPE(X) X(kScaleF32, 0, F32) X(kScaleF16, 1, F16) X(kScaleBf16, 2, BF16)
+enum ScaleType : int64_t { I4P_SCALE_TYPE(I4P_ENUM_ITEM) };
+#define I4P_BATCH_FIELD(X)                                                                                    \
+  /* Layout (kGptq, kCt), byte offset and shape of the words */                                               \
+  X(kbLayout, 0, layout) X(kbWords, 1, words) X(kbD0, 2, d0) X(kbD1, 3, d1) X(kbN, 4, n) X(kbK, 5, k)        \
+  /* source scales: offset, ScaleType, stored [Gs, N], Gs */                                                  \
+  X(kbScales, 6, scales) X(kbScaleType, 7, scale_type) X(kbScalesKN, 8, scales_kn) X(kbSrcGroups, 9, src_groups) \
+  /* packed zero points (offset or -1), their size, the byte of a zero of 8 */                                \
+  X(kbZeros, 10, zeros) X(kbZerosBytes, 11, zeros_bytes) X(kbZeroByte, 12, zero_byte)                         \
+  /* g_idx (offset or -1), its item size (4, 8), the group it must follow */                                  \
+  X(kbGidx, 13, gidx) X(kbGidxItem, 14, gidx_item) X(kbGidxGroup, 15, gidx_group)                             \
+  /* JobArgs' src_group, g, bf16 */                                                                           \
+  X(kbSrcGroup, 16, src_group) X(kbG, 17, g) X(kbBf16, 18, bf16)                                              \
+  /* places in the output buffer (-1: not written), blob size */                                              \
+  X(kbOutQ, 19, out_q) X(kbOutS, 20, out_s) X(kbOutBlob, 21, out_blob) X(kbBlobBytes, 22, blob_bytes)         \
+  X(kbFields, 24, fields)
+enum BatchField : int64_t { I4P_BATCH_FIELD(I4P_ENUM_ITEM) };
 // one module's results (int64): status (JobStatus, or kNotAsGiven), report [3], CRC-32C of the first
 // and second output (blob, or weight and scales), zlib CRC-32 of q, scales and blob (packed only)
-enum BatchResult : int64_t { kbStatus, kbReport, kbCrcA = 4, kbCrcB, kbZlibQ, kbZlibS, kbZlibBlob, kbResults = 10 };
-constexpr int64_t kNotAsGiven = 100;  // the per-module path reads this module otherwise: run it there
+#define I4P_BATCH_RESULT(X)                                                                                  \
+  X(kbStatus, 0, status) X(kbReport, 1, report) X(kbCrcA, 4, crc_a) X(kbCrcB, 5, crc_b) X(kbZlibQ, 6, zlib_q) \
+  X(kbZlibS, 7, zlib_s) X(kbZlibBlob, 8, zlib_blob) X(kbResults, 10, results)                                \
+  X(kNotAsGiven, 100, not_as_given) /* the per-module path reads this module otherwise: run it there */
+enum BatchResult : int64_t { I4P_BATCH_RESULT(I4P_ENUM_ITEM) };
 void scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, bool kn, float* out);
 int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
                        int64_t out_len, int64_t* res, double* tot, int64_t threads);

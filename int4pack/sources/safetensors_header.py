@@ -8,8 +8,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._lazy import torch
-from .errors import InputError
+from .._lazy import torch
+from ..errors import InputError
 
 __all__ = ["DTYPES", "DTYPE_NAMES", "DTYPE_KEY", "ITEMSIZE", "NUMPY_DTYPES", "NUMPY_VIEW", "MAX_HEADER", "TensorInfo",
            "torch_dtype", "read_header"]

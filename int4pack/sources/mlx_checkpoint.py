@@ -25,7 +25,7 @@ import numpy as np
 
 from .checkpoint import Checkpoint
 from .derived_tensors import DerivedTensors, bf16_bits
-from .errors import InputError, RefusedError
+from ..errors import InputError, RefusedError
 from .safetensors_header import TensorInfo
 from .source_folder import load_json
 

@@ -29,7 +29,7 @@ import numpy as np
 from . import gguf_config
 from .checkpoint import Checkpoint
 from .derived_tensors import DerivedTensors, bf16_bits
-from .errors import InputError, RefusedError
+from ..errors import InputError, RefusedError
 from .safetensors_header import TensorInfo
 from .source_folder import link_roots
 

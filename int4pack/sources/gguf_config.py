@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 
-from .errors import RefusedError
+from ..errors import RefusedError
+from ..families import mixtral, qwen_moe
 
 __all__ = ["ARCHS", "Arch", "build_config", "tokenizer_files"]
 
@@ -61,18 +62,18 @@ def _layers(*names: str) -> tuple[str, ...]:
 
 
 ARCHS: dict[str, Arch] = {a.gguf_name: a for a in (
-    Arch("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", {**_COMMON, "attention.key_length": "head_dim"},
+    Arch("qwen3moe", qwen_moe.QWEN3.model_types[0], "Qwen3MoeForCausalLM", {**_COMMON, "attention.key_length": "head_dim"},
          _layers(*_ATTN, "self_attn.q_norm", "self_attn.k_norm", *_LAYER),
          # GGUF_CONFIG_DEFAULTS_MAPPING: llama.cpp's qwen3moe always renormalises the top-k weights
          {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False}),
-    Arch("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM",
+    Arch("qwen2moe", qwen_moe.QWEN2.model_types[0], "Qwen2MoeForCausalLM",
          {**_COMMON, "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
          _layers(*_ATTN, *_LAYER, "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj",
                  "mlp.shared_expert.down_proj", "mlp.shared_expert_gate"),
          # llama.cpp's qwen2moe does not renormalise the top-k weights (Qwen2MoeConfig's default too)
          {"norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []}),
     # llama.cpp writes Mixtral as "llama" with experts; transformers' llama row, plus the expert keys
-    Arch("llama", "mixtral", "MixtralForCausalLM",
+    Arch("llama", mixtral.FAMILY.model_types[0], "MixtralForCausalLM",
          {k: v for k, v in _COMMON.items() if not k.startswith("expert_")} |
          {"rope.dimension_count": "head_dim", "expert_count": "num_local_experts",
           "expert_used_count": "num_experts_per_tok"},
@@ -112,7 +113,7 @@ def build_config(meta: dict, arch_name: str, has_output: bool, path: str) -> tup
         raise RefusedError(f"{path}: a dense llama GGUF (no {arch_name}.expert_count): int4pack converts MoE models",
                            path=path, hint="Pass a Mixtral GGUF, or another MoE architecture: " +
                                            ", ".join(sorted(ARCHS)) + ".")
-    experts = "num_local_experts" if arch.model_type == "mixtral" else "num_experts"
+    experts = arch.keys["expert_count"]  # num_experts, or Mixtral's num_local_experts
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", experts) if k not in cfg]
     if missing:
         raise RefusedError(f"{path}: the GGUF metadata has no {', '.join(missing)} "

