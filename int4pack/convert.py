@@ -44,6 +44,7 @@ if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the p
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
 FLUSH_BYTES = 256 << 20  # write-back step of an open shard
+HASH_READERS = 4  # threads reading kept shards at least (2-core x86-64: 360 MB/s from one, 690 from four)
 
 
 class NullProgress:
@@ -241,15 +242,15 @@ def convert(
                 on_plan(report)
             return report
         t_plan = time.perf_counter() - t0
-        fp = plan.fingerprint(ckpt)
         rename = vllm_output_names(ckpt.family_type, [t.name for t in plan.outputs])  # names vLLM loads
-        fp += "|vllm-names" if rename else ""
         had_partial = partial_folder(Path(out)).is_dir()
         # what a run without --resume replaces: said, not deleted silently
         dropped = folder_bytes(partial_folder(Path(out))) if had_partial and not resume else None
-        od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
+        od = OutputDir.open(Path(out), folder, work_fingerprint(plan, ckpt, max_bytes, bool(rename)),
+                            overwrite=overwrite, resume=resume)
         held.callback(od.release)  # the work folder's lock, however the run ends
-        trusted = od.trusted_shards(names)
+        # every kept byte read once, several reads in flight whatever the cores (the disk is the limit)
+        trusted = od.trusted_shards(names, max(HASH_READERS, job_workers(threads)))
         sizes = {n: sum(t.nbytes for t in s) for n, s in zip(names, shards)}
         if resume:
             report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
@@ -302,6 +303,19 @@ def convert(
     return report
 
 
+def work_fingerprint(plan: Plan, ckpt: Checkpoint, max_bytes: int, renamed: bool) -> str:
+    """What a work folder's progress file must record for --resume to keep any of its shards: the
+    plan's fingerprint (tool version, options, every source tensor's place, each source file's size
+    and mtime), the shard size, and each source file's inode and ctime. Kept shards' jobs do not run
+    again, so an edit that keeps a file's size and mtime (``touch -r``, ``cp -p`` over it) must still
+    show: the kernel sets the ctime on every write, and no call sets it back."""
+    fp = plan.fingerprint(ckpt) + ("|vllm-names" if renamed else "")
+    for shard in ckpt.shards:
+        st = (ckpt.folder / shard).stat()
+        fp += f"|{shard}:{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}"
+    return fp + f"|{max_bytes}"
+
+
 _RUN_ONLY = ("next", "next_command", "next_notes", "routing_notes", "resume", "replaced_partial", "serve_format_planned", "workers")  # in the returned report, not in the file
 
 
@@ -315,6 +329,16 @@ def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str
     if got != want:
         key = next(k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k))
         return f"header metadata {key!r} differs"
+    return None
+
+
+def _header_entry(job: Job, name: str, job_stats: dict) -> dict | None:
+    """A tensor's entry among its shard's per-tensor results (the header's ``int4pack.tensors``)."""
+    if job.kind == "copy":
+        return {"path": "copy"}
+    mod, leaf = name.rsplit(".", 1) if "." in name else (name, "")
+    if leaf in ("weight", SUFFIX) and mod in job_stats:
+        return {k: v for k, v in job_stats[mod].items() if k in ("path", "rel_l2", "max_abs", "packed")}
     return None
 
 
@@ -345,13 +369,26 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         trusted = od.trusted_shards(names)
     kept_kind = {n: digest_kind(od.progress["shards"][n].get("data_digest")) for n in trusted}
     shard_of = {t.name: n for n, s in zip(names, shards) for t in s}
-    # nothing of an interrupted run is taken on its word: every job runs again (its statistics are
-    # this run's), and a kept shard stays only if each of its tensors and its header are what the
-    # source gives now; only the writing is saved
     stats: dict[str, dict] = {}
     mismatched: dict[str, str] = {}  # kept shard -> the first tensor that differs
     kept_results: dict[str, dict] = {}
-    todo = list(plan.jobs)
+    # a job whose outputs all lie in kept shards does not run: its statistics are the ones recorded
+    # with those shards (their headers, checked below, hold the same); a job writing into a kept
+    # shard and another runs, and its tensors in the kept one are compared with the kept bytes
+    recorded = getattr(od, "recorded_jobs", {}) if trusted else {}
+    todo = []
+    for job in plan.jobs:
+        if not all(shard_of[t.name] in trusted for t in job.outputs) or any(m not in recorded for m in job.paths):
+            todo.append(job)
+            continue
+        job_stats = {m: recorded[m] for m in job.paths}
+        stats.update(job_stats)
+        for t in job.outputs:
+            out_name = rename.get(t.name, t.name)
+            ent = _header_entry(job, t.name, job_stats)
+            if ent is not None:
+                kept_results.setdefault(shard_of[t.name], {})[out_name] = ent
+    od.progress["jobs"].update(stats)  # recorded again with the next shard this run finishes
     skipped = sum(t.nbytes for n, s in zip(names, shards) if n in trusted for t in s)
     progress.start(sum(t.nbytes for s in shards for t in s), len(shard_of), skipped)
     meta = _base_meta(plan)
@@ -416,13 +453,9 @@ def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, th
         for t in job.outputs:
             shard = shard_of[t.name]
             res = kept_results.setdefault(shard, {}) if shard in trusted else shard_results.setdefault(shard, {})
-            out_name = rename.get(t.name, t.name)
-            mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
-            if job.kind == "copy":
-                res[out_name] = {"path": "copy"}
-            elif leaf in ("weight", SUFFIX) and mod in job_stats:
-                res[out_name] = {k: v for k, v in job_stats[mod].items()
-                                 if k in ("path", "rel_l2", "max_abs", "packed")}
+            ent = _header_entry(job, t.name, job_stats)
+            if ent is not None:
+                res[rename.get(t.name, t.name)] = ent
             if shard in trusted:
                 continue
             progress.advance(t.nbytes, 1)

@@ -45,6 +45,7 @@ __all__ = [
     "ShardFile",
     "OutputDir",
     "hash_shard",
+    "hash_shards",
     "CHECKSUM_KEYS",
     "to_bytes",
     "PAGE",
@@ -645,37 +646,105 @@ def _data_digest(crcs, kind: str) -> str:
 
 def hash_shard(path: Path, like: str | None = None, per_tensor: dict | None = None) -> dict:
     """Re-checksum a finished shard the same way finish() recorded it (data_digest None if the
-    header no longer parses); ``like`` is the recorded digest, whose kind is used. ``per_tensor``,
-    if given, receives each tensor's CRC by name."""
-    kind = digest_kind(like)
-    check = _CHECKSUMS[kind][1]
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        n = int.from_bytes(fh.read(8), "little")
-        header = fh.read(min(n, max(0, size - 8)))
-        out = {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "data_digest": None}
+    header no longer parses, or the data ends early); ``like`` is the recorded digest, whose kind is
+    used. ``per_tensor``, if given, receives each tensor's CRC by name."""
+    return hash_shards([(path, like, per_tensor)])[0]
+
+
+_HASH_PIECE = 8 << 20  # one read of hash_shards: a run of neighbouring tensors, or part of a large one
+
+
+def hash_shards(shards: list[tuple[Path, str | None, dict | None]], workers: int = 1) -> list[dict]:
+    """``hash_shard`` of each (path, like, per_tensor), the data read once, in reads of up to 8 MB
+    (neighbouring tensors together, a large tensor in parts) spread over ``workers`` threads: a
+    resume's check of what it keeps reads every kept byte, and one read at a time, per tensor, left
+    the disk idle between small reads (2-core x86-64: 360 MB/s from one reader, 690 MB/s from four)."""
+    outs, plans = [], []  # plans: (file, tensor names in file order, [(tensor index, begin, end)], kind)
+    for path, like, _ in shards:
+        kind = digest_kind(like)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        size = os.fstat(fd).st_size
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        header = os.pread(fd, min(n, max(0, size - 8)), 8)
+        outs.append({"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "data_digest": None})
         try:
             hdr = json.loads(header)
             named = sorted((tuple(v["data_offsets"]), k) for k, v in hdr.items() if k != "__metadata__")
-            spans = [sp for sp, _ in named]
+            spans = [(8 + n + int(a), 8 + n + int(b)) for (a, b), _ in named]
         except (ValueError, TypeError, KeyError, AttributeError):
-            return out
-        base = 8 + n
-        crcs = []
-        buf = bytearray(1 << 24)
-        for a, b in spans:
-            crc, off = 0, a
-            while off < b:
-                k = os.preadv(fh.fileno(), [memoryview(buf)[: min(len(buf), b - off)]], base + off)
+            os.close(fd)
+            plans.append(None)
+            continue
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        plans.append((fd, [k for _, k in named], spans, kind))
+    pieces = []  # (shard index, [(tensor index, begin, end)]): each read at once
+    for si, plan in enumerate(plans):
+        if plan is None:
+            continue
+        cur, cur_end, cur_bytes = [], None, 0
+        for ti, (a, b) in enumerate(plan[2]):
+            if cur and (a != cur_end or cur_bytes + b - a > _HASH_PIECE):
+                pieces.append((si, cur))
+                cur, cur_bytes = [], 0
+            cur.append((ti, a, b))
+            cur_end, cur_bytes = b, cur_bytes + b - a
+        if cur:
+            pieces.append((si, cur))
+    crcs: list[list] = [[None] * len(p[1]) if p else [] for p in plans]
+    short: set[int] = set()  # shards whose data ended early
+    local = threading.local()
+
+    def run(piece) -> None:
+        si, ts = piece
+        fd, _, _, kind = plans[si]
+        check = _CHECKSUMS[kind][1]
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = memoryview(bytearray(_HASH_PIECE))
+        lo, hi = ts[0][1], ts[-1][2]
+        if hi - lo <= _HASH_PIECE:  # neighbours in one read
+            got = 0
+            while got < hi - lo:
+                k = os.preadv(fd, [buf[got: hi - lo]], lo + got)
                 if k <= 0:
-                    return out
-                crc = check(memoryview(buf)[:k], crc)
-                off += k
-            crcs.append(crc)
-    if per_tensor is not None:
-        per_tensor.update((k, c) for (_, k), c in zip(named, crcs))
-    out["data_digest"] = _data_digest(crcs, kind)
-    return out
+                    short.add(si)
+                    return
+                got += k
+            for ti, a, b in ts:
+                crcs[si][ti] = check(buf[a - lo: b - lo], 0)
+            return
+        (ti, a, b), = ts  # a tensor larger than one read: in parts, in order
+        crc, off = 0, a
+        while off < b:
+            k = os.preadv(fd, [buf[: min(len(buf), b - off)]], off)
+            if k <= 0:
+                short.add(si)
+                return
+            crc = check(buf[:k], crc)
+            off += k
+        crcs[si][ti] = crc
+
+    try:
+        if workers > 1 and len(pieces) > 1:
+            with ThreadPoolExecutor(max_workers=min(workers, len(pieces)), thread_name_prefix="int4pack-hash") as pool:
+                for f in [pool.submit(run, p) for p in pieces]:
+                    f.result()
+        else:
+            for p in pieces:
+                run(p)
+    finally:
+        for plan in plans:
+            if plan is not None:
+                os.close(plan[0])
+    for si, plan in enumerate(plans):
+        if plan is None or si in short:
+            continue
+        per_tensor = shards[si][2]
+        if per_tensor is not None:
+            per_tensor.update(zip(plan[1], crcs[si]))
+        outs[si]["data_digest"] = _data_digest(crcs[si], plan[3])
+    return outs
 
 
 CHECKSUM_KEYS = ("size", "header_sha256", "data_digest")
@@ -789,28 +858,36 @@ class OutputDir:
         # in pieces: its per-module results grow with the model and it is rewritten at every shard
         self.write_file(PROGRESS, json_pieces(self.progress))
 
-    def trusted_shards(self, names: list[str] | None = None) -> set[str]:
-        """Finished shards whose bytes still match their recorded checksums: candidates only, which
-        convert keeps once every tensor in them matches what the source gives again (``kept_crcs``:
-        shard -> tensor -> CRC). A folder entry that is a link is never kept."""
+    def trusted_shards(self, names: list[str] | None = None, workers: int = 1) -> set[str]:
+        """Finished shards whose bytes still match their recorded checksums, each read once
+        (``kept_crcs``: shard -> tensor -> CRC). Convert keeps them once their headers say what this
+        run would write; the progress file's fingerprint has already tied them to the same source
+        files (their identity and times), tool version and options. A folder entry that is a link is
+        never kept."""
         ok = set()
         self.kept_crcs: dict[str, dict[str, int]] = {}
         shards = self.progress.get("shards")
         if not isinstance(shards, dict):
             shards = self.progress["shards"] = {}
+        todo = []  # (name, path, recorded digest, per-tensor CRCs)
         for name, rec in shards.items():
             p = self.work / name
             if names is not None and name not in names or not isinstance(rec, dict) or p.is_symlink():
                 continue
-            crcs: dict[str, int] = {}
-            if p.is_file() and p.stat().st_size == rec.get("size") and hash_shard(
-                    p, rec.get("data_digest") if isinstance(rec.get("data_digest"), str) else None, crcs) == {
-                    k: rec.get(k) for k in CHECKSUM_KEYS}:
+            if p.is_file() and p.stat().st_size == rec.get("size"):
+                todo.append((name, p, rec.get("data_digest") if isinstance(rec.get("data_digest"), str) else None, {}))
+        for (name, _, _, crcs), got in zip(todo, hash_shards([(p, d, c) for _, p, d, c in todo], workers)):
+            if got == {k: shards[name].get(k) for k in CHECKSUM_KEYS}:
                 ok.add(name)
                 self.kept_crcs[name] = crcs
         # forget anything we could not verify, and stray temp files
         self.progress["shards"] = {k: {c: v[c] for c in CHECKSUM_KEYS} for k, v in shards.items() if k in ok}
-        self.progress["jobs"] = {}  # a run's statistics are its own: every job runs again
+        # the statistics recorded with the shards: those of a job whose outputs all lie in kept shards
+        # are taken instead of running the job again (convert carries them into this run's record)
+        jobs = self.progress.get("jobs")
+        self.recorded_jobs = {m: st for m, st in jobs.items() if isinstance(st, dict)} if ok and isinstance(
+            jobs, dict) else {}
+        self.progress["jobs"] = {}
         for p in self.work.glob("*.tmp"):
             p.unlink(missing_ok=True)
         return ok
