@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import int4pack
-from int4pack import writer
+from int4pack import workdir, writer
 from int4pack.errors import Int4packError, OutputError
 from int4pack.checkpoint import Checkpoint
 from int4pack.plan import make_plan
@@ -233,8 +233,8 @@ def _commit_cut_at(step: int, monkeypatch) -> None:
         return go
 
     for name in ("replace", "unlink", "rename"):
-        monkeypatch.setattr(writer.os, name, cut(getattr(os, name)))
-    monkeypatch.setattr(writer.shutil, "rmtree", cut(shutil.rmtree))
+        monkeypatch.setattr(workdir.os, name, cut(getattr(os, name)))
+    monkeypatch.setattr(workdir.shutil, "rmtree", cut(shutil.rmtree))
 
 
 @pytest.mark.parametrize("first", ["new", "--overwrite"])

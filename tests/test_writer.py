@@ -8,7 +8,6 @@ from the writer.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import threading
 import zlib
@@ -19,13 +18,12 @@ import torch
 from safetensors import safe_open
 
 import int4pack
-from int4pack import kernels, writer
+from int4pack import kernels, pipeline, writer
 from int4pack.errors import OutputError
 from int4pack.plan import OutTensor
 
 from _reference import FIXTURES, bitwise_crc32c
 
-convert_mod = importlib.import_module("int4pack.convert")  # the module (int4pack.convert is the function)
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -161,7 +159,7 @@ def test_flushing_open_shards_changes_no_byte(tmp_path, monkeypatch):
 
     ref = tmp_path / "ref"
     int4pack.convert(FIXTURES / "gptq_q3_sym", ref)
-    monkeypatch.setattr(convert_mod, "FLUSH_BYTES", 1)
+    monkeypatch.setattr(pipeline, "FLUSH_BYTES", 1)
     monkeypatch.setattr(writer.ShardFile, "flush", flush)
     out = tmp_path / "out"
     int4pack.convert(FIXTURES / "gptq_q3_sym", out)
