@@ -433,3 +433,60 @@ def test_resume_keeps_no_shard_of_a_source_edited_with_its_mtime_put_back(tmp_pa
     clean = tmp_path / "clean"
     int4pack.convert(SMALL, clean, max_shard_size="200KB")
     assert not _same_files(out, clean)  # the edit reached the output
+
+
+# --------------------------------------------------------------------------- a SIGBUS inside the C++ read
+
+_SIGBUS_RUN = r"""
+import os, signal, sys
+import int4pack
+from int4pack import kernels
+lib = type(kernels.ext())
+real, calls = lib.lossless_batch, [0]
+def faulting(self, *a, **k):  # what a shard cut under the C++ read does: SIGBUS, the process ends
+    calls[0] += 1
+    if calls[0] == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGBUS)
+    return real(self, *a, **k)
+lib.lossless_batch = faulting
+int4pack.convert(sys.argv[1], sys.argv[2], max_shard_size="100KB", threads=1)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGBUS"), reason="POSIX signals")
+def test_a_sigbus_inside_a_cpp_batch_leaves_no_output_that_looks_complete(tmp_path):
+    """A source shard cut while the C++ batch reads its mapped bytes ends the process with SIGBUS
+    (no Python check can stand between the kernel and the page). What it leaves must not look
+    complete: no OUT, only checksummed shards recorded; the next run with the shard still cut is a
+    clean error naming it, and once the source is whole again --resume gives a fresh run's bytes."""
+    from int4pack import kernels
+
+    if kernels.ext() is None:
+        pytest.skip("the C++ batches need the kernels")
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "gptq_q3_sym", src)
+    fresh = tmp_path / "fresh"
+    int4pack.convert(src, fresh, max_shard_size="100KB")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-c", _SIGBUS_RUN, str(src), str(out), "12"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGBUS, (r.returncode, r.stderr[-2000:])
+    work = writer.partial_folder(out)
+    assert not out.exists() and work.is_dir()
+    recorded = json.loads((work / writer.PROGRESS).read_text())["shards"]
+    assert recorded, "the fault came before any shard was finished"
+    assert len(recorded) < len(list(fresh.glob("*.safetensors")))
+    for name, rec in recorded.items():  # what the progress file vouches for is whole
+        assert writer.hash_shard(work / name, rec["data_digest"]) == rec
+        assert (work / name).read_bytes() == (fresh / name).read_bytes()
+    assert not (work / "config.json").exists() and not (work / writer.REPORT_NAME).exists()
+
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])  # still cut
+    r = _cli(["convert", str(src), str(out), "--max-shard-size", "100KB", "--resume"])
+    assert r.returncode == 3 and shard.name in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists()
+    shard.write_bytes(whole)
+    int4pack.convert(src, out, max_shard_size="100KB", resume=True)
+    assert _same_files(out, fresh)
