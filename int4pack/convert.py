@@ -7,45 +7,42 @@ files, report -> atomic rename.
 
 from __future__ import annotations
 
-import ctypes
 import json
-import threading
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _ext, batch, blobs
+from . import _ext, blobs
 from .serving import expert_layout
-from ._lazy import load_torch, torch
+from ._lazy import torch
 from ._version import __version__
 from .architectures import vllm_output_names
-from .sources.checkpoint import Checkpoint, read_header, resolve_source
+from .sources.checkpoint import Checkpoint, resolve_source
 from .sources.containers import open_checkpoint
 from .error_stats import module_stats
-from .errors import InputError, OutputError, RefusedError, UsageError
+from .errors import RefusedError, UsageError
 from .families import family
 from .formats import Reader
 from .groups import scale_dtype
-from .plan import Job, OutTensor, Plan, make_plan, parse_size
+from .pipeline import Kept, Pipeline
+from .plan import Job, Plan, make_plan, parse_size
 from .records import QuantLinear
-from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, PROVENANCE_BYTES, SUFFIX, parse_format, serve_config
+from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, SUFFIX, parse_format, serve_config
 from .serving.target_config import output_config
 from .serving.vllm_compat import serving_report
-from .workdir import check_space, folder_bytes, partial_folder
+from .workdir import (REPORT_NAME, OutputDir, check_space, check_target, folder_bytes, index_pieces,
+                      partial_folder, report_pieces)
 from .workers import job_workers
-from .writer import (REPORT_NAME, OutputDir, ShardFile, assign_shards, check_scale_tensors, check_target,
-                     copy_checksums, digest_kind, index_pieces, report_pieces, shard_names, tensor_crc)
+from .writer import assign_shards, shard_names
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
     from .w4a8 import W4A8Linear
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
 
-FLUSH_BYTES = 256 << 20  # write-back step of an open shard
+HASH_READERS = 4  # threads reading kept shards at least (2-core x86-64: 360 MB/s from one, 690 from four)
 
 
 class NullProgress:
@@ -56,31 +53,6 @@ class NullProgress:
     def advance(self, nbytes: int, ntensors: int) -> None: ...
 
     def stop(self) -> None: ...
-
-
-def _load_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (AttributeError, OSError, TypeError):
-        return None
-
-
-_MALLOC_TRIM = _load_trim()
-
-
-def _trim_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc, ~1 ms). An arena keeps what its thread freed (only
-    a free top above M_TRIM_THRESHOLD goes back: 32 MB once a 16 MB copy buffer was freed), so the
-    workers' arenas crept up as they fragmented, and a shard close's header and JSON stayed in the
-    finisher's arena. Called every FLUSH_BYTES and at each shard close; jobs then refault a few
-    of those pages (~5 more minor faults per job)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _flush_and_trim(f: ShardFile) -> None:  # finisher thread
-    f.flush()
-    _trim_heap()
 
 
 def _w_stats(w: W4A8Linear, role: str) -> dict:
@@ -237,15 +209,15 @@ def convert(
                 on_plan(report)
             return report
         t_plan = time.perf_counter() - t0
-        fp = plan.fingerprint(ckpt)
         rename = vllm_output_names(ckpt.family_type, [t.name for t in plan.outputs])  # names vLLM loads
-        fp += "|vllm-names" if rename else ""
         had_partial = partial_folder(Path(out)).is_dir()
         # what a run without --resume replaces: said, not deleted silently
         dropped = folder_bytes(partial_folder(Path(out))) if had_partial and not resume else None
-        od = OutputDir.open(Path(out), folder, fp + f"|{max_bytes}", overwrite=overwrite, resume=resume)
+        od = OutputDir.open(Path(out), folder, work_fingerprint(plan, ckpt, max_bytes, bool(rename)),
+                            overwrite=overwrite, resume=resume)
         held.callback(od.release)  # the work folder's lock, however the run ends
-        trusted = od.trusted_shards(names)
+        # every kept byte read once, several reads in flight whatever the cores (the disk is the limit)
+        trusted = od.trusted_shards(names, max(HASH_READERS, job_workers(threads)))
         sizes = {n: sum(t.nbytes for t in s) for n, s in zip(names, shards)}
         if resume:
             report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
@@ -298,20 +270,20 @@ def convert(
     return report
 
 
+def work_fingerprint(plan: Plan, ckpt: Checkpoint, max_bytes: int, renamed: bool) -> str:
+    """What a work folder's progress file must record for --resume to keep any of its shards: the
+    plan's fingerprint (tool version, options, every source tensor's place, each source file's size
+    and mtime), the shard size, and each source file's inode and ctime. Kept shards' jobs do not run
+    again, so an edit that keeps a file's size and mtime (``touch -r``, ``cp -p`` over it) must still
+    show: the kernel sets the ctime on every write, and no call sets it back."""
+    fp = plan.fingerprint(ckpt) + ("|vllm-names" if renamed else "")
+    for shard in ckpt.shards:
+        st = (ckpt.folder / shard).stat()
+        fp += f"|{shard}:{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}"
+    return fp + f"|{max_bytes}"
+
+
 _RUN_ONLY = ("next", "next_command", "next_notes", "routing_notes", "resume", "replaced_partial", "serve_format_planned", "workers")  # in the returned report, not in the file
-
-
-def _kept_header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
-    """How a kept shard's header metadata differs from what this run would write, or None."""
-    try:
-        _, got, _ = read_header(path)
-    except InputError as e:
-        return str(e)
-    want = {**meta, "int4pack.tensors": json.dumps(results, sort_keys=True, separators=(",", ":"))}
-    if got != want:
-        key = next(k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k))
-        return f"header metadata {key!r} differs"
-    return None
 
 
 def _rotary(ckpt: Checkpoint):
@@ -327,155 +299,9 @@ def _rotary(ckpt: Checkpoint):
 def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
                   rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None,
                   rotary=None) -> dict:
-    """Compute jobs in a bounded pool; each worker writes its own tensors at their planned offsets.
-    The main thread takes results in plan order (per-tensor header entries, stats, progress) and a
-    finisher thread closes each shard once all its tensors are in (header, fsync, rename, progress.json),
-    so neither the serial bookkeeping nor an fsync holds the workers up. Returns per-module stats.
-    ``rename`` maps plan (source) tensor names to the names written (see vllm_output_names); ``pack``
-    turns a job's W4A8 tensors into KleidiAI blobs (blobs.job_packer); the modules ``rotary`` names
-    go per job (the packer reorders their rows, the batches would not)."""
-    from . import kernels
-
-    rename = rename or {}
+    """Every job computed (or, on --resume, taken from the kept shards) and written; per-module stats
+    (pipeline.py)."""
     if trusted is None:
         trusted = od.trusted_shards(names)
-    kept_kind = {n: digest_kind(od.progress["shards"][n].get("data_digest")) for n in trusted}
-    shard_of = {t.name: n for n, s in zip(names, shards) for t in s}
-    # nothing of an interrupted run is taken on its word: every job runs again (its statistics are
-    # this run's), and a kept shard stays only if each of its tensors and its header are what the
-    # source gives now; only the writing is saved
-    stats: dict[str, dict] = {}
-    mismatched: dict[str, str] = {}  # kept shard -> the first tensor that differs
-    kept_results: dict[str, dict] = {}
-    todo = list(plan.jobs)
-    skipped = sum(t.nbytes for n, s in zip(names, shards) if n in trusted for t in s)
-    progress.start(sum(t.nbytes for s in shards for t in s), len(shard_of), skipped)
-    meta = _base_meta(plan)
-    workers = job_workers(threads)
-    # the plan's own OutTensors where the name is kept (a copy of each would live for the whole run)
-    planned = {n: [OutTensor(rename[t.name], t.dtype, t.shape) if t.name in rename else t for t in s]
-               for n, s in zip(names, shards) if n not in trusted}
-    left = {n: len(ts) for n, ts in planned.items()}  # tensors not yet consumed, per shard
-    unflushed = dict.fromkeys(planned, 0)  # bytes consumed since the shard's last flush
-    files: dict[str, ShardFile] = {}
-    files_lock = threading.Lock()
-    shard_results: dict[str, dict] = {}  # shard -> per-tensor results for its header
-    pending_stats: dict[str, dict] = {}  # stats of jobs not yet fully on disk
-
-    def shard_file(shard: str) -> ShardFile:
-        with files_lock:
-            f = files.get(shard)
-            if f is None:
-                f = files[shard] = ShardFile(od.work / shard, planned[shard], meta,
-                                             PROVENANCE_BYTES if pack is not None else 0)
-            return f
-
-    def per_job(job: Job) -> tuple[list, dict]:
-        tensors, job_stats = run_job(job, ckpt, plan.reader, plan)
-        if pack is not None:
-            check_scale_tensors(tensors)  # the writer's scale check, before the scales go into blobs
-            tensors = pack(job, tensors, job_stats)
-        return tensors, job_stats
-
-    def work_batch(b: batch.Batch) -> list[tuple[dict, set]]:
-        with kernels.threads_here(1):
-            return batch.run_batch(b, ckpt, plan, shard_file, rename, pack is not None, per_job)
-
-    def work(job: Job) -> tuple[dict, set]:
-        with kernels.threads_here(1):  # one job per worker, each single-threaded: nothing nests
-            tensors, job_stats = per_job(job)
-        written = set()
-        for name, data in tensors:
-            shard = shard_of.get(name)
-            if shard is None:
-                raise OutputError(f"internal: job produced {name!r}, which is not planned", tensor=name)
-            if shard not in trusted:
-                shard_file(shard).write(rename.get(name, name), data)
-                written.add(name)
-            elif tensor_crc(data, kept_kind[shard]) != od.kept_crcs[shard].get(rename.get(name, name)):
-                mismatched.setdefault(shard, rename.get(name, name))
-        return job_stats, written
-
-    def close_shard(shard: str, results: dict, job_stats: dict) -> None:  # finisher thread only
-        od.progress["shards"][shard] = files[shard].finish(results)
-        od.progress["jobs"].update(job_stats)  # kept for --resume
-        od.save_progress()
-        _trim_heap()
-
-    def consume(job: Job, job_stats: dict, written: set) -> None:
-        want = {t.name for t in job.outputs if shard_of[t.name] not in trusted}
-        if written != want:
-            raise OutputError(f"internal: job for {job.outputs[0].name} wrote {sorted(written ^ want)[:3]} "
-                              "other than planned")
-        stats.update(job_stats)
-        pending_stats.update(job_stats)
-        for t in job.outputs:
-            shard = shard_of[t.name]
-            res = kept_results.setdefault(shard, {}) if shard in trusted else shard_results.setdefault(shard, {})
-            out_name = rename.get(t.name, t.name)
-            mod, leaf = t.name.rsplit(".", 1) if "." in t.name else (t.name, "")
-            if job.kind == "copy":
-                res[out_name] = {"path": "copy"}
-            elif leaf in ("weight", SUFFIX) and mod in job_stats:
-                res[out_name] = {k: v for k, v in job_stats[mod].items()
-                                 if k in ("path", "rel_l2", "max_abs", "packed")}
-            if shard in trusted:
-                continue
-            progress.advance(t.nbytes, 1)
-            left[shard] -= 1
-            unflushed[shard] += t.nbytes
-            if unflushed[shard] >= FLUSH_BYTES and left[shard]:
-                # write back while the workers compute: a 5 GB shard's single fsync at the end
-                # would otherwise hold the run up for seconds (the page cache lets it all pile up)
-                closing.append(finisher.submit(_flush_and_trim, files[shard]))
-                unflushed[shard] = 0
-            if left[shard] == 0:
-                closing.append(finisher.submit(close_shard, shard, shard_results.pop(shard, {}), dict(pending_stats)))
-                pending_stats.clear()
-
-    pool = ThreadPoolExecutor(max_workers=workers)
-    finisher = ThreadPoolExecutor(max_workers=1)
-    closing: list = []
-
-    def take(unit, fut) -> None:
-        for j, got in (zip(unit.jobs, fut.result()) if isinstance(unit, batch.Batch) else [(unit, fut.result())]):
-            consume(j, *got)
-
-    try:
-        window: deque = deque()
-        # runs of lossless or requant linear jobs go as one batch each (batch.py): one C++ call each
-        alone = (lambda job: any(rotary(sp.name) for sp in job.specs)) if rotary is not None else None
-        units = list(batch.units(todo, plan.reader, shard_of, trusted, pack is not None, alone))
-        if any(not isinstance(u, batch.Batch) and u.kind != "copy" for u in units):  # a per-job module
-            load_torch()  # the work needs it: imported here, once, not in a worker (_lazy.py)
-        for unit in units:
-            window.append((unit, pool.submit(work_batch if isinstance(unit, batch.Batch) else work, unit)))
-            if len(window) >= 2 * workers:
-                take(*window.popleft())
-            while closing and closing[0].done():
-                closing.pop(0).result()  # a failed close (disk full) stops the run here
-        while window:
-            take(*window.popleft())
-        for fut in closing:
-            fut.result()
-        for shard in sorted(trusted):
-            why = (f"tensor {mismatched[shard]} differs" if shard in mismatched else
-                   _kept_header_problem(od.work / shard, meta, copy_checksums(
-                       kept_results.get(shard, {}), od.kept_crcs[shard], kept_kind[shard])))
-            if why:
-                od.drop_shard(shard)
-                raise OutputError(f"{od.work / shard}: kept from an interrupted run, but it does not hold what the "
-                                  f"source gives ({why}); it was removed", path=str(od.work / shard),
-                                  hint="Run the same command again (with --resume) to write it anew.")
-    except BaseException:
-        pool.shutdown(wait=True, cancel_futures=True)
-        finisher.shutdown(wait=True, cancel_futures=True)
-        for shard, f in files.items():
-            if not f.path.exists():
-                f.abort()
-        raise
-    finally:
-        pool.shutdown(wait=True)
-        finisher.shutdown(wait=True)
-        progress.stop()
-    return stats
+    return Pipeline(plan, ckpt, od, shards, names, workers=job_workers(threads), progress=progress, compute=run_job,
+                    meta=_base_meta(plan), kept=Kept(od, trusted), rename=rename, pack=pack, rotary=rotary).run()

@@ -1,57 +1,40 @@
-"""Streaming, resumable safetensors output.
+"""Streaming safetensors shards: the shard file.
 
 Every output tensor's dtype and shape is known from the plan, so each shard's header (and
 so every tensor's offset) is fixed before any data is computed: tensors are streamed to
 disk one at a time and memory stays bounded by the tensors in flight. Per-tensor results
 (path, error) go into a reserved, space-padded slot of the header when the shard is
-finished, which keeps offsets unchanged.
-
-Atomicity: the whole output is built in a hidden sibling folder and renamed at the end; a
-shard is written as ``<name>.tmp`` and renamed when complete; ``progress.json`` there records
-each finished shard's checksums so ``--resume`` can trust (after re-checking) what it keeps.
-
-Long: the shard file, its checksums and the output folder share one write path (staging
-buffers, direct writes, the header slot, the rename); split, each part would reach into the others.
+finished, which keeps offsets unchanged. A shard is written as ``<name>.tmp`` and renamed when
+complete. Its checksums are checksums.py's; the folder it is written in, workdir.py's.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import mmap
 import os
-import shutil
 import struct
 import threading
 import time
-import zlib
-from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from ._lazy import torch, torch_loaded
+from .checksums import CHECKSUMS, copy_checksums, data_digest, digest_kind, to_bytes
 from .errors import InputError, OutputError
 from .groups import MAX_SCALE
 from .plan import OutTensor
-from .workdir import partial_folder
+from .workdir import disk_error
 
-__all__ = [
-    "PROGRESS",
-    "assign_shards",
-    "shard_names",
-    "ShardFile",
-    "OutputDir",
-    "hash_shard",
-    "CHECKSUM_KEYS",
-    "to_bytes",
-    "PAGE",
-    "copy_checksums",
-]
+# names callers found here before they got homes of their own (checksums.py, workdir.py)
+from .checksums import CHECKSUM_KEYS, hash_shard, hash_shards, tensor_crc  # noqa: F401
+from .workdir import LOCK, MARKER, PROGRESS, REPORT_NAME, OutputDir, check_target, partial_folder  # noqa: F401
 
-PROGRESS = "progress.json"
+__all__ = ["assign_shards", "shard_names", "ShardFile", "BufferPool", "PAGE", "check_scale_bytes",
+           "check_scale_tensors"]
+
 SCALE_SUFFIX = ".weight_scale"  # the default format's W4A8 scales: checked as they are written
 REPORT_NAME = "int4pack_report.json"  # what marks a folder as an int4pack output
 # test hook: INT4PACK_TEST_SLOW_WRITE_MS=N sleeps N ms before each tensor is written, so that a
@@ -93,23 +76,6 @@ def shard_names(n: int) -> list[str]:
         return ["model.safetensors"]
     return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
-
-_BYTE_DTYPES: tuple = ()  # uint8 and int8, once torch is imported
-
-
-def to_bytes(t: torch.Tensor | memoryview | bytes) -> memoryview:
-    """A zero-copy byte view of a tensor (or pass-through for raw bytes)."""
-    global _BYTE_DTYPES
-    if isinstance(t, (memoryview, bytes, bytearray)):
-        return memoryview(t).cast("B") if isinstance(t, memoryview) else memoryview(t)
-    if not _BYTE_DTYPES:
-        _BYTE_DTYPES = (torch.uint8, torch.int8)
-    if t.dtype in _BYTE_DTYPES and t.is_contiguous() and not t.requires_grad and t.numel():
-        return memoryview(t.numpy()).cast("B")  # blobs and int8 weights: one torch call, not five
-    t = t.detach().contiguous().reshape(-1)
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def _file_order(tensors: list[OutTensor]) -> tuple[list[OutTensor], int]:
@@ -172,10 +138,6 @@ class BufferPool:
 _stages = BufferPool(_STAGES, _STAGE_BYTES)  # direct writes of single tensors
 
 
-def _copy_crc32(src: memoryview, dst: memoryview, crc: int) -> int:
-    dst[: len(src)] = src
-    return zlib.crc32(dst[: len(src)], crc)
-
 
 def _header_raw(planned: dict[str, tuple[OutTensor, int]], meta: dict[str, str]) -> bytes:
     """json.dumps({"__metadata__": meta, name: entry, ...}, separators=(",", ":")), built from the
@@ -190,43 +152,6 @@ def _header_raw(planned: dict[str, tuple[OutTensor, int]], meta: dict[str, str])
         parts.append(f',{json.dumps(name)}:{kind}{off},{off + t.nbytes}]}}')
     parts.append("}")
     return "".join(parts).encode()
-
-
-def json_pieces(obj, depth: int = 2) -> Iterator[str]:
-    """json.dumps(obj, sort_keys=True) in pieces: dicts with string keys split down to ``depth``."""
-    if isinstance(obj, dict) and obj and depth > 0 and all(type(k) is str for k in obj):
-        sep = "{"
-        for k, v in sorted(obj.items()):
-            yield f"{sep}{json.dumps(k)}: "
-            yield from json_pieces(v, depth - 1)
-            sep = ", "
-        yield "}"
-    else:
-        yield json.dumps(obj, sort_keys=True)
-
-
-def report_pieces(obj, level: int = 0, depth: int = 2):
-    """The report as JSON, one line per entry down to ``depth`` (one line per module), compact below;
-    in pieces, so a large report is written without a copy of it in memory, each line by the C encoder."""
-    if isinstance(obj, dict) and obj and level < depth:
-        pad, sep = "  " * (level + 1), "{\n"
-        for k, v in sorted(obj.items()):
-            yield f"{sep}{pad}{json.dumps(str(k))}: "
-            yield from report_pieces(v, level + 1, depth)
-            sep = ",\n"
-        yield "\n" + "  " * level + "}"
-    else:
-        yield json.dumps(obj, sort_keys=True, separators=(", ", ": "))
-
-
-def index_pieces(total_size: int, weight_map: dict[str, str]):
-    """json.dumps({"metadata": ..., "weight_map": sorted}, indent=2) + newline, in pieces."""
-    yield f'{{\n  "metadata": {{\n    "total_size": {int(total_size)}\n  }},\n  "weight_map": {{'
-    sep = "\n"
-    for name in sorted(weight_map):
-        yield f"{sep}    {json.dumps(name)}: {json.dumps(weight_map[name])}"
-        sep = ",\n"
-    yield "\n  }\n}\n" if weight_map else "}\n}\n"
 
 
 # a scale's dtype -> (its bits as unsigned ints, the sign bit cleared, the shift to float32's bits)
@@ -261,15 +186,6 @@ def check_scale_tensors(tensors) -> None:
             from .sources.checkpoint import DTYPE_NAMES
 
             check_scale_bytes(name, to_bytes(data), DTYPE_NAMES.get(data.dtype))
-
-
-def _disk_error(path: Path, e: OSError) -> OutputError:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return OutputError(f"{path}: no space left on the device", path=str(path),
-                           hint="Free some space (or pick another OUT) and re-run with --resume; "
-                                "finished shards are kept.")
-    return OutputError(f"{path}: cannot write ({e.strerror or e})", path=str(path),
-                       hint="Check permissions and free space, then re-run with --resume.")
 
 
 class ShardFile:
@@ -326,7 +242,7 @@ class ShardFile:
             self._direct = self._dfd is not None
         except OSError as e:
             self.abort()
-            raise _disk_error(self.tmp, e) from e
+            raise disk_error(self.tmp, e) from e
 
     def complete(self) -> bool:
         return len(self.crc) == len(self.tensors)
@@ -359,7 +275,7 @@ class ShardFile:
         off = 8 + self.header_len + begin
         pieces = chunks if buf is None else (buf,)
         crc = 0
-        check = _CHECKSUMS[self.digest_kind][1]
+        check = CHECKSUMS[self.digest_kind][1]
         try:
             if self._io_error is not None:
                 raise self._io_error
@@ -378,7 +294,7 @@ class ShardFile:
                     self._pwrite(piece, off)
                 off += len(piece)
         except OSError as e:
-            raise _disk_error(self.tmp, e) from e
+            raise disk_error(self.tmp, e) from e
         with self._lock:
             if name in self.crc:
                 raise OutputError(f"internal: {name} written twice in {self.path.name}", tensor=name)
@@ -427,7 +343,7 @@ class ShardFile:
             else:
                 self._write_spans(spans, buf, None)
         except OSError as e:
-            raise _disk_error(self.tmp, e) from e
+            raise disk_error(self.tmp, e) from e
         finally:
             if not queued and release is not None:
                 release(buf)
@@ -467,7 +383,7 @@ class ShardFile:
         checksumming as they are copied, and queue each full buffer for the I/O thread; returns the
         CRC. Whole stages only, and the tensor's last: pieces of any size keep each write aligned.
         ``direct`` False: any tensor, which the I/O thread writes through the page cache."""
-        copy = _CHECKSUMS[self.digest_kind][2]
+        copy = CHECKSUMS[self.digest_kind][2]
         stage, fill, crc = None, 0, 0
         try:
             for piece in pieces:
@@ -520,7 +436,7 @@ class ShardFile:
         try:
             os.fdatasync(self._fh.fileno())
         except OSError as e:
-            raise _disk_error(self.tmp, e) from e
+            raise disk_error(self.tmp, e) from e
 
     def finish(self, results: dict[str, dict]) -> dict:
         """Write the final header (with per-tensor results), fsync, rename. Returns checksums."""
@@ -549,10 +465,10 @@ class ShardFile:
             os.replace(self.tmp, self.path)
         except OSError as e:
             self.abort()
-            raise _disk_error(self.path, e) from e
+            raise disk_error(self.path, e) from e
         return {"size": 8 + self.header_len + self.data_size,
                 "header_sha256": digest.hexdigest(),
-                "data_digest": _data_digest((self.crc[t.name] for t in self.tensors), self.digest_kind)}
+                "data_digest": data_digest((self.crc[t.name] for t in self.tensors), self.digest_kind)}
 
     def _wait_io(self) -> None:
         """Every queued direct write done (raising the first failure), and the descriptor closed."""
@@ -582,374 +498,3 @@ class ShardFile:
             pass
 
 
-# kind -> (tag hashed first, checksum(data, crc) -> crc, copy_checksum(src, dst, crc) -> crc: the
-# direct writer's staging copy). crc32c (hardware, in the extension) is written when the extension
-# is loaded, zlib's crc32 without it; "crc32c:" prefixes its digests, and a bare hex digest
-# (int4pack 0.1.0 before this change) is crc32
-# kernels.py imports torch: imported on first use, not with this module (convert's plan imports it)
-def _crc32c(data, crc: int = 0) -> int:
-    from . import kernels
-
-    return kernels.crc32c(data, crc)
-
-
-def _crc32c_copy(src, dst, crc: int = 0) -> int:
-    from . import kernels
-
-    return kernels.crc32c_copy(src, dst, crc)
-
-
-_CHECKSUMS = {"crc32": (b"int4pack-crc32-v1", zlib.crc32, _copy_crc32),
-              "crc32c": (b"int4pack-crc32c-v1", _crc32c, _crc32c_copy)}
-
-
-def tensor_crc(data, kind: str) -> int:
-    """The CRC a shard of ``kind`` records for one tensor (a tensor, bytes or chunked TensorBytes)."""
-    check = _CHECKSUMS[kind][1]
-    crc = 0
-    for piece in (data.chunks() if hasattr(data, "chunks") else (to_bytes(data),)):
-        crc = check(piece, crc)
-    return crc
-
-
-def digest_kind(digest: str | None = None) -> str:
-    """The checksum kind of a recorded data_digest; with none, the kind a new shard gets."""
-    if digest is None:
-        from . import kernels
-
-        return "crc32c" if kernels.ext() is not None else "crc32"
-    return "crc32c" if str(digest).startswith("crc32c:") else "crc32"
-
-
-def copy_checksums(results: dict[str, dict], crcs: dict[str, int], kind: str) -> dict[str, dict]:
-    """A shard's per-tensor header entries with each copied tensor's own CRC added (``{kind: hex}``):
-    a copied tensor (a router, a norm) has no other record of its bytes in the shard, so one
-    changed in place would pass a verify without the report (or with a resealed one)."""
-    return {name: {**ent, kind: f"{crcs[name]:08x}"} if ent.get("path") == "copy" and name in crcs else ent
-            for name, ent in results.items()}
-
-
-def _data_digest(crcs, kind: str) -> str:
-    """The shard's data checksum: sha256 over its tensors' CRCs in file order.
-
-    A CRC runs at several GB/s (CRC-32C with SSE4.2 at ~13, zlib's CRC-32 at 2-6, sha256 at
-    ~1.8) and is computed per tensor by the worker that wrote it; it catches any burst error up
-    to 32 bits and any other change with probability 1 - 2**-32 per tensor, which is what resume
-    and verify need (tamper-proofing is not a goal).
-    """
-    h = hashlib.sha256(_CHECKSUMS[kind][0])
-    for c in crcs:
-        h.update(int(c).to_bytes(4, "big"))
-    return ("crc32c:" if kind == "crc32c" else "") + h.hexdigest()
-
-
-def hash_shard(path: Path, like: str | None = None, per_tensor: dict | None = None) -> dict:
-    """Re-checksum a finished shard the same way finish() recorded it (data_digest None if the
-    header no longer parses); ``like`` is the recorded digest, whose kind is used. ``per_tensor``,
-    if given, receives each tensor's CRC by name."""
-    kind = digest_kind(like)
-    check = _CHECKSUMS[kind][1]
-    with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        n = int.from_bytes(fh.read(8), "little")
-        header = fh.read(min(n, max(0, size - 8)))
-        out = {"size": size, "header_sha256": hashlib.sha256(header).hexdigest(), "data_digest": None}
-        try:
-            hdr = json.loads(header)
-            named = sorted((tuple(v["data_offsets"]), k) for k, v in hdr.items() if k != "__metadata__")
-            spans = [sp for sp, _ in named]
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return out
-        base = 8 + n
-        crcs = []
-        buf = bytearray(1 << 24)
-        for a, b in spans:
-            crc, off = 0, a
-            while off < b:
-                k = os.preadv(fh.fileno(), [memoryview(buf)[: min(len(buf), b - off)]], base + off)
-                if k <= 0:
-                    return out
-                crc = check(memoryview(buf)[:k], crc)
-                off += k
-            crcs.append(crc)
-    if per_tensor is not None:
-        per_tensor.update((k, c) for (_, k), c in zip(named, crcs))
-    out["data_digest"] = _data_digest(crcs, kind)
-    return out
-
-
-CHECKSUM_KEYS = ("size", "header_sha256", "data_digest")
-
-
-def check_target(out: Path, source: Path, *, overwrite: bool) -> None:
-    """Refuse an OUT that a run could not write or must not replace, changing nothing: what
-    ``OutputDir.open`` checks first, and what ``convert --dry-run`` checks so that it says ok only to
-    what the run accepts."""
-    out = out.expanduser().absolute()
-    _check_place(out, source)
-    _check_existing(out, overwrite)
-    _check_work(partial_folder(out))
-
-
-def _check_place(out: Path, source: Path) -> None:
-    if out.is_symlink() and not out.exists():  # the final rename would fail after the whole run
-        raise OutputError(f"{out}: is a symlink to {os.readlink(out)}, which does not exist", path=str(out),
-                          hint="Remove the link or pick another OUT.")
-    src, outr = source.resolve(), out.resolve()
-    if outr == src or src in outr.parents:
-        raise OutputError(f"{out}: is inside the source folder {src}", path=str(out),
-                          hint="The source is read-only to int4pack; write the output elsewhere.")
-    if outr in src.parents:
-        raise OutputError(f"{out}: contains the source folder {src}", path=str(out),
-                          hint="Pick an OUT that does not contain the source.")
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: exists and is not a folder", path=str(out),
-                          hint="Remove the file or pick another OUT.")
-
-
-def _check_existing(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise OutputError(f"{out}: already exists", path=str(out),
-                          hint="Pass --overwrite to replace it, or pick another OUT.")
-    if out.exists() and any(out.iterdir()) and not (out / REPORT_NAME).is_file():
-        # --overwrite replaces a previous int4pack output, never an arbitrary folder
-        raise OutputError(f"{out}: is not empty and is not an int4pack output (no {REPORT_NAME})",
-                          path=str(out), hint="Pick another OUT, or remove that folder yourself.")
-
-
-def _check_work(work: Path) -> None:
-    if work.is_symlink():
-        raise OutputError(f"{work}: the work folder is a symlink (to {os.readlink(work)})", path=str(work),
-                          hint="int4pack builds the output in a folder of its own; remove the link and run again.")
-    if work.exists() and hasattr(os, "getuid") and work.stat().st_uid != os.getuid():
-        raise OutputError(f"{work}: the work folder belongs to another user (uid {work.stat().st_uid})",
-                          path=str(work), hint="Remove it, or write the output elsewhere.")
-    if work.exists() and not _is_ours(work):
-        raise OutputError(f"{work}: exists but is not an int4pack work folder", path=str(work),
-                          hint="Remove it (it is not ours) and run again.")
-
-
-@dataclass
-class OutputDir:
-    """The final folder, its hidden work folder, and the resume state inside it.
-
-    A work folder is int4pack's when it holds ``MARKER`` (written atomically right after the folder
-    is made, before anything else), or nothing but the files written before it (a run killed
-    there), or a ``progress.json`` (int4pack 0.1.0). One run writes it at a time: ``LOCK`` in it is
-    held with ``fcntl.flock`` for the whole run and names the running process."""
-
-    final: Path
-    work: Path
-    fingerprint: str
-    progress: dict
-    lock_fd: int | None = None
-
-    @classmethod
-    def open(cls, out: Path, source: Path, fingerprint: str, *, overwrite: bool, resume: bool) -> "OutputDir":
-        out = out.expanduser().absolute()
-        _check_place(out, source)
-        if out.is_dir() and (out / REPORT_NAME).is_file():
-            _drop_work_files(out)  # left by a run stopped inside commit(), after its rename: the output is whole
-        _check_existing(out, overwrite)
-        try:  # missing parents are created, as mkdir -p would
-            out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OutputError(f"{out.parent}: cannot create the output's parent folder: {e.strerror or e}",
-                              path=str(out.parent), hint="Pick an OUT whose parent can be a folder.") from e
-        work = partial_folder(out)
-        _check_work(work)
-        progress = {"fingerprint": fingerprint, "shards": {}, "jobs": {}}
-        try:
-            work.mkdir(parents=False, exist_ok=True)
-        except OSError as e:
-            raise _disk_error(work, e) from e
-        lock_fd = _lock(work)  # before anything in it is read or removed: another run may own it
-        try:
-            old = None
-            state = work / PROGRESS
-            if state.is_file() and not state.is_symlink():
-                try:
-                    old = json.loads(state.read_text())
-                except (OSError, ValueError):
-                    old = None
-            if resume and isinstance(old, dict) and old.get("fingerprint") == fingerprint:
-                progress = old
-            else:
-                _clear(work)
-            od = cls(out, work, fingerprint, progress, lock_fd)
-            if not (work / MARKER).is_file():
-                od.write_file(MARKER, (json.dumps({"int4pack_work_folder": 1, "output": out.name}) + "\n").encode())
-            od.save_progress()
-        except BaseException:
-            os.close(lock_fd)
-            raise
-        return od
-
-    def save_progress(self) -> None:
-        # in pieces: its per-module results grow with the model and it is rewritten at every shard
-        self.write_file(PROGRESS, json_pieces(self.progress))
-
-    def trusted_shards(self, names: list[str] | None = None) -> set[str]:
-        """Finished shards whose bytes still match their recorded checksums: candidates only, which
-        convert keeps once every tensor in them matches what the source gives again (``kept_crcs``:
-        shard -> tensor -> CRC). A folder entry that is a link is never kept."""
-        ok = set()
-        self.kept_crcs: dict[str, dict[str, int]] = {}
-        shards = self.progress.get("shards")
-        if not isinstance(shards, dict):
-            shards = self.progress["shards"] = {}
-        for name, rec in shards.items():
-            p = self.work / name
-            if names is not None and name not in names or not isinstance(rec, dict) or p.is_symlink():
-                continue
-            crcs: dict[str, int] = {}
-            if p.is_file() and p.stat().st_size == rec.get("size") and hash_shard(
-                    p, rec.get("data_digest") if isinstance(rec.get("data_digest"), str) else None, crcs) == {
-                    k: rec.get(k) for k in CHECKSUM_KEYS}:
-                ok.add(name)
-                self.kept_crcs[name] = crcs
-        # forget anything we could not verify, and stray temp files
-        self.progress["shards"] = {k: {c: v[c] for c in CHECKSUM_KEYS} for k, v in shards.items() if k in ok}
-        self.progress["jobs"] = {}  # a run's statistics are its own: every job runs again
-        for p in self.work.glob("*.tmp"):
-            p.unlink(missing_ok=True)
-        return ok
-
-    def drop_shard(self, name: str) -> None:
-        """Forget a kept shard that did not hold what the source gives (removed; the next --resume redoes it)."""
-        self.progress.get("shards", {}).pop(name, None)
-        (self.work / name).unlink(missing_ok=True)
-        self.save_progress()
-
-    def write_file(self, name: str, data: bytes | Iterable[str]) -> None:
-        """Write ``name`` atomically: bytes, or text given in pieces (UTF-8)."""
-        p = self.work / name
-        tmp = p.with_name(p.name + ".tmp")
-        try:
-            if isinstance(data, (bytes, bytearray, memoryview)):
-                tmp.write_bytes(data)
-            else:
-                with open(tmp, "w", encoding="utf-8") as fh:
-                    for piece in data:
-                        fh.write(piece)
-            os.replace(tmp, p)
-        except OSError as e:
-            raise _disk_error(p, e) from e
-
-    def copy_file(self, src: Path) -> None:
-        try:
-            shutil.copyfile(src, self.work / src.name)
-        except OSError as e:
-            raise _disk_error(self.work / src.name, e) from e
-
-    def commit(self) -> None:
-        """Swap the finished work folder into place (replacing OUT only when overwriting). The work
-        files (progress, marker, lock) go once it is in place: a run stopped before that leaves a
-        work folder the next run resumes, one stopped after it a whole OUT (open() tidies it)."""
-        old = None
-        try:
-            if self.final.exists():
-                old = self.final.parent / f".{self.final.name}.int4pack-old"
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(self.final, old)
-            os.replace(self.work, self.final)
-        except OSError as e:
-            raise _disk_error(self.final, e) from e
-        _drop_work_files(self.final)
-        self.release()
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-    def release(self) -> None:
-        """Let go of the work folder's lock (the process's exit does the same)."""
-        fd, self.lock_fd = self.lock_fd, None
-        if fd is not None:
-            os.close(fd)
-
-
-MARKER = "int4pack-work.json"  # written first in a work folder: it is ours
-LOCK = "int4pack.lock"  # flock'ed by the run writing the folder; holds its process id
-_WORK_FILES = (PROGRESS, MARKER, LOCK)
-_BEFORE_MARKER = {LOCK, MARKER + ".tmp"}  # what a run writes in a new work folder before its marker
-
-
-def _is_ours(work: Path) -> bool:
-    """A work folder int4pack made: the marker, int4pack 0.1.0's progress file, or only what comes
-    before the marker (a run killed between making the folder and writing it)."""
-    if not work.is_dir():
-        return False
-    for name in (MARKER, PROGRESS):
-        p = work / name
-        if p.is_file() and not p.is_symlink():
-            return True
-    try:
-        return all(e.name in _BEFORE_MARKER and e.is_file(follow_symlinks=False) for e in os.scandir(work))
-    except OSError:
-        return False
-
-
-def _lock(work: Path) -> int:
-    """Take the work folder's lock (a file in it, flock'ed) and write this process's id in it;
-    refuse, naming the holder, while another run has it."""
-    path = work / LOCK
-    for _ in range(20):
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError as e:
-            raise _disk_error(path, e) from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                return fd  # a file system without flock (some network mounts): the run goes on unlocked
-            holder = _holder(fd)
-            os.close(fd)
-            raise OutputError(f"{work.parent / work.name[1:].removesuffix('.int4pack-partial')}: another int4pack "
-                              f"run ({holder}) is writing this output in {work}", path=str(work),
-                              hint="Wait for it to finish (or stop it), then run again.") from None
-        try:  # the folder may have been renamed into OUT (or removed) while this run waited to lock it
-            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
-        except OSError:
-            same = False
-        if not same:
-            os.close(fd)
-            work.mkdir(exist_ok=True)
-            continue
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
-    raise OutputError(f"{work}: the work folder keeps changing under this run", path=str(work),
-                      hint="Another process is using it; wait for it, then run again.")
-
-
-def _holder(fd: int) -> str:
-    """'process N' as the lock file names its holder (it writes its id just after locking)."""
-    for _ in range(50):
-        pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
-        if pid:
-            return f"process {pid}"
-        time.sleep(0.01)
-    return "process id not yet written"
-
-
-def _clear(work: Path) -> None:
-    """Empty the work folder for a fresh run, keeping the lock this run holds in it."""
-    for e in os.scandir(work):
-        if e.name == LOCK:
-            continue
-        if e.is_dir(follow_symlinks=False):
-            shutil.rmtree(e.path)
-        else:
-            os.unlink(e.path)
-
-
-def _drop_work_files(folder: Path) -> None:
-    """The work folder's own files, out of a committed output."""
-    for name in _WORK_FILES:
-        p = folder / name
-        if p.is_file() or p.is_symlink():
-            try:
-                p.unlink()
-            except OSError:
-                pass

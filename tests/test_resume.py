@@ -3,6 +3,7 @@ and released tensors keep no pages mapped."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import int4pack
-from int4pack import writer
+from int4pack import workdir, writer
 from int4pack.errors import Int4packError, OutputError
 from int4pack.sources.checkpoint import Checkpoint
 from int4pack.plan import make_plan
@@ -115,8 +116,9 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path, monkeypatch):
     assert len(interrupted) >= 4, f"too few kills landed mid-run: {figures}"
 
 
-def test_partial_shard_and_unrecorded_shard_are_not_trusted(tmp_path):
-    """A leftover .tmp shard and a finished-looking shard missing from progress.json are both redone."""
+def test_partial_shard_and_unrecorded_shard_are_not_trusted(tmp_path, monkeypatch):
+    """A leftover .tmp shard and a finished-looking shard missing from progress.json are both redone
+    (and an honest recorded one, beside them, is kept)."""
     src = FIXTURES / "gptq_q3_sym"
     ref = tmp_path / "ref"
     int4pack.convert(src, ref, max_shard_size="200KB")
@@ -128,7 +130,7 @@ def test_partial_shard_and_unrecorded_shard_are_not_trusted(tmp_path):
     # truncated copy of shard 1 under its final name and a half shard 2 as .tmp
     with Checkpoint(src) as ck:
         plan = make_plan(ck)
-        fp = plan.fingerprint(ck) + f"|{200_000}"
+        fp = importlib.import_module("int4pack.convert").work_fingerprint(plan, ck, 200_000, False)
     (work / writer.PROGRESS).write_text(json.dumps({"fingerprint": fp, "shards": {}, "jobs": {}}))
     (work / names[0]).write_bytes((ref / names[0]).read_bytes()[:-10])
     (work / (names[1] + ".tmp")).write_bytes((ref / names[1]).read_bytes()[:5000])
@@ -138,9 +140,13 @@ def test_partial_shard_and_unrecorded_shard_are_not_trusted(tmp_path):
     rec = writer.hash_shard(ref / names[2])
     prog = json.loads((work / writer.PROGRESS).read_text())
     prog["shards"][names[2]] = rec
+    shutil.copyfile(ref / names[3], work / names[3])
+    prog["shards"][names[3]] = writer.hash_shard(ref / names[3])
     (work / writer.PROGRESS).write_text(json.dumps(prog))
+    rewritten = _spy_shard_writes(monkeypatch)
     int4pack.convert(src, out, max_shard_size="200KB", resume=True)
     assert _same_files(out, ref)
+    assert set(names[:3]) <= set(rewritten) and names[3] not in rewritten
 
 
 def _mapped_pages(m, lo: int, hi: int) -> int:
@@ -227,8 +233,8 @@ def _commit_cut_at(step: int, monkeypatch) -> None:
         return go
 
     for name in ("replace", "unlink", "rename"):
-        monkeypatch.setattr(writer.os, name, cut(getattr(os, name)))
-    monkeypatch.setattr(writer.shutil, "rmtree", cut(shutil.rmtree))
+        monkeypatch.setattr(workdir.os, name, cut(getattr(os, name)))
+    monkeypatch.setattr(workdir.shutil, "rmtree", cut(shutil.rmtree))
 
 
 @pytest.mark.parametrize("first", ["new", "--overwrite"])
@@ -296,3 +302,191 @@ def test_one_writer_per_output(tmp_path, resume):
         first.release()
     int4pack.convert(SMALL, out, resume=resume)  # the lock is gone with its holder
     assert not writer.partial_folder(out).exists()
+
+
+# --------------------------------------------------------------------------- what --resume does not redo
+
+def _stopped_at_commit(src: Path, out: Path, monkeypatch, **kw) -> Path:
+    """A run stopped just before its output was swapped into place: every shard finished."""
+    def stop(self):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(writer.OutputDir, "commit", stop)
+        with pytest.raises(KeyboardInterrupt):
+            int4pack.convert(src, out, **kw)
+    return writer.partial_folder(out)
+
+
+def _count_jobs(monkeypatch) -> list:
+    """Every job convert computes, per job (run_job) or in a C++ batch (batch.run_batch)."""
+    from int4pack import batch
+    conv = importlib.import_module("int4pack.convert")  # int4pack.convert is the function
+
+    ran: list = []
+    real_job, real_batch = conv.run_job, batch.run_batch
+
+    def job(j, *a, **k):
+        ran.append(j.key)
+        return real_job(j, *a, **k)
+
+    def run_batch(b, *a, **k):
+        ran.extend(j.key for j in b.jobs)
+        return real_batch(b, *a, **k)
+
+    monkeypatch.setattr(conv, "run_job", job)
+    monkeypatch.setattr(batch, "run_batch", run_batch)
+    return ran
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "kleidiai"])
+def test_resume_after_the_last_shard_runs_no_job_and_writes_a_fresh_runs_bytes(tmp_path, monkeypatch, fmt):
+    """Stopped after its last shard: --resume computes nothing (no source read, requant or packing for
+    kept shards), and every file of OUT (shards, index, config, report) equals a fresh run's."""
+    kw = dict(max_shard_size="200KB", serve_format=fmt)
+    fresh = tmp_path / "fresh"
+    want = int4pack.convert(SMALL, fresh, **kw)
+    out = tmp_path / "out"
+    work = _stopped_at_commit(SMALL, out, monkeypatch, **kw)
+    assert len(_finished(work)) == len(want["shards"]) > 1
+    ran = _count_jobs(monkeypatch)
+    rewritten = _spy_shard_writes(monkeypatch)
+    got = int4pack.convert(SMALL, out, resume=True, **kw)
+    assert ran == [] and rewritten == []
+    assert got["resume"]["kept_shards"] == sorted(want["shards"])
+    assert _same_files(out, fresh)
+    assert json.loads(json.dumps(got["modules"])) == json.loads(json.dumps(want["modules"]))
+
+
+def test_resume_runs_only_the_jobs_of_shards_not_kept(tmp_path, monkeypatch):
+    """Stopped mid-run: the jobs whose outputs all lie in kept shards do not run again; the others do,
+    and the output's bytes equal a fresh run's."""
+    from int4pack import batch
+    conv = importlib.import_module("int4pack.convert")  # int4pack.convert is the function
+
+    src = FIXTURES / "gptq_q3_asym"  # requant: the jobs skipped are the expensive kind
+    fresh = tmp_path / "fresh"
+    int4pack.convert(src, fresh, max_shard_size="100KB")
+    out = tmp_path / "out"
+    calls = {"n": 0}
+    real_job, real_batch = conv.run_job, batch.run_batch
+
+    def stop_late(job, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > 25:
+            raise KeyboardInterrupt
+        return real_job(job, *a, **k)
+
+    def stop_late_batch(b, *a, **k):
+        calls["n"] += len(b.jobs)
+        if calls["n"] > 25:
+            raise KeyboardInterrupt
+        return real_batch(b, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(conv, "run_job", stop_late)
+        m.setattr(batch, "run_batch", stop_late_batch)
+        with pytest.raises(KeyboardInterrupt):
+            int4pack.convert(src, out, max_shard_size="100KB", threads=1)
+    kept = set(_finished(writer.partial_folder(out)))
+    assert kept
+    with Checkpoint(src) as ck:
+        plan = make_plan(ck)
+    layout = {t.name: n for n, s in zip(writer.shard_names(len(writer.assign_shards(plan.outputs, 100_000))),
+                                        writer.assign_shards(plan.outputs, 100_000)) for t in s}
+    needed = sorted(j.key for j in plan.jobs if any(layout[t.name] not in kept for t in j.outputs))
+    ran = _count_jobs(monkeypatch)
+    int4pack.convert(src, out, max_shard_size="100KB", resume=True)
+    assert sorted(k for k in ran if k in {j.key for j in plan.jobs if j.kind != "copy"}) == \
+        [k for k in needed if k in {j.key for j in plan.jobs if j.kind != "copy"}]
+    assert len(needed) < len(plan.jobs)
+    assert _same_files(out, fresh)
+
+
+def test_resume_keeps_no_shard_of_a_source_edited_with_its_mtime_put_back(tmp_path, monkeypatch):
+    """A source file changed in place after the interruption, its size and mtime put back (as
+    ``touch -r`` or ``cp -p`` would): nothing is kept, and the output equals a fresh run's of the
+    edited source."""
+    src = tmp_path / "src"
+    shutil.copytree(SMALL, src)
+    out = tmp_path / "out"
+    work = _stopped_at_commit(src, out, monkeypatch, max_shard_size="200KB")
+    assert _finished(work)
+    shard = next(src.glob("*.safetensors"))
+    with Checkpoint(src) as ck:
+        info = ck.info("model.layers.0.mlp.gate.weight")  # a router: copied as it is
+        assert info.file == shard.name
+    st = shard.stat()
+    with open(shard, "r+b") as fh:  # begin: the tensor's offset in the file
+        fh.seek(info.begin + 1)
+        b = fh.read(1)
+        fh.seek(info.begin + 1)
+        fh.write(bytes([b[0] ^ 0x40]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_mtime_ns == st.st_mtime_ns and shard.stat().st_size == st.st_size
+    rewritten = _spy_shard_writes(monkeypatch)
+    rep = int4pack.convert(src, out, max_shard_size="200KB", resume=True)
+    assert rep["resume"]["kept_shards"] == [] and sorted(rewritten) == sorted(rep["shards"])
+    fresh = tmp_path / "fresh"
+    int4pack.convert(src, fresh, max_shard_size="200KB")
+    assert _same_files(out, fresh)
+    clean = tmp_path / "clean"
+    int4pack.convert(SMALL, clean, max_shard_size="200KB")
+    assert not _same_files(out, clean)  # the edit reached the output
+
+
+# --------------------------------------------------------------------------- a SIGBUS inside the C++ read
+
+_SIGBUS_RUN = r"""
+import os, signal, sys
+import int4pack
+from int4pack import kernels
+lib = type(kernels.ext())
+real, calls = lib.lossless_batch, [0]
+def faulting(self, *a, **k):  # what a shard cut under the C++ read does: SIGBUS, the process ends
+    calls[0] += 1
+    if calls[0] == int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGBUS)
+    return real(self, *a, **k)
+lib.lossless_batch = faulting
+int4pack.convert(sys.argv[1], sys.argv[2], max_shard_size="100KB", threads=1)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGBUS"), reason="POSIX signals")
+def test_a_sigbus_inside_a_cpp_batch_leaves_no_output_that_looks_complete(tmp_path):
+    """A source shard cut while the C++ batch reads its mapped bytes ends the process with SIGBUS
+    (no Python check can stand between the kernel and the page). What it leaves must not look
+    complete: no OUT, only checksummed shards recorded; the next run with the shard still cut is a
+    clean error naming it, and once the source is whole again --resume gives a fresh run's bytes."""
+    from int4pack import kernels
+
+    if kernels.ext() is None:
+        pytest.skip("the C++ batches need the kernels")
+    src = tmp_path / "src"
+    shutil.copytree(FIXTURES / "gptq_q3_sym", src)
+    fresh = tmp_path / "fresh"
+    int4pack.convert(src, fresh, max_shard_size="100KB")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-c", _SIGBUS_RUN, str(src), str(out), "12"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == -signal.SIGBUS, (r.returncode, r.stderr[-2000:])
+    work = writer.partial_folder(out)
+    assert not out.exists() and work.is_dir()
+    recorded = json.loads((work / writer.PROGRESS).read_text())["shards"]
+    assert recorded, "the fault came before any shard was finished"
+    assert len(recorded) < len(list(fresh.glob("*.safetensors")))
+    for name, rec in recorded.items():  # what the progress file vouches for is whole
+        assert writer.hash_shard(work / name, rec["data_digest"]) == rec
+        assert (work / name).read_bytes() == (fresh / name).read_bytes()
+    assert not (work / "config.json").exists() and not (work / writer.REPORT_NAME).exists()
+
+    shard = sorted(src.glob("*.safetensors"))[-1]
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])  # still cut
+    r = _cli(["convert", str(src), str(out), "--max-shard-size", "100KB", "--resume"])
+    assert r.returncode == 3 and shard.name in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists()
+    shard.write_bytes(whole)
+    int4pack.convert(src, out, max_shard_size="100KB", resume=True)
+    assert _same_files(out, fresh)

@@ -8,7 +8,6 @@ from the writer.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import threading
 import zlib
@@ -19,13 +18,12 @@ import torch
 from safetensors import safe_open
 
 import int4pack
-from int4pack import kernels, writer
+from int4pack import kernels, pipeline, writer
 from int4pack.errors import OutputError
 from int4pack.plan import OutTensor
 
 from _reference import FIXTURES, bitwise_crc32c
 
-convert_mod = importlib.import_module("int4pack.convert")  # the module (int4pack.convert is the function)
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -161,7 +159,7 @@ def test_flushing_open_shards_changes_no_byte(tmp_path, monkeypatch):
 
     ref = tmp_path / "ref"
     int4pack.convert(FIXTURES / "gptq_q3_sym", ref)
-    monkeypatch.setattr(convert_mod, "FLUSH_BYTES", 1)
+    monkeypatch.setattr(pipeline, "FLUSH_BYTES", 1)
     monkeypatch.setattr(writer.ShardFile, "flush", flush)
     out = tmp_path / "out"
     int4pack.convert(FIXTURES / "gptq_q3_sym", out)
@@ -416,3 +414,25 @@ def test_pairs_that_fill_whole_pages_lie_together_and_go_to_the_disk_directly(tm
         else:
             assert not direct
         assert _stages_idle()
+
+
+# ----------------------------------------------------------------------------- the modules' shape
+
+CONVERT_IO = ("convert", "pipeline", "writer", "workdir", "checksums", "workers")
+
+
+def test_no_module_imports_a_private_name_of_converts_modules():
+    """Checksums, the output folder and the job pool each have a public face: no module of int4pack
+    reaches into their private names (verify_scan took the writer's checksum code that way)."""
+    import ast
+
+    root = Path(int4pack.__file__).resolve().parent
+    bad = []
+    for p in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").rsplit(".", 1)[-1] in CONVERT_IO:
+                bad += [f"{p.relative_to(root)}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert bad == []
+    for name in CONVERT_IO:  # and each stays short enough to read
+        lines = len((root / f"{name}.py").read_text().splitlines())
+        assert lines <= 500, (name, lines)
