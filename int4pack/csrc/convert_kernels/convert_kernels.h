@@ -289,6 +289,7 @@ int64_t requant_job(const JobArgs& a, int8_t* q, float* s, uint8_t* flags, doubl
                     int64_t* report, int64_t threads);
 bool requant_supported();  // whether this CPU runs requant_rows (see requant.cpp)
 void search_batches(int64_t* out);  // histogram batches searched in float32, float64
+void element_groups(int64_t* out);  // element groups decided in float32 batches, one by one in float64
 bool force_search64(bool on);  // tests: returns the previous setting
 
 // ---- crc32c.cpp
