@@ -390,6 +390,24 @@ def test_e4m3_table_covers_every_byte():
     assert math.isnan(float(b[~finite][:1].view(torch.float8_e4m3fn).float()))
 
 
+def test_e2m1_and_e8m0_tables_cover_every_byte():
+    """The FP4 decoding against torch's own float types for all 256 bytes: each byte's two E2M1 codes
+    (low nibble first, the OCP MX value set) and E8M0 2^(e - 127), 255 (NaN) refused."""
+    from int4pack.formats.minifloat import e8m0, unpack_e2m1
+
+    b = torch.arange(256, dtype=torch.uint8)
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    want = torch.stack([e2m1[(b & 0x0F).long()], e2m1[(b >> 4).long()]], dim=-1).reshape(2, 256)
+    got = unpack_e2m1(b.reshape(2, 128))
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 kept
+    assert unpack_e2m1(b.reshape(4, 2, 32)).shape == (4, 2, 64)
+    ok = b[:255]
+    assert torch.equal(e8m0(ok), ok.view(torch.float8_e8m0fnu).float())
+    assert float(e8m0(torch.tensor([0], dtype=torch.uint8))) == 2.0**-127
+    with pytest.raises(ValueError):
+        e8m0(b)
+
+
 # ---- the real producers' checkpoints (tests/fixtures/README.md, "Other source formats")
 
 def _raw(folder) -> dict:
