@@ -260,6 +260,9 @@ def main() -> None:
                     row.update({"other_tree": str(a.compare_tree), "other_mparam_s": round(params / other["seconds"] / 1e6, 1),
                                 "other_convert_s": round(other["seconds"], 2), "other_all_s": other["all_seconds"],
                                 "other_rss_mb": round(other["rss_mb"]), "other_module": other["module"],
+                                "other_cpu_user_s": round(other["cpu_user"], 2), "other_cpu_sys_s": round(other["cpu_sys"], 2),
+                                "cpu_speedup_vs_other": round((other["cpu_user"] + other["cpu_sys"]) /
+                                                              (conv["cpu_user"] + conv["cpu_sys"]), 3),
                                 "speedup_vs_other": round(other["seconds"] / conv["seconds"], 3),
                                 "other_plan_s": _least(other["plan_all"])})
                 rows.append(row)
@@ -277,9 +280,11 @@ def main() -> None:
     if a.compare_tree is not None:
         print()
         print_table(["format", "input GB", "threads", "Mparam/s this tree", f"Mparam/s {a.compare_tree}", "speedup",
-                     "peak RSS MB this / that", "plan s this / that"],
+                     "CPU s this / that", "CPU speedup", "peak RSS MB this / that", "plan s this / that"],
                     [[f"{r['format']} {r['serve_format']}", r["in_gb"], r["threads"], r["mparam_s"], r["other_mparam_s"],
                       r["speedup_vs_other"],
+                      f"{r['convert_cpu_user_s'] + r['convert_cpu_sys_s']:.2f} / {r['other_cpu_user_s'] + r['other_cpu_sys_s']:.2f}",
+                      r["cpu_speedup_vs_other"],
                       f"{r['rss_mb']} / {r['other_rss_mb']}", f"{r['plan_s']} / {r['other_plan_s']}"] for r in rows])
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))

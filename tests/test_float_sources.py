@@ -378,6 +378,19 @@ def test_fused_float_experts_in_the_requant_batches_are_the_per_job_bytes(tmp_pa
     assert (batched >= experts) if not transposed else (batched < experts)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nvfp4_global_scale_read_for_the_batches_is_torchs_value(tmp_path, dtype):
+    """The batches read NVFP4's global scale without torch: the value torch reads, in each dtype."""
+    from int4pack.formats.fp4 import _scalar
+
+    v = torch.tensor([1234.567], dtype=dtype)
+    save_file({"g": v, "big": torch.ones(2, dtype=dtype)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    with Checkpoint(tmp_path) as ck:
+        assert _scalar(ck, "g") == float(v.float()[0])
+        assert _scalar(ck, "big") is None
+
+
 def test_float_checkpoint_of_an_unknown_family_is_refused(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "dense_qwen3moe", src)

@@ -68,6 +68,19 @@ def _fp4_weights(ckpt: Checkpoint, spec: LinearSpec, packed: str, scale: str, bl
     return codes
 
 
+def _scalar(ckpt: Checkpoint, name: str) -> float | None:
+    """A one-value F32/F16/BF16 tensor's value, exactly, read without torch (the batches need none)."""
+    import numpy as np
+
+    t = ckpt.tensors[name]
+    raw = np.frombuffer(ckpt.read_bytes(name), dtype=np.uint8)
+    if t.numel != 1 or t.dtype not in ("F32", "F16", "BF16"):
+        return None
+    if t.dtype == "BF16":
+        return float((raw.view("<u2").astype(np.uint32) << 16).view(np.float32)[0])
+    return float(raw.view("<f4" if t.dtype == "F32" else "<f2")[0])
+
+
 def _fp4_in_place(ckpt: Checkpoint, spec: LinearSpec, packed: str, scale: str, block: int, global_div=None,
                   global_mul=None):
     """For convert's requant batches (batch.py, float_source.float_in_place): the E2M1 pairs, their
@@ -78,8 +91,8 @@ def _fp4_in_place(ckpt: Checkpoint, spec: LinearSpec, packed: str, scale: str, b
     glob = None
     for op, name in ((1, global_div), (2, global_mul)):
         if name is not None:
-            v = float(ckpt.get(name).float().reshape(()))
-            if not (v >= 0.0 and v != float("inf")):
+            v = _scalar(ckpt, name)
+            if v is None or not (v >= 0.0 and v != float("inf")):
                 return None
             glob = (op, v)
     return ckpt.tensors[packed], ckpt.tensors[scale], 1, block, glob
