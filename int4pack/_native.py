@@ -43,6 +43,7 @@ _SIGNATURES = {
     "i4p_requant_job": ([ctypes.POINTER(_JobArgs), _p, _p, _p, _p, _p, _p, _i], _i),
     "i4p_requant_supported": ([], _i),
     "i4p_search_batches": ([_p], None),
+    "i4p_element_groups": ([_p], None),
     "i4p_force_search64": ([_i], _i),
     "i4p_use_awq_avx2": ([_i], _i),
     "i4p_crc32c": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
@@ -268,6 +269,12 @@ class ConvertKernels(_Lib):
     def search_batches(self) -> tuple[int, int]:
         out = (ctypes.c_int64 * 2)()
         self._lib.i4p_search_batches(ctypes.addressof(out))
+        return int(out[0]), int(out[1])
+
+    def element_groups(self) -> tuple[int, int]:
+        """Element-path groups (float sources) decided in the float32 batches, and one by one in float64."""
+        out = (ctypes.c_int64 * 2)()
+        self._lib.i4p_element_groups(ctypes.addressof(out))
         return int(out[0]), int(out[1])
 
     def force_search64(self, on: bool) -> bool:

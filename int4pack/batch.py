@@ -24,6 +24,11 @@ points whose path the plan predicts requant: ``requant_batch`` in the C++ runs r
 each, as w4a8.requant_job does, and hands back what the per-job path would decide otherwise (zero
 points all 8: lossless there; close calls: torch decides them there; a v1 F nibble, which the
 reader notes; a g_idx that is not trivial; a refusal). Their stats are requant_job's info dict.
+Float sources go the same way (``reader.float_in_place``: bf16/f16/f32 weights, or e4m3 with block
+scales, E2M1 pairs with E8M0/E4M3 block scales and NVFP4's global scale, as the float, FP8 and FP4
+readers read them): requant_batch decodes them to float32 as the
+readers do and runs the float search of w4a8.requantize; a NaN byte or a bad scale is handed back,
+and the reader words the refusal.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ BATCH_MODULES = 64
 KINDS = ("lossless", "requant")  # the predicted paths a batch runs (one kind per batch)
 FIELDS = 24  # int64 per module in the descriptor (convert_kernels.h, BatchField)
 _SCALE_TYPES = {"F32": 0, "F16": 1, "BF16": 2}
+# float sources (convert_kernels.h, FloatSource, MiniScaleType): the weight's kind, its block scales' type
+_FLOAT_WEIGHTS = {"BF16": 10, "F16": 11, "F32": 12, "F8_E4M3": 13, "U8": 14, "I8": 14}  # U8/I8: E2M1 pairs
+_BLOCK_SCALES = {"F32": 0, "F16": 1, "BF16": 2, "F8_E8M0": 3, "U8": 3, "F8_E4M3": 4}
 # descriptor columns (BatchField)
 (_LAYOUT, _WORDS, _D0, _D1, _N, _K, _SCALES, _STYPE, _KN, _GS, _ZEROS, _ZBYTES, _ZBYTE, _GIDX, _GITEM,
  _GGROUP, _SRCG, _G, _BF16, _OUTQ, _OUTS, _OUTBLOB, _BLOBBYTES) = range(23)
@@ -62,8 +70,6 @@ def _source(reader, job: Job, packed: bool) -> tuple | None:
     the batch takes, or None. A module whose tensors lie in several source files is staged: its
     source is None, its row points into a buffer of its own, and the last item lists the tensors to
     read into it at those offsets."""
-    from . import kleidiai
-
     if job.kind != "linear" or len(job.specs) != 1:
         return None
     spec = job.specs[0]
@@ -71,6 +77,10 @@ def _source(reader, job: Job, packed: bool) -> tuple | None:
     kind = job.paths.get(spec.name)
     if kind not in KINDS or g is None or (g != -1 and (g <= 0 or g >= k or k % g)):
         return None
+    if kind == "requant" and hasattr(reader, "float_in_place"):
+        got = _float_row(reader, job, spec, g, packed)
+        if got is not None:
+            return got
     where = reader.in_place(spec) if hasattr(reader, "in_place") else None
     if where is None:
         return None
@@ -84,28 +94,81 @@ def _source(reader, job: Job, packed: bool) -> tuple | None:
         return None
     if kind == "requant" and not _requant_source(layout, words, zeros, n, k, spec):
         return None
-    gb = block(k, g)
-    outs = job.outputs
-    if packed:
-        if len(outs) != 1 or outs[0].shape != (kleidiai.packed_size(n, k, gb),):
-            return None
-    elif len(outs) != 2 or outs[0].nbytes != n * k or outs[1].nbytes != n * (k // gb) * (4 if scale_dtype(g) == "float32" else 2):
+    if not _outputs_fit(job, n, k, g, packed):
         return None
     parts = [t for t in (words, scales, zeros, gidx) if t is not None]
-    at = {id(t): t.begin for t in parts}
-    staged = None
-    if len(files) > 1:  # each tensor at a 64-byte boundary of the module's own buffer
-        staged, end = [], 0
-        for t in parts:
-            staged.append((t, end))
-            at[id(t)], end = end, end + -(-t.nbytes // 64) * 64
+    at, staged = _places(parts, files)
+    gb = block(k, g)
     row = [layout, at[id(words)], words.shape[0], words.shape[1], n, k, at[id(scales)], stype, int(kn),
            spec.groups, -1 if zeros is None else at[id(zeros)], 0 if zeros is None else zeros.nbytes, zbyte,
            -1 if gidx is None else at[id(gidx)], 0 if gidx is None else (8 if gidx.dtype == "I64" else 4),
            spec.group_size, block(k, spec.group_size), gb, int(scale_dtype(g) == "bfloat16"), -1, -1, -1, 0, 0]
+    return _answer(kind, row, parts, staged)
+
+
+def _outputs_fit(job: Job, n: int, k: int, g: int, packed: bool) -> bool:
+    """Whether the job's planned outputs are what the batch writes: the blob, or the int8 weight and scales."""
+    from . import kleidiai
+
+    gb = block(k, g)
+    outs = job.outputs
+    if packed:
+        return len(outs) == 1 and outs[0].shape == (kleidiai.packed_size(n, k, gb),)
+    return len(outs) == 2 and outs[0].nbytes == n * k and \
+        outs[1].nbytes == n * (k // gb) * (4 if scale_dtype(g) == "float32" else 2)
+
+
+def _places(parts: list, files: set) -> tuple[dict, list | None]:
+    """Each tensor's offset in the mapped source shard, or (tensors in several files: staged) at a
+    64-byte boundary of the module's own buffer, with the staging list."""
+    at = {id(t): t.begin for t in parts}
+    staged = None
+    if len(files) > 1:
+        staged, end = [], 0
+        for t in parts:
+            staged.append((t, end))
+            at[id(t)], end = end, end + -(-t.nbytes // 64) * 64
+    return at, staged
+
+
+def _answer(kind: str, row: list, parts: list, staged: list | None) -> tuple:
     if staged is not None:
         return kind, None, row, [], staged
-    return kind, words.file, row, [(t.begin, t.end) for t in parts], None
+    return kind, parts[0].file, row, [(t.begin, t.end) for t in parts], None
+
+
+def _float_row(reader, job: Job, spec, g: int, packed: bool) -> tuple | None:
+    """_source's answer for a module of a float source (bf16/f16/f32 weights, or e4m3 times block
+    scales: ``reader.float_in_place``), which requant_batch decodes as the reader does; None where
+    the per-job path is the only way."""
+    import numpy as np
+
+    from . import kernels
+
+    where = reader.float_in_place(spec)
+    if where is None or not kernels.ext().requant_ok:
+        return None
+    weight, scales, bn, bk, glob = where
+    n, k = spec.n, spec.k
+    layout = _FLOAT_WEIGHTS.get(weight.dtype)
+    if layout is None or (scales is None) != (weight.dtype in ("BF16", "F16", "F32")) or \
+            not _outputs_fit(job, n, k, g, packed):
+        return None
+    stype = 0 if scales is None else _BLOCK_SCALES.get(scales.dtype)
+    if stype is None:
+        return None
+    parts = [weight] if scales is None else [weight, scales]
+    at, staged = _places(parts, {t.file for t in parts})
+    row = [0] * FIELDS
+    row[_LAYOUT], row[_WORDS], row[_D0], row[_D1], row[_N], row[_K] = layout, at[id(weight)], n, k, n, k
+    row[_SCALES], row[_STYPE] = (-1, 0) if scales is None else (at[id(scales)], stype)
+    row[_GS], row[_GGROUP], row[_SRCG] = (0, 0, 0) if scales is None else (-(-k // bk), bn, bk)
+    row[_ZEROS], row[_GIDX] = -1, -1
+    if glob is not None:  # NVFP4's global scale: how it applies, and its float32 bits
+        row[_ZBYTE], row[_ZBYTES] = glob[0], int(np.float32(glob[1]).view(np.uint32))
+    row[_G], row[_BF16] = block(k, g), int(scale_dtype(g) == "bfloat16")
+    row[_OUTQ], row[_OUTS], row[_OUTBLOB] = -1, -1, -1
+    return _answer("requant", row, parts, staged)
 
 
 def _requant_source(layout, words, zeros, n: int, k: int, spec) -> bool:
@@ -292,7 +355,9 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
     for lo, hi in extents:
         ckpt.populate(b.source, lo, hi)
     if packed:  # the scales go into blobs unseen by the writer's check: the source's, before the C++ reads them
-        for job in b.jobs:
+        for job, row in zip(b.jobs, b.rows):
+            if row[_LAYOUT] in _FLOAT_WEIGHTS.values():  # a float source's scales are the search's
+                continue
             sc = plan.reader.in_place(job.specs[0])[2]
             check_scale_bytes(sc.name, ckpt.raw(sc.name), sc.dtype)
     requant = b.kind == "requant"

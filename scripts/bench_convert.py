@@ -2,7 +2,13 @@
 """Conversion speed and memory against a copy baseline measured in the same run.
 
     python scripts/bench_convert.py --sizes 1 4 --formats gptq-sym gptq-asym awq ct --threads 1 2
-    (also gguf-q4_0, gguf-q4_k and mlx: scripts/make_synthetic_gguf.py)
+    (also ct-asym, autoround; the float sources fp8, ct-fp8, bf16, nvfp4, mxfp4, modelopt-nvfp4:
+    scripts/make_synthetic.py; gguf-q4_0, gguf-q4_k and mlx: scripts/make_synthetic_gguf.py, which
+    needs the gguf package)
+    python scripts/bench_convert.py --layers 1 --experts 16 --formats all   # every source, small
+
+``--experts N`` keeps the module shapes (2048x768 experts, the attention's) and writes N experts a
+layer instead of 128: the per-module cost at a size a 2-core machine converts in seconds.
 
 For each format and input size (GB), it writes a synthetic Qwen3-30B-A3B-shaped checkpoint
 (scripts/make_synthetic.py), drops nothing from the page cache (these machines are shared),
@@ -148,23 +154,40 @@ def print_table(header: list[str], rows: list[list]) -> None:
 
 
 def _params(folder: Path) -> int:
-    """int4 parameters in the source (8 per packed int32 word of qweight/weight_packed)."""
+    """Quantised parameters in the source: 8 per packed int32 word of qweight/weight_packed, 2 per U8
+    E2M1 pair (FP4), 1 per FP8 weight, and the 2-D float weights of the decoder layers but the
+    routers (a bf16 source: what convert quantises)."""
     from safetensors import safe_open
 
+    float_source = "quantization_config" not in json.loads((folder / "config.json").read_text())
     n = 0
     for f in folder.glob("*.safetensors"):
         with safe_open(str(f), "pt") as fh:
             for k in fh.keys():
+                sl = fh.get_slice(k)
+                shape, dtype = sl.get_shape(), sl.get_dtype()
+                if len(shape) != 2:
+                    continue
                 if k.endswith((".qweight", ".weight_packed")):
-                    shape = fh.get_slice(k).get_shape()
-                    n += shape[0] * shape[1] * 8
+                    n += shape[0] * shape[1] * (2 if dtype == "U8" else 8)
+                elif k.endswith(".weight") and dtype == "U8":  # ModelOpt NVFP4
+                    n += shape[0] * shape[1] * 2
+                elif k.endswith(".weight") and (dtype.startswith("F8") or (
+                        float_source and ".layers." in k and not k.endswith("mlp.gate.weight"))):
+                    n += shape[0] * shape[1]
     return n
+
+
+ALL = ("gptq-sym", "gptq-asym", "awq", "ct", "ct-asym", "autoround", "fp8", "ct-fp8", "bf16", "nvfp4", "mxfp4",
+       "modelopt-nvfp4", "gguf-q4_0", "gguf-q4_k", "mlx")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=float, nargs="+", default=[1.0], help="input sizes in GB")
-    ap.add_argument("--formats", nargs="+", default=["gptq-sym", "gptq-asym", "awq", "ct"])
+    ap.add_argument("--formats", nargs="+", default=["gptq-sym", "gptq-asym", "awq", "ct"],
+                    help=f"source formats, or all: {' '.join(ALL)}")
+    ap.add_argument("--experts", type=int, default=128, help="experts a layer (128: Qwen3-30B-A3B's)")
     ap.add_argument("--threads", type=int, nargs="+", default=[2], help="0: convert's default")
     ap.add_argument("--layers", type=int, default=None,
                     help="input size as a layer count (48: the full Qwen3-30B-A3B shape, 15.7 GB); overrides --sizes")
@@ -176,6 +199,8 @@ def main() -> None:
     ap.add_argument("--compare-tree", type=Path, default=None,
                     help="another int4pack checkout to time on the same inputs (see above)")
     a = ap.parse_args()
+    if a.formats == ["all"]:
+        a.formats = list(ALL)
     if a.compare_tree is not None and not (a.compare_tree / "int4pack" / "__init__.py").is_file():
         raise SystemExit(f"--compare-tree {a.compare_tree}: no int4pack package there")
     from int4pack import kernels
@@ -185,10 +210,13 @@ def main() -> None:
     for fmt in a.formats:
         for gb in ([None] if a.layers else a.sizes):
             layers = a.layers or max(1, round(gb / LAYER_GB))
-            src = work / f"{fmt}-{layers}L"
+            src = work / (f"{fmt}-{layers}L" + ("" if a.experts == 128 else f"-{a.experts}E"))
             if not src.exists():
                 t0 = time.perf_counter()
-                (make_synthetic_gguf.make if fmt in make_synthetic_gguf.FORMATS else make)(src, fmt, layers)
+                if fmt in make_synthetic_gguf.FORMATS:
+                    make_synthetic_gguf.make(src, fmt, layers, experts=a.experts)
+                else:
+                    make(src, fmt, layers, experts=a.experts)
                 print(f"wrote {src} in {time.perf_counter() - t0:.1f} s", flush=True)
             size = sum(p.stat().st_size for p in src.iterdir())
             params = make_synthetic_gguf.params(src) if fmt in make_synthetic_gguf.FORMATS else _params(src)
@@ -218,7 +246,8 @@ def main() -> None:
                     bases[conv["out_bytes"]] = _best(BASELINE_RM, a.repeat, src, dst, conv["out_bytes"])
                 base = bases[conv["out_bytes"]]
                 shutil.rmtree(dst, ignore_errors=True)
-                row = {"format": fmt, "serve_format": serve, "layers": layers, "in_gb": round(size / 1e9, 2),
+                row = {"format": fmt, "serve_format": serve, "layers": layers, "experts": a.experts,
+                       "in_gb": round(size / 1e9, 2), "mparams": round(params / 1e6, 1),
                        "threads": th or "default", "workers": conv.get("workers"),
                        "mparam_s": round(params / conv["seconds"] / 1e6, 1),
                        "convert_s": round(conv["seconds"], 2), "baseline_s": round(base["seconds"], 2),
@@ -231,6 +260,9 @@ def main() -> None:
                     row.update({"other_tree": str(a.compare_tree), "other_mparam_s": round(params / other["seconds"] / 1e6, 1),
                                 "other_convert_s": round(other["seconds"], 2), "other_all_s": other["all_seconds"],
                                 "other_rss_mb": round(other["rss_mb"]), "other_module": other["module"],
+                                "other_cpu_user_s": round(other["cpu_user"], 2), "other_cpu_sys_s": round(other["cpu_sys"], 2),
+                                "cpu_speedup_vs_other": round((other["cpu_user"] + other["cpu_sys"]) /
+                                                              (conv["cpu_user"] + conv["cpu_sys"]), 3),
                                 "speedup_vs_other": round(other["seconds"] / conv["seconds"], 3),
                                 "other_plan_s": _least(other["plan_all"])})
                 rows.append(row)
@@ -248,9 +280,11 @@ def main() -> None:
     if a.compare_tree is not None:
         print()
         print_table(["format", "input GB", "threads", "Mparam/s this tree", f"Mparam/s {a.compare_tree}", "speedup",
-                     "peak RSS MB this / that", "plan s this / that"],
+                     "CPU s this / that", "CPU speedup", "peak RSS MB this / that", "plan s this / that"],
                     [[f"{r['format']} {r['serve_format']}", r["in_gb"], r["threads"], r["mparam_s"], r["other_mparam_s"],
                       r["speedup_vs_other"],
+                      f"{r['convert_cpu_user_s'] + r['convert_cpu_sys_s']:.2f} / {r['other_cpu_user_s'] + r['other_cpu_sys_s']:.2f}",
+                      r["cpu_speedup_vs_other"],
                       f"{r['rss_mb']} / {r['other_rss_mb']}", f"{r['plan_s']} / {r['other_plan_s']}"] for r in rows])
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))

@@ -34,7 +34,7 @@ def _gguf_blocks(rng, qtype: str, rows: int, k: int) -> np.ndarray:
     return b.reshape(rows, -1)
 
 
-def make_gguf(out: Path, qtype: str, layers: int, vocab: int = 4096, seed: int = 0) -> int:
+def make_gguf(out: Path, qtype: str, layers: int, vocab: int = 4096, seed: int = 0, experts: int = E) -> int:
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -44,7 +44,7 @@ def make_gguf(out: Path, qtype: str, layers: int, vocab: int = 4096, seed: int =
     for add, v in ((w.add_block_count, layers), (w.add_context_length, 4096), (w.add_embedding_length, H),
                    (w.add_feed_forward_length, 6144), (w.add_head_count, 32), (w.add_head_count_kv, 4),
                    (w.add_key_length, 128), (w.add_value_length, 128), (w.add_rope_freq_base, 1e6),
-                   (w.add_layer_norm_rms_eps, 1e-6), (w.add_expert_count, E), (w.add_expert_used_count, 8),
+                   (w.add_layer_norm_rms_eps, 1e-6), (w.add_expert_count, experts), (w.add_expert_used_count, min(8, experts)),
                    (w.add_expert_feed_forward_length, I)):
         add(v)
     t = gguf.GGMLQuantizationType[qtype]
@@ -64,10 +64,10 @@ def make_gguf(out: Path, qtype: str, layers: int, vocab: int = 4096, seed: int =
             floats(f"blk.{li}.{part}.weight", H, one=True)
         for part in ("attn_q_norm", "attn_k_norm"):
             floats(f"blk.{li}.{part}.weight", 128, one=True)
-        floats(f"blk.{li}.ffn_gate_inp.weight", E, H)
-        quant(f"blk.{li}.ffn_gate_exps.weight", I, H, E)
-        quant(f"blk.{li}.ffn_up_exps.weight", I, H, E)
-        quant(f"blk.{li}.ffn_down_exps.weight", H, I, E)
+        floats(f"blk.{li}.ffn_gate_inp.weight", experts, H)
+        quant(f"blk.{li}.ffn_gate_exps.weight", I, H, experts)
+        quant(f"blk.{li}.ffn_up_exps.weight", I, H, experts)
+        quant(f"blk.{li}.ffn_down_exps.weight", H, I, experts)
     floats("output_norm.weight", H, one=True)
     floats("output.weight", vocab, H)
     w.write_header_to_file()
@@ -77,7 +77,7 @@ def make_gguf(out: Path, qtype: str, layers: int, vocab: int = 4096, seed: int =
     return path.stat().st_size
 
 
-def make_mlx(out: Path, layers: int, vocab: int = 4096, seed: int = 0) -> int:
+def make_mlx(out: Path, layers: int, vocab: int = 4096, seed: int = 0, experts: int = E) -> int:
     import torch
     from safetensors.torch import save_file
 
@@ -102,8 +102,8 @@ def make_mlx(out: Path, layers: int, vocab: int = 4096, seed: int = 0) -> int:
             for proj, (n, k) in zip(("q_proj", "k_proj", "v_proj", "o_proj"), _ATTN.values()):
                 quant(t, f"{p}.self_attn.{proj}", n, k)
             for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-                quant(t, f"{p}.mlp.switch_mlp.{proj}", n, k, (E,))
-            t[f"{p}.mlp.gate.weight"] = (torch.randn(E, H, generator=g) * 0.02).bfloat16()
+                quant(t, f"{p}.mlp.switch_mlp.{proj}", n, k, (experts,))
+            t[f"{p}.mlp.gate.weight"] = (torch.randn(experts, H, generator=g) * 0.02).bfloat16()
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 t[f"{p}.{norm}.weight"] = torch.ones(H, dtype=torch.bfloat16)
             for qk in ("q_norm", "k_norm"):
@@ -117,7 +117,8 @@ def make_mlx(out: Path, layers: int, vocab: int = 4096, seed: int = 0) -> int:
     q = {"group_size": 64, "bits": 4, "mode": "affine",
          **{f"model.layers.{li}.mlp.gate": False for li in range(layers)}}  # routers left in bf16
     cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
-           "intermediate_size": 6144, "moe_intermediate_size": I, "num_experts": E, "num_experts_per_tok": 8,
+           "intermediate_size": 6144, "moe_intermediate_size": I, "num_experts": experts,
+           "num_experts_per_tok": min(8, experts),
            "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
            "vocab_size": vocab, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
@@ -126,10 +127,10 @@ def make_mlx(out: Path, layers: int, vocab: int = 4096, seed: int = 0) -> int:
     return total
 
 
-def make(out: Path, fmt: str, layers: int) -> int:
+def make(out: Path, fmt: str, layers: int, experts: int = E) -> int:
     if fmt == "mlx":
-        return make_mlx(out, layers)
-    return make_gguf(out, {"gguf-q4_0": "Q4_0", "gguf-q4_k": "Q4_K"}[fmt], layers)
+        return make_mlx(out, layers, experts=experts)
+    return make_gguf(out, {"gguf-q4_0": "Q4_0", "gguf-q4_k": "Q4_K"}[fmt], layers, experts=experts)
 
 
 def params(folder: Path) -> int:

@@ -594,3 +594,43 @@ def test_the_batch_columns_and_job_statuses_are_the_librarys():
     ql = QuantLinear(spec=spec, codes=torch.zeros(8, 64, dtype=torch.uint8), scales=torch.ones(8, 2), zeros=None)
     said = {w4a8._refusal(ql, v, [1, 0, 0]).args[0] for k, v in t["job_status"].items() if k != "done"}
     assert len(said) == 5 and any("NaN or Inf scale at row 1" in s for s in said)
+
+
+@needs_requant
+@pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
+@pytest.mark.parametrize("name", ["dense_qwen3moe", "dense_glm4moe", "fp8_qwen3moe_block32", "ct_qwen3moe_fp8_block"])
+def test_float_sources_in_requant_batches_write_the_per_job_bytes_and_report(tmp_path, monkeypatch, counted, name,
+                                                                             serve_format):
+    """bf16 and FP8 sources decoded and requantised in the C++ batches: the files and the report of the
+    per-job path (the readers' torch decoding, then w4a8.requantize), byte for byte."""
+    a, b, rep = _convert_both(FIXTURES / name, tmp_path, monkeypatch, serve_format=serve_format)
+    _same_files(a, b)
+    requant = sum(1 for m in rep["modules"].values() if m["path"] == "requant")
+    assert requant and counted["handed_back"] == 0
+    assert counted["batched"] >= requant - 8
+
+
+@needs_requant
+def test_a_float_source_module_the_reader_refuses_is_handed_back_and_refused(tmp_path, monkeypatch, counted):
+    """An e4m3 NaN byte: the batch hands the module back and the reader's refusal is what the user
+    reads, the same as without batches."""
+    src = FIXTURES / "fp8_qwen3moe_block32"
+    m = "model.layers.1.mlp.experts.1.down_proj"
+
+    shutil.copytree(src, tmp_path / "src")
+    for f in sorted((tmp_path / "src").glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            if f"{m}.weight" not in fh.keys():
+                continue
+            meta, tensors = fh.metadata(), {k: fh.get_tensor(k) for k in fh.keys()}
+        raw = tensors[f"{m}.weight"].view(torch.uint8).clone()
+        raw.view(-1)[5] = 0x7F  # an e4m3 NaN
+        tensors[f"{m}.weight"] = raw.view(torch.float8_e4m3fn)
+        save_file(tensors, str(f), metadata=meta)
+    with pytest.raises(InputError) as batched:
+        int4pack.convert(tmp_path / "src", tmp_path / "a")
+    monkeypatch.setattr(batch, "ENABLED", False)
+    with pytest.raises(InputError) as per_job:
+        int4pack.convert(tmp_path / "src", tmp_path / "b")
+    assert str(batched.value) == str(per_job.value) and m in str(batched.value)
+    assert counted["handed_back"] == 1

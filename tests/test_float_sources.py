@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import int4pack
 from _reference import FIXTURES
+from int4pack import kernels
 from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import InputError, RefusedError
 from int4pack.formats import open_reader
@@ -313,6 +314,83 @@ def test_fused_float_experts_split_per_expert(tmp_path, transposed):
     assert int4pack.verify(out, against=src, tokens=32)["ok"]
 
 
+def _batched_and_per_job(src, out, monkeypatch, serve_format="compressed-tensors"):
+    """convert with the C++ batches and without: (report, modules the batches took, handed back); the
+    two outputs' files and reports the same, byte for byte."""
+    import filecmp
+
+    from int4pack import batch
+
+    seen = {"batched": 0, "handed_back": 0}
+    run = batch.run_batch
+
+    def counting(b, *a, **k):
+        seen["batched"] += len(b.jobs)
+        per_job = a[-1]
+
+        def back(job):
+            seen["handed_back"] += 1
+            return per_job(job)
+
+        return run(b, *a[:-1], back, **k)
+
+    monkeypatch.setattr(batch, "run_batch", counting)
+    rep = int4pack.convert(src, out / "a", serve_format=serve_format)
+    monkeypatch.setattr(batch, "ENABLED", False)
+    rep_b = int4pack.convert(src, out / "b", serve_format=serve_format)
+    monkeypatch.setattr(batch, "ENABLED", True)
+    varies = ("seconds", "seconds_plan", "workers")
+    assert json.dumps({k: v for k, v in rep.items() if k not in varies}).replace(str(out / "a"), "OUT") == \
+        json.dumps({k: v for k, v in rep_b.items() if k not in varies}).replace(str(out / "b"), "OUT")
+    names = sorted(p.name for p in (out / "a").iterdir())
+    assert names == sorted(p.name for p in (out / "b").iterdir())
+    for n in names:
+        assert filecmp.cmp(out / "a" / n, out / "b" / n, shallow=False), n
+    return rep, seen["batched"], seen["handed_back"]
+
+
+@pytest.mark.skipif(kernels.ext() is None or not kernels.ext().requant_ok, reason="needs the C++ requant kernels")
+@pytest.mark.parametrize("kind", sorted(SOURCES))
+def test_float_sources_in_the_requant_batches_are_the_per_job_bytes(sources, tmp_path, monkeypatch, kind):
+    """Every float source kind: the C++ batches (which decode bf16, e4m3, E2M1 with E8M0/E4M3 scales and
+    NVFP4's global scale in place) write the per-job path's files and report; every layout but
+    OpenAI's 3-D MXFP4 blocks goes through them."""
+    folder, _ = sources("qwen3_moe", kind)
+    rep, batched, handed = _batched_and_per_job(folder, tmp_path, monkeypatch)
+    requant = sum(1 for m in rep["modules"].values() if m["path"] == "requant")
+    assert requant and handed == 0
+    if kind == "mxfp4_blocks":
+        assert batched == 0
+    else:
+        assert batched == requant, (batched, requant)
+
+
+@pytest.mark.skipif(kernels.ext() is None or not kernels.ext().requant_ok, reason="needs the C++ requant kernels")
+@pytest.mark.parametrize("transposed", [False, True])
+def test_fused_float_experts_in_the_requant_batches_are_the_per_job_bytes(tmp_path, monkeypatch, transposed):
+    """Fused [E, 2I, H] experts: each expert's gate and up rows read in place by the batches (the
+    transposed layout per job), the same bytes either way."""
+    tensors, cfg = _float_source("qwen3_moe")
+    src = _save(tmp_path / "src", _fused_experts(tensors, transposed), cfg, None)
+    rep, batched, handed = _batched_and_per_job(src, tmp_path, monkeypatch, "kleidiai")
+    experts = sum(1 for m in rep["modules"] if ".experts." in m)
+    assert experts and handed == 0
+    assert (batched >= experts) if not transposed else (batched < experts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nvfp4_global_scale_read_for_the_batches_is_torchs_value(tmp_path, dtype):
+    """The batches read NVFP4's global scale without torch: the value torch reads, in each dtype."""
+    from int4pack.formats.fp4 import _scalar
+
+    v = torch.tensor([1234.567], dtype=dtype)
+    save_file({"g": v, "big": torch.ones(2, dtype=dtype)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    with Checkpoint(tmp_path) as ck:
+        assert _scalar(ck, "g") == float(v.float()[0])
+        assert _scalar(ck, "big") is None
+
+
 def test_float_checkpoint_of_an_unknown_family_is_refused(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "dense_qwen3moe", src)
@@ -388,6 +466,24 @@ def test_e4m3_table_covers_every_byte():
     with pytest.raises(ValueError):
         e4m3(b)
     assert math.isnan(float(b[~finite][:1].view(torch.float8_e4m3fn).float()))
+
+
+def test_e2m1_and_e8m0_tables_cover_every_byte():
+    """The FP4 decoding against torch's own float types for all 256 bytes: each byte's two E2M1 codes
+    (low nibble first, the OCP MX value set) and E8M0 2^(e - 127), 255 (NaN) refused."""
+    from int4pack.formats.minifloat import e8m0, unpack_e2m1
+
+    b = torch.arange(256, dtype=torch.uint8)
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    want = torch.stack([e2m1[(b & 0x0F).long()], e2m1[(b >> 4).long()]], dim=-1).reshape(2, 256)
+    got = unpack_e2m1(b.reshape(2, 128))
+    assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))  # -0.0 kept
+    assert unpack_e2m1(b.reshape(4, 2, 32)).shape == (4, 2, 64)
+    ok = b[:255]
+    assert torch.equal(e8m0(ok), ok.view(torch.float8_e8m0fnu).float())
+    assert float(e8m0(torch.tensor([0], dtype=torch.uint8))) == 2.0**-127
+    with pytest.raises(ValueError):
+        e8m0(b)
 
 
 # ---- the real producers' checkpoints (tests/fixtures/README.md, "Other source formats")

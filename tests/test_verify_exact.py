@@ -57,7 +57,7 @@ def test_lossless_experts_are_checked_as_ints_with_their_float64_figures(tmp_pat
 def test_the_copies_check_maps_no_source_weights(tmp_path, monkeypatch):
     """check_copies asks every quantised module for its bias: a spec without one is answered
     without mapping the module's packed weights (once the whole source, counted in RSS)."""
-    from int4pack.checkpoint import Checkpoint
+    from int4pack.sources.checkpoint import Checkpoint
     from int4pack.verify_pool import Clock
     from int4pack.verify_source import Source, check_copies
     from int4pack.verify_structure import Problems, Target

@@ -85,6 +85,14 @@ class FloatExperts:
         where = getattr(self.inner, "in_place", None)
         return where(spec) if where is not None else None
 
+    def float_in_place(self, spec: LinearSpec):
+        if spec.name in self.extra():  # read as ``read`` reads it: the weight's float cast
+            from .float_source import float_in_place
+
+            return float_in_place(self.ckpt, spec, f"{spec.name}.weight")
+        where = getattr(self.inner, "float_in_place", None)
+        return where(spec) if where is not None else None
+
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         if spec.name not in self.extra():
             return self.inner.read(spec, unpack=unpack)

@@ -14,6 +14,7 @@ int4 (formats/fp8.py, fp4.py, mxfp4.py): ``float_spec`` describes such a module 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from .._lazy import torch
 from ..sources.checkpoint import Checkpoint
@@ -24,7 +25,7 @@ from ._api import Format, Header
 from ._common import read_expert
 
 __all__ = ["FLOAT_DTYPES", "VALUES", "DATA_FREE", "REQUANT_GROUP", "NOT_INT4", "float_spec", "float_linear", "stays_float",
-           "float_weights", "FloatReader", "is_float_source", "claims", "FORMAT"]
+           "float_weights", "float_in_place", "FloatReader", "is_float_source", "claims", "FORMAT"]
 
 FLOAT_DTYPES = ("BF16", "F16", "F32")
 DATA_FREE = "quantised from float, data-free"
@@ -63,6 +64,17 @@ def float_linear(spec: LinearSpec, weight, bias=None) -> QuantLinear:
         raise InputError(f"{spec.name}: the weights hold NaN or Inf", tensor=spec.name,
                          hint="The checkpoint is corrupt; re-download it.")
     return QuantLinear(spec, None, torch.empty(spec.n, 0), None, bias=bias, dense=w.contiguous())
+
+
+def float_in_place(ckpt: Checkpoint, spec: LinearSpec, weight: str):
+    """For convert's requant batches (batch.py): where a module's float weight [N, K] lies, read in
+    place as ``float_linear`` reads it: (weight TensorInfo, block scales TensorInfo, block rows, block
+    columns, global scale) -- here (weight, None, 0, 0, None); None where ``read`` is the only way (a
+    bias, another dtype or shape)."""
+    t = ckpt.tensors.get(weight)
+    if spec.has_bias or t is None or t.dtype not in FLOAT_DTYPES or tuple(t.shape) != (spec.n, spec.k):
+        return None
+    return t, None, 0, 0, None
 
 
 def stays_float(model_type: str, module: str) -> str | None:
@@ -184,6 +196,20 @@ class FloatReader:
             warnings=[f"{DATA_FREE}: each group's scale is searched on the weights alone (no calibration data); "
                       + NOT_INT4],
             extra={"source_kind": "float", "data_free": True})
+
+    def float_in_place(self, spec: LinearSpec):
+        """``float_in_place``: a 2-D weight, or an expert's rows of a fused [E, 2I, H] / [E, H, I]
+        tensor (contiguous bytes there; the transposed layout goes through ``read``)."""
+        if spec.name not in self._fused:
+            return float_in_place(self.ckpt, spec, f"{spec.name}.weight")
+        src, e, role, transposed = self._fused[spec.name]
+        t = self.ckpt.tensors[src]
+        if transposed or spec.has_bias:
+            return None
+        per = t.nbytes // t.shape[0]  # one expert's bytes
+        row = per // t.shape[1]
+        begin = t.begin + e * per + (spec.n * row if role == 1 else 0)
+        return replace(t, shape=(spec.n, spec.k), begin=begin, end=begin + spec.n * row), None, 0, 0, None
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         ck = self.ckpt

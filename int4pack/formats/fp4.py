@@ -68,6 +68,36 @@ def _fp4_weights(ckpt: Checkpoint, spec: LinearSpec, packed: str, scale: str, bl
     return codes
 
 
+def _scalar(ckpt: Checkpoint, name: str) -> float | None:
+    """A one-value F32/F16/BF16 tensor's value, exactly, read without torch (the batches need none)."""
+    import numpy as np
+
+    t = ckpt.tensors[name]
+    raw = np.frombuffer(ckpt.read_bytes(name), dtype=np.uint8)
+    if t.numel != 1 or t.dtype not in ("F32", "F16", "BF16"):
+        return None
+    if t.dtype == "BF16":
+        return float((raw.view("<u2").astype(np.uint32) << 16).view(np.float32)[0])
+    return float(raw.view("<f4" if t.dtype == "F32" else "<f2")[0])
+
+
+def _fp4_in_place(ckpt: Checkpoint, spec: LinearSpec, packed: str, scale: str, block: int, global_div=None,
+                  global_mul=None):
+    """For convert's requant batches (batch.py, float_source.float_in_place): the E2M1 pairs, their
+    block scales and the global scale (1: divided in, 2: multiplied in; its float32 value) of a module
+    ``_fp4_weights`` reads; None for a bias, or a global scale it refuses (``read`` words it)."""
+    if spec.has_bias or spec.k % block:
+        return None
+    glob = None
+    for op, name in ((1, global_div), (2, global_mul)):
+        if name is not None:
+            v = _scalar(ckpt, name)
+            if v is None or not (v >= 0.0 and v != float("inf")):
+                return None
+            glob = (op, v)
+    return ckpt.tensors[packed], ckpt.tensors[scale], 1, block, glob
+
+
 class CTFP4Reader:
     """compressed-tensors MXFP4 / NVFP4 (pack-quantized E2M1) modules, dequantised and requantised."""
 
@@ -129,6 +159,11 @@ class CTFP4Reader:
             warnings=[f"{names} is a 4-bit float: " + NOT_INT4],
             extra={"ct_version": str(self.q.get("version") or "unknown"), "ct_format": "/".join(self.formats),
                    "source_kind": "fp4", "data_free": True})
+
+    def float_in_place(self, spec: LinearSpec):
+        m, nv = spec.name, spec.fmt == "nvfp4"
+        return _fp4_in_place(self.ckpt, spec, f"{m}.weight_packed", f"{m}.weight_scale", 16 if nv else 32,
+                             global_div=f"{m}.weight_global_scale" if nv else None)
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         ck, m = self.ckpt, spec.name
@@ -193,6 +228,10 @@ class ModelOptNVFP4Reader(SpecsOnce):
             evidence=["quant_method: modelopt", "quant_algo: NVFP4", f"{len(self.linears())} NVFP4 linear(s)"],
             warnings=["NVFP4 is a 4-bit float: " + NOT_INT4],
             extra={"source_kind": "fp4", "data_free": True})
+
+    def float_in_place(self, spec: LinearSpec):
+        m = spec.name
+        return _fp4_in_place(self.ckpt, spec, f"{m}.weight", f"{m}.weight_scale", 16, global_mul=f"{m}.weight_scale_2")
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         ck, m = self.ckpt, spec.name

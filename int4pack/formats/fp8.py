@@ -127,6 +127,19 @@ def _read(ckpt: Checkpoint, spec: LinearSpec, scale_key: str, configured) -> Qua
     return float_linear(spec, w, ckpt.get(f"{m}.bias") if spec.has_bias else None)
 
 
+def _in_place(ckpt: Checkpoint, spec: LinearSpec, scale_key: str, configured):
+    """For convert's requant batches (batch.py): (e4m3 weight or FP4 pairs, its block scales, rows and
+    columns per scale, None) of a module ``_read`` reads (float_source.float_in_place); None for a bias."""
+    w, sc = ckpt.tensors[f"{spec.name}.weight"], ckpt.tensors[f"{spec.name}.{scale_key}"]
+    shape = (spec.n, spec.k) if w.dtype == "F8_E4M3" else (spec.n, spec.k // 2)
+    if spec.has_bias or w.dtype not in ("F8_E4M3", "I8", "U8") or tuple(w.shape) != shape:
+        return None
+    blk = block_of(spec.n, spec.k, sc.shape, configured)
+    if blk is None or sc.numel != -(-spec.n // blk[0]) * -(-spec.k // blk[1]):
+        return None
+    return w, sc, blk[0], blk[1], None
+
+
 def is_official_fp8(q: dict | None, header: Header | None = None) -> bool:
     return quant_method(q) == "fp8"
 
@@ -176,6 +189,9 @@ class FP8Reader:
             warnings=["FP8 values are not int4 values: " + NOT_INT4],
             extra={"source_kind": "fp8", "data_free": True})
 
+    def float_in_place(self, spec: LinearSpec):
+        return _in_place(self.ckpt, spec, "weight_scale_inv", self.block)
+
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         return _read(self.ckpt, spec, "weight_scale_inv", self.block)
 
@@ -224,6 +240,9 @@ class CTFP8Reader:
             warnings=["FP8 values are not int4 values: " + NOT_INT4],
             extra={"ct_version": str(self.q.get("version") or "unknown"), "ct_format": "float-quantized",
                    "source_kind": "fp8", "data_free": True})
+
+    def float_in_place(self, spec: LinearSpec):
+        return _in_place(self.ckpt, spec, "weight_scale", self.block)
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         return _read(self.ckpt, spec, "weight_scale", self.block)

@@ -14,6 +14,8 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 _E8M0_NAN = 255
 E4M3_NAN = (0x7F, 0xFF)  # float8_e4m3fn has NaN and no infinity
 _LUT: list = []
+_PAIRS: list = []
+_E8M0: list = []
 
 
 def _e4m3_table():
@@ -40,10 +42,22 @@ def e4m3(raw) -> "torch.Tensor":
     """F8_E4M3 bytes (uint8, any shape) -> float32, exactly; ValueError for a NaN byte."""
     import numpy as np
 
-    v = _e4m3_table()[raw.numpy()]
-    if not np.isfinite(v).all():
+    b = raw.numpy()
+    if ((b & 0x7F) == 0x7F).any():  # the NaN bytes, found before the decode
         raise ValueError("e4m3 NaN (byte 0x7F or 0xFF)")
-    return torch.from_numpy(v)
+    return torch.from_numpy(np.take(_e4m3_table(), b.astype(np.intp)))  # intp: see unpack_e2m1
+
+
+def _e2m1_pairs():
+    """uint64 [256]: the two E2M1 float32 values of each byte, low nibble first, as one 8-byte item (a
+    1-D take of 8-byte items: ~8x numpy's gather of [256, 2] rows)."""
+    if len(_PAIRS) == 0:
+        import numpy as np
+
+        lut = np.array(E2M1, dtype=np.float32)
+        b = np.arange(256)
+        _PAIRS.append(np.ascontiguousarray(np.stack([lut[b & 0x0F], lut[b >> 4]], axis=1)).view(np.uint64)[:, 0])
+    return _PAIRS[0]
 
 
 def unpack_e2m1(packed) -> "torch.Tensor":
@@ -51,19 +65,33 @@ def unpack_e2m1(packed) -> "torch.Tensor":
     import numpy as np
 
     b = packed.numpy()
-    lut = np.array(E2M1, dtype=np.float32)
-    out = np.empty(b.shape[:-1] + (b.shape[-1] * 2,), dtype=np.float32)
-    out[..., 0::2] = lut[b & 0x0F]
-    out[..., 1::2] = lut[b >> 4]
-    return torch.from_numpy(out)
+    # [..., K]: each byte's pair side by side, as the codes lie (intp indices: numpy's take is ~3x
+    # faster from them than from the bytes, the conversion included)
+    out = np.take(_e2m1_pairs(), b.astype(np.intp)).view(np.float32)
+    return torch.from_numpy(out.reshape(b.shape[:-1] + (b.shape[-1] * 2,)))
+
+
+def _e8m0_table():
+    """float32 [256]: 2^(e - 127), exactly (2^-127 is a float32 subnormal); NaN at 255."""
+    if not _E8M0:
+        import numpy as np
+
+        bits = np.arange(256, dtype=np.uint32) << 23  # e in the exponent field: 2^(e - 127), e >= 1
+        bits[0] = 0x00400000  # 2^-127: the subnormal with the top mantissa bit
+        t = bits.view(np.float32).copy()
+        t[_E8M0_NAN] = np.nan
+        _E8M0.append(t)
+    return _E8M0[0]
 
 
 def e8m0(scales) -> "torch.Tensor":
     """E8M0 bytes -> float32 2^(e - 127), exactly (2^-127 is a float32 subnormal); ValueError for 255 (NaN)."""
-    s = scales.to(torch.int64)
-    if s.numel() and int(s.max()) == _E8M0_NAN:
+    import numpy as np
+
+    b = scales.numpy() if scales.dtype == torch.uint8 else scales.to(torch.uint8).numpy()
+    if b.size and int(b.max()) == _E8M0_NAN:
         raise ValueError("E8M0 scale 255 (NaN)")
-    return torch.exp2(s.to(torch.float64) - 127).to(torch.float32)
+    return torch.from_numpy(_e8m0_table()[b])
 
 
 def raw_bytes(ckpt: Checkpoint, name: str) -> "torch.Tensor":
@@ -82,7 +110,10 @@ def finite(t: "torch.Tensor") -> bool:
 
 
 def positive(s: "torch.Tensor", name: str) -> "torch.Tensor":
-    if not finite(s) or bool((s < 0).any()):
+    import numpy as np
+
+    a = s.detach().contiguous().numpy()
+    if not (np.isfinite(a).all() and not (a < 0).any()):
         raise InputError(f"{name}: NaN, Inf or negative scale", tensor=name,
                          hint="The scales are corrupt; re-download the checkpoint.")
     return s

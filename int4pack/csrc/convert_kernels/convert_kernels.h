@@ -291,6 +291,7 @@ int64_t requant_job(const JobArgs& a, int8_t* q, float* s, uint8_t* flags, doubl
                     int64_t* report, int64_t threads);
 bool requant_supported();  // whether this CPU runs requant_rows (see requant.cpp)
 void search_batches(int64_t* out);  // histogram batches searched in float32, float64
+void element_groups(int64_t* out);  // element groups decided in float32 batches, one by one in float64
 bool force_search64(bool on);  // tests: returns the previous setting
 
 // ---- crc32c.cpp
@@ -327,6 +328,14 @@ enum BatchField : int64_t { I4P_BATCH_FIELD(I4P_ENUM_ITEM) };
   X(kbZlibS, 7, zlib_s) X(kbZlibBlob, 8, zlib_blob) X(kbResults, 10, results)                                \
   X(kNotAsGiven, 100, not_as_given) /* the per-module path reads this module otherwise: run it there */
 enum BatchResult : int64_t { I4P_BATCH_RESULT(I4P_ENUM_ITEM) };
+// float sources in requant_batch (batch.py, _float_row): the row's layout says what the weight is
+// (bf16, f16, f32 [N, K]; e4m3 [N, K] or E2M1 pairs [N, K/2], low nibble first, times a block
+// scale); its kbScales holds the block scales [ceil(N/bn), ceil(K/bk)] of type kbScaleType (a
+// ScaleType, or kScaleE8m0 / kScaleE4m3), kbSrcGroups their columns, kbSrcGroup bk and kbGidxGroup
+// bn; E2M1 only: kbZeroByte 1 or 2 divides or multiplies every block scale by the float32 whose
+// bits kbZerosBytes holds (NVFP4's global scale); no zero points, no g_idx
+enum FloatSource : int64_t { kSrcBf16 = 10, kSrcF16 = 11, kSrcF32 = 12, kSrcE4m3 = 13, kSrcE2m1 = 14 };
+enum MiniScaleType : int64_t { kScaleE8m0 = 3, kScaleE4m3 = 4 };
 void scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, bool kn, float* out);
 int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
                        int64_t out_len, int64_t* res, double* tot, int64_t threads);

@@ -1,15 +1,17 @@
 // The requant job: the scale search of every target group of a tensor, row blocks over threads
 // (twin: w4a8._requant_torch). The search itself: requant_search.h, and its two evaluations,
-// requant_element.h and requant_hist.h / requant_hist_search.h.
+// requant_element.h (eight groups at a time in float32 first: requant_element32.h) and
+// requant_hist.h / requant_hist_search.h.
 
-#include "requant_element.h"
-#include "requant_hist_search.h"
+#include "requant_element32.h"
 
 namespace i4p {
 
 // histogram batches searched in float32 and in float64 (hist::search), for tests and benchmarks;
 // g_search64 forces the float64 search (tests compare both with the oracle)
 std::atomic<int64_t> g_batches32{0}, g_batches64{0};
+// element groups decided in float32 batches (requant_element32.h), and through element_group
+std::atomic<int64_t> g_elem32{0}, g_elem64{0};
 std::atomic<bool> g_search64{false};
 
 // x86-64 (GCC): requant_rows is built for x86-64-v3 (AVX2, FMA, BMI2) only, not as target clones:
@@ -40,9 +42,18 @@ I4P_REQUANT_TARGET void requant_rows(const Req& p, int64_t r0, int64_t r1) {
   bool all_inside = hist::kEnabled && p.codes != nullptr && p.gidx == nullptr;
   for (int64_t j = 0; j < groups && all_inside; ++j)
     inside[j] = (j * g) / p.src_group == ((j + 1) * g - 1) / p.src_group;
-  for (int64_t j = 0; j < groups; ++j) all_inside = all_inside && inside[j];
+  bool any_inside = false;
+  for (int64_t j = 0; j < groups; ++j) {
+    all_inside = all_inside && inside[j];
+    any_inside = any_inside || inside[j];
+  }
+  // a row of element groups only (a float source, a g_idx, ...): eight at a time in float32; where
+  // histogram groups share the row, each group as before (the row's sums keep their order)
+  const bool batched = !any_inside && elem32::usable(p);
+  std::unique_ptr<elem32::Batch> eb(batched ? new elem32::Batch : nullptr);
   std::vector<float> row(k);
   Search w(p);
+  int64_t one_by_one = 0;  // element groups outside the float32 batches
   hist::Batch batch;  // filled across rows: a row of 6 groups (K = 768) would leave lanes idle
   static_assert(hist::Batch::kLanes == Search::kSlots, "one batch, one lane a group");
   for (int64_t r = r0; r < r1; ++r) {
@@ -63,12 +74,20 @@ I4P_REQUANT_TARGET void requant_rows(const Req& p, int64_t r0, int64_t r1) {
         }
         if (all_inside) dequant_range(p, r, j * g, (j + 1) * g, x);
       }
-      element_group(p, w, r, j, x + j * g, acc);
+      if (batched) {
+        elem32::add(p, w, *eb, r, j, x + j * g);
+      } else {
+        element_group(p, w, r, j, x + j * g, acc);
+        ++one_by_one;
+      }
     }
+    if (batched) elem32::flush(p, w, *eb, r);
   }
   if (batch.n > 0) hist::run(p, w, batch);
   g_batches32 += w.batches32;
   g_batches64 += w.batches64;
+  g_elem32 += eb ? eb->decided : 0;
+  g_elem64 += one_by_one + (eb ? eb->handed : 0);
 }
 
 
@@ -162,6 +181,11 @@ int64_t requant_job(const JobArgs& a, int8_t* q, float* s, uint8_t* flags, doubl
 void search_batches(int64_t* out) {
   out[0] = g_batches32.load();
   out[1] = g_batches64.load();
+}
+
+void element_groups(int64_t* out) {
+  out[0] = g_elem32.load();
+  out[1] = g_elem64.load();
 }
 
 bool force_search64(bool on) { return g_search64.exchange(on); }

@@ -1,13 +1,15 @@
 // The requant search's element evaluation: any float group, one value at a time (a float
-// source, a g_idx, a target group across source groups, a code above 15). See requant_search.h.
+// source, a g_idx, a target group across source groups, a code above 15). See requant_search.h;
+// requant_element32.h searches eight such groups side by side in float32 first.
 #pragma once
 
 #include "requant_search.h"
 
 namespace i4p {
 
-I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, const float* xg, ReqRow& acc) {
-  const int64_t k = p.k, g = p.g, groups = k / g;
+// one pass over a group of the element path: its extremes, its sum of squares (float64, as the
+// statistics take it) and whether every value is finite
+I4P_INLINE bool element_scan(const float* xg, int64_t g, float& wmin_out, float& wmax_out, double& xx_out) {
   v8f lo = splat(xg[0]), hi = lo, ss = {}, nanchk = {};
   float wmin = xg[0], wmax = xg[0], chk = 0.0f;
   double xx = 0;
@@ -32,10 +34,7 @@ I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, con
     chk += nanchk[l];
   }
   xx += hsum(ss);
-  if (!(chk == 0.0f)) {
-    non_finite_group(p, r, j);
-    return;
-  }
+  if (!(chk == 0.0f)) return false;
   {
     // past the guard of Decision::begin the float32 squares under/overflow: the sum again in double
     // (torch decides such a group, but ww is taken from here)
@@ -45,14 +44,16 @@ I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, con
       for (int64_t t = 0; t < g; ++t) xx += static_cast<double>(xg[t]) * xg[t];
     }
   }
-  Decision& dec = w.d;
-  const float best_s = w.decide(p, dec, wmin, wmax, [&](const float* cand, double* err, int m)
-                                                            I4P_LAMBDA_INLINE {
-    for (int i = 0; i < m; ++i) err[i] = group_sse(xg, g, cand[i]);
-  });
-  const double base_e = dec.base_e;
-  const uint8_t flag = dec.flag;
-  // final q, and the statistics against the float source
+  wmin_out = wmin;
+  wmax_out = wmax;
+  xx_out = xx;
+  return true;
+}
+
+// a group's final q at scale best_s, and its statistics against the float source
+I4P_INLINE void element_finish(const Req& p, int64_t r, int64_t j, const float* xg, float best_s, uint8_t flag,
+                               double base_e, double xx, ReqRow& acc) {
+  const int64_t k = p.k, g = p.g, groups = k / g;
   const float rs = 1.0f / best_s;
   int8_t* qg = p.q + r * k + j * g;
   double gdd = 0, gvv = 0, gwv = 0, gmax = 0;
@@ -87,6 +88,23 @@ I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, con
   acc.add(flag, gdd, xx, gvv, gwv, base_e, gmax);
   p.s[r * groups + j] = best_s;
   p.flags[r * groups + j] = flag;
+}
+
+// one group of the element path: any float group, one value at a time
+I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, const float* xg, ReqRow& acc) {
+  const int64_t g = p.g;
+  float wmin, wmax;
+  double xx;
+  if (!element_scan(xg, g, wmin, wmax, xx)) {
+    non_finite_group(p, r, j);
+    return;
+  }
+  Decision& dec = w.d;
+  const float best_s = w.decide(p, dec, wmin, wmax, [&](const float* cand, double* err, int m)
+                                                            I4P_LAMBDA_INLINE {
+    for (int i = 0; i < m; ++i) err[i] = group_sse(xg, g, cand[i]);
+  });
+  element_finish(p, r, j, xg, best_s, dec.flag, dec.base_e, xx, acc);
 }
 
 }  // namespace i4p
