@@ -149,6 +149,11 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() else t
 
 
+def _bf16_each(out):
+    """A rotary function's output rounded to bf16: (q, k), or one tensor (Gemma 4 rotates q and k apart)."""
+    return _bf16(out) if isinstance(out, torch.Tensor) else tuple(_bf16(t) for t in out)
+
+
 def model_class(cfg: dict):
     """transformers' causal-LM class for the config (by ``architectures``, then ``model_type``)."""
     import transformers
@@ -219,6 +224,7 @@ def load(folder: Path, cfg: dict | None = None):
     else:
         raise ValueError(f"{folder}: transformers' {cls.__name__} did not load the folder as it is: {bad}")
     model.eval()
+    model.int4pack_key_mapping = mapping or None  # the renames it loaded with (module_names)
     experts = _experts_modules(model)
     _check_experts(folder, experts, prefix)
     with Float64():  # rotary tables again, in float64
@@ -274,6 +280,25 @@ def _check_experts(folder: Path, experts: dict[str, torch.nn.Module], prefix: st
             raise ValueError(f"{folder}: layer {L} expert {e}: the model's fused weights differ from the folder's")
 
 
+def module_names(model, names) -> dict[str, str]:
+    """{checkpoint module name: the model's module name}: each name renamed as transformers renamed
+    the folder's tensors on load (its conversion mapping for the class, the loader's key mapping,
+    the base-model prefix), so a module a release names otherwise (MiniMax-M3 ``language_model.model.``
+    for ``model.language_model.``, Laguna's ``shared_expert``) is found in the model."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    convs = get_model_conversion_mapping(model, getattr(model, "int4pack_key_mapping", None))
+    renames = [c for c in convs if not isinstance(c, WeightConverter)]
+    converters = [c for c in convs if isinstance(c, WeightConverter)]
+    state = model.state_dict()
+    out = {}
+    for n in names:
+        key, _ = rename_source_key(f"{n}.weight", renames, converters, model.base_model_prefix, state)
+        out[n] = key[: -len(".weight")] if key.endswith(".weight") else n
+    return out
+
+
 class HFRef:
     """``logprobs(ids)`` of transformers' model class on a float folder; see the module docstring
     for the mirror (``qmods``: quantised module names as the W4A8 checkpoint names them)."""
@@ -283,8 +308,10 @@ class HFRef:
         self.model, self.experts = load(self.folder)
         self.cls = type(self.model).__name__
         cfg, prefix, _ = text_model(json.loads((self.folder / "config.json").read_text()))
-        # the checkpoint's module names, as the text model names them
-        self.qmods = {m[len(prefix):] if prefix and m.startswith(prefix) else m for m in qmods}
+        # the checkpoint's module names, as the text model names them, then as the model does
+        ck = {m[len(prefix):] if prefix and m.startswith(prefix) else m for m in qmods}
+        named = module_names(self.model, sorted(m for m in ck if not _EXPERT.search(m)))
+        self.qmods = {named.get(m, m) for m in ck}
         self.a8, self.bf16 = a8, bf16
         self.routes: list = []  # the last forward's experts per MoE layer: [positions][top-k], as sets
         self.model_type = cfg["model_type"]
@@ -361,7 +388,7 @@ class HFRef:
             for fn in _ROPE:
                 if hasattr(code, fn):
                     orig = getattr(code, fn)
-                    self._rope[fn] = (code, orig, lambda *a, _f=orig, **k: tuple(_bf16(t) for t in _f(*a, **k)))
+                    self._rope[fn] = (code, orig, lambda *a, _f=orig, **k: _bf16_each(_f(*a, **k)))
 
     def _experts_forward(self, m, quantised: bool):
         """Per token and chosen expert: act(x Wgu^T) -> down, weighted by the router; the inputs of

@@ -223,7 +223,7 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) 
     if dense_on_disk and not lin:
         fails.append("no W4A8 dense linear found")
     calls = probe.get("calls") or {}
-    if not calls.get("moe_op") or (dense_on_disk and not calls.get("dyn_quant_matmul" if packed else "dynamic4bit_linear")):
+    if not (calls.get("moe_op") or calls.get("moe_steps")) or (dense_on_disk and not calls.get("dyn_quant_matmul" if packed else "dynamic4bit_linear")):
         fails.append(f"kernels not called: {calls}")
     distinct = sorted(set(groups.values()))
     info = {"moe_layers": len(moe), "moe_methods": moe_methods, "experts_classes": experts,

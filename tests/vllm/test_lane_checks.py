@@ -72,8 +72,7 @@ def test_the_plain_column_says_not_run_and_never_identical_when_plain_was_not_se
 def test_the_plain_folder_is_skipped_with_ranks_only_where_stock_vllm_refuses_it():
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from vllm_arm_e2e import plain_not_run, vs_plain
+    from lane_compare import plain_not_run, vs_plain
 
     fx = Path(__file__).resolve().parents[1] / "fixtures"
     ds3 = {"plain_dir": str(fx / "ct_deepseekv3_w4a16")}  # DeepSeekV3 routing: stock 0.32.0 refuses it

@@ -1,10 +1,12 @@
-"""scripts/vllm_arm_e2e.py on x86 alone (no emulated vLLM): what it prepares for a family the packed
-format refuses, and the engine options it records for pipeline ranks."""
+"""The lane's driver parts on x86 alone (no emulated vLLM; tests/vllm/lane_inputs.py, which
+scripts/vllm_arm_e2e.py runs): what it prepares for a family the packed format refuses, and the
+engine options it records for pipeline ranks; and that the lane's code depends on scripts/ one way."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def driver():
-    spec = importlib.util.spec_from_file_location("vllm_arm_e2e", REPO / "scripts" / "vllm_arm_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(REPO / "tests" / "vllm"))
+    import lane_inputs
+
+    return lane_inputs
 
 
 def test_a_family_the_packed_format_refuses_is_served_in_the_default_format_with_the_reason(driver, tmp_path):
@@ -46,3 +48,15 @@ def test_pipeline_ranks_get_a_compilation_mode_that_makes_the_receive_buffers(dr
     assert rec["compilation_config"]["mode"] not in ("NONE", "VLLM_COMPILE", "DYNAMO_TRACE_ONCE")
     assert rec["compilation_config"]["cudagraph_mode"] == "NONE" and rec["compilation_config"]["backend"] == "eager"
     assert "receive buffer" in rec["why"]
+
+
+def test_no_test_imports_the_lane_script():
+    """scripts/vllm_arm_e2e.py imports the lane's modules (tests/vllm), never the other way round: no
+    file under tests/vllm puts scripts/ on its path or imports the script (running it is fine)."""
+    bad = []
+    for f in sorted(p for p in (REPO / "tests" / "vllm").glob("*.py") if p.name != Path(__file__).name):
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if ("sys.path" in line and "scripts" in line) or re.match(r"\s*(from|import)\s+vllm_arm_e2e\b", line) \
+                    or ("spec_from_file_location" in line and "vllm_arm_e2e" in line):
+                bad.append(f"{f.name}:{n}")
+    assert bad == []
