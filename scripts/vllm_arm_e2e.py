@@ -146,8 +146,6 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
 def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref_choice: str = "auto",
              base_tag: str | None = None) -> dict:
     d = work / rec["key"]
-    tol = TOLERANCES[dtype]
-    bf16 = dtype == "bfloat16"
     fails: list[str] = []
     pj = probe_path(work, rec, tag)
     p = json.loads(pj.read_text()) if pj.exists() else {"error": f"no probe output (see {rec.get('process_log')})"}
@@ -192,45 +190,59 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref
     rec["dense_kernel"] = ", ".join(li.get("dense_kernels") or []) or None
     rec["max_abs_logprob_diff_vs_float"] = None
     if p.get("logprobs"):
-        if len(gen) != p.get("max_tokens", len(p["logprobs"])):
-            fails.append("token count")
-        cfg = json.loads((d / "float" / "config.json").read_text())
-        kind = reference_kind(cfg, ref_choice)
-        rec["reference"] = reference_name(kind, d / "float")
-        ref = reference(kind, d / "float")
-        rec["vs_float"] = compare(ref_logprobs(ref, prompt, gen), prompt, p)
-        rec["max_abs_logprob_diff_vs_float"] = rec["vs_float"]["max_abs_lp_diff"]
-        rec["ref_greedy_equal"] = greedy(ref, prompt, len(gen)) == gen
-        if rec["vs_float"]["max_abs_lp_diff"] > tol["float"]:
-            fails.append(f"logprobs vs float reference {rec['vs_float']['max_abs_lp_diff']} > {tol['float']}")
-        mirror, mirror64 = mirrors(kind, Path(rec["mirror_dir"]), d, bf16)
-        rec["vs_mirror"] = compare(ref_logprobs(mirror, prompt, gen), prompt, p)
-        if p.get("routes") and getattr(mirror, "routes", None):  # transformers' class: its experts' inputs
-            rec["routing_vs_mirror"] = routing_agreement(p["routes"], mirror.routes)
-            frac = rec["routing_vs_mirror"].get("fraction", 0.0)
-            if frac < tol["routing"]:
-                fails.append(f"routing: vLLM chose the mirror's experts for {rec['routing_vs_mirror'].get('agree')}"
-                             f" (layer, position) pairs, {frac} < {tol['routing']}")
-        if getattr(mirror, "input_weighted", False):  # which router weight vLLM put on the expert input
-            alt = softmax_weights(mirrors(kind, Path(rec["mirror_dir"]), d, bf16)[0])
-            rec["vs_mirror_softmax_weight"] = compare(ref_logprobs(alt, prompt, gen), prompt, p)
-            bad = router_weight_problem(rec["vs_mirror"], rec["vs_mirror_softmax_weight"], tol["router_weight"])
-            fails += [bad] if bad else []
-        if rec["vs_mirror"]["median_over_positions"] > tol["mirror_median"]:
-            fails.append(f"logprobs vs int8-activation mirror: median over positions "
-                         f"{rec['vs_mirror']['median_over_positions']} > {tol['mirror_median']}")
-        if bf16:  # how far the float64 mirror is: what bf16 itself moves
-            rec["vs_mirror_float64"] = compare(ref_logprobs(mirror64, prompt, gen), prompt, p)
-        dense = DENSE_OF.get(Path(rec["source"]).name)
-        if dense:
-            dd = FIXTURES / dense
-            dref = FloatRef(json.loads((dd / "config.json").read_text()), load_tensors(dd))
-            rec["vs_original_float"] = compare(ref_logprobs(dref, prompt, gen), prompt, p)["max_abs_lp_diff"]
+        try:
+            fails += score(rec, p, d, prompt, gen, dtype, ref_choice)
+        except Exception as e:  # noqa: BLE001  a reference that cannot run decides nothing: said, and failed
+            rec["reference_error"] = f"{type(e).__name__}: {e}"[:600]
+            fails.append(f"no float reference for this folder: {rec['reference_error'][:200]}")
     elif rec["loaded"]:
         fails.append("no logprobs")
     rec["fails"] = fails
     rec["passed"] = not fails
     return p
+
+
+def score(rec: dict, p: dict, d: Path, prompt: list[int], gen: list[int], dtype: str, ref_choice: str) -> list[str]:
+    """vLLM's logprobs and experts against the float reference and the mirror (the gates of
+    TOLERANCES[dtype]); what failed."""
+    tol = TOLERANCES[dtype]
+    bf16 = dtype == "bfloat16"
+    fails: list[str] = []
+    if len(gen) != p.get("max_tokens", len(p["logprobs"])):
+        fails.append("token count")
+    cfg = json.loads((d / "float" / "config.json").read_text())
+    kind = reference_kind(cfg, ref_choice)
+    rec["reference"] = reference_name(kind, d / "float")
+    ref = reference(kind, d / "float")
+    rec["vs_float"] = compare(ref_logprobs(ref, prompt, gen), prompt, p)
+    rec["max_abs_logprob_diff_vs_float"] = rec["vs_float"]["max_abs_lp_diff"]
+    rec["ref_greedy_equal"] = greedy(ref, prompt, len(gen)) == gen
+    if rec["vs_float"]["max_abs_lp_diff"] > tol["float"]:
+        fails.append(f"logprobs vs float reference {rec['vs_float']['max_abs_lp_diff']} > {tol['float']}")
+    mirror, mirror64 = mirrors(kind, Path(rec["mirror_dir"]), d, bf16)
+    rec["vs_mirror"] = compare(ref_logprobs(mirror, prompt, gen), prompt, p)
+    if p.get("routes") and getattr(mirror, "routes", None):  # transformers' class: its experts' inputs
+        rec["routing_vs_mirror"] = routing_agreement(p["routes"], mirror.routes)
+        frac = rec["routing_vs_mirror"].get("fraction", 0.0)
+        if frac < tol["routing"]:
+            fails.append(f"routing: vLLM chose the mirror's experts for {rec['routing_vs_mirror'].get('agree')}"
+                         f" (layer, position) pairs, {frac} < {tol['routing']}")
+    if getattr(mirror, "input_weighted", False):  # which router weight vLLM put on the expert input
+        alt = softmax_weights(mirrors(kind, Path(rec["mirror_dir"]), d, bf16)[0])
+        rec["vs_mirror_softmax_weight"] = compare(ref_logprobs(alt, prompt, gen), prompt, p)
+        bad = router_weight_problem(rec["vs_mirror"], rec["vs_mirror_softmax_weight"], tol["router_weight"])
+        fails += [bad] if bad else []
+    if rec["vs_mirror"]["median_over_positions"] > tol["mirror_median"]:
+        fails.append(f"logprobs vs int8-activation mirror: median over positions "
+                     f"{rec['vs_mirror']['median_over_positions']} > {tol['mirror_median']}")
+    if bf16:  # how far the float64 mirror is: what bf16 itself moves
+        rec["vs_mirror_float64"] = compare(ref_logprobs(mirror64, prompt, gen), prompt, p)
+    dense = DENSE_OF.get(Path(rec["source"]).name)
+    if dense:
+        dd = FIXTURES / dense
+        dref = FloatRef(json.loads((dd / "config.json").read_text()), load_tensors(dd))
+        rec["vs_original_float"] = compare(ref_logprobs(dref, prompt, gen), prompt, p)["max_abs_lp_diff"]
+    return fails
 
 
 def derive_tol(items: list[dict], work: Path, n_prompts: int, dtype: str, ref_choice: str = "auto") -> dict:

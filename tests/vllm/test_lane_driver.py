@@ -60,3 +60,28 @@ def test_no_test_imports_the_lane_script():
                     or ("spec_from_file_location" in line and "vllm_arm_e2e" in line):
                 bad.append(f"{f.name}:{n}")
     assert bad == []
+
+
+def test_the_emulated_install_is_kept_per_package_content(tmp_path):
+    """lane_plugin keeps one emulated site per sdist content: the same package files give the same
+    key whatever the archive's timestamps or its tests, a changed package file another."""
+    import io
+    import tarfile
+
+    from lane_plugin import content_hash
+
+    def sdist(name, files, mtime):
+        p = tmp_path / name
+        with tarfile.open(p, "w:gz") as tf:
+            for path, text in files.items():
+                data = text.encode()
+                info = tarfile.TarInfo(f"int4pack-0.1.0/{path}")
+                info.size, info.mtime = len(data), mtime
+                tf.addfile(info, io.BytesIO(data))
+        return p
+
+    files = {"int4pack/__init__.py": "x = 1\n", "setup.py": "setup()\n", "tests/test_a.py": "a\n"}
+    a = content_hash(sdist("a.tar.gz", files, 1))
+    assert content_hash(sdist("b.tar.gz", {**files, "tests/test_a.py": "b\n"}, 2)) == a
+    assert content_hash(sdist("c.tar.gz", {**files, "int4pack/__init__.py": "x = 2\n"}, 1)) != a
+    assert content_hash(sdist("d.tar.gz", {**files, "int4pack/vllm_plugin/_new.py": ""}, 1)) != a
