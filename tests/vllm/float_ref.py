@@ -54,7 +54,7 @@ INTERLEAVED = {"gpt_oss"}
 CONCATENATED = {"llama4", "llama4_text"}
 # ... or as ``nn.functional.linear`` takes them, with no conversion mapping to fuse per-expert names
 # (Gemma 4 in transformers 5.23: Gemma4TextExperts.gate_up_proj [E, 2I, H], gate = the first I rows)
-STACKED = {"gemma4", "gemma4_text"}
+STACKED = {"gemma4", "gemma4_text", "step3p5"}  # Step3p7Experts (hf_reference.OWN_CLASS) likewise
 _PER_EXPERT = re.compile(r"^(?P<p>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<x>weight|bias)$")
 
 

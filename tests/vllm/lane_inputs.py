@@ -122,6 +122,10 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
             rec["serve_format_refused"] = {"serve_format": serve, "reason": str(e)}
         else:
             rec["plain_dir"], rec["model_dir"] = rec["model_dir"], str(d / f"packed_{glabel}{ptp}")
+    patch = {k: v for key in ("model_dir", "plain_dir") if rec.get(key) and Path(rec[key]).is_relative_to(d)
+             for k, v in release_form(Path(rec[key])).items()}
+    if patch:
+        rec["config_release_form"] = patch
     if control:  # vLLM serves edited copies (packed and plain alike); the references stay the model's
         for key in ("model_dir", "plain_dir"):
             if rec.get(key):
@@ -131,6 +135,34 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
     write_float_folder(src, d / "float")
     saved.write_text(json.dumps(rec) + "\n")
     return rec
+
+
+def _minimax_m3_vision(cfg: dict) -> dict:
+    """MiniMax-M3: vLLM's vision tower reads ``vision_config.img_token_compression_config``
+    (models/minimax_m3/common/vision_tower.py:45, as MiniMax's release config has it); transformers
+    5.23's config keeps its two fields at the top of ``vision_config``."""
+    vc = cfg.get("vision_config")
+    if not isinstance(vc, dict) or "img_token_compression_config" in vc:
+        return {}
+    vc["img_token_compression_config"] = {k: vc[k] for k in ("temporal_patch_size", "spatial_merge_size") if k in vc}
+    return {"vision_config.img_token_compression_config": vc["img_token_compression_config"]}
+
+
+# facts a transformers-saved config spells otherwise than the release's config that vLLM's class
+# reads: written in the release's form too in the served folders (their weights untouched, the
+# references unchanged), and recorded in the result (config_release_form)
+RELEASE_FORM = {"minimax_m3_vl": _minimax_m3_vision}
+
+
+def release_form(folder: Path) -> dict:
+    """Add to a served folder's config.json what RELEASE_FORM names for its model type; the keys added."""
+    p = folder / "config.json"
+    cfg = json.loads(p.read_text())
+    fix = RELEASE_FORM.get(cfg.get("model_type"))
+    added = fix(cfg) if fix else {}
+    if added:
+        p.write_text(json.dumps(cfg, indent=2) + "\n")
+    return added
 
 
 def probe_path(work: Path, rec: dict, tag: str, plain: bool = False) -> Path:

@@ -85,3 +85,17 @@ def test_the_emulated_install_is_kept_per_package_content(tmp_path):
     assert content_hash(sdist("b.tar.gz", {**files, "tests/test_a.py": "b\n"}, 2)) == a
     assert content_hash(sdist("c.tar.gz", {**files, "int4pack/__init__.py": "x = 2\n"}, 1)) != a
     assert content_hash(sdist("d.tar.gz", {**files, "int4pack/vllm_plugin/_new.py": ""}, 1)) != a
+
+
+def test_a_config_fact_vllm_reads_in_the_release_form_is_added_to_the_served_folders_only(driver, tmp_path):
+    """MiniMax-M3: vLLM's vision tower reads vision_config.img_token_compression_config, which the
+    transformers-saved fixture keeps as two top-level vision fields. The served folders (packed and
+    plain) get the release's form of the same two facts, recorded; the fixture is not touched."""
+    item = driver.resolve_inputs(["ct_minimaxm3_w4a16"])[0]
+    rec = driver.prepare(item, tmp_path, serve="kleidiai")
+    want = {"temporal_patch_size": 2, "spatial_merge_size": 2}
+    assert rec["config_release_form"] == {"vision_config.img_token_compression_config": want}
+    for key in ("model_dir", "plain_dir"):
+        vc = json.loads((Path(rec[key]) / "config.json").read_text())["vision_config"]
+        assert vc["img_token_compression_config"] == want
+    assert "img_token_compression_config" not in json.loads((item["src"] / "config.json").read_text())["vision_config"]
