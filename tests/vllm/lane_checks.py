@@ -177,7 +177,7 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) 
     I = (tc.get("moe_intermediate_size") or tc["intermediate_size"]) // tp  # each rank's share
     E = expert_count(tc)
     # the MoE layers the checkpoint holds (dense first layers and MTP layers past the last are not)
-    nmoe = len({int(m.group(1)) for m in map(re.compile(r"(?:^|\.)layers\.(\d+)\..*\.experts\.\d+\.").search, groups)
+    nmoe = len({int(m.group(1)) for m in map(re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.\d+\.").search, groups)
                 if m and int(m.group(1)) < tc["num_hidden_layers"]})
     layers = probe.get("layers") or {}
     fails: list[str] = []

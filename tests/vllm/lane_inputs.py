@@ -148,10 +148,32 @@ def _minimax_m3_vision(cfg: dict) -> dict:
     return {"vision_config.img_token_compression_config": vc["img_token_compression_config"]}
 
 
+def _step3p5_attention(cfg: dict) -> dict:
+    """Step-3.5-Flash: vLLM's step3p5.py (0.32.0, lines 414-436) reads the release's
+    ``num_attention_groups``, ``attention_other_setting`` (the sliding layers' heads) and
+    ``rope_theta``; transformers 5.23's config holds the same facts as ``num_key_value_heads``,
+    ``per_layer_config`` and ``rope_parameters``, and its per-layer form makes a global
+    ``num_attention_heads`` an error (AmbiguousGlobalPerLayerAttributeError, step3p5.py:432)."""
+    per = cfg.get("per_layer_config")
+    if not isinstance(per, dict) or "attention_other_setting" in cfg:
+        return {}
+    sliding = {int(i): v.get("num_attention_heads") for i, v in per.items()}
+    heads = next(iter(sliding.values()))
+    added = {"num_attention_groups": cfg["num_key_value_heads"],
+             "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": heads,
+                                         "num_attention_groups": cfg["num_key_value_heads"],
+                                         "head_dim": cfg["head_dim"]},
+             "rope_theta": cfg["rope_parameters"]["full_attention"]["rope_theta"]}
+    cfg.update(added)
+    for k in ("per_layer_config", "num_sliding_attention_heads"):
+        added[f"{k} (removed)"] = cfg.pop(k, None)
+    return added
+
+
 # facts a transformers-saved config spells otherwise than the release's config that vLLM's class
 # reads: written in the release's form too in the served folders (their weights untouched, the
 # references unchanged), and recorded in the result (config_release_form)
-RELEASE_FORM = {"minimax_m3_vl": _minimax_m3_vision}
+RELEASE_FORM = {"minimax_m3_vl": _minimax_m3_vision, "step3p5": lambda cfg: _step3p5_attention(cfg)}
 
 
 def release_form(folder: Path) -> dict:

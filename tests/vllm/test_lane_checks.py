@@ -98,3 +98,17 @@ def test_a_layer_group_is_found_under_the_checkpoint_name_a_wrapper_renames():
     assert _layer_group(groups, "language_model.model.layers.0.mlp.experts.routed_experts") == 32
     assert _layer_group(groups, "language_model.model.layers.1.self_attn.qkv_proj") == 64
     assert _layer_group(groups, "language_model.model.layers.2.self_attn.qkv_proj") is None
+
+
+def test_moe_layers_are_counted_where_the_experts_sit_right_under_the_layer(tmp_path):
+    """Gemma-4 keeps its experts at ``layers.L.experts.E.*`` (no ``mlp.`` between): check_layers
+    expects one vLLM MoE layer per such layer, as for the ``layers.L.mlp.experts`` families."""
+    import int4pack
+    from lane_checks import check_layers
+
+    fx = Path(__file__).resolve().parents[1] / "fixtures"
+    for name, n in (("ct_gemma4_w4a16", 2), ("ct_qwen3moe_w4a16", 2)):
+        out = tmp_path / name
+        int4pack.convert(fx / name, out)
+        _, fails = check_layers({"layers": {}, "calls": {}}, out)
+        assert f"0 FusedMoE layers, expected {n}" in fails, fails
