@@ -112,3 +112,19 @@ def test_moe_layers_are_counted_where_the_experts_sit_right_under_the_layer(tmp_
         int4pack.convert(fx / name, out)
         _, fails = check_layers({"layers": {}, "calls": {}}, out)
         assert f"0 FusedMoE layers, expected {n}" in fails, fails
+
+
+def test_a_plain_module_of_the_packed_format_is_checked_as_vllms_own(tmp_path):
+    """Laguna's g_proj (N = 2 or 4 rows) is stored as plain W4A8 in the packed format (plain_modules):
+    vLLM's own scheme and kernel are right for it there, the plugin's packed method is not required."""
+    import int4pack
+    from lane_checks import LINEAR_KERNEL, LINEAR_SCHEME, check_layers
+
+    out = tmp_path / "packed"
+    int4pack.convert(Path(__file__).resolve().parents[1] / "fixtures" / "ct_laguna_w4a16", out, serve_format="kleidiai")
+    name = "model.layers.0.self_attn.g_proj"
+    own = {"scheme": LINEAR_SCHEME, "kernel": LINEAR_KERNEL, "quant_method": "CompressedTensorsLinearMethod",
+           "group_size": 32, "output_size_per_partition": 4, "input_size_per_partition": 128}
+    for layer, bad in ((own, False), ({**own, "kernel": None}, True)):
+        _, fails = check_layers({"layers": {name: layer}, "calls": {}}, out, packed=True)
+        assert any(f.startswith(f"{name}: a plain module") for f in fails) is bad, fails
