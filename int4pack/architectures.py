@@ -147,14 +147,14 @@ def vllm_module(name: str, model_type: str | None = None) -> str:
     """The vLLM module a quantised linear loads into: ``<moe>.experts`` for a routed expert (one
     FusedMoE per layer), ``<parent>.qkv_proj`` for q_proj and the like, else the linear itself.
     With ``model_type``: named by the prefix vLLM gives the module (its quant method's name)."""
+    fam = family(model_type) if model_type else None
     m = _EXPERT.match(name)
     if m:
         unit = f"{m['moe']}.experts"
     else:
         parent, _, leaf = name.rpartition(".")
         fused = _FUSED_OF.get(leaf)
-        unit = f"{parent}.{fused}" if fused and parent else name
-    fam = family(model_type) if model_type else None
+        unit = f"{parent}.{fused}" if fused and parent and not (fam and fused in fam.vllm_apart) else name
     return fam.vllm_prefix(unit) if fam else unit
 
 

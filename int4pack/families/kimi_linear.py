@@ -42,5 +42,5 @@ FAMILY = Family(
           (r"\.self_attn\.(?:A_log|dt_bias|forget_gate\.|[qkv]_conv1d|conv1d)", "KDA state parameters: copied"),
           (r"^(?:vision_tower|mm_projector)\.", "vision tower and projector: not experts")),
     moe=_moe,
-    serve={V019: "not run", V032: "not run (stock CPUExpertsInt4 refuses DeepSeekV3 routing)"},
+    serve={V019: "not run", V032: "not served yet: vLLM's engine config stops at load (docs/serving.md)"},
 )

@@ -34,5 +34,7 @@ FAMILY = Family(
     routing_label="sigmoid, score bias, renormalised, routed scaling; logits soft-capped where set",
     kept=((r"\.(?:gate|experts)\.e_score_correction_bias$", "router score bias: copied bit-exactly"),),
     moe=_moe,
-    serve={V019: "not run", V032: "not run (stock CPUExpertsInt4 takes softmax routing only)"},
+    # vLLM's laguna.py LagunaMLP (the release V032 names): gate_proj and up_proj stay two ColumnParallelLinear modules
+    vllm_apart=("gate_up_proj",),
+    serve={V019: "not run", V032: "packed: loads, but its experts differ from the model's (under QEMU, bfloat16, open); stock: refused"},
 )

@@ -46,5 +46,5 @@ FAMILY = Family(
     moe=_moe,
     activation=1,
     serve={V019: f"not run (plain softmax top-k in {V019}'s select_experts: wrong routing)",
-           V032: "not run (stock CPUExpertsInt4 refuses MiniMax2 routing)"},
+           V032: "not served yet: a transformers-saved config stops vLLM at load (docs/serving.md)"},
 )

@@ -53,5 +53,5 @@ FAMILY = Family(
                "its linearize_moe does not split Step3p7Experts; quantise the experts per expert "
                "(mlp.experts.E.{gate,up,down}_proj) with another producer",
     serve={V019: "not run",
-           V032: "not run (stock CPUExpertsInt4 refuses MiniMax2 routing; SWIGLUSTEP run without its clamp)"},
+           V032: "not served yet: a transformers-saved config stops vLLM at load (docs/serving.md)"},
 )

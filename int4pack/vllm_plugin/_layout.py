@@ -105,6 +105,12 @@ class BlobCheck:
         base = self.prefix if expert is not None else self.prefix.rsplit(".", 1)[0]
         return f"{base}{mid}.{self.names[part]}.{SUFFIX}"
 
+    def matches(self, part: int, got: int) -> bool:
+        """Whether a dense part's stored bytes have its recorded CRC-32; for a part recorded as None
+        (not in the checkpoint, filled by vLLM from another part), another part's."""
+        want = self.crcs[part]
+        return got == want if want is not None else got in {c for c in self.crcs if c is not None}
+
     def check_group(self, vllm_group: int, what: str) -> None:
         if self.group_size != vllm_group:
             raise ValueError(f"{QUANT_METHOD}: {what}: packed with group {self.group_size} (-1: channel), but vLLM's "
@@ -194,7 +200,12 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
     else:
         if parts is not None and (len(names) != parts or len(crcs) != parts):
             raise _bad_field(prefix, "crc32", f"{len(crcs)} parts recorded, vLLM fuses {parts}")
-        table = [_hex(prefix, "crc32", v) for v in crcs]
+        # None: a part the checkpoint does not hold, which vLLM fills from another part's tensor
+        # (Gemma-4's attention_k_eq_v layers: k_proj loaded into the K and the V slot); its bytes
+        # must then be one of the recorded parts' (BlobCheck.matches)
+        if crcs and all(v is None for v in crcs):
+            raise _bad_field(prefix, "crc32", crcs)
+        table = [None if v is None else _hex(prefix, "crc32", v) for v in crcs]
     rotary = ent.get(ROTARY)
     if rotary is not None and (experts is not None or not isinstance(rotary, list) or len(rotary) != len(names)
                                or any(h is not None and (type(h) is not int or h <= 0) for h in rotary)):
@@ -399,7 +410,7 @@ class DenseBlobs:
             _refuse_mismatches(self.bad)
             return
         got = crc32_rows([self.data[a:b].numpy() for a, b in zip(self.offsets, self.offsets[1:])])
-        _refuse_mismatches([self.check.tensor(i) for i, (a, b) in enumerate(zip(got, self.check.crcs)) if a != b])
+        _refuse_mismatches([self.check.tensor(i) for i, a in enumerate(got) if not self.check.matches(i, a)])
 
     def load(self, param, loaded_weight, loaded_shard_id=None, *_args, **_kw):
         """vLLM's linear weight_loader signature: (param, tensor[, shard id]); no id = the whole blob."""
@@ -432,7 +443,7 @@ class DenseBlobs:
         self.loaded.update(parts)
 
     def _check_whole(self, whole: torch.Tensor, part: int) -> None:
-        if self.check is not None and _crc_of(whole) != self.check.crcs[part]:
+        if self.check is not None and not self.check.matches(part, _crc_of(whole)):
             self.bad.append(self.check.tensor(part))
 
     def missing(self) -> list[int]:

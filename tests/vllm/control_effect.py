@@ -13,9 +13,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vllm_arm_e2e as E  # noqa: E402
+import lane_inputs as E  # noqa: E402
 from controls import mirrors  # noqa: E402
 from float_ref import greedy, reference  # noqa: E402
 from lane_checks import routing_agreement  # noqa: E402

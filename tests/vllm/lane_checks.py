@@ -163,6 +163,14 @@ def _layer_group(groups: dict[str, int], layer: str) -> int | None:
     return None
 
 
+def _plain_modules(out_dir: Path) -> set[str]:
+    """The modules a packed output stores as plain W4A8 (its layout record's plain_modules)."""
+    from int4pack import serve_spec
+
+    rec = serve_spec.read_record(json.loads((out_dir / "config.json").read_text()).get("quantization_config"))
+    return set((rec or {}).get(serve_spec.PLAIN_MODULES) or {})
+
+
 def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) -> tuple[dict, list[str]]:
     """Each W4A8 layer vLLM built: its method, the group vLLM took (the one its tensors hold), and
     packed weights of exactly the KleidiAI size for that group. ``packed``: the folder is the packed
@@ -177,7 +185,7 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) 
     I = (tc.get("moe_intermediate_size") or tc["intermediate_size"]) // tp  # each rank's share
     E = expert_count(tc)
     # the MoE layers the checkpoint holds (dense first layers and MTP layers past the last are not)
-    nmoe = len({int(m.group(1)) for m in map(re.compile(r"(?:^|\.)layers\.(\d+)\..*\.experts\.\d+\.").search, groups)
+    nmoe = len({int(m.group(1)) for m in map(re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?experts\.\d+\.").search, groups)
                 if m and int(m.group(1)) < tc["num_hidden_layers"]})
     layers = probe.get("layers") or {}
     fails: list[str] = []
@@ -202,9 +210,15 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) 
             fails.append(f"{k}: packed {v.get('w13_weight_packed')}/{v.get('w2_weight_packed')}, "
                          f"KleidiAI size {want13}/{want2}")
     kernels = sorted({f"{v['scheme']}/{v['quant_method'] if packed else v.get('kernel')}" for v in lin.values()})
+    plain = _plain_modules(out_dir) if packed else set()
     for k, v in lin.items():
         g = _layer_group(groups, k)
         per_layer[k] = f"{v['scheme']}/{v['quant_method'] if packed else v.get('kernel')} g={v.get('group_size')}"
+        if packed and _layer_group({m: 0 for m in plain}, k) is not None:
+            # written as plain W4A8 (KleidiAI could not pack it: plain_modules): vLLM's own method packs it
+            if v["scheme"] != LINEAR_SCHEME or v.get("kernel") != LINEAR_KERNEL:
+                fails.append(f"{k}: a plain module in the packed format, got {v['scheme']}/{v.get('kernel')}")
+            continue
         if packed and (v["scheme"] != LINEAR_SCHEME or v["quant_method"] != PACKED_LINEAR_METHOD):
             fails.append(f"{k}: {v['scheme']}/{v['quant_method']}")
             continue
@@ -223,7 +237,7 @@ def check_layers(probe: dict, out_dir: Path, packed: bool = False, tp: int = 1) 
     if dense_on_disk and not lin:
         fails.append("no W4A8 dense linear found")
     calls = probe.get("calls") or {}
-    if not calls.get("moe_op") or (dense_on_disk and not calls.get("dyn_quant_matmul" if packed else "dynamic4bit_linear")):
+    if not (calls.get("moe_op") or calls.get("moe_steps")) or (dense_on_disk and not calls.get("dyn_quant_matmul" if packed else "dynamic4bit_linear")):
         fails.append(f"kernels not called: {calls}")
     distinct = sorted(set(groups.values()))
     info = {"moe_layers": len(moe), "moe_methods": moe_methods, "experts_classes": experts,

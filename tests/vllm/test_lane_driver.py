@@ -1,10 +1,12 @@
-"""scripts/vllm_arm_e2e.py on x86 alone (no emulated vLLM): what it prepares for a family the packed
-format refuses, and the engine options it records for pipeline ranks."""
+"""The lane's driver parts on x86 alone (no emulated vLLM; tests/vllm/lane_inputs.py, which
+scripts/vllm_arm_e2e.py runs): what it prepares for a family the packed format refuses, and the
+engine options it records for pipeline ranks; and that the lane's code depends on scripts/ one way."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def driver():
-    spec = importlib.util.spec_from_file_location("vllm_arm_e2e", REPO / "scripts" / "vllm_arm_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(REPO / "tests" / "vllm"))
+    import lane_inputs
+
+    return lane_inputs
 
 
 def test_a_family_the_packed_format_refuses_is_served_in_the_default_format_with_the_reason(driver, tmp_path):
@@ -46,3 +48,54 @@ def test_pipeline_ranks_get_a_compilation_mode_that_makes_the_receive_buffers(dr
     assert rec["compilation_config"]["mode"] not in ("NONE", "VLLM_COMPILE", "DYNAMO_TRACE_ONCE")
     assert rec["compilation_config"]["cudagraph_mode"] == "NONE" and rec["compilation_config"]["backend"] == "eager"
     assert "receive buffer" in rec["why"]
+
+
+def test_no_test_imports_the_lane_script():
+    """scripts/vllm_arm_e2e.py imports the lane's modules (tests/vllm), never the other way round: no
+    file under tests/vllm puts scripts/ on its path or imports the script (running it is fine)."""
+    bad = []
+    for f in sorted(p for p in (REPO / "tests" / "vllm").glob("*.py") if p.name != Path(__file__).name):
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if ("sys.path" in line and "scripts" in line) or re.match(r"\s*(from|import)\s+vllm_arm_e2e\b", line) \
+                    or ("spec_from_file_location" in line and "vllm_arm_e2e" in line):
+                bad.append(f"{f.name}:{n}")
+    assert bad == []
+
+
+def test_the_emulated_install_is_kept_per_package_content(tmp_path):
+    """lane_plugin keeps one emulated site per sdist content: the same package files give the same
+    key whatever the archive's timestamps or its tests, a changed package file another."""
+    import io
+    import tarfile
+
+    from lane_plugin import content_hash
+
+    def sdist(name, files, mtime):
+        p = tmp_path / name
+        with tarfile.open(p, "w:gz") as tf:
+            for path, text in files.items():
+                data = text.encode()
+                info = tarfile.TarInfo(f"int4pack-0.1.0/{path}")
+                info.size, info.mtime = len(data), mtime
+                tf.addfile(info, io.BytesIO(data))
+        return p
+
+    files = {"int4pack/__init__.py": "x = 1\n", "setup.py": "setup()\n", "tests/test_a.py": "a\n"}
+    a = content_hash(sdist("a.tar.gz", files, 1))
+    assert content_hash(sdist("b.tar.gz", {**files, "tests/test_a.py": "b\n"}, 2)) == a
+    assert content_hash(sdist("c.tar.gz", {**files, "int4pack/__init__.py": "x = 2\n"}, 1)) != a
+    assert content_hash(sdist("d.tar.gz", {**files, "int4pack/vllm_plugin/_new.py": ""}, 1)) != a
+
+
+def test_a_config_fact_vllm_reads_in_the_release_form_is_added_to_the_served_folders_only(driver, tmp_path):
+    """MiniMax-M3: vLLM's vision tower reads vision_config.img_token_compression_config, which the
+    transformers-saved fixture keeps as two top-level vision fields. The served folders (packed and
+    plain) get the release's form of the same two facts, recorded; the fixture is not touched."""
+    item = driver.resolve_inputs(["ct_minimaxm3_w4a16"])[0]
+    rec = driver.prepare(item, tmp_path, serve="kleidiai")
+    want = {"temporal_patch_size": 2, "spatial_merge_size": 2}
+    assert rec["config_release_form"] == {"vision_config.img_token_compression_config": want}
+    for key in ("model_dir", "plain_dir"):
+        vc = json.loads((Path(rec[key]) / "config.json").read_text())["vision_config"]
+        assert vc["img_token_compression_config"] == want
+    assert "img_token_compression_config" not in json.loads((item["src"] / "config.json").read_text())["vision_config"]

@@ -49,8 +49,8 @@ def test_the_plugin_refuses_a_torch_without_kleidiai(version, tmp_path):
     tests/vllm/load_stats.py --torch-without-kleidiai), vLLM must fail before loading the packed checkpoint,
     with the plugin's reason. (vLLM's aarch64 builds die with SIGILL on a CPU without dotprod.)"""
     wrapper = wrapper_for(version)
-    sys.path.insert(0, str(REPO / "scripts"))
-    from vllm_arm_e2e import plugin_env
+    sys.path.insert(0, str(REPO / "tests" / "vllm"))
+    from lane_plugin import plugin_env
 
     import int4pack
 

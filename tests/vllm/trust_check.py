@@ -28,7 +28,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "scripts"))
 
 EXPECT = {  # case -> the tensor the refusal must name
     "flip_byte": "model.layers.0.mlp.experts.0.gate_proj.weight_packed",
@@ -48,7 +47,9 @@ def main() -> int:
 
     import int4pack
     from corrupt_corpus import build
-    from vllm_arm_e2e import PROBE, plugin_env
+    from lane_plugin import plugin_env
+
+    PROBE = HERE / "probe.py"
 
     fixtures = REPO / "tests" / "fixtures"
     work = a.work

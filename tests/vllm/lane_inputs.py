@@ -1,0 +1,206 @@
+"""The vLLM lane's inputs (scripts/vllm_arm_e2e.py): the fixtures it covers, a checkpoint folder or
+fixture name resolved to a work folder, and each input prepared on x86: converted with
+``int4pack.convert`` (plain W4A8 and, for ``--serve-format kleidiai``, the packed format), edited
+for a negative control, with the float folder the references read; where each probe output goes;
+the engine options recorded for pipeline ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from controls import CONTROL_TAG, CONTROLS, write_control_copy, write_swapped_copy
+from float_ref import write_float_folder
+from lane_checks import group_label
+from probe import PP_COMPILATION
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures"
+
+# fixture -> what it covers (every source format, both MoE namings)
+CASES = {
+    "gptq_q3_sym": "GPTQ sym g32, Qwen3-MoE",
+    "gptq_q3_asym": "GPTQ asym g32, Qwen3-MoE",
+    "gptq_q3_descact": "GPTQ desc_act g32, Qwen3-MoE",
+    "awq_q3": "AWQ GEMM g32, Qwen3-MoE",
+    "ct_qwen3moe_w4a16": "ct pack sym g32, Qwen3-MoE",
+    "ct_qwen3moe_w4a16_asym_g32": "ct pack asym g32, Qwen3-MoE",
+    "ct_qwen3moe_w4a16_channel": "ct pack sym channel, Qwen3-MoE",
+    "ct018_q3_actorder": "ct 0.18 actorder=group, Qwen3-MoE",
+    "gptq_mixtral_sym": "GPTQ sym g32, Mixtral mlp.experts.E.*_proj",
+    "awqpack_mixtral": "AWQ GEMM g32, Mixtral block_sparse_moe w1/w2/w3",
+    "mf_mixtral": "ct pack g128 (model_free_ptq), Mixtral w1/w2/w3",
+    "ct_qwen3moe_w4a8_int_g32": "producer's own W4A8 (served as is, not converted)",
+}
+# fixtures of the sigmoid-routed and newer families: named on the command line (MLA needs 0.32)
+COVERS = {**CASES,
+          "ct_deepseekv3_w4a16": "ct pack g32, DeepSeek-V3 (MLA, grouped sigmoid + bias, scaling 2.5)",
+          "ct_kimik2_w4a16": "ct pack g32, Kimi-K2 (kimi_k2 on the DeepSeek-V3 layout)",
+          "ct_glm4moe_w4a16": "ct pack g32, GLM-4.5 (grouped sigmoid + bias)",
+          "ct_minimaxm2_w4a16": "ct pack g32, MiniMax-M2 (sigmoid + bias, no groups)"}
+PAIR = ("ct_qwen3moe_w4a16", "ct_qwen3moe_w4a8_int_g32")
+DENSE_OF = {k: "dense_qwen3moe" for k in CASES if k.startswith(("ct_", "ct018"))}
+
+
+
+def resolve_inputs(args: list[str]) -> list[dict]:
+    """PATH_OR_FIXTURE -> {"input", "src", "key" (unique folder name under --work)}."""
+    out, keys = [], set()
+    for a in args or list(CASES):
+        p = Path(a)
+        if p.is_dir() and (p / "config.json").exists():
+            src = p.resolve()
+        elif (FIXTURES / a / "config.json").exists():
+            src = FIXTURES / a
+        else:
+            raise SystemExit(f"{a}: not a checkpoint folder (no config.json) and not a fixture in {FIXTURES} "
+                             f"({', '.join(COVERS)})")
+        key = re.sub(r"[^A-Za-z0-9_.-]", "_", src.name)
+        n = 1
+        while key in keys:
+            n += 1
+            key = f"{src.name}_{n}"
+        keys.add(key)
+        out.append({"input": a, "src": src, "key": key})
+    return out
+
+
+def is_w4a8_int(src: Path) -> bool:
+    """Already the target format: compressed-tensors int-quantized, int4 weights, int8 activations."""
+    cfg = json.loads((src / "config.json").read_text())
+    qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
+    if qc.get("format") != "int-quantized":
+        return False
+    for grp in (qc.get("config_groups") or {}).values():
+        w, a = grp.get("weights") or {}, grp.get("input_activations") or {}
+        if w.get("num_bits") != 4 or a.get("num_bits") != 8:
+            return False
+    return bool(qc.get("config_groups"))
+
+
+def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap: bool = False,
+            serve: str = "compressed-tensors", tp: int = 1, control: str | None = None) -> dict:
+    """Convert (or take as is) one input; write its float folder. Returns the record. ``serve``
+    kleidiai: model_dir is the packed serving format (``tp`` > 1: converted with --tensor-parallel
+    tp), plain_dir the W4A8 folder it equals."""
+    import int4pack
+    from int4pack.errors import RefusedError
+
+    d = work / item["key"]
+    d.mkdir(parents=True, exist_ok=True)
+    src = item["src"]
+    glabel = group_label(group_size)
+    rec = {"input": item["input"], "key": item["key"], "source": str(src), "covers": COVERS.get(src.name, "")}
+    ptp = f"_tp{tp}" if serve == "kleidiai" and tp > 1 else ""
+    saved = d / (f"prepare_{glabel}{'_swapped' if swap else ''}{f'_{control}' if control else ''}"
+                 f"{'_kleidiai' if serve == 'kleidiai' else ''}{ptp}.json")
+    if reuse and saved.exists() and (d / "float" / "model.safetensors").exists():
+        return json.loads(saved.read_text())  # what the probe already loaded: do not rewrite it
+    t = time.perf_counter()
+    rec["converted"] = not is_w4a8_int(src)
+    if rec["converted"]:
+        rep = int4pack.convert(src, d / f"w4a8_{glabel}", overwrite=True, group_size=group_size)
+        rec["model_dir"] = rec["mirror_dir"] = str(d / f"w4a8_{glabel}")
+        rec["convert"] = {"paths": rep["plan"]["paths"], "group_size": rep["plan"]["group_size"],
+                          "format": rep["plan"]["format"]["detail"]}
+    else:
+        rec["model_dir"] = rec["mirror_dir"] = str(src)
+    if swap:  # vLLM serves the broken copy; the references stay those of the right conversion
+        write_swapped_copy(Path(rec["mirror_dir"]), d / f"w4a8_{glabel}_swapped")
+        rec["model_dir"] = str(d / f"w4a8_{glabel}_swapped")
+        rec["negative_control"] = "gate/up swapped in every expert"
+    rec["serve_format"] = serve
+    if serve == "kleidiai":
+        try:
+            int4pack.convert(src, d / f"packed_{glabel}{ptp}", overwrite=True, group_size=group_size,
+                             serve_format=serve, tensor_parallel=tp)
+        except RefusedError as e:  # a family the plugin does not serve: the default format only, and why
+            rec["serve_format"] = "compressed-tensors"
+            rec["serve_format_refused"] = {"serve_format": serve, "reason": str(e)}
+        else:
+            rec["plain_dir"], rec["model_dir"] = rec["model_dir"], str(d / f"packed_{glabel}{ptp}")
+    patch = {k: v for key in ("model_dir", "plain_dir") if rec.get(key) and Path(rec[key]).is_relative_to(d)
+             for k, v in release_form(Path(rec[key])).items()}
+    if patch:
+        rec["config_release_form"] = patch
+    if control:  # vLLM serves edited copies (packed and plain alike); the references stay the model's
+        for key in ("model_dir", "plain_dir"):
+            if rec.get(key):
+                rec[key] = str(write_control_copy(Path(rec[key]), d / f"{Path(rec[key]).name}_{control}", control))
+        rec["negative_control"] = CONTROLS[control]
+    rec["convert_s"] = round(time.perf_counter() - t, 2)
+    write_float_folder(src, d / "float")
+    saved.write_text(json.dumps(rec) + "\n")
+    return rec
+
+
+def _minimax_m3_vision(cfg: dict) -> dict:
+    """MiniMax-M3: vLLM's vision tower reads ``vision_config.img_token_compression_config``
+    (models/minimax_m3/common/vision_tower.py:45, as MiniMax's release config has it); transformers
+    5.23's config keeps its two fields at the top of ``vision_config``."""
+    vc = cfg.get("vision_config")
+    if not isinstance(vc, dict) or "img_token_compression_config" in vc:
+        return {}
+    vc["img_token_compression_config"] = {k: vc[k] for k in ("temporal_patch_size", "spatial_merge_size") if k in vc}
+    return {"vision_config.img_token_compression_config": vc["img_token_compression_config"]}
+
+
+def _step3p5_attention(cfg: dict) -> dict:
+    """Step-3.5-Flash: vLLM's step3p5.py (0.32.0, lines 414-436) reads the release's
+    ``num_attention_groups``, ``attention_other_setting`` (the sliding layers' heads) and
+    ``rope_theta``; transformers 5.23's config holds the same facts as ``num_key_value_heads``,
+    ``per_layer_config`` and ``rope_parameters``, and its per-layer form makes a global
+    ``num_attention_heads`` an error (AmbiguousGlobalPerLayerAttributeError, step3p5.py:432)."""
+    per = cfg.get("per_layer_config")
+    if not isinstance(per, dict) or "attention_other_setting" in cfg:
+        return {}
+    sliding = {int(i): v.get("num_attention_heads") for i, v in per.items()}
+    heads = next(iter(sliding.values()))
+    added = {"num_attention_groups": cfg["num_key_value_heads"],
+             "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": heads,
+                                         "num_attention_groups": cfg["num_key_value_heads"],
+                                         "head_dim": cfg["head_dim"]},
+             "rope_theta": cfg["rope_parameters"]["full_attention"]["rope_theta"]}
+    cfg.update(added)
+    for k in ("per_layer_config", "num_sliding_attention_heads"):
+        added[f"{k} (removed)"] = cfg.pop(k, None)
+    return added
+
+
+# facts a transformers-saved config spells otherwise than the release's config that vLLM's class
+# reads: written in the release's form too in the served folders (their weights untouched, the
+# references unchanged), and recorded in the result (config_release_form)
+RELEASE_FORM = {"minimax_m3_vl": _minimax_m3_vision, "step3p5": lambda cfg: _step3p5_attention(cfg)}
+
+
+def release_form(folder: Path) -> dict:
+    """Add to a served folder's config.json what RELEASE_FORM names for its model type; the keys added."""
+    p = folder / "config.json"
+    cfg = json.loads(p.read_text())
+    fix = RELEASE_FORM.get(cfg.get("model_type"))
+    added = fix(cfg) if fix else {}
+    if added:
+        p.write_text(json.dumps(cfg, indent=2) + "\n")
+    return added
+
+
+def probe_path(work: Path, rec: dict, tag: str, plain: bool = False) -> Path:
+    """The probe output of rec's model_dir (``plain``: of the plain W4A8 folder it is compared with)."""
+    packed = rec.get("serve_format") == "kleidiai" and not plain
+    return work / rec["key"] / f"probe_{tag}{CONTROL_TAG.get(rec.get('negative_control'), '')}" \
+                               f"{'_kleidiai' if packed else ''}.json"
+
+
+def engine_record(pp: int) -> dict:
+    """The compilation options the probe passes to LLM(...): enforce_eager, except with pipeline ranks
+    (a compilation mode that compiles nothing on CPU, so that vLLM makes the ranks' receive buffers:
+    tests/vllm/probe.py PP_COMPILATION says why)."""
+    if pp <= 1:
+        return {"enforce_eager": True}
+    return {"enforce_eager": False, "compilation_config": {k: v for k, v in PP_COMPILATION.items() if k != "enforce_eager"},
+            "why": "pipeline_parallel_size > 1: vLLM's CPU runner makes the receive buffer of rank > 0 only in its "
+                   "warm-up, which compilation mode NONE (enforce_eager) skips; STOCK_TORCH_COMPILE compiles "
+                   "nothing on CPU, TorchDynamo stays disabled"}

@@ -1,0 +1,85 @@
+"""The lane's negative controls of the late-2026 mechanisms (controls.write_control_copy) on x86: the
+served copy changes exactly the one fact it names, in the plain and in the packed folder, and the
+copy of a folder without that fact is refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from controls import CONTROL_TAG, CONTROLS, NO_CLAMP, write_control_copy  # noqa: E402
+from float_ref import load_tensors  # noqa: E402
+
+FX = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    import int4pack
+
+    d = tmp_path_factory.mktemp("ctl")
+    out = {}
+    for name in ("ct_gemma4_w4a16", "ct_glm5next_w4a16", "ct_deepseekv4_w4a16"):
+        for fmt in ("compressed-tensors", "kleidiai"):
+            int4pack.convert(FX / name, d / f"{name}_{fmt}", serve_format=fmt)
+            out[name, fmt] = d / f"{name}_{fmt}"
+    return out
+
+
+def _changed(a: Path, b: Path) -> set[str]:
+    ta, tb = load_tensors(a), load_tensors(b)
+    assert set(ta) == set(tb)
+    return {k for k in ta if not torch.equal(ta[k], tb[k])}
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "kleidiai"])
+def test_per_expert_scale_control_sets_gemma4s_scale_to_one_and_nothing_else(converted, fmt, tmp_path):
+    src = converted["ct_gemma4_w4a16", fmt]
+    dst = write_control_copy(src, tmp_path / "c", "no-per-expert-scale")
+    changed = _changed(src, dst)
+    assert changed and all(k.endswith(".router.per_expert_scale") for k in changed)
+    t = load_tensors(dst)
+    assert all(torch.equal(t[k], torch.ones_like(t[k])) for k in changed)
+    assert json.loads((src / "config.json").read_text()) == json.loads((dst / "config.json").read_text())
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "kleidiai"])
+def test_shifted_hash_control_moves_each_token_to_the_next_expert(converted, fmt, tmp_path):
+    src = converted["ct_deepseekv4_w4a16", fmt]
+    dst = write_control_copy(src, tmp_path / "c", "shifted-hash")
+    changed = _changed(src, dst)
+    assert changed and all(k.endswith(".tid2eid") for k in changed)
+    a, b = load_tensors(src), load_tensors(dst)
+    for k in changed:
+        assert torch.equal(b[k], (a[k] + 1) % 8)  # the fixture's 8 routed experts
+        assert (b[k] != a[k]).all()
+
+
+def test_no_clamp_control_lifts_every_limit_in_the_config_and_the_packed_record(converted, tmp_path):
+    src = converted["ct_glm5next_w4a16", "kleidiai"]
+    dst = write_control_copy(src, tmp_path / "c", "no-clamp")
+    assert not _changed(src, dst)
+    a, b = (json.loads((p / "config.json").read_text()) for p in (src, dst))
+    assert a["text_config"]["swiglu_limit"] == 10.0 and b["text_config"]["swiglu_limit"] == NO_CLAMP
+    la, lb = (c["quantization_config"]["kleidiai"]["moe_layers"] for c in (a, b))
+    assert set(la) == set(lb) and la
+    for k in la:
+        assert la[k]["activation"]["limit"] == 10.0 and lb[k]["activation"] == {**la[k]["activation"], "limit": NO_CLAMP}
+        assert lb[k]["routing"] == la[k]["routing"]
+
+
+def test_a_control_of_a_mechanism_the_model_lacks_is_refused(converted, tmp_path):
+    with pytest.raises(SystemExit, match="per_expert_scale"):
+        write_control_copy(converted["ct_glm5next_w4a16", "compressed-tensors"], tmp_path / "a", "no-per-expert-scale")
+    with pytest.raises(SystemExit, match="swiglu_limit"):
+        write_control_copy(converted["ct_gemma4_w4a16", "compressed-tensors"], tmp_path / "b", "no-clamp")
+
+
+def test_every_control_has_its_own_probe_tag():
+    tags = [CONTROL_TAG[v] for v in CONTROLS.values()]
+    assert len(set(tags)) == len(tags) == len(CONTROLS)
