@@ -21,10 +21,11 @@ from hf_reference import fake_quant_int8_rows  # the kernel's int8 activations
 
 def dequantised_source(src: Path) -> tuple[dict, dict[str, torch.Tensor], set[str]]:
     """(config, float32 tensors with every quantised linear dequantised, quantised module names)."""
-    from int4pack.sources.checkpoint import Checkpoint
+    from int4pack.sources.containers import open_checkpoint
     from int4pack.formats import open_reader
 
-    with Checkpoint(src) as ckpt:
+    # the container its files need (a .gguf file, an MLX folder, safetensors), as convert opens it
+    with open_checkpoint(src) as ckpt:
         reader = open_reader(ckpt)
         specs = reader.linears()
         used: set[str] = set()

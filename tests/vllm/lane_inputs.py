@@ -51,12 +51,12 @@ def resolve_inputs(args: list[str]) -> list[dict]:
     out, keys = [], set()
     for a in args or list(CASES):
         p = Path(a)
-        if p.is_dir() and (p / "config.json").exists():
+        if p.exists() and is_checkpoint(p):
             src = p.resolve()
-        elif (FIXTURES / a / "config.json").exists():
+        elif is_checkpoint(FIXTURES / a):
             src = FIXTURES / a
         else:
-            raise SystemExit(f"{a}: not a checkpoint folder (no config.json) and not a fixture in {FIXTURES} "
+            raise SystemExit(f"{a}: not a checkpoint (no config.json, no .gguf file) and not a fixture in {FIXTURES} "
                              f"({', '.join(COVERS)})")
         key = re.sub(r"[^A-Za-z0-9_.-]", "_", src.name)
         n = 1
@@ -68,8 +68,16 @@ def resolve_inputs(args: list[str]) -> list[dict]:
     return out
 
 
+def is_checkpoint(p: Path) -> bool:
+    """A folder with a config.json, a GGUF file, or a folder holding one (GGUF carries its config)."""
+    return (p / "config.json").exists() or p.suffix == ".gguf" and p.is_file() or \
+        p.is_dir() and any(p.glob("*.gguf"))
+
+
 def is_w4a8_int(src: Path) -> bool:
     """Already the target format: compressed-tensors int-quantized, int4 weights, int8 activations."""
+    if not (src / "config.json").exists():
+        return False  # a GGUF source: always converted
     cfg = json.loads((src / "config.json").read_text())
     qc = cfg.get("quantization_config") or cfg.get("compression_config") or {}
     if qc.get("format") != "int-quantized":
