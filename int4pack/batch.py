@@ -40,7 +40,7 @@ from .errors import OutputError
 from .groups import block, normalize_group, scale_dtype
 from .plan import Job
 from .records import Packing
-from .writer import PAGE, BufferPool, check_scale_bytes, to_bytes
+from .output_folder.writer import PAGE, BufferPool, check_scale_bytes, to_bytes
 
 # kernels, kleidiai and numpy: imported when the work starts, not with convert (none imports torch)
 # (a dry run plans without them)

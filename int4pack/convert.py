@@ -32,10 +32,10 @@ from .records import QuantLinear
 from .serve_spec import BLOB_CHECKS, KLEIDIAI, PLAIN_MODULES, SUFFIX, parse_format, serve_config
 from .serving.target_config import output_config
 from .serving.vllm_compat import serving_report
-from .workdir import (REPORT_NAME, OutputDir, check_space, check_target, folder_bytes, index_pieces,
+from .output_folder.workdir import (REPORT_NAME, OutputDir, check_space, check_target, folder_bytes, index_pieces,
                       partial_folder, report_pieces)
 from .workers import job_workers
-from .writer import assign_shards, shard_names
+from .output_folder.writer import assign_shards, shard_names
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
     from .w4a8 import W4A8Linear

@@ -27,7 +27,7 @@ from .groups import channel_group, groupwise_problem, is_channel, is_channelwise
 from .nibbles import AWQ_ORDER
 from .serve_spec import PLAIN_MODULES, QUANT_METHOD, SUFFIX, read_record, record_problems
 from .serving.vllm_compat import routing_warnings, serving_notes, serving_warnings
-from .writer import REPORT_NAME
+from .output_folder.writer import REPORT_NAME
 
 __all__ = ["inspect", "kleidiai_gate", "nibble_map"]
 
@@ -391,7 +391,7 @@ def _with_conversion(ckpt: Checkpoint, out: dict) -> dict:
     plain RTN's (``rel_l2``, ``baseline_rel_l2``)."""
     import json
 
-    from .writer import REPORT_NAME
+    from .output_folder.writer import REPORT_NAME
 
     meta = next((m for m in ckpt.shard_metadata.values() if "int4pack.source_format" in (m or {})), None)
     if meta is None:

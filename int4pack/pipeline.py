@@ -19,12 +19,12 @@ from pathlib import Path
 from . import batch
 from ._lazy import load_torch
 from .sources.checkpoint import Checkpoint, read_header
-from .checksums import copy_checksums, digest_kind, tensor_crc
+from .output_folder.checksums import copy_checksums, digest_kind, tensor_crc
 from .errors import InputError, OutputError
 from .plan import Job, OutTensor, Plan
 from .serve_spec import PROVENANCE_BYTES, SUFFIX
-from .workdir import OutputDir
-from .writer import ShardFile, check_scale_tensors
+from .output_folder.workdir import OutputDir
+from .output_folder.writer import ShardFile, check_scale_tensors
 
 __all__ = ["FLUSH_BYTES", "Kept", "Pipeline", "header_entry"]
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from . import moe as moe_mod
-from .groups import block, check_group_size, nests
+from .groups import block, channel_group, check_group_size, nests
 from .scale_search import out_scale_dtype
 from .verify_tolerance import budget
 
@@ -36,7 +36,7 @@ def source_groups(ql, g: int, gi: torch.Tensor | None = None) -> torch.Tensor | 
     if (ql.codes is None and ql.packed is None) or ql.spec.signed_scales or not ql.is_symmetric():
         return None  # signed scales (auto-round's full-range grid): requantised, not kept
     k = ql.spec.k
-    g = -1 if g == k else g
+    g = channel_group(k, g)
     if check_group_size(g, k) is not None:
         return None
     gs = block(k, g)

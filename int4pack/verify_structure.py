@@ -4,6 +4,9 @@ Reads the config, index and shard headers (and the int4 tensors' values) of a W4
 or in the packed serving format, and collects every problem instead of stopping at the first, so a
 user sees the whole list at once. The numerical half (verify.py) runs the kernels on what this
 module has found.
+
+Long: the output view (Target) and the checks of what it reads share one problem list per module,
+so a module's problems are gathered as its tensors are read, in one pass over the headers.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import int4pack
 mode, src, dst, shard, threads, serve = sys.argv[1:7]
 kw = dict(max_shard_size=shard, threads=int(threads) or None, serve_format=serve)
 if mode == "stop":  # every shard finished, stopped before the rename into OUT
-    from int4pack import writer
+    from int4pack.output_folder import writer
     def stop(self):
         raise KeyboardInterrupt
     writer.OutputDir.commit = stop

@@ -30,7 +30,7 @@ from bench_convert import BASELINE_RM, CONVERT_RM, _params, _run, print_table  #
 STUBS = r"""
 import sys as _s
 import int4pack as _i
-_C, _W = _s.modules["int4pack.convert"], _s.modules["int4pack.writer"]
+_C, _W = _s.modules["int4pack.convert"], _s.modules["int4pack.output_folder.writer"]
 _MODE = __import__("os").environ["INT4PACK_FLOOR"]
 if _MODE == "write-only":
     import torch as _t

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from int4pack import writer
+from int4pack.output_folder import writer
 
 
 ROOT = Path(__file__).resolve().parents[1]

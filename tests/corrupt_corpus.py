@@ -79,7 +79,7 @@ def edit_report(folder: Path, edit) -> None:
 
 def reseal(folder: Path) -> None:
     """Recompute every shard checksum int4pack_report.json records: what a forger can always do."""
-    from int4pack.writer import hash_shard
+    from int4pack.output_folder.writer import hash_shard
 
     def fix(rep):
         for shard, rec in rep["shards"].items():

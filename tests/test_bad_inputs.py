@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import int4pack
-from int4pack import writer
+from int4pack.output_folder import writer
 from int4pack.cli import app
 from _reference import FIXTURES
 from _reliability import (SUBPROCESS, TMPFS_SIZE, _cli, _limit_disk, _looks_complete, _problems,

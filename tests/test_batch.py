@@ -30,7 +30,7 @@ from _synth import pack_k
 from int4pack import batch, kernels, kleidiai
 from int4pack.errors import InputError
 from int4pack.plan import OutTensor
-from int4pack.writer import ShardFile
+from int4pack.output_folder.writer import ShardFile
 
 convert_mod = importlib.import_module("int4pack.convert")
 ext = kernels.ext()

@@ -354,7 +354,7 @@ def test_deepseek_v4s_default_output_is_not_sent_to_stock_vllm(tmp_path):
 def test_a_partial_output_is_kept_by_resume_and_replaced_aloud_without_it(tmp_path, monkeypatch):
     """Interrupted after its last shard: --resume says nothing is left to write but the small files;
     a run without --resume says it replaced the earlier run's partial output and how big it was."""
-    from int4pack import writer
+    from int4pack.output_folder import writer
 
     out = tmp_path / "out"
     work = tmp_path / ".out.int4pack-partial"

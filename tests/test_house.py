@@ -166,9 +166,9 @@ def test_the_code_map_finder_sees_a_missing_module(tmp_path):
 
 def test_the_readme_code_map_names_every_module():
     """README "Layout of the code" names every module and subpackage of int4pack/, and every module
-    of the packages it lists one by one (sources/, serving/)."""
+    of the packages it lists one by one (sources/, serving/, output_folder/)."""
     missing = code_map_missing(_code_map(), ROOT / "int4pack")
-    for pkg in ("sources", "serving"):
+    for pkg in ("sources", "serving", "output_folder"):
         missing += [f"{pkg}/{m}" for m in code_map_missing(_code_map(), ROOT / "int4pack" / pkg) if m != "__init__.py"]
     assert missing == [], "add it to the README's code map"
 

@@ -38,7 +38,7 @@ def test_torch_is_imported_on_first_use_then_bound_in_every_module():
     first attribute read does, and from then on each module's ``torch`` is torch itself."""
     code = ("import importlib, sys\n"
             "mods = [importlib.import_module(m) for m in ('int4pack.convert', 'int4pack.sources.checkpoint', "
-            "'int4pack.formats.gptq', 'int4pack.writer', 'int4pack.blobs', 'int4pack.serve_spec', 'int4pack.routing')]\n"
+            "'int4pack.formats.gptq', 'int4pack.output_folder.writer', 'int4pack.blobs', 'int4pack.serve_spec', 'int4pack.routing')]\n"
             "before = 'torch' in sys.modules\n"
             "dt = mods[1].torch.bfloat16\n"
             "import torch\n"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import int4pack
-from int4pack import workdir, writer
+from int4pack.output_folder import workdir, writer
 from int4pack.errors import Int4packError, OutputError
 from int4pack.sources.checkpoint import Checkpoint
 from int4pack.plan import make_plan

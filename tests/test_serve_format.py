@@ -341,7 +341,7 @@ def test_shard_headers_have_room_for_provenance(tmp_path):
     6-digit shapes) fits the room packed shards reserve, which the plain reserve would not."""
     from int4pack.errors import OutputError
     from int4pack.plan import OutTensor
-    from int4pack.writer import ShardFile
+    from int4pack.output_folder.writer import ShardFile
 
     q = torch.zeros(8, 64, dtype=torch.int8)
     prov = serve_spec.provenance(q, torch.ones(8, 2, dtype=torch.bfloat16), torch.ones(8), 128)

@@ -121,7 +121,7 @@ def test_stale_crc32c_checksum_found_without_the_extension(corpus, tmp_path, mon
     shard = sorted(rep["shards"])[0]
     digest = rep["shards"][shard]["data_digest"]
     if not digest.startswith("crc32c:"):  # written without the extension: make it a crc32c one
-        from int4pack.writer import hash_shard
+        from int4pack.output_folder.writer import hash_shard
         monkeypatch.delenv("INT4PACK_NO_EXT", raising=False)
         rep["shards"][shard]["data_digest"] = hash_shard(bad / shard, "crc32c:")["data_digest"]
         (bad / "int4pack_report.json").write_text(json.dumps(rep))
@@ -240,7 +240,7 @@ def test_plugin_names_the_corrupted_tensor(corpus):
 
 def _interrupted(src: Path, out: Path, monkeypatch) -> Path:
     """A run stopped just before its output was swapped into place: every shard finished."""
-    from int4pack import writer
+    from int4pack.output_folder import writer
 
     def boom(self):
         raise KeyboardInterrupt
@@ -253,7 +253,7 @@ def _interrupted(src: Path, out: Path, monkeypatch) -> Path:
 
 
 def test_resume_refuses_a_planted_shard_with_matching_checksums(tmp_path, monkeypatch):
-    from int4pack.writer import PROGRESS, hash_shard
+    from int4pack.output_folder.writer import PROGRESS, hash_shard
 
     out = tmp_path / "out"
     work = _interrupted(FIXTURES / GROUP, out, monkeypatch)
@@ -340,7 +340,7 @@ def test_resume_refuses_a_work_folder_of_another_user(tmp_path, monkeypatch):
 _SHRINK = """
 import os, sys
 import int4pack
-import int4pack.writer
+import int4pack.output_folder.writer
 from int4pack.errors import Int4packError
 src, out, fmt = sys.argv[1:4]
 shards = sorted(p for p in os.listdir(src) if p.endswith(".safetensors"))
@@ -350,7 +350,7 @@ def shrink(name):  # the first expert is computed from the mapped shards; then t
             p = os.path.join(src, s)
             os.truncate(p, os.path.getsize(p) // 2)
         shards.clear()
-SF = int4pack.writer.ShardFile
+SF = int4pack.output_folder.writer.ShardFile
 write, write_batch = SF.write, SF.write_batch
 SF.write = lambda self, name, data: (shrink(name), write(self, name, data))[1]
 SF.write_batch = lambda self, entries, *a: (shrink(entries[0][0]), write_batch(self, entries, *a))[1]
@@ -474,7 +474,7 @@ def test_a_flipped_scale_exponent_fails_verify_without_a_report(corpus, tmp_path
 def test_a_non_finite_figure_never_passes(corpus, tmp_path):
     """A NaN router copied into the output (and into the source it is checked against): the layer's
     figures are NaN or infinite, which must fail, never print PASS ... rel_l2 inf."""
-    from int4pack.writer import tensor_crc
+    from int4pack.output_folder.writer import tensor_crc
 
     nan_router = lambda t, m: ROUTER in t and t[ROUTER].view(-1).__setitem__(0, float("nan")) is None
 

@@ -4,15 +4,13 @@ not map the source's packed weights."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import int4pack
-from _reference import ct_decode, gptq_decode, load_all, rel_l2, w4a8_decode
+from _reference import FIXTURES, ct_decode, gptq_decode, load_all, rel_l2, w4a8_decode
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def _source_w(t: dict, m: str) -> np.ndarray:

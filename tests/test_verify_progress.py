@@ -3,12 +3,11 @@ layer, instead of a screen left blank while it runs."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import int4pack
+from _reference import FIXTURES
 from int4pack.verify import NullProgress
 
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 class Recorder(NullProgress):

@@ -12,7 +12,7 @@ import torch
 import int4pack
 from int4pack import verify_scan
 from int4pack.sources import checkpoint
-from int4pack.writer import hash_shard
+from int4pack.output_folder.writer import hash_shard
 
 
 def _count_reads(monkeypatch) -> Counter:

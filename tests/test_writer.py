@@ -18,7 +18,8 @@ import torch
 from safetensors import safe_open
 
 import int4pack
-from int4pack import kernels, pipeline, writer
+from int4pack import kernels, pipeline
+from int4pack.output_folder import writer
 from int4pack.errors import OutputError
 from int4pack.plan import OutTensor
 

@@ -103,7 +103,7 @@ def convert_cmd(
 
 def _left_behind(out: Path) -> str:
     """What an interrupted convert leaves: the hidden partial folder, its size, and how to go on."""
-    from ..workdir import folder_bytes, partial_folder
+    from ..output_folder.workdir import folder_bytes, partial_folder
 
     work = partial_folder(out)
     if not work.is_dir():

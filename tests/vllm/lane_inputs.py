@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
-from controls import CONTROL_TAG, CONTROLS, write_control_copy, write_swapped_copy
-from float_ref import write_float_folder
-from lane_checks import group_label
-from probe import PP_COMPILATION
-
 REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / "tests" / "fixtures"
+sys.path.insert(0, str(REPO / "tests"))  # the fixtures folder is named once, by the tests' references
+
+from _reference import FIXTURES  # noqa: E402
+from controls import CONTROL_TAG, CONTROLS, write_control_copy, write_swapped_copy  # noqa: E402
+from float_ref import write_float_folder  # noqa: E402
+from lane_checks import group_label  # noqa: E402
+from probe import PP_COMPILATION  # noqa: E402
+
 
 # fixture -> what it covers (every source format, both MoE namings)
 CASES = {

@@ -21,11 +21,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ._lazy import torch, torch_loaded
+from .._lazy import torch, torch_loaded
 from .checksums import CHECKSUMS, copy_checksums, data_digest, digest_kind, to_bytes
-from .errors import InputError, OutputError
-from .groups import MAX_SCALE
-from .plan import OutTensor
+from ..errors import InputError, OutputError
+from ..groups import MAX_SCALE
+from ..plan import OutTensor
 from .workdir import disk_error
 
 # names callers found here before they got homes of their own (checksums.py, workdir.py)
@@ -183,7 +183,7 @@ def check_scale_tensors(tensors) -> None:
     packed into blobs (where the writer does not see them)."""
     for name, data in tensors:
         if name.endswith(SCALE_SUFFIX) and torch_loaded() and isinstance(data, torch.Tensor):
-            from .sources.checkpoint import DTYPE_NAMES
+            from ..sources.checkpoint import DTYPE_NAMES
 
             check_scale_bytes(name, to_bytes(data), DTYPE_NAMES.get(data.dtype))
 
@@ -259,7 +259,7 @@ class ShardFile:
         if want is None:
             raise OutputError(f"internal: {name!r} is not planned in {self.path.name}", tensor=name)
         if torch_loaded() and isinstance(data, torch.Tensor):  # no tensor exists before torch does
-            from .sources.checkpoint import DTYPE_NAMES
+            from ..sources.checkpoint import DTYPE_NAMES
             if DTYPE_NAMES.get(data.dtype) != want.dtype or tuple(data.shape) != want.shape:
                 raise OutputError(f"internal: {name} is {data.dtype}{tuple(data.shape)}, "
                                   f"planned {want.dtype}{want.shape}", tensor=name)

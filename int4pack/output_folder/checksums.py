@@ -14,7 +14,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ._lazy import torch
+from .._lazy import torch
 
 __all__ = ["CHECKSUMS", "CHECKSUM_KEYS", "to_bytes", "tensor_crc", "digest_kind", "copy_checksums", "data_digest",
            "hash_shard", "hash_shards"]
@@ -48,13 +48,13 @@ def _copy_crc32(src: memoryview, dst: memoryview, crc: int) -> int:
 # (int4pack 0.1.0 before this change) is crc32
 # kernels.py imports torch: imported on first use, not with this module (convert's plan imports it)
 def _crc32c(data, crc: int = 0) -> int:
-    from . import kernels
+    from .. import kernels
 
     return kernels.crc32c(data, crc)
 
 
 def _crc32c_copy(src, dst, crc: int = 0) -> int:
-    from . import kernels
+    from .. import kernels
 
     return kernels.crc32c_copy(src, dst, crc)
 
@@ -75,7 +75,7 @@ def tensor_crc(data, kind: str) -> int:
 def digest_kind(digest: str | None = None) -> str:
     """The checksum kind of a recorded data_digest; with none, the kind a new shard gets."""
     if digest is None:
-        from . import kernels
+        from .. import kernels
 
         return "crc32c" if kernels.ext() is not None else "crc32"
     return "crc32c" if str(digest).startswith("crc32c:") else "crc32"

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checksums import CHECKSUM_KEYS, hash_shards
-from .errors import OutputError
-from .output import human_bytes
+from ..errors import OutputError
+from ..output import human_bytes
 
 __all__ = ["partial_folder", "folder_bytes", "check_space", "check_target", "OutputDir", "disk_error",
            "json_pieces", "report_pieces", "index_pieces", "PROGRESS", "REPORT_NAME", "MARKER", "LOCK"]
