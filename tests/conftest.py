@@ -96,3 +96,25 @@ def make_ckpt(tmp_path):
         return folder
 
     return make
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many jobs ran inside convert's C++ batches and how many the C++ handed back, during the test."""
+    from int4pack import batch
+
+    seen = {"batched": 0, "handed_back": 0}
+    run = batch.run_batch
+
+    def counting(b, *a, **k):
+        seen["batched"] += len(b.jobs)
+        per_job = a[-1]
+
+        def back(job):
+            seen["handed_back"] += 1
+            return per_job(job)
+
+        return run(b, *a[:-1], back, **k)
+
+    monkeypatch.setattr(batch, "run_batch", counting)
+    return seen

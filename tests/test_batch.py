@@ -336,26 +336,6 @@ def test_write_batch_writes_the_same_file_as_write(tmp_path):
 # ------------------------------------------------------------------------------ whole conversions
 
 
-@pytest.fixture
-def counted(monkeypatch):
-    """How many jobs ran inside batches and how many the C++ handed back, during the test."""
-    seen = {"batched": 0, "handed_back": 0}
-    run = batch.run_batch
-
-    def counting(b, *a, **k):
-        seen["batched"] += len(b.jobs)
-        per_job = a[-1]
-
-        def back(job):
-            seen["handed_back"] += 1
-            return per_job(job)
-
-        return run(b, *a[:-1], back, **k)
-
-    monkeypatch.setattr(batch, "run_batch", counting)
-    return seen
-
-
 def _convert_both(src: Path, out: Path, monkeypatch, **kw) -> tuple[Path, Path, dict]:
     """Both conversions; their reports the same but for where and how long (and the workers' count)."""
     a, b = out / "batched", out / "per_job"

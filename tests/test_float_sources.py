@@ -314,27 +314,13 @@ def test_fused_float_experts_split_per_expert(tmp_path, transposed):
     assert int4pack.verify(out, against=src, tokens=32)["ok"]
 
 
-def _batched_and_per_job(src, out, monkeypatch, serve_format="compressed-tensors"):
+def _batched_and_per_job(src, out, monkeypatch, seen, serve_format="compressed-tensors"):
     """convert with the C++ batches and without: (report, modules the batches took, handed back); the
-    two outputs' files and reports the same, byte for byte."""
+    two outputs' files and reports the same, byte for byte. ``seen``: the ``counted`` fixture."""
     import filecmp
 
     from int4pack import batch
 
-    seen = {"batched": 0, "handed_back": 0}
-    run = batch.run_batch
-
-    def counting(b, *a, **k):
-        seen["batched"] += len(b.jobs)
-        per_job = a[-1]
-
-        def back(job):
-            seen["handed_back"] += 1
-            return per_job(job)
-
-        return run(b, *a[:-1], back, **k)
-
-    monkeypatch.setattr(batch, "run_batch", counting)
     rep = int4pack.convert(src, out / "a", serve_format=serve_format)
     monkeypatch.setattr(batch, "ENABLED", False)
     rep_b = int4pack.convert(src, out / "b", serve_format=serve_format)
@@ -351,12 +337,12 @@ def _batched_and_per_job(src, out, monkeypatch, serve_format="compressed-tensors
 
 @pytest.mark.skipif(kernels.ext() is None or not kernels.ext().requant_ok, reason="needs the C++ requant kernels")
 @pytest.mark.parametrize("kind", sorted(SOURCES))
-def test_float_sources_in_the_requant_batches_are_the_per_job_bytes(sources, tmp_path, monkeypatch, kind):
+def test_float_sources_in_the_requant_batches_are_the_per_job_bytes(sources, tmp_path, monkeypatch, counted, kind):
     """Every float source kind: the C++ batches (which decode bf16, e4m3, E2M1 with E8M0/E4M3 scales and
     NVFP4's global scale in place) write the per-job path's files and report; every layout but
     OpenAI's 3-D MXFP4 blocks goes through them."""
     folder, _ = sources("qwen3_moe", kind)
-    rep, batched, handed = _batched_and_per_job(folder, tmp_path, monkeypatch)
+    rep, batched, handed = _batched_and_per_job(folder, tmp_path, monkeypatch, counted)
     requant = sum(1 for m in rep["modules"].values() if m["path"] == "requant")
     assert requant and handed == 0
     if kind == "mxfp4_blocks":
@@ -367,12 +353,12 @@ def test_float_sources_in_the_requant_batches_are_the_per_job_bytes(sources, tmp
 
 @pytest.mark.skipif(kernels.ext() is None or not kernels.ext().requant_ok, reason="needs the C++ requant kernels")
 @pytest.mark.parametrize("transposed", [False, True])
-def test_fused_float_experts_in_the_requant_batches_are_the_per_job_bytes(tmp_path, monkeypatch, transposed):
+def test_fused_float_experts_in_the_requant_batches_are_the_per_job_bytes(tmp_path, monkeypatch, counted, transposed):
     """Fused [E, 2I, H] experts: each expert's gate and up rows read in place by the batches (the
     transposed layout per job), the same bytes either way."""
     tensors, cfg = _float_source("qwen3_moe")
     src = _save(tmp_path / "src", _fused_experts(tensors, transposed), cfg, None)
-    rep, batched, handed = _batched_and_per_job(src, tmp_path, monkeypatch, "kleidiai")
+    rep, batched, handed = _batched_and_per_job(src, tmp_path, monkeypatch, counted, "kleidiai")
     experts = sum(1 for m in rep["modules"] if ".experts." in m)
     assert experts and handed == 0
     assert (batched >= experts) if not transposed else (batched < experts)

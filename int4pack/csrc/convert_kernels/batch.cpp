@@ -327,6 +327,15 @@ int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc,
   return 0;
 }
 
+// the scale search a requant job runs: the grid's coarse ratios and fine offsets (none: no search)
+static void with_search(JobArgs& a, const float* coarse, int64_t n_coarse, const float* fine, int64_t n_fine) {
+  a.search = n_coarse > 0;
+  a.coarse = n_coarse > 0 ? coarse : nullptr;
+  a.n_coarse = n_coarse;
+  a.fine = n_fine > 0 ? fine : nullptr;
+  a.n_fine = n_fine;
+}
+
 // requant_job on a row's job arguments, then its outputs and checksums (ship); a close call, a scale
 // not finite or a refusal hands the module back (r[0])
 static void requant_and_ship(const JobArgs& a, const int64_t* d, int64_t* r, double* tot, int64_t* zgroups,
@@ -396,11 +405,7 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
       a.k = k;
       a.g = g;
       a.bf16 = d[kbBf16] != 0;
-      a.search = n_coarse > 0;
-      a.coarse = n_coarse > 0 ? coarse : nullptr;
-      a.n_coarse = n_coarse;
-      a.fine = n_fine > 0 ? fine : nullptr;
-      a.n_fine = n_fine;
+      with_search(a, coarse, n_coarse, fine, n_fine);
       requant_and_ship(a, d, r, tot + 6 * m, zgroups + m, qbuf, s, flags, bits, out, threads);
       continue;
     }
@@ -448,11 +453,7 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
     }
     JobArgs a = source_args(d, src, sscale);
     a.zeros = zbuf.data();
-    a.search = n_coarse > 0;
-    a.coarse = n_coarse > 0 ? coarse : nullptr;
-    a.n_coarse = n_coarse;
-    a.fine = n_fine > 0 ? fine : nullptr;
-    a.n_fine = n_fine;
+    with_search(a, coarse, n_coarse, fine, n_fine);
     requant_and_ship(a, d, r, tot + 6 * m, zgroups + m, qbuf, s, flags, bits, out, threads);
   }
   return 0;
