@@ -151,3 +151,27 @@ def test_matcher_sees_a_split_fused_module(version):
                             ["m.layers.0.self_attn.k_proj"])
     with pytest.raises(ValueError):
         VllmSchemes(cfg, version, {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}).linear("m.layers.0.self_attn.qkv_proj")
+
+
+@pytest.mark.parametrize("serve_format", [None, "kleidiai"])
+def test_minimax_m3_ignore_names_vision_tower_as_vllm_registers_it(serve_format, tmp_path):
+    """vLLM 0.32.0's MiniMaxVLEncoderLayer holds fc1 / fc2 on the encoder layer
+    (models/minimax_m3/common/vision_tower.py:204 ``prefix=f"{prefix}.fc1"``, :213 ``.fc2``) and loads
+    the checkpoint's ``.mlp.fc1.`` through its WeightsMapper (nvidia/model.py:1135-1136), which an
+    ``ignore`` entry (no trailing dot) never matches: the output must name ``layers.0.fc1``, or vLLM
+    quantises the bf16 tower. The tensors on disk keep transformers' names (the mapper renames them)."""
+    import int4pack
+    from _reference import FIXTURES
+
+    src = FIXTURES / "ct_minimaxm3_w4a16"
+    kw = {"serve_format": serve_format} if serve_format else {}
+    int4pack.convert(src, tmp_path / "out", **kw)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    ignore = cfg["quantization_config"]["ignore"]
+    tower = sorted(m for m in ignore if m.startswith("vision_tower."))
+    # written from vision_tower.py: MiniMaxVLEncoderLayer.{self_attn.(q,k,v: shards of qkv_proj), out_proj; fc1, fc2}
+    assert tower == sorted(f"vision_tower.vision_model.encoder.layers.0.{m}" for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "fc1", "fc2")), tower
+    assert not [m for m in ignore if re.search(r"vision_tower\..*\.mlp\.fc[12]$", m)]
+    names = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight" in names

