@@ -44,7 +44,7 @@ FAMILY = Family(
     kept=((r"\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"^(?:model\.)?(?:vision_tower|multi_modal_projector|patch_merge_mlp)\.", "vision tower and projector: not experts")),
     moe=_moe,
-    # vLLM 0.32.0 models/minimax_m3/common/vision_tower.py:204,213 (MiniMaxVLEncoderLayer): fc1 / fc2 sit
+    # vLLM's models/minimax_m3/common/vision_tower.py:204,213 (release V032) (MiniMaxVLEncoderLayer): fc1 / fc2 sit
     # on the encoder layer, loaded through nvidia/model.py:1135-1136 (".mlp.fc1." -> ".fc1."); on disk
     # and in transformers they are ``layers.N.mlp.fc1``
     vllm_prefixes=((r"^((?:model\.)?vision_tower\..*\.layers\.\d+)\.mlp\.(fc[12])$", r"\1.\2"),),

