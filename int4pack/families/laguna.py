@@ -36,5 +36,5 @@ FAMILY = Family(
     moe=_moe,
     # vLLM's laguna.py LagunaMLP (the release V032 names): gate_proj and up_proj stay two ColumnParallelLinear modules
     vllm_apart=("gate_up_proj",),
-    serve={V019: "not run", V032: "packed: loads, but its experts differ from the model's (under QEMU, bfloat16, open); stock: refused"},
+    serve={V019: "not run", V032: "packed format only (under QEMU, bfloat16; the plugin loads the score bias vLLM drops); stock: refused at load"},
 )
