@@ -64,23 +64,8 @@ I4P_INLINE v8f sse32(const Batch& b, int64_t g, v8f s) {
 // the first candidate of the smallest float32 error in every lane: its scale (cw), index (w) and
 // error (ew); returns the lanes where that decision is clear
 I4P_INLINE i32x8 pick(const float* cand, const float* err, int m, v8f& cw, i32x8& w, v8f& ew) {
-  constexpr int L = kLanes;
-  v8f mn = load8(err);
-  for (int c = 1; c < m; ++c) mn = load8(err + L * c) < mn ? load8(err + L * c) : mn;
-  i32x8 found = {};
-  w = i32x8{};
-  cw = load8(cand);
-  for (int c = 0; c < m; ++c) {
-    const i32x8 take = (load8(err + L * c) == mn) & ~found;
-    w = take ? i32x8{} + c : w;
-    cw = take ? load8(cand + L * c) : cw;
-    found |= take;
-  }
-  const v8f bound = mn * splat(hist::kClear) + splat(hist::kAbs);
-  i32x8 clear = ~i32x8{};
-  for (int c = 0; c < m; ++c) clear &= (load8(cand + L * c) == cw) | (load8(err + L * c) > bound);
-  ew = mn;
-  return clear;
+  static_assert(kLanes == hist::Batch::kLanes, "one lane count for both float32 searches");
+  return hist::first_min32(cand, err, m, ~i32x8{}, cw, w, ew);
 }
 
 // Decision's search for the batch's lanes in float32: the clear lanes, their scales, and the RTN

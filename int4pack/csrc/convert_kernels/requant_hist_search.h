@@ -99,10 +99,10 @@ I4P_INLINE v8f batch_sse32(const Batch& b, const v8f* wf, v8f s) {
   return a0 + a1;
 }
 
-// the winner of float32 errors err[0..m) ([candidate][lane]) in every lane: its scale, index (w)
-// and error (ew); false when a lane is neither clear and inside nor zero (whose decision is moot)
-I4P_INLINE bool pick32(const float* cand, const float* err, int m, i32x8 inside, i32x8 zero, v8f& cw, i32x8& w,
-                       v8f& ew) {
+// the first candidate of the smallest float32 error err[0..m) ([candidate][lane]) in every lane: its
+// scale (cw), index (w) and error (ew); returns the lanes of ``clear`` where that decision is clear
+// (every other candidate equal in scale or worse by more than float32 rounding can explain)
+I4P_INLINE i32x8 first_min32(const float* cand, const float* err, int m, i32x8 clear, v8f& cw, i32x8& w, v8f& ew) {
   constexpr int L = Batch::kLanes;
   v8f mn = load8(err);
   for (int c = 1; c < m; ++c) mn = load8(err + L * c) < mn ? load8(err + L * c) : mn;
@@ -116,10 +116,16 @@ I4P_INLINE bool pick32(const float* cand, const float* err, int m, i32x8 inside,
     found |= take;
   }
   const v8f bound = mn * splat(kClear) + splat(kAbs);
-  i32x8 clear = inside;
   for (int c = 0; c < m; ++c) clear &= (load8(cand + L * c) == cw) | (load8(err + L * c) > bound);
   ew = mn;
-  const u64x4 all = (u64x4)(clear | zero);
+  return clear;
+}
+
+// first_min32 over the lanes inside; false when a lane is neither clear and inside nor zero (whose
+// decision is moot)
+I4P_INLINE bool pick32(const float* cand, const float* err, int m, i32x8 inside, i32x8 zero, v8f& cw, i32x8& w,
+                       v8f& ew) {
+  const u64x4 all = (u64x4)(first_min32(cand, err, m, inside, cw, w, ew) | zero);
   return ((all[0] & all[1]) & (all[2] & all[3])) == ~0ull;
 }
 
