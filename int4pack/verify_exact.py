@@ -20,6 +20,7 @@ from . import moe as moe_mod
 from .groups import block, channel_group, check_group_size, nests
 from .scale_search import out_scale_dtype
 from .verify_tolerance import budget
+from .w4a8 import target_source_groups
 
 __all__ = ["source_groups", "exact_module", "exact_expert", "scale_error_sq", "rel_from", "exact_reference",
            "exact_stats"]
@@ -44,13 +45,7 @@ def source_groups(ql, g: int, gi: torch.Tensor | None = None) -> torch.Tensor | 
         src_gs = ql.spec.group_size
         return torch.arange(0, k, gs) // src_gs if nests(src_gs, k, g) and ql.scales.shape[1] == -(-k // src_gs) \
             else None
-    gi = ql.group_index() if gi is None else gi
-    if gi.numel() != k:
-        return None
-    blocks = gi.view(k // gs, gs)
-    if not bool((blocks == blocks[:, :1]).all()):
-        return None
-    return blocks[:, 0]
+    return target_source_groups(ql, g, gi)
 
 
 def exact_module(t, src, m: str, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor | None:

@@ -157,10 +157,11 @@ def requantize(w: torch.Tensor, group_size: int, *, search: bool = True):
 # --------------------------------------------------------------------------- the one dispatch
 
 
-def _target_source_groups(ql: QuantLinear, g: int) -> torch.Tensor | None:
-    """Source group of each contiguous target group, or None if some target group spans two."""
+def target_source_groups(ql: QuantLinear, g: int, gi: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Source group of each contiguous target group, or None if some target group spans two.
+    ``gi``: the source's group of each input column (an act-order fold permutes it), else its own."""
     k = ql.spec.k
-    gi = ql.group_index()
+    gi = ql.group_index() if gi is None else gi
     if gi.numel() != k:
         return None
     gs = block(k, g)
@@ -186,7 +187,7 @@ def lossless_possible(ql: QuantLinear, g: int) -> bool:
         return False
     if ql.g_idx is None:  # source group i holds columns [i*src, (i+1)*src): no tensor to look at
         return nests(ql.spec.group_size, k, g)
-    return _target_source_groups(ql, g) is not None
+    return target_source_groups(ql, g) is not None
 
 
 def check_scales(ql: QuantLinear) -> None:
@@ -318,7 +319,7 @@ def lossless_job(ql: QuantLinear, g: int) -> W4A8Linear:
 def _lossless_torch(ql: QuantLinear, g: int) -> W4A8Linear:
     """The lossless path in torch (the twin of ``lossless_job``), on checked codes."""
     n, k = ql.codes.shape
-    src_groups = _target_source_groups(ql, g)
+    src_groups = target_source_groups(ql, g)
     scales = ql.scales[:, src_groups].to(out_scale_dtype(g)).contiguous()
     check_finite(scales, "scales (after the cast to the W4A8 dtype)", ql.spec.name)
     q = (ql.codes.to(torch.int8) - 8).contiguous()
