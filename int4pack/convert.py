@@ -35,6 +35,7 @@ from .serving.vllm_compat import serving_report
 from .output_folder.workdir import (REPORT_NAME, OutputDir, check_space, check_target, folder_bytes, index_pieces,
                       partial_folder, report_pieces)
 from .workers import job_workers
+from .output_folder.checksums import CHECKSUM_KEYS
 from .output_folder.writer import assign_shards, shard_names
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
@@ -140,6 +141,7 @@ def convert(
     dry_run: bool = False,
     overwrite: bool = False,
     resume: bool = False,
+    check_kept: bool = False,
     threads: int | None = None,
     revision: str | None = None,
     serve_format: str = "compressed-tensors",
@@ -159,6 +161,9 @@ def convert(
     that many vLLM tensor parallel ranks (blobs.py).
     ``on_plan(report)`` is called once the source is validated and planned (and, with ``resume``, once
     the kept shards are known: ``report["resume"]``), before any long work.
+    With ``resume``, a finished shard unchanged since it was closed (same file, size, mtime and ctime)
+    is kept on its records and its header; ``check_kept`` reads every kept byte against its
+    checksums instead (a disk you do not trust).
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
@@ -170,6 +175,8 @@ def convert(
                          "(vLLM splits the default format itself at load, for any tensor_parallel_size)")
     if tensor_parallel < 1:
         raise UsageError(f"--tensor-parallel {tensor_parallel}: must be at least 1")
+    if check_kept and not resume:
+        raise UsageError("--check-kept applies with --resume only (it says how the kept shards are checked)")
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
     with open_checkpoint(folder) as ckpt, ExitStack() as held:
@@ -216,12 +223,14 @@ def convert(
         od = OutputDir.open(Path(out), folder, work_fingerprint(plan, ckpt, max_bytes, bool(rename)),
                             overwrite=overwrite, resume=resume)
         held.callback(od.release)  # the work folder's lock, however the run ends
-        # every kept byte read once, several reads in flight whatever the cores (the disk is the limit)
-        trusted = od.trusted_shards(names, max(HASH_READERS, job_workers(threads)))
+        # a kept shard's bytes read once where it is not shown unchanged (or with check_kept), several
+        # reads in flight whatever the cores (the disk is the limit)
+        trusted = od.trusted_shards(names, max(HASH_READERS, job_workers(threads)), check_kept=check_kept)
         sizes = {n: sum(t.nbytes for t in s) for n, s in zip(names, shards)}
         if resume:
             report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
-                                "kept_shards": sorted(trusted), "kept_bytes": sum(sizes[n] for n in trusted)}
+                                "kept_shards": sorted(trusted), "kept_bytes": sum(sizes[n] for n in trusted),
+                                "kept_unread": sorted(od.kept_unread)}
         elif dropped is not None:
             report["replaced_partial"] = {"partial": str(od.work), "bytes": dropped}
         extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
@@ -259,7 +268,8 @@ def convert(
         report["workers"] = job_workers(threads)
         report["modules"] = dict(sorted(stats.items()))
         report["tensors"] = plan.accounted
-        report["shards"] = {n: {**report["shards"][n], **od.progress["shards"][n]} for n in names}
+        report["shards"] = {n: {**report["shards"][n], **{k: od.progress["shards"][n][k] for k in CHECKSUM_KEYS}}
+                            for n in names}
         # the file records the conversion, not this run: no path of OUT, nothing that --resume changes
         kept = {k: v for k, v in report.items() if k not in _RUN_ONLY}
         od.write_file(REPORT_NAME, chain(report_pieces(kept), ("\n",)))

@@ -229,7 +229,8 @@ class Pipeline:
 
     def _close_shard(self, shard: str, results: dict, job_stats: dict) -> None:  # finisher thread only
         od = self.od
-        od.progress["shards"][shard] = self.files[shard].finish(results)
+        f = self.files[shard]
+        od.record_shard(shard, f.finish(results), [f.crc[t.name] for t in f.tensors])  # file order
         od.progress["jobs"].update(job_stats)  # kept for --resume
         od.save_progress()
         _trim_heap()

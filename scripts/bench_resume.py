@@ -3,6 +3,7 @@
 
     python scripts/bench_resume.py --layers 3 --format gptq-sym --repeat 3
     python scripts/bench_resume.py --layers 48 --format gptq-sym --max-shard-size 1.5GB --repeat 3  # 16 cores
+    python scripts/bench_resume.py --layers 3 --check-kept  # every kept byte read, as with --check-kept
 
 It writes a synthetic Qwen3-30B-A3B-shaped checkpoint (scripts/make_synthetic.py), then, per repeat,
 in fresh subprocesses each started after os.sync():
@@ -36,7 +37,7 @@ CHILD = r"""
 import json, os, sys, time
 sys.path.insert(0, os.environ["INT4PACK_BENCH_TREE"])
 import int4pack
-mode, src, dst, shard, threads, serve = sys.argv[1:7]
+mode, src, dst, shard, threads, serve, check = sys.argv[1:8]
 kw = dict(max_shard_size=shard, threads=int(threads) or None, serve_format=serve)
 if mode == "stop":  # every shard finished, stopped before the rename into OUT
     from int4pack.output_folder import writer
@@ -50,9 +51,10 @@ if mode == "stop":  # every shard finished, stopped before the rename into OUT
     print(json.dumps({}))
 else:
     t = time.perf_counter()
-    r = int4pack.convert(src, dst, resume=mode == "resume", **kw)
+    r = int4pack.convert(src, dst, resume=mode == "resume", check_kept=mode == "resume" and check == "1", **kw)
     print(json.dumps({"convert_s": time.perf_counter() - t, "shards": len(r["shards"]),
                       "kept": len(r.get("resume", {}).get("kept_shards", [])), "workers": r.get("workers"),
+                      "unread": len(r.get("resume", {}).get("kept_unread", [])),
                       "out_bytes": r["plan"]["out_bytes"]}))
 """
 
@@ -86,6 +88,9 @@ def main() -> None:
                     help="read the kept shards once before the timed resume (they are in the page cache, as the "
                          "source is for the fresh run); without it, the resume reads what the stopped run wrote "
                          "with O_DIRECT, from the disk")
+    ap.add_argument("--check-kept", action="store_true",
+                    help="resume with --check-kept: every kept byte read against its checksums (without it, shards "
+                         "unchanged since they were written are kept on their records)")
     ap.add_argument("--workdir", type=Path, default=None, help="kept (with its source) if given")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
     a = ap.parse_args()
@@ -97,7 +102,7 @@ def main() -> None:
         make(src, a.format, a.layers)
         print(f"wrote {src} in {time.perf_counter() - t:.1f} s", flush=True)
     fresh_out, resumed_out = work / "fresh", work / "resumed"
-    opts = (a.max_shard_size, a.threads, a.serve_format)
+    opts = (a.max_shard_size, a.threads, a.serve_format, int(a.check_kept))
     runs = []
     same = True
     for i in range(a.repeat):
@@ -122,6 +127,7 @@ def main() -> None:
     best_f = min(r["fresh_wall_s"] for r in runs)
     best_r = min(r["resume_wall_s"] for r in runs)
     result = {"format": a.format, "layers": a.layers, "serve_format": a.serve_format, "warm": a.warm,
+              "check_kept": a.check_kept, "kept_unread": resumed["unread"],
               "in_gb": round(sum(p.stat().st_size for p in src.iterdir()) / 1e9, 2),
               "out_gb": round(fresh["out_bytes"] / 1e9, 2), "shards": fresh["shards"], "workers": fresh["workers"],
               "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

@@ -358,6 +358,73 @@ def test_resume_after_the_last_shard_runs_no_job_and_writes_a_fresh_runs_bytes(t
     assert json.loads(json.dumps(got["modules"])) == json.loads(json.dumps(want["modules"]))
 
 
+def _spy_hashed(monkeypatch) -> list:
+    """The kept shards a resume reads against their checksums (each bytes read counted once)."""
+    real, read = workdir.hash_shards, []
+
+    def hashed(shards, *a, **k):
+        read.extend(Path(p).name for p, _, _ in shards)
+        return real(shards, *a, **k)
+
+    monkeypatch.setattr(workdir, "hash_shards", hashed)
+    return read
+
+
+def test_resume_keeps_shards_unchanged_since_written_without_reading_them(tmp_path, monkeypatch):
+    """Stopped after its last shard: shards untouched since they were closed are kept on their records
+    (no data byte read), --check-kept reads each once, and a shard rewritten in place with its mtime
+    put back, or one copied into place (a new inode), is read, a changed one redone. Each output's
+    bytes equal a fresh run's."""
+    kw = dict(max_shard_size="200KB")
+    fresh = tmp_path / "fresh"
+    want = int4pack.convert(SMALL, fresh, **kw)
+    names = sorted(want["shards"])
+    assert len(names) >= 3
+
+    out = tmp_path / "a" / "out"
+    _stopped_at_commit(SMALL, out, monkeypatch, **kw)
+    with monkeypatch.context() as m:
+        read = _spy_hashed(m)
+        got = int4pack.convert(SMALL, out, resume=True, **kw)
+    assert read == [] and got["resume"]["kept_shards"] == got["resume"]["kept_unread"] == names
+    assert _same_files(out, fresh)
+
+    out = tmp_path / "b" / "out"
+    _stopped_at_commit(SMALL, out, monkeypatch, **kw)
+    with monkeypatch.context() as m:
+        read = _spy_hashed(m)
+        got = int4pack.convert(SMALL, out, resume=True, check_kept=True, **kw)
+    assert sorted(read) == names and got["resume"]["kept_unread"] == [] and got["resume"]["kept_shards"] == names
+    assert _same_files(out, fresh)
+
+    out = tmp_path / "c" / "out"
+    work = _stopped_at_commit(SMALL, out, monkeypatch, **kw)
+    edited, moved = work / names[0], work / names[1]
+    st = edited.stat()
+    with open(edited, "r+b") as fh:  # one data byte flipped, size and mtime put back
+        fh.seek(st.st_size - 1)
+        b = fh.read(1)
+        fh.seek(st.st_size - 1)
+        fh.write(bytes([b[0] ^ 0x01]))
+    os.utime(edited, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert edited.stat().st_mtime_ns == st.st_mtime_ns and edited.stat().st_size == st.st_size
+    shutil.copy2(moved, moved.with_name("copy"))  # the same bytes, another file, the same mtime
+    os.replace(moved.with_name("copy"), moved)
+    with monkeypatch.context() as m:
+        read = _spy_hashed(m)
+        rewritten = _spy_shard_writes(m)
+        got = int4pack.convert(SMALL, out, resume=True, **kw)
+    assert sorted(read) == names[:2] and names[0] in rewritten and names[1] not in rewritten
+    assert got["resume"]["kept_unread"] == names[2:] and names[1] in got["resume"]["kept_shards"]
+    assert _same_files(out, fresh)
+
+
+def test_check_kept_without_resume_is_a_usage_error(tmp_path):
+    r = _cli(["convert", str(SMALL), str(tmp_path / "out"), "--check-kept"])
+    assert r.returncode == 2 and "--check-kept" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_runs_only_the_jobs_of_shards_not_kept(tmp_path, monkeypatch):
     """Stopped mid-run: the jobs whose outputs all lie in kept shards do not run again; the others do,
     and the output's bytes equal a fresh run's."""
@@ -477,7 +544,7 @@ def test_a_sigbus_inside_a_cpp_batch_leaves_no_output_that_looks_complete(tmp_pa
     assert recorded, "the fault came before any shard was finished"
     assert len(recorded) < len(list(fresh.glob("*.safetensors")))
     for name, rec in recorded.items():  # what the progress file vouches for is whole
-        assert writer.hash_shard(work / name, rec["data_digest"]) == rec
+        assert writer.hash_shard(work / name, rec["data_digest"]) == {k: rec[k] for k in writer.CHECKSUM_KEYS}
         assert (work / name).read_bytes() == (fresh / name).read_bytes()
     assert not (work / "config.json").exists() and not (work / writer.REPORT_NAME).exists()
 

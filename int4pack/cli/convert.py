@@ -66,6 +66,9 @@ def convert_cmd(
                          ] = False,
     resume: Annotated[bool, typer.Option(
         "--resume", help="Keep the shards that an interrupted run finished and verified.")] = False,
+    check_kept: Annotated[bool, typer.Option(
+        "--check-kept", help="With --resume: read every kept shard against its checksums, also those "
+                             "unchanged since they were written (same file, size, mtime and ctime).")] = False,
     revision: Annotated[Optional[str], typer.Option(help="The hub revision: a branch, tag or commit.")] = None,
     serve_format: Annotated[ServeFormat, typer.Option(
         help="compressed-tensors stores int8 weights that vLLM packs when it loads them (nothing but vLLM "
@@ -93,7 +96,7 @@ def convert_cmd(
         convert = library("convert")
         with o.progress("converting") as bar:
             report = convert(src, out, group_size=group_size, dense=dense.value if dense else None, max_shard_size=max_shard_size,
-                             dry_run=dry_run, overwrite=overwrite, resume=resume, threads=threads,
+                             dry_run=dry_run, overwrite=overwrite, resume=resume, check_kept=check_kept, threads=threads,
                              revision=revision, serve_format=serve_format.value, progress=bar,
                              strict_group_size=strict_group_size, tensor_parallel=tensor_parallel,
                              on_plan=lambda r: _render_plan(o, r))
@@ -156,8 +159,11 @@ def _render_plan(o: Output, r: dict) -> None:
         if rs["kept_shards"]:
             rest = ("nothing left but the index, config and report" if len(rs["kept_shards"]) == rs["shards"]
                     else "writing the rest")
+            unread = len(rs.get("kept_unread", []))
+            how = ("whose checksums still match" if not unread else "unchanged since they were written"
+                   if unread == len(rs["kept_shards"]) else "unchanged or whose checksums still match")
             o.text(f"  resume: kept {len(rs['kept_shards'])} of {rs['shards']} shard(s) "
-                   f"({human_bytes(rs['kept_bytes'])}) whose checksums still match; {rest}")
+                   f"({human_bytes(rs['kept_bytes'])}) {how}; {rest}")
         elif rs["found"]:
             o.text(f"  resume: no finished shard of this source and these options in {rs['partial']}; "
                    f"starting from the beginning")

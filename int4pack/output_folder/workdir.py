@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checksums import CHECKSUM_KEYS, hash_shards
+from .checksums import CHECKSUM_KEYS, data_digest, digest_kind, hash_shards
 from ..errors import OutputError
 from ..output import human_bytes
 
@@ -84,18 +85,26 @@ def json_pieces(obj, depth: int = 2) -> Iterator[str]:
         yield json.dumps(obj, sort_keys=True)
 
 
+_REPORT_ENCODER = json.JSONEncoder(sort_keys=True, separators=(", ", ": "))  # json.dumps would make one per call
+
+
 def report_pieces(obj, level: int = 0, depth: int = 2):
     """The report as JSON, one line per entry down to ``depth`` (one line per module), compact below;
     in pieces, so a large report is written without a copy of it in memory, each line by the C encoder."""
     if isinstance(obj, dict) and obj and level < depth:
-        pad, sep = "  " * (level + 1), "{\n"
-        for k, v in sorted(obj.items()):
-            yield f"{sep}{pad}{json.dumps(str(k))}: "
-            yield from report_pieces(v, level + 1, depth)
-            sep = ",\n"
+        pad = "  " * (level + 1)
+        if level + 1 == depth:  # the last level (one line per module or tensor): its lines joined at once
+            enc = _REPORT_ENCODER.encode
+            yield "{\n" + ",\n".join([f"{pad}{enc(str(k))}: {enc(v)}" for k, v in sorted(obj.items())])
+        else:
+            sep = "{\n"
+            for k, v in sorted(obj.items()):
+                yield f"{sep}{pad}{json.dumps(str(k))}: "
+                yield from report_pieces(v, level + 1, depth)
+                sep = ",\n"
         yield "\n" + "  " * level + "}"
     else:
-        yield json.dumps(obj, sort_keys=True, separators=(", ", ": "))
+        yield _REPORT_ENCODER.encode(obj)
 
 
 def index_pieces(total_size: int, weight_map: dict[str, str]):
@@ -199,14 +208,16 @@ class OutputDir:
                     old = json.loads(state.read_text())
                 except (OSError, ValueError):
                     old = None
-            if resume and isinstance(old, dict) and old.get("fingerprint") == fingerprint:
+            taken = resume and isinstance(old, dict) and old.get("fingerprint") == fingerprint
+            if taken:
                 progress = old
             else:
                 _clear(work)
             od = cls(out, work, fingerprint, progress, lock_fd)
             if not (work / MARKER).is_file():
                 od.write_file(MARKER, (json.dumps({"int4pack_work_folder": 1, "output": out.name}) + "\n").encode())
-            od.save_progress()
+            if not taken:  # a progress file taken up is on disk as it is (rewriting it is most of a resume's write)
+                od.save_progress()
         except BaseException:
             os.close(lock_fd)
             raise
@@ -216,14 +227,23 @@ class OutputDir:
         # in pieces: its per-module results grow with the model and it is rewritten at every shard
         self.write_file(PROGRESS, json_pieces(self.progress))
 
-    def trusted_shards(self, names: list[str] | None = None, workers: int = 1) -> set[str]:
-        """Finished shards whose bytes still match their recorded checksums, each read once
-        (``kept_crcs``: shard -> tensor -> CRC). Convert keeps them once their headers say what this
-        run would write; the progress file's fingerprint has already tied them to the same source
-        files (their identity and times), tool version and options. A folder entry that is a link is
-        never kept."""
+    def record_shard(self, name: str, checksums: dict, crcs: list[int]) -> None:
+        """A finished shard into the progress file: its checksums, each tensor's CRC in file order and
+        the file's identity as it was closed (what lets a resume keep it without reading it again)."""
+        st = os.stat(self.work / name, follow_symlinks=False)
+        self.progress["shards"][name] = {**checksums, RECORD_CRCS: list(crcs), RECORD_WRITTEN: _identity(st)}
+
+    def trusted_shards(self, names: list[str] | None = None, workers: int = 1, *, check_kept: bool = False) -> set[str]:
+        """Finished shards whose bytes still match their recorded checksums (``kept_crcs``: shard ->
+        tensor -> CRC). A shard unchanged since it was closed (``_unchanged``: same file, size, mtime
+        and ctime, its header as recorded) is kept on those records (``kept_unread``); any other, or
+        every one with ``check_kept``, is read once against them. Convert keeps them once their
+        headers say what this run would write; the progress file's fingerprint has already tied them
+        to the same source files (their identity and times), tool version and options. A folder entry
+        that is a link is never kept."""
         ok = set()
         self.kept_crcs: dict[str, dict[str, int]] = {}
+        self.kept_unread: set[str] = set()
         shards = self.progress.get("shards")
         if not isinstance(shards, dict):
             shards = self.progress["shards"] = {}
@@ -232,14 +252,24 @@ class OutputDir:
             p = self.work / name
             if names is not None and name not in names or not isinstance(rec, dict) or p.is_symlink():
                 continue
-            if p.is_file() and p.stat().st_size == rec.get("size"):
+            crcs = None if check_kept else _unchanged(p, rec)
+            if crcs is not None:
+                ok.add(name)
+                self.kept_unread.add(name)
+                self.kept_crcs[name] = crcs
+            elif p.is_file() and p.stat().st_size == rec.get("size"):
                 todo.append((name, p, rec.get("data_digest") if isinstance(rec.get("data_digest"), str) else None, {}))
-        for (name, _, _, crcs), got in zip(todo, hash_shards([(p, d, c) for _, p, d, c in todo], workers)):
+        kept = {}
+        for (name, p, _, crcs), got in zip(todo, hash_shards([(p, d, c) for _, p, d, c in todo], workers)):
             if got == {k: shards[name].get(k) for k in CHECKSUM_KEYS}:
                 ok.add(name)
                 self.kept_crcs[name] = crcs
+                # read and found whole: recorded as it is now, so the next resume need not read it
+                kept[name] = {**got, RECORD_CRCS: list(crcs.values()),
+                              RECORD_WRITTEN: _identity(os.stat(p, follow_symlinks=False))}
         # forget anything we could not verify, and stray temp files
-        self.progress["shards"] = {k: {c: v[c] for c in CHECKSUM_KEYS} for k, v in shards.items() if k in ok}
+        self.progress["shards"] = {k: kept.get(k) or {c: v[c] for c in _RECORD_KEYS if c in v}
+                                   for k, v in shards.items() if k in ok}
         # the statistics recorded with the shards: those of a job whose outputs all lie in kept shards
         # are taken instead of running the job again (convert carries them into this run's record)
         jobs = self.progress.get("jobs")
@@ -301,6 +331,51 @@ class OutputDir:
         fd, self.lock_fd = self.lock_fd, None
         if fd is not None:
             os.close(fd)
+
+
+RECORD_CRCS = "crcs"  # a shard's progress record: each tensor's CRC, in file order
+RECORD_WRITTEN = "written"  # and the file as it was closed: device, inode, size, mtime and ctime (ns)
+_RECORD_KEYS = (*CHECKSUM_KEYS, RECORD_CRCS, RECORD_WRITTEN)
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _unchanged(path: Path, rec: dict) -> dict[str, int] | None:
+    """The per-tensor CRCs of a kept shard not written since it was closed, or None where that cannot
+    be shown (then its bytes are read). Unchanged: the same device, inode, size, mtime and ctime as
+    recorded at its close (the kernel sets the ctime on every write, and no call sets it back: an
+    edit with its mtime put back still shows), its header re-read against its recorded checksum,
+    and the recorded CRCs giving the recorded data digest. A file copied elsewhere (a new inode) or
+    rewritten in place is read."""
+    written, crcs = rec.get(RECORD_WRITTEN), rec.get(RECORD_CRCS)
+    if not isinstance(written, list) or not isinstance(crcs, list) or not all(type(c) is int for c in crcs):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if _identity(st) != written or not 0 < n <= st.st_size - 8:
+            return None
+        header = os.pread(fd, n, 8)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if hashlib.sha256(header).hexdigest() != rec.get("header_sha256"):
+        return None
+    try:
+        hdr = json.loads(header)
+        order = [k for _, k in sorted((tuple(v["data_offsets"]), k) for k, v in hdr.items() if k != "__metadata__")]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+    if len(order) != len(crcs) or data_digest(crcs, digest_kind(rec.get("data_digest"))) != rec.get("data_digest"):
+        return None
+    return dict(zip(order, crcs))
 
 
 MARKER = "int4pack-work.json"  # written first in a work folder: it is ours
