@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from .activation import Activation
-from .errors import InputError, RefusedError
+from .errors import InputError, RefusedError, report_to
 from .families import BY_TYPE, FAMILIES, FUSED_ONLY, Family, family, layer_moe, name_summary, supported_types
 from .routing import Routing
 
@@ -27,7 +27,7 @@ __all__ = [
     "VLLM_FUSED",
     "vllm_module",
     "name_summary",
-    "BUG_REPORT_HINT",
+    "bug_report_hint",
     "routing_from_config",
     "ROUTER",
     "LAYER",
@@ -175,7 +175,7 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
     fam = family(model_type)
     _refuse_fused(model_type, fam, tensor_names)
     if fam is None:
-        raise RefusedError(unknown_type_message(model_type, linears), hint=BUG_REPORT_HINT)
+        raise RefusedError(unknown_type_message(model_type, linears), hint=bug_report_hint())
     if fam.refuse:
         shown = next((t for t in tensor_names if ".experts." in t), None)
         raise RefusedError(f"model_type {model_type!r} ({fam.name}): {fam.refuse}", tensor=shown,
@@ -255,9 +255,11 @@ def discover(model_type: str, text_config: dict, linears: list[str], tensor_name
     return Layout(model_type, roles, moe_layers, triples, routers, fam.name, fam.facts(text_config), kept)
 
 
-BUG_REPORT_HINT = ("To ask for it, open an issue with the model's name and the tensor-name summary that "
-                   "`int4pack inspect <folder>` prints (the 'Tensor names' table; `--json` has it as "
-                   "tensor_names): names only, no weights.")
+def bug_report_hint() -> str:
+    """How to ask for a model family int4pack does not know, and where."""
+    return (f"To ask for it, send {report_to()} the model's name and the tensor-name summary that "
+            "`int4pack inspect <folder>` prints (the 'Tensor names' table; `--json` has it as "
+            "tensor_names): names only, no weights.")
 
 
 def unknown_type_message(model_type: str, linears: list[str]) -> str:

@@ -21,10 +21,11 @@ __all__ = [
     "RefusedError",
     "OutputError",
     "VerifyFailed",
+    "report_to",
 ]
 
 EXIT_OK = 0
-EXIT_INTERNAL = 1  # a bug in int4pack: please report it
+EXIT_INTERNAL = 1  # a bug in int4pack: report_to() says where
 EXIT_USAGE = 2  # bad command line (typer uses 2 as well)
 EXIT_INPUT = 3  # the source checkpoint is unreadable or malformed
 EXIT_REFUSED = 4  # the source is well formed but a layout we will not convert
@@ -82,3 +83,23 @@ class VerifyFailed(Int4packError):
 
 
 __all__.append("UsageError")
+
+
+_TRACKER_LABELS = ("issues", "bug tracker", "bug reports", "tracker")
+
+
+def report_to() -> str:
+    """Where a user sends a bug report or a request for a model: the issue tracker that the installed
+    package's metadata names (pyproject's ``[project.urls]``, label "Issues" or "Bug Tracker"). A
+    build whose metadata names none says so rather than point at a tracker it cannot name."""
+    from importlib import metadata  # only on the way out with an error: not on every start
+
+    try:
+        urls = metadata.metadata("int4pack").get_all("Project-URL") or []
+    except metadata.PackageNotFoundError:
+        urls = []
+    for entry in urls:
+        label, _, url = entry.partition(",")
+        if label.strip().lower() in _TRACKER_LABELS and url.strip():
+            return url.strip()
+    return "whoever distributes your int4pack (this build's package metadata names no issue tracker)"

@@ -384,3 +384,33 @@ def test_a_partial_output_is_kept_by_resume_and_replaced_aloud_without_it(tmp_pa
     interrupted()
     r = runner.invoke(app, ["convert", SYM, str(out), "--max-shard-size", "100KB"])
     assert "warning: replaced the partial output of an earlier run" in " ".join(r.output.split()), r.output
+
+
+def _metadata_with_urls(urls):
+    class Meta:
+        def get_all(self, key):
+            return list(urls) if key == "Project-URL" else None
+    return lambda name: Meta()
+
+
+@pytest.mark.parametrize("urls, where", [
+    (["Homepage, https://example.org/int4pack", "Issues, https://example.org/int4pack/issues"],
+     "https://example.org/int4pack/issues"),
+    (["Homepage, https://example.org/int4pack"], "names no issue tracker"),
+])
+def test_an_internal_error_says_where_to_report_it(monkeypatch, tmp_path, urls, where):
+    """A bug's hint names the issue tracker of the package's metadata, or says the build names none;
+    never "open an issue" with no address."""
+    from importlib import metadata
+
+    def broken(*a, **k):
+        raise RuntimeError("a planted fault")
+
+    monkeypatch.setattr(metadata, "metadata", _metadata_with_urls(urls))
+    monkeypatch.setattr(importlib.import_module("int4pack.inspect"), "inspect", broken)
+    r = runner.invoke(app, ["inspect", SYM])
+    assert r.exit_code == 1 and "internal error: RuntimeError: a planted fault" in r.output, r.output
+    flat = " ".join(r.output.split())
+    assert where in flat and "--debug" in flat and "open an issue" not in flat, r.output
+    from int4pack.architectures import bug_report_hint
+    assert where in bug_report_hint() and "open an issue" not in bug_report_hint()

@@ -15,7 +15,7 @@ import typer
 
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
-from ..errors import EXIT_INTERNAL, Int4packError
+from ..errors import EXIT_INTERNAL, Int4packError, report_to
 from ..output import Output
 
 __all__ = ["JsonOpt", "VerboseOpt", "QuietOpt", "DebugOpt", "ThreadsOpt", "make_output", "error_boundary",
@@ -140,7 +140,8 @@ def error_boundary(out: Output, interrupted: Callable[[], str] | None = None):
         if out.debug:
             out.err.print(traceback.format_exc())
         err = Int4packError(f"internal error: {type(e).__name__}: {e}",
-                            hint=None if out.debug else "Re-run with --debug for the traceback, and please report it.")
+                            hint=None if out.debug else f"A bug in int4pack: re-run with --debug and send the "
+                                                        f"command and its traceback to {report_to()}.")
         out.error(err)
         raise typer.Exit(EXIT_INTERNAL) from None
 
