@@ -66,12 +66,14 @@ def header_entry(job: Job, name: str, job_stats: dict) -> dict | None:
     return None
 
 
-def _header_problem(path: Path, meta: dict[str, str], results: dict) -> str | None:
-    """How a kept shard's header metadata differs from what this run would write, or None."""
-    try:
-        _, got, _ = read_header(path)
-    except InputError as e:
-        return str(e)
+def _header_problem(path: Path, meta: dict[str, str], results: dict, got: dict[str, str] | None = None) -> str | None:
+    """How a kept shard's header metadata (``got``, where its header was already parsed) differs from
+    what this run would write, or None."""
+    if got is None:
+        try:
+            _, got, _ = read_header(path)
+        except InputError as e:
+            return str(e)
     want = {**meta, "int4pack.tensors": json.dumps(results, sort_keys=True, separators=(",", ":"))}
     if got != want:
         key = next(k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k))
@@ -110,7 +112,8 @@ class Kept:
         for shard in sorted(self.shards):
             why = (f"tensor {self.mismatched[shard]} differs" if shard in self.mismatched else
                    _header_problem(od.work / shard, meta, copy_checksums(
-                       self.results.get(shard, {}), od.kept_crcs[shard], self.kind[shard])))
+                       self.results.get(shard, {}), od.kept_crcs[shard], self.kind[shard]),
+                                   getattr(od, "kept_meta", {}).get(shard)))
             if why:
                 od.drop_shard(shard)
                 raise OutputError(f"{od.work / shard}: kept from an interrupted run, but it does not hold what the "

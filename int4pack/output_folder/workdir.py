@@ -244,6 +244,7 @@ class OutputDir:
         ok = set()
         self.kept_crcs: dict[str, dict[str, int]] = {}
         self.kept_unread: set[str] = set()
+        self.kept_meta: dict[str, dict[str, str]] = {}  # an unread kept shard's header metadata, parsed once
         shards = self.progress.get("shards")
         if not isinstance(shards, dict):
             shards = self.progress["shards"] = {}
@@ -252,11 +253,11 @@ class OutputDir:
             p = self.work / name
             if names is not None and name not in names or not isinstance(rec, dict) or p.is_symlink():
                 continue
-            crcs = None if check_kept else _unchanged(p, rec)
-            if crcs is not None:
+            same = None if check_kept else _unchanged(p, rec)
+            if same is not None:
                 ok.add(name)
                 self.kept_unread.add(name)
-                self.kept_crcs[name] = crcs
+                self.kept_crcs[name], self.kept_meta[name] = same
             elif p.is_file() and p.stat().st_size == rec.get("size"):
                 todo.append((name, p, rec.get("data_digest") if isinstance(rec.get("data_digest"), str) else None, {}))
         kept = {}
@@ -342,9 +343,9 @@ def _identity(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def _unchanged(path: Path, rec: dict) -> dict[str, int] | None:
-    """The per-tensor CRCs of a kept shard not written since it was closed, or None where that cannot
-    be shown (then its bytes are read). Unchanged: the same device, inode, size, mtime and ctime as
+def _unchanged(path: Path, rec: dict) -> tuple[dict[str, int], dict[str, str]] | None:
+    """The per-tensor CRCs and the header metadata of a kept shard not written since it was closed, or
+    None where that cannot be shown (then its bytes are read). Unchanged: the same device, inode, size, mtime and ctime as
     recorded at its close (the kernel sets the ctime on every write, and no call sets it back: an
     edit with its mtime put back still shows), its header re-read against its recorded checksum,
     and the recorded CRCs giving the recorded data digest. A file copied elsewhere (a new inode) or
@@ -370,12 +371,15 @@ def _unchanged(path: Path, rec: dict) -> dict[str, int] | None:
         return None
     try:
         hdr = json.loads(header)
-        order = [k for _, k in sorted((tuple(v["data_offsets"]), k) for k, v in hdr.items() if k != "__metadata__")]
-    except (ValueError, TypeError, KeyError, AttributeError):
+        meta = hdr.pop("__metadata__", None) or {}
+        order = [k for _, k in sorted((tuple(v["data_offsets"]), k) for k, v in hdr.items())]
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
         return None
     if len(order) != len(crcs) or data_digest(crcs, digest_kind(rec.get("data_digest"))) != rec.get("data_digest"):
         return None
-    return dict(zip(order, crcs))
+    if not isinstance(meta, dict):
+        return None
+    return dict(zip(order, crcs)), {str(k): str(v) for k, v in meta.items()}
 
 
 MARKER = "int4pack-work.json"  # written first in a work folder: it is ours
