@@ -21,6 +21,7 @@ __all__ = [
     "RefusedError",
     "OutputError",
     "VerifyFailed",
+    "SourceBytesVanished",
 ]
 
 EXIT_OK = 0
@@ -82,3 +83,13 @@ class VerifyFailed(Int4packError):
 
 
 __all__.append("UsageError")
+
+
+class SourceBytesVanished(RuntimeError):
+    """A C++ kernel's input bytes vanished under it (csrc/fault_guard.h): a page of a mapped file that
+    was cut while the kernel read it. Not a user-facing error: the code that mapped the file turns it
+    into the InputError naming it (``Checkpoint.faults_named``). ``address``: where the read faulted."""
+
+    def __init__(self, address: int):
+        super().__init__(f"input bytes vanished under a C++ kernel (SIGBUS reading address {address:#x})")
+        self.address = address
