@@ -12,6 +12,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <functional>
 
 namespace i4p {
 namespace fault {
@@ -32,9 +33,14 @@ static_assert(std::atomic<pthread_t>::is_always_lock_free && std::atomic<sigjmp_
 // thread beyond these runs its region unguarded (a vanished source then ends the process, as
 // without the guard)
 constexpr int kSlots = 512;
+static_assert(kSlots == 1 << 9, "a Guard's first slot is 9 bits of its thread's id");
 Slot g_slots[kSlots];
 struct sigaction g_previous;  // the SIGBUS action before ours: where an unguarded fault goes
 
+// this thread's slot while it holds one: what a Guard looks at first, outside the handler only
+thread_local Slot* t_slot = nullptr;
+
+// the handler's way to this thread's slot
 Slot* slot_of(pthread_t self) {
   for (Slot& s : g_slots)
     if (s.owner.load(std::memory_order_relaxed) == self) return &s;
@@ -101,12 +107,18 @@ struct Install {
 
 Guard::Guard(sigjmp_buf* env) : slot_(nullptr), outer_(nullptr) {
   const pthread_t self = pthread_self();
-  Slot* s = slot_of(self);
+  Slot* s = t_slot != nullptr && t_slot->owner.load(std::memory_order_relaxed) == self ? t_slot : nullptr;
+  // a free slot, looked for from a place of this thread's own (its id's bits mixed: thread ids are
+  // aligned addresses), so that threads starting together rarely meet
+  const uint64_t mixed = static_cast<uint64_t>(std::hash<pthread_t>()(self)) * 0x9E3779B97F4A7C15ull;
+  const int start = static_cast<int>(mixed >> 55);  // kSlots = 2^9
   for (int i = 0; s == nullptr && i < kSlots; ++i) {
+    Slot& c = g_slots[(start + i) % kSlots];
     pthread_t free_slot{};
-    if (g_slots[i].owner.compare_exchange_strong(free_slot, self)) s = &g_slots[i];
+    if (c.owner.compare_exchange_strong(free_slot, self)) s = &c;
   }
   if (s == nullptr) return;
+  t_slot = s;
   outer_ = s->env.load(std::memory_order_relaxed);
   s->address.store(0, std::memory_order_relaxed);
   s->env.store(env, std::memory_order_relaxed);
@@ -118,7 +130,10 @@ Guard::~Guard() {
   if (slot_ == nullptr) return;
   std::atomic_signal_fence(std::memory_order_seq_cst);
   slot_->env.store(outer_, std::memory_order_relaxed);
-  if (outer_ == nullptr) slot_->owner.store(pthread_t{}, std::memory_order_release);
+  if (outer_ == nullptr) {
+    t_slot = nullptr;
+    slot_->owner.store(pthread_t{}, std::memory_order_release);
+  }
 }
 
 uintptr_t Guard::address() const {
