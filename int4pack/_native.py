@@ -15,10 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from . import _build
+from .errors import SourceBytesVanished
 from .groups import is_channelwise
 from ._lazy import torch, torch_loaded  # the batches pass numpy arrays and addresses: no torch
 
 ABI_VERSION = 2
+VANISHED = -2  # a call's status when its input bytes vanished under it (csrc/api.cpp, kVanished)
 
 _p = ctypes.c_void_p
 _i = ctypes.c_int64
@@ -34,6 +36,7 @@ class _JobArgs(ctypes.Structure):  # i4p::JobArgs (convert_kernels.h)
 _SIGNATURES = {
     "i4p_abi_version": ([], _i),
     "i4p_last_error": ([], ctypes.c_char_p),
+    "i4p_last_fault": ([], ctypes.c_uint64),
     "i4p_source_hash": ([], ctypes.c_char_p),
     "i4p_tables": ([], ctypes.c_char_p),
     "i4p_unpack_gptq": ([_p, _i, _i, _p, _i], _i),
@@ -109,6 +112,8 @@ class _Lib:
 
     def _call(self, name: str, *args) -> int:
         st = getattr(self._lib, name)(*args)
+        if st == VANISHED:
+            raise SourceBytesVanished(int(self._lib.i4p_last_fault()))
         if st < 0:
             raise RuntimeError(self._lib.i4p_last_error().decode(errors="replace"))
         return st

@@ -359,7 +359,8 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
             if row[_LAYOUT] in _FLOAT_WEIGHTS.values():  # a float source's scales are the search's
                 continue
             sc = plan.reader.in_place(job.specs[0])[2]
-            check_scale_bytes(sc.name, ckpt.raw(sc.name), sc.dtype)
+            # read (pread), not checked in the mapping: numpy on a page of a shard cut under it would end the process
+            check_scale_bytes(sc.name, ckpt.read_bytes(sc.name), sc.dtype)
     requant = b.kind == "requant"
     try:
         if requant:

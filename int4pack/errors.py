@@ -22,6 +22,7 @@ __all__ = [
     "OutputError",
     "VerifyFailed",
     "report_to",
+    "SourceBytesVanished",
 ]
 
 EXIT_OK = 0
@@ -103,3 +104,13 @@ def report_to() -> str:
         if label.strip().lower() in _TRACKER_LABELS and url.strip():
             return url.strip()
     return "whoever distributes your int4pack (this build's package metadata names no issue tracker)"
+
+
+class SourceBytesVanished(RuntimeError):
+    """A C++ kernel's input bytes vanished under it (csrc/fault_guard.h): a page of a mapped file that
+    was cut while the kernel read it. Not a user-facing error: the code that mapped the file turns it
+    into the InputError naming it (``Checkpoint.faults_named``). ``address``: where the read faulted."""
+
+    def __init__(self, address: int):
+        super().__init__(f"input bytes vanished under a C++ kernel (SIGBUS reading address {address:#x})")
+        self.address = address

@@ -167,14 +167,15 @@ class Pipeline:
     def work_batch(self, b: batch.Batch) -> list[tuple[dict, set]]:
         from . import kernels
 
-        with kernels.threads_here(1):
+        with kernels.threads_here(1), self.ckpt.faults_named():
             return batch.run_batch(b, self.ckpt, self.plan, self.shard_file, self.rename, self.pack is not None,
                                    self.per_job)
 
     def work(self, job: Job) -> tuple[dict, set]:
         from . import kernels
 
-        with kernels.threads_here(1):  # one job per worker, each single-threaded: nothing nests
+        # one job per worker, each single-threaded: nothing nests
+        with kernels.threads_here(1), self.ckpt.faults_named():
             tensors, job_stats = self.per_job(job)
         written = set()
         for name, data in tensors:

@@ -65,7 +65,8 @@ class Source:
             if m not in self.specs:
                 raise InputError(f"{m}: not a quantised module of the source {self.label}", tensor=m,
                                  hint="--against must be the checkpoint this output was converted from.")
-            self._cache[m] = self.reader.read(self.specs[m])
+            with self.ckpt.faults_named():
+                self._cache[m] = self.reader.read(self.specs[m])
         return self._cache[m]
 
     def dequant(self, m: str) -> torch.Tensor:
@@ -116,12 +117,17 @@ def same_bytes(a: Checkpoint, an: str, b: Checkpoint, bn: str) -> str | None:
     ia, ib = a.tensors[an], b.tensors[bn]
     if ia.dtype != ib.dtype or tuple(ia.shape) != tuple(ib.shape):
         return f"{ia.dtype}{list(ia.shape)} here, {ib.dtype}{list(ib.shape)} in the source"
-    va, vb = a.raw(an), b.raw(bn)
+    # read in steps (pread), not compared in the mapped files: a page of a file cut under a mapped
+    # compare would end the process (SIGBUS), a short read is the error naming the file
     step = 1 << 24
-    for i in range(0, len(va), step):
-        if va[i:i + step] != vb[i:i + step]:
-            x = np.frombuffer(va[i:i + step], dtype=np.uint8) != np.frombuffer(vb[i:i + step], dtype=np.uint8)
-            return f"bytes differ from the source's (first at byte {i + int(x.argmax())})"
+    bufs = bytearray(min(step, ia.nbytes)), bytearray(min(step, ia.nbytes))
+    for i in range(0, ia.nbytes, step):
+        n = min(step, ia.nbytes - i)
+        a.read_into(an, memoryview(bufs[0])[:n], i)
+        b.read_into(bn, memoryview(bufs[1])[:n], i)
+        va, vb = np.frombuffer(bufs[0], dtype=np.uint8, count=n), np.frombuffer(bufs[1], dtype=np.uint8, count=n)
+        if not np.array_equal(va, vb):
+            return f"bytes differ from the source's (first at byte {i + int((va != vb).argmax())})"
     return None
 
 
@@ -158,7 +164,8 @@ def check_copies(t: Target, src: Source, clock) -> dict:
         kept.update({m: s.name for m, s in src.specs.items() if m not in quant and m not in kept
                      and getattr(out.tensors.get(f"{m}.weight"), "dtype", None) == "BF16"})
         for m, sm in sorted(kept.items()):
-            ql = src.reader.read(src.reader.linears()[sm])
+            with src.ckpt.faults_named():
+                ql = src.reader.read(src.reader.linears()[sm])
             want = {f"{m}.weight": ql.dequantize().to(torch.bfloat16)}
             if ql.bias is not None:
                 want[f"{m}.bias"] = ql.bias

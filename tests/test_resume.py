@@ -502,58 +502,133 @@ def test_resume_keeps_no_shard_of_a_source_edited_with_its_mtime_put_back(tmp_pa
     assert not _same_files(out, clean)  # the edit reached the output
 
 
-# --------------------------------------------------------------------------- a SIGBUS inside the C++ read
+# --------------------------------------------------------------------------- a shard cut under the C++ read
 
-_SIGBUS_RUN = r"""
-import os, signal, sys
-import int4pack
+# the console script (sys.argv[3:]) with a source shard cut after every size check Python makes,
+# just before the Nth call of a function that reads it: "batch", the C++ lossless batch (the shard
+# it maps, cut below its first module's words, whose pages Python mapped already); "job", the C++
+# lossless job of one module; "unpack", the unpacking of a module's words (C++, or torch without
+# the library) -- both on the words Checkpoint.view gave, cut below them
+_CUT_RUN = r"""
+import mmap, os, sys
 from int4pack import kernels
-lib = type(kernels.ext())
-real, calls = lib.lossless_batch, [0]
-def faulting(self, *a, **k):  # what a shard cut under the C++ read does: SIGBUS, the process ends
-    calls[0] += 1
-    if calls[0] == int(sys.argv[3]):
-        os.kill(os.getpid(), signal.SIGBUS)
-    return real(self, *a, **k)
-lib.lossless_batch = faulting
-int4pack.convert(sys.argv[1], sys.argv[2], max_shard_size="100KB", threads=1)
+from int4pack.sources.checkpoint import Checkpoint
+mode, nth = sys.argv[1], int(sys.argv[2])
+real_mapping, real_view, seen = Checkpoint.mapping, Checkpoint.view, {"calls": 0}
+def mapping(self, shard):
+    seen["path"] = os.path.join(self.folder, shard)
+    return real_mapping(self, shard)
+def view(self, name):
+    t = self.info(name)
+    seen["path"], seen["at"] = os.path.join(self.folder, t.file), t.begin
+    return real_view(self, name)
+def cut_before(real, at):
+    def call(*a, **k):
+        seen["calls"] += 1
+        if seen["calls"] == nth:
+            os.truncate(seen["path"], at(a) // mmap.PAGESIZE * mmap.PAGESIZE)
+        return real(*a, **k)
+    return call
+Checkpoint.mapping, Checkpoint.view = mapping, view
+if mode == "batch":
+    lib = type(kernels.ext())
+    lib.lossless_batch = cut_before(lib.lossless_batch, lambda a: int(a[3][:, 1].min()))
+elif mode == "job":
+    lib = type(kernels.ext())
+    lib.lossless_job = cut_before(lib.lossless_job, lambda a: seen["at"])
+else:
+    kernels.unpack_gptq = cut_before(kernels.unpack_gptq, lambda a: seen["at"])
+sys.argv = ["int4pack", *sys.argv[3:]]
+from int4pack.cli import main
+main()
 """
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGBUS"), reason="POSIX signals")
-def test_a_sigbus_inside_a_cpp_batch_leaves_no_output_that_looks_complete(tmp_path):
-    """A source shard cut while the C++ batch reads its mapped bytes ends the process with SIGBUS
-    (no Python check can stand between the kernel and the page). What it leaves must not look
-    complete: no OUT, only checksummed shards recorded; the next run with the shard still cut is a
-    clean error naming it, and once the source is whole again --resume gives a fresh run's bytes."""
+def _cut_run(mode: str, nth: int, args: list, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _CUT_RUN, mode, str(nth), *map(str, args)], cwd=ROOT,
+                          env=_env(env), capture_output=True, text=True, timeout=600)
+
+
+def _cut_source(tmp_path: Path, kernels_for: str | None) -> tuple[Path, dict]:
+    """A copy of gptq_q3_sym to cut, and its shards' bytes; skipped without the C++ library where
+    ``kernels_for`` names what needs it."""
     from int4pack import kernels
 
-    if kernels.ext() is None:
-        pytest.skip("the C++ batches need the kernels")
+    if kernels_for and kernels.ext() is None:
+        pytest.skip(f"{kernels_for} needs the C++ kernels")
     src = tmp_path / "src"
     shutil.copytree(FIXTURES / "gptq_q3_sym", src)
+    return src, {p: p.read_bytes() for p in src.glob("*.safetensors")}
+
+
+def _the_cut_one(whole: dict) -> Path:
+    cut = [p for p, b in whole.items() if p.stat().st_size < len(b)]
+    assert len(cut) == 1, "the run did not reach the call that cuts its shard"
+    return cut[0]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGBUS"), reason="POSIX signals")
+def test_a_shard_cut_under_a_cpp_batch_is_a_clean_error_and_resumes(tmp_path):
+    """A source shard cut while the C++ batch reads its mapped bytes (past every size check Python
+    can make) is the truncated-shard error naming the file, exit 3, not a SIGBUS. What it leaves
+    does not look complete: no OUT, only checksummed shards recorded; once the source is whole
+    again --resume gives a fresh run's bytes."""
+    src, whole = _cut_source(tmp_path, "the C++ batch")
     fresh = tmp_path / "fresh"
     int4pack.convert(src, fresh, max_shard_size="100KB")
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-c", _SIGBUS_RUN, str(src), str(out), "12"], cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == -signal.SIGBUS, (r.returncode, r.stderr[-2000:])
+    r = _cut_run("batch", 12, ["convert", src, out, "--max-shard-size", "100KB", "--threads", "1", "-q"])
+    cut = _the_cut_one(whole)
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    assert f"{cut.name}: truncated" in r.stderr and "download it again" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Fatal Python error" not in r.stderr, r.stderr
     work = writer.partial_folder(out)
     assert not out.exists() and work.is_dir()
     recorded = json.loads((work / writer.PROGRESS).read_text())["shards"]
     assert recorded, "the fault came before any shard was finished"
     assert len(recorded) < len(list(fresh.glob("*.safetensors")))
+    # no unfinished shard left: the recorded ones and the work folder's own files
+    assert {p.name for p in work.iterdir()} == set(recorded) | {workdir.PROGRESS, workdir.MARKER, workdir.LOCK}
     for name, rec in recorded.items():  # what the progress file vouches for is whole
         assert writer.hash_shard(work / name, rec["data_digest"]) == {k: rec[k] for k in writer.CHECKSUM_KEYS}
         assert (work / name).read_bytes() == (fresh / name).read_bytes()
     assert not (work / "config.json").exists() and not (work / writer.REPORT_NAME).exists()
 
-    shard = sorted(src.glob("*.safetensors"))[-1]
-    whole = shard.read_bytes()
-    shard.write_bytes(whole[: len(whole) // 2])  # still cut
-    r = _cli(["convert", str(src), str(out), "--max-shard-size", "100KB", "--resume"])
-    assert r.returncode == 3 and shard.name in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = _cli(["convert", str(src), str(out), "--max-shard-size", "100KB", "--resume"])  # still cut
+    assert r.returncode == 3 and cut.name in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not out.exists()
-    shard.write_bytes(whole)
+    cut.write_bytes(whole[cut])
     int4pack.convert(src, out, max_shard_size="100KB", resume=True)
     assert _same_files(out, fresh)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGBUS"), reason="POSIX signals")
+@pytest.mark.parametrize("mode,env", [("job", {"INT4PACK_BATCH": "0"}), ("unpack", {"INT4PACK_NO_EXT": "1"})])
+def test_a_shard_cut_under_one_module_is_a_clean_error(tmp_path, mode, env):
+    """The per-module path: the C++ job on words read in place from the mapped shard, and, without
+    the C++ library, torch's unpacking (the words are then read into memory of their own, as torch
+    on a page of a cut file could not be stopped). The shard cut under either is the truncated-shard
+    error naming it (without the library: at the next read of that shard), exit 3, no OUT."""
+    src, whole = _cut_source(tmp_path, "the C++ job" if mode == "job" else None)
+    out = tmp_path / "out"
+    r = _cut_run(mode, 5, ["convert", src, out, "--threads", "1", "-q"], env)
+    cut = _the_cut_one(whole)
+    assert r.returncode == 3, (r.returncode, r.stderr[-2000:])
+    assert f"{cut.name}: truncated" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGBUS"), reason="POSIX signals")
+def test_a_source_shard_cut_under_verify_against_is_named(tmp_path):
+    """verify --against unpacks the source's words in place (C++): a shard cut under it fails the
+    layers that read it, naming the shard, instead of ending verify with SIGBUS."""
+    src, whole = _cut_source(tmp_path, "verify's unpacking in place")
+    out = tmp_path / "out"
+    int4pack.convert(src, out)
+    r = _cut_run("unpack", 3, ["verify", out, "--against", src, "--threads", "1"])
+    cut = _the_cut_one(whole)
+    assert r.returncode == 6, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])  # verify's failure
+    # the layer the cut hit (no tensor named: the kernel's fault), then those reading the shard after
+    assert f"the checkpoint holds ({cut.name}: truncated: the file is" in r.stdout, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+

@@ -1,7 +1,9 @@
 // The library's C ABI: what int4pack/_native.py calls through ctypes. Every function takes raw
 // pointers and sizes (the Python side checks dtypes, shapes and contiguity and allocates the
 // outputs) and returns a status: -1 for a failed check, whose message i4p_last_error() gives on
-// the same thread; other values as documented per function. The GIL is released by ctypes.
+// the same thread; kVanished (-2) for input bytes that vanished under the call (a mapped source
+// shard cut: fault_guard.h), whose address i4p_last_fault() gives; other values as documented
+// per function. The GIL is released by ctypes.
 
 #include "common.h"
 #include "convert_kernels/convert_kernels.h"
@@ -39,11 +41,20 @@ using namespace i4p;
 namespace {
 
 thread_local std::string t_error;
+thread_local uintptr_t t_fault = 0;
 
+constexpr int64_t kVanished = -2;  // _native.VANISHED
+
+// f() run guarded (fault_guard.h); a C++ exception becomes -1 and its message, a fault kVanished
 template <class F>
 int64_t guarded(const F& f) {
+  uintptr_t fault = 0;
   try {
-    return f();
+    int64_t status = 0;
+    fault = run_guarded([&] { status = f(); });
+    if (fault == 0) return status;
+  } catch (const SourceFault& e) {  // taken on a thread of for_rows
+    fault = e.address;
   } catch (const std::bad_alloc&) {
     t_error = "out of memory";
   } catch (const std::exception& e) {
@@ -51,7 +62,10 @@ int64_t guarded(const F& f) {
   } catch (...) {
     t_error = "unknown C++ exception";
   }
-  return -1;
+  if (fault == 0) return -1;
+  t_fault = fault;
+  t_error = "input bytes vanished under the kernel (SIGBUS)";
+  return kVanished;
 }
 
 }  // namespace
@@ -60,6 +74,9 @@ int64_t guarded(const F& f) {
 I4P_EXPORT int64_t i4p_abi_version() { return 2; }
 
 I4P_EXPORT const char* i4p_last_error() { return t_error.c_str(); }
+
+// the address whose read faulted, after a call returned kVanished on this thread
+I4P_EXPORT uint64_t i4p_last_fault() { return t_fault; }
 
 #ifndef I4P_SOURCE_HASH
 #define I4P_SOURCE_HASH "unknown"

@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "fault_guard.h"
+
 #define I4P_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace i4p {
@@ -33,7 +35,9 @@ template <class... A>
 
 // f(r0, r1) over [0, n) in up to `threads` contiguous ranges of at least `grain` rows, each on its
 // own thread (the caller's thread takes the first). Every kernel computes a row from its inputs
-// alone and sums rows in order afterwards, so the split never changes a byte.
+// alone and sums rows in order afterwards, so the split never changes a byte. Each thread's range
+// runs guarded (fault_guard.h): source bytes that vanish under one end its range, and the call
+// throws SourceFault once every thread is joined.
 template <class F>
 void for_rows(int64_t n, int64_t grain, int64_t threads, const F& f) {
   grain = grain < 1 ? 1 : grain;
@@ -48,7 +52,8 @@ void for_rows(int64_t n, int64_t grain, int64_t threads, const F& f) {
   std::mutex m;
   auto run = [&](int64_t r0, int64_t r1) {
     try {
-      f(r0, r1);
+      const uintptr_t fault = run_guarded([&] { f(r0, r1); });
+      if (fault != 0) throw SourceFault(fault);
     } catch (...) {
       std::lock_guard<std::mutex> lock(m);
       if (!error) error = std::current_exception();

@@ -6,7 +6,9 @@ folder (found by source_folder.py) is never written to.
 
 Long: the mappings, the positional reads and the size checks that keep a shrinking shard from
 killing the process (SIGBUS) share one per-shard state (descriptors, maps, header ends); split,
-each part would reach into the others.
+each part would reach into the others. A shard cut while a C++ kernel is inside its mapped bytes
+is caught by the library's guard (csrc/fault_guard.h); ``faults_named`` words it as the same
+truncated-shard error.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import mmap
 import os
 import threading
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import safetensors_header
 from .._lazy import torch
-from ..errors import InputError
+from ..errors import InputError, SourceBytesVanished
 from ..families import resolve_type
 # the header's names that the planner and convert take from here
 from .safetensors_header import (DTYPE_KEY, ITEMSIZE, NUMPY_DTYPES, NUMPY_VIEW, TensorInfo, read_header,
@@ -345,6 +348,35 @@ class Checkpoint:
                           hint="The shard changed or shrank while int4pack read it (another process writing "
                                "it, or a full disk); download it again.")
 
+    @contextmanager
+    def faults_named(self):
+        """C++ kernels run inside: source bytes that vanished under one (SourceBytesVanished, a shard
+        cut while the kernel read its mapped pages) raise the error naming that shard instead."""
+        try:
+            yield
+        except SourceBytesVanished as e:
+            raise self.vanished(e) from e
+
+    def vanished(self, e: SourceBytesVanished) -> Exception:
+        """The error for mapped bytes that vanished under a kernel: the shard whose mapping holds the
+        faulting address, as its size check words it (truncated), or, at its full size still,
+        unreadable there (its storage failed); else the first mapped shard that is now shorter
+        than its header says; else ``e`` itself (no mapping of this checkpoint lost bytes)."""
+        hit = [s for s, a in list(self._addrs.items())
+               if a is not None and s in self._maps and a <= e.address < a + len(self._maps[s])]
+        for shard in hit or list(self._maps):
+            try:
+                self._check_size(shard, self._shard_end(shard))
+            except InputError as err:
+                return err
+        if not hit:
+            return e
+        shard = hit[0]
+        return InputError(f"{shard}: its bytes at offset {e.address - self._addrs[shard]} could not be read while "
+                          "int4pack used them", path=str(self.folder / shard),
+                          hint="The disk or file system holding the shard failed a read (see the system log), or "
+                               "the file changed; check the storage and download the shard again.")
+
     def raw(self, name: str) -> memoryview:
         """The tensor's bytes, zero-copy."""
         t = self.info(name)
@@ -396,11 +428,15 @@ class Checkpoint:
 
         Pair it with ``release(name)`` once done, which unmaps its pages again so RSS stays bounded
         by the tensors in flight. The mapping is private copy-on-write: nothing can reach the file.
-        Falls back to ``get`` (a copy) where the data is not aligned for its dtype.
+        Falls back to ``get`` (a copy) where the data is not aligned for its dtype, and where the C++
+        kernels are not there to read it: torch reading a page of a shard cut under it would end the
+        process (SIGBUS), where the kernels' guard turns it into an error (``faults_named``).
         """
+        from .. import _ext
+
         t = self.info(name)
         dt = torch_dtype(t.dtype)
-        if t.numel == 0 or t.begin % ITEMSIZE[t.dtype]:
+        if t.numel == 0 or t.begin % ITEMSIZE[t.dtype] or _ext.load("convert_kernels") is None:
             return self.get(name)
         mv = self.raw(name)
         lo = t.begin - t.begin % mmap.PAGESIZE
