@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 
 from .serving import expert_layout
+from ._lazy import gc_paused
 from ._version import __version__
 from .architectures import Layout, discover
 from .sources.checkpoint import ITEMSIZE, Checkpoint, TensorInfo
@@ -177,6 +178,7 @@ def _w4a8_outputs(spec: LinearSpec, g: int, bias_dtype: str | None) -> list[OutT
     return out
 
 
+@gc_paused()  # its records live as long as the run
 def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: str | None = None,
               source_label: str | None = None, strict_group_size: bool = False) -> Plan:
     """Validate the whole checkpoint and decide every tensor's fate. Raises on any refusal.

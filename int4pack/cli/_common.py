@@ -15,6 +15,7 @@ import typer
 
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
+from .._lazy import gc_paused
 from ..errors import EXIT_INTERNAL, Int4packError, report_to
 from ..output import Output
 
@@ -87,13 +88,8 @@ def library(name: str):
     a test calling the app), everything imported then is frozen too: it lives as long as the
     process, and later collections need not scan it (``_lazy.load_torch`` does the same for torch).
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         module = importlib.import_module(f"int4pack.{name}")
-    finally:
-        if was_enabled:
-            gc.enable()
     if _process["owned"]:
         gc.freeze()
     return getattr(module, name)

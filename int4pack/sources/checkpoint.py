@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import safetensors_header
-from .._lazy import torch
+from .._lazy import gc_paused, torch
 from ..errors import InputError, SourceBytesVanished
 from ..families import resolve_type
 # the header's names that the planner and convert take from here
@@ -222,6 +222,7 @@ class Checkpoint:
                 return load_json(p)
         return None
 
+    @gc_paused()  # one record per tensor, living as long as the checkpoint
     def _load_index(self) -> None:
         idx = self.folder / "model.safetensors.index.json"
         self.check_link(idx)
