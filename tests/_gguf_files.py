@@ -211,7 +211,8 @@ def hf_weights(cfg: dict, seed: int = 0) -> dict[str, np.ndarray]:
         else:
             n_e, im, sh = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["n_shared_experts"]
             put(p + "mlp.gate.weight", n_e, h)
-            put(p + "mlp.gate.e_score_correction_bias", n_e, scale=0.1)
+            if cfg["model_type"] == "glm4_moe" or cfg.get("topk_method") == "noaux_tc":  # DeepSeek-V2: no bias
+                put(p + "mlp.gate.e_score_correction_bias", n_e, scale=0.1)
             for e in range(n_e):
                 put(p + f"mlp.experts.{e}.gate_proj.weight", im, h)
                 put(p + f"mlp.experts.{e}.up_proj.weight", im, h)
