@@ -282,9 +282,9 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
             if key in self.tensors:  # a file with attn_kv_b as well: that one is the weight vLLM loads
                 continue
             if set(parts) != {"k", "v"}:
-                have = next(iter(parts.values()))[-1]
-                raise InputError(f"{self.files[0]}: {have} without its {'attn_v_b' if 'k' in parts else 'attn_k_b'}"
-                                 " half: kv_b_proj cannot be rebuilt", tensor=have, path=str(self.folder / have),
+                file, *_, have = next(iter(parts.values()))
+                raise InputError(f"{file}: {have} without its {'attn_v_b' if 'k' in parts else 'attn_k_b'}"
+                                 " half: kv_b_proj cannot be rebuilt", tensor=have, path=str(self.folder / file),
                                  hint="The file is incomplete; re-download it.")
             (kf, kq, ks, ko, kn, kname), (vf, vq, vs, vo, vn, vname) = parts["k"], parts["v"]
             heads, rank = int(cfg["num_attention_heads"]), int(cfg["kv_lora_rank"])
