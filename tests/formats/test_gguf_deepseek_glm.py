@@ -62,6 +62,25 @@ def _producer(path: Path) -> dict[str, np.ndarray]:
             for t in gguf.GGUFReader(path).tensors}
 
 
+def _same_floats(ck, r, w: dict[str, np.ndarray]) -> None:
+    """Every tensor of ``w`` (HF name -> float32 written: F32, experts F16) read back as written."""
+    specs = r.linears()
+    for name, x in w.items():
+        mod = name[: -len(".weight")]
+        if mod in specs:
+            got = r.read(specs[mod]).dequantize().numpy()
+            want = x.astype(np.float16).astype(np.float32) if ".experts." in name else x
+        else:
+            got, want = ck.get(name).float().numpy(), x
+        assert np.array_equal(got, want), name
+
+
+def _gguf_value(ref: dict[str, np.ndarray], ck, mod: str) -> np.ndarray:
+    """gguf's dequantisation of the GGUF tensor a linear comes from (its expert's slice of fused experts)."""
+    want = ref[ck.gguf_linears[mod].source]
+    return want[int(mod.split(".experts.")[1].split(".")[0])] if ".experts." in mod else want
+
+
 def _same_config(got: dict, want: dict, keys) -> None:
     for k in keys:
         assert got[k] == want[k], (k, got.get(k), want[k])
@@ -93,14 +112,7 @@ def test_deepseek2_tensors_are_the_floats_written(tmp_path):
         r = open_reader(ck)
         specs = r.linears()
         assert not any(".k_b_proj" in n or ".v_b_proj" in n for n in ck.tensors)
-        for name, x in w.items():
-            mod = name[: -len(".weight")]
-            if mod in specs:
-                got = r.read(specs[mod]).dequantize().numpy()
-                want = x.astype(np.float16).astype(np.float32) if ".experts." in name else x
-            else:
-                got, want = ck.get(name).float().numpy(), x
-            assert np.array_equal(got, want), name
+        _same_floats(ck, r, w)
         assert specs["model.layers.0.self_attn.kv_b_proj"].bits == 16  # float: kept in bf16 (precision.py)
 
 
@@ -121,10 +133,7 @@ def test_kv_b_rebuilt_is_what_the_converter_split(tmp_path):
             assert np.array_equal(v_b, ref[f"blk.{layer}.attn_v_b.weight"])
         for mod, lin in ck.gguf_linears.items():  # every other linear: gguf's values
             if lin.source in ref:
-                want = ref[lin.source]
-                if ".experts." in mod:
-                    want = want[int(mod.split(".experts.")[1].split(".")[0])]
-                assert np.array_equal(r.read(specs[mod]).dequantize().numpy(), want), mod
+                assert np.array_equal(r.read(specs[mod]).dequantize().numpy(), _gguf_value(ref, ck, mod)), mod
 
 
 @pytest.mark.parametrize("kv_b", ["fused", "both"])
@@ -174,17 +183,8 @@ def test_glm4moe_config_and_mtp_block(tmp_path):
     write_converted(p, "glm4moe", hf, w, expert_type="F16", linear_type="F32")
     with open_checkpoint(p) as ck:
         _same_config(ck.config, hf, GLM_KEYS)
-        r = open_reader(ck)
-        specs = r.linears()
         # every tensor, the MTP block's (layer 2: eh_proj, enorm, hnorm, shared_head.norm) included
-        for name, x in w.items():
-            mod = name[: -len(".weight")]
-            if mod in specs:
-                got = r.read(specs[mod]).dequantize().numpy()
-                want = x.astype(np.float16).astype(np.float32) if ".experts." in name else x
-            else:
-                got, want = ck.get(name).float().numpy(), x
-            assert np.array_equal(got, want), name
+        _same_floats(ck, open_reader(ck), w)
         assert set(w) == set(ck.tensors)
 
 
@@ -233,12 +233,10 @@ def test_llama_cpp_deepseek2_file():
         specs = r.linears()
         for mod, spec in specs.items():
             got = r.read(spec).dequantize().numpy()
-            lin = ck.gguf_linears[mod]
             if mod.endswith("kv_b_proj"):  # from F16 attn_k_b / attn_v_b: the source's values in F16, exactly
                 want = kv.get_tensor(f"{mod}.weight").half().float().numpy()
             else:
-                want = ref[lin.source]
-                want = want[int(mod.split(".experts.")[1].split(".")[0])] if ".experts." in mod else want
+                want = _gguf_value(ref, ck, mod)
             assert np.array_equal(got, want), mod
 
 
@@ -249,9 +247,7 @@ def test_llama_cpp_glm4moe_file():
         _same_config(ck.config, src, GLM_KEYS)
         r = open_reader(ck)
         for mod, spec in r.linears().items():
-            want = ref[ck.gguf_linears[mod].source]
-            want = want[int(mod.split(".experts.")[1].split(".")[0])] if ".experts." in mod else want
-            assert np.array_equal(r.read(spec).dequantize().numpy(), want), mod
+            assert np.array_equal(r.read(spec).dequantize().numpy(), _gguf_value(ref, ck, mod)), mod
 
 
 @pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
