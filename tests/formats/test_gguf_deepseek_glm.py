@@ -62,6 +62,13 @@ def _producer(path: Path) -> dict[str, np.ndarray]:
             for t in gguf.GGUFReader(path).tensors}
 
 
+def _file(tmp_path: Path, arch: str, hf: dict, seed: int = 0, **kw) -> tuple[Path, dict, dict]:
+    """(path, HF weights drawn, GGUF name -> array written) of a file the converter's way (write_converted)."""
+    w = hf_weights(hf, seed=seed)
+    p = tmp_path / "m.gguf"
+    return p, w, write_converted(p, arch, hf, w, **kw)
+
+
 def _same_floats(ck, r, w: dict[str, np.ndarray]) -> None:
     """Every tensor of ``w`` (HF name -> float32 written: F32, experts F16) read back as written."""
     specs = r.linears()
@@ -93,8 +100,7 @@ def _same_config(got: dict, want: dict, keys) -> None:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_deepseek2_config_is_the_converters_source(tmp_path, variant):
     hf = VARIANTS[variant]
-    p = tmp_path / "m.gguf"
-    write_converted(p, "deepseek2", hf, hf_weights(hf))
+    p, _, _ = _file(tmp_path, "deepseek2", hf)
     with open_checkpoint(p) as ck:
         c = ck.config
     _same_config(c, hf, DSV3_KEYS)
@@ -104,10 +110,7 @@ def test_deepseek2_config_is_the_converters_source(tmp_path, variant):
 
 def test_deepseek2_tensors_are_the_floats_written(tmp_path):
     """F32 matrices and F16 experts: every tensor comes back as drawn; kv_b_proj from the split parts."""
-    hf = deepseek_v3_config()
-    w = hf_weights(hf, seed=5)
-    p = tmp_path / "m.gguf"
-    write_converted(p, "deepseek2", hf, w, expert_type="F16", linear_type="F32")
+    p, w, _ = _file(tmp_path, "deepseek2", deepseek_v3_config(), 5, expert_type="F16", linear_type="F32")
     with open_checkpoint(p) as ck:
         r = open_reader(ck)
         specs = r.linears()
@@ -120,8 +123,7 @@ def test_kv_b_rebuilt_is_what_the_converter_split(tmp_path):
     """Q8_0 parts: the converter's split (kv_b_split, its torch code) of the rebuilt kv_b_proj gives
     gguf's dequantisation of attn_k_b and attn_v_b exactly."""
     hf = deepseek_v3_config()
-    p = tmp_path / "m.gguf"
-    write_converted(p, "deepseek2", hf, hf_weights(hf, seed=6), linear_type="Q8_0")
+    p, _, _ = _file(tmp_path, "deepseek2", hf, 6, linear_type="Q8_0")
     ref = _producer(p)
     with open_checkpoint(p) as ck:
         r = open_reader(ck)
@@ -138,9 +140,7 @@ def test_kv_b_rebuilt_is_what_the_converter_split(tmp_path):
 
 @pytest.mark.parametrize("kv_b", ["fused", "both"])
 def test_kv_b_of_older_files_is_read_as_it_is(tmp_path, kv_b):
-    hf = deepseek_v3_config()
-    p = tmp_path / "m.gguf"
-    write_converted(p, "deepseek2", hf, hf_weights(hf, seed=7), linear_type="Q8_0", kv_b=kv_b)
+    p, _, _ = _file(tmp_path, "deepseek2", deepseek_v3_config(), 7, linear_type="Q8_0", kv_b=kv_b)
     ref = _producer(p)
     with open_checkpoint(p) as ck:
         r = open_reader(ck)
@@ -153,9 +153,7 @@ def test_kv_b_of_older_files_is_read_as_it_is(tmp_path, kv_b):
 
 def test_kv_b_half_missing_is_refused(tmp_path):
     """A file with attn_k_b but not attn_v_b (the converter writes both): refused, naming the tensor."""
-    hf = deepseek_v3_config()
-    p = tmp_path / "m.gguf"
-    write_converted(p, "deepseek2", hf, hf_weights(hf), linear_type="Q8_0")
+    p, _, _ = _file(tmp_path, "deepseek2", deepseek_v3_config(), linear_type="Q8_0")
     rd = gguf.GGUFReader(p)
     q = tmp_path / "k_only.gguf"
     wr = gguf.GGUFWriter(q, "deepseek2")
@@ -178,9 +176,7 @@ def test_kv_b_half_missing_is_refused(tmp_path):
 
 def test_glm4moe_config_and_mtp_block(tmp_path):
     hf = glm4_moe_config()
-    w = hf_weights(hf, seed=8)
-    p = tmp_path / "m.gguf"
-    write_converted(p, "glm4moe", hf, w, expert_type="F16", linear_type="F32")
+    p, w, _ = _file(tmp_path, "glm4moe", hf, 8, expert_type="F16", linear_type="F32")
     with open_checkpoint(p) as ck:
         _same_config(ck.config, hf, GLM_KEYS)
         # every tensor, the MTP block's (layer 2: eh_proj, enorm, hnorm, shared_head.norm) included
@@ -192,9 +188,8 @@ def test_glm4moe_config_and_mtp_block(tmp_path):
 @pytest.mark.parametrize("arch", ["deepseek2", "glm4moe"])
 def test_convert_and_verify_against_the_gguf(tmp_path, arch, serve_format):
     hf = deepseek_v3_config() if arch == "deepseek2" else glm4_moe_config()
-    p = tmp_path / "m.gguf"
-    written = write_converted(p, arch, hf, hf_weights(hf, seed=9), expert_type="Q4_K" if arch == "deepseek2" else "Q4_0",
-                              linear_type="Q8_0")
+    p, _, written = _file(tmp_path, arch, hf, 9, expert_type="Q4_K" if arch == "deepseek2" else "Q4_0",
+                          linear_type="Q8_0")
     out = tmp_path / "out"
     rep = int4pack.convert(p, out, serve_format=serve_format)
     for m, st in rep["modules"].items():
