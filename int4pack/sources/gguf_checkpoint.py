@@ -176,8 +176,9 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
     def _name_map(self, n_layers: int) -> dict[str, str]:
         """GGUF tensor base name -> HF module name, through gguf's TensorNameMap of the architecture.
 
-        The MTP block's ``blk.N.nextn.*`` names are gguf's TENSOR_NAMES for NEXTN_*: PyPI's gguf 0.19.0
-        leaves them out of deepseek2's tensor list, where llama.cpp's own gguf-py has them."""
+        The MTP block's ``blk.N.nextn.*`` names are gguf's TENSOR_NAMES for NEXTN_*: the gguf wheel on PyPI
+        leaves them out of deepseek2's tensor list, where the gguf-py vendored with llama.cpp (llama-cpp-python
+        0.3.36) has them."""
         import gguf
 
         arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch.gguf_name]
