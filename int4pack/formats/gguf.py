@@ -87,11 +87,17 @@ class GGUFReader(SpecsOnce):
         if requant:
             warnings.append(f"{', '.join(requant)} linears are dequantised by gguf and requantised to int4 "
                             "(lossy; the report gives each module's error)")
-        floats = sorted(t for t in lin if t in FLOAT_TYPES)
+        floats = sorted({s.qtype for m, s in self.ckpt.gguf_linears.items() if s.qtype in FLOAT_TYPES
+                         and ".experts." in m})
         if floats:
             warnings.append(f"{', '.join(floats)} experts are quantised to int4 from their float values (lossy; "
                             "the report gives each module's error)")
-        derived = sorted(n for n in self.ckpt.tensors if self.ckpt.is_derived(n))
+        rebuilt = self.ckpt.rebuilt_kv_b
+        if rebuilt:
+            warnings.append(f"{len(rebuilt)} kv_b_proj (e.g. {rebuilt[0]}) rebuilt in float32 from llama.cpp's "
+                            "attn_k_b / attn_v_b split: a float dense linear, kept in bf16 unless --dense w4a8")
+        derived = sorted(n for n in self.ckpt.tensors if self.ckpt.is_derived(n)
+                         and n.removesuffix(".weight") not in rebuilt)
         if derived:
             warnings.append(f"{len(derived)} quantised tensor(s) vLLM loads in float (e.g. {derived[0]}) are "
                             "dequantised to bf16")

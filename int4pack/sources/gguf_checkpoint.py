@@ -169,7 +169,7 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
         for f, (_, infos) in zip(files, headers):
             for info in infos:
                 self._add(f.name, *info)
-        self._rebuild_kv_b()
+        self.rebuilt_kv_b = self._rebuild_kv_b()  # the kv_b_proj modules put back together
         self.quant_config = {"quant_method": "gguf", "architecture": arch, "types": dict(sorted(self.types.items())),
                              "file_type": self.metadata.get("general.file_type")}
 
@@ -274,10 +274,11 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
         run = self._float_run(file, qtype, shape[0], off, nbytes)
         return lambda r0, r1: bf16_bits(run(r0, r1))
 
-    def _rebuild_kv_b(self) -> None:
+    def _rebuild_kv_b(self) -> list[str]:
         """kv_b_proj [H * (nope + v), R] of each layer whose file has attn_k_b [H, R, nope] and
         attn_v_b [H, v, R] in its place: the converter's split undone (module docstring)."""
         cfg = self.config
+        done = []
         for attn, parts in sorted(self._kv_b.items()):
             key = f"{attn}.kv_b_proj.weight"
             if key in self.tensors:  # a file with attn_kv_b as well: that one is the weight vLLM loads
@@ -310,6 +311,8 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
             n = heads * per
             self.add_derived(TensorInfo(key, kf, "F32", (n, rank), 0, 4 * n * rank), rows)
             self.gguf_linears[key[: -len(".weight")]] = GGUFLinear(key, "F32", n, rank, f"{kname} + {vname}")
+            done.append(key[: -len(".weight")])
+        return done
 
     def _float_run(self, file: str, qtype: str, n_rows: int, off: int, nbytes: int):
         """rows(r0, r1) -> float32 [r1 - r0, K] of a tensor held as ``n_rows`` rows of its type, as gguf

@@ -225,6 +225,8 @@ def test_llama_cpp_deepseek2_file():
         # the converter drops the MTP block (DeepseekV2Model.skip_mtp); everything else is carried
         _same_config(ck.config, src, DSV3_KEYS + ("moe_layer_freq",))
         r = open_reader(ck)
+        said = r.verdict().warnings  # the rebuilt kv_b_proj is said as such, not as a float expert
+        assert any("2 kv_b_proj" in w for w in said) and not any("experts are quantised" in w for w in said)
         specs = r.linears()
         for mod, spec in specs.items():
             got = r.read(spec).dequantize().numpy()
