@@ -35,7 +35,8 @@ FAMILY_FIXTURES_2026 = frozenset({
 FORMAT_FIXTURES = frozenset({
     "autoround_q3_sym_g32", "autoround_q3_sym_g128", "autoround_q3_asym_g32", "autoround_q3_gptq_asym_g32",
     "autoround_q3_awq_g32", "autoround_q3_mixed_g32", "ct_qwen3moe_mixed_w4w8", "ct_qwen3moe_mixed_experts",
-    "mlx_q3_4bit_g64", "mlx_q3_mixed_4_8", "gguf_q3_q8_0", "gguf_q3_q4_0", "gguf_q3_q4_k_m",
+    "mlx_q3_4bit_g64", "mlx_q3_mixed_4_8", "gguf_q3_q8_0", "gguf_q3_q4_0", "gguf_q3_q4_k_m", "gguf_dsv3_q4_0",
+    "gguf_glm4moe_q8_0",
     "fp8_qwen3moe_block32", "ct_qwen3moe_fp8_block", "ct_qwen3moe_nvfp4a16", "ct_qwen3moe_mxfp4a16",
     "dense_glm4moe",
 })

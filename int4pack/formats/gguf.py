@@ -74,7 +74,7 @@ class GGUFReader(SpecsOnce):
         for s in self.ckpt.gguf_linears.values():
             lin[s.qtype] = lin.get(s.qtype, 0) + 1
         ev = [f"GGUF file(s) {', '.join(self.ckpt.files)}, architecture {self.ckpt.arch.gguf_name!r} "
-              f"-> {self.ckpt.arch.model_type}",
+              f"-> {self.ckpt.config['model_type']}",
               "tensor types: " + ", ".join(f"{t} x{n}" for t, n in sorted(types.items())),
               "linears: " + ", ".join(f"{t} x{n}" for t, n in sorted(lin.items()))]
         warnings = []
@@ -87,11 +87,17 @@ class GGUFReader(SpecsOnce):
         if requant:
             warnings.append(f"{', '.join(requant)} linears are dequantised by gguf and requantised to int4 "
                             "(lossy; the report gives each module's error)")
-        floats = sorted(t for t in lin if t in FLOAT_TYPES)
+        floats = sorted({s.qtype for m, s in self.ckpt.gguf_linears.items() if s.qtype in FLOAT_TYPES
+                         and ".experts." in m})
         if floats:
             warnings.append(f"{', '.join(floats)} experts are quantised to int4 from their float values (lossy; "
                             "the report gives each module's error)")
-        derived = sorted(n for n in self.ckpt.tensors if self.ckpt.is_derived(n))
+        rebuilt = self.ckpt.rebuilt_kv_b
+        if rebuilt:
+            warnings.append(f"{len(rebuilt)} kv_b_proj (e.g. {rebuilt[0]}) rebuilt in float32 from llama.cpp's "
+                            "attn_k_b / attn_v_b split: a float dense linear, kept in bf16 unless --dense w4a8")
+        derived = sorted(n for n in self.ckpt.tensors if self.ckpt.is_derived(n)
+                         and n.removesuffix(".weight") not in rebuilt)
         if derived:
             warnings.append(f"{len(derived)} quantised tensor(s) vLLM loads in float (e.g. {derived[0]}) are "
                             "dequantised to bf16")
@@ -126,7 +132,9 @@ def claims(config: dict | None, header: Header) -> bool:
 
 FORMAT = Format(
     "gguf", claims, lambda ckpt, config, path: GGUFReader(ckpt, config),
-    reads="GGUF files (llama.cpp; a .gguf file, a folder holding one, or a split set) of qwen3moe, qwen2moe and llama with experts (Mixtral): "
+    reads="GGUF files (llama.cpp; a .gguf file, a folder holding one, or a split set) of qwen3moe, qwen2moe, llama with "
+          "experts (Mixtral), deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2; kv_b_proj rebuilt from attn_k_b/attn_v_b) and "
+          "glm4moe (GLM-4.5/4.6/4.7): "
           "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16/BF16/F32",
     lossless="Q4_0 modules whose block scales are all >= 0",
     requant="every other type, and Q4_0 modules with negative block scales (llama.cpp's usual)")

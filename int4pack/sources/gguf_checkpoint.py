@@ -13,7 +13,14 @@ names vLLM loads, mapped by gguf's TensorNameMap from the HF parameter names of 
   the bytes are row-major [E, N, K] and expert e is one contiguous run: listed per expert as
   ``<moe>.experts.E.<proj>.weight`` (block bytes, or float [N, K]);
 * quantised tensors vLLM loads in float (embeddings, lm_head, routers): derived BF16 tensors,
-  dequantised by gguf when read (derived_tensors.py).
+  dequantised by gguf when read (derived_tensors.py);
+* deepseek2's ``blk.N.attn_k_b`` / ``attn_v_b``: llama.cpp's converter splits MLA's kv_b_proj into
+  them for its absorbed attention (conversion/deepseek.py ``DeepseekV2Model.modify_tensors``:
+  ``kv_b.view(H, nope + v, R)`` split into k [H, nope, R], stored transposed as [H, R, nope], and
+  v [H, v, R]) and leaves ``attn_kv_b`` out; vLLM loads kv_b_proj, so it is rebuilt from them, in
+  float32, as a derived tensor (a file that still has ``attn_kv_b`` gives it as it is).
+  ``blk.N.exp_probs_b.bias`` is the router's ``e_score_correction_bias`` (the converter's rename
+  undone, conversion/base.py ``ModelBase.modify_tensors``).
 
 A tensor of a type outside GGUF_TYPES is refused at open, naming it and its type.
 """
@@ -40,7 +47,7 @@ GGUF_TYPES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K"
               "IQ4_NL": 32, "IQ4_XS": 32}
 FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # ggml type -> safetensors dtype
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
-_LINEAR_LEAF = re.compile(r"\.((q|k|v|o|gate|up|down)_proj|w1|w2|w3)$")
+_LINEAR_LEAF = re.compile(r"\.((q|k|v|o|gate|up|down|q_a|q_b|kv_b)_proj|kv_a_proj_with_mqa|w1|w2|w3)$")
 _EXPERT_LEAF = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 _ONE_ROW = (".mlp.shared_expert_gate",)  # HF holds these [1, H]; GGUF stores [H]
 
@@ -83,7 +90,7 @@ def _field_value(field):
 
     v = field.contents()
     if field.types and field.types[-1] == gguf.GGUFValueType.FLOAT32:  # float32's shortest decimal: 1e-06
-        v = [float(str(np.float32(x))) for x in v] if isinstance(v, list) else float(str(np.float32(v)))
+        v = [gguf_config.f32_value(x) for x in v] if isinstance(v, list) else gguf_config.f32_value(v)
     if field.types and field.types[0] == gguf.GGUFValueType.ARRAY and not isinstance(v, list):
         v = [v]
     return v
@@ -151,29 +158,40 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
         self.metadata: dict = headers[0][0]
         arch = str(self.metadata.get("general.architecture") or "")
         names = {name for _, infos in headers for name, *_ in infos}
-        self.config, self.arch = gguf_config.build_config(self.metadata, arch, "output.weight" in names, str(files[0]))
+        self.config, self.arch = gguf_config.build_config(self.metadata, arch, names, str(files[0]))
         self.generated, self.tokenizer_note = gguf_config.tokenizer_files(
             self.metadata, self.config.get("max_position_embeddings"))
         self.gguf_linears: dict[str, GGUFLinear] = {}
         self.types: dict[str, int] = {}  # ggml type -> tensors of it
-        self._hf = self._name_map(int(self.config["num_hidden_layers"]))
+        blocks = int(self.config["num_hidden_layers"]) + int(self.config.get("num_nextn_predict_layers") or 0)
+        self._hf = self._name_map(blocks)
+        self._kv_b: dict[str, dict[str, tuple]] = {}  # layer prefix -> "k"/"v" -> the attn_k_b / attn_v_b tensor
         for f, (_, infos) in zip(files, headers):
             for info in infos:
                 self._add(f.name, *info)
+        self.rebuilt_kv_b = self._rebuild_kv_b()  # the kv_b_proj modules put back together
         self.quant_config = {"quant_method": "gguf", "architecture": arch, "types": dict(sorted(self.types.items())),
                              "file_type": self.metadata.get("general.file_type")}
 
     def _name_map(self, n_layers: int) -> dict[str, str]:
-        """GGUF tensor base name -> HF module name, through gguf's TensorNameMap of the architecture."""
+        """GGUF tensor base name -> HF module name, through gguf's TensorNameMap of the architecture.
+
+        The MTP block's ``blk.N.nextn.*`` names are gguf's TENSOR_NAMES for NEXTN_*: the gguf wheel on PyPI
+        leaves them out of deepseek2's tensor list, where the gguf-py vendored with llama.cpp (llama-cpp-python
+        0.3.36) has them."""
         import gguf
 
         arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch.gguf_name]
         tmap = gguf.get_tensor_name_map(arch, n_layers)
+        nextn = {f"model.layers.{{bid}}.{n}": gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, "NEXTN_" + n.replace(
+            ".", "_").upper())] for n in gguf_config.NEXTN}
         out: dict[str, str] = {}
         for tmpl in self.arch.modules:
             for bid in (range(n_layers) if "{bid}" in tmpl else (None,)):
                 hf = tmpl.format(bid=bid)
                 g = tmap.get_name(hf)
+                if g is None and tmpl in nextn:
+                    g = nextn[tmpl].format(bid=bid)
                 if g is not None:
                     out[g] = hf
         return out
@@ -188,7 +206,11 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
                                     f"{self.arch.cls} loads.")
         self.types[qtype] = self.types.get(qtype, 0) + 1
         shape = tuple(reversed(ne))  # GGUF's ne[0] is the fastest-varying dimension
-        key = f"{hf}.{suffix}"
+        key = f"{hf}.{suffix}".replace(".e_score_correction.bias", ".e_score_correction_bias")
+        if hf.endswith((".k_b_proj", ".v_b_proj")):  # put back together into kv_b_proj (_rebuild_kv_b)
+            attn, _, leaf = hf.rpartition(".")
+            self._kv_b.setdefault(attn, {})[leaf[0]] = (file, qtype, shape, off, nbytes, name)
+            return
         quant = qtype in GGUF_TYPES
         if ".experts." in hf and hf.rsplit(".", 1)[-1] in _EXPERT_LEAF:
             if len(shape) != 3 or suffix != "weight":
@@ -249,16 +271,61 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
         self.gguf_linears[module] = GGUFLinear(key, qtype, n, k, src, rows)
 
     def _dequant_rows(self, file: str, qtype: str, shape: tuple, off: int, nbytes: int):
-        rows_n = shape[0]
-        row_bytes = nbytes // rows_n
-        probe = TensorInfo("", file, "U8", (rows_n, row_bytes), off, off + nbytes)
+        run = self._float_run(file, qtype, shape[0], off, nbytes)
+        return lambda r0, r1: bf16_bits(run(r0, r1))
+
+    def _rebuild_kv_b(self) -> list[str]:
+        """kv_b_proj [H * (nope + v), R] of each layer whose file has attn_k_b [H, R, nope] and
+        attn_v_b [H, v, R] in its place: the converter's split undone (module docstring)."""
+        cfg = self.config
+        done = []
+        for attn, parts in sorted(self._kv_b.items()):
+            key = f"{attn}.kv_b_proj.weight"
+            if key in self.tensors:  # a file with attn_kv_b as well: that one is the weight vLLM loads
+                continue
+            if set(parts) != {"k", "v"}:
+                file, *_, have = next(iter(parts.values()))
+                raise InputError(f"{file}: {have} without its {'attn_v_b' if 'k' in parts else 'attn_k_b'}"
+                                 " half: kv_b_proj cannot be rebuilt", tensor=have, path=str(self.folder / file),
+                                 hint="The file is incomplete; re-download it.")
+            (kf, kq, ks, ko, kn, kname), (vf, vq, vs, vo, vn, vname) = parts["k"], parts["v"]
+            heads, rank = int(cfg["num_attention_heads"]), int(cfg["kv_lora_rank"])
+            nope, v_dim = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+            if ks != (heads, rank, nope) or vs != (heads, v_dim, rank):
+                raise InputError(f"{kname} {list(ks)} and {vname} {list(vs)}: expected [{heads}, {rank}, {nope}] "
+                                 f"and [{heads}, {v_dim}, {rank}] (heads, kv_lora_rank, qk_nope_head_dim, "
+                                 "v_head_dim of the metadata)", tensor=kname, path=str(self.folder / kf),
+                                 hint="The metadata disagrees with the tensors; the file is damaged.")
+            k_rows = self._float_run(kf, kq, heads * rank, ko, kn)
+            v_rows = self._float_run(vf, vq, heads * v_dim, vo, vn)
+            per = nope + v_dim
+
+            def rows(r0: int, r1: int, k_rows=k_rows, v_rows=v_rows, per=per, rank=rank, nope=nope,
+                     v_dim=v_dim) -> np.ndarray:
+                h0, h1 = r0 // per, -(-r1 // per)  # the heads the rows lie in
+                k = k_rows(h0 * rank, h1 * rank).reshape(h1 - h0, rank, nope).transpose(0, 2, 1)
+                v = v_rows(h0 * v_dim, h1 * v_dim).reshape(h1 - h0, v_dim, rank)
+                kv = np.concatenate([k, v], axis=1).reshape(-1, rank)
+                return np.ascontiguousarray(kv[r0 - h0 * per: r1 - h0 * per])
+
+            n = heads * per
+            self.add_derived(TensorInfo(key, kf, "F32", (n, rank), 0, 4 * n * rank), rows)
+            self.gguf_linears[key[: -len(".weight")]] = GGUFLinear(key, "F32", n, rank, f"{kname} + {vname}")
+            done.append(key[: -len(".weight")])
+        return done
+
+    def _float_run(self, file: str, qtype: str, n_rows: int, off: int, nbytes: int):
+        """rows(r0, r1) -> float32 [r1 - r0, K] of a tensor held as ``n_rows`` rows of its type, as gguf
+        dequantises them."""
+        row_bytes = nbytes // n_rows
+        probe = TensorInfo("", file, "U8", (n_rows, row_bytes), off, off + nbytes)
 
         def rows(r0: int, r1: int) -> np.ndarray:
             from gguf import GGMLQuantizationType, quants
 
             buf = np.empty((r1 - r0, row_bytes), np.uint8)
             Checkpoint._read(self, probe, buf, r0 * row_bytes, buf.nbytes)
-            return bf16_bits(quants.dequantize(buf, GGMLQuantizationType[qtype]))
+            return np.asarray(quants.dequantize(buf, GGMLQuantizationType[qtype]), np.float32)
 
         return rows
 

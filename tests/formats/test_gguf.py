@@ -211,14 +211,14 @@ def test_an_unread_type_is_refused_naming_tensor_and_type(tmp_path):
 
 def test_an_unknown_architecture_is_refused_by_name(tmp_path):
     p = tmp_path / "m.gguf"
-    w = gguf.GGUFWriter(p, "deepseek2")
+    w = gguf.GGUFWriter(p, "dbrx")
     w.add_block_count(1)
     w.add_tensor("output_norm.weight", np.ones(8, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(RefusedError, match="'deepseek2'"):
+    with pytest.raises(RefusedError, match="'dbrx'"):
         open_checkpoint(p)
 
 
