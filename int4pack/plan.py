@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from .serving import expert_layout
 from ._lazy import gc_paused
 from ._version import __version__
-from .architectures import Layout, discover
+from .architectures import Layout, discover, vllm_module
 from .sources.checkpoint import ITEMSIZE, Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
 from .formats import open_reader
 from .group_choice import Unit, choose_groups, predict_path, tied_units
 from .groups import parse_group_size, scale_dtype, scale_st_dtype, scales_per_row, scheme_label
-from .precision import DENSE_MODES, decide
+from .precision import DENSE_MODES, decide, tie_fused
 from .precision import summary as precision_summary
 from .records import FormatVerdict, LinearSpec
 
@@ -212,6 +212,7 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
     # float_only: a linear vLLM builds without quantisation (families/): dequantised to bfloat16
     fates = {s.name: decide(s, layout.roles[s.name], dense, layout.roles[s.name] == "float_only")
              for s in specs.values()}
+    tie_fused(fates, {n: vllm_module(n) for n in specs}, layout.roles)
     w4a8_specs = [s for s in specs.values() if fates[s.name].w4a8]
     w4a8_names = {s.name for s in w4a8_specs}
 

@@ -71,10 +71,13 @@ def test_each_module_decided_and_said(make_ckpt):
     plan = make_plan(Checkpoint(folder))
     p = paths(plan)
     assert p[WIDE_EXPERT] == "requant" and p[FLOAT_EXPERT] == "requant"
-    assert p[WIDE_ATTN] == "dequant"  # default: 8-bit dense kept exact, in bf16
-    assert p[f"{P}.mlp.experts.2.gate_proj"] == "lossless" and p[f"{P}.self_attn.k_proj"] == "lossless"
+    assert p[WIDE_ATTN] == "dequant"  # default: 8-bit dense kept in bf16
+    assert p[f"{P}.mlp.experts.2.gate_proj"] == "lossless" and p[f"{P}.self_attn.o_proj"] == "lossless"
+    # k and v share vLLM's qkv_proj with the 8-bit q: one scheme for the three, bf16
+    assert p[f"{P}.self_attn.k_proj"] == p[f"{P}.self_attn.v_proj"] == "dequant"
     rows = {(r["role"], r["source"]): r for r in plan.summary()["mixed_precision"]}
-    assert set(rows) == {("expert", "8-bit"), ("expert", "float"), ("attention", "8-bit")}
+    assert set(rows) == {("expert", "8-bit"), ("expert", "float"), ("attention", "8-bit"), ("attention", "4-bit")}
+    assert rows[("attention", "4-bit")]["modules"] == 2 and "qkv_proj" in rows[("attention", "4-bit")]["decision"]
     assert rows[("expert", "8-bit")]["first"] == WIDE_EXPERT and rows[("expert", "8-bit")]["modules"] == 1
     assert "requantised to int4" in rows[("expert", "float")]["decision"]
     assert "--dense w4a8" in rows[("attention", "8-bit")]["decision"]
@@ -91,6 +94,7 @@ def test_dense_flag_decides_the_8bit_dense_module(make_ckpt, dense, attn):
     p = paths(plan)
     assert p[WIDE_ATTN] == attn
     assert p[f"{P}.self_attn.k_proj"] == ("lossless" if dense == "w4a8" else "dequant")
+    assert p[f"{P}.self_attn.o_proj"] == ("lossless" if dense == "w4a8" else "dequant")
     assert p[WIDE_EXPERT] == "requant"  # experts are int4 whatever --dense says
     if dense == "w4a8":  # the output differs from the default's: so does the resume fingerprint's options
         assert plan.options != make_plan(Checkpoint(folder)).options
@@ -132,9 +136,29 @@ def test_converted_values_and_ignore(make_ckpt, tmp_path):
     ignore = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]["ignore"]
     assert WIDE_ATTN in ignore and f"{P}.mlp.shared_expert.gate_proj" in ignore
     assert WIDE_EXPERT not in ignore and FLOAT_EXPERT not in ignore
+    _one_scheme_per_fused_module(ignore, t)
+    for m in (f"{P}.self_attn.k_proj", f"{P}.self_attn.v_proj"):  # int4 shards of the fused qkv, in bf16
+        torch.testing.assert_close(t[f"{m}.weight"], torch.from_numpy(truth[m]).to(torch.bfloat16), rtol=0, atol=0)
     said = {(r["role"], r["source"], r["path"]) for r in report["plan"]["mixed_precision"]}
-    assert said == {("expert", "8-bit", "requant"), ("expert", "float", "requant"), ("attention", "8-bit", "dequant")}
+    assert said == {("expert", "8-bit", "requant"), ("expert", "float", "requant"), ("attention", "8-bit", "dequant"),
+                    ("attention", "4-bit", "dequant")}
     assert report["modules"][WIDE_ATTN]["path"] == "dequant"
+
+
+# vLLM's packed_modules_mapping (Qwen2MoeForCausalLM, vllm 0.32.0): the checkpoint linears one fused module loads
+_VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _one_scheme_per_fused_module(ignore: list[str], tensors: dict) -> None:
+    """vLLM's compressed-tensors ``should_ignore_layer`` refuses a fused module some of whose shards are
+    in ``ignore`` and others not ("Detected some but not all shards of ... are quantized"): every
+    shard of each fused dense module in ``ignore``, or none of them."""
+    linears = {k.rsplit(".", 1)[0] for k in tensors if k.endswith((".weight", ".weight_packed"))}
+    for fused, shards in _VLLM_FUSED.items():
+        parents = {m.rsplit(".", 1)[0] for m in linears if m.rsplit(".", 1)[1] in shards and ".experts." not in m}
+        for parent in parents:
+            inside = {f"{parent}.{s}" in ignore for s in shards if f"{parent}.{s}" in linears}
+            assert len(inside) == 1, f"{parent}.{fused}: shards of one fused module under different schemes"
 
 
 @pytest.mark.parametrize("dense", [None, "w4a8", "bf16"])
