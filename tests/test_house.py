@@ -33,8 +33,8 @@ def test_a_group_of_minus_one_becomes_k_in_groups_py_only():
 # "BF16"); groups.py states them, everything else asks it (is_channel, is_channelwise, scale_dtype, ...)
 _GROUPISH = {"g", "gs", "gb", "group", "group_size", "src_group", "source_group", "want"}
 # files whose owners are rewriting them (verify, batch, the plugin): their count may only go down
-GROUP_RULE_LEFT = {"int4pack/batch.py": 1, "int4pack/verify_source.py": 1, "int4pack/verify_structure.py": 7,
-                   "int4pack/verify_tolerance.py": 2, "int4pack/vllm_plugin/_experts.py": 1,
+GROUP_RULE_LEFT = {"int4pack/batch.py": 1, "int4pack/verify/source.py": 1, "int4pack/verify/structure.py": 7,
+                   "int4pack/verify/tolerance.py": 2, "int4pack/vllm_plugin/_experts.py": 1,
                    "int4pack/vllm_plugin/_layout.py": 0}
 
 
@@ -166,9 +166,9 @@ def test_the_code_map_finder_sees_a_missing_module(tmp_path):
 
 def test_the_readme_code_map_names_every_module():
     """README "Layout of the code" names every module and subpackage of int4pack/, and every module
-    of the packages it lists one by one (sources/, serving/, output_folder/)."""
+    of the packages it lists one by one (sources/, serving/, output_folder/, verify/)."""
     missing = code_map_missing(_code_map(), ROOT / "int4pack")
-    for pkg in ("sources", "serving", "output_folder"):
+    for pkg in ("sources", "serving", "output_folder", "verify"):
         missing += [f"{pkg}/{m}" for m in code_map_missing(_code_map(), ROOT / "int4pack" / pkg) if m != "__init__.py"]
     assert missing == [], "add it to the README's code map"
 

@@ -108,9 +108,9 @@ def test_a_dense_only_layer_checks_its_linears_and_is_refused_without_them(ds):
 
 def test_nothing_checked_is_a_failure_never_a_pass(out, monkeypatch):
     # a model whose selection leaves nothing to run: no MoE layer found and --no-dense
-    from int4pack import verify_structure
+    from int4pack.verify import structure
 
-    real = verify_structure.check_structure
+    real = structure.check_structure
 
     def no_moe(ckpt, *args):
         t, problems, counts, rep = real(ckpt, *args)

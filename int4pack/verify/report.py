@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 
-from . import verify_matmul
-from .error_stats import short_number as _fmt
-from .errors import VerifyFailed
-from .serve_spec import BLOB_CHECKS
-from .verify_pool import Clock
-from .verify_structure import Target
+from . import matmul
+from ..error_stats import short_number as _fmt
+from ..errors import VerifyFailed
+from ..serve_spec import BLOB_CHECKS
+from .threads import Clock
+from .structure import Target
 
 __all__ = ["trust_notes", "kernel_info", "finish"]
 
@@ -40,7 +40,7 @@ def trust_notes(t: Target, counts: dict, conv_report: dict | None, against: bool
 
 
 def kernel_info() -> dict:
-    return verify_matmul.info()
+    return matmul.info()
 
 
 def finish(report: dict, t0: float, clock: Clock, raise_on_failure: bool) -> dict:

@@ -9,15 +9,16 @@ from functools import partial
 
 import torch
 
-from . import _ext, kernels, verify_matmul
-from . import moe as moe_mod
-from .errors import InputError
-from .verify_pool import PerThread, parallel
-from .verify_exact import exact_expert, exact_reference, exact_stats
-from .verify_source import Source, bias_vs_source, weights_vs_source
-from .verify_structure import Target
-from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, not_finite, rel, sum_sq
-from .w4a8 import dequantize_w4a8
+from .. import _ext, kernels
+from .. import moe as moe_mod
+from . import matmul
+from ..errors import InputError
+from .threads import PerThread, parallel
+from .exact_ints import exact_expert, exact_reference, exact_stats
+from .source import Source, bias_vs_source, weights_vs_source
+from .structure import Target
+from .tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, not_finite, rel, sum_sq
+from ..w4a8 import dequantize_w4a8
 
 __all__ = ["check_layer"]
 
@@ -51,8 +52,8 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     none = torch.empty(e_s, 1)
     moe_mod._check(x, ids, wts, none, none, hidden, inter, g, t.activation)  # moe_forward's own checks
     kernel = moe_mod.MoeRun(x, ids, wts, e_s, hidden, inter, g, False, t.activation)
-    # where torch's op is not KleidiAI, its reference kernel's twin on the int4 values (verify_matmul)
-    twin = verify_matmul.twin() if not use_blobs and kernel.cdt == torch.float32 else None
+    # where torch's op is not KleidiAI, its reference kernel's twin on the int4 values (matmul.py)
+    twin = matmul.twin() if not use_blobs and kernel.cdt == torch.float32 else None
     res["weights"] = ("the checkpoint's KleidiAI blobs" if use_blobs else
                       "the int4 values as read" if twin is not None else "packed on the fly")
     ran: set[str] = set()  # which matmul ran, per expert (the twin unless an expert's weights do not fit it)
@@ -74,7 +75,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
         g2 = wts[tt, jj] ** 2
         with kernels.threads_here(1):
             bufs = _ExpertBuffers.of(t, slot, g, vk, buffers.get())
-            exact = None  # a lossless expert equal to its source: {role: source scales} (verify_exact)
+            exact = None  # a lossless expert equal to its source: {role: source scales} (exact_ints.py)
             if bufs is not None:  # each weight read or decoded once, into this thread's buffers
                 with clock("read"):
                     bufs.fill(t, slot)
@@ -102,7 +103,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 else:
                     (qg, sg, _), (qu, su, _), (qd, sd, _) = (qs[r] for r in ("gate", "up", "down"))
                     w13q, w2q = (torch.cat([qg, qu]), torch.cat([sg, su])), (qd, sd)
-                if not (verify_matmul.fits(*w13q, kernel.g13) and verify_matmul.fits(*w2q, kernel.g2)):
+                if not (matmul.fits(*w13q, kernel.g13) and matmul.fits(*w2q, kernel.g2)):
                     w13q = w2q = None
             if w13q is None and use_blobs:
                 # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: blobs.py)
@@ -120,11 +121,11 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                     w2p = moe_mod.pack_for_matmul(qd, sd, g)
             with clock("kernel"):
                 if w13q is not None:
-                    kernel.expert_with(i, partial(verify_matmul.matmul, twin), w13q, w2q)
-                    out["matmul"] = verify_matmul.TWIN
+                    kernel.expert_with(i, partial(matmul.matmul, twin), w13q, w2q)
+                    out["matmul"] = matmul.TWIN
                 else:
                     kernel.expert(i, w13p, w2p)
-                    out["matmul"] = verify_matmul.TORCH
+                    out["matmul"] = matmul.TORCH
                     del w13p, w2p
             del w13q, w2q
             if exact is not None:
@@ -242,7 +243,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 res["problems"].append(
                     f"expert {e}: output on its {int(mask.sum())} routed token(s) deviates from the source by "
                     f"{we:.4g} (allowed {K_WEIGHT} x {pe:.4g} from the weight budgets)")
-        # how many sampled experts were found equal to their source as integers (verify_exact.py);
+        # how many sampled experts were found equal to their source as integers (exact_ints.py);
         # the others were compared as floats, and any int that differs named
         res["experts_exact"] = sum(by_i[i]["exact"] for i in range(e_s))
         if worst:

@@ -5,7 +5,7 @@ computed from those same integers with the source's own scales (``w4a8_reference
 float32 copy of any weight matrix is made, on either side.
 
 Where anything differs (one int, one scale, a NaN), the expert goes the general way
-(verify_source.weights_vs_source), which names the module, the row and the column: this path only
+(source.weights_vs_source), which names the module, the row and the column: this path only
 ever passes what the general one would pass, faster.
 """
 
@@ -16,11 +16,11 @@ import math
 import numpy as np
 import torch
 
-from . import moe as moe_mod
-from .groups import block, channel_group, check_group_size, nests
-from .scale_search import out_scale_dtype
-from .verify_tolerance import budget
-from .w4a8 import target_source_groups
+from .. import moe as moe_mod
+from ..groups import block, channel_group, check_group_size, nests
+from ..scale_search import out_scale_dtype
+from .tolerance import budget
+from ..w4a8 import target_source_groups
 
 __all__ = ["source_groups", "exact_module", "exact_expert", "scale_error_sq", "rel_from", "exact_reference",
            "exact_stats"]
@@ -105,7 +105,7 @@ def scale_error_sq(vk, q: torch.Tensor, s: torch.Tensor, s_src: torch.Tensor) ->
 
 
 def rel_from(num_sq: float, den_sq: float) -> float:
-    """verify_tolerance.rel's figure from its squared numerator and denominator."""
+    """tolerance.rel's figure from its squared numerator and denominator."""
     return math.sqrt(num_sq) / math.sqrt(den_sq) if den_sq > 0 else (0.0 if num_sq == 0 else math.inf)
 
 
@@ -126,7 +126,7 @@ def exact_reference(vk, xe: torch.Tensor, q13, q2, scales: dict[str, torch.Tenso
 
 def exact_stats(t, src, slot: dict[str, str], report, vk, views: dict[str, tuple], scales: dict[str, torch.Tensor],
                 ref: dict) -> tuple[dict, list[str], list[float]]:
-    """Each projection's rel_l2 against the source and its budget (verify_tolerance.budget), as
+    """Each projection's rel_l2 against the source and its budget (tolerance.budget), as
     weights_vs_source gives them, without either float matrix: the ints are equal, so the difference
     is the scales' alone, ||q * (s_out - s_src)|| over ||q * s_src||, each squared row sum made by
     the kernel from the int8 values. Returns (stats, problems, the weight variances of the

@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from . import _ext, kleidiai
-from .errors import UsageError
-from .kernels import kernel_threads
+from .. import _ext, kleidiai
+from ..errors import UsageError
+from ..kernels import kernel_threads
 
 __all__ = ["ENV", "TWIN", "TORCH", "setting", "twin", "fits", "matmul", "info"]
 

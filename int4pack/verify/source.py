@@ -8,17 +8,17 @@ import json
 import numpy as np
 import torch
 
-from .architectures import vllm_output_names
-from .sources.checkpoint import Checkpoint, resolve_source
-from .sources.containers import open_checkpoint
-from .errors import InputError, Int4packError
-from .formats import open_reader
-from .scale_search import out_scale_dtype
-from .plan import DENSE_MODES, make_plan
-from .serve_spec import SUFFIX
-from .verify_exact import source_groups
-from .verify_structure import Target
-from .verify_tolerance import budget, rel
+from ..architectures import vllm_output_names
+from ..sources.checkpoint import Checkpoint, resolve_source
+from ..sources.containers import open_checkpoint
+from ..errors import InputError, Int4packError
+from ..formats import open_reader
+from ..scale_search import out_scale_dtype
+from ..plan import DENSE_MODES, make_plan
+from ..serve_spec import SUFFIX
+from .exact_ints import source_groups
+from .structure import Target
+from .tolerance import budget, rel
 
 __all__ = ["Source", "recorded_dense", "lossless_values", "ints_vs_source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
 

@@ -4,7 +4,7 @@ int8 weights without scales and the layers the config names against what the ind
 
 from __future__ import annotations
 
-from .architectures import layer_index
+from ..architectures import layer_index
 
 __all__ = ["layer_index", "check_layers", "check_config_index"]
 

@@ -7,16 +7,17 @@ import math
 
 import torch
 
-from . import _ext, kernels, verify_matmul
-from . import moe as moe_mod
-from .errors import InputError
-from .groups import block
-from .serve_spec import rotary_rows
-from .verify_exact import exact_module, rel_from, scale_error_sq
-from .verify_source import Source, bias_vs_source, ints_vs_source, lossless_values
-from .verify_structure import Target
-from .verify_tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, not_finite, rel, sum_sq
-from .w4a8 import dequantize_w4a8
+from .. import _ext, kernels
+from .. import moe as moe_mod
+from . import matmul
+from ..errors import InputError
+from ..groups import block
+from ..serve_spec import rotary_rows
+from .exact_ints import exact_module, rel_from, scale_error_sq
+from .source import Source, bias_vs_source, ints_vs_source, lossless_values
+from .structure import Target
+from .tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, not_finite, rel, sum_sq
+from ..w4a8 import dequantize_w4a8
 
 __all__ = ["check_linear"]
 
@@ -33,8 +34,8 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
         q, s, g = t.weight(m)
         wp = t.blob(m)
         # the int4 values and scales as they are: the matmul twin and the int4 reference take them
-        as_int4 = x.dtype == torch.float32 and q.dim() == 2 and verify_matmul.fits(q, s, block(q.shape[1], g))
-    exact = None  # a lossless linear equal to its source: the source's scales (verify_exact.py)
+        as_int4 = x.dtype == torch.float32 and q.dim() == 2 and matmul.fits(q, s, block(q.shape[1], g))
+    exact = None  # a lossless linear equal to its source: the source's scales (exact_ints.py)
     if src is not None and vk is not None and as_int4 and t.rotary_heads(m) is None:
         with clock("compare"):
             exact = exact_module(t, src, m, q, s.reshape(q.shape[0], -1))
@@ -46,18 +47,18 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
     n, k = q.shape
     if x.shape[1] != k:
         raise InputError(f"{m}: K={k} in its weights, {x.shape[1]} recorded", tensor=m)
-    twin = verify_matmul.twin() if wp is None and as_int4 else None
+    twin = matmul.twin() if wp is None and as_int4 else None
     if twin is not None:  # torch's reference kernel's twin
         with clock("kernel"):
-            y_k = verify_matmul.matmul(twin, x, q, s, block(k, g))
-        res["matmul"] = verify_matmul.TWIN
+            y_k = matmul.matmul(twin, x, q, s, block(k, g))
+        res["matmul"] = matmul.TWIN
     else:
         if wp is None:
             with clock("pack"):
                 wp = moe_mod.pack_for_matmul(q, s, g)
         with clock("kernel"):
             y_k = torch.ops.aten._dyn_quant_matmul_4bit(x, wp, block(k, g), k, n)
-        res["matmul"] = verify_matmul.TORCH
+        res["matmul"] = matmul.TORCH
     with clock("reference"):
         if direct:
             rows = torch.empty(n)

@@ -2,7 +2,7 @@
 
 Reads the config, index and shard headers (and the int4 tensors' values) of a W4A8 output, plain
 or in the packed serving format, and collects every problem instead of stopping at the first, so a
-user sees the whole list at once. The numerical half (verify.py) runs the kernels on what this
+user sees the whole list at once. The numerical half (the package's __init__.py) runs the kernels on what this
 module has found.
 
 Long: the output view (Target) and the checks of what it reads share one problem list per module,
@@ -17,20 +17,20 @@ from collections import Counter
 
 import torch
 
-from . import _ext, blobs, kernels, kleidiai
-from .serving import expert_layout
-from .architectures import classify, moe_config, routers, vllm_module
-from .sources.checkpoint import Checkpoint
-from .errors import InputError
-from .formats.compressed_tensors import CompressedTensorsReader
-from .groups import check_group_size
-from .serve_spec import (BLOB_CHECKS, QUANT_METHOD, ROTARY, SUFFIX, is_row_parallel, read_record, record_problems,
+from .. import _ext, blobs, kernels, kleidiai
+from ..serving import expert_layout
+from ..architectures import classify, moe_config, routers, vllm_module
+from ..sources.checkpoint import Checkpoint
+from ..errors import InputError
+from ..formats.compressed_tensors import CompressedTensorsReader
+from ..groups import check_group_size
+from ..serve_spec import (BLOB_CHECKS, QUANT_METHOD, ROTARY, SUFFIX, is_row_parallel, read_record, record_problems,
                          tensor_parallel_size)
-from .w4a8 import dequantize_w4a8
-from .verify_pool import PerThread
-from .verify_tolerance import MAX_SCALE
-from .verify_layout import check_config_index, check_layers, layer_index
-from .verify_scan import check_copy_checksums, check_hashes, finish_scan, scan
+from ..w4a8 import dequantize_w4a8
+from .threads import PerThread
+from .tolerance import MAX_SCALE
+from .checkpoint_checks import check_config_index, check_layers, layer_index
+from .shard_scan import check_copy_checksums, check_hashes, finish_scan, scan
 
 __all__ = ["Problems", "Target", "check_structure", "layer_index"]
 

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .groups import MAX_SCALE, block
+from ..groups import MAX_SCALE, block
 
 __all__ = ["K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN", "MAX_BUDGET", "ABS_FLOOR", "rel", "cos", "rtn_rel",
            "report_figure", "budget", "sum_sq", "MAX_SCALE",
@@ -88,7 +88,7 @@ def budget(m: str, w_src: torch.Tensor, g: int, report: dict | None, src) -> tup
     """Allowed weight rel_l2 of module m against the source, and where the number comes from.
 
     The bound is the source's own: the path the source plans for m (``src.paths`` of a
-    verify_source.Source: recomputed from the source, never read from the output) and its error
+    source.Source: recomputed from the source, never read from the output) and its error
     bound at g; the report's figure only tightens it, and MAX_BUDGET caps every budget. A forged
     report can make verify stricter, never looser.
     """

@@ -1,6 +1,6 @@
 """``verify``: prove a converted W4A8 checkpoint is complete and computes what its source computes.
 
-The structural pass (verify_structure.py) runs first and always; this module runs the numerical
+The structural pass (structure.py) runs first and always; this module runs the numerical
 pass on what it found and renders one report.
 
 Numerical pass, per MoE layer: unit-RMS random hidden states times the layer's input norm weight,
@@ -18,9 +18,9 @@ MoE op (``moe.moe_forward``) and through float32 references on the converted wei
 
 Dense W4A8 linears get the same with ``_dyn_quant_matmul_4bit`` on a few random rows.
 
-The pass's parts: the random inputs (verify_inputs), the MoE and dense checks (verify_moe,
-verify_dense), the source side (verify_source), the tolerances (verify_tolerance), the layer
-selection (verify_layers), the threads (verify_pool) and the report (verify_report).
+The pass's parts, each a module of this package: the random inputs (random_inputs), the MoE and
+dense checks (moe_layer, dense_linear), the source side (source), the tolerances (tolerance), the
+layer selection (layer_selection), the threads (threads) and the report (report).
 """
 
 from __future__ import annotations
@@ -31,22 +31,22 @@ from pathlib import Path
 
 import torch
 
-from . import verify_matmul
-from .sources.checkpoint import resolve_source
-from .errors import InputError, UsageError
-from .serve_spec import KLEIDIAI, PLAIN, tensor_parallel_size
-from .verify_dense import check_linear
-from .verify_inputs import dense_input, moe_inputs
-from .verify_layers import missing, parse_layers, select_layers
-from .verify_moe import check_layer
-from .verify_pool import Clock, PerThread, parallel, shutting, timed, torch_threads
-from .verify_report import finish, kernel_info, trust_notes
-from .verify_source import Source, check_copies, recorded_dense
-from .verify_scan import Tapped, scan, shard_kinds
-from .verify_structure import Problems, Target, _read_report, check_structure, layer_index
-from .verify_tolerance import K_ACT, K_WEIGHT, LOSSLESS_BOUND, REL_MARGIN
-from .verify_workers import Workers, guarded, use_processes
-from .verify_workers import start as start_workers
+from . import matmul
+from ..sources.checkpoint import resolve_source
+from ..errors import InputError, UsageError
+from ..serve_spec import KLEIDIAI, PLAIN, tensor_parallel_size
+from .dense_linear import check_linear
+from .random_inputs import dense_input, moe_inputs
+from .layer_selection import missing, parse_layers, select_layers
+from .moe_layer import check_layer
+from .threads import Clock, PerThread, parallel, shutting, timed, torch_threads
+from .report import finish, kernel_info, trust_notes
+from .source import Source, check_copies, recorded_dense
+from .shard_scan import Tapped, scan, shard_kinds
+from .structure import Problems, Target, _read_report, check_structure, layer_index
+from .tolerance import K_ACT, K_WEIGHT, LOSSLESS_BOUND, REL_MARGIN
+from .processes import Workers, guarded, use_processes
+from .processes import start as start_workers
 
 __all__ = ["verify", "K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN"]
 
@@ -80,7 +80,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
     for every sampled expert to get >= 2 slots, at least 32). The VerifyFailed carries ``.report``;
     the report's ``checked`` lists exactly what the numerical pass ran. ``processes``: run the
     numerical pass on ``threads`` worker processes (True) or threads (False); None: processes from
-    4 workers and 4 MoE layers up (verify_workers.py). The report's ``workers`` says which ran.
+    4 workers and 4 MoE layers up (processes.py). The report's ``workers`` says which ran.
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
@@ -89,7 +89,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         raise UsageError(f"--experts {experts}: must be at least 1")
     if tokens is not None and tokens < 1:
         raise UsageError(f"--tokens {tokens}: must be at least 1")
-    verify_matmul.setting()  # a bad INT4PACK_VERIFY_MATMUL is a usage error before any work
+    matmul.setting()  # a bad INT4PACK_VERIFY_MATMUL is a usage error before any work
     folder = resolve_source(out, revision=revision)
     if not (Path(folder) / "config.json").is_file():
         raise InputError(f"{folder}: no config.json", path=str(folder))
@@ -266,7 +266,7 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
                clock, progress, pool, procs: Workers | None) -> dict:
     """Every chosen MoE layer and dense module through the kernel and the references:
     {"layers": {prefix: result}, "dense": {module: result}, "copies": the copied tensors' check};
-    on the worker processes ``procs`` (verify_workers.py), else on the pool's threads."""
+    on the worker processes ``procs`` (processes.py), else on the pool's threads."""
     copies = check_copies(t, src, clock) if src is not None else None
     layer_in, dense_in = draws
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from . import routing as rt
-from .architectures import layer_index
-from .sources.checkpoint import Checkpoint
-from .families import layer_moe
-from .verify_structure import Target
+from .. import routing as rt
+from ..architectures import layer_index
+from ..sources.checkpoint import Checkpoint
+from ..families import layer_moe
+from .structure import Target
 
 __all__ = ["NORMS", "MIN_SLOTS_PER_EXPERT", "norm_weight", "hidden", "route", "pick", "default_tokens", "moe_inputs",
            "dense_input"]

@@ -19,13 +19,13 @@ from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
-from .errors import Int4packError
-from .verify_dense import check_linear
-from .verify_moe import check_layer
-from .verify_pool import Clock, PerThread
-from .verify_scan import Tapped
-from .verify_source import Source
-from .verify_structure import Problems, Target, _read_report
+from ..errors import Int4packError
+from .dense_linear import check_linear
+from .moe_layer import check_layer
+from .threads import Clock, PerThread
+from .shard_scan import Tapped
+from .source import Source
+from .structure import Problems, Target, _read_report
 
 __all__ = ["MIN_WORKERS", "use_processes", "guarded", "Workers", "start"]
 
