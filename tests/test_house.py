@@ -32,10 +32,8 @@ def test_a_group_of_minus_one_becomes_k_in_groups_py_only():
 # "a group of all of K is channel" (g == k) and "which dtype a group's scales are" ("F32" if ... else
 # "BF16"); groups.py states them, everything else asks it (is_channel, is_channelwise, scale_dtype, ...)
 _GROUPISH = {"g", "gs", "gb", "group", "group_size", "src_group", "source_group", "want"}
-# files whose owners are rewriting them (verify, batch, the plugin): their count may only go down
-GROUP_RULE_LEFT = {"int4pack/batch.py": 1, "int4pack/verify/source.py": 1, "int4pack/verify/structure.py": 7,
-                   "int4pack/verify/tolerance.py": 2, "int4pack/vllm_plugin/_experts.py": 1,
-                   "int4pack/vllm_plugin/_layout.py": 0}
+# files whose owners are rewriting them (batch, the plugin): their count may only go down
+GROUP_RULE_LEFT = {"int4pack/batch.py": 1, "int4pack/vllm_plugin/_experts.py": 1, "int4pack/vllm_plugin/_layout.py": 0}
 
 
 def _ref(n):

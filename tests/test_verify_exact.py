@@ -58,7 +58,7 @@ def test_the_copies_check_maps_no_source_weights(tmp_path, monkeypatch):
     from int4pack.sources.checkpoint import Checkpoint
     from int4pack.verify.threads import Clock
     from int4pack.verify.source import Source, check_copies
-    from int4pack.verify.structure import Problems, Target
+    from int4pack.verify.w4a8_output import W4A8Output
 
     out = tmp_path / "out"
     int4pack.convert(FIXTURES / "gptq_q3_sym", out)
@@ -66,7 +66,7 @@ def test_the_copies_check_maps_no_source_weights(tmp_path, monkeypatch):
     view = Checkpoint.view
     monkeypatch.setattr(Checkpoint, "view", lambda self, name: viewed.append(name) or view(self, name))
     src = Source(FIXTURES / "gptq_q3_sym", None)
-    t = Target(Checkpoint(out), Problems())
+    t = W4A8Output(Checkpoint(out))
     try:
         r = check_copies(t, src, Clock())
     finally:

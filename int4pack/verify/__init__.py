@@ -43,7 +43,10 @@ from .threads import Clock, PerThread, parallel, shutting, timed, torch_threads
 from .report import finish, kernel_info, trust_notes
 from .source import Source, check_copies, recorded_dense
 from .shard_scan import Tapped, scan, shard_kinds
-from .structure import Problems, Target, _read_report, check_structure, layer_index
+from ..architectures import layer_index
+from .module_checks import ModuleChecks, Problems
+from .structure import check_structure, read_report
+from .w4a8_output import W4A8Output
 from .tolerance import K_ACT, K_WEIGHT, LOSSLESS_BOUND, REL_MARGIN
 from .processes import Workers, guarded, use_processes
 from .processes import start as start_workers
@@ -115,15 +118,16 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
             missing(layers, sel, set(range(n_hidden)), f"num_hidden_layers {n_hidden}, layers", out)
         progress.phase("structure")
         try:
-            # the numerical pass's view of the checkpoint (check_structure builds the same one): the
-            # numbers are computed while the structural pass reads every byte, and a layer the
-            # structural pass flags is reported as not run, whatever its numbers were
-            te = Target(ckpt, Problems())
+            # one view of the checkpoint for both passes, its module checks watching the numerical
+            # pass's reads: the numbers are computed while the structural pass reads every byte, and
+            # a layer the structural pass flags is reported as not run, whatever its numbers were
+            output = W4A8Output(ckpt)
+            checks = ModuleChecks(output)
         except InputError as e:  # a checkpoint value that leaves nothing to check (a config not W4A8...)
             report.update(ok=False, layers=[], dense=[], structural={"ok": False, "problems": [_problem(e)]})
             return finish(report, t0, clock, raise_on_failure)
-        moe_prefixes = sorted(te.layers, key=lambda p: (layer_index(p), p))
-        dense_mods = [m for m in te.modules if te.roles[m] != "expert"] if dense else []
+        moe_prefixes = sorted(output.layers, key=lambda p: (layer_index(p), p))
+        dense_mods = [m for m in output.modules if output.roles[m] != "expert"] if dense else []
         if isinstance(sel, list):  # every index must name something verify can run
             have = {layer_index(p) for p in moe_prefixes} | {layer_index(m) for m in dense_mods}
             missing(layers, sel, have - {-1}, "layers with MoE experts" + (" or dense W4A8 linears" if dense else ""),
@@ -133,18 +137,18 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         if sel is not None:
             idx = {layer_index(p) for p in chosen} if isinstance(sel, int) else set(sel)
             dense_mods = [m for m in dense_mods if layer_index(m) in idx]
-        conv_report = _read_report(ckpt, Problems())
+        conv_report = read_report(ckpt, Problems())
         ckpt.kinds = shard_kinds(ckpt, conv_report)  # the numerical pass's reads checksum what they read
-        draws = None if structural_only else _draw(te, chosen, dense_mods, experts, tokens, dense_tokens, gen, clock)
+        draws = None if structural_only else _draw(output, chosen, dense_mods, experts, tokens, dense_tokens, gen, clock)
         # the shard scan reads what the numerical pass will not, on threads of its own (it waits on
         # the disk), while the numbers run on the pool
-        skip = _planned(te, draws) | set(ckpt.taps)
+        skip = _planned(output, draws) | set(ckpt.taps)
         n_procs = min(workers, len(chosen) + len(dense_mods)) \
             if draws is not None and use_processes(processes, workers, len(chosen)) else 0
         report["workers"] = {"kind": "processes" if n_procs else "threads", "count": n_procs or workers}
         src = Source(against, revision, recorded_dense(ckpt)) if against is not None and draws is not None else None
         try:  # the worker processes fork here, before this verify starts any thread
-            procs = start_workers(te, n_procs, src) if n_procs else None
+            procs = start_workers(checks, n_procs, src) if n_procs else None
         except BaseException:
             if src is not None:
                 src.close()
@@ -158,10 +162,10 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
             numbers = None
             try:
                 if draws is not None:
-                    progress.start(len(chosen), sum(min(len(te.layers[p]), experts or len(te.layers[p]))
+                    progress.start(len(chosen), sum(min(len(output.layers[p]), experts or len(output.layers[p]))
                                                     for p in chosen), len(dense_mods))
                     try:
-                        numbers = _numerical(te, chosen, dense_mods, src, conv_report, draws, clock, progress, pool,
+                        numbers = _numerical(output, chosen, dense_mods, src, conv_report, draws, clock, progress, pool,
                                              procs)
                     except BaseException:
                         progress.stop()
@@ -177,8 +181,8 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
             try:
                 scanned, scan_s = scan_f.result() if scan_f is not None else timed(scan, ckpt, conv_report, pool,
                                                                                    skip)
-                (t, problems, counts, conv_report), st_s = timed(check_structure, ckpt, spool or pool, scanned,
-                                                                  te.checked, progress.phase)
+                (problems, counts, conv_report), st_s = timed(check_structure, checks, spool or pool, scanned,
+                                                              progress.phase)
             except InputError as e:
                 report.update(ok=False, layers=[], dense=[], structural={"ok": False, "problems": [_problem(e)]})
                 return finish(report, t0, clock, raise_on_failure)
@@ -188,11 +192,11 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
                                 # the scan of what the numerical pass did not read, then the checks
                                 "seconds": round(scan_s + st_s, 3), "scan_seconds": round(scan_s, 3),
                                 "check_seconds": round(st_s, 3),
-                                "serve_format": KLEIDIAI if t.packed else PLAIN,
-                                "tensor_parallel_size": tensor_parallel_size(t.packed.record) if t.packed else None}
+                                "serve_format": KLEIDIAI if output.packed else PLAIN,
+                                "tensor_parallel_size": tensor_parallel_size(output.packed.record) if output.packed else None}
         report["layers"], report["dense"] = [], []
         report["kernel"] = kernel_info()
-        report["trust"] = trust_notes(t, counts, conv_report, against is not None and not structural_only)
+        report["trust"] = trust_notes(output, counts, conv_report, against is not None and not structural_only)
         bad = {p["where"] for p in problems.items}
         # a config-wide problem (scheme, group, layout record) leaves no layer whose numbers can be trusted
         everywhere = any(w == "config" or w.startswith("config ") for w in bad)
@@ -200,12 +204,12 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
         def flagged(name: str) -> bool:
             return everywhere or any(w == name or w.startswith(name + ".") for w in bad)
 
-        chosen = [p for p in chosen if p in t.layers]  # what the structural pass found
-        dense_mods = [m for m in dense_mods if m in t.roles and not flagged(m)]
+        chosen = [p for p in chosen if p in output.layers]  # what the structural pass found
+        dense_mods = [m for m in dense_mods if m in output.roles and not flagged(m)]
         notes = []  # a sample larger than the model checks all of it: say so rather than drop it silently
         if isinstance(sel, int) and sel > len(moe_prefixes):
             notes.append(f"--layers {sel}: the model has {len(moe_prefixes)} MoE layer(s); all are checked")
-        most = max((len(v) for v in t.layers.values()), default=0)
+        most = max((len(v) for v in output.layers.values()), default=0)
         if experts is not None and experts > most:
             notes.append(f"--experts {experts}: the MoE layers have {most} experts; all are checked")
         report["checked"] = {"layers": None if sel is None else (sel if isinstance(sel, list) else f"sample of {sel}"),
@@ -233,48 +237,48 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
     return finish(report, t0, clock, raise_on_failure)
 
 
-def _draw(t: Target, chosen: list[str], dense_mods: list[str], experts, tokens, dense_tokens: int, gen,
+def _draw(output: W4A8Output, chosen: list[str], dense_mods: list[str], experts, tokens, dense_tokens: int, gen,
           clock) -> tuple[dict, dict]:
     """Every random draw of the numerical pass, in the order one layer after the other makes them:
     ({prefix: moe_inputs}, {module: rows}); a layer or module that cannot even be read gets its
     failed result instead."""
     layer_in: dict = {}
     for p in chosen:
-        r = guarded(p, "moe", lambda: layer_in.__setitem__(p, moe_inputs(t, p, experts, tokens, gen, clock)))
+        r = guarded(p, "moe", lambda: layer_in.__setitem__(p, moe_inputs(output, p, experts, tokens, gen, clock)))
         if r is not None:
             layer_in[p] = r  # could not even be read: reported as such
     dense_in: dict = {}
     for m in dense_mods:
-        r = guarded(m, "dense", lambda: dense_in.__setitem__(m, dense_input(t, m, dense_tokens, gen)))
+        r = guarded(m, "dense", lambda: dense_in.__setitem__(m, dense_input(output, m, dense_tokens, gen)))
         if r is not None:
             dense_in[m] = r
     return layer_in, dense_in
 
 
-def _planned(t: Target, draws) -> set[tuple[str, str]]:
+def _planned(output: W4A8Output, draws) -> set[tuple[str, str]]:
     """The (shard, tensor) pairs the numerical pass reads: the shard scan leaves them to it."""
     if draws is None:
         return set()
     layer_in, dense_in = draws
-    mods = [m for p, ins in layer_in.items() for e in ins.get("sampled", ()) for m in t.layers[p][e].values()]
+    mods = [m for p, ins in layer_in.items() for e in ins.get("sampled", ()) for m in output.layers[p][e].values()]
     mods += [m for m, x in dense_in.items() if not isinstance(x, dict)]
-    tensors = t.ckpt.tensors
-    return {(tensors[n].file, n) for m in mods for n in t.read_names(m) if n in tensors}
+    tensors = output.ckpt.tensors
+    return {(tensors[n].file, n) for m in mods for n in output.read_names(m) if n in tensors}
 
 
-def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source | None, conv_report, draws,
+def _numerical(output: W4A8Output, chosen: list[str], dense_mods: list[str], src: Source | None, conv_report, draws,
                clock, progress, pool, procs: Workers | None) -> dict:
     """Every chosen MoE layer and dense module through the kernel and the references:
     {"layers": {prefix: result}, "dense": {module: result}, "copies": the copied tensors' check};
     on the worker processes ``procs`` (processes.py), else on the pool's threads."""
-    copies = check_copies(t, src, clock) if src is not None else None
+    copies = check_copies(output, src, clock) if src is not None else None
     layer_in, dense_in = draws
 
     def dense_one(m):
         x = dense_in[m]
         if isinstance(x, dict):
             return x
-        return guarded(m, "dense", lambda: check_linear(t, m, src, conv_report, x, clock))
+        return guarded(m, "dense", lambda: check_linear(output, m, src, conv_report, x, clock))
 
     work = PerThread(dict)  # each thread's expert buffers, from one layer to the next
 
@@ -284,7 +288,7 @@ def _numerical(t: Target, chosen: list[str], dense_mods: list[str], src: Source 
             return ins
         progress.advance(what=p)
         return guarded(p, "moe", lambda: check_layer(
-            t, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool, work=work))
+            output, p, src, conv_report, ins, clock, tick=lambda: progress.advance(experts=1), pool=pool, work=work))
 
     out: dict = {"layers": {}, "dense": {}, "copies": copies}
     if procs:

@@ -15,30 +15,30 @@ from ..groups import block
 from ..serve_spec import rotary_rows
 from .exact_ints import exact_module, rel_from, scale_error_sq
 from .source import Source, bias_vs_source, ints_vs_source, lossless_values
-from .structure import Target
+from .w4a8_output import W4A8Output
 from .tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, budget, cos, not_finite, rel, sum_sq
 from ..w4a8 import dequantize_w4a8
 
 __all__ = ["check_linear"]
 
 
-def check_linear(t: Target, m: str, src: Source | None, report, x: torch.Tensor, clock) -> dict:
+def check_linear(output: W4A8Output, m: str, src: Source | None, report, x: torch.Tensor, clock) -> dict:
     with kernels.threads_here(1):
-        return _dense_run(t, m, src, report, x, clock)
+        return _dense_run(output, m, src, report, x, clock)
 
 
-def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, clock) -> dict:
+def _dense_run(output: W4A8Output, m: str, src: Source | None, report, x: torch.Tensor, clock) -> dict:
     res: dict = {"module": m, "kind": "dense", "problems": []}
     vk = _ext.load("verify_kernels")
     with clock("read"):
-        q, s, g = t.weight(m)
-        wp = t.blob(m)
+        q, s, g = output.weight(m)
+        wp = output.blob(m)
         # the int4 values and scales as they are: the matmul twin and the int4 reference take them
         as_int4 = x.dtype == torch.float32 and q.dim() == 2 and matmul.fits(q, s, block(q.shape[1], g))
     exact = None  # a lossless linear equal to its source: the source's scales (exact_ints.py)
-    if src is not None and vk is not None and as_int4 and t.rotary_heads(m) is None:
+    if src is not None and vk is not None and as_int4 and output.rotary_heads(m) is None:
         with clock("compare"):
-            exact = exact_module(t, src, m, q, s.reshape(q.shape[0], -1))
+            exact = exact_module(output, src, m, q, s.reshape(q.shape[0], -1))
     # without a source, or with one whose ints these are, the float weights are only multiplied:
     # the references read the int4 values
     direct = (src is None or exact is not None) and vk is not None and as_int4
@@ -87,14 +87,14 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
         if not meas <= bud:
             res["problems"].append(f"weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
         res["exact_ints"] = True
-        res["problems"] += bias_vs_source(t, src, m)
+        res["problems"] += bias_vs_source(output, src, m)
         src.forget([m])
         tol = _weight_check(res, y_c, y_s, bud * math.sqrt(s_sq / (n * k) * float(x.double().pow(2).sum()) * n)
                             / max(float(y_s.double().norm()), 1e-30), meas, bud, act_pred)
     elif src is not None:
         with clock("read"):
             w_s = src.dequant(m)
-            heads = t.rotary_heads(m)
+            heads = output.rotary_heads(m)
             if heads is not None:  # stored in vLLM's rotary order: the source's rows in that order
                 w_s = rotary_rows(w_s, heads)
         meas = rel(w_c, w_s)
@@ -107,7 +107,7 @@ def _dense_run(t: Target, m: str, src: Source | None, report, x: torch.Tensor, c
                 want = tuple(rotary_rows(v, heads) for v in want)
             res["exact_ints"] = want is not None
             res["problems"] += ints_vs_source(m, (q, s), want)
-        res["problems"] += bias_vs_source(t, src, m)
+        res["problems"] += bias_vs_source(output, src, m)
         with clock("reference"):
             y_s = x @ w_s.t()
         src.forget([m])

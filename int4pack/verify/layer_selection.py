@@ -4,8 +4,8 @@ never check less than it was asked to) and checked against what the model has.""
 from __future__ import annotations
 
 from ..errors import UsageError
+from ..architectures import layer_index
 from .random_inputs import pick
-from .structure import layer_index
 
 __all__ = ["LAYERS_HELP", "parse_layers", "spans", "missing", "select_layers"]
 

@@ -16,17 +16,17 @@ from ..errors import InputError
 from .threads import PerThread, parallel
 from .exact_ints import exact_expert, exact_reference, exact_stats
 from .source import Source, bias_vs_source, weights_vs_source
-from .structure import Target
+from .w4a8_output import W4A8Output
 from .tolerance import ABS_FLOOR, K_ACT, K_WEIGHT, cos, not_finite, rel, sum_sq
 from ..w4a8 import dequantize_w4a8
 
 __all__ = ["check_layer"]
 
 
-def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict, clock, tick=None,
+def check_layer(output: W4A8Output, prefix: str, src: Source | None, report, inputs: dict, clock, tick=None,
                pool=None, work: PerThread | None = None) -> dict:
     """``work``: each thread's expert buffers (``PerThread(dict)``), kept from one layer to the next."""
-    experts = t.layers[prefix]
+    experts = output.layers[prefix]
     ids_all = sorted(experts)
     res, sampled, x, ids, wts = (inputs[k] for k in ("res", "sampled", "x", "ids", "wts"))
     e_s = len(sampled)
@@ -38,7 +38,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                              f"{', '.join(sorted(experts[e].values()))})", tensor=f"{prefix}.experts.{e}",
                              hint="The checkpoint lost a tensor; convert again.")
 
-    use_blobs = t.blob(experts[ids_all[0]]["gate"]) is not None
+    use_blobs = output.blob(experts[ids_all[0]]["gate"]) is not None
     hidden = x.shape[1]
     k_slots = ids.shape[1]
     slots_c = torch.zeros(n_tok, k_slots, hidden)
@@ -46,12 +46,12 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
     act_var = torch.zeros(n_tok, k_slots)
     w_var = torch.zeros(n_tok, k_slots)
     wstats: dict[int, dict] = {}
-    g = t.moe_group(experts[sampled[-1]])
-    inter = t.shape(experts[sampled[0]]["down"])[1]
+    g = output.moe_group(experts[sampled[-1]])
+    inter = output.shape(experts[sampled[0]]["down"])[1]
     # vLLM's MoE algorithm (moe.moe_forward), its experts' matmuls run by the tasks below
     none = torch.empty(e_s, 1)
-    moe_mod._check(x, ids, wts, none, none, hidden, inter, g, t.activation)  # moe_forward's own checks
-    kernel = moe_mod.MoeRun(x, ids, wts, e_s, hidden, inter, g, False, t.activation)
+    moe_mod._check(x, ids, wts, none, none, hidden, inter, g, output.activation)  # moe_forward's own checks
+    kernel = moe_mod.MoeRun(x, ids, wts, e_s, hidden, inter, g, False, output.activation)
     # where torch's op is not KleidiAI, its reference kernel's twin on the int4 values (matmul.py)
     twin = matmul.twin() if not use_blobs and kernel.cdt == torch.float32 else None
     res["weights"] = ("the checkpoint's KleidiAI blobs" if use_blobs else
@@ -68,20 +68,20 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
         buffers the thread reuses for the next expert (``_ExpertBuffers``)."""
         slot = experts[e]
         if i in after:
-            t.prefetch(experts[sampled[after[i]]].values())
+            output.prefetch(experts[sampled[after[i]]].values())
         out: dict = {"problems": []}
         tt, jj = (ids == i).nonzero(as_tuple=True)
         xe = x[tt]
         g2 = wts[tt, jj] ** 2
         with kernels.threads_here(1):
-            bufs = _ExpertBuffers.of(t, slot, g, vk, buffers.get())
+            bufs = _ExpertBuffers.of(output, slot, g, vk, buffers.get())
             exact = None  # a lossless expert equal to its source: {role: source scales} (exact_ints.py)
             if bufs is not None:  # each weight read or decoded once, into this thread's buffers
                 with clock("read"):
-                    bufs.fill(t, slot)
+                    bufs.fill(output, slot)
                 if src is not None:
                     with clock("compare"):
-                        exact = exact_expert(t, src, slot, bufs.views())
+                        exact = exact_expert(output, src, slot, bufs.views())
             # without a source, or with one whose ints these are, the float weights are only
             # multiplied: the references read the int4 values
             from_int4 = bufs is not None and (src is None or exact is not None)
@@ -93,7 +93,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                 cw = {"gate": w13c[:bufs.inter], "up": w13c[bufs.inter:], "down": w2c}
             else:
                 with clock("read"):  # each blob decoded once, for the kernel and the references alike
-                    qs = {r: t.weight(m) for r, m in slot.items()}
+                    qs = {r: output.weight(m) for r, m in slot.items()}
                     cw = {r: dequantize_w4a8(*qs[r]) for r in slot}
                 w13c, w2c = torch.cat([cw["gate"], cw["up"]]), cw["down"]
             w13q = w2q = None  # (int4 values, scales) for the twin
@@ -108,8 +108,8 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             if w13q is None and use_blobs:
                 # vLLM's w13 of an expert is its gate blob then its up blob (8-row blocks: blobs.py)
                 with clock("read"):
-                    w13p = torch.cat([t.blob(slot["gate"]), t.blob(slot["up"])])
-                    w2p = t.blob(slot["down"])
+                    w13p = torch.cat([output.blob(slot["gate"]), output.blob(slot["up"])])
+                    w2p = output.blob(slot["down"])
             elif w13q is None and bufs is not None:
                 with clock("pack"):
                     w13p = moe_mod.pack_for_matmul(bufs.q13, bufs.s13, g, out=bufs.p13)
@@ -130,10 +130,10 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             del w13q, w2q
             if exact is not None:
                 with clock("reference"):
-                    sref = exact_reference(vk, xe.float().contiguous(), bufs.q13, bufs.q2, exact, t.activation)
+                    sref = exact_reference(vk, xe.float().contiguous(), bufs.q13, bufs.q2, exact, output.activation)
                 with clock("compare"):
-                    st, probs, wv = exact_stats(t, src, slot, report, vk, bufs.views(), exact, sref)
-                    probs += [p for m in slot.values() for p in bias_vs_source(t, src, m)]
+                    st, probs, wv = exact_stats(output, src, slot, report, vk, bufs.views(), exact, sref)
+                    probs += [p for m in slot.values() for p in bias_vs_source(output, src, m)]
                 out["problems"] = [f"expert {e}: {p}" for p in probs]
                 out["stats"] = st
                 out["s"] = sref["y"]
@@ -143,7 +143,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
                             "up": (bufs.q13[bufs.inter:], bufs.s13[bufs.inter:]), "down": (bufs.q2, bufs.s2)}
                 else:
                     ints = {r: qs[r][:2] for r in slot}
-                cw, sw, probs, st = weights_vs_source(t, src, slot, report, clock, cw, ints)
+                cw, sw, probs, st = weights_vs_source(output, src, slot, report, clock, cw, ints)
                 del ints
                 out["problems"] = [f"expert {e}: {p}" for p in probs]
                 out["stats"] = st
@@ -153,34 +153,34 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
             with clock("reference"):  # moe.expert_forward's operations, its y13 and act kept for the prediction
                 if from_int4:  # and the squared weight sums on the way
                     y13 = vk.w4a8_reference(xe.float().contiguous(), bufs.q13, bufs.s13, row_sq=bufs.sq13)
-                    act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation).contiguous()
+                    act = moe_mod.activation(y13[:, :inter], y13[:, inter:], output.activation).contiguous()
                     out["c"] = vk.w4a8_reference(act, bufs.q2, bufs.s2, col_sq=bufs.sq2)
                 else:
                     y13 = xe.float() @ w13c.t()
-                    act = moe_mod.activation(y13[:, :inter], y13[:, inter:], t.activation)
+                    act = moe_mod.activation(y13[:, :inter], y13[:, inter:], output.activation)
                     out["c"] = act @ w2c.t()
                 if src is not None and exact is None:
                     w13s = torch.cat([sw["gate"], sw["up"]])
-                    out["s"] = moe_mod.expert_forward(xe, w13s, sw["down"], t.activation)
+                    out["s"] = moe_mod.expert_forward(xe, w13s, sw["down"], output.activation)
             with clock("prediction"):
                 if bufs is not None:
                     sq13, sq2 = bufs.sq13, bufs.sq2
                 else:
                     sq13, sq2 = (w13c * w13c).sum(1), (w2c * w2c).sum(0)
-                if vk is not None and isinstance(t.activation, int):  # one call without the GIL: 16 threads
+                if vk is not None and isinstance(output.activation, int):  # one call without the GIL: 16 threads
                     # queue for it on small torch ops (the native kernel knows the op's activations only)
                     out["act_var"] = vk.act_noise(xe.float().contiguous(), y13.contiguous(), act.contiguous(),
                                                   sq13.float().contiguous(), sq2.float().contiguous(),
-                                                  t.activation) * g2
+                                                  output.activation) * g2
                 else:
                     out["act_var"] = moe_mod.propagated_noise(xe.float(), y13, act, sq13, sq2, hidden,
-                                                              t.activation) * g2
+                                                              output.activation) * g2
                 if exact is not None:  # expert_noise's, from the source reference's own passes
                     out["w_var"] = moe_mod.propagated_noise(xe.float(), sref["y13"], sref["act"], sref["sq13"],
-                                                            sref["sq2"], hidden, t.activation, activations=False,
+                                                            sref["sq2"], hidden, output.activation, activations=False,
                                                             weight_var=wv) * g2
                 elif src is not None:
-                    out["w_var"] = moe_mod.expert_noise(xe, w13s, sw["down"], t.activation, activations=False,
+                    out["w_var"] = moe_mod.expert_noise(xe, w13s, sw["down"], output.activation, activations=False,
                                                         weight_var=wv) * g2
         if src is not None:
             src.forget(slot.values())
@@ -190,7 +190,7 @@ def check_layer(t: Target, prefix: str, src: Source | None, report, inputs: dict
 
     # the experts in the order their bytes lie in the shards (names sort 0, 1, 10, 100, ...): each
     # thread's or worker's reads then stream through the file, which the kernel reads ahead
-    order = sorted(range(e_s), key=lambda i: min(t.place(m) for m in experts[sampled[i]].values()))
+    order = sorted(range(e_s), key=lambda i: min(output.place(m) for m in experts[sampled[i]].values()))
     after = dict(zip(order, order[1:]))  # each expert asks for the next one's bytes as it starts
     by_i = dict(zip(order, parallel(pool, one, [(i, sampled[i]) for i in order])))
     for i, e in enumerate(sampled):
@@ -282,16 +282,16 @@ class _ExpertBuffers:
         self.blobs: dict = {}  # a packed checkpoint's blobs as read, by size
 
     @staticmethod
-    def of(t: Target, slot: dict[str, str], g: int, vk, mine: dict) -> _ExpertBuffers | None:
+    def of(output: W4A8Output, slot: dict[str, str], g: int, vk, mine: dict) -> _ExpertBuffers | None:
         """This thread's buffers for the expert ``slot`` (made, or remade for another shape); None where
         the expert's weights do not fit them (another layout, mixed scales: read as before)."""
         if vk is None:
             return None
-        specs = [t.weight_spec(slot[r]) for r in ("gate", "up", "down")]
+        specs = [output.weight_spec(slot[r]) for r in ("gate", "up", "down")]
         if any(sp is None for sp in specs) or specs[0] != specs[1]:
             return None
         for m, sp in zip((slot["gate"], slot["down"]), (specs[0], specs[2])):
-            if sp[3] != (1 if t.group_for(m) == -1 else sp[1] // t.group_for(m)):
+            if sp[3] != (1 if output.group_for(m) == -1 else sp[1] // output.group_for(m)):
                 return None  # scales that are not one per group of the module's group: dequantize_w4a8 decides
         key = (specs[0][0] * 2, *specs[0][1:], *specs[2])
         if mine.get("key") != key:
@@ -307,11 +307,11 @@ class _ExpertBuffers:
         i = self.inter
         return {"gate": (self.q13[:i], self.s13[:i]), "up": (self.q13[i:], self.s13[i:]), "down": (self.q2, self.s2)}
 
-    def fill(self, t: Target, slot: dict[str, str]) -> None:
+    def fill(self, output: W4A8Output, slot: dict[str, str]) -> None:
         """The expert's int4 values and scales."""
         into = self.views()
-        for r in sorted(into, key=lambda r: t.place(slot[r])):  # in file order
-            t.weight_into(slot[r], *into[r], self.blobs)
+        for r in sorted(into, key=lambda r: output.place(slot[r])):  # in file order
+            output.weight_into(slot[r], *into[r], self.blobs)
 
     def dequant(self) -> None:
         """Their float32 values and squared sums."""

@@ -17,7 +17,7 @@ from ..scale_search import out_scale_dtype
 from ..plan import DENSE_MODES, make_plan
 from ..serve_spec import SUFFIX
 from .exact_ints import source_groups
-from .structure import Target
+from .w4a8_output import W4A8Output
 from .tolerance import budget, rel
 
 __all__ = ["Source", "recorded_dense", "lossless_values", "ints_vs_source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
@@ -125,11 +125,11 @@ def same_bytes(a: Checkpoint, an: str, b: Checkpoint, bn: str) -> str | None:
     return None
 
 
-def check_copies(t: Target, src: Source, clock) -> dict:
+def check_copies(output: W4A8Output, src: Source, clock) -> dict:
     """Every tensor the output should hold unchanged from the source (routers, norms, embeddings,
     lm_head, biases, bf16-kept linears...), compared byte for byte; and no tensor the source does
     not explain."""
-    out = t.ckpt
+    out = output.ckpt
     problems: list[dict] = []
     checked = 0
     if src.plan_error:
@@ -141,7 +141,7 @@ def check_copies(t: Target, src: Source, clock) -> dict:
         problems.append({"where": "source", "message": f"{src.label} is not the checkpoint this output was converted "
                                                        f"from ({other}): pass that checkpoint to --against"})
         return {"ok": False, "checked": 0, "problems": problems}
-    quant = set(t.modules)
+    quant = set(output.modules)
     explained = set(src.copies)
     with clock("read"):
         for name, sname in sorted(src.copies.items()):
@@ -173,22 +173,22 @@ def check_copies(t: Target, src: Source, clock) -> dict:
             if m not in src.specs:
                 continue  # reported by the numerical pass (not a quantised module of the source)
             bias = src.bias(m)
-            if t.is_blob(m):
+            if output.is_blob(m):
                 explained.add(f"{m}.{SUFFIX}")
                 continue  # a packed bias is inside the blob: compared there (bias_vs_source)
-            explained.update(n for n in t.stored_names(m) if bias is not None or not n.endswith(".bias"))
+            explained.update(n for n in output.stored_names(m) if bias is not None or not n.endswith(".bias"))
             if bias is None:
                 continue
             checked += 1
             perm = src.g_idx_perm(m) if src.paths.get(m) == "fold" else None
-            got = t.bias(m)
+            got = output.bias(m)
             if got is None:
                 problems.append({"where": f"{m}.bias", "message": "missing (the source module has a bias)"})
             elif not _bias_matches(got, bias, perm):
                 problems.append({"where": f"{m}.bias", "message": "differs from the source module's bias"})
         for name in sorted(set(out.tensors) - explained):
             mod = name.rsplit(".", 1)[0]
-            if mod in quant and (t.is_blob(mod) or name.endswith((".weight", ".weight_scale", ".bias"))):
+            if mod in quant and (output.is_blob(mod) or name.endswith((".weight", ".weight_scale", ".bias"))):
                 continue  # a module the source does not quantise: the numerical pass names it
             problems.append({"where": name, "message": "not in the source and not written by convert from it"})
     return {"ok": not problems, "checked": checked, "problems": problems}
@@ -205,19 +205,19 @@ def _not_the_source(out: Checkpoint, src: Checkpoint) -> str | None:
     return "; ".join(diff[:3]) or None
 
 
-def bias_vs_source(t: Target, src: Source, m: str) -> list[str]:
+def bias_vs_source(output: W4A8Output, src: Source, m: str) -> list[str]:
     """A packed blob's bias (inside the blob) against the source module's."""
-    if not t.is_blob(m):
+    if not output.is_blob(m):
         return []  # the plain output's biases are tensors of their own: check_copies
     sb = src.read(m).bias
-    has = bool(t.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias"))
+    has = bool(output.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias"))
     if has != (sb is not None):
         return [f"{m}: the blob {'holds' if has else 'lacks'} a bias, the source module "
                 f"{'has none' if has else 'has one'}"]
     if sb is None:
         return []
     perm = src.g_idx_perm(m) if src.paths.get(m) == "fold" else None
-    b = t.packed.decode(m, check=False)[2]
+    b = output.packed.decode(m, check=False)[2]
     return [] if _bias_matches(b, sb, perm) else [f"{m}: the bias inside the blob differs from the source's"]
 
 
@@ -275,13 +275,13 @@ def ints_vs_source(m: str, got: tuple, want: tuple | None) -> list[str]:
     return out
 
 
-def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, clock, conv=None, ints=None):
+def weights_vs_source(output: W4A8Output, src: Source, mods: dict[str, str], report, clock, conv=None, ints=None):
     """Source float weights aligned with the converted ones (undoing an act-order fold), per-module
     measured rel_l2 and budget, and a lossless module's ints and scales compared exactly. mods:
     role -> module name of one MLP; conv: their converted float weights, when already read; ints:
     role -> their (int4 values, scales) as read."""
     with clock("read"):
-        conv = conv or {r: t.dequant(m) for r, m in mods.items()}
+        conv = conv or {r: output.dequant(m) for r, m in mods.items()}
         srcw = {r: src.dequant(m) for r, m in mods.items()}
     perm = src.g_idx_perm(mods["down"]) if "down" in mods else None
     if perm is not None:
@@ -293,7 +293,7 @@ def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, cloc
             perm = None
     stats, problems = {}, []
     for r, m in mods.items():
-        g = t.group_for(m)
+        g = output.group_for(m)
         meas = rel(conv[r], srcw[r])
         bud, why = budget(m, srcw[r], g, report, src)
         stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why}
@@ -305,5 +305,5 @@ def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, cloc
                                        perm if r in ("gate", "up") else None)
                 stats[r]["exact_ints"] = want is not None
                 problems += ints_vs_source(m, ints[r], want)
-        problems += bias_vs_source(t, src, m)
+        problems += bias_vs_source(output, src, m)
     return conv, srcw, problems, stats

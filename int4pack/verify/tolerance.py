@@ -12,11 +12,10 @@ import math
 
 import torch
 
-from ..groups import MAX_SCALE, block
+from ..groups import block, group_scale, is_channel
 
 __all__ = ["K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN", "MAX_BUDGET", "ABS_FLOOR", "rel", "cos", "rtn_rel",
-           "report_figure", "budget", "sum_sq", "MAX_SCALE",
-           "not_finite"]
+           "report_figure", "budget", "sum_sq", "not_finite"]
 
 K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
 K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
@@ -64,7 +63,7 @@ def rtn_rel(w: torch.Tensor, g: int) -> float:
     gg = block(k, g)
     wg = w.reshape(n, k // gg, gg)
     s = wg.abs().amax(2, keepdim=True) / 7
-    s = (s.to(torch.bfloat16).float() if g != -1 else s).clamp(min=2.0**-126)
+    s = (s.to(torch.bfloat16).float() if group_scale(g) else s).clamp(min=2.0**-126)
     q = (wg / s).round().clamp(-8, 7)
     return rel((q * s).reshape(n, k), w)
 
@@ -96,7 +95,7 @@ def budget(m: str, w_src: torch.Tensor, g: int, report: dict | None, src) -> tup
     if path == "reemit":
         bound, why = ABS_FLOOR, "reemit (exact)"
     elif path in ("lossless", "fold"):
-        bound, why = (ABS_FLOOR if g == -1 else LOSSLESS_BOUND), f"{path} (scale cast), from the source"
+        bound, why = (ABS_FLOOR if is_channel(g) else LOSSLESS_BOUND), f"{path} (scale cast), from the source"
     else:
         bound, why = rtn_rel(w_src, g) * (1 + REL_MARGIN) + ABS_FLOOR, "requant (<= absmax RTN), from the source"
     if bound > MAX_BUDGET:
