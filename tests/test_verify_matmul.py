@@ -22,7 +22,7 @@ import torch
 
 import int4pack
 from int4pack import _ext, moe
-from int4pack.verify import matmul, moe_layer
+from int4pack.verify import expert_check, matmul
 from int4pack.errors import UsageError, VerifyFailed
 
 MM = torch.ops.aten._dyn_quant_matmul_4bit
@@ -169,7 +169,7 @@ def test_weights_only_the_kernel_sees_fail_alike_through_the_twin_and_torch(conv
         return real_pack(_corrupt_rows(q), s, g, out=out)
 
     monkeypatch.setattr(matmul, "matmul", bad_matmul)
-    monkeypatch.setattr(moe_layer.moe_mod, "pack_for_matmul", bad_pack)
+    monkeypatch.setattr(expert_check.moe_mod, "pack_for_matmul", bad_pack)
     bad = {}
     for which in ("twin", "torch"):
         monkeypatch.setenv(matmul.ENV, "auto" if which == "twin" else "torch")

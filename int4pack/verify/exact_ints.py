@@ -23,7 +23,7 @@ from .tolerance import budget
 from ..w4a8 import target_source_groups
 
 __all__ = ["source_groups", "exact_module", "exact_expert", "scale_error_sq", "rel_from", "exact_reference",
-           "exact_stats"]
+           "exact_stats", "lossless_values", "ints_vs_source"]
 
 ROLES = ("gate", "up", "down")
 
@@ -145,3 +145,45 @@ def exact_stats(t, src, slot: dict[str, str], report, vk, views: dict[str, tuple
             problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
         wv.append(bud ** 2 * d / q.numel())
     return stats, problems, wv
+
+
+def lossless_values(ql, g: int, cols: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+    """(int4 values int8 [N, K], scales) that a lossless conversion of the source record ``ql`` at
+    target group ``g`` writes: ``codes - 8`` and the source scales cast to the W4A8 dtype, with the
+    act-order fold's permutation applied (``cols`` of a down projection, ``rows`` of its gate and
+    up); None where the module is not lossless from its source (asymmetric, a target group across
+    source groups, no int4 codes). The rule of w4a8.lossless_possible, on the permuted record."""
+    if ql.codes is None:
+        return None
+    gi, codes, scales = ql.group_index(), ql.codes, ql.scales
+    if gi.numel() != ql.spec.k:
+        return None
+    if cols is not None:
+        codes, gi = codes[:, cols], gi[cols]
+    if rows is not None:
+        codes, scales = codes[rows], scales[rows]
+    grp = source_groups(ql, g, gi)
+    if grp is None:
+        return None
+    return (codes.to(torch.int8) - 8), scales[:, grp].to(out_scale_dtype(g))
+
+
+def ints_vs_source(m: str, got: tuple, want: tuple | None) -> list[str]:
+    """A lossless module's int4 values and scales as read (``got``) against what its source gives
+    (``lossless_values``): equal, or a problem naming the first difference. A changed int is found
+    whatever the report says and however small its float error."""
+    if want is None:
+        return []
+    out = []
+    for what, a, b in (("int4 value", got[0], want[0]), ("scale", got[1], want[1])):
+        a = a.reshape(b.shape) if a.numel() == b.numel() else a
+        if a.shape != b.shape:
+            out.append(f"{m}: {what}s shaped {list(a.shape)}, its source gives {list(b.shape)}")
+            continue
+        same = a.to(b.dtype) == b if a.dtype != b.dtype else a == b
+        if not bool(same.all()):
+            r, c = (int(v) for v in (~same).nonzero()[0])
+            out.append(f"{m}: lossless from the source, but {int((~same).sum())} {what}(s) differ from the "
+                       f"source's (the first at row {r}, column {c}: {a[r, c].item():g} here, {b[r, c].item():g} "
+                       "there)")
+    return out

@@ -63,7 +63,8 @@ class ModuleChecks(ReadWatch):
         """Module m's problems and counts: as checked on the way, or checked now."""
         return self.done[m] if m in self.done else self._run(m)[:2]
 
-    def _run(self, m: str, got: tuple | None = None, into: tuple | None = None) -> tuple[list[dict], dict, tuple | None]:
+    def _run(self, m: str, got: tuple | None = None,
+             into: tuple | None = None) -> tuple[list[dict], dict, tuple | None]:
         """One module's problems, counts and decode (on its own: modules are checked in parallel).
         ``got``: a plain module's (int4 values, scales) as read; ``into``: (q, scales) buffers a
         packed module's blob may decode into."""

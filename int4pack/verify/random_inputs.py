@@ -138,7 +138,8 @@ def moe_inputs(output: W4A8Output, prefix: str, experts_n, tokens, gen, clock) -
     # size) routes hidden states of its own width: they pick the experts' inputs, nothing more
     latent = rw is not None and rw.shape[1] != x.shape[1]
     xr = hidden(gen, n_tok, rw.shape[1], None) if latent else x
-    ids, wts = route(xr, rw, sampled, output.top_k, output.norm_topk, gen, scoring, bias, routing=r, per_expert_scale=pes)
+    ids, wts = route(xr, rw, sampled, output.top_k, output.norm_topk, gen, scoring, bias, routing=r,
+                     per_expert_scale=pes)
     res["tokens"] = n_tok
     res["min_slots"] = int(torch.bincount(ids.reshape(-1), minlength=e_s).min()) if e_s else 0
     res["router"] = ("real, on hidden states of its own size" if latent else "real") if rw is not None \

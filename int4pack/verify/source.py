@@ -13,14 +13,14 @@ from ..sources.checkpoint import Checkpoint, resolve_source
 from ..sources.containers import open_checkpoint
 from ..errors import InputError, Int4packError
 from ..formats import open_reader
-from ..scale_search import out_scale_dtype
 from ..plan import DENSE_MODES, make_plan
 from ..serve_spec import SUFFIX
-from .exact_ints import source_groups
+from .exact_ints import exact_expert, exact_reference, exact_stats, ints_vs_source, lossless_values
+from .tolerance import budget, rel, sum_sq
 from .w4a8_output import W4A8Output
-from .tolerance import budget, rel
 
-__all__ = ["Source", "recorded_dense", "lossless_values", "ints_vs_source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
+__all__ = ["Source", "recorded_dense", "same_bytes", "check_copies", "bias_vs_source", "expert_vs_source",
+           "weights_vs_source"]
 
 # the int4 readers (gptq, awq, compressed-tensors) return a bias exactly when their spec's has_bias
 # says so; check_copies asks every module for its bias, and reading one (unpack=False) maps the
@@ -233,53 +233,46 @@ def _bias_matches(got: torch.Tensor, want: torch.Tensor, perm: torch.Tensor | No
                (got.dtype == w.dtype or got.dtype == torch.float32) for w in cands)
 
 
-def lossless_values(ql, g: int, cols: torch.Tensor | None = None, rows: torch.Tensor | None = None):
-    """(int4 values int8 [N, K], scales) that a lossless conversion of the source record ``ql`` at
-    target group ``g`` writes: ``codes - 8`` and the source scales cast to the W4A8 dtype, with the
-    act-order fold's permutation applied (``cols`` of a down projection, ``rows`` of its gate and
-    up); None where the module is not lossless from its source (asymmetric, a target group across
-    source groups, no int4 codes). The rule of w4a8.lossless_possible, on the permuted record."""
-    if ql.codes is None:
-        return None
-    gi, codes, scales = ql.group_index(), ql.codes, ql.scales
-    if gi.numel() != ql.spec.k:
-        return None
-    if cols is not None:
-        codes, gi = codes[:, cols], gi[cols]
-    if rows is not None:
-        codes, scales = codes[rows], scales[rows]
-    grp = source_groups(ql, g, gi)
-    if grp is None:
-        return None
-    return (codes.to(torch.int8) - 8), scales[:, grp].to(out_scale_dtype(g))
+def expert_vs_source(output: W4A8Output, src: Source, slot: dict[str, str], report, clock, ints: dict, floats,
+                     xe: torch.Tensor, vk, activation, w13q: torch.Tensor | None = None) -> dict:
+    """One expert's weights (``slot``: role -> module) against the source's, and the source's own
+    output on the expert's rows ``xe``. Where the source plans each projection lossless and its ints
+    and scales as read (``ints``: role -> (int4 values, scales)) are exactly the source's, as integers
+    throughout (exact_ints.py): the source's float32 reference from those ints (``w13q``: the gate and
+    up values in one matrix) and the source's scales, each projection's error from the scales alone.
+    Else the converted float weights (``floats()``: role -> float weights) against the source's
+    dequantised ones (``weights_vs_source``). Returns {"problems", "stats", "wv" (the weight
+    variances the prediction takes: budget^2 * sum of squares / elements, per role), "exact" (the
+    source's scales, or None) and "ref" (the exact path's reference) or "sw" (the source's float
+    weights)}. The source's records of the expert are dropped once compared."""
+    with clock("read"):
+        for m in slot.values():
+            src.read(m)
+    exact = None
+    with clock("compare"):
+        bias = {m: bias_vs_source(output, src, m) for m in slot.values()}
+        if w13q is not None and all(src.paths.get(m) == "lossless" for m in slot.values()):
+            exact = exact_expert(output, src, slot, ints)
+    if exact is not None:
+        with clock("reference"):
+            ref = exact_reference(vk, xe.float().contiguous(), w13q, ints["down"][0], exact, activation)
+        with clock("compare"):
+            stats, problems, wv = exact_stats(output, src, slot, report, vk, ints, exact, ref)
+        out = {"problems": problems + [p for m in slot.values() for p in bias[m]], "ref": ref}
+    else:
+        sw, problems, stats, wv = weights_vs_source(output, src, slot, report, clock, floats(), ints, bias)
+        out = {"problems": problems, "sw": sw}
+    src.forget(slot.values())
+    return {**out, "stats": stats, "wv": wv, "exact": exact}
 
 
-def ints_vs_source(m: str, got: tuple, want: tuple | None) -> list[str]:
-    """A lossless module's int4 values and scales as read (``got``) against what its source gives
-    (``lossless_values``): equal, or a problem naming the first difference. A changed int is found
-    whatever the report says and however small its float error."""
-    if want is None:
-        return []
-    out = []
-    for what, a, b in (("int4 value", got[0], want[0]), ("scale", got[1], want[1])):
-        a = a.reshape(b.shape) if a.numel() == b.numel() else a
-        if a.shape != b.shape:
-            out.append(f"{m}: {what}s shaped {list(a.shape)}, its source gives {list(b.shape)}")
-            continue
-        same = a.to(b.dtype) == b if a.dtype != b.dtype else a == b
-        if not bool(same.all()):
-            r, c = (int(v) for v in (~same).nonzero()[0])
-            out.append(f"{m}: lossless from the source, but {int((~same).sum())} {what}(s) differ from the "
-                       f"source's (the first at row {r}, column {c}: {a[r, c].item():g} here, {b[r, c].item():g} "
-                       "there)")
-    return out
-
-
-def weights_vs_source(output: W4A8Output, src: Source, mods: dict[str, str], report, clock, conv=None, ints=None):
-    """Source float weights aligned with the converted ones (undoing an act-order fold), per-module
-    measured rel_l2 and budget, and a lossless module's ints and scales compared exactly. mods:
-    role -> module name of one MLP; conv: their converted float weights, when already read; ints:
-    role -> their (int4 values, scales) as read."""
+def weights_vs_source(output: W4A8Output, src: Source, mods: dict[str, str], report, clock, conv=None, ints=None,
+                      bias: dict[str, list[str]] | None = None):
+    """(source float weights aligned with the converted ones (undoing an act-order fold), problems,
+    per-module measured rel_l2 and budget, the weight variances the budgets give, gate, up and down:
+    budget^2 * sum of squares / elements); a lossless module's ints and scales compared exactly. mods: role -> module
+    name of one MLP; conv: their converted float weights, when already read; ints: role -> their
+    (int4 values, scales) as read; bias: each module's ``bias_vs_source``, when already compared."""
     with clock("read"):
         conv = conv or {r: output.dequant(m) for r, m in mods.items()}
         srcw = {r: src.dequant(m) for r, m in mods.items()}
@@ -291,11 +284,12 @@ def weights_vs_source(output: W4A8Output, src: Source, mods: dict[str, str], rep
             srcw = alt
         else:
             perm = None
-    stats, problems = {}, []
+    stats, problems, wv = {}, [], {}
     for r, m in mods.items():
         g = output.group_for(m)
         meas = rel(conv[r], srcw[r])
         bud, why = budget(m, srcw[r], g, report, src)
+        wv[r] = bud ** 2 * sum_sq(srcw[r]) / srcw[r].numel()
         stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why}
         if not meas <= bud:
             problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
@@ -305,5 +299,5 @@ def weights_vs_source(output: W4A8Output, src: Source, mods: dict[str, str], rep
                                        perm if r in ("gate", "up") else None)
                 stats[r]["exact_ints"] = want is not None
                 problems += ints_vs_source(m, ints[r], want)
-        problems += bias_vs_source(output, src, m)
-    return conv, srcw, problems, stats
+        problems += bias[m] if bias is not None else bias_vs_source(output, src, m)
+    return srcw, problems, stats, [wv[r] for r in ("gate", "up", "down") if r in wv]

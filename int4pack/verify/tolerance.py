@@ -15,7 +15,7 @@ import torch
 from ..groups import block, group_scale, is_channel
 
 __all__ = ["K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN", "MAX_BUDGET", "ABS_FLOOR", "rel", "cos", "rtn_rel",
-           "report_figure", "budget", "sum_sq", "not_finite"]
+           "report_figure", "budget", "sum_sq", "not_finite", "expert_prediction"]
 
 K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
 K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
@@ -55,6 +55,15 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().reshape(-1), b.double().reshape(-1)
     den = float(a.norm() * b.norm())
     return float(a @ b) / den if den > 0 else 1.0
+
+
+def expert_prediction(w_var: torch.Tensor, wts: torch.Tensor, mask: torch.Tensor, ref_slots: torch.Tensor) -> float:
+    """Predicted relative output error of one expert's (ungated) outputs from its weight budgets:
+    ``w_var`` the predicted weight noise of each (token, slot), gated by the routing weight ``wts``
+    squared; ``mask`` the expert's slots; ``ref_slots`` its reference outputs there."""
+    v = w_var[mask] / (wts[mask] ** 2).clamp(min=1e-30)  # predicted_noise gated by g^2: undo it
+    den = float(ref_slots.double().norm())
+    return math.sqrt(float(v.sum())) / den if den > 0 else 0.0
 
 
 def rtn_rel(w: torch.Tensor, g: int) -> float:
