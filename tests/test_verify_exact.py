@@ -1,4 +1,4 @@
-"""verify --against's exact path (int4pack/verify_exact.py): a lossless expert equal to its source is
+"""verify --against's exact path (int4pack/verify/exact_ints.py): a lossless expert equal to its source is
 checked from its int4 values, and its figures are still the float64 ones; the copies' check does
 not map the source's packed weights."""
 
@@ -56,9 +56,9 @@ def test_the_copies_check_maps_no_source_weights(tmp_path, monkeypatch):
     """check_copies asks every quantised module for its bias: a spec without one is answered
     without mapping the module's packed weights (once the whole source, counted in RSS)."""
     from int4pack.sources.checkpoint import Checkpoint
-    from int4pack.verify_pool import Clock
-    from int4pack.verify_source import Source, check_copies
-    from int4pack.verify_structure import Problems, Target
+    from int4pack.verify.threads import Clock
+    from int4pack.verify.source import Source, check_copies
+    from int4pack.verify.w4a8_output import W4A8Output
 
     out = tmp_path / "out"
     int4pack.convert(FIXTURES / "gptq_q3_sym", out)
@@ -66,7 +66,7 @@ def test_the_copies_check_maps_no_source_weights(tmp_path, monkeypatch):
     view = Checkpoint.view
     monkeypatch.setattr(Checkpoint, "view", lambda self, name: viewed.append(name) or view(self, name))
     src = Source(FIXTURES / "gptq_q3_sym", None)
-    t = Target(Checkpoint(out), Problems())
+    t = W4A8Output(Checkpoint(out))
     try:
         r = check_copies(t, src, Clock())
     finally:

@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import int4pack
-from int4pack import _ext, blobs, kleidiai, moe, verify_moe
+from int4pack import _ext, blobs, kleidiai, moe
+from int4pack.verify import expert_check
 from int4pack.sources.checkpoint import Checkpoint
 from int4pack.errors import InputError
 from int4pack.serve_spec import SUFFIX, read_record
@@ -243,7 +244,7 @@ def test_verify_through_the_buffers_equals_verify_without(converted, monkeypatch
     out, _ = converted("gptq_q3_sym", serve_format=serve_format)
     src = int4pack.verify(out, raise_on_failure=False, threads=2)
     assert src["ok"] and src["layers"]
-    monkeypatch.setattr(verify_moe._ExpertBuffers, "of", staticmethod(lambda *a: None))
+    monkeypatch.setattr(expert_check.ExpertBuffers, "of", staticmethod(lambda *a: None))
     plain = int4pack.verify(out, raise_on_failure=False, threads=2)
     for a, b in zip(src["layers"], plain["layers"]):
         for key in ("ok", "tokens", "experts_checked", "matmul"):

@@ -21,14 +21,15 @@ import pytest
 import torch
 
 import int4pack
-from int4pack import _ext, moe, verify_matmul, verify_moe
+from int4pack import _ext, moe
+from int4pack.verify import expert_check, matmul
 from int4pack.errors import UsageError, VerifyFailed
 
 MM = torch.ops.aten._dyn_quant_matmul_4bit
 vk = _ext.load("verify_kernels")
 pytestmark = [
     pytest.mark.skipif(vk is None, reason="the C++ library is not built here"),
-    pytest.mark.skipif(verify_matmul.twin() is None and vk is not None,
+    pytest.mark.skipif(matmul.twin() is None and vk is not None,
                        reason="torch runs KleidiAI here: verify runs torch's op, not the twin"),
 ]
 
@@ -137,8 +138,8 @@ def test_twin_refuses_what_it_cannot_run():
         vk.w4a8_matmul(x, q, torch.ones(8, 8, dtype=torch.bfloat16), 16)
     with pytest.raises(RuntimeError, match="expected a contiguous torch.float32"):
         vk.w4a8_matmul(x.bfloat16(), q, s, 32)
-    assert not verify_matmul.fits(q.float(), s, 32) and not verify_matmul.fits(q, s, 64)
-    assert verify_matmul.fits(q, s, 32)
+    assert not matmul.fits(q.float(), s, 32) and not matmul.fits(q, s, 64)
+    assert matmul.fits(q, s, 32)
 
 
 def _corrupt_rows(q):
@@ -155,11 +156,11 @@ def test_weights_only_the_kernel_sees_fail_alike_through_the_twin_and_torch(conv
     out, _ = converted(fixture)
     runs = {}
     for which in ("twin", "torch"):
-        monkeypatch.setenv(verify_matmul.ENV, "auto" if which == "twin" else "torch")
+        monkeypatch.setenv(matmul.ENV, "auto" if which == "twin" else "torch")
         runs[which] = int4pack.verify(out, dense=False, raise_on_failure=False, threads=2)
     assert runs["twin"]["ok"] and runs["torch"]["ok"] and runs["twin"]["layers"]
 
-    real_matmul, real_pack = verify_matmul.matmul, moe.pack_for_matmul
+    real_matmul, real_pack = matmul.matmul, moe.pack_for_matmul
 
     def bad_matmul(vk_, x, q, s, block):  # every matrix the twin multiplies
         return real_matmul(vk_, x, _corrupt_rows(q), s, block)
@@ -167,16 +168,16 @@ def test_weights_only_the_kernel_sees_fail_alike_through_the_twin_and_torch(conv
     def bad_pack(q, s, g, out=None):  # every matrix torch's op is given
         return real_pack(_corrupt_rows(q), s, g, out=out)
 
-    monkeypatch.setattr(verify_matmul, "matmul", bad_matmul)
-    monkeypatch.setattr(verify_moe.moe_mod, "pack_for_matmul", bad_pack)
+    monkeypatch.setattr(matmul, "matmul", bad_matmul)
+    monkeypatch.setattr(expert_check.moe_mod, "pack_for_matmul", bad_pack)
     bad = {}
     for which in ("twin", "torch"):
-        monkeypatch.setenv(verify_matmul.ENV, "auto" if which == "twin" else "torch")
+        monkeypatch.setenv(matmul.ENV, "auto" if which == "twin" else "torch")
         with pytest.raises(VerifyFailed) as ei:
             int4pack.verify(out, dense=False, threads=2)
         bad[which] = ei.value.report
     for which, r in runs.items():
-        want = verify_matmul.TWIN if which == "twin" else verify_matmul.TORCH
+        want = matmul.TWIN if which == "twin" else matmul.TORCH
         assert {lay["matmul"] for lay in r["layers"]} == {want}
     for a, b in zip(bad["twin"]["layers"], bad["torch"]["layers"]):
         assert not a["ok"] and not b["ok"]
@@ -192,7 +193,7 @@ def test_setting_forces_torch_and_the_report_says_which_ran(converted, monkeypat
     assert r["kernel"]["op"] == "int4pack verify_kernels w4a8_matmul" and "setting" not in r["kernel"]
     assert r["layers"][0]["matmul"] == "int4pack" and r["layers"][0]["weights"] == "the int4 values as read"
     assert all(d["matmul"] == "int4pack" for d in r["dense"])
-    monkeypatch.setenv(verify_matmul.ENV, "torch")
+    monkeypatch.setenv(matmul.ENV, "torch")
     f = int4pack.verify(out, layers=[0], threads=1)
     assert f["kernel"] == {"matmul": "torch reference (x86 fallback)", "op": "torch.ops.aten._dyn_quant_matmul_4bit",
                            "moe_op": "python", "setting": "INT4PACK_VERIFY_MATMUL=torch"}
@@ -200,7 +201,7 @@ def test_setting_forces_torch_and_the_report_says_which_ran(converted, monkeypat
     assert all(d["matmul"] == "torch" for d in f["dense"])
     for a, b in zip(r["layers"] + r["dense"], f["layers"] + f["dense"]):
         assert a["rel_l2"] == b["rel_l2"] and a["act_rel"] == b["act_rel"]  # bf16 group scales: the same bits
-    monkeypatch.setenv(verify_matmul.ENV, "fast")
+    monkeypatch.setenv(matmul.ENV, "fast")
     with pytest.raises(UsageError, match="INT4PACK_VERIFY_MATMUL"):
         int4pack.verify(out, layers=[0])
 

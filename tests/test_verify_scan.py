@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import int4pack
-from int4pack import verify_scan
+from int4pack.verify import shard_scan
 from int4pack.sources import checkpoint
 from int4pack.output_folder.writer import hash_shard
 
@@ -18,7 +18,7 @@ from int4pack.output_folder.writer import hash_shard
 def _count_reads(monkeypatch) -> Counter:
     """Bytes read per tensor name, by ``Checkpoint.get`` and friends and by the shard scan."""
     seen: Counter = Counter()
-    real_read, real_part = checkpoint.Checkpoint._read, verify_scan._scan_part
+    real_read, real_part = checkpoint.Checkpoint._read, shard_scan._scan_part
 
     def read(self, t, buf, offset, want):
         seen[t.name] += want
@@ -30,7 +30,7 @@ def _count_reads(monkeypatch) -> Counter:
         return real_part(path, base, items, kind)
 
     monkeypatch.setattr(checkpoint.Checkpoint, "_read", read)
-    monkeypatch.setattr(verify_scan, "_scan_part", part)
+    monkeypatch.setattr(shard_scan, "_scan_part", part)
     return seen
 
 
@@ -52,8 +52,8 @@ def test_every_weight_is_read_once(converted, monkeypatch, serve_format):
 
 def test_taps_match_the_writers_checksums(converted):
     out, _ = converted("gptq_q3_sym")
-    ck = verify_scan.Tapped(out)
-    ck.kinds = verify_scan.shard_kinds(ck, None)
+    ck = shard_scan.Tapped(out)
+    ck.kinds = shard_scan.shard_kinds(ck, None)
     names = sorted(ck.tensors)[:40]
     for n in names:
         ck.get(n)

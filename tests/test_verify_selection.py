@@ -108,16 +108,16 @@ def test_a_dense_only_layer_checks_its_linears_and_is_refused_without_them(ds):
 
 def test_nothing_checked_is_a_failure_never_a_pass(out, monkeypatch):
     # a model whose selection leaves nothing to run: no MoE layer found and --no-dense
-    from int4pack import verify_structure
+    from int4pack.verify import structure
 
-    real = verify_structure.check_structure
+    real = structure.check_structure
 
-    def no_moe(ckpt, *args):
-        t, problems, counts, rep = real(ckpt, *args)
-        t.layers = {}
-        return t, problems, counts, rep
+    def no_moe(checks, *args):
+        got = real(checks, *args)
+        checks.output.layers = {}
+        return got
 
-    monkeypatch.setattr(sys.modules["int4pack.verify"], "check_structure", no_moe)
+    monkeypatch.setattr(sys.modules["int4pack.verify.passes"], "check_structure", no_moe)
     r = runner.invoke(app, ["verify", str(out), "--no-dense"])
     assert r.exit_code == 6 and "PASS" not in r.output and "nothing was checked" in r.output
 

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import int4pack
 from _reference import FIXTURES
-from int4pack import verify_scan, verify_workers
+from int4pack.verify import processes, shard_scan
 from int4pack.cli import app
 from int4pack.errors import VerifyFailed
 
@@ -70,7 +70,7 @@ def test_a_worker_that_dies_leaves_its_layers_to_verify_itself(converted, monkey
     def dies(*args, **kw):
         os._exit(3)  # what the kernel's OOM killer leaves behind
 
-    monkeypatch.setattr(verify_workers, "check_layer", dies)  # the forked workers inherit it
+    monkeypatch.setattr(processes, "check_layer", dies)  # the forked workers inherit it
     got = int4pack.verify(out, threads=2, processes=True)
     assert got["ok"] and _numbers(got) == _numbers(want)
 
@@ -82,7 +82,7 @@ def test_workers_that_cannot_start_leave_the_pass_to_threads(converted, monkeypa
     def cannot_open(*args):
         raise OSError("no such file")  # the output gone between verify's open and the workers'
 
-    monkeypatch.setattr(verify_workers, "_open", cannot_open)
+    monkeypatch.setattr(processes, "_open", cannot_open)
     got = int4pack.verify(out, threads=2, processes=True)
     assert got["workers"] == {"kind": "threads", "count": 2, "processes": "could not start"}
     assert got["ok"] and _numbers(got) == _numbers(want)
@@ -114,11 +114,11 @@ def test_progress_in_processes_counts_what_threads_count(converted):
 
 
 def test_processes_are_the_default_only_with_cores_and_layers_to_share():
-    assert not verify_workers.use_processes(None, 2, 48)  # a 2-core host: threads
-    assert not verify_workers.use_processes(None, 16, 1)  # one layer: its experts on threads
-    assert verify_workers.use_processes(None, 16, 48)
-    assert verify_workers.use_processes(True, 2, 1) and not verify_workers.use_processes(False, 16, 48)
-    assert not verify_workers.use_processes(True, 1, 48)  # one worker: no pool at all
+    assert not processes.use_processes(None, 2, 48)  # a 2-core host: threads
+    assert not processes.use_processes(None, 16, 1)  # one layer: its experts on threads
+    assert processes.use_processes(None, 16, 48)
+    assert processes.use_processes(True, 2, 1) and not processes.use_processes(False, 16, 48)
+    assert not processes.use_processes(True, 1, 48)  # one worker: no pool at all
 
 
 def test_the_cli_picks_processes_or_threads(converted):
@@ -134,13 +134,13 @@ def test_the_cli_picks_processes_or_threads(converted):
 
 def test_prefetch_asks_for_the_span_of_the_named_tensors(converted, monkeypatch):
     out, _ = converted("gptq_q3_sym")
-    ck = verify_scan.Tapped(out)
+    ck = shard_scan.Tapped(out)
     names = sorted(n for n in ck.tensors if ".experts.1." in n and ".layers.0." in n)
     calls = []
-    monkeypatch.setattr(verify_scan.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((fd, off, n, advice)))
+    monkeypatch.setattr(shard_scan.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((fd, off, n, advice)))
     ck.prefetch(names)
     infos = [ck.tensors[n] for n in names]
     assert len({i.file for i in infos}) == 1 and len(calls) == 1
     fd, off, n, advice = calls[0]
-    assert fd == ck._fd(infos[0].file) and advice == verify_scan.os.POSIX_FADV_WILLNEED
+    assert fd == ck._fd(infos[0].file) and advice == shard_scan.os.POSIX_FADV_WILLNEED
     assert (off, off + n) == (min(i.begin for i in infos), max(i.end for i in infos))

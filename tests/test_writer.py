@@ -424,7 +424,7 @@ CONVERT_IO = ("convert", "pipeline", "writer", "workdir", "checksums", "workers"
 
 def test_no_module_imports_a_private_name_of_converts_modules():
     """Checksums, the output folder and the job pool each have a public face: no module of int4pack
-    reaches into their private names (verify_scan took the writer's checksum code that way)."""
+    reaches into their private names (verify/shard_scan.py took the writer's checksum code that way)."""
     import ast
 
     root = Path(int4pack.__file__).resolve().parent

@@ -2,7 +2,7 @@
 routes, which tensors are not experts and stay as they are, and the names vLLM loads.
 
 Facts only (read in vLLM's model classes and transformers' configs); the code that uses them is
-in architectures.py (discovery), convert.py (renames) and verify_inputs.py (routing of the reference).
+in architectures.py (discovery), convert.py (renames) and verify/random_inputs.py (routing of the reference).
 
 The routing and activation table: ``Family.layer_moe(text_config, layer)`` is one MoE layer's
 ``LayerMoE`` (its ``routing.Routing``, its ``activation.Activation``, its shared experts), None for

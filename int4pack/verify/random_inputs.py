@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from . import routing as rt
-from .architectures import layer_index
-from .sources.checkpoint import Checkpoint
-from .families import layer_moe
-from .verify_structure import Target
+from .. import routing as rt
+from ..architectures import layer_index
+from ..sources.checkpoint import Checkpoint
+from ..families import layer_moe
+from .w4a8_output import W4A8Output
 
 __all__ = ["NORMS", "MIN_SLOTS_PER_EXPERT", "norm_weight", "hidden", "route", "pick", "default_tokens", "moe_inputs",
            "dense_input"]
@@ -105,24 +105,24 @@ def default_tokens(experts: int, top_k: int) -> int:
     return max(32, -(-5 * MIN_SLOTS_PER_EXPERT * experts // (4 * top_k)))
 
 
-def moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
+def moe_inputs(output: W4A8Output, prefix: str, experts_n, tokens, gen, clock) -> dict:
     """Everything random about one MoE layer's check: its sampled experts, hidden states and routing
     (drawn layer after layer from one generator, so a seed gives the same check however many
     layers then run at once)."""
-    experts = t.layers[prefix]
+    experts = output.layers[prefix]
     ids_all = sorted(experts)
     sampled = pick(ids_all, experts_n, gen)
     e_s = len(sampled)
-    ck = t.ckpt
+    ck = output.ckpt
     res: dict = {"layer": prefix, "kind": "moe", "experts": len(ids_all), "experts_checked": e_s,
                  "experts_sampled": list(sampled), "problems": []}
-    router = t.routers.get(prefix)
+    router = output.routers.get(prefix)
     row = layer_moe(ck.family_type, ck.text_config, layer_index(prefix)) or layer_moe(ck.family_type, ck.text_config)
     r = row.routing if row else None
     with clock("read"):
         rw = ck.get(router).float() if router else None
-        norm = norm_weight(ck, prefix, NORMS, t.norm_offset)
-        wants_bias = r.bias if r is not None else t.routing.get("bias")
+        norm = norm_weight(ck, prefix, NORMS, output.norm_offset)
+        wants_bias = r.bias if r is not None else output.routing.get("bias")
         bias_name = next((n for n in (f"{prefix}.gate.e_score_correction_bias", f"{prefix}.e_score_correction_bias",
                                       f"{prefix}.experts.e_score_correction_bias", f"{prefix}.gate.bias",
                                       f"{prefix}.router_bias")
@@ -130,15 +130,16 @@ def moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
         bias = ck.get(bias_name).float() if bias_name else None
         pes_name = f"{prefix}.router.per_expert_scale"  # Gemma-4: the MoE block is the decoder layer
         pes = ck.get(pes_name).float() if r is not None and r.per_expert_scale and pes_name in ck.tensors else None
-    k_top = min(t.top_k, e_s)
+    k_top = min(output.top_k, e_s)
     n_tok = tokens or default_tokens(e_s, k_top)
-    x = hidden(gen, n_tok, t.shape(experts[ids_all[0]]["gate"])[1], norm)
-    scoring = (r.scoring if r is not None else t.routing.get("scoring")) or "softmax"
+    x = hidden(gen, n_tok, output.shape(experts[ids_all[0]]["gate"])[1], norm)
+    scoring = (r.scoring if r is not None else output.routing.get("scoring")) or "softmax"
     # a latent MoE (Kimi-K3: experts at routed_expert_hidden_size, the router at the model's hidden
     # size) routes hidden states of its own width: they pick the experts' inputs, nothing more
     latent = rw is not None and rw.shape[1] != x.shape[1]
     xr = hidden(gen, n_tok, rw.shape[1], None) if latent else x
-    ids, wts = route(xr, rw, sampled, t.top_k, t.norm_topk, gen, scoring, bias, routing=r, per_expert_scale=pes)
+    ids, wts = route(xr, rw, sampled, output.top_k, output.norm_topk, gen, scoring, bias, routing=r,
+                     per_expert_scale=pes)
     res["tokens"] = n_tok
     res["min_slots"] = int(torch.bincount(ids.reshape(-1), minlength=e_s).min()) if e_s else 0
     res["router"] = ("real, on hidden states of its own size" if latent else "real") if rw is not None \
@@ -153,12 +154,12 @@ def moe_inputs(t: Target, prefix: str, experts_n, tokens, gen, clock) -> dict:
     return {"res": res, "sampled": sampled, "x": x, "ids": ids, "wts": wts}
 
 
-def dense_input(t: Target, m: str, tokens: int, gen) -> torch.Tensor:
+def dense_input(output: W4A8Output, m: str, tokens: int, gen) -> torch.Tensor:
     """The random rows a dense module is checked on (drawn in module order, before any runs)."""
-    k = t.shape(m)[1]
+    k = output.shape(m)[1]
     norm = None
     if m.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"):
-        norm = norm_weight(t.ckpt, m.rsplit(".", 1)[0], ("input_layernorm",), t.norm_offset)
+        norm = norm_weight(output.ckpt, m.rsplit(".", 1)[0], ("input_layernorm",), output.norm_offset)
     elif m.rsplit(".", 1)[-1] in ("gate_proj", "up_proj"):
-        norm = norm_weight(t.ckpt, m.rsplit(".", 1)[0], NORMS, t.norm_offset)
+        norm = norm_weight(output.ckpt, m.rsplit(".", 1)[0], NORMS, output.norm_offset)
     return hidden(gen, tokens, k, norm)

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import time
 
-from . import verify_matmul
-from .error_stats import short_number as _fmt
-from .errors import VerifyFailed
-from .serve_spec import BLOB_CHECKS
-from .verify_pool import Clock
-from .verify_structure import Target
+from . import matmul
+from ..error_stats import short_number as _fmt
+from ..errors import VerifyFailed
+from ..serve_spec import BLOB_CHECKS
+from .threads import Clock
+from .w4a8_output import W4A8Output
 
 __all__ = ["trust_notes", "kernel_info", "finish"]
 
 
-def trust_notes(t: Target, counts: dict, conv_report: dict | None, against: bool) -> list[str]:
+def trust_notes(output: W4A8Output, counts: dict, conv_report: dict | None, against: bool) -> list[str]:
     """Which checks rest on figures the checkpoint records about itself (a forger can edit those)."""
     notes = []
     if not against:
@@ -29,10 +29,10 @@ def trust_notes(t: Target, counts: dict, conv_report: dict | None, against: bool
                      "tensors are compared byte for byte with the source")
     if conv_report is None:
         notes.append("no int4pack_report.json: shard checksums could not be checked")
-    if t.packed:
+    if output.packed:
         notes.append("each blob is checked against the provenance in its own shard header (CRCs of the values "
                      "it was packed from) and repacked byte for byte")
-        if BLOB_CHECKS not in t.packed.record:
+        if BLOB_CHECKS not in output.packed.record:
             notes.append(f"the layout record has no {BLOB_CHECKS} (written by an older int4pack, or deleted): the "
                          "vLLM plugin refuses it unless INT4PACK_ALLOW_UNCHECKED_BLOBS=1; convert again to have "
                          "its blobs checked at load")
@@ -40,7 +40,7 @@ def trust_notes(t: Target, counts: dict, conv_report: dict | None, against: bool
 
 
 def kernel_info() -> dict:
-    return verify_matmul.info()
+    return matmul.info()
 
 
 def finish(report: dict, t0: float, clock: Clock, raise_on_failure: bool) -> dict:

@@ -14,14 +14,15 @@ Qwen3-30B-A3B expert. ``INT4PACK_VERIFY_MATMUL=torch`` runs torch's op instead.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 
-from . import _ext, kleidiai
-from .errors import UsageError
-from .kernels import kernel_threads
+from .. import _ext, kleidiai
+from ..errors import UsageError
+from ..kernels import kernel_threads
 
-__all__ = ["ENV", "TWIN", "TORCH", "setting", "twin", "fits", "matmul", "info"]
+__all__ = ["ENV", "TWIN", "TORCH", "setting", "twin", "fits", "matmul", "run_expert", "info"]
 
 ENV = "INT4PACK_VERIFY_MATMUL"
 TWIN, TORCH = "int4pack", "torch"
@@ -60,6 +61,20 @@ def matmul(vk, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block: in
     n = q.shape[0]
     return vk.w4a8_matmul(x.contiguous(), q.contiguous(), scales.contiguous().reshape(n, -1), block,
                           threads=kernel_threads())
+
+
+def run_expert(run, i: int, twin, w13: tuple, w2: tuple, packed, clock) -> str:
+    """Expert i's rows of ``run`` (moe.MoeRun) through the W4A8 matmul: the twin ``twin`` on w13 and w2
+    as (int4 values, scales) where it runs and ``fits`` them, else torch's op on ``packed()`` (w13 and
+    w2 as it takes them). Returns which ran: TWIN or TORCH."""
+    if twin is not None and fits(*w13, run.g13) and fits(*w2, run.g2):
+        with clock("kernel"):
+            run.expert_with(i, partial(matmul, twin), w13, w2)
+        return TWIN
+    w13p, w2p = packed()
+    with clock("kernel"):
+        run.expert(i, w13p, w2p)
+    return TORCH
 
 
 def info() -> dict:

@@ -8,19 +8,19 @@ import json
 import numpy as np
 import torch
 
-from .architectures import vllm_output_names
-from .sources.checkpoint import Checkpoint, resolve_source
-from .sources.containers import open_checkpoint
-from .errors import InputError, Int4packError
-from .formats import open_reader
-from .scale_search import out_scale_dtype
-from .plan import DENSE_MODES, make_plan
-from .serve_spec import SUFFIX
-from .verify_exact import source_groups
-from .verify_structure import Target
-from .verify_tolerance import budget, rel
+from ..architectures import vllm_output_names
+from ..sources.checkpoint import Checkpoint, resolve_source
+from ..sources.containers import open_checkpoint
+from ..errors import InputError, Int4packError
+from ..formats import open_reader
+from ..plan import DENSE_MODES, make_plan
+from ..serve_spec import SUFFIX
+from .exact_ints import exact_expert, exact_reference, exact_stats, ints_vs_source, lossless_values
+from .tolerance import budget, rel, sum_sq
+from .w4a8_output import W4A8Output
 
-__all__ = ["Source", "recorded_dense", "lossless_values", "ints_vs_source", "same_bytes", "check_copies", "bias_vs_source", "weights_vs_source"]
+__all__ = ["Source", "recorded_dense", "same_bytes", "check_copies", "bias_vs_source", "expert_vs_source",
+           "weights_vs_source"]
 
 # the int4 readers (gptq, awq, compressed-tensors) return a bias exactly when their spec's has_bias
 # says so; check_copies asks every module for its bias, and reading one (unpack=False) maps the
@@ -131,11 +131,11 @@ def same_bytes(a: Checkpoint, an: str, b: Checkpoint, bn: str) -> str | None:
     return None
 
 
-def check_copies(t: Target, src: Source, clock) -> dict:
+def check_copies(output: W4A8Output, src: Source, clock) -> dict:
     """Every tensor the output should hold unchanged from the source (routers, norms, embeddings,
     lm_head, biases, bf16-kept linears...), compared byte for byte; and no tensor the source does
     not explain."""
-    out = t.ckpt
+    out = output.ckpt
     problems: list[dict] = []
     checked = 0
     if src.plan_error:
@@ -147,7 +147,7 @@ def check_copies(t: Target, src: Source, clock) -> dict:
         problems.append({"where": "source", "message": f"{src.label} is not the checkpoint this output was converted "
                                                        f"from ({other}): pass that checkpoint to --against"})
         return {"ok": False, "checked": 0, "problems": problems}
-    quant = set(t.modules)
+    quant = set(output.modules)
     explained = set(src.copies)
     with clock("read"):
         for name, sname in sorted(src.copies.items()):
@@ -180,22 +180,22 @@ def check_copies(t: Target, src: Source, clock) -> dict:
             if m not in src.specs:
                 continue  # reported by the numerical pass (not a quantised module of the source)
             bias = src.bias(m)
-            if t.is_blob(m):
+            if output.is_blob(m):
                 explained.add(f"{m}.{SUFFIX}")
                 continue  # a packed bias is inside the blob: compared there (bias_vs_source)
-            explained.update(n for n in t.stored_names(m) if bias is not None or not n.endswith(".bias"))
+            explained.update(n for n in output.stored_names(m) if bias is not None or not n.endswith(".bias"))
             if bias is None:
                 continue
             checked += 1
             perm = src.g_idx_perm(m) if src.paths.get(m) == "fold" else None
-            got = t.bias(m)
+            got = output.bias(m)
             if got is None:
                 problems.append({"where": f"{m}.bias", "message": "missing (the source module has a bias)"})
             elif not _bias_matches(got, bias, perm):
                 problems.append({"where": f"{m}.bias", "message": "differs from the source module's bias"})
         for name in sorted(set(out.tensors) - explained):
             mod = name.rsplit(".", 1)[0]
-            if mod in quant and (t.is_blob(mod) or name.endswith((".weight", ".weight_scale", ".bias"))):
+            if mod in quant and (output.is_blob(mod) or name.endswith((".weight", ".weight_scale", ".bias"))):
                 continue  # a module the source does not quantise: the numerical pass names it
             problems.append({"where": name, "message": "not in the source and not written by convert from it"})
     return {"ok": not problems, "checked": checked, "problems": problems}
@@ -212,19 +212,19 @@ def _not_the_source(out: Checkpoint, src: Checkpoint) -> str | None:
     return "; ".join(diff[:3]) or None
 
 
-def bias_vs_source(t: Target, src: Source, m: str) -> list[str]:
+def bias_vs_source(output: W4A8Output, src: Source, m: str) -> list[str]:
     """A packed blob's bias (inside the blob) against the source module's."""
-    if not t.is_blob(m):
+    if not output.is_blob(m):
         return []  # the plain output's biases are tensors of their own: check_copies
     sb = src.read(m).bias
-    has = bool(t.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias"))
+    has = bool(output.packed.prov.get(f"{m}.{SUFFIX}", {}).get("bias"))
     if has != (sb is not None):
         return [f"{m}: the blob {'holds' if has else 'lacks'} a bias, the source module "
                 f"{'has none' if has else 'has one'}"]
     if sb is None:
         return []
     perm = src.g_idx_perm(m) if src.paths.get(m) == "fold" else None
-    b = t.packed.decode(m, check=False)[2]
+    b = output.packed.decode(m, check=False)[2]
     return [] if _bias_matches(b, sb, perm) else [f"{m}: the bias inside the blob differs from the source's"]
 
 
@@ -240,55 +240,48 @@ def _bias_matches(got: torch.Tensor, want: torch.Tensor, perm: torch.Tensor | No
                (got.dtype == w.dtype or got.dtype == torch.float32) for w in cands)
 
 
-def lossless_values(ql, g: int, cols: torch.Tensor | None = None, rows: torch.Tensor | None = None):
-    """(int4 values int8 [N, K], scales) that a lossless conversion of the source record ``ql`` at
-    target group ``g`` writes: ``codes - 8`` and the source scales cast to the W4A8 dtype, with the
-    act-order fold's permutation applied (``cols`` of a down projection, ``rows`` of its gate and
-    up); None where the module is not lossless from its source (asymmetric, a target group across
-    source groups, no int4 codes). The rule of w4a8.lossless_possible, on the permuted record."""
-    if ql.codes is None:
-        return None
-    gi, codes, scales = ql.group_index(), ql.codes, ql.scales
-    if gi.numel() != ql.spec.k:
-        return None
-    if cols is not None:
-        codes, gi = codes[:, cols], gi[cols]
-    if rows is not None:
-        codes, scales = codes[rows], scales[rows]
-    grp = source_groups(ql, g, gi)
-    if grp is None:
-        return None
-    return (codes.to(torch.int8) - 8), scales[:, grp].to(out_scale_dtype(g))
-
-
-def ints_vs_source(m: str, got: tuple, want: tuple | None) -> list[str]:
-    """A lossless module's int4 values and scales as read (``got``) against what its source gives
-    (``lossless_values``): equal, or a problem naming the first difference. A changed int is found
-    whatever the report says and however small its float error."""
-    if want is None:
-        return []
-    out = []
-    for what, a, b in (("int4 value", got[0], want[0]), ("scale", got[1], want[1])):
-        a = a.reshape(b.shape) if a.numel() == b.numel() else a
-        if a.shape != b.shape:
-            out.append(f"{m}: {what}s shaped {list(a.shape)}, its source gives {list(b.shape)}")
-            continue
-        same = a.to(b.dtype) == b if a.dtype != b.dtype else a == b
-        if not bool(same.all()):
-            r, c = (int(v) for v in (~same).nonzero()[0])
-            out.append(f"{m}: lossless from the source, but {int((~same).sum())} {what}(s) differ from the "
-                       f"source's (the first at row {r}, column {c}: {a[r, c].item():g} here, {b[r, c].item():g} "
-                       "there)")
-    return out
-
-
-def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, clock, conv=None, ints=None):
-    """Source float weights aligned with the converted ones (undoing an act-order fold), per-module
-    measured rel_l2 and budget, and a lossless module's ints and scales compared exactly. mods:
-    role -> module name of one MLP; conv: their converted float weights, when already read; ints:
-    role -> their (int4 values, scales) as read."""
+def expert_vs_source(output: W4A8Output, src: Source, slot: dict[str, str], report, clock, ints: dict, floats,
+                     xe: torch.Tensor, vk, activation, w13q: torch.Tensor | None = None) -> dict:
+    """One expert's weights (``slot``: role -> module) against the source's, and the source's own
+    output on the expert's rows ``xe``. Where the source plans each projection lossless and its ints
+    and scales as read (``ints``: role -> (int4 values, scales)) are exactly the source's, as integers
+    throughout (exact_ints.py): the source's float32 reference from those ints (``w13q``: the gate and
+    up values in one matrix) and the source's scales, each projection's error from the scales alone.
+    Else the converted float weights (``floats()``: role -> float weights) against the source's
+    dequantised ones (``weights_vs_source``). Returns {"problems", "stats", "wv" (the weight
+    variances the prediction takes: budget^2 * sum of squares / elements, per role), "exact" (the
+    source's scales, or None) and "ref" (the exact path's reference) or "sw" (the source's float
+    weights)}. The source's records of the expert are dropped once compared."""
     with clock("read"):
-        conv = conv or {r: t.dequant(m) for r, m in mods.items()}
+        for m in slot.values():
+            src.read(m)
+    exact = None
+    with clock("compare"):
+        bias = {m: bias_vs_source(output, src, m) for m in slot.values()}
+        if w13q is not None and all(src.paths.get(m) == "lossless" for m in slot.values()):
+            exact = exact_expert(output, src, slot, ints)
+    if exact is not None:
+        with clock("reference"):
+            ref = exact_reference(vk, xe.float().contiguous(), w13q, ints["down"][0], exact, activation)
+        with clock("compare"):
+            stats, problems, wv = exact_stats(output, src, slot, report, vk, ints, exact, ref)
+        out = {"problems": problems + [p for m in slot.values() for p in bias[m]], "ref": ref}
+    else:
+        sw, problems, stats, wv = weights_vs_source(output, src, slot, report, clock, floats(), ints, bias)
+        out = {"problems": problems, "sw": sw}
+    src.forget(slot.values())
+    return {**out, "stats": stats, "wv": wv, "exact": exact}
+
+
+def weights_vs_source(output: W4A8Output, src: Source, mods: dict[str, str], report, clock, conv=None, ints=None,
+                      bias: dict[str, list[str]] | None = None):
+    """(source float weights aligned with the converted ones (undoing an act-order fold), problems,
+    per-module measured rel_l2 and budget, the weight variances the budgets give, gate, up and down:
+    budget^2 * sum of squares / elements); a lossless module's ints and scales compared exactly. mods: role -> module
+    name of one MLP; conv: their converted float weights, when already read; ints: role -> their
+    (int4 values, scales) as read; bias: each module's ``bias_vs_source``, when already compared."""
+    with clock("read"):
+        conv = conv or {r: output.dequant(m) for r, m in mods.items()}
         srcw = {r: src.dequant(m) for r, m in mods.items()}
     perm = src.g_idx_perm(mods["down"]) if "down" in mods else None
     if perm is not None:
@@ -298,11 +291,12 @@ def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, cloc
             srcw = alt
         else:
             perm = None
-    stats, problems = {}, []
+    stats, problems, wv = {}, [], {}
     for r, m in mods.items():
-        g = t.group_for(m)
+        g = output.group_for(m)
         meas = rel(conv[r], srcw[r])
         bud, why = budget(m, srcw[r], g, report, src)
+        wv[r] = bud ** 2 * sum_sq(srcw[r]) / srcw[r].numel()
         stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why}
         if not meas <= bud:
             problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
@@ -312,5 +306,5 @@ def weights_vs_source(t: Target, src: Source, mods: dict[str, str], report, cloc
                                        perm if r in ("gate", "up") else None)
                 stats[r]["exact_ints"] = want is not None
                 problems += ints_vs_source(m, ints[r], want)
-        problems += bias_vs_source(t, src, m)
-    return conv, srcw, problems, stats
+        problems += bias[m] if bias is not None else bias_vs_source(output, src, m)
+    return srcw, problems, stats, [wv[r] for r in ("gate", "up", "down") if r in wv]

@@ -5,7 +5,7 @@ computed from those same integers with the source's own scales (``w4a8_reference
 float32 copy of any weight matrix is made, on either side.
 
 Where anything differs (one int, one scale, a NaN), the expert goes the general way
-(verify_source.weights_vs_source), which names the module, the row and the column: this path only
+(source.weights_vs_source), which names the module, the row and the column: this path only
 ever passes what the general one would pass, faster.
 """
 
@@ -16,14 +16,14 @@ import math
 import numpy as np
 import torch
 
-from . import moe as moe_mod
-from .groups import block, channel_group, check_group_size, nests
-from .scale_search import out_scale_dtype
-from .verify_tolerance import budget
-from .w4a8 import target_source_groups
+from .. import moe as moe_mod
+from ..groups import block, channel_group, check_group_size, nests
+from ..scale_search import out_scale_dtype
+from .tolerance import budget
+from ..w4a8 import target_source_groups
 
 __all__ = ["source_groups", "exact_module", "exact_expert", "scale_error_sq", "rel_from", "exact_reference",
-           "exact_stats"]
+           "exact_stats", "lossless_values", "ints_vs_source"]
 
 ROLES = ("gate", "up", "down")
 
@@ -105,7 +105,7 @@ def scale_error_sq(vk, q: torch.Tensor, s: torch.Tensor, s_src: torch.Tensor) ->
 
 
 def rel_from(num_sq: float, den_sq: float) -> float:
-    """verify_tolerance.rel's figure from its squared numerator and denominator."""
+    """tolerance.rel's figure from its squared numerator and denominator."""
     return math.sqrt(num_sq) / math.sqrt(den_sq) if den_sq > 0 else (0.0 if num_sq == 0 else math.inf)
 
 
@@ -126,7 +126,7 @@ def exact_reference(vk, xe: torch.Tensor, q13, q2, scales: dict[str, torch.Tenso
 
 def exact_stats(t, src, slot: dict[str, str], report, vk, views: dict[str, tuple], scales: dict[str, torch.Tensor],
                 ref: dict) -> tuple[dict, list[str], list[float]]:
-    """Each projection's rel_l2 against the source and its budget (verify_tolerance.budget), as
+    """Each projection's rel_l2 against the source and its budget (tolerance.budget), as
     weights_vs_source gives them, without either float matrix: the ints are equal, so the difference
     is the scales' alone, ||q * (s_out - s_src)|| over ||q * s_src||, each squared row sum made by
     the kernel from the int8 values. Returns (stats, problems, the weight variances of the
@@ -145,3 +145,45 @@ def exact_stats(t, src, slot: dict[str, str], report, vk, views: dict[str, tuple
             problems.append(f"{m}: weight rel_l2 {meas:.4g} vs the source exceeds its budget {bud:.4g} ({why})")
         wv.append(bud ** 2 * d / q.numel())
     return stats, problems, wv
+
+
+def lossless_values(ql, g: int, cols: torch.Tensor | None = None, rows: torch.Tensor | None = None):
+    """(int4 values int8 [N, K], scales) that a lossless conversion of the source record ``ql`` at
+    target group ``g`` writes: ``codes - 8`` and the source scales cast to the W4A8 dtype, with the
+    act-order fold's permutation applied (``cols`` of a down projection, ``rows`` of its gate and
+    up); None where the module is not lossless from its source (asymmetric, a target group across
+    source groups, no int4 codes). The rule of w4a8.lossless_possible, on the permuted record."""
+    if ql.codes is None:
+        return None
+    gi, codes, scales = ql.group_index(), ql.codes, ql.scales
+    if gi.numel() != ql.spec.k:
+        return None
+    if cols is not None:
+        codes, gi = codes[:, cols], gi[cols]
+    if rows is not None:
+        codes, scales = codes[rows], scales[rows]
+    grp = source_groups(ql, g, gi)
+    if grp is None:
+        return None
+    return (codes.to(torch.int8) - 8), scales[:, grp].to(out_scale_dtype(g))
+
+
+def ints_vs_source(m: str, got: tuple, want: tuple | None) -> list[str]:
+    """A lossless module's int4 values and scales as read (``got``) against what its source gives
+    (``lossless_values``): equal, or a problem naming the first difference. A changed int is found
+    whatever the report says and however small its float error."""
+    if want is None:
+        return []
+    out = []
+    for what, a, b in (("int4 value", got[0], want[0]), ("scale", got[1], want[1])):
+        a = a.reshape(b.shape) if a.numel() == b.numel() else a
+        if a.shape != b.shape:
+            out.append(f"{m}: {what}s shaped {list(a.shape)}, its source gives {list(b.shape)}")
+            continue
+        same = a.to(b.dtype) == b if a.dtype != b.dtype else a == b
+        if not bool(same.all()):
+            r, c = (int(v) for v in (~same).nonzero()[0])
+            out.append(f"{m}: lossless from the source, but {int((~same).sum())} {what}(s) differ from the "
+                       f"source's (the first at row {r}, column {c}: {a[r, c].item():g} here, {b[r, c].item():g} "
+                       "there)")
+    return out

@@ -12,11 +12,10 @@ import math
 
 import torch
 
-from .groups import MAX_SCALE, block
+from ..groups import block, group_scale, is_channel
 
 __all__ = ["K_ACT", "K_WEIGHT", "LOSSLESS_BOUND", "REL_MARGIN", "MAX_BUDGET", "ABS_FLOOR", "rel", "cos", "rtn_rel",
-           "report_figure", "budget", "sum_sq", "MAX_SCALE",
-           "not_finite"]
+           "report_figure", "budget", "sum_sq", "not_finite", "expert_prediction"]
 
 K_ACT = 1.5  # measured/predicted activation error is 0.95-1.05 on random and real layers
 K_WEIGHT = 2.0  # the isotropic weight-noise model is within ~1.5x on the fixtures
@@ -58,13 +57,22 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(a @ b) / den if den > 0 else 1.0
 
 
+def expert_prediction(w_var: torch.Tensor, wts: torch.Tensor, mask: torch.Tensor, ref_slots: torch.Tensor) -> float:
+    """Predicted relative output error of one expert's (ungated) outputs from its weight budgets:
+    ``w_var`` the predicted weight noise of each (token, slot), gated by the routing weight ``wts``
+    squared; ``mask`` the expert's slots; ``ref_slots`` its reference outputs there."""
+    v = w_var[mask] / (wts[mask] ** 2).clamp(min=1e-30)  # predicted_noise gated by g^2: undo it
+    den = float(ref_slots.double().norm())
+    return math.sqrt(float(v.sum())) / den if den > 0 else 0.0
+
+
 def rtn_rel(w: torch.Tensor, g: int) -> float:
     """rel_l2 of plain absmax round-to-nearest at the target group (scales rounded as shipped)."""
     n, k = w.shape
     gg = block(k, g)
     wg = w.reshape(n, k // gg, gg)
     s = wg.abs().amax(2, keepdim=True) / 7
-    s = (s.to(torch.bfloat16).float() if g != -1 else s).clamp(min=2.0**-126)
+    s = (s.to(torch.bfloat16).float() if group_scale(g) else s).clamp(min=2.0**-126)
     q = (wg / s).round().clamp(-8, 7)
     return rel((q * s).reshape(n, k), w)
 
@@ -88,7 +96,7 @@ def budget(m: str, w_src: torch.Tensor, g: int, report: dict | None, src) -> tup
     """Allowed weight rel_l2 of module m against the source, and where the number comes from.
 
     The bound is the source's own: the path the source plans for m (``src.paths`` of a
-    verify_source.Source: recomputed from the source, never read from the output) and its error
+    source.Source: recomputed from the source, never read from the output) and its error
     bound at g; the report's figure only tightens it, and MAX_BUDGET caps every budget. A forged
     report can make verify stricter, never looser.
     """
@@ -96,7 +104,7 @@ def budget(m: str, w_src: torch.Tensor, g: int, report: dict | None, src) -> tup
     if path == "reemit":
         bound, why = ABS_FLOOR, "reemit (exact)"
     elif path in ("lossless", "fold"):
-        bound, why = (ABS_FLOOR if g == -1 else LOSSLESS_BOUND), f"{path} (scale cast), from the source"
+        bound, why = (ABS_FLOOR if is_channel(g) else LOSSLESS_BOUND), f"{path} (scale cast), from the source"
     else:
         bound, why = rtn_rel(w_src, g) * (1 + REL_MARGIN) + ABS_FLOOR, "requant (<= absmax RTN), from the source"
     if bound > MAX_BUDGET:

@@ -3,9 +3,9 @@ never check less than it was asked to) and checked against what the model has.""
 
 from __future__ import annotations
 
-from .errors import UsageError
-from .verify_inputs import pick
-from .verify_structure import layer_index
+from ..errors import UsageError
+from ..architectures import layer_index
+from .random_inputs import pick
 
 __all__ = ["LAYERS_HELP", "parse_layers", "spans", "missing", "select_layers"]
 

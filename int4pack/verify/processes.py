@@ -19,13 +19,15 @@ from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
-from .errors import Int4packError
-from .verify_dense import check_linear
-from .verify_moe import check_layer
-from .verify_pool import Clock, PerThread
-from .verify_scan import Tapped
-from .verify_source import Source
-from .verify_structure import Problems, Target, _read_report
+from ..errors import Int4packError
+from .dense_linear import check_linear
+from .moe_layer import check_layer
+from .threads import Clock, PerThread
+from .shard_scan import Tapped
+from .source import Source
+from .module_checks import ModuleChecks, Problems
+from .structure import read_report
+from .w4a8_output import W4A8Output
 
 __all__ = ["MIN_WORKERS", "use_processes", "guarded", "Workers", "start"]
 
@@ -69,28 +71,30 @@ def _open(folder: str, kinds: dict, against: str | None, label: str | None, dens
     if against is not None:
         src = Source(against, None, dense)
         src.label = label
-    _state.update(t=Target(ckpt, Problems()), src=src, report=_read_report(ckpt, Problems()), work=PerThread(dict))
+    output = W4A8Output(ckpt)
+    _state.update(output=output, checks=ModuleChecks(output), src=src, report=read_report(ckpt, Problems()),
+                  work=PerThread(dict))
 
 
 def _handback(clock: Clock) -> tuple[dict, dict, dict, tuple[int, int]]:
-    t = _state["t"]
-    taps, checked = dict(t.ckpt.taps), dict(t.checked)
-    t.ckpt.taps.clear()
-    t.checked.clear()
-    return clock.s, taps, checked, (os.getpid(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    taps, done = _state["output"].ckpt.taps, _state["checks"].done
+    handed = dict(taps), dict(done)
+    taps.clear()
+    done.clear()
+    return clock.s, *handed, (os.getpid(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 
 
 def _layer(p: str, ins: dict):
-    t, src, report = _state["t"], _state["src"], _state["report"]
+    output, src, report = _state["output"], _state["src"], _state["report"]
     clock = Clock()
-    r = guarded(p, "moe", lambda: check_layer(t, p, src, report, ins, clock, pool=None, work=_state["work"]))
+    r = guarded(p, "moe", lambda: check_layer(output, p, src, report, ins, clock, pool=None, work=_state["work"]))
     return (r, *_handback(clock))
 
 
 def _dense(m: str, x: torch.Tensor):
-    t, src, report = _state["t"], _state["src"], _state["report"]
+    output, src, report = _state["output"], _state["src"], _state["report"]
     clock = Clock()
-    r = guarded(m, "dense", lambda: check_linear(t, m, src, report, x, clock))
+    r = guarded(m, "dense", lambda: check_linear(output, m, src, report, x, clock))
     return (r, *_handback(clock))
 
 
@@ -101,16 +105,18 @@ def _ready() -> bool:
 class Workers:
     """``count`` worker processes for one verify, forked when made (before the caller starts any
     thread: a fork copies no other thread, and none of their locks); ``run`` takes the tasks in,
-    results come back to ``done(kind, name, result)``, their clocks, checksums and checks into ``t``."""
+    results come back to ``done(kind, name, result)``, their clocks, checksums and module checks into
+    ``checks``."""
 
-    def __init__(self, t: Target, count: int, src: Source | None):
-        self.t, self.count = t, count
+    def __init__(self, checks: ModuleChecks, count: int, src: Source | None):
+        self.checks, self.count = checks, count
+        output = checks.output
         self.peak_kb: dict[int, int] = {}  # each worker's peak RSS (KB), from its hand-backs
         against = None if src is None else str(src.ckpt.folder)
         # fork: no second import of torch, and a script calling verify is not run again (spawn
         # and forkserver import the caller's __main__ in every worker)
         self.pool = ProcessPoolExecutor(max_workers=count, mp_context=multiprocessing.get_context("fork"),
-                                        initializer=_open, initargs=(str(t.ckpt.folder), dict(t.ckpt.kinds),
+                                        initializer=_open, initargs=(str(output.ckpt.folder), dict(output.ckpt.kinds),
                                                                      against, None if src is None else src.label,
                                                                      "w4a8" if src is None else src.dense))
         try:
@@ -132,8 +138,8 @@ class Workers:
                 continue
             self.peak_kb[pid] = max(self.peak_kb.get(pid, 0), rss_kb)
             clock.add(s)
-            self.t.ckpt.taps.update(taps)
-            self.t.checked.update(checked)
+            self.checks.output.ckpt.taps.update(taps)
+            self.checks.done.update(checked)
             done(kind, name, r)
 
     def peak_rss_mb(self) -> int:
@@ -144,10 +150,10 @@ class Workers:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def start(t: Target, count: int, src: Source | None) -> Workers | None:
+def start(checks: ModuleChecks, count: int, src: Source | None) -> Workers | None:
     """``count`` workers, or None where they cannot start (a worker that cannot open the output or
     the source, a process limit): the numerical pass then runs on threads."""
     try:
-        return Workers(t, count, src)
+        return Workers(checks, count, src)
     except (BrokenProcessPool, OSError):
         return None
