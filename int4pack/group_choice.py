@@ -30,7 +30,7 @@ def predict_path(spec: LinearSpec, g: int, folded: bool) -> str:
     # each target group inside one source group: the ints carry over unchanged
     same_group = nests(spec.group_size, spec.k, g)
     if spec.sym and same_group and not spec.act_order:
-        return "reemit" if spec.fmt == "ct-int" else "lossless"
+        return spec.kept_path
     if folded and spec.sym and same_group:
         return "fold"
     return "requant"

@@ -48,6 +48,12 @@ class LinearSpec:
     def params(self) -> int:
         return self.n * self.k
 
+    @property
+    def kept_path(self) -> str:
+        """The path of a module whose ints carry over: an int-quantized W4A8 source is already the
+        target, its tensors re-emitted; any other is unpacked losslessly."""
+        return "reemit" if self.fmt == "ct-int" else "lossless"
+
 
 class Packing(IntEnum):
     """How a linear's int4 values are held; the C++ one-pass jobs take it as their layout argument."""

@@ -335,9 +335,7 @@ def _lossless_torch(ql: QuantLinear, g: int) -> W4A8Linear:
 def _lossless_result(ql: QuantLinear, q: torch.Tensor, scales: torch.Tensor, g: int, err: dict) -> W4A8Linear:
     err["baseline_rel_l2"] = None
     err["exact_ints"] = True
-    # an int-quantized W4A8 source is already the target: its tensors are re-emitted
-    path = "reemit" if ql.spec.fmt == "ct-int" else "lossless"
-    return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, path, err)
+    return W4A8Linear(ql.spec.name, q, scales, g, ql.bias, ql.spec.kept_path, err)
 
 
 # --------------------------------------------------------------------------- requant
