@@ -61,6 +61,68 @@ I4P_INLINE v8f sse32(const Batch& b, int64_t g, v8f s) {
   return (a[0] + a[1]) + (a[2] + a[3]);
 }
 
+#ifdef I4P_REQUANT_V3
+// sse32 in AVX2/FMA instructions (GCC builds none from vector code under -ffp-contract=off). The
+// same q: x * r, clamped where some value of the batch reaches a bound (round gives -8..7 by itself
+// to every t in [-8.5, 7.5): t = 7.5 would round to 8), rounded to nearest even. The differences
+// q * s - x (q * sh - x, + q * sl) fused: q * s is exact, so the fused difference rounds once, as
+// the plain one does. The square fused into the sum: one rounding fewer than sse32, inside the bound
+// above. So the errors differ from sse32's only within that bound: the decisions taken are the same.
+template <bool kLo, bool kHi, bool kSplit>
+I4P_REQUANT_TARGET I4P_INLINE __m256 sse32_v3(const Batch& b, int64_t g, __m256 s, __m256 r) {
+  const __m256 sh = kSplit ? _mm256_and_ps(s, _mm256_castsi256_ps(_mm256_set1_epi32(~0xF))) : s;
+  const __m256 sl = _mm256_sub_ps(s, sh), lo = _mm256_set1_ps(-8.0f), hi = _mm256_set1_ps(7.0f);
+  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t t = 0; t < g; t += 4) {
+    for (int u = 0; u < 4; ++u) {
+      const __m256 x = _mm256_load_ps(b.xs[t + u]);
+      __m256 q = _mm256_mul_ps(x, r);
+      if (kLo) q = _mm256_max_ps(q, lo);
+      if (kHi) q = _mm256_min_ps(q, hi);
+      q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m256 d = _mm256_fmsub_ps(q, sh, x);
+      if (kSplit) d = _mm256_fmadd_ps(q, sl, d);
+      a[u] = _mm256_fmadd_ps(d, d, a[u]);
+    }
+  }
+  return _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+}
+
+template <bool kSplit>
+I4P_REQUANT_TARGET __attribute__((noinline)) void errors32_v3(const Batch& b, int64_t g, const float* cand, int m,
+                                                               float* err) {
+  const __m256 wmin = _mm256_loadu_ps(b.wmin), wmax = _mm256_loadu_ps(b.wmax);
+  for (int c = 0; c < m; ++c) {
+    const __m256 s = _mm256_loadu_ps(cand + kLanes * c);
+    const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), s);  // torch: s.reciprocal()
+    // x * r is monotonic in x: the group's extremes give its extremes
+    const bool lo = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(wmin, r), _mm256_set1_ps(-8.5f), _CMP_NGE_UQ));
+    const bool hi = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(wmax, r), _mm256_set1_ps(7.5f), _CMP_NLT_UQ));
+    __m256 e;
+    if (lo && hi) {
+      e = sse32_v3<true, true, kSplit>(b, g, s, r);
+    } else if (lo) {
+      e = sse32_v3<true, false, kSplit>(b, g, s, r);
+    } else if (hi) {
+      e = sse32_v3<false, true, kSplit>(b, g, s, r);
+    } else {
+      e = sse32_v3<false, false, kSplit>(b, g, s, r);
+    }
+    _mm256_storeu_ps(err + kLanes * c, e);
+  }
+}
+#endif
+
+// err[c] = the float32 errors of the lanes at the scales cand[c], c < m ([candidate][lane])
+template <bool kSplit>
+I4P_INLINE void errors32(const Batch& b, int64_t g, const float* cand, int m, float* err) {
+#ifdef I4P_REQUANT_V3
+  errors32_v3<kSplit>(b, g, cand, m, err);
+#else
+  for (int c = 0; c < m; ++c) hist::store8(err + kLanes * c, sse32<kSplit>(b, g, load8(cand + kLanes * c)));
+#endif
+}
+
 // the first candidate of the smallest float32 error in every lane: its scale (cw), index (w) and
 // error (ew); returns the lanes where that decision is clear
 I4P_INLINE i32x8 pick(const float* cand, const float* err, int m, v8f& cw, i32x8& w, v8f& ew) {
@@ -87,7 +149,7 @@ I4P_INLINE i32x8 search(const Req& p, Batch& b, int nc, int nf, v8f& best_s, v8f
   cand0 = ship8(p, base * ratio0);
   hist::store8(cand, cand0);
   for (int c = 1; c < nc; ++c) hist::store8(cand + L * c, ship8(p, base * p.coarse[c - 1]));
-  for (int c = 0; c < nc; ++c) hist::store8(err + L * c, sse32<kSplit>(b, g, load8(cand + L * c)));
+  errors32<kSplit>(b, g, cand, nc, err);
   i32x8 wi;
   v8f ew;
   i32x8 ok = inside & pick(cand, err, nc, best_s, wi, ew);
@@ -98,21 +160,153 @@ I4P_INLINE i32x8 search(const Req& p, Batch& b, int nc, int nf, v8f& best_s, v8f
     float* err2 = b.err2.data();
     hist::store8(cand2, best_s);
     hist::store8(err2, ew);
-    for (int f = 0; f < nf; ++f) {
-      const v8f s = ship8(p, base * (rho + p.fine[f]));
-      hist::store8(cand2 + L * (f + 1), s);
-      hist::store8(err2 + L * (f + 1), sse32<kSplit>(b, g, s));
-    }
+    for (int f = 0; f < nf; ++f) hist::store8(cand2 + L * (f + 1), ship8(p, base * (rho + p.fine[f])));
+    errors32<kSplit>(b, g, cand2 + L, nf, err2 + L);
     ok &= pick(cand2, err2, nf + 1, best_s, wi, ew);
   }
   return ok;
+}
+
+// ---- a decided lane's outputs, eight lanes at a time: the same operations, in the same order, as
+// group_sse (the baseline error) and element_finish (q, statistics) run on one group, the group's
+// value t of chunk lane i (t = 8c + i) now in accumulator i of its own lane
+
+typedef float v4f __attribute__((vector_size(16)));
+using hist::f64x4;
+
+// the eight lanes as two halves of doubles
+I4P_INLINE void widen2(v8f v, f64x4& lo, f64x4& hi) {
+  v4f a, b;
+  std::memcpy(&a, &v, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof(a), sizeof(b));
+  lo = __builtin_convertvector(a, f64x4);
+  hi = __builtin_convertvector(b, f64x4);
+}
+
+// hsum's order over the eight chunk lanes a[0..8) of every lane
+template <class V>
+I4P_INLINE V fold8(const V* a) {
+  return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+// group_sse(lane l's values, g, s[l]) for every lane into out[l]
+I4P_INLINE void base8(const Batch& b, int64_t g, v8f s, double* out) {
+  const v8f r = splat(1.0f) / s;  // group_sse's 1.0f / s
+  f64x4 sl, sh;
+  widen2(s, sl, sh);
+  const int64_t full = g / 8 * 8;
+  f64x4 lo[8], hi[8];
+  for (int i = 0; i < 8; ++i) {
+    f64x4 a0 = {}, a1 = {};
+    for (int64_t t = i; t < full; t += 8) {
+      const v8f x = load8(b.xs[t]);
+      f64x4 q0, q1, x0, x1;
+      widen2(qround(x * r), q0, q1);
+      widen2(x, x0, x1);
+      const f64x4 d0 = q0 * sl - x0, d1 = q1 * sh - x1;
+      a0 += d0 * d0;
+      a1 += d1 * d1;
+    }
+    lo[i] = a0;
+    hi[i] = a1;
+  }
+  f64x4 t0 = {}, t1 = {};  // group_sse's tail, from 0.0
+  for (int64_t t = full; t < g; ++t) {
+    const v8f x = load8(b.xs[t]);
+    f64x4 q0, q1, x0, x1;
+    widen2(qround(x * r), q0, q1);
+    widen2(x, x0, x1);
+    const f64x4 d0 = q0 * sl - x0, d1 = q1 * sh - x1;
+    t0 += d0 * d0;
+    t1 += d1 * d1;
+  }
+  const f64x4 e0 = fold8(lo) + t0, e1 = fold8(hi) + t1;
+  std::memcpy(out, &e0, sizeof(e0));
+  std::memcpy(out + 4, &e1, sizeof(e1));
+}
+
+// element_finish's statistics of every lane at scale s: gdd, gvv, gwv, gmax [lane]
+struct Sums {
+  double dd[kLanes], vv[kLanes], wv[kLanes], mx[kLanes];
+};
+
+I4P_INLINE void finish8(const Batch& b, int64_t g, v8f s, Sums& o) {
+  const v8f rs = splat(1.0f) / s;  // element_finish's 1.0f / best_s
+  const int64_t full = g / 8 * 8;
+  v8f add[8], avv[8], awv[8], amx[8];
+  for (int i = 0; i < 8; ++i) {
+    v8f a = {}, vv = {}, wv = {}, mx = {};
+    for (int64_t t = i; t < full; t += 8) {
+      const v8f x = load8(b.xs[t]);
+      const v8f v = qround(x * rs) * s;  // torch: dequantize_w4a8, then v - w in float
+      const v8f d = v - x;
+      a += d * d;
+      vv += v * v;
+      wv += v * x;
+      const v8f ad = d < splat(0.0f) ? -d : d;
+      mx = ad > mx ? ad : mx;
+    }
+    add[i] = a;
+    avv[i] = vv;
+    awv[i] = wv;
+    amx[i] = mx;
+  }
+  // the tail in float64, from 0.0, then the float32 sums added (element_finish's order)
+  f64x4 dd[2] = {}, vv[2] = {}, wv[2] = {}, mx[2] = {};
+  for (int64_t t = full; t < g; ++t) {
+    const v8f x = load8(b.xs[t]);
+    const v8f v = qround(x * rs) * s, d = v - x;
+    f64x4 xd[2], vd[2], dd2[2], ad[2];
+    widen2(x, xd[0], xd[1]);
+    widen2(v, vd[0], vd[1]);
+    widen2(d, dd2[0], dd2[1]);
+    widen2(d < splat(0.0f) ? -d : d, ad[0], ad[1]);
+    for (int h = 0; h < 2; ++h) {
+      dd[h] += dd2[h] * dd2[h];
+      vv[h] += vd[h] * vd[h];
+      wv[h] += vd[h] * xd[h];
+      mx[h] = ad[h] > mx[h] ? ad[h] : mx[h];
+    }
+  }
+  v8f m = amx[0];
+  for (int i = 1; i < 8; ++i) m = amx[i] > m ? amx[i] : m;  // the largest |d| is the largest in any order
+  f64x4 sd[2], sv[2], sw[2], sm[2];
+  widen2(fold8(add), sd[0], sd[1]);
+  widen2(fold8(avv), sv[0], sv[1]);
+  widen2(fold8(awv), sw[0], sw[1]);
+  widen2(m, sm[0], sm[1]);
+  for (int h = 0; h < 2; ++h) {
+    const f64x4 a = dd[h] + sd[h], v = vv[h] + sv[h], w = wv[h] + sw[h], x = sm[h] > mx[h] ? sm[h] : mx[h];
+    std::memcpy(o.dd + 4 * h, &a, sizeof(a));
+    std::memcpy(o.vv + 4 * h, &v, sizeof(v));
+    std::memcpy(o.wv + 4 * h, &w, sizeof(w));
+    std::memcpy(o.mx + 4 * h, &x, sizeof(x));
+  }
+}
+
+// element_finish's q of one group at 1 / s = rs, written 32 codes at a time: the low byte of
+// clamp(x * rs) + 1.5 * 2^23 is qround's integer in two's complement
+I4P_INLINE void store_q(int8_t* qg, const float* x, int64_t g, float rs) {
+  const v8f vr = splat(rs), mg = splat(kMagic);
+  int64_t t = 0;
+  for (; t + 32 <= g; t += 32) {
+    u8x32 m[4];
+    for (int c = 0; c < 4; ++c) m[c] = (u8x32)(hist::qclamp(load8(x + t + 8 * c) * vr) + mg);
+    const u8x32 a = I4P_SHUF8(m[0], m[1], 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const u8x32 c = I4P_SHUF8(m[2], m[3], 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+                              0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    std::memcpy(qg + t, &a, 16);
+    std::memcpy(qg + t + 16, &c, 16);
+  }
+  for (; t < g; ++t) qg[t] = static_cast<int8_t>(qround1(x[t] * rs));
 }
 
 // the row's queued groups: searched here, then finished in their order (the row's statistics add
 // up in the same order as element_group's); a group not decided here goes through element_group
 I4P_INLINE void flush(const Req& p, Search& w, Batch& b, int64_t r) {
   if (b.n == 0) return;
-  const int64_t g = p.g;
+  const int64_t g = p.g, groups = p.k / g;
   for (int l = b.n; l < kLanes; ++l) {  // unused lanes: zero groups (never clear: not inside)
     b.wmin[l] = b.wmax[l] = 0.0f;
     for (int64_t t = 0; t < g; ++t) b.xs[t][l] = 0.0f;
@@ -123,13 +317,24 @@ I4P_INLINE void flush(const Req& p, Search& w, Batch& b, int64_t r) {
   v8f best_s, cand0;
   const i32x8 ok = p.bf16 ? search<false>(p, b, w.nc, w.nf, best_s, cand0)
                           : search<true>(p, b, w.nc, w.nf, best_s, cand0);
+  alignas(32) double base[kLanes];
+  Sums st;
+  const u64x4 any = (u64x4)ok;
+  if ((any[0] | any[1]) | (any[2] | any[3])) {
+    base8(b, g, cand0, base);  // the baseline: element_group's float64 error at the RTN candidate
+    finish8(b, g, best_s, st);
+  }
   ReqRow acc{p.rowstats + r * 6};
   for (int l = 0; l < b.n; ++l) {
+    const int64_t j = b.j[l];
     if (ok[l]) {
-      element_finish(p, r, b.j[l], b.x[l], best_s[l], 0, group_sse(b.x[l], g, cand0[l]), b.xx[l], acc);
+      store_q(p.q + r * p.k + j * g, b.x[l], g, 1.0f / best_s[l]);
+      acc.add(0, st.dd[l], b.xx[l], st.vv[l], st.wv[l], base[l], st.mx[l]);
+      p.s[r * groups + j] = best_s[l];
+      p.flags[r * groups + j] = 0;
       ++b.decided;
     } else {
-      element_group(p, w, r, b.j[l], b.x[l], acc);
+      element_group(p, w, r, j, b.x[l], acc);
       ++b.handed;
     }
   }
