@@ -373,10 +373,13 @@ def test_batches_write_the_per_job_bytes(tmp_path, monkeypatch, counted, name, s
 @needs_requant
 @pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
 @pytest.mark.parametrize("name", ["gptq_q3_asym", "awq_q3", "ct_qwen3moe_w4a16_asym_g32", "awqpack_mixtral",
-                                  "dense_qwen3moe", "dense_glm4moe", "fp8_qwen3moe_block32", "ct_qwen3moe_fp8_block"])
+                                  "dense_qwen3moe", "dense_glm4moe", "fp8_qwen3moe_block32", "ct_qwen3moe_fp8_block",
+                                  "mlx_qwen3moe_mixed", "mlx_q3_4bit_g64", "mlx_q3_mixed_4_8", "gguf_q3_q4_0",
+                                  "gguf_q3_q4_k_m", "gguf_q3_q8_0", "gguf_qwen3moe_q4_0", "gguf_qwen3moe_q4_k_m"])
 def test_requant_batches_write_the_per_job_bytes_and_report(tmp_path, monkeypatch, counted, name, serve_format):
-    """Asymmetric int4 sources and bf16/FP8 ones (decoded in the batches) requantised in the C++ batches:
-    the files and the report of the per-job path (w4a8.requantize after the readers' decoding), byte for byte."""
+    """Asymmetric int4 sources and bf16/FP8/MLX/GGUF ones (decoded in the batches) requantised in the C++
+    batches: the files and the report of the per-job path (w4a8.requantize after the readers' decoding),
+    byte for byte."""
     a, b, rep = _convert_both(FIXTURES / name, tmp_path, monkeypatch, serve_format=serve_format)
     _same_files(a, b)
     requant = sum(1 for m in rep["modules"].values() if m["path"] == "requant")

@@ -101,6 +101,25 @@ class GGUFReader(SpecsOnce):
         return FormatVerdict("gguf", f"gguf {self.ckpt.arch.gguf_name}", evidence=ev, warnings=warnings,
                              extra={"gguf_types": dict(sorted(lin.items()))})
 
+    def gguf_in_place(self, spec: LinearSpec):
+        """For convert's requant batches (batch.py): (block bytes TensorInfo U8 [N, bytes per row], ggml
+        type) of a quantised linear ``read`` reads, which the C++ decodes in place as gguf's own
+        ``dequantize`` does (Q4_0: into ``q4_0_codes``' record); None for a float one, or rows
+        llama.cpp permuted."""
+        lin = self.ckpt.gguf_linears.get(spec.name)
+        if lin is None or lin.rows is not None or lin.qtype not in GGUF_TYPES:
+            return None
+        return self.ckpt.tensors[lin.key], lin.qtype
+
+    def float_in_place(self, spec: LinearSpec):
+        """For convert's requant batches: a float linear's weight, as float_source.float_in_place gives it."""
+        from .float_source import float_in_place
+
+        lin = self.ckpt.gguf_linears.get(spec.name)
+        if lin is None or lin.rows is not None or lin.qtype not in FLOAT_TYPES:
+            return None
+        return float_in_place(self.ckpt, spec, lin.key)
+
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         lin = self.ckpt.gguf_linears.get(spec.name)
         if lin is None:

@@ -47,6 +47,15 @@ class MLXReader(SpecsOnce):
                             "dequantised to bf16")
         return FormatVerdict("mlx", "mlx affine", evidence=ev, warnings=warnings, extra={"mlx_linears": kinds})
 
+    def mlx_in_place(self, spec: LinearSpec):
+        """For convert's requant batches (batch.py): (words, scales, biases TensorInfo, bits, group) of a
+        linear ``read`` dequantises, which the C++ decodes in place as ``dequantize`` does."""
+        lin = self.ckpt.mlx_linears.get(spec.name)
+        if lin is None:
+            return None
+        t = self.ckpt.tensors
+        return t[lin.weight], t[lin.scales], t[lin.biases], lin.bits, lin.group
+
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         lin = self.ckpt.mlx_linears.get(spec.name)
         if lin is None:

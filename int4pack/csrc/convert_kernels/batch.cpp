@@ -244,7 +244,7 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
                       int64_t* res, double* tot, int64_t* zgroups, int64_t threads) {
   std::vector<float> sscale, s;
   std::vector<int8_t> qbuf;
-  std::vector<uint8_t> zbuf, flags;
+  std::vector<uint8_t> zbuf, flags, cbuf;
   std::vector<uint16_t> bits;
   for (int64_t m = 0; m < count; ++m) {
     const int64_t* d = desc + m * kbFields;
@@ -252,6 +252,27 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
     for (int64_t i = 0; i < kbResults; ++i) r[i] = 0;
     zgroups[m] = 0;
     const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG], layout = d[kbLayout];
+    if (layout == kSrcGguf && d[kbScaleType] == kGgufQ4_0) {  // codes and zero points, as the reader gives them
+      check_float_row(d, m, out_len);
+      if (!q4_0_codes(d, m, src, src_len, cbuf, sscale, zbuf)) {
+        r[0] = kNotAsGiven;
+        continue;
+      }
+      JobArgs a{};
+      a.layout = kCodes;
+      a.data = cbuf.data();
+      a.d0 = a.n = n;
+      a.d1 = a.k = k;
+      a.sscale = sscale.data();
+      a.src_groups = k / 32;
+      a.zeros = zbuf.data();
+      a.src_group = 32;
+      a.g = g;
+      a.bf16 = d[kbBf16] != 0;
+      with_search(a, coarse, n_coarse, fine, n_fine);
+      requant_and_ship(a, d, r, tot + 6 * m, zgroups + m, qbuf, s, flags, bits, out, threads);
+      continue;
+    }
     if (layout >= kSrcBf16 && layout <= kSrcGguf) {  // a float source: its rows decoded in the float job
       check_float_row(d, m, out_len);
       const std::unique_ptr<FloatRows> rows = float_rows(d, m, src, src_len);

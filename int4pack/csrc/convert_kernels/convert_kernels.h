@@ -364,6 +364,11 @@ float half_to_float(uint16_t h);  // IEEE binary16 -> float32, exactly
 std::unique_ptr<FloatRows> float_rows(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len);
 // a GGUF type's values and bytes per block (0: not a type read here)
 int64_t gguf_block(int64_t type, int64_t& bytes);
+// GGUF Q4_0 blocks of requant_batch's row d as formats/gguf.q4_0_codes records them: codes [N, K],
+// scales |d| [N, K/32] and zero points (8; 7 where d < 0, whose codes become 15 - q); false where no
+// d is negative (the module keeps its ints: the per-module path)
+bool q4_0_codes(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len, std::vector<uint8_t>& codes,
+                std::vector<float>& scales, std::vector<uint8_t>& zeros);
 int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
                        int64_t out_len, int64_t* res, double* tot, int64_t threads);
 // the requant path of many modules (GPTQ and AWQ words with zero points), the same descriptor and

@@ -304,6 +304,34 @@ int64_t gguf_block(int64_t type, int64_t& bytes) {
   }
 }
 
+bool q4_0_codes(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len, std::vector<uint8_t>& codes,
+                std::vector<float>& scales, std::vector<uint8_t>& zeros) {
+  const int64_t n = d[kbN], k = d[kbK], blocks = k / 32;
+  I4P_CHECK(k % 32 == 0 && d[kbD0] == n && d[kbD1] == blocks * 18, "requant_batch: module ", m, ": bad Q4_0 blocks");
+  I4P_CHECK(d[kbWords] >= 0 && d[kbWords] <= src_len - n * d[kbD1], "requant_batch: module ", m,
+            ": GGUF blocks outside the mapping");
+  codes.resize(n * k);
+  scales.resize(n * blocks);
+  zeros.resize(n * blocks);
+  bool negative = false;
+  for (int64_t i = 0; i < n * blocks; ++i) {
+    const uint8_t* b = src + d[kbWords] + i * 18;
+    const uint16_t h = load<uint16_t>(b);
+    const bool nan = (h & 0x7C00u) == 0x7C00u && (h & 0x03FFu);
+    const bool neg = (h & 0x8000u) && (h & 0x7FFFu) && !nan;  // d < 0: not -0, not a NaN
+    negative |= neg;
+    const uint8_t flip = neg ? 15 : 0;
+    scales[i] = half_to_float(static_cast<uint16_t>(h & 0x7FFFu));  // np.abs(d)
+    zeros[i] = neg ? 7 : 8;
+    uint8_t* c = codes.data() + i * 32;
+    for (int j = 0; j < 16; ++j) {
+      c[j] = static_cast<uint8_t>((b[2 + j] & 0x0F) ^ flip);  // 15 - q
+      c[j + 16] = static_cast<uint8_t>((b[2 + j] >> 4) ^ flip);
+    }
+  }
+  return negative;
+}
+
 std::unique_ptr<FloatRows> float_rows(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len) {
   const int64_t n = d[kbN], k = d[kbK], layout = d[kbLayout];
   auto inside = [&](int64_t off, int64_t bytes) { return off >= 0 && bytes >= 0 && off <= src_len - bytes; };
