@@ -50,28 +50,60 @@ float bf16_value(uint16_t h) {
   return v;
 }
 
-// e4m3 byte -> float32, exactly (sign, 4 exponent bits of bias 7, 3 mantissa bits); NaN at 0x7F, 0xFF
-float e4m3_value(uint8_t b) {
-  const int e = (b >> 3) & 0x0F, m = b & 7;
-  if ((b & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
-  const float v = e == 0 ? std::ldexp(static_cast<float>(m) / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
-  return (b & 0x80) ? -v : v;
+inline float from_bits(uint32_t u) {
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+inline uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
 }
 
-// a scale as float32, as the readers decode it (formats/minifloat.py, fp8._scale_f32, mlx_checkpoint._float)
-float scale_value(const uint8_t* p, int64_t type) {
+// The two minifloats' values, exactly, in integer steps and masks the compiler vectorises (a table
+// lookup or a float operation under a condition keeps a loop scalar, and random bytes mispredict it).
+// e4m3 (sign, 4 exponent bits of bias 7, 3 mantissa bits): 2^(e - 7) (1 + m / 8); m 2^-9 where e = 0,
+// taken as e = 1 less 2^-6, exactly; NaN at 0x7F and 0xFF (its sign aside: a NaN weight or scale
+// hands the module back, whatever its bits)
+inline float e4m3_float(uint32_t b) {
+  const uint32_t e = (b >> 3) & 15u, m = b & 7u;
+  const uint32_t sub = 0u - static_cast<uint32_t>(e == 0u), nan = 0u - static_cast<uint32_t>((b & 0x7Fu) == 0x7Fu);
+  const float nrm = from_bits(((e + (sub & 1u) + 120u) << 23) | (m << 20));
+  uint32_t bits = (to_bits(nrm) & ~sub) | (to_bits(nrm - 0x1p-6f) & sub);
+  bits = (bits & ~nan) | (0x7FC00000u & nan);
+  return from_bits(bits | ((b & 0x80u) << 24));
+}
+
+// E2M1 (sign, 2 exponent bits of bias 1, 1 mantissa bit): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
+inline float e2m1_float(uint32_t n) {
+  const uint32_t e = (n >> 1) & 3u, m = n & 1u;
+  const uint32_t sub = 0u - static_cast<uint32_t>(e == 0u);
+  const uint32_t bits = ((((e + 126u) << 23) | (m << 22)) & ~sub) | (m * 0x3F000000u & sub);
+  return from_bits(bits | ((n & 8u) << 28));
+}
+
+// count scales of a type (ScaleType, MiniScaleType) as float32, as the readers decode them
+// (formats/minifloat.py, fp8._scale_f32, mlx_checkpoint._float): E8M0 is 2^(e - 127) (e = 0: 2^-127), NaN at 255
+I4P_CLONES void scales_float(const uint8_t* p, int64_t count, int64_t type, float* out) {
   switch (type) {
-    case kScaleF32: return load<float>(p);
-    case kScaleF16: return half_to_float(load<uint16_t>(p));
-    case kScaleBf16: return bf16_value(load<uint16_t>(p));
-    case kScaleE8m0: {
-      if (*p == 255) return std::numeric_limits<float>::quiet_NaN();
-      const uint32_t w = *p == 0 ? 0x00400000u : static_cast<uint32_t>(*p) << 23;  // 2^(e - 127)
-      float v;
-      std::memcpy(&v, &w, 4);
-      return v;
-    }
-    default: return e4m3_value(*p);
+    case kScaleF32: std::memcpy(out, p, count * 4); return;
+    case kScaleF16:
+      for (int64_t i = 0; i < count; ++i) out[i] = half_to_float(load<uint16_t>(p + 2 * i));
+      return;
+    case kScaleBf16:
+      for (int64_t i = 0; i < count; ++i) out[i] = from_bits(static_cast<uint32_t>(load<uint16_t>(p + 2 * i)) << 16);
+      return;
+    case kScaleE8m0:
+      for (int64_t i = 0; i < count; ++i) {
+        const uint32_t e = p[i], zero = 0u - static_cast<uint32_t>(e == 0u), nan = 0u - static_cast<uint32_t>(e == 255u);
+        const uint32_t bits = ((e << 23) & ~zero) | (0x00400000u & zero);
+        out[i] = from_bits((bits & ~nan) | (0x7FC00000u & nan));
+      }
+      return;
+    default:
+      for (int64_t i = 0; i < count; ++i) out[i] = e4m3_float(p[i]);
+      return;
   }
 }
 
@@ -102,6 +134,24 @@ struct PlainRows : FloatRows {
 
 // ------------------------------------------------------------------------------ e4m3, E2M1 blocks
 
+// a row of e4m3 bytes (E2M1 pairs, low nibble first), each value times its block's scale srow[c / bk]:
+// the values first, in one loop (a block of 16 values is too short a loop to vectorise), then the scales
+I4P_CLONES void minifloat_row(const uint8_t* b, int64_t k, int64_t bk, const float* srow, bool e2m1, float* x) {
+  if (e2m1) {
+    for (int64_t c = 0; c < k / 2; ++c) {
+      x[2 * c] = e2m1_float(b[c] & 0x0Fu);
+      x[2 * c + 1] = e2m1_float(b[c] >> 4);
+    }
+  } else {
+    for (int64_t c = 0; c < k; ++c) x[c] = e4m3_float(b[c]);
+  }
+  for (int64_t c0 = 0, j = 0; c0 < k; c0 += bk, ++j) {
+    const int64_t c1 = std::min(k, c0 + bk);
+    const float s = srow[j];
+    for (int64_t c = c0; c < c1; ++c) x[c] = x[c] * s;
+  }
+}
+
 // (fp8.block_dequant: the e4m3 value times its block's scale; fp4._fp4_weights: the block scales
 // divided or multiplied by the global one first, then each code's value times its block's scale)
 struct BlockRows : FloatRows {
@@ -109,31 +159,17 @@ struct BlockRows : FloatRows {
   int64_t k, bn, bk, cols;
   bool e2m1;
   std::vector<float> sc;  // [ceil(N / bn), cols]
-  float lut[256];
   void row(int64_t r, float* x) const override {
     const float* srow = sc.data() + (r / bn) * cols;
     if (e2m1 && bk % 2) {  // a pair across two blocks
       const uint8_t* b = w + r * (k / 2);
       for (int64_t c = 0; c < k; c += 2) {
-        x[c] = lut[b[c / 2] & 0x0F] * srow[c / bk];
-        x[c + 1] = lut[b[c / 2] >> 4] * srow[(c + 1) / bk];
+        x[c] = e2m1_float(b[c / 2] & 0x0Fu) * srow[c / bk];
+        x[c + 1] = e2m1_float(b[c / 2] >> 4) * srow[(c + 1) / bk];
       }
       return;
     }
-    for (int64_t c0 = 0; c0 < k; c0 += bk) {
-      const float s = srow[c0 / bk];
-      const int64_t c1 = std::min(k, c0 + bk);
-      if (e2m1) {
-        const uint8_t* b = w + r * (k / 2);
-        for (int64_t c = c0; c < c1; c += 2) {
-          x[c] = lut[b[c / 2] & 0x0F] * s;
-          x[c + 1] = lut[b[c / 2] >> 4] * s;
-        }
-      } else {
-        const uint8_t* b = w + r * k;
-        for (int64_t c = c0; c < c1; ++c) x[c] = lut[b[c]] * s;
-      }
-    }
+    minifloat_row(w + r * (e2m1 ? k / 2 : k), k, bk, srow, e2m1, x);
   }
 };
 
@@ -166,10 +202,8 @@ struct MlxRows : FloatRows {
   void row(int64_t r, float* x) const override {
     const int64_t groups = k / group, item = scale_bytes(type);
     float sv[kMlxMaxGroups], bv[kMlxMaxGroups];
-    for (int64_t j = 0; j < groups; ++j) {
-      sv[j] = scale_value(s + (r * groups + j) * item, type);
-      bv[j] = scale_value(b + (r * groups + j) * item, type);
-    }
+    scales_float(s + r * groups * item, groups, type, sv);
+    scales_float(b + r * groups * item, groups, type, bv);
     mlx_row(w + r * (k * bits / 8), sv, bv, k, group, bits, x);
   }
   static constexpr int64_t kMlxMaxGroups = 1 << 12;
@@ -192,35 +226,48 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
+// the 32 values of a block of 16 bytes of nibbles (element j < 16: low nibble of byte j, else the high
+// nibble of byte j - 16) as f(nibble, j)
+template <class F>
+I4P_INLINE void nibbles32(const uint8_t* qs, float* o, const F& f) {
+  for (int j = 0; j < 16; ++j) o[j] = f(qs[j] & 0x0F, j);
+  for (int j = 0; j < 16; ++j) o[16 + j] = f(qs[j] >> 4, 16 + j);
+}
+
 I4P_CLONES void gguf_row(int64_t type, const uint8_t* p, int64_t k, float* x) {
   switch (type) {
-    case kGgufQ4_1:
-    case kGgufQ5_0:
-    case kGgufQ5_1:
-    case kGgufIq4Nl: {  // 32 values: d (and m) fp16, the high bits (Q5), 16 bytes of nibbles
-      const bool q5 = type == kGgufQ5_0 || type == kGgufQ5_1, min = type == kGgufQ4_1 || type == kGgufQ5_1;
-      const int64_t bytes = 18 + (min ? 2 : 0) + (q5 ? 4 : 0);
+    case kGgufQ4_1:  // d, m fp16, 16 bytes of nibbles: (d * q) + m
+      for (int64_t i = 0; i < k / 32; ++i, p += 20) {
+        const float d = half_to_float(load<uint16_t>(p)), m = half_to_float(load<uint16_t>(p + 2));
+        nibbles32(p + 4, x + 32 * i, [&](int q, int) I4P_LAMBDA_INLINE { return d * static_cast<float>(q) + m; });
+      }
+      return;
+    case kGgufQ5_0:  // d fp16, the 5th bits (uint32), nibbles: d * (q - 16)
+    case kGgufQ5_1: {  // d, m fp16, the 5th bits, nibbles: (d * q) + m
+      const bool min = type == kGgufQ5_1;
+      const int64_t bytes = min ? 24 : 22;
       for (int64_t i = 0; i < k / 32; ++i, p += bytes) {
-        const float d = half_to_float(load<uint16_t>(p));
-        const float m = min ? half_to_float(load<uint16_t>(p + 2)) : 0.0f;
-        const uint32_t qh = q5 ? load<uint32_t>(p + (min ? 4 : 2)) : 0;
-        const uint8_t* qs = p + bytes - 16;
-        float* o = x + 32 * i;
-        for (int j = 0; j < 32; ++j) {
-          const int lo = (j < 16 ? qs[j] : qs[j - 16] >> 4) & 0x0F;
-          if (type == kGgufIq4Nl) {
-            o[j] = d * static_cast<float>(kIq4Values[lo]);
-          } else if (type == kGgufQ4_1) {
-            o[j] = d * static_cast<float>(lo) + m;
-          } else {
-            const int q = lo | static_cast<int>(((qh >> j) & 1u) << 4);
-            o[j] = min ? d * static_cast<float>(q) + m : d * static_cast<float>(q - 16);
-          }
+        const float d = half_to_float(load<uint16_t>(p)), m = min ? half_to_float(load<uint16_t>(p + 2)) : 0.0f;
+        const uint32_t qh = load<uint32_t>(p + (min ? 4 : 2));
+        auto q5 = [&](int q, int j) I4P_LAMBDA_INLINE { return q | static_cast<int>(((qh >> j) & 1u) << 4); };
+        if (min) {
+          nibbles32(p + 8, x + 32 * i,
+                    [&](int q, int j) I4P_LAMBDA_INLINE { return d * static_cast<float>(q5(q, j)) + m; });
+        } else {
+          nibbles32(p + 6, x + 32 * i,
+                    [&](int q, int j) I4P_LAMBDA_INLINE { return d * static_cast<float>(q5(q, j) - 16); });
         }
       }
       return;
     }
-    case kGgufQ8_0:  // 32 values: d fp16, 32 int8
+    case kGgufIq4Nl:  // d fp16, nibbles indexing the IQ4 values: d * value
+      for (int64_t i = 0; i < k / 32; ++i, p += 18) {
+        const float d = half_to_float(load<uint16_t>(p));
+        nibbles32(p + 2, x + 32 * i,
+                  [&](int q, int) I4P_LAMBDA_INLINE { return d * static_cast<float>(kIq4Values[q]); });
+      }
+      return;
+    case kGgufQ8_0:  // d fp16, 32 int8: q * d
       for (int64_t i = 0; i < k / 32; ++i, p += 34) {
         const float d = half_to_float(load<uint16_t>(p));
         const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
@@ -240,11 +287,13 @@ I4P_CLONES void gguf_row(int64_t type, const uint8_t* p, int64_t k, float* x) {
           k_scale_min(p + 4, sb, sc, mn);
           const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(mn);
           const uint8_t* b = qs + 32 * (sb / 2);
+          const int shift = 4 * (sb % 2);
           float* o = x + 256 * i + 32 * sb;
-          for (int j = 0; j < 32; ++j) {
-            int q = (b[j] >> (4 * (sb % 2))) & 0x0F;
-            if (q5) q |= ((qh[j] >> sb) & 1) << 4;
-            o[j] = dl * static_cast<float>(q) - ml;
+          if (q5) {
+            for (int j = 0; j < 32; ++j)
+              o[j] = dl * static_cast<float>(((b[j] >> shift) & 0x0F) | (((qh[j] >> sb) & 1) << 4)) - ml;
+          } else {
+            for (int j = 0; j < 32; ++j) o[j] = dl * static_cast<float>((b[j] >> shift) & 0x0F) - ml;
           }
         }
       }
@@ -254,12 +303,18 @@ I4P_CLONES void gguf_row(int64_t type, const uint8_t* p, int64_t k, float* x) {
       for (int64_t i = 0; i < k / 256; ++i, p += 210) {
         const float d = half_to_float(load<uint16_t>(p + 208));
         const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-        float* o = x + 256 * i;
-        for (int e = 0; e < 256; ++e) {
-          const int h = e / 128, f = e % 128;
-          const int lo = (p[64 * h + f % 64] >> (4 * (f / 64))) & 0x0F;
-          const int hi = (p[128 + 32 * h + f % 32] >> (2 * (f / 32))) & 0x03;
-          o[e] = (d * static_cast<float>(sc[e / 16])) * static_cast<float>((lo | (hi << 4)) - 32);
+        for (int h = 0; h < 2; ++h) {
+          for (int c = 0; c < 4; ++c) {  // values 128 h + 32 c + j: nibble c / 2 of byte 64 h + 32 (c % 2) + j,
+            const uint8_t* lo = p + 64 * h + 32 * (c % 2);  // bits 2c of byte 128 + 32 h + j
+            const uint8_t* hi = p + 128 + 32 * h;
+            const int ls = 4 * (c / 2), hs = 2 * c;
+            float* o = x + 256 * i + 128 * h + 32 * c;
+            for (int half = 0; half < 2; ++half) {  // 16 values a scale
+              const float dl = d * static_cast<float>(sc[8 * h + 2 * c + half]);
+              for (int j = 16 * half; j < 16 * half + 16; ++j)
+                o[j] = dl * static_cast<float>((((lo[j] >> ls) & 0x0F) | (((hi[j] >> hs) & 0x03) << 4)) - 32);
+            }
+          }
         }
       }
       return;
@@ -270,9 +325,8 @@ I4P_CLONES void gguf_row(int64_t type, const uint8_t* p, int64_t k, float* x) {
         for (int sb = 0; sb < 8; ++sb) {
           const int lo = (p[4 + sb / 2] >> (4 * (sb % 2))) & 0x0F, hi = (sh >> (2 * sb)) & 0x03;
           const float dl = d * static_cast<float>((lo | (hi << 4)) - 32);
-          const uint8_t* qs = p + 8 + 16 * sb;
-          float* o = x + 256 * i + 32 * sb;
-          for (int j = 0; j < 32; ++j) o[j] = dl * static_cast<float>(kIq4Values[(j < 16 ? qs[j] : qs[j - 16] >> 4) & 0x0F]);
+          nibbles32(p + 8 + 16 * sb, x + 256 * i + 32 * sb,
+                    [&](int q, int) I4P_LAMBDA_INLINE { return dl * static_cast<float>(kIq4Values[q]); });
         }
       }
       return;
@@ -363,11 +417,10 @@ std::unique_ptr<FloatRows> float_rows(const int64_t* d, int64_t m, const uint8_t
     rows->cols = cols;
     rows->e2m1 = e2m1;
     rows->sc.resize(brows * cols);
-    for (int64_t i = 0; i < brows * cols; ++i) {
-      const float v = scale_value(src + d[kbScales] + i * scale_bytes(t), t);
-      if (!std::isfinite(v) || v < 0.0f) return nullptr;  // the reader refuses the module: it words why
-      rows->sc[i] = v;
-    }
+    scales_float(src + d[kbScales], brows * cols, t, rows->sc.data());
+    bool ok = true;
+    for (const float v : rows->sc) ok &= v >= 0.0f && v <= std::numeric_limits<float>::max();  // false for a NaN
+    if (!ok) return nullptr;  // the reader refuses the module: it words why
     if (e2m1) {
       const uint32_t gbits = static_cast<uint32_t>(d[kbZerosBytes]);
       float gs;
@@ -377,11 +430,6 @@ std::unique_ptr<FloatRows> float_rows(const int64_t* d, int64_t m, const uint8_t
       } else if (d[kbZeroByte] == 2) {
         for (float& v : rows->sc) v = v * gs;
       }
-      static const float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-      for (int b = 0; b < 256; ++b) rows->lut[b] = kE2m1[b & 0x0F];
-    } else {
-      for (int b = 0; b < 256; ++b) rows->lut[b] = e4m3_value(static_cast<uint8_t>(b));  // a NaN byte: NaN
     }
     return rows;
   }
