@@ -84,7 +84,8 @@ I4P_V3 V fold8(const V* a) {
   return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
 }
 
-// the queued groups of one row (the row's buffer holds their values until the row's flush)
+// the queued groups of one row (the row's buffer holds their values until the row's flush, which
+// transposes them into xs)
 struct Batch {
   int n = 0;
   int64_t j[kLanes];
@@ -99,6 +100,33 @@ struct Batch {
 // whether a job's element groups can go through the batch: a search of groups of at most kMaxG
 // values, a multiple of 4 (the accumulators), not forced into float64
 I4P_INLINE bool usable(const Req& p) { return p.search && !p.search64 && p.g <= kMaxG && p.g % 4 == 0; }
+
+// xs[t][l] = x[l][t] for t < g (an 8 x 8 transpose of each eight columns)
+I4P_V3 void transpose8(float (*xs)[kLanes], const float* const* x, int64_t g) {
+  int64_t t = 0;
+#ifdef I4P_REQUANT_V3
+  for (; t + 8 <= g; t += 8) {
+    __m256 r[8], u[8], v[8];
+    for (int l = 0; l < 8; ++l) r[l] = _mm256_loadu_ps(x[l] + t);
+    for (int l = 0; l < 8; l += 2) {
+      u[l] = _mm256_unpacklo_ps(r[l], r[l + 1]);
+      u[l + 1] = _mm256_unpackhi_ps(r[l], r[l + 1]);
+    }
+    for (int l = 0; l < 8; l += 4) {
+      v[l] = _mm256_shuffle_ps(u[l], u[l + 2], 0x44);
+      v[l + 1] = _mm256_shuffle_ps(u[l], u[l + 2], 0xEE);
+      v[l + 2] = _mm256_shuffle_ps(u[l + 1], u[l + 3], 0x44);
+      v[l + 3] = _mm256_shuffle_ps(u[l + 1], u[l + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm256_store_ps(xs[t + i], _mm256_permute2f128_ps(v[i], v[i + 4], 0x20));
+      _mm256_store_ps(xs[t + i + 4], _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+    }
+  }
+#endif
+  for (; t < g; ++t)
+    for (int l = 0; l < kLanes; ++l) xs[t][l] = x[l][t];
+}
 
 // ---- the search
 
@@ -357,9 +385,9 @@ I4P_V3 void store_q(int8_t* qg, const float* x, int64_t g, float rs) {
 I4P_V3 void flush(const Req& p, Search& w, Batch& b, int64_t r) {
   if (b.n == 0) return;
   const int64_t g = p.g, groups = p.k / g;
-  for (int l = b.n; l < kLanes; ++l) {  // unused lanes: zero groups (never clear: not inside)
-    for (int64_t t = 0; t < g; ++t) b.xs[t][l] = 0.0f;
-  }
+  alignas(32) static const float kZeros[kMaxG] = {};
+  for (int l = b.n; l < kLanes; ++l) b.x[l] = kZeros;  // unused lanes: zero groups (never clear: not inside)
+  transpose8(b.xs, b.x, g);
   const i32x8 finite = scan8(b, g);
   for (int l = 0; l < kLanes; ++l) {
     if (!finite[l]) b.wmin[l] = b.wmax[l] = 0.0f;  // a zero group: not decided here
@@ -399,7 +427,6 @@ I4P_V3 void add(const Req& p, Search& w, Batch& b, int64_t r, int64_t j, const f
   const int l = b.n++;
   b.j[l] = j;
   b.x[l] = xg;
-  for (int64_t t = 0; t < p.g; ++t) b.xs[t][l] = xg[t];
   if (b.n == kLanes) flush(p, w, b, r);
 }
 
