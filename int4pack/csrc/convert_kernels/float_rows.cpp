@@ -10,29 +10,33 @@
 
 namespace i4p {
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, f;
-  if (exp == 0) {
-    if (mant == 0) {
-      f = sign;
-    } else {  // subnormal: normalise the mantissa
-      int e = -1;
-      do {
-        ++e;
-        mant <<= 1;
-      } while (!(mant & 0x400u));
-      f = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3FFu) << 13);
-    }
-  } else if (exp == 31) {
-    f = sign | 0x7F800000u | (mant << 13);
-  } else {
-    f = sign | ((exp + 112) << 23) | (mant << 13);
-  }
-  float x;
-  std::memcpy(&x, &f, 4);
-  return x;
+namespace {
+
+inline float from_bits(uint32_t u) {
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
 }
+inline uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// IEEE binary16 -> float32, exactly, in integer steps and masks the compiler vectorises: the exponent
+// rebiased, a subnormal's mantissa times 2^-24 (exact), Inf and NaN with their mantissa bits
+inline float half_float(uint32_t h) {
+  const uint32_t e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  const uint32_t sub = 0u - static_cast<uint32_t>(e == 0u), top = 0u - static_cast<uint32_t>(e == 31u);
+  uint32_t bits = (((e + 112u) << 23) | (m << 13)) & ~sub;
+  bits |= to_bits(static_cast<float>(static_cast<int32_t>(m)) * 0x1p-24f) & sub;
+  bits = (bits & ~top) | ((0x7F800000u | (m << 13)) & top);
+  return from_bits(bits | ((h & 0x8000u) << 16));
+}
+
+}  // namespace
+
+float half_to_float(uint16_t h) { return half_float(h); }
 
 namespace {
 
@@ -48,17 +52,6 @@ float bf16_value(uint16_t h) {
   float v;
   std::memcpy(&v, &u, 4);
   return v;
-}
-
-inline float from_bits(uint32_t u) {
-  float v;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
-inline uint32_t to_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
 }
 
 // The two minifloats' values, exactly, in integer steps and masks the compiler vectorises (a table
@@ -89,7 +82,7 @@ I4P_CLONES void scales_float(const uint8_t* p, int64_t count, int64_t type, floa
   switch (type) {
     case kScaleF32: std::memcpy(out, p, count * 4); return;
     case kScaleF16:
-      for (int64_t i = 0; i < count; ++i) out[i] = half_to_float(load<uint16_t>(p + 2 * i));
+      for (int64_t i = 0; i < count; ++i) out[i] = half_float(load<uint16_t>(p + 2 * i));
       return;
     case kScaleBf16:
       for (int64_t i = 0; i < count; ++i) out[i] = from_bits(static_cast<uint32_t>(load<uint16_t>(p + 2 * i)) << 16);
@@ -118,6 +111,10 @@ I4P_CLONES void bf16_row(const uint8_t* p, int64_t k, float* x) {
   }
 }
 
+I4P_CLONES void f16_row(const uint8_t* p, int64_t k, float* x) {
+  for (int64_t c = 0; c < k; ++c) x[c] = half_float(load<uint16_t>(p + 2 * c));
+}
+
 struct PlainRows : FloatRows {
   const uint8_t* w;
   int64_t k, layout;
@@ -127,7 +124,7 @@ struct PlainRows : FloatRows {
     } else if (layout == kSrcBf16) {
       bf16_row(w + r * k * 2, k, x);
     } else {
-      for (int64_t c = 0; c < k; ++c) x[c] = half_to_float(load<uint16_t>(w + (r * k + c) * 2));
+      f16_row(w + r * k * 2, k, x);
     }
   }
 };

@@ -73,9 +73,14 @@ I4P_V3 v8f qround8(v8f t) {
   return (vmin(splat(7.0f), vmax(splat(-8.0f), t)) + splat(kMagic)) - splat(kMagic);
 }
 
+// whether some lane of a mask is set
 I4P_V3 bool any(i32x8 m) {
+#ifdef I4P_REQUANT_V3
+  return _mm256_movemask_ps((__m256)m) != 0;
+#else
   const u64x4 a = (u64x4)m;
   return ((a[0] | a[1]) | (a[2] | a[3])) != 0;
+#endif
 }
 
 // hsum's order over the eight chunk lanes a[0..8) of every lane
