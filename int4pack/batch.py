@@ -67,7 +67,7 @@ _GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12
 # descriptor columns (BatchField)
 (_LAYOUT, _WORDS, _D0, _D1, _N, _K, _SCALES, _STYPE, _KN, _GS, _ZEROS, _ZBYTES, _ZBYTE, _GIDX, _GITEM,
  _GGROUP, _SRCG, _G, _BF16, _OUTQ, _OUTS, _OUTBLOB, _BLOBBYTES) = range(23)
-_CRC_A, _CRC_B, _ZLIB_Q, _ZLIB_S, _ZLIB_BLOB = 4, 5, 6, 7, 8  # result columns (BatchResult)
+_CRC_A, _CRC_B, _ZLIB_Q, _ZLIB_S, _ZLIB_BLOB, _KEPT_INTS = 4, 5, 6, 7, 8, 9  # result columns (BatchResult)
 
 
 def _source(reader, job: Job, packed: bool) -> tuple | None:
@@ -437,11 +437,11 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
                 crcs[i, j] = kernels.crc32c(raw)
         else:
             g = job.group_size
-            if requant:
+            if requant and not r[_KEPT_INTS]:
                 stats = {name: _requant_stats(kernels, tot[i], zgroups[i], roles[name],
                                               normalize_group(g, job.specs[0].k))}
-            else:
-                stats = {name: _stats(ErrorStats, tot[i], roles[name], normalize_group(g, job.specs[0].k))}
+            else:  # lossless (in a requant batch: a GGUF Q4_0 module whose ints it kept)
+                stats = {name: _stats(ErrorStats, tot[i][:5], roles[name], normalize_group(g, job.specs[0].k))}
             if packed:
                 spec = job.specs[0]
                 stats[name]["packed"] = {"n": spec.n, "k": spec.k, "group_size": g, "bias": False,

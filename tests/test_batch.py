@@ -571,8 +571,8 @@ def test_the_batch_columns_and_job_statuses_are_the_librarys():
             batch._GGROUP, batch._SRCG, batch._G, batch._BF16, batch._OUTQ, batch._OUTS, batch._OUTBLOB,
             batch._BLOBBYTES)
     assert dict(zip(names, cols)) == {n: f[n] for n in names} and batch.FIELDS == f["fields"]
-    assert (batch._CRC_A, batch._CRC_B, batch._ZLIB_Q, batch._ZLIB_S, batch._ZLIB_BLOB) == tuple(
-        r[n] for n in ("crc_a", "crc_b", "zlib_q", "zlib_s", "zlib_blob"))
+    assert (batch._CRC_A, batch._CRC_B, batch._ZLIB_Q, batch._ZLIB_S, batch._ZLIB_BLOB, batch._KEPT_INTS) == tuple(
+        r[n] for n in ("crc_a", "crc_b", "zlib_q", "zlib_s", "zlib_blob", "kept_ints"))
     assert batch._SCALE_TYPES == t["scale_type"]
     assert t["job_status"]["done"] == 0 and len(set(t["job_status"].values())) == len(t["job_status"]) == 6
     spec = LinearSpec(name="m", fmt="gptq", n=8, k=64, group_size=32, sym=True, act_order=False, bits=4,

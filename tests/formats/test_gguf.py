@@ -198,7 +198,13 @@ def test_convert_and_verify_against_the_gguf(tmp_path, qtype, serve_format):
     assert res["ok"], res
 
 
-def test_q4_0_keeps_its_ints_where_every_scale_is_positive(tmp_path):
+def test_q4_0_keeps_its_ints_where_every_scale_is_positive(tmp_path, monkeypatch, counted):
+    """The report says lossless and the ints are gguf's; convert's C++ requant batches (which keep the
+    ints of a Q4_0 module they find symmetric) write the per-module path's files and report."""
+    import filecmp
+
+    from int4pack import batch
+
     p = write_qwen3moe(tmp_path / "m.gguf")
     raw = bytearray(p.read_bytes())
     r = gguf.GGUFReader(p)
@@ -211,6 +217,15 @@ def test_q4_0_keeps_its_ints_where_every_scale_is_positive(tmp_path):
     ref = _producer(p)
     out = tmp_path / "out"
     rep = int4pack.convert(p, out)
+    monkeypatch.setattr(batch, "ENABLED", False)
+    rep_b = int4pack.convert(p, tmp_path / "per_module")
+    varies = ("seconds", "seconds_plan", "workers")
+    assert json.dumps({k: v for k, v in rep.items() if k not in varies}).replace(str(out), "OUT") == \
+        json.dumps({k: v for k, v in rep_b.items() if k not in varies}).replace(str(tmp_path / "per_module"), "OUT")
+    for f in sorted(x.name for x in out.iterdir()):
+        assert filecmp.cmp(out / f, tmp_path / "per_module" / f, shallow=False), f
+    experts = sum(1 for m in rep["modules"] if ".experts." in m)
+    assert counted["batched"] >= experts and counted["handed_back"] == 0
     st = rep["modules"]["model.layers.0.mlp.experts.2.down_proj"]
     assert st["path"] == "lossless" and st["exact_ints"] is True
     with safe_open(out / "model.safetensors", "pt") as f:

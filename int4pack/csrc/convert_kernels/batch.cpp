@@ -254,10 +254,7 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
     const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG], layout = d[kbLayout];
     if (layout == kSrcGguf && d[kbScaleType] == kGgufQ4_0) {  // codes and zero points, as the reader gives them
       check_float_row(d, m, out_len);
-      if (!q4_0_codes(d, m, src, src_len, cbuf, sscale, zbuf)) {
-        r[0] = kNotAsGiven;
-        continue;
-      }
+      const bool negative = q4_0_codes(d, m, src, src_len, cbuf, sscale, zbuf);
       JobArgs a{};
       a.layout = kCodes;
       a.data = cbuf.data();
@@ -265,12 +262,23 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
       a.d1 = a.k = k;
       a.sscale = sscale.data();
       a.src_groups = k / 32;
-      a.zeros = zbuf.data();
+      a.zeros = negative ? zbuf.data() : nullptr;
       a.src_group = 32;
       a.g = g;
       a.bf16 = d[kbBf16] != 0;
-      with_search(a, coarse, n_coarse, fine, n_fine);
-      requant_and_ship(a, d, r, tot + 6 * m, zgroups + m, qbuf, s, flags, bits, out, threads);
+      if (negative) {
+        with_search(a, coarse, n_coarse, fine, n_fine);
+        requant_and_ship(a, d, r, tot + 6 * m, zgroups + m, qbuf, s, flags, bits, out, threads);
+      } else {  // symmetric: the ints kept, as the per-module path keeps them (lossless_batch's steps)
+        r[kbKeptInts] = 1;
+        int8_t* q = q_target(d, d[kbOutBlob] >= 0, qbuf, out);
+        s.resize(n * (k / g));
+        const int64_t st = lossless_job(a, q, s.data(), tot + 6 * m, r + 1, threads);
+        r[0] = st;
+        if (st == kDone)
+          ship(d, r, q, s, bits, a.bf16 != 0, d[kbOutBlob] >= 0, n, k, g, n * (k / g) * (a.bf16 ? 2 : 4), out,
+               threads);
+      }
       continue;
     }
     if (layout >= kSrcBf16 && layout <= kSrcGguf) {  // a float source: its rows decoded in the float job

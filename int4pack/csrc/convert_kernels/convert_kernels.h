@@ -330,10 +330,12 @@ enum ScaleType : int64_t { I4P_SCALE_TYPE(I4P_ENUM_ITEM) };
   X(kbFields, 24, fields)
 enum BatchField : int64_t { I4P_BATCH_FIELD(I4P_ENUM_ITEM) };
 // one module's results (int64): status (JobStatus, or kNotAsGiven), report [3], CRC-32C of the first
-// and second output (blob, or weight and scales), zlib CRC-32 of q, scales and blob (packed only)
+// and second output (blob, or weight and scales), zlib CRC-32 of q, scales and blob (packed only), and
+// 1 where a requant batch's module kept its ints (GGUF Q4_0 without a negative scale: its sums are
+// lossless_job's five)
 #define I4P_BATCH_RESULT(X)                                                                                  \
   X(kbStatus, 0, status) X(kbReport, 1, report) X(kbCrcA, 4, crc_a) X(kbCrcB, 5, crc_b) X(kbZlibQ, 6, zlib_q) \
-  X(kbZlibS, 7, zlib_s) X(kbZlibBlob, 8, zlib_blob) X(kbResults, 10, results)                                \
+  X(kbZlibS, 7, zlib_s) X(kbZlibBlob, 8, zlib_blob) X(kbKeptInts, 9, kept_ints) X(kbResults, 10, results)    \
   X(kNotAsGiven, 100, not_as_given) /* the per-module path reads this module otherwise: run it there */
 enum BatchResult : int64_t { I4P_BATCH_RESULT(I4P_ENUM_ITEM) };
 // float sources in requant_batch (batch.py, _float_row): the row's layout says what the weight is
@@ -366,7 +368,7 @@ std::unique_ptr<FloatRows> float_rows(const int64_t* d, int64_t m, const uint8_t
 int64_t gguf_block(int64_t type, int64_t& bytes);
 // GGUF Q4_0 blocks of requant_batch's row d as formats/gguf.q4_0_codes records them: codes [N, K],
 // scales |d| [N, K/32] and zero points (8; 7 where d < 0, whose codes become 15 - q); false where no
-// d is negative (the module keeps its ints: the per-module path)
+// d is negative (the module keeps its ints: codes, scales |d| = d and no zero points)
 bool q4_0_codes(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len, std::vector<uint8_t>& codes,
                 std::vector<float>& scales, std::vector<uint8_t>& zeros);
 int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
