@@ -12,6 +12,10 @@
 * every other type of GGUF_TYPES (Q4_1, Q5_0/Q5_1, Q8_0, Q4_K/Q5_K/Q6_K, IQ4_NL/IQ4_XS) and float
   experts: dequantised to float32 by gguf's own ``gguf.quants.dequantize`` and requantised by
   convert's error-minimising search (the ``dense`` record, as for MXFP4).
+
+convert's C++ requant batches read the same modules in place (``gguf_in_place``, ``float_in_place``):
+csrc/convert_kernels/float_rows.cpp decodes each block type a row at a time with gguf's float32
+operations in gguf's order (the same bits: tests/formats/test_gguf.py), and Q4_0 into this record.
 """
 
 from __future__ import annotations

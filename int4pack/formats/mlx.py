@@ -4,7 +4,8 @@ MLX's affine value ``q * scale + bias`` has no integer zero point (mlx-lm's bias
 minimum, not a multiple of its scale), so no MLX module keeps its ints: each linear is dequantised
 exactly as mlx.core.dequantize does and requantised to symmetric int4 by convert's
 error-minimising search (the ``dense`` record, as for MXFP4). A group of 32/64/128 is kept as the
-target group where vLLM runs it.
+target group where vLLM runs it. convert's C++ requant batches read the words, scales and biases
+in place (``mlx_in_place``) and decode them a row at a time as ``dequantize`` does (float_rows.cpp).
 """
 
 from __future__ import annotations
