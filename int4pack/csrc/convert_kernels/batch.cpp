@@ -17,15 +17,6 @@ void kleidiai_pack(const int8_t* q, int64_t E, int64_t N, int64_t K, const void*
 
 namespace {
 
-template <class T>
-T load(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-bool in_range(int64_t off, int64_t bytes, int64_t len) { return off >= 0 && bytes >= 0 && off <= len - bytes; }
-
 // The checks both batch kinds make of a descriptor row: its shape, scale type, and that its source
 // tensors lie inside the mapping and its outputs inside the buffer.
 void check_row(const int64_t* d, int64_t m, const char* what, int64_t src_len, int64_t out_len) {

@@ -64,6 +64,17 @@ I4P_ARM_CRC_OP(arm_crc32cb, "crc32cb", uint32_t, "w")
 #undef I4P_ARM_CRC_OP
 #endif
 
+// a T from unaligned bytes (the host's byte order)
+template <class T>
+I4P_INLINE T load(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+// whether [off, off + bytes) lies inside [0, len)
+inline bool in_range(int64_t off, int64_t bytes, int64_t len) { return off >= 0 && bytes >= 0 && off <= len - bytes; }
+
 // byte i of the result = nibble i of w
 I4P_INLINE uint64_t spread_nibbles(uint32_t w) {
   uint64_t v = w;

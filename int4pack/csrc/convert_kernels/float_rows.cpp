@@ -40,20 +40,6 @@ float half_to_float(uint16_t h) { return half_float(h); }
 
 namespace {
 
-template <class T>
-T load(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-float bf16_value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float v;
-  std::memcpy(&v, &u, 4);
-  return v;
-}
-
 // The two minifloats' values, exactly, in integer steps and masks the compiler vectorises (a table
 // lookup or a float operation under a condition keeps a loop scalar, and random bytes mispredict it).
 // e4m3 (sign, 4 exponent bits of bias 7, 3 mantissa bits): 2^(e - 7) (1 + m / 8); m 2^-9 where e = 0,
@@ -359,8 +345,7 @@ bool q4_0_codes(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len
                 std::vector<float>& scales, std::vector<uint8_t>& zeros) {
   const int64_t n = d[kbN], k = d[kbK], blocks = k / 32;
   I4P_CHECK(k % 32 == 0 && d[kbD0] == n && d[kbD1] == blocks * 18, "requant_batch: module ", m, ": bad Q4_0 blocks");
-  I4P_CHECK(d[kbWords] >= 0 && d[kbWords] <= src_len - n * d[kbD1], "requant_batch: module ", m,
-            ": GGUF blocks outside the mapping");
+  I4P_CHECK(in_range(d[kbWords], n * d[kbD1], src_len), "requant_batch: module ", m, ": GGUF blocks outside the mapping");
   codes.resize(n * k);
   scales.resize(n * blocks);
   zeros.resize(n * blocks);
@@ -385,7 +370,7 @@ bool q4_0_codes(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len
 
 std::unique_ptr<FloatRows> float_rows(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len) {
   const int64_t n = d[kbN], k = d[kbK], layout = d[kbLayout];
-  auto inside = [&](int64_t off, int64_t bytes) { return off >= 0 && bytes >= 0 && off <= src_len - bytes; };
+  auto inside = [&](int64_t off, int64_t bytes) { return in_range(off, bytes, src_len); };
   if (layout == kSrcBf16 || layout == kSrcF16 || layout == kSrcF32) {
     I4P_CHECK(inside(d[kbWords], (layout == kSrcF32 ? 4 : 2) * n * k), "requant_batch: module ", m,
               ": weights outside the mapping");
