@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -180,10 +181,8 @@ def sources(a) -> None:
             print(json.dumps(row), flush=True)
             if a.json:
                 a.json.write_text(json.dumps(rows, indent=1))
-            import shutil
             shutil.rmtree(src, ignore_errors=True)
     finally:
-        import shutil
         shutil.rmtree(work, ignore_errors=True)
 
 
