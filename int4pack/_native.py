@@ -58,6 +58,7 @@ _SIGNATURES = {
     "i4p_ref_pack": ([_p, _i, _i, _p, _i, _i, _p, _i], _i),
     "i4p_lossless_batch": ([_p, _i, _p, _i, _p, _i, _p, _p, _i], _i),
     "i4p_requant_batch": ([_p, _i, _p, _i, _p, _i, _p, _i, _p, _i, _p, _p, _p, _i], _i),
+    "i4p_float_rows": ([_p, _i, _p, _p], _i),
     "i4p_crc32": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
     "i4p_use_crc32_clmul": ([_i], _i),
     "i4p_scales_to_float": ([_p, _i, _i, _i, _i, _p], _i),
@@ -338,6 +339,18 @@ class ConvertKernels(_Lib):
                    coarse.ctypes.data, coarse.size, fine.ctypes.data, fine.size, res.ctypes.data, tot.ctypes.data,
                    zg.ctypes.data, threads)
         return res, tot, zg
+
+    def float_rows(self, src, desc: np.ndarray) -> np.ndarray | None:
+        """Tests: the values [N, K] requant_batch decodes from the source bytes ``src`` for its descriptor
+        row ``desc`` (int64 [BATCH_FIELDS]: bf16/f16/f32, e4m3, E2M1, MLX or GGUF), or None where the
+        batch hands the module back."""
+        a = _bytes(src)
+        d = np.ascontiguousarray(desc, dtype=np.int64)
+        if d.shape != (self.BATCH_FIELDS,):
+            raise RuntimeError(f"float_rows: expected int64 [{self.BATCH_FIELDS}]")
+        out = np.empty((int(d[4]), int(d[5])), dtype=np.float32)
+        st = self._call("i4p_float_rows", a.ctypes.data, a.nbytes, d.ctypes.data, out.ctypes.data)
+        return None if st else out
 
     def use_crc32_clmul(self, on: bool) -> bool:
         """Tests: zlib's CRC-32 by carry-less multiplies (x86-64 with PCLMULQDQ) or by tables; the previous setting."""

@@ -26,9 +26,11 @@ points all 8: lossless there; close calls: torch decides them there; a v1 F nibb
 reader notes; a g_idx that is not trivial; a refusal). Their stats are requant_job's info dict.
 Float sources go the same way (``reader.float_in_place``: bf16/f16/f32 weights, or e4m3 with block
 scales, E2M1 pairs with E8M0/E4M3 block scales and NVFP4's global scale, as the float, FP8 and FP4
-readers read them): requant_batch decodes them to float32 as the
-readers do and runs the float search of w4a8.requantize; a NaN byte or a bad scale is handed back,
-and the reader words the refusal.
+readers read them; ``reader.mlx_in_place``: MLX affine words, scales and biases;
+``reader.gguf_in_place``: GGUF blocks of the types gguf_checkpoint.GGUF_TYPES names):
+requant_batch decodes them to float32 as the readers do, a row at a time inside the job, and runs
+the float search of w4a8.requantize (GGUF Q4_0: the codes and zero points the reader gives, and
+their search); a NaN byte or a bad scale is handed back, and the reader words the refusal.
 """
 
 from __future__ import annotations
@@ -59,10 +61,13 @@ _SCALE_TYPES = {"F32": 0, "F16": 1, "BF16": 2}
 # float sources (convert_kernels.h, FloatSource, MiniScaleType): the weight's kind, its block scales' type
 _FLOAT_WEIGHTS = {"BF16": 10, "F16": 11, "F32": 12, "F8_E4M3": 13, "U8": 14, "I8": 14}  # U8/I8: E2M1 pairs
 _BLOCK_SCALES = {"F32": 0, "F16": 1, "BF16": 2, "F8_E8M0": 3, "U8": 3, "F8_E4M3": 4}
+_DECODED, _MLX, _GGUF = 10, 15, 16  # the first FloatSource layout; MLX affine words, GGUF blocks
+_GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
+               "IQ4_NL": 20, "IQ4_XS": 23}  # ggml's type numbers (GgufType)
 # descriptor columns (BatchField)
 (_LAYOUT, _WORDS, _D0, _D1, _N, _K, _SCALES, _STYPE, _KN, _GS, _ZEROS, _ZBYTES, _ZBYTE, _GIDX, _GITEM,
  _GGROUP, _SRCG, _G, _BF16, _OUTQ, _OUTS, _OUTBLOB, _BLOBBYTES) = range(23)
-_CRC_A, _CRC_B, _ZLIB_Q, _ZLIB_S, _ZLIB_BLOB = 4, 5, 6, 7, 8  # result columns (BatchResult)
+_CRC_A, _CRC_B, _ZLIB_Q, _ZLIB_S, _ZLIB_BLOB, _KEPT_INTS = 4, 5, 6, 7, 8, 9  # result columns (BatchResult)
 
 
 def _source(reader, job: Job, packed: bool) -> tuple | None:
@@ -77,10 +82,11 @@ def _source(reader, job: Job, packed: bool) -> tuple | None:
     kind = job.paths.get(spec.name)
     if kind not in KINDS or g is None or (g != -1 and (g <= 0 or g >= k or k % g)):
         return None
-    if kind == "requant" and hasattr(reader, "float_in_place"):
-        got = _float_row(reader, job, spec, g, packed)
-        if got is not None:
-            return got
+    if kind == "requant":
+        for decoded in (_float_row, _mlx_row, _gguf_row):
+            got = decoded(reader, job, spec, g, packed)
+            if got is not None:
+                return got
     where = reader.in_place(spec) if hasattr(reader, "in_place") else None
     if where is None:
         return None
@@ -137,38 +143,76 @@ def _answer(kind: str, row: list, parts: list, staged: list | None) -> tuple:
     return kind, parts[0].file, row, [(t.begin, t.end) for t in parts], None
 
 
-def _float_row(reader, job: Job, spec, g: int, packed: bool) -> tuple | None:
-    """_source's answer for a module of a float source (bf16/f16/f32 weights, or e4m3 times block
-    scales: ``reader.float_in_place``), which requant_batch decodes as the reader does; None where
-    the per-job path is the only way."""
-    import numpy as np
-
+def _decoded_row(job: Job, spec, g: int, packed: bool, layout: int, parts: list, fields: dict) -> tuple | None:
+    """_source's answer for a module whose values requant_batch decodes (FloatSource): the descriptor
+    row of its weight ``parts[0]`` with ``fields`` (column -> value, or a tensor of ``parts``: its
+    offset); None where its outputs are not what the batch writes."""
     from . import kernels
 
-    where = reader.float_in_place(spec)
-    if where is None or not kernels.ext().requant_ok:
+    if not kernels.ext().requant_ok or not _outputs_fit(job, spec.n, spec.k, g, packed):
         return None
-    weight, scales, bn, bk, glob = where
-    n, k = spec.n, spec.k
-    layout = _FLOAT_WEIGHTS.get(weight.dtype)
-    if layout is None or (scales is None) != (weight.dtype in ("BF16", "F16", "F32")) or \
-            not _outputs_fit(job, n, k, g, packed):
-        return None
-    stype = 0 if scales is None else _BLOCK_SCALES.get(scales.dtype)
-    if stype is None:
-        return None
-    parts = [weight] if scales is None else [weight, scales]
     at, staged = _places(parts, {t.file for t in parts})
     row = [0] * FIELDS
-    row[_LAYOUT], row[_WORDS], row[_D0], row[_D1], row[_N], row[_K] = layout, at[id(weight)], n, k, n, k
-    row[_SCALES], row[_STYPE] = (-1, 0) if scales is None else (at[id(scales)], stype)
-    row[_GS], row[_GGROUP], row[_SRCG] = (0, 0, 0) if scales is None else (-(-k // bk), bn, bk)
-    row[_ZEROS], row[_GIDX] = -1, -1
-    if glob is not None:  # NVFP4's global scale: how it applies, and its float32 bits
-        row[_ZBYTE], row[_ZBYTES] = glob[0], int(np.float32(glob[1]).view(np.uint32))
-    row[_G], row[_BF16] = block(k, g), int(scale_dtype(g) == "bfloat16")
+    row[_LAYOUT], row[_WORDS], row[_D0], row[_D1], row[_N], row[_K] = layout, at[id(parts[0])], spec.n, spec.k, \
+        spec.n, spec.k
+    row[_SCALES] = row[_ZEROS] = row[_GIDX] = -1
+    row[_G], row[_BF16] = block(spec.k, g), int(scale_dtype(g) == "bfloat16")
     row[_OUTQ], row[_OUTS], row[_OUTBLOB] = -1, -1, -1
+    for col, v in fields.items():
+        row[col] = at[id(v)] if any(v is t for t in parts) else v
     return _answer("requant", row, parts, staged)
+
+
+def _float_row(reader, job: Job, spec, g: int, packed: bool) -> tuple | None:
+    """A module of a float source (bf16/f16/f32 weights, or e4m3 / E2M1 times block scales:
+    ``reader.float_in_place``), which requant_batch decodes as the reader does."""
+    import numpy as np
+
+    where = reader.float_in_place(spec) if hasattr(reader, "float_in_place") else None
+    if where is None:
+        return None
+    weight, scales, bn, bk, glob = where
+    layout = _FLOAT_WEIGHTS.get(weight.dtype)
+    if layout is None or (scales is None) != (weight.dtype in ("BF16", "F16", "F32")):
+        return None
+    if scales is None:
+        return _decoded_row(job, spec, g, packed, layout, [weight], {})
+    stype = _BLOCK_SCALES.get(scales.dtype)
+    if stype is None:
+        return None
+    fields = {_SCALES: scales, _STYPE: stype, _GS: -(-spec.k // bk), _GGROUP: bn, _SRCG: bk}
+    if glob is not None:  # NVFP4's global scale: how it applies, and its float32 bits
+        fields[_ZBYTE], fields[_ZBYTES] = glob[0], int(np.float32(glob[1]).view(np.uint32))
+    return _decoded_row(job, spec, g, packed, layout, [weight, scales], fields)
+
+
+def _mlx_row(reader, job: Job, spec, g: int, packed: bool) -> tuple | None:
+    """A module of an MLX affine source (``reader.mlx_in_place``: its words, scales and biases, bits
+    and group), which requant_batch decodes as mlx_checkpoint.dequantize does."""
+    where = reader.mlx_in_place(spec) if hasattr(reader, "mlx_in_place") else None
+    if where is None:
+        return None
+    words, scales, biases, bits, group = where
+    stype = _SCALE_TYPES.get(scales.dtype)
+    if stype is None or biases.dtype != scales.dtype or words.dtype != "U32":
+        return None
+    return _decoded_row(job, spec, g, packed, _MLX, [words, scales, biases],
+                        {_SCALES: scales, _STYPE: stype, _ZEROS: biases, _ZBYTE: bits, _SRCG: group,
+                         _GS: spec.k // group})
+
+
+def _gguf_row(reader, job: Job, spec, g: int, packed: bool) -> tuple | None:
+    """A module of a GGUF source (``reader.gguf_in_place``: its block bytes [N, bytes per row] and ggml
+    type), which requant_batch decodes as gguf.quants.dequantize does (Q4_0: into the codes and
+    zero points the reader gives)."""
+    where = reader.gguf_in_place(spec) if hasattr(reader, "gguf_in_place") else None
+    if where is None:
+        return None
+    blocks, qtype = where
+    number = _GGUF_TYPES.get(qtype)
+    if number is None or blocks.dtype != "U8" or len(blocks.shape) != 2:
+        return None
+    return _decoded_row(job, spec, g, packed, _GGUF, [blocks], {_STYPE: number, _D1: blocks.shape[1]})
 
 
 def _requant_source(layout, words, zeros, n: int, k: int, spec) -> bool:
@@ -356,7 +400,7 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
         ckpt.populate(b.source, lo, hi)
     if packed:  # the scales go into blobs unseen by the writer's check: the source's, before the C++ reads them
         for job, row in zip(b.jobs, b.rows):
-            if row[_LAYOUT] in _FLOAT_WEIGHTS.values():  # a float source's scales are the search's
+            if row[_LAYOUT] >= _DECODED:  # a decoded source's scales are the search's
                 continue
             sc = plan.reader.in_place(job.specs[0])[2]
             # read (pread), not checked in the mapping: numpy on a page of a shard cut under it would end the process
@@ -394,11 +438,11 @@ def _run(b: Batch, ckpt, plan, rename: dict, packed: bool, per_job, at: dict, bu
                 crcs[i, j] = kernels.crc32c(raw)
         else:
             g = job.group_size
-            if requant:
+            if requant and not r[_KEPT_INTS]:
                 stats = {name: _requant_stats(kernels, tot[i], zgroups[i], roles[name],
                                               normalize_group(g, job.specs[0].k))}
-            else:
-                stats = {name: _stats(ErrorStats, tot[i], roles[name], normalize_group(g, job.specs[0].k))}
+            else:  # lossless (in a requant batch: a GGUF Q4_0 module whose ints it kept)
+                stats = {name: _stats(ErrorStats, tot[i][:5], roles[name], normalize_group(g, job.specs[0].k))}
             if packed:
                 spec = job.specs[0]
                 stats[name]["packed"] = {"n": spec.n, "k": spec.k, "group_size": g, "bias": False,

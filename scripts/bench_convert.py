@@ -3,7 +3,7 @@
 
     python scripts/bench_convert.py --sizes 1 4 --formats gptq-sym gptq-asym awq ct --threads 1 2
     (also ct-asym, autoround; the float sources fp8, ct-fp8, bf16, nvfp4, mxfp4, modelopt-nvfp4:
-    scripts/make_synthetic.py; gguf-q4_0, gguf-q4_k and mlx: scripts/make_synthetic_gguf.py, which
+    scripts/make_synthetic.py; gguf-q4_0, gguf-q4_k, gguf-q6_k, gguf-q8_0 and mlx: scripts/make_synthetic_gguf.py, which
     needs the gguf package)
     python scripts/bench_convert.py --layers 1 --experts 16 --formats all   # every source, small
 
@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(HERE.parent))  # this checkout's int4pack, installed or not
 from make_synthetic import make  # noqa: E402
-import make_synthetic_gguf  # noqa: E402  (gguf-q4_0, gguf-q4_k, mlx)
+import make_synthetic_gguf  # noqa: E402  (gguf-*, mlx)
 
 LAYER_GB = 0.31
 
@@ -179,7 +179,7 @@ def _params(folder: Path) -> int:
 
 
 ALL = ("gptq-sym", "gptq-asym", "awq", "ct", "ct-asym", "autoround", "fp8", "ct-fp8", "bf16", "nvfp4", "mxfp4",
-       "modelopt-nvfp4", "gguf-q4_0", "gguf-q4_k", "mlx")
+       "modelopt-nvfp4", "gguf-q4_0", "gguf-q4_k", "gguf-q6_k", "gguf-q8_0", "mlx")
 
 
 def main() -> None:

@@ -8,12 +8,27 @@ from random codes, asymmetric zeros and fp16 scales, as AWQ / asym GPTQ checkpoi
 Qwen3-30B-A3B expert shapes (N=768, K=2048 and N=2048, K=768), source group 128 -> target 128
 unless --group / --target say otherwise; --threads defaults to 1 there (convert runs one
 job per worker thread).
+
+--sources FMT... times what convert's workers spend on each expert linear of a float, FP8, FP4, MLX
+or GGUF source, in CPU seconds per Gparam, one thread: a synthetic checkpoint of one
+Qwen3-30B-A3B-shaped layer with --experts experts (scripts/make_synthetic.py,
+make_synthetic_gguf.py), its plan, then each expert through the C++ requant batch where the batch
+takes it, else through the per-module path (convert.run_job). The work runs in a child process per
+tree; --compare-tree DIR times another checkout (e.g. the previous commit) in the same run, the two
+alternating, and prints this tree's CPU over that one's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -78,6 +93,99 @@ def from_codes(a) -> None:
           f"rel_l2 {out.error['rel_l2']:.5f} (RTN {out.error['baseline_rel_l2']})")
 
 
+# the child of --sources: CPU seconds of the expert linears of one checkpoint, by the path they take
+SOURCES_CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, os.environ["INT4PACK_BENCH_TREE"])
+import numpy as np
+import torch
+torch.set_num_threads(1)
+from int4pack import batch, kernels
+from int4pack.convert import run_job
+from int4pack.plan import make_plan
+from int4pack.sources.containers import open_checkpoint
+
+src, limit = sys.argv[1], int(sys.argv[2])
+with open_checkpoint(src) as ckpt:
+    plan = make_plan(ckpt)
+    jobs = [j for j in plan.jobs if j.kind == "linear" and ".experts." in j.specs[0].name][:limit]
+    coarse, fine = kernels.search_arrays(True)
+    ext = kernels.ext()
+
+    def one(job):
+        got = batch._source(plan.reader, job, False)
+        spec = job.specs[0]
+        if got is None or got[1] is None:
+            run_job(job, ckpt, plan.reader, plan)
+            return "per-module"
+        _, shard, row, spans, _ = got
+        desc = np.array([row], dtype=np.int64)
+        out = np.empty(spec.n * spec.k + 4 * spec.n * spec.k, np.uint8)
+        desc[0, 19], desc[0, 20] = 0, spec.n * spec.k  # the outputs' places (batch._OUTQ, _OUTS)
+        addr, length = ckpt.mapping(shard)
+        res, _, _ = ext.requant_batch(addr, length, desc, out, coarse, fine, 1)
+        if res[0, 0]:
+            raise SystemExit(f"{spec.name}: handed back ({int(res[0, 0])})")
+        return "batch"
+
+    for job in jobs[:2]:  # warm-up: page cache, first calls
+        one(job)
+    paths, params = set(), 0
+    t0 = time.process_time()
+    for job in jobs:
+        paths.add(one(job))
+        params += job.specs[0].n * job.specs[0].k
+    cpu = time.process_time() - t0
+print(json.dumps({"cpu_s": cpu, "params": params, "modules": len(jobs), "paths": sorted(paths)}))
+"""
+
+
+def _sources_run(tree: Path, src: Path, limit: int) -> dict:
+    env = {**os.environ, "INT4PACK_BENCH_TREE": str(tree.resolve())}
+    r = subprocess.run([sys.executable, "-c", SOURCES_CHILD, str(src), str(limit)], capture_output=True, text=True,
+                       env=env)
+    if r.returncode != 0:
+        raise SystemExit(f"{tree}: {src.name} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def sources(a) -> None:
+    """--sources: CPU s per Gparam of each source kind's expert linears (see the module docstring)."""
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    from make_synthetic import make
+    import make_synthetic_gguf
+
+    work = Path(tempfile.mkdtemp(prefix="int4pack-bench-requant-"))
+    trees = [here.parent] + ([a.compare_tree] if a.compare_tree else [])
+    rows = []
+    try:
+        for fmt in a.sources:
+            src = work / fmt
+            (make_synthetic_gguf.make if fmt in make_synthetic_gguf.FORMATS else make)(src, fmt, 1, experts=a.experts)
+            best = [None] * len(trees)
+            for rep in range(a.reps):  # the trees alternate (ABBA), the least CPU of each kept
+                order = range(len(trees)) if rep % 2 == 0 else reversed(range(len(trees)))
+                for t in order:
+                    got = _sources_run(trees[t], src, a.modules)
+                    if best[t] is None or got["cpu_s"] < best[t]["cpu_s"]:
+                        best[t] = got
+            row = {"source": fmt, "modules": best[0]["modules"]}
+            for t, b in enumerate(best):
+                tag = "" if t == 0 else "other_"
+                row[tag + "cpu_s_per_gparam"] = round(b["cpu_s"] / b["params"] * 1e9, 2)
+                row[tag + "paths"] = b["paths"]
+            if len(best) > 1:
+                row["cpu_speedup"] = round(row["other_cpu_s_per_gparam"] / row["cpu_s_per_gparam"], 2)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if a.json:
+                a.json.write_text(json.dumps(rows, indent=1))
+            shutil.rmtree(src, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (default 2, 1 with --from-codes)")
@@ -90,7 +198,16 @@ def main() -> None:
     ap.add_argument("--target", type=int, default=128, help="--from-codes: target group size (-1 channel)")
     ap.add_argument("--sym", action="store_true", help="--from-codes: symmetric source (zeros None)")
     ap.add_argument("--rtn", action="store_true", help="--from-codes: no scale search")
+    ap.add_argument("--sources", nargs="+", help="time these source kinds' expert linears (see above): "
+                    "bf16 fp8 ct-fp8 nvfp4 mxfp4 modelopt-nvfp4 mlx gguf-q4_0 gguf-q4_k ...")
+    ap.add_argument("--experts", type=int, default=16, help="--sources: experts in the layer written")
+    ap.add_argument("--modules", type=int, default=48, help="--sources: expert linears timed")
+    ap.add_argument("--compare-tree", type=Path, help="--sources: another int4pack checkout timed in the same run")
+    ap.add_argument("--json", type=Path, help="--sources: also write the rows here")
     a = ap.parse_args()
+    if a.sources:
+        sources(a)
+        return
     if a.from_codes:
         from_codes(a)
         return

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Write large synthetic GGUF and MLX MoE checkpoints in Qwen3-30B-A3B shapes (as make_synthetic.py).
 
-    python scripts/make_synthetic_gguf.py OUT --format gguf-q4_0|gguf-q4_k|mlx --layers 3
+    python scripts/make_synthetic_gguf.py OUT --format gguf-q4_0|gguf-q4_k|gguf-q6_k|gguf-q8_0|mlx --layers 3
 
 Same shapes per layer as make_synthetic.py (hidden 2048, 128 experts of 768, attention 4096/512).
 GGUF: one .gguf file written by the gguf package's GGUFWriter, fused experts ``blk.N.ffn_*_exps``
 [E, N, K], random blocks with small positive fp16 scales (Q4_0: every d > 0, so the ints are kept;
-Q4_K: the 6-bit scales and mins of tests/_gguf_files.py). MLX: safetensors as mlx-lm writes them,
+Q4_K: the 6-bit scales and mins of tests/_gguf_files.py; Q6_K: int8 scales 8..31; Q8_0: any int8). MLX: safetensors as mlx-lm writes them,
 4-bit group 64, stacked ``switch_mlp`` experts, ``config.json["quantization"]``.
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 H, I, E = 2048, 768, 128
-FORMATS = ("gguf-q4_0", "gguf-q4_k", "mlx")
+FORMATS = ("gguf-q4_0", "gguf-q4_k", "gguf-q6_k", "gguf-q8_0", "mlx")
+_GGUF = {"gguf-q4_0": "Q4_0", "gguf-q4_k": "Q4_K", "gguf-q6_k": "Q6_K", "gguf-q8_0": "Q8_0"}
 _ATTN = {"q": (4096, H), "k": (512, H), "v": (512, H), "output": (H, 4096)}
 
 
@@ -27,6 +28,15 @@ def _gguf_blocks(rng, qtype: str, rows: int, k: int) -> np.ndarray:
     if qtype == "Q4_0":
         b = rng.integers(0, 256, (rows, k // 32, 18), dtype=np.uint8)
         b[..., :2] = np.full((rows, k // 32), 0.002, np.float16).view(np.uint8).reshape(rows, k // 32, 2)
+        return b.reshape(rows, -1)
+    if qtype == "Q8_0":  # fp16 d, 32 int8
+        b = rng.integers(0, 256, (rows, k // 32, 34), dtype=np.uint8)
+        b[..., :2] = np.full((rows, k // 32), 0.0002, np.float16).view(np.uint8).reshape(rows, k // 32, 2)
+        return b.reshape(rows, -1)
+    if qtype == "Q6_K":  # 128 + 64 bytes of 6-bit values, 16 int8 scales, fp16 d
+        b = rng.integers(0, 256, (rows, k // 256, 210), dtype=np.uint8)
+        b[..., 192:208] = rng.integers(8, 32, (rows, k // 256, 16), dtype=np.uint8)
+        b[..., 208:] = np.full((rows, k // 256), 0.0002, np.float16).view(np.uint8).reshape(rows, k // 256, 2)
         return b.reshape(rows, -1)
     b = rng.integers(0, 256, (rows, k // 256, 144), dtype=np.uint8)  # Q4_K
     b[..., :4] = np.full((rows, k // 256, 2), 0.001, np.float16).view(np.uint8).reshape(rows, k // 256, 4)
@@ -130,7 +140,7 @@ def make_mlx(out: Path, layers: int, vocab: int = 4096, seed: int = 0, experts: 
 def make(out: Path, fmt: str, layers: int, experts: int = E) -> int:
     if fmt == "mlx":
         return make_mlx(out, layers, experts=experts)
-    return make_gguf(out, {"gguf-q4_0": "Q4_0", "gguf-q4_k": "Q4_K"}[fmt], layers, experts=experts)
+    return make_gguf(out, _GGUF[fmt], layers, experts=experts)
 
 
 def params(folder: Path) -> int:

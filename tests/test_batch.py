@@ -373,10 +373,13 @@ def test_batches_write_the_per_job_bytes(tmp_path, monkeypatch, counted, name, s
 @needs_requant
 @pytest.mark.parametrize("serve_format", ["compressed-tensors", "kleidiai"])
 @pytest.mark.parametrize("name", ["gptq_q3_asym", "awq_q3", "ct_qwen3moe_w4a16_asym_g32", "awqpack_mixtral",
-                                  "dense_qwen3moe", "dense_glm4moe", "fp8_qwen3moe_block32", "ct_qwen3moe_fp8_block"])
+                                  "dense_qwen3moe", "dense_glm4moe", "fp8_qwen3moe_block32", "ct_qwen3moe_fp8_block",
+                                  "mlx_qwen3moe_mixed", "mlx_q3_4bit_g64", "mlx_q3_mixed_4_8", "gguf_q3_q4_0",
+                                  "gguf_q3_q4_k_m", "gguf_q3_q8_0", "gguf_qwen3moe_q4_0", "gguf_qwen3moe_q4_k_m"])
 def test_requant_batches_write_the_per_job_bytes_and_report(tmp_path, monkeypatch, counted, name, serve_format):
-    """Asymmetric int4 sources and bf16/FP8 ones (decoded in the batches) requantised in the C++ batches:
-    the files and the report of the per-job path (w4a8.requantize after the readers' decoding), byte for byte."""
+    """Asymmetric int4 sources and bf16/FP8/MLX/GGUF ones (decoded in the batches) requantised in the C++
+    batches: the files and the report of the per-job path (w4a8.requantize after the readers' decoding),
+    byte for byte."""
     a, b, rep = _convert_both(FIXTURES / name, tmp_path, monkeypatch, serve_format=serve_format)
     _same_files(a, b)
     requant = sum(1 for m in rep["modules"].values() if m["path"] == "requant")
@@ -568,8 +571,8 @@ def test_the_batch_columns_and_job_statuses_are_the_librarys():
             batch._GGROUP, batch._SRCG, batch._G, batch._BF16, batch._OUTQ, batch._OUTS, batch._OUTBLOB,
             batch._BLOBBYTES)
     assert dict(zip(names, cols)) == {n: f[n] for n in names} and batch.FIELDS == f["fields"]
-    assert (batch._CRC_A, batch._CRC_B, batch._ZLIB_Q, batch._ZLIB_S, batch._ZLIB_BLOB) == tuple(
-        r[n] for n in ("crc_a", "crc_b", "zlib_q", "zlib_s", "zlib_blob"))
+    assert (batch._CRC_A, batch._CRC_B, batch._ZLIB_Q, batch._ZLIB_S, batch._ZLIB_BLOB, batch._KEPT_INTS) == tuple(
+        r[n] for n in ("crc_a", "crc_b", "zlib_q", "zlib_s", "zlib_blob", "kept_ints"))
     assert batch._SCALE_TYPES == t["scale_type"]
     assert t["job_status"]["done"] == 0 and len(set(t["job_status"].values())) == len(t["job_status"]) == 6
     spec = LinearSpec(name="m", fmt="gptq", n=8, k=64, group_size=32, sym=True, act_order=False, bits=4,

@@ -555,3 +555,40 @@ def test_producer_fixture_converts_and_verifies(tmp_path, name):
         assert mods and all(v["path"] == "requant" and float(v["rel_l2"]) <= float(v["baseline_rel_l2"]) * (1 + 1e-9)
                             for v in mods.values())
         assert int4pack.verify(out, against=FIXTURES / name, tokens=32)["ok"]
+
+
+def _decoded(weight: np.ndarray, layout: int, n: int, k: int, scales: np.ndarray, stype: int, bk: int,
+             glob: tuple[int, float] | None = None) -> np.ndarray | None:
+    """The values convert's C++ requant batch decodes from a weight and its block scales (one block row)."""
+    from int4pack import batch
+
+    w, sc = np.ascontiguousarray(weight).view(np.uint8).ravel(), np.ascontiguousarray(scales).view(np.uint8).ravel()
+    buf = np.concatenate([w, sc])
+    d = np.zeros(batch.FIELDS, np.int64)
+    d[[batch._LAYOUT, batch._WORDS, batch._N, batch._K, batch._SCALES, batch._STYPE, batch._GS, batch._GGROUP,
+       batch._SRCG]] = layout, 0, n, k, w.size, stype, -(-k // bk), n, bk
+    if glob is not None:
+        d[batch._ZBYTE], d[batch._ZBYTES] = glob[0], int(np.float32(glob[1]).view(np.uint32))
+    return kernels.ext().float_rows(buf, d)
+
+
+@pytest.mark.skipif(kernels.ext() is None, reason="the C++ library decodes FP8 and FP4 in convert's batches")
+def test_the_batches_decode_every_e4m3_e2m1_and_e8m0_byte():
+    """Every e4m3 byte as torch's float8_e4m3fn reads it, every E2M1 nibble as the OCP table has it, and every
+    E8M0 scale as 2^(e - 127), decoded by the C++ batches (NaN where the reference is NaN)."""
+    b = np.arange(256, dtype=np.uint8)
+    got = _decoded(b[None], 13, 1, 256, np.float32([[1.0]]), 0, 256)
+    want = torch.from_numpy(b.copy()).view(torch.float8_e4m3fn).float().numpy()[None]
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan) and np.array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32))
+    got = _decoded(b[None], 14, 1, 512, np.uint8([[127] * 16]), 3, 32)  # E8M0 127: 1.0
+    want = np.float32([[OCP_E2M1[int(x) & 15] for i in b for x in (i & 15, i >> 4)]])
+    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+    e = np.arange(255, dtype=np.uint8)  # E8M0 scales of e4m3 1.0 (0x38) per block of 1
+    got = _decoded(np.full((1, 255), 0x38, np.uint8), 13, 1, 255, e[None], 3, 1)
+    assert np.array_equal(got, np.exp2(e.astype(np.float64) - 127).astype(np.float32)[None])
+    assert _decoded(np.full((1, 1), 0x38, np.uint8), 13, 1, 1, np.uint8([[255]]), 3, 1) is None  # a NaN scale
+    s = np.arange(127, dtype=np.uint8)  # every positive E4M3 scale (NVFP4's), a global scale divided in
+    got = _decoded(np.full((1, 2 * s.size), 0x22, np.uint8), 14, 1, 4 * s.size, s[None], 4, 4, (1, 3.0))  # E2M1 1.0
+    sv = torch.from_numpy(s.copy()).view(torch.float8_e4m3fn).float().numpy() / np.float32(3.0)
+    assert np.array_equal(got[0], np.repeat(sv, 4))

@@ -214,6 +214,26 @@ I4P_EXPORT int64_t i4p_requant_batch(const uint8_t* src, int64_t src_len, const 
   });
 }
 
+// a decoded source's values [N, K] as requant_batch's job reads them (float_rows.cpp; GGUF Q4_0: (c - z) * s
+// of its codes): 0, 1 where the batch hands the module back, or -1 (tests)
+I4P_EXPORT int64_t i4p_float_rows(const uint8_t* src, int64_t src_len, const int64_t* desc, float* out) {
+  return guarded([&] {
+    const int64_t n = desc[kbN], k = desc[kbK];
+    if (desc[kbLayout] == kSrcGguf && desc[kbScaleType] == kGgufQ4_0) {
+      std::vector<uint8_t> codes, zeros;
+      std::vector<float> scales;
+      q4_0_codes(desc, 0, src, src_len, codes, scales, zeros);
+      for (int64_t i = 0; i < n * k; ++i)
+        out[i] = (static_cast<float>(codes[i]) - static_cast<float>(zeros[i / 32])) * scales[i / 32];
+      return int64_t{0};
+    }
+    const std::unique_ptr<FloatRows> rows = float_rows(desc, 0, src, src_len);
+    if (!rows) return int64_t{1};
+    for (int64_t r = 0; r < n; ++r) rows->row(r, out + r * k);
+    return int64_t{0};
+  });
+}
+
 // zlib's CRC-32 of p[0..n) continuing from crc (crc32.cpp)
 I4P_EXPORT uint32_t i4p_crc32(const uint8_t* p, int64_t n, uint32_t crc) { return crc32_extend(crc, p, n); }
 

@@ -12,6 +12,10 @@
 * every other type of GGUF_TYPES (Q4_1, Q5_0/Q5_1, Q8_0, Q4_K/Q5_K/Q6_K, IQ4_NL/IQ4_XS) and float
   experts: dequantised to float32 by gguf's own ``gguf.quants.dequantize`` and requantised by
   convert's error-minimising search (the ``dense`` record, as for MXFP4).
+
+convert's C++ requant batches read the same modules in place (``gguf_in_place``, ``float_in_place``):
+csrc/convert_kernels/float_rows.cpp decodes each block type a row at a time with gguf's float32
+operations in gguf's order (the same bits: tests/formats/test_gguf.py), and Q4_0 into this record.
 """
 
 from __future__ import annotations
@@ -106,6 +110,25 @@ class GGUFReader(SpecsOnce):
                             "tokenizer to vLLM (--tokenizer)")
         return FormatVerdict("gguf", f"gguf {self.ckpt.arch.gguf_name}", evidence=ev, warnings=warnings,
                              extra={"gguf_types": dict(sorted(lin.items()))})
+
+    def gguf_in_place(self, spec: LinearSpec):
+        """For convert's requant batches (batch.py): (block bytes TensorInfo U8 [N, bytes per row], ggml
+        type) of a quantised linear ``read`` reads, which the C++ decodes in place as gguf's own
+        ``dequantize`` does (Q4_0: into ``q4_0_codes``' record); None for a float one, or rows
+        llama.cpp permuted."""
+        lin = self.ckpt.gguf_linears.get(spec.name)
+        if lin is None or lin.rows is not None or lin.qtype not in GGUF_TYPES:
+            return None
+        return self.ckpt.tensors[lin.key], lin.qtype
+
+    def float_in_place(self, spec: LinearSpec):
+        """For convert's requant batches: a float linear's weight, as float_source.float_in_place gives it."""
+        from .float_source import float_in_place
+
+        lin = self.ckpt.gguf_linears.get(spec.name)
+        if lin is None or lin.rows is not None or lin.qtype not in FLOAT_TYPES:
+            return None
+        return float_in_place(self.ckpt, spec, lin.key)
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         lin = self.ckpt.gguf_linears.get(spec.name)

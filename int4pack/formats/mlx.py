@@ -4,7 +4,8 @@ MLX's affine value ``q * scale + bias`` has no integer zero point (mlx-lm's bias
 minimum, not a multiple of its scale), so no MLX module keeps its ints: each linear is dequantised
 exactly as mlx.core.dequantize does and requantised to symmetric int4 by convert's
 error-minimising search (the ``dense`` record, as for MXFP4). A group of 32/64/128 is kept as the
-target group where vLLM runs it.
+target group where vLLM runs it. convert's C++ requant batches read the words, scales and biases
+in place (``mlx_in_place``) and decode them a row at a time as ``dequantize`` does (float_rows.cpp).
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ class MLXReader(SpecsOnce):
             warnings.append(f"{len(derived)} quantised tensor(s) vLLM loads in float (e.g. {derived[0]}) are "
                             "dequantised to bf16")
         return FormatVerdict("mlx", "mlx affine", evidence=ev, warnings=warnings, extra={"mlx_linears": kinds})
+
+    def mlx_in_place(self, spec: LinearSpec):
+        """For convert's requant batches (batch.py): (words, scales, biases TensorInfo, bits, group) of a
+        linear ``read`` dequantises, which the C++ decodes in place as ``dequantize`` does."""
+        lin = self.ckpt.mlx_linears.get(spec.name)
+        if lin is None:
+            return None
+        t = self.ckpt.tensors
+        return t[lin.weight], t[lin.scales], t[lin.biases], lin.bits, lin.group
 
     def read(self, spec: LinearSpec, *, unpack: bool = True) -> QuantLinear:
         lin = self.ckpt.mlx_linears.get(spec.name)

@@ -20,6 +20,7 @@ import int4pack  # noqa: E402
 from _gguf_files import E, H, I, LAYERS, blocks, llama_permute, write_moe, write_qwen3moe  # noqa: E402
 from _reference import FIXTURES  # noqa: E402
 from int4pack.sources.containers import open_checkpoint  # noqa: E402
+from int4pack import kernels  # noqa: E402
 from int4pack.errors import InputError, RefusedError  # noqa: E402
 from int4pack.formats import open_reader  # noqa: E402
 from int4pack.formats.gguf import q4_0_codes  # noqa: E402
@@ -44,6 +45,46 @@ def test_q4_0_record_is_the_producers_values():
     z = np.repeat(zeros, 32, axis=1).astype(np.float32)
     got = (codes.astype(np.float32) - z) * np.repeat(d.astype(np.float32), 32, axis=1)
     assert np.array_equal(got, ref)
+
+
+def _batch_decode(raw: np.ndarray, qtype: str, n: int, k: int) -> np.ndarray:
+    """The values convert's C++ requant batch decodes from GGUF block bytes ``raw`` [N, bytes per row]."""
+    from int4pack import batch, kernels
+
+    d = np.zeros(batch.FIELDS, np.int64)
+    d[[batch._LAYOUT, batch._WORDS, batch._D0, batch._D1, batch._N, batch._K, batch._STYPE]] = \
+        batch._GGUF, 0, n, raw.shape[1], n, k, batch._GGUF_TYPES[qtype]
+    return kernels.ext().float_rows(np.ascontiguousarray(raw), d)
+
+
+def _same_values(got: np.ndarray, want: np.ndarray, signed_zeros: bool = True) -> bool:
+    """Bit for bit (or as values: 0.0 == -0.0), a NaN anywhere one is (its payload aside)."""
+    nan = np.isnan(want)
+    if not np.array_equal(np.isnan(got), nan):
+        return False
+    return np.array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32)) if signed_zeros else \
+        np.array_equal(got[~nan], want[~nan])
+
+
+@pytest.mark.skipif(kernels.ext() is None, reason="the C++ library decodes GGUF blocks in convert's batches")
+@pytest.mark.parametrize("qtype", ["Q4_0", *[t for t in REQUANT_TYPES if t != "F16"]])
+def test_the_batches_decode_blocks_as_gguf_dequantises_them(qtype):
+    """The blocks of every type convert's C++ batches read, decoded as gguf.quants.dequantize does, bit for bit:
+    blocks from gguf's quantiser (or with sane scales), every byte random (any fp16 scale: subnormal, Inf,
+    NaN), and blocks whose fp16 scales are negative."""
+    rng = np.random.default_rng(7)
+    t = gguf.GGMLQuantizationType[qtype]
+    per, size = gguf.GGML_QUANT_SIZES[t]
+    n, k = 6, 2 * 256
+    sane = blocks(rng, rng.standard_normal((n, k)).astype(np.float32), qtype)
+    wild = rng.integers(0, 256, (n, k // per * size), dtype=np.uint8)
+    for raw in (sane, wild):
+        want = quants.dequantize(raw, t)
+        got = _batch_decode(raw, qtype, n, k)
+        if qtype == "Q4_0" and not (raw.reshape(n, -1, size)[:, :, 1] & 0x80).any():
+            continue  # every d >= 0: the module keeps its ints (the per-module path)
+        # Q4_0: the codes record (c - z) * |d| makes a zero of d < 0 +0.0 where gguf's (q - 8) * d gives -0.0
+        assert got is not None and _same_values(got, want, qtype != "Q4_0"), qtype
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", *REQUANT_TYPES])
@@ -157,7 +198,13 @@ def test_convert_and_verify_against_the_gguf(tmp_path, qtype, serve_format):
     assert res["ok"], res
 
 
-def test_q4_0_keeps_its_ints_where_every_scale_is_positive(tmp_path):
+def test_q4_0_keeps_its_ints_where_every_scale_is_positive(tmp_path, monkeypatch, counted):
+    """The report says lossless and the ints are gguf's; convert's C++ requant batches (which keep the
+    ints of a Q4_0 module they find symmetric) write the per-module path's files and report."""
+    import filecmp
+
+    from int4pack import batch
+
     p = write_qwen3moe(tmp_path / "m.gguf")
     raw = bytearray(p.read_bytes())
     r = gguf.GGUFReader(p)
@@ -170,6 +217,15 @@ def test_q4_0_keeps_its_ints_where_every_scale_is_positive(tmp_path):
     ref = _producer(p)
     out = tmp_path / "out"
     rep = int4pack.convert(p, out)
+    monkeypatch.setattr(batch, "ENABLED", False)
+    rep_b = int4pack.convert(p, tmp_path / "per_module")
+    varies = ("seconds", "seconds_plan", "workers")
+    assert json.dumps({k: v for k, v in rep.items() if k not in varies}).replace(str(out), "OUT") == \
+        json.dumps({k: v for k, v in rep_b.items() if k not in varies}).replace(str(tmp_path / "per_module"), "OUT")
+    for f in sorted(x.name for x in out.iterdir()):
+        assert filecmp.cmp(out / f, tmp_path / "per_module" / f, shallow=False), f
+    experts = sum(1 for m in rep["modules"] if ".experts." in m)
+    assert counted["batched"] >= experts and counted["handed_back"] == 0
     st = rep["modules"]["model.layers.0.mlp.experts.2.down_proj"]
     assert st["path"] == "lossless" and st["exact_ints"] is True
     with safe_open(out / "model.safetensors", "pt") as f:

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import int4pack  # noqa: E402
+from int4pack import kernels  # noqa: E402
 from _reference import FIXTURES  # noqa: E402
 from int4pack.sources.containers import open_checkpoint  # noqa: E402
 from int4pack.errors import RefusedError  # noqa: E402
@@ -40,6 +41,30 @@ def _check(ck, r, spec, want: torch.Tensor) -> None:
     codes, s, b = (torch.from_numpy(x.copy()) for x in ck.linear_data(lin))
     exact = codes.float() * s.repeat_interleave(lin.group, 1) + b.repeat_interleave(lin.group, 1)
     assert torch.equal(r.read(spec).dequantize(), exact)  # float32, one rounding: what gets requantised
+
+
+@pytest.mark.skipif(kernels.ext() is None, reason="the C++ batches decode MLX")
+@pytest.mark.parametrize("name", ["mlx_qwen3moe_mixed", "mlx_q3_mixed_4_8"])
+def test_the_batches_decode_every_linear_as_mlx_values(name):
+    """convert's C++ batches decode each MLX linear (4- and 8-bit, groups 32/64/128) in place to the float32
+    q * scale + bias of the ints, scales and biases ``_check`` finds to be mlx's own."""
+    import numpy as np
+
+    from int4pack import batch
+
+    with open_checkpoint(FIXTURES / name) as ck:
+        r = open_reader(ck)
+        for m, spec in r.linears().items():
+            words, scales, biases, bits, group = r.mlx_in_place(spec)
+            parts = [ck.read_bytes(t.name) for t in (words, scales, biases)]
+            buf = np.frombuffer(b"".join(parts), np.uint8)
+            d = np.zeros(batch.FIELDS, np.int64)
+            d[[batch._LAYOUT, batch._WORDS, batch._N, batch._K, batch._SCALES, batch._STYPE, batch._ZEROS,
+               batch._ZBYTE, batch._SRCG, batch._GS]] = batch._MLX, 0, spec.n, spec.k, len(parts[0]), \
+                batch._SCALE_TYPES[scales.dtype], len(parts[0]) + len(parts[1]), bits, group, spec.k // group
+            codes, s, b = (torch.from_numpy(x.copy()) for x in ck.linear_data(ck.mlx_linears[m]))
+            exact = codes.float() * s.repeat_interleave(group, 1) + b.repeat_interleave(group, 1)
+            assert torch.equal(torch.from_numpy(kernels.ext().float_rows(buf, d)), exact), m
 
 
 # mlx_lm.convert's own folders (tests/fixtures/make_fixtures_formats.py): reference keys "<module>.weight"

@@ -17,39 +17,6 @@ void kleidiai_pack(const int8_t* q, int64_t E, int64_t N, int64_t K, const void*
 
 namespace {
 
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, f;
-  if (exp == 0) {
-    if (mant == 0) {
-      f = sign;
-    } else {  // subnormal: normalise the mantissa
-      int e = -1;
-      do {
-        ++e;
-        mant <<= 1;
-      } while (!(mant & 0x400u));
-      f = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3FFu) << 13);
-    }
-  } else if (exp == 31) {
-    f = sign | 0x7F800000u | (mant << 13);
-  } else {
-    f = sign | ((exp + 112) << 23) | (mant << 13);
-  }
-  float x;
-  std::memcpy(&x, &f, 4);
-  return x;
-}
-
-template <class T>
-T load(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof(T));
-  return v;
-}
-
-bool in_range(int64_t off, int64_t bytes, int64_t len) { return off >= 0 && bytes >= 0 && off <= len - bytes; }
-
 // The checks both batch kinds make of a descriptor row: its shape, scale type, and that its source
 // tensors lie inside the mapping and its outputs inside the buffer.
 void check_row(const int64_t* d, int64_t m, const char* what, int64_t src_len, int64_t out_len) {
@@ -137,123 +104,10 @@ void ship(const int64_t* d, int64_t* r, const int8_t* q, const std::vector<float
   }
 }
 
-// e4m3 byte -> float32, exactly (sign, 4 exponent bits of bias 7, 3 mantissa bits); NaN at 0x7F, 0xFF
-float e4m3_value(uint8_t b) {
-  const int e = (b >> 3) & 0x0F, m = b & 7;
-  if ((b & 0x7F) == 0x7F) return std::numeric_limits<float>::quiet_NaN();
-  const float v = e == 0 ? std::ldexp(static_cast<float>(m) / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
-  return (b & 0x80) ? -v : v;
-}
-
-// a block scale as float32, as the readers decode it (formats/minifloat.py, fp8._scale_f32)
-float mini_scale(const uint8_t* p, int64_t type) {
-  switch (type) {
-    case kScaleF32: return load<float>(p);
-    case kScaleF16: return half_to_float(load<uint16_t>(p));
-    case kScaleBf16: {
-      const uint32_t w = static_cast<uint32_t>(load<uint16_t>(p)) << 16;
-      float v;
-      std::memcpy(&v, &w, 4);
-      return v;
-    }
-    case kScaleE8m0: {
-      if (*p == 255) return std::numeric_limits<float>::quiet_NaN();
-      const uint32_t w = *p == 0 ? 0x00400000u : static_cast<uint32_t>(*p) << 23;  // 2^(e - 127)
-      float v;
-      std::memcpy(&v, &w, 4);
-      return v;
-    }
-    default: return e4m3_value(*p);
-  }
-}
-
-// A float-source row's weights as float32 [N, K] into w, as the per-module readers compute them
-// (float_source.FloatReader: the float cast; fp8.block_dequant: the e4m3 value times its block's
-// scale in float32). False where the reader refuses the module (an e4m3 NaN byte, a scale NaN, Inf
-// or negative): the per-module path words the refusal.
-bool float_source_values(const int64_t* d, const uint8_t* src, std::vector<float>& w) {
-  const int64_t n = d[kbN], k = d[kbK], layout = d[kbLayout];
-  w.resize(n * k);
-  const uint8_t* x = src + d[kbWords];
-  if (layout == kSrcF32) {
-    std::memcpy(w.data(), x, n * k * 4);
-    return true;
-  }
-  if (layout == kSrcBf16 || layout == kSrcF16) {
-    for (int64_t i = 0; i < n * k; ++i) {
-      const uint16_t h = load<uint16_t>(x + 2 * i);
-      if (layout == kSrcF16) {
-        w[i] = half_to_float(h);
-      } else {
-        const uint32_t u = static_cast<uint32_t>(h) << 16;
-        std::memcpy(&w[i], &u, 4);
-      }
-    }
-    return true;
-  }
-  const bool e2m1 = layout == kSrcE2m1;
-  float lut[256];
-  for (int b = 0; b < 256; ++b) lut[b] = e4m3_value(static_cast<uint8_t>(b));
-  if (!e2m1) {
-    for (int64_t i = 0; i < n * k; ++i)
-      if ((x[i] & 0x7F) == 0x7F) return false;
-  }
-  const int64_t bn = d[kbGidxGroup], bk = d[kbSrcGroup], cols = d[kbSrcGroups], rows = (n + bn - 1) / bn;
-  const int64_t item = d[kbScaleType] == kScaleF32 ? 4 : (d[kbScaleType] >= kScaleE8m0 ? 1 : 2);
-  std::vector<float> sc(rows * cols);
-  for (int64_t i = 0; i < rows * cols; ++i) {
-    sc[i] = mini_scale(src + d[kbScales] + i * item, d[kbScaleType]);
-    if (!std::isfinite(sc[i]) || sc[i] < 0.0f) return false;
-  }
-  if (e2m1) {
-    // fp4._fp4_weights: the block scales (checked) divided or multiplied by the global one in
-    // float32, then each code's value times its block's scale
-    const uint32_t gbits = static_cast<uint32_t>(d[kbZerosBytes]);
-    float gs;
-    std::memcpy(&gs, &gbits, 4);
-    if (d[kbZeroByte] == 1) {
-      for (float& v : sc) v = v / gs;
-    } else if (d[kbZeroByte] == 2) {
-      for (float& v : sc) v = v * gs;
-    }
-    static const float kE2m1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-    for (int64_t r = 0; r < n; ++r) {
-      const float* srow = sc.data() + (r / bn) * cols;
-      float* o = w.data() + r * k;
-      const uint8_t* b = x + r * (k / 2);
-      for (int64_t c = 0; c < k; c += 2) {
-        o[c] = kE2m1[b[c / 2] & 0x0F] * srow[c / bk];
-        o[c + 1] = kE2m1[b[c / 2] >> 4] * srow[(c + 1) / bk];
-      }
-    }
-    return true;
-  }
-  for (int64_t r = 0; r < n; ++r) {
-    const float* srow = sc.data() + (r / bn) * cols;
-    float* o = w.data() + r * k;
-    const uint8_t* b = x + r * k;
-    for (int64_t c = 0; c < k; ++c) o[c] = lut[b[c]] * srow[c / bk];
-  }
-  return true;
-}
-
-// the checks of a float-source row: its shape, its tensors inside the mapping, its outputs inside the buffer
-void check_float_row(const int64_t* d, int64_t m, int64_t src_len, int64_t out_len) {
-  const int64_t n = d[kbN], k = d[kbK], g = d[kbG], layout = d[kbLayout];
+// the checks of a float-source row: its shape and its outputs inside the buffer (float_rows checks its source)
+void check_float_row(const int64_t* d, int64_t m, int64_t out_len) {
+  const int64_t n = d[kbN], k = d[kbK], g = d[kbG];
   I4P_CHECK(n > 0 && k > 0 && g > 0 && k % g == 0, "requant_batch: module ", m, ": bad shape");
-  const int64_t bytes = layout == kSrcF32 ? 4 * n * k : layout == kSrcE4m3 ? n * k : layout == kSrcE2m1 ? n * k / 2
-                                                                                                   : 2 * n * k;
-  I4P_CHECK(layout != kSrcE2m1 || k % 2 == 0, "requant_batch: module ", m, ": E2M1 pairs with K odd");
-  I4P_CHECK(in_range(d[kbWords], bytes, src_len), "requant_batch: module ", m, ": weights outside the mapping");
-  if (layout == kSrcE4m3 || layout == kSrcE2m1) {
-    const int64_t bn = d[kbGidxGroup], bk = d[kbSrcGroup], cols = d[kbSrcGroups], t = d[kbScaleType];
-    I4P_CHECK(bn > 0 && bk > 0 && cols == (k + bk - 1) / bk && t >= kScaleF32 && t <= kScaleE4m3,
-              "requant_batch: module ", m, ": bad block scales");
-    const int64_t sitem = t == kScaleF32 ? 4 : (t >= kScaleE8m0 ? 1 : 2);
-    I4P_CHECK(in_range(d[kbScales], ((n + bn - 1) / bn) * cols * sitem, src_len), "requant_batch: module ", m,
-              ": scales outside the mapping");
-  }
   const int64_t sbytes = n * (k / g) * (d[kbBf16] ? 2 : 4);
   if (d[kbOutBlob] >= 0) {
     I4P_CHECK(in_range(d[kbOutBlob], d[kbBlobBytes], out_len), "requant_batch: blob outside the buffer");
@@ -340,14 +194,14 @@ static void with_search(JobArgs& a, const float* coarse, int64_t n_coarse, const
 // not finite or a refusal hands the module back (r[0])
 static void requant_and_ship(const JobArgs& a, const int64_t* d, int64_t* r, double* tot, int64_t* zgroups,
                       std::vector<int8_t>& qbuf, std::vector<float>& s, std::vector<uint8_t>& flags,
-                      std::vector<uint16_t>& bits, uint8_t* out, int64_t threads) {
+                      std::vector<uint16_t>& bits, uint8_t* out, int64_t threads, const FloatRows* rows = nullptr) {
   const int64_t n = d[kbN], k = d[kbK], g = d[kbG], groups = k / g, sbytes = n * groups * (d[kbBf16] ? 2 : 4);
   const bool packed = d[kbOutBlob] >= 0;
   int8_t* q = q_target(d, packed, qbuf, out);
   s.resize(n * groups);
   flags.resize(n * groups);
   int64_t counts[2] = {0, 0};
-  const int64_t st = requant_job(a, q, s.data(), flags.data(), tot, counts, r + 1, threads);
+  const int64_t st = requant_job(a, q, s.data(), flags.data(), tot, counts, r + 1, threads, rows);
   if (st != kDone) {
     r[0] = st;
     return;
@@ -381,24 +235,52 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
                       int64_t* res, double* tot, int64_t* zgroups, int64_t threads) {
   std::vector<float> sscale, s;
   std::vector<int8_t> qbuf;
-  std::vector<uint8_t> zbuf, flags;
+  std::vector<uint8_t> zbuf, flags, cbuf;
   std::vector<uint16_t> bits;
-  std::vector<float> fbuf;  // a float source's values
   for (int64_t m = 0; m < count; ++m) {
     const int64_t* d = desc + m * kbFields;
     int64_t* r = res + m * kbResults;
     for (int64_t i = 0; i < kbResults; ++i) r[i] = 0;
     zgroups[m] = 0;
     const int64_t n = d[kbN], k = d[kbK], gs = d[kbSrcGroups], g = d[kbG], layout = d[kbLayout];
-    if (layout >= kSrcBf16 && layout <= kSrcE2m1) {  // a float source: its values, then the float job
-      check_float_row(d, m, src_len, out_len);
-      if (!float_source_values(d, src, fbuf)) {
+    if (layout == kSrcGguf && d[kbScaleType] == kGgufQ4_0) {  // codes and zero points, as the reader gives them
+      check_float_row(d, m, out_len);
+      const bool negative = q4_0_codes(d, m, src, src_len, cbuf, sscale, zbuf);
+      JobArgs a{};
+      a.layout = kCodes;
+      a.data = cbuf.data();
+      a.d0 = a.n = n;
+      a.d1 = a.k = k;
+      a.sscale = sscale.data();
+      a.src_groups = k / 32;
+      a.zeros = negative ? zbuf.data() : nullptr;
+      a.src_group = 32;
+      a.g = g;
+      a.bf16 = d[kbBf16] != 0;
+      if (negative) {
+        with_search(a, coarse, n_coarse, fine, n_fine);
+        requant_and_ship(a, d, r, tot + 6 * m, zgroups + m, qbuf, s, flags, bits, out, threads);
+      } else {  // symmetric: the ints kept, as the per-module path keeps them (lossless_batch's steps)
+        r[kbKeptInts] = 1;
+        int8_t* q = q_target(d, d[kbOutBlob] >= 0, qbuf, out);
+        s.resize(n * (k / g));
+        const int64_t st = lossless_job(a, q, s.data(), tot + 6 * m, r + 1, threads);
+        r[0] = st;
+        if (st == kDone)
+          ship(d, r, q, s, bits, a.bf16 != 0, d[kbOutBlob] >= 0, n, k, g, n * (k / g) * (a.bf16 ? 2 : 4), out,
+               threads);
+      }
+      continue;
+    }
+    if (layout >= kSrcBf16 && layout <= kSrcGguf) {  // a float source: its rows decoded in the float job
+      check_float_row(d, m, out_len);
+      const std::unique_ptr<FloatRows> rows = float_rows(d, m, src, src_len);
+      if (!rows) {
         r[0] = kNotAsGiven;
         continue;
       }
       JobArgs a{};
       a.layout = kFloat;
-      a.data = fbuf.data();
       a.d0 = n;
       a.d1 = k;
       a.n = n;
@@ -406,7 +288,7 @@ int64_t requant_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, 
       a.g = g;
       a.bf16 = d[kbBf16] != 0;
       with_search(a, coarse, n_coarse, fine, n_fine);
-      requant_and_ship(a, d, r, tot + 6 * m, zgroups + m, qbuf, s, flags, bits, out, threads);
+      requant_and_ship(a, d, r, tot + 6 * m, zgroups + m, qbuf, s, flags, bits, out, threads, rows.get());
       continue;
     }
     I4P_CHECK(layout == kGptq || layout == kAwq || layout == kCt, "requant_batch: module ", m, ": layout ", layout);

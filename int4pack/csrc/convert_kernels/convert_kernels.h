@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -62,6 +63,17 @@ I4P_ARM_CRC_OP(arm_crc32cx, "crc32cx", uint64_t, "x")
 I4P_ARM_CRC_OP(arm_crc32cb, "crc32cb", uint32_t, "w")
 #undef I4P_ARM_CRC_OP
 #endif
+
+// a T from unaligned bytes (the host's byte order)
+template <class T>
+I4P_INLINE T load(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+// whether [off, off + bytes) lies inside [0, len)
+inline bool in_range(int64_t off, int64_t bytes, int64_t len) { return off >= 0 && bytes >= 0 && off <= len - bytes; }
 
 // byte i of the result = nibble i of w
 I4P_INLINE uint64_t spread_nibbles(uint32_t w) {
@@ -230,6 +242,12 @@ bool use_awq_avx2(bool on);  // tests: returns the previous setting
 // [N, K/8], 2 GPTQ [K/8, N], 3 AWQ [K, N/8]), or 4 float32 values [N, K] (w4a8.requantize)
 enum Layout : int64_t { kCodes = 0, kCt = 1, kGptq = 2, kAwq = 3, kFloat = 4 };
 
+// a float source's rows as float32, decoded one at a time (float_rows.cpp)
+struct FloatRows {
+  virtual ~FloatRows() = default;
+  virtual void row(int64_t r, float* x) const = 0;  // row r's K values
+};
+
 // a tensor job's inputs (_native._JobArgs)
 struct JobArgs {
   int64_t layout;
@@ -287,8 +305,9 @@ int64_t lossless_job(const JobArgs& a, int8_t* q, float* s, double* tot, int64_t
 // q int8 [N, K], s float32 [N, K/g], flags uint8 [N, K/g] (bit 0: a close call, left to
 // kernels.redo_close_calls; bit 2: a zero group), tot [6] (dd, ww, vv, wv, baseline sse, max_abs;
 // dd, vv, wv and max_abs without the close calls) and counts [2] (zero groups, close calls)
+// rows: the values of a kFloat job without data, decoded in the job (requant_batch's float sources)
 int64_t requant_job(const JobArgs& a, int8_t* q, float* s, uint8_t* flags, double* tot, int64_t* counts,
-                    int64_t* report, int64_t threads);
+                    int64_t* report, int64_t threads, const FloatRows* rows = nullptr);
 bool requant_supported();  // whether this CPU runs requant_rows (see requant.cpp)
 void search_batches(int64_t* out);  // histogram batches searched in float32, float64
 void element_groups(int64_t* out);  // element groups decided in float32 batches, one by one in float64
@@ -322,10 +341,12 @@ enum ScaleType : int64_t { I4P_SCALE_TYPE(I4P_ENUM_ITEM) };
   X(kbFields, 24, fields)
 enum BatchField : int64_t { I4P_BATCH_FIELD(I4P_ENUM_ITEM) };
 // one module's results (int64): status (JobStatus, or kNotAsGiven), report [3], CRC-32C of the first
-// and second output (blob, or weight and scales), zlib CRC-32 of q, scales and blob (packed only)
+// and second output (blob, or weight and scales), zlib CRC-32 of q, scales and blob (packed only), and
+// 1 where a requant batch's module kept its ints (GGUF Q4_0 without a negative scale: its sums are
+// lossless_job's five)
 #define I4P_BATCH_RESULT(X)                                                                                  \
   X(kbStatus, 0, status) X(kbReport, 1, report) X(kbCrcA, 4, crc_a) X(kbCrcB, 5, crc_b) X(kbZlibQ, 6, zlib_q) \
-  X(kbZlibS, 7, zlib_s) X(kbZlibBlob, 8, zlib_blob) X(kbResults, 10, results)                                \
+  X(kbZlibS, 7, zlib_s) X(kbZlibBlob, 8, zlib_blob) X(kbKeptInts, 9, kept_ints) X(kbResults, 10, results)    \
   X(kNotAsGiven, 100, not_as_given) /* the per-module path reads this module otherwise: run it there */
 enum BatchResult : int64_t { I4P_BATCH_RESULT(I4P_ENUM_ITEM) };
 // float sources in requant_batch (batch.py, _float_row): the row's layout says what the weight is
@@ -334,9 +355,33 @@ enum BatchResult : int64_t { I4P_BATCH_RESULT(I4P_ENUM_ITEM) };
 // ScaleType, or kScaleE8m0 / kScaleE4m3), kbSrcGroups their columns, kbSrcGroup bk and kbGidxGroup
 // bn; E2M1 only: kbZeroByte 1 or 2 divides or multiplies every block scale by the float32 whose
 // bits kbZerosBytes holds (NVFP4's global scale); no zero points, no g_idx
-enum FloatSource : int64_t { kSrcBf16 = 10, kSrcF16 = 11, kSrcF32 = 12, kSrcE4m3 = 13, kSrcE2m1 = 14 };
+// MLX affine (kSrcMlx): kbWords the uint32 words [N, K * bits / 32], kbZeroByte the bits (4, 8),
+// kbScales and kbZeros the scales and biases [N, K / group] (both of type kbScaleType: F32, F16,
+// BF16), kbSrcGroup the group, kbSrcGroups K / group. GGUF (kSrcGguf): kbWords the block bytes
+// [N, kbD1] of ggml type kbScaleType (GgufType), kbD0 = N; Q4_0 is read as codes (q4_0_codes)
+enum FloatSource : int64_t {
+  kSrcBf16 = 10, kSrcF16 = 11, kSrcF32 = 12, kSrcE4m3 = 13, kSrcE2m1 = 14, kSrcMlx = 15, kSrcGguf = 16
+};
 enum MiniScaleType : int64_t { kScaleE8m0 = 3, kScaleE4m3 = 4 };
+// ggml's type numbers (gguf.GGMLQuantizationType) of the types int4pack reads
+enum GgufType : int64_t {
+  kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ5_0 = 6, kGgufQ5_1 = 7, kGgufQ8_0 = 8, kGgufQ4_K = 12, kGgufQ5_K = 13,
+  kGgufQ6_K = 14, kGgufIq4Nl = 20, kGgufIq4Xs = 23
+};
 void scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, bool kn, float* out);
+
+// ---- float_rows.cpp
+float half_to_float(uint16_t h);  // IEEE binary16 -> float32, exactly
+// the decoder of requant_batch's float-source row d (module m) reading src[0, src_len); null where the
+// per-module path is the only way (a block scale NaN, Inf or negative: the reader refuses it)
+std::unique_ptr<FloatRows> float_rows(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len);
+// a GGUF type's values and bytes per block (0: not a type read here)
+int64_t gguf_block(int64_t type, int64_t& bytes);
+// GGUF Q4_0 blocks of requant_batch's row d as formats/gguf.q4_0_codes records them: codes [N, K],
+// scales |d| [N, K/32] and zero points (8; 7 where d < 0, whose codes become 15 - q); false where no
+// d is negative (the module keeps its ints: codes, scales |d| = d and no zero points)
+bool q4_0_codes(const int64_t* d, int64_t m, const uint8_t* src, int64_t src_len, std::vector<uint8_t>& codes,
+                std::vector<float>& scales, std::vector<uint8_t>& zeros);
 int64_t lossless_batch(const uint8_t* src, int64_t src_len, const int64_t* desc, int64_t count, uint8_t* out,
                        int64_t out_len, int64_t* res, double* tot, int64_t threads);
 // the requant path of many modules (GPTQ and AWQ words with zero points), the same descriptor and

@@ -14,17 +14,9 @@ std::atomic<int64_t> g_batches32{0}, g_batches64{0};
 std::atomic<int64_t> g_elem32{0}, g_elem64{0};
 std::atomic<bool> g_search64{false};
 
-// x86-64 (GCC): requant_rows is built for x86-64-v3 (AVX2, FMA, BMI2) only, not as target clones:
-// a baseline SSE2 clone of its 32-byte vector code is large and most of the build's compile time.
-// requant_supported() says whether this CPU runs it; where not (x86-64 CPUs from before 2013),
-// the callers take the pure-torch requant.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define I4P_REQUANT_V3 1
-#define I4P_REQUANT_TARGET __attribute__((target("arch=x86-64-v3")))
-#else
-#define I4P_REQUANT_TARGET
-#endif
-
+// requant_supported() says whether this CPU runs requant_rows, built for x86-64-v3 only on x86-64
+// (I4P_REQUANT_V3, requant_search.h); where not (x86-64 CPUs from before 2013), the callers take
+// the pure-torch requant.
 bool requant_supported() {
 #ifdef I4P_REQUANT_V3
   static const bool ok = __builtin_cpu_supports("x86-64-v3");
@@ -60,6 +52,8 @@ I4P_REQUANT_TARGET void requant_rows(const Req& p, int64_t r0, int64_t r1) {
     float* x = row.data();
     if (p.w) {
       std::memcpy(x, p.w + r * k, k * sizeof(float));
+    } else if (p.rows) {
+      p.rows->row(r, x);
     } else if (!all_inside) {
       dequant_range(p, r, 0, k, x);
     }
@@ -95,9 +89,11 @@ I4P_REQUANT_TARGET void requant_rows(const Req& p, int64_t r0, int64_t r1) {
 // the source scales, the codes unpacked from the packed words 64 rows at a time into a buffer
 // that stays in cache (or the codes, or float values, as given), the scale search, the error sums.
 int64_t requant_job(const JobArgs& a, int8_t* q, float* s, uint8_t* flags, double* tot, int64_t* counts,
-                    int64_t* report, int64_t threads) {
+                    int64_t* report, int64_t threads, const FloatRows* rows) {
   I4P_CHECK(requant_supported(), "requant_job: this CPU lacks AVX2/FMA (x86-64-v3)");
   check_job(a, kFloat, "requant_job");
+  I4P_CHECK(a.layout == kFloat ? (a.data != nullptr) != (rows != nullptr) : rows == nullptr,
+            "requant_job: float values or their rows, one of them");
   const int64_t n = a.n, k = a.k, g = a.g, layout = a.layout;
   bool zero_seen = false;
   if (layout != kFloat) {
@@ -109,6 +105,7 @@ int64_t requant_job(const JobArgs& a, int8_t* q, float* s, uint8_t* flags, doubl
   p.k = k;
   if (layout == kFloat) {
     p.w = static_cast<const float*>(a.data);
+    p.rows = rows;
   } else {
     p.sscale = a.sscale;
     p.src_groups = a.src_groups;

@@ -21,6 +21,17 @@
 
 #include "convert_kernels.h"
 
+// x86-64 (GCC): requant_rows (requant.cpp) is built for x86-64-v3 (AVX2, FMA, BMI2) only, not as
+// target clones: a baseline SSE2 clone of its 32-byte vector code is large and most of the build's
+// compile time. Its hottest loop (requant_element32.h, errors32) is written with AVX2/FMA
+// intrinsics there; elsewhere every loop is plain vector code.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define I4P_REQUANT_V3 1
+#define I4P_REQUANT_TARGET __attribute__((target("arch=x86-64-v3")))
+#else
+#define I4P_REQUANT_TARGET
+#endif
+
 namespace i4p {
 
 constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: (t + kMagic) - kMagic rounds half to even, |t| <= 2^22
@@ -31,7 +42,8 @@ constexpr uint8_t kAmbiguous = 1, kNonFinite = 2, kZero = 4;
 // ------------------------------------------------------------------------------------ requant
 
 struct Req {
-  const float* w = nullptr;  // float source [N, K], or
+  const float* w = nullptr;  // float source [N, K], or its rows decoded one at a time, or
+  const FloatRows* rows = nullptr;
   const uint8_t* codes = nullptr;  // codes [N, K] (rows from codes_r0 on: requant_job's blocks) with
   int64_t codes_r0 = 0;
   const uint8_t* zeros = nullptr;  // zeros [N, Gs] (null: 8)
