@@ -289,3 +289,23 @@ def test_int8_range_matches_torch(n):
         assert vk.int8_range(x, threads=2) == want
         if n > 1:  # an unaligned start
             assert vk.int8_range(x[1:]) == tuple(int(v) for v in torch.aminmax(x[1:]))
+
+
+@pytest.mark.parametrize("n,k,g", [(24, 256, 128), (13, 64, 32), (8, 96, 96)])
+def test_reference_group_sums_and_the_scale_error_from_them(n, k, g):
+    """w4a8_reference's per-group sums of q^2 equal torch's, and the exact path's scale error from
+    them equals ||q * s - q * s_src||^2 of the float64 matrices."""
+    from int4pack.verify.exact_ints import scale_error_sq_groups
+
+    vk = _ext.load("verify_kernels")
+    gen = torch.Generator().manual_seed(n * k + g)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    s_src = torch.rand(n, k // g, generator=gen) * 0.01 + 0.001
+    s = s_src.bfloat16()
+    gsq = torch.empty(n, k // g)
+    vk.w4a8_reference(torch.randn(2, k, generator=gen), q, s, group_sq=gsq)
+    assert torch.equal(gsq.double(), (q.double() ** 2).reshape(n, k // g, g).sum(-1))
+    qd = q.double()
+    sd, ssd = (t.double().repeat_interleave(g, dim=1) for t in (s, s_src))
+    want = float(((qd * sd - qd * ssd) ** 2).sum())
+    assert scale_error_sq_groups(gsq, s, s_src) == pytest.approx(want, rel=1e-12)

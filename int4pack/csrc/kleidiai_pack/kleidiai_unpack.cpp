@@ -377,10 +377,12 @@ namespace i4p {
 // for W = dequant_w4a8(q, scales) (the same products: float(q) * scale), each row of W made in a
 // buffer of K floats and dropped; its sum over k in 16 lanes added pairwise at the end. On the way,
 // where not null, row_sq [N] and col_sq [K] as dequant_sq makes them (the same sums, the same
-// order). Reading the int8 values instead of writing and reading back 4 bytes per weight is what
-// makes it faster than dequant_sq and a float matmul. One thread.
+// order), and group_sq [N, K/g]: each group's sum of q^2 (exact: at most 64 g). Reading the int8 values
+// instead of writing and reading back 4 bytes per weight is what makes it faster than dequant_sq and
+// a float matmul. One thread.
 I4P_VCLONES void w4a8_reference(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N, int64_t g,
-                                const void* scales, bool bf16, float* y, float* row_sq, float* col_sq) {
+                                const void* scales, bool bf16, float* y, float* row_sq, float* col_sq,
+                                float* group_sq) {
   I4P_CHECK(g > 0 && K % g == 0, "w4a8_reference: group ", g, " does not divide K=", K);
   const int64_t ng = K / g;
   std::vector<float> w(K);
@@ -392,6 +394,13 @@ I4P_VCLONES void w4a8_reference(const float* x, int64_t M, int64_t K, const int8
     if (col_sq)
       for (int64_t i = 0; i < K; ++i) col_sq[i] += o[i] * o[i];
     for (int64_t m = 0; m < M; ++m) y[m * N + r] = dot16(x + m * K, o, K);
+    if (group_sq)
+      for (int64_t j = 0; j < ng; ++j) {
+        const int8_t* a = q + r * K + j * g;
+        int32_t acc = 0;
+        for (int64_t i = 0; i < g; ++i) acc += a[i] * a[i];
+        group_sq[r * ng + j] = static_cast<float>(acc);
+      }
   }
 }
 
