@@ -424,7 +424,9 @@ class Checkpoint:
         self._read(t, buf, 0, t.nbytes)
         return buf
 
-    map_views = True  # False: ``view`` reads a copy (pread), cheaper for a tensor held for one unpack only
+    # False: ``view`` reads a copy (pread) instead. A reader that holds each tensor only as long as one
+    # unpack (verify's source) pays less for that than for mapping every page and dropping it again
+    map_views = True
 
     def view(self, name: str) -> torch.Tensor:
         """The tensor straight over the mapped file, no copy (for the large packed weights).
