@@ -424,10 +424,6 @@ class Checkpoint:
         self._read(t, buf, 0, t.nbytes)
         return buf
 
-    # False: ``view`` reads a copy (pread) instead. A reader that holds each tensor only as long as one
-    # unpack (verify's source) pays less for that than for mapping every page and dropping it again
-    map_views = True
-
     def view(self, name: str) -> torch.Tensor:
         """The tensor straight over the mapped file, no copy (for the large packed weights).
 
@@ -441,7 +437,7 @@ class Checkpoint:
 
         t = self.info(name)
         dt = torch_dtype(t.dtype)
-        if not self.map_views or t.numel == 0 or t.begin % ITEMSIZE[t.dtype] or _ext.load("convert_kernels") is None:
+        if t.numel == 0 or t.begin % ITEMSIZE[t.dtype] or _ext.load("convert_kernels") is None:
             return self.get(name)
         mv = self.raw(name)
         lo = t.begin - t.begin % mmap.PAGESIZE

@@ -38,9 +38,6 @@ class Source:
         self.label = str(path)
         self.dense = dense  # convert's --dense, as the output records it: the plan depends on it
         self.ckpt = open_checkpoint(resolve_source(path, revision=revision))
-        # each module is read once, unpacked and dropped: a pread costs a tenth of mapping its pages
-        # and releasing them again (madvise populate + DONTNEED, ~0.6 ms a module on a 2-core host)
-        self.ckpt.map_views = False
         self.reader = open_reader(self.ckpt)
         # keyed by the output's module names (convert renames some families for vLLM)
         ren = {k[:-7]: v[:-7] for k, v in vllm_output_names(
