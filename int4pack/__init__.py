@@ -28,7 +28,10 @@ class _Package(types.ModuleType):
 
 def __getattr__(name):
     if name in _FUNCTIONS:
-        function = getattr(importlib.import_module(f".{name}", __name__), name)
+        from ._lazy import gc_paused
+
+        with gc_paused():  # verify's imports torch: ~10^6 objects the GC would rescan on the way
+            function = getattr(importlib.import_module(f".{name}", __name__), name)
         types.ModuleType.__setattr__(sys.modules[__name__], name, function)
         return function
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,7 @@ import gc
 import sys
 from contextlib import contextmanager
 
-__all__ = ["torch", "load_torch", "torch_loaded", "freeze_after_import", "gc_paused"]
+__all__ = ["torch", "load_torch", "torch_loaded", "freeze_after_import", "gc_paused", "gc_frozen"]
 
 _state = {"freeze": False, "bound": False}
 
@@ -39,6 +39,22 @@ def gc_paused():
     finally:
         if was_enabled:
             gc.enable()
+
+
+@contextmanager
+def gc_frozen():
+    """What exists now (torch's ~10^6 objects, the caller's) left out of the cyclic GC's scans while
+    the block runs (``gc.freeze``), and handed back after it: a full collection on the way then scans
+    only what the block made (~0.3 s each on a 2-core x86-64 host otherwise). Nothing where the GC is
+    off or something is frozen already (the CLI freezes what its imports made)."""
+    mine = gc.isenabled() and gc.get_freeze_count() == 0
+    if mine:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if mine:
+            gc.unfreeze()
 
 
 def torch_loaded() -> bool:

@@ -66,7 +66,7 @@ _SIGNATURES = {
     "i4p_dequant_sq": ([_p, _i, _i, _i, _p, _i, _p, _p, _p], _i),
     "i4p_w4a8_matmul": ([_p, _i, _i, _p, _i, _i, _p, _i, _p, _i, _i], _i),
     "i4p_w4a8_matmul_avx2": ([], _i),
-    "i4p_w4a8_reference": ([_p, _i, _i, _p, _i, _i, _p, _i, _p, _p, _p], _i),
+    "i4p_w4a8_reference": ([_p, _i, _i, _p, _i, _i, _p, _i, _p, _p, _p, _p], _i),
     "i4p_act_noise": ([_p, _i, _i, _p, _p, _i, _p, _p, _i, _p], _i),
 }
 

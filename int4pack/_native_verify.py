@@ -120,19 +120,25 @@ class VerifyKernels(_Lib):
         return bool(self._lib.i4p_w4a8_matmul_avx2())
 
     def w4a8_reference(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None,
-                       row_sq: torch.Tensor | None = None, col_sq: torch.Tensor | None = None) -> torch.Tensor:
+                       row_sq: torch.Tensor | None = None, col_sq: torch.Tensor | None = None,
+                       group_sq: torch.Tensor | None = None) -> torch.Tensor:
         """float32 x [M, K] @ W^T for W = ``dequant(q, scales)`` (q int8 [N, K], scales [N, G]) without W:
-        y [M, N] (sums over k in 16 lanes); where given, row_sq [N] and col_sq [K] as ``dequant_sq``'s. One thread."""
+        y [M, N] (sums over k in 16 lanes); where given, row_sq [N] and col_sq [K] as ``dequant_sq``'s,
+        and group_sq (float32 [N, G]) each group's sum of q^2 (exact). One thread."""
         m, k, n = self._x_q(x, q, scales, "w4a8_reference")
         ng = self._q_groups(q, scales, "w4a8_reference")[2]
         self._sums(row_sq, col_sq, n, k)
+        if group_sq is not None:
+            _need(group_sq, "group_sq", torch.float32)
+            if group_sq.numel() != n * ng:
+                raise RuntimeError(f"w4a8_reference: group_sq must hold {n} x {ng} floats")
         if out is None:
             out = torch.empty(m, n, dtype=torch.float32)
         _need(out, "out", torch.float32)
         if tuple(out.shape) != (m, n):
             raise RuntimeError(f"w4a8_reference: out must be [{m}, {n}]")
         self._call("i4p_w4a8_reference", _ptr(x), m, k, _ptr(q), n, k // ng, _ptr(scales),
-                   int(scales.dtype == torch.bfloat16), _ptr(out), _ptr(row_sq), _ptr(col_sq))
+                   int(scales.dtype == torch.bfloat16), _ptr(out), _ptr(row_sq), _ptr(col_sq), _ptr(group_sq))
         return out
 
     def act_noise(self, x: torch.Tensor, y13: torch.Tensor, act: torch.Tensor, sq13: torch.Tensor,

@@ -270,3 +270,42 @@ def test_crc32_is_zlibs():
             assert vk.crc32(b, init) == zlib.crc32(b.numpy().tobytes(), init), (n, init)
     assert vk.crc32(b"") == 0 and vk.crc32(os.urandom(0)) == 0
     assert vk.crc32(b"123456789") == 0xCBF43926  # the CRC-32 check value
+
+
+@pytest.mark.parametrize("n", [1, 31, 64, 65, 127, 1000, (1 << 20) + 77])
+def test_int8_range_matches_torch(n):
+    """The structural pass's int4 range check reads min and max from one C++ pass (AVX2 where the CPU
+    has it): the same bounds as torch.aminmax, the extremes placed in the vector body, its last
+    block and the scalar tail, and split over threads."""
+    vk = _ext.load("verify_kernels")
+    gen = torch.Generator().manual_seed(n)
+    for trial in range(6):
+        x = torch.randint(-8, 8, (n,), generator=gen, dtype=torch.int8)
+        if trial:  # one out-of-range value somewhere: at the start, inside, at the very end
+            at = [0, n // 2, n - 1, max(0, n - 64), int(torch.randint(n, (1,), generator=gen))][trial - 1]
+            x[at] = -128 if trial % 2 else 127
+        want = tuple(int(v) for v in torch.aminmax(x))
+        assert vk.int8_range(x) == want
+        assert vk.int8_range(x, threads=2) == want
+        if n > 1:  # an unaligned start
+            assert vk.int8_range(x[1:]) == tuple(int(v) for v in torch.aminmax(x[1:]))
+
+
+@pytest.mark.parametrize("n,k,g", [(24, 256, 128), (13, 64, 32), (8, 96, 96)])
+def test_reference_group_sums_and_the_scale_error_from_them(n, k, g):
+    """w4a8_reference's per-group sums of q^2 equal torch's, and the exact path's scale error from
+    them equals ||q * s - q * s_src||^2 of the float64 matrices."""
+    from int4pack.verify.exact_ints import scale_error_sq_groups
+
+    vk = _ext.load("verify_kernels")
+    gen = torch.Generator().manual_seed(n * k + g)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    s_src = torch.rand(n, k // g, generator=gen) * 0.01 + 0.001
+    s = s_src.bfloat16()
+    gsq = torch.empty(n, k // g)
+    vk.w4a8_reference(torch.randn(2, k, generator=gen), q, s, group_sq=gsq)
+    assert torch.equal(gsq.double(), (q.double() ** 2).reshape(n, k // g, g).sum(-1))
+    qd = q.double()
+    sd, ssd = (t.double().repeat_interleave(g, dim=1) for t in (s, s_src))
+    want = float(((qd * sd - qd * ssd) ** 2).sum())
+    assert scale_error_sq_groups(gsq, s, s_src) == pytest.approx(want, rel=1e-12)

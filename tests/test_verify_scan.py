@@ -90,3 +90,26 @@ def test_a_byte_changed_where_only_the_numerical_pass_reads_fails_the_checksum(c
     r = int4pack.verify(out, threads=2, dense=False, raise_on_failure=False)
     assert seen[name] == info.nbytes  # read once, by the numerical pass
     assert not r["ok"] and "data checksum mismatch" in str(r["structural"]["problems"])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_int8_value_outside_int4_where_the_numerical_pass_reads_is_named(converted, tmp_path, threads):
+    """A weight value outside [-8, 7], without the report's checksums: the range its one read found
+    (the tap) flags the module, with the value, whichever thread read it."""
+    import shutil
+
+    out = tmp_path / "bad"
+    shutil.copytree(converted("gptq_q3_sym")[0], out)
+    (out / "int4pack_report.json").unlink()
+    ckpt = checkpoint.Checkpoint(out)
+    name = next(n for n, i in sorted(ckpt.tensors.items()) if ".experts." in n and i.dtype == "I8")
+    info = ckpt.tensors[name]
+    ckpt.close()
+    with open(out / info.file, "r+b") as fh:
+        fh.seek(info.begin + info.nbytes - 1)
+        fh.write((100).to_bytes(1, "little", signed=True))
+    r = int4pack.verify(out, threads=threads, dense=False, raise_on_failure=False)
+    assert r["checked"]["experts"] > 0  # the expert went through the numerical pass
+    assert not r["ok"]
+    assert any(p["where"] == name.rsplit(".", 1)[0] and "outside int4 [-8, 7]" in p["message"]
+               and ", 100]" in p["message"] for p in r["structural"]["problems"]), r["structural"]["problems"]

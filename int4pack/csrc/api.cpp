@@ -33,7 +33,7 @@ bool w4a8_matmul_avx2();
 void act_noise(const float* x, int64_t M, int64_t H, const float* y13, const float* act, int64_t I,
                const float* sq13, const float* sq2, int64_t kind, float* out);
 void w4a8_reference(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N, int64_t g, const void* scales,
-                    bool bf16, float* y, float* row_sq, float* col_sq);
+                    bool bf16, float* y, float* row_sq, float* col_sq, float* group_sq);
 }
 
 using namespace i4p;
@@ -282,9 +282,10 @@ I4P_EXPORT int64_t i4p_w4a8_matmul_avx2() { return w4a8_matmul_avx2() ? 1 : 0; }
 
 // verify's float32 reference x @ dequant(q, scales)^T with dequant_sq's squared sums (kleidiai_unpack.cpp)
 I4P_EXPORT int64_t i4p_w4a8_reference(const float* x, int64_t m, int64_t k, const int8_t* q, int64_t n, int64_t g,
-                                      const void* scales, int64_t bf16, float* y, float* row_sq, float* col_sq) {
+                                      const void* scales, int64_t bf16, float* y, float* row_sq, float* col_sq,
+                                      float* group_sq) {
   return guarded([&] {
-    w4a8_reference(x, m, k, q, n, g, scales, bf16 != 0, y, row_sq, col_sq);
+    w4a8_reference(x, m, k, q, n, g, scales, bf16 != 0, y, row_sq, col_sq, group_sq);
     return int64_t{0};
   });
 }

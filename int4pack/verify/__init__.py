@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .._lazy import gc_frozen
 from ..errors import InputError, UsageError
 from ..sources.checkpoint import resolve_source
 from . import matmul
@@ -100,7 +101,7 @@ def verify(out, against=None, *, tokens: int | None = None, layers=None, experts
     workers = max(1, int(threads or torch.get_num_threads()))
     # one expert (module, shard) per thread, each single-threaded in torch: nothing nests
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="int4pack-verify") if workers > 1 else None
-    with torch_threads(1), ckpt, shutting(pool):
+    with torch_threads(1), gc_frozen(), ckpt, shutting(pool):
         run_passes(ckpt, asked, report, clock, pool, workers)
     if "ok" in report:  # the checkpoint left nothing to check: the report says why
         return finish(report, t0, clock, raise_on_failure)

@@ -22,7 +22,7 @@ from ..scale_search import out_scale_dtype
 from .tolerance import budget
 from ..w4a8 import target_source_groups
 
-__all__ = ["source_groups", "exact_module", "exact_expert", "scale_error_sq", "rel_from", "exact_reference",
+__all__ = ["source_groups", "exact_module", "exact_expert", "scale_error_sq", "scale_error_sq_groups", "rel_from", "exact_reference",
            "exact_stats", "lossless_values", "ints_vs_source"]
 
 ROLES = ("gate", "up", "down")
@@ -104,6 +104,14 @@ def scale_error_sq(vk, q: torch.Tensor, s: torch.Tensor, s_src: torch.Tensor) ->
     return float(rows.double().sum())
 
 
+def scale_error_sq_groups(group_sq: torch.Tensor, s: torch.Tensor, s_src: torch.Tensor) -> float:
+    """``scale_error_sq`` from each group's sum of q^2 (``group_sq`` [N, G], as w4a8_reference makes
+    it on its way through the same ints): sum over groups of (s - s_src)^2 times it, in double,
+    with no second pass over the ints."""
+    ds = (s.float().reshape(s_src.shape) - s_src).reshape(group_sq.shape).double()
+    return float((ds * ds * group_sq.double()).sum())
+
+
 def rel_from(num_sq: float, den_sq: float) -> float:
     """tolerance.rel's figure from its squared numerator and denominator."""
     return math.sqrt(num_sq) / math.sqrt(den_sq) if den_sq > 0 else (0.0 if num_sq == 0 else math.inf)
@@ -114,14 +122,17 @@ def exact_reference(vk, xe: torch.Tensor, q13, q2, scales: dict[str, torch.Tenso
     source's codes - 8) and the source's scales: what moe.expert_forward gives on the source's
     dequantised weights, the same products, summed in the kernel's order. Also its y13 and
     activation (the weight-noise prediction's), the squared row sums of its gate and up and the
-    squared column sums of its down."""
+    squared column sums of its down, and each group's sum of q^2 (``gsq13``, ``gsq2``: the scale
+    error's weights, exact_stats)."""
     inter = q2.shape[1]
     s13 = torch.cat([scales["gate"], scales["up"]])
     sq13, sq2 = torch.empty(q13.shape[0]), torch.empty(inter)
-    y13 = vk.w4a8_reference(xe, q13, s13, row_sq=sq13)
+    gsq13 = torch.empty(q13.shape[0], s13.reshape(q13.shape[0], -1).shape[1])
+    gsq2 = torch.empty(q2.shape[0], scales["down"].reshape(q2.shape[0], -1).shape[1])
+    y13 = vk.w4a8_reference(xe, q13, s13, row_sq=sq13, group_sq=gsq13)
     act = moe_mod.activation(y13[:, :inter], y13[:, inter:], activation).contiguous()
-    y = vk.w4a8_reference(act, q2, scales["down"], col_sq=sq2)
-    return {"y": y, "y13": y13, "act": act, "sq13": sq13, "sq2": sq2}
+    y = vk.w4a8_reference(act, q2, scales["down"], col_sq=sq2, group_sq=gsq2)
+    return {"y": y, "y13": y13, "act": act, "sq13": sq13, "sq2": sq2, "gsq13": gsq13, "gsq2": gsq2}
 
 
 def exact_stats(t, src, slot: dict[str, str], report, vk, views: dict[str, tuple], scales: dict[str, torch.Tensor],
@@ -133,12 +144,13 @@ def exact_stats(t, src, slot: dict[str, str], report, vk, views: dict[str, tuple
     prediction: budget^2 * sum of squares / elements, per role)."""
     inter = views["gate"][0].shape[0]
     den = {"gate": ref["sq13"][:inter], "up": ref["sq13"][inter:], "down": ref["sq2"]}
+    gsq = {"gate": ref["gsq13"][:inter], "up": ref["gsq13"][inter:], "down": ref["gsq2"]}
     stats, problems, wv = {}, [], []
     for r in ROLES:
         m = slot[r]
         q, s = views[r]
         d = float(den[r].double().sum())
-        meas = rel_from(scale_error_sq(vk, q, s, scales[r]), d)
+        meas = rel_from(scale_error_sq_groups(gsq[r], s, scales[r]), d)
         bud, why = budget(m, None, t.group_for(m), report, src)  # lossless: the bound needs no weights
         stats[r] = {"module": m, "rel_l2": meas, "budget": bud, "budget_from": why, "exact_ints": True}
         if not meas <= bud:

@@ -130,6 +130,9 @@ class ModuleChecks(ReadWatch):
             q, s, _ = self.output.weight(m)
             _check_values(m, wn, sn, q, s, problems, counts)
         else:
+            tap = getattr(ck, "taps", {}).get((wi.file, wn))  # the range its read already found
+            if got is not None and tap is not None and tap[1] is not None:
+                got = (tap[1], got[1])
             q, s = got or (self.ranges.get(wn) or ck.get(wn), ck.get(sn))
             _check_values(m, wn, sn, q, s, problems, counts, wi.numel)
 

@@ -14,6 +14,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace i4p {
 namespace {
 
@@ -174,27 +178,6 @@ int64_t kleidiai_unpack(const uint8_t* blob, int64_t bytes, int64_t N, int64_t K
   return bad.load();
 }
 
-// smallest and largest of n int8 values (0, 0 for none)
-void int8_range(const int8_t* p, int64_t n, int64_t threads, int64_t* lo_hi) {
-  std::atomic<int> lo{0}, hi{0};
-  if (n > 0) lo = hi = p[0];
-  for_rows(n, 1 << 20, threads, [&](int64_t a, int64_t b) {
-    int8_t l = p[a], h = p[a];
-    for (int64_t i = a; i < b; ++i) {  // vectorised by the compiler: two reductions
-      l = std::min(l, p[i]);
-      h = std::max(h, p[i]);
-    }
-    int cur = lo.load();
-    while (l < cur && !lo.compare_exchange_weak(cur, l)) {
-    }
-    cur = hi.load();
-    while (h > cur && !hi.compare_exchange_weak(cur, h)) {
-    }
-  });
-  lo_hi[0] = lo.load();
-  lo_hi[1] = hi.load();
-}
-
 // float32 [N, K] = float(q) * float(scale of its group), the product torch computes (no FMA)
 void dequant_w4a8(const int8_t* q, int64_t N, int64_t K, int64_t g, const void* scales, bool bf16, float* out,
                   int64_t threads) {
@@ -239,6 +222,81 @@ void ref_pack(const int8_t* q, int64_t N, int64_t K, const void* scales, bool bf
 #else
 #define I4P_VCLONES
 #endif
+
+namespace i4p {
+
+namespace {
+void span_range_portable(const int8_t* p, int64_t a, int64_t b, int8_t* lo, int8_t* hi) {
+  int8_t l = p[a], h = p[a];
+  for (int64_t i = a; i < b; ++i) {
+    l = std::min(l, p[i]);
+    h = std::max(h, p[i]);
+  }
+  *lo = l;
+  *hi = h;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+// SSE2 has no signed byte min/max: the baseline loop runs at a quarter of this one's pace
+__attribute__((target("avx2"))) void span_range_avx2(const int8_t* p, int64_t a, int64_t b, int8_t* lo, int8_t* hi) {
+  __m256i l0 = _mm256_set1_epi8(p[a]), l1 = l0, h0 = l0, h1 = l0;
+  int64_t i = a;
+  for (; i + 64 <= b; i += 64) {
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32));
+    l0 = _mm256_min_epi8(l0, v0);
+    h0 = _mm256_max_epi8(h0, v0);
+    l1 = _mm256_min_epi8(l1, v1);
+    h1 = _mm256_max_epi8(h1, v1);
+  }
+  alignas(32) int8_t lv[32], hv[32];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lv), _mm256_min_epi8(l0, l1));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(hv), _mm256_max_epi8(h0, h1));
+  int8_t l = *std::min_element(lv, lv + 32), h = *std::max_element(hv, hv + 32);
+  if (i < b) {
+    int8_t tl, th;
+    span_range_portable(p, i, b, &tl, &th);
+    l = std::min(l, tl);
+    h = std::max(h, th);
+  }
+  *lo = l;
+  *hi = h;
+}
+
+const bool g_range_avx2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") != 0;
+}();
+#endif
+
+// smallest and largest of p[a, b), b > a
+void int8_span_range(const int8_t* p, int64_t a, int64_t b, int8_t* lo, int8_t* hi) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  if (g_range_avx2) return span_range_avx2(p, a, b, lo, hi);
+#endif
+  span_range_portable(p, a, b, lo, hi);
+}
+}  // namespace
+
+// smallest and largest of n int8 values (0, 0 for none)
+void int8_range(const int8_t* p, int64_t n, int64_t threads, int64_t* lo_hi) {
+  std::atomic<int> lo{0}, hi{0};
+  if (n > 0) lo = hi = p[0];
+  for_rows(n, 1 << 20, threads, [&](int64_t a, int64_t b) {
+    int8_t l, h;
+    int8_span_range(p, a, b, &l, &h);
+    int cur = lo.load();
+    while (l < cur && !lo.compare_exchange_weak(cur, l)) {
+    }
+    cur = hi.load();
+    while (h > cur && !hi.compare_exchange_weak(cur, h)) {
+    }
+  });
+  lo_hi[0] = lo.load();
+  lo_hi[1] = hi.load();
+}
+
+}  // namespace i4p
 
 namespace i4p {
 
@@ -319,10 +377,12 @@ namespace i4p {
 // for W = dequant_w4a8(q, scales) (the same products: float(q) * scale), each row of W made in a
 // buffer of K floats and dropped; its sum over k in 16 lanes added pairwise at the end. On the way,
 // where not null, row_sq [N] and col_sq [K] as dequant_sq makes them (the same sums, the same
-// order). Reading the int8 values instead of writing and reading back 4 bytes per weight is what
-// makes it faster than dequant_sq and a float matmul. One thread.
+// order), and group_sq [N, K/g]: each group's sum of q^2 (exact: at most 64 g). Reading the int8 values
+// instead of writing and reading back 4 bytes per weight is what makes it faster than dequant_sq and
+// a float matmul. One thread.
 I4P_VCLONES void w4a8_reference(const float* x, int64_t M, int64_t K, const int8_t* q, int64_t N, int64_t g,
-                                const void* scales, bool bf16, float* y, float* row_sq, float* col_sq) {
+                                const void* scales, bool bf16, float* y, float* row_sq, float* col_sq,
+                                float* group_sq) {
   I4P_CHECK(g > 0 && K % g == 0, "w4a8_reference: group ", g, " does not divide K=", K);
   const int64_t ng = K / g;
   std::vector<float> w(K);
@@ -334,6 +394,13 @@ I4P_VCLONES void w4a8_reference(const float* x, int64_t M, int64_t K, const int8
     if (col_sq)
       for (int64_t i = 0; i < K; ++i) col_sq[i] += o[i] * o[i];
     for (int64_t m = 0; m < M; ++m) y[m * N + r] = dot16(x + m * K, o, K);
+    if (group_sq)
+      for (int64_t j = 0; j < ng; ++j) {
+        const int8_t* a = q + r * K + j * g;
+        int32_t acc = 0;
+        for (int64_t i = 0; i < g; ++i) acc += a[i] * a[i];
+        group_sq[r * ng + j] = static_cast<float>(acc);
+      }
   }
 }
 
