@@ -135,7 +135,7 @@ def exact_reference(vk, xe: torch.Tensor, q13, q2, scales: dict[str, torch.Tenso
     return {"y": y, "y13": y13, "act": act, "sq13": sq13, "sq2": sq2, "gsq13": gsq13, "gsq2": gsq2}
 
 
-def exact_stats(t, src, slot: dict[str, str], report, vk, views: dict[str, tuple], scales: dict[str, torch.Tensor],
+def exact_stats(t, src, slot: dict[str, str], report, views: dict[str, tuple], scales: dict[str, torch.Tensor],
                 ref: dict) -> tuple[dict, list[str], list[float]]:
     """Each projection's rel_l2 against the source and its budget (tolerance.budget), as
     weights_vs_source gives them, without either float matrix: the ints are equal, so the difference

@@ -264,7 +264,7 @@ def expert_vs_source(output: W4A8Output, src: Source, slot: dict[str, str], repo
         with clock("reference"):
             ref = exact_reference(vk, xe.float().contiguous(), w13q, ints["down"][0], exact, activation)
         with clock("compare"):
-            stats, problems, wv = exact_stats(output, src, slot, report, vk, ints, exact, ref)
+            stats, problems, wv = exact_stats(output, src, slot, report, ints, exact, ref)
         out = {"problems": problems + [p for m in slot.values() for p in bias[m]], "ref": ref}
     else:
         sw, problems, stats, wv = weights_vs_source(output, src, slot, report, clock, floats(), ints, bias)
