@@ -13,7 +13,14 @@ and conversion_mapping.py ("minimax_m3_vl"):
   shared_experts, e_score_correction_bias}``; transformers v5 loads it as
   ``model.language_model.layers.N.mlp.{experts.gate_up_proj/down_proj, gate, gate.e_score_correction_bias}``,
   and llm-compressor writes its experts per expert in that naming (``mlp.experts.E.{gate,up,down}_proj``).
-  Both per-expert namings are read; names are written as they are read.
+  Both per-expert namings are read.
+
+vLLM V032's models/minimax_m3/nvidia/model.py loads the routed experts only as
+``block_sparse_moe.experts.E.{w1,w3,w2}`` (get_expert_mapping, ckpt_gate_proj_name="w1"): a name
+it does not map is skipped without a word (load_weights, "not in params_dict"), so convert writes
+the release's names. Its dense MLP and shared expert are one MergedColumnParallelLinear
+``gate_up_proj`` each, loaded from ``gate_proj``/``up_proj`` or from a ``gate_up_proj`` stored fused
+(transformers v5 saves it so): the plugin takes such a tensor whole.
 """
 
 from ..activation import Activation
@@ -44,6 +51,8 @@ FAMILY = Family(
     kept=((r"\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"^(?:model\.)?(?:vision_tower|multi_modal_projector|patch_merge_mlp)\.", "vision tower and projector: not experts")),
     moe=_moe,
+    renames=tuple((rf"(\.(?:mlp|block_sparse_moe)\.experts\.\d+\.){hf}(?=\.|$)", rf"\1{w}")
+                  for hf, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))),
     # vLLM's models/minimax_m3/common/vision_tower.py:204,213 (release V032) (MiniMaxVLEncoderLayer): fc1 / fc2 sit
     # on the encoder layer, loaded through nvidia/model.py:1135-1136 (".mlp.fc1." -> ".fc1."); on disk
     # and in transformers they are ``layers.N.mlp.fc1``
