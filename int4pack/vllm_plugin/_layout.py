@@ -193,6 +193,7 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
         raise _bad_field(prefix, "names", names)
     if not isinstance(crcs, list):
         raise _bad_field(prefix, "crc32", crcs)
+    whole = False
     if experts is not None:
         if len(names) != 3 or len(crcs) != experts:
             raise _bad_field(prefix, "crc32", f"{len(crcs)} experts recorded, vLLM builds {experts}")
