@@ -73,7 +73,8 @@ def blob_checks(packed: dict[str, dict], model_type: str | None = None) -> dict:
             ent["names"][i] = leaf
             ent["experts"].setdefault(d["e"], [None, None, None])[i] = p["crc32"]
         else:
-            names = list(VLLM_FUSED.get(unit.rsplit(".", 1)[-1], ())) if unit != m else [leaf]
+            fused = unit.rsplit(".", 1)[-1]  # another leaf: vLLM's fused module (a prefix alone may differ)
+            names = list(VLLM_FUSED.get(fused, ())) if fused != leaf else [leaf]
             ent = units.setdefault(unit, {"group_size": g, "names": names, "crc32": [None] * len(names)})
             ent["crc32"][names.index(leaf)] = p["crc32"]
             if ROTARY in p:  # the plugin undoes vLLM's reordering of this part's bytes

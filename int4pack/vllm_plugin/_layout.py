@@ -92,10 +92,14 @@ def check_runtime(record: dict) -> None:
 class BlobCheck:
     """The recorded group and stored-bytes CRC-32s of one vLLM module's blobs."""
 
-    def __init__(self, prefix: str, group_size: int, names: list[str], crcs: list, rotary: list | None = None):
+    def __init__(self, prefix: str, group_size: int, names: list[str], crcs: list, rotary: list | None = None,
+                 whole: bool = False):
         self.prefix, self.group_size, self.names, self.crcs = prefix, group_size, names, crcs
         # per part: the heads vLLM's Llama-4 class reorders the part's bytes by on load (None: not)
         self.rotary = rotary or [None] * len(names)
+        # the checkpoint stores vLLM's fused module as one tensor under vLLM's own name (transformers
+        # v5's gate_up_proj of MiniMax-M3's dense MLPs): one CRC-32 for all of vLLM's parts
+        self.whole = whole
 
     def tensor(self, part: int, expert: int | None = None) -> str:
         """The checkpoint tensor of a part (an expert's gate/up/down, or q/k/v, gate/up...)."""
@@ -189,6 +193,7 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
         raise _bad_field(prefix, "names", names)
     if not isinstance(crcs, list):
         raise _bad_field(prefix, "crc32", crcs)
+    whole = False
     if experts is not None:
         if len(names) != 3 or len(crcs) != experts:
             raise _bad_field(prefix, "crc32", f"{len(crcs)} experts recorded, vLLM builds {experts}")
@@ -198,7 +203,9 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
                 raise _bad_field(prefix, f"crc32[{e}]", row)
             table.append([_hex(prefix, f"crc32[{e}]", v) for v in row])
     else:
-        if parts is not None and (len(names) != parts or len(crcs) != parts):
+        # a module stored fused on disk under vLLM's name is one blob, whatever vLLM's part count
+        whole = bool(parts and parts > 1 and names == [prefix.rsplit(".", 1)[-1]] and len(crcs) == 1)
+        if parts is not None and not whole and (len(names) != parts or len(crcs) != parts):
             raise _bad_field(prefix, "crc32", f"{len(crcs)} parts recorded, vLLM fuses {parts}")
         # None: a part the checkpoint does not hold, which vLLM fills from another part's tensor
         # (Gemma-4's attention_k_eq_v layers: k_proj loaded into the K and the V slot); its bytes
@@ -210,7 +217,7 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
     if rotary is not None and (experts is not None or not isinstance(rotary, list) or len(rotary) != len(names)
                                or any(h is not None and (type(h) is not int or h <= 0) for h in rotary)):
         raise _bad_field(prefix, ROTARY, rotary)
-    return BlobCheck(name, g, names, table, rotary)
+    return BlobCheck(name, g, names, table, rotary, whole=whole)
 
 
 def crc32_rows(rows: list) -> list[int]:
@@ -394,7 +401,7 @@ class DenseBlobs:
         self.check = check
         self.data: torch.Tensor | None = None
         if check is not None:
-            if len(check.crcs) != len(out_sizes):
+            if len(check.crcs) != (1 if check.whole else len(out_sizes)):
                 raise _bad_field(check.prefix, "crc32", f"{len(check.crcs)} parts recorded, vLLM fuses {len(out_sizes)}")
             check.check_group(group_size, check.tensor(0))
 
@@ -408,6 +415,9 @@ class DenseBlobs:
             return
         if self.split:
             _refuse_mismatches(self.bad)
+            return
+        if self.check.whole:
+            _refuse_mismatches([] if self.check.matches(0, _crc_of(self.data)) else [self.check.tensor(0)])
             return
         got = crc32_rows([self.data[a:b].numpy() for a, b in zip(self.offsets, self.offsets[1:])])
         _refuse_mismatches([self.check.tensor(i) for i, a in enumerate(got) if not self.check.matches(i, a)])
@@ -427,7 +437,16 @@ class DenseBlobs:
                 raise ValueError(f"{QUANT_METHOD}: {what}: a blob of shape {tuple(loaded_weight.shape)} does not "
                                  f"split into the {heads} heads recorded ({ROTARY}); convert again")
             loaded_weight = unshuffle_rotary_bytes(loaded_weight, heads)
-        if self.k_split is not None:  # row parallel: one part, this rank's row of [tp, bytes]
+        if loaded_shard_id is None and len(parts) > 1 and self.split and self.k_split is None:
+            # column parallel, the fused module whole on disk: each part's rows for this rank
+            whole = _check_blob(loaded_weight, (sum(self.whole),), what)
+            self._check_whole(whole, 0)  # recorded whole: one CRC-32
+            starts = [sum(self.whole[:i]) for i in range(len(self.whole))]
+            for i in parts:
+                blob = whole[starts[i]:starts[i] + self.whole[i]]
+                param.data[self.offsets[i]:self.offsets[i + 1]].copy_(
+                    _rows(blob, self.shards[i][1], self.out_sizes[i], self.shards[i][0]))
+        elif self.k_split is not None:  # row parallel: one part, this rank's row of [tp, bytes]
             tp, rank = self.k_split
             whole = _check_blob(loaded_weight, (tp, hi - lo), what)
             self._check_whole(whole, parts[0])

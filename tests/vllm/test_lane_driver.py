@@ -89,13 +89,66 @@ def test_the_emulated_install_is_kept_per_package_content(tmp_path):
 
 def test_a_config_fact_vllm_reads_in_the_release_form_is_added_to_the_served_folders_only(driver, tmp_path):
     """MiniMax-M3: vLLM's vision tower reads vision_config.img_token_compression_config, which the
-    transformers-saved fixture keeps as two top-level vision fields. The served folders (packed and
-    plain) get the release's form of the same two facts, recorded; the fixture is not touched."""
+    transformers-saved fixture keeps as two top-level vision fields; its text model reads the release's
+    hidden_act (swigluoai), moe_layer_freq and sparse_attention_config, which transformers 5.23 writes
+    as silu, mlp_layer_types, layer_types and index_*. The served folders (packed and plain) get the
+    release's form of the same facts, recorded; the fixture is not touched."""
     item = driver.resolve_inputs(["ct_minimaxm3_w4a16"])[0]
     rec = driver.prepare(item, tmp_path, serve="kleidiai")
+    src = json.loads((item["src"] / "config.json").read_text())
     want = {"temporal_patch_size": 2, "spatial_merge_size": 2}
-    assert rec["config_release_form"] == {"vision_config.img_token_compression_config": want}
+    assert rec["config_release_form"]["vision_config.img_token_compression_config"] == want
+    tc0 = src["text_config"]
+    sparse = [i for i, t in enumerate(tc0["layer_types"]) if t != "full_attention"]
     for key in ("model_dir", "plain_dir"):
-        vc = json.loads((Path(rec[key]) / "config.json").read_text())["vision_config"]
-        assert vc["img_token_compression_config"] == want
-    assert "img_token_compression_config" not in json.loads((item["src"] / "config.json").read_text())["vision_config"]
+        cfg = json.loads((Path(rec[key]) / "config.json").read_text())
+        assert cfg["vision_config"]["img_token_compression_config"] == want
+        tc = cfg["text_config"]
+        assert tc["hidden_act"] == "swigluoai"
+        assert [i for i, f in enumerate(tc["moe_layer_freq"]) if f] == \
+            [i for i, t in enumerate(tc0["mlp_layer_types"]) if t == "sparse"] == [1, 2]
+        sac = tc["sparse_attention_config"]
+        assert [i for i, f in enumerate(sac["sparse_attention_freq"]) if f] == sparse == [1]
+        assert (sac["sparse_num_index_heads"], sac["sparse_index_dim"], sac["sparse_block_size"],
+                sac["sparse_topk_blocks"]) == (tc0["index_n_heads"], tc0["index_head_dim"], tc0["index_block_size"],
+                                              tc0["index_topk_blocks"])
+    assert "img_token_compression_config" not in src["vision_config"] and src["text_config"]["hidden_act"] == "silu"
+
+
+@pytest.mark.parametrize("fx", ["ct_step3p5flash_w4a16", "ct_deepseekv4_w4a16", "ct_glm5next_w4a16"])
+def test_the_release_form_holds_the_facts_of_the_transformers_config(driver, tmp_path, fx):
+    """Step-3.5-Flash, DeepSeek-V4 and GLM-5.3-Flash: the names vLLM's classes read (the release's)
+    carry the same per-layer facts as the fixture's transformers-saved config (or, where transformers
+    keeps no key, what its class computes), and the transformers-only keys that vLLM's config cannot
+    take (a per-layer-type rope_parameters, mlp_layer_types of hash_moe/moe) are gone."""
+    item = driver.resolve_inputs([fx])[0]
+    rec = driver.prepare(item, tmp_path, serve="kleidiai")
+    src = json.loads((item["src"] / "config.json").read_text())
+    moe = [i for i, t in enumerate((src.get("text_config") or src)["mlp_layer_types"]) if t != "dense"]
+    for key in ("model_dir", "plain_dir"):
+        cfg = json.loads((Path(rec[key]) / "config.json").read_text())
+        if fx.startswith("ct_glm5next"):  # transformers' class: hyper-connections, no RoPE, sigmoid + bias
+            tc, tc0 = cfg["text_config"], src["text_config"]
+            assert tc["mhc"] is (tc0["hc_mult"] > 1) is True and tc["mla_use_nope"] is (tc0["qk_rope_head_dim"] == 0)
+            assert (tc["scoring_func"], tc["topk_method"]) == ("sigmoid", "noaux_tc")
+        elif fx.startswith("ct_step3p5"):
+            assert [int(i) for i in cfg["moe_layers_enum"].split(",")] == moe
+            assert (cfg["moe_num_experts"], cfg["moe_top_k"]) == (src["n_routed_experts"], src["num_experts_per_tok"])
+            assert cfg["moe_router_activation"] == "sigmoid" and "rope_parameters" not in cfg
+            assert cfg["rope_theta"] == [src["rope_parameters"][t]["rope_theta"] for t in src["layer_types"]]
+        else:
+            hashed = [i for i, t in enumerate(src["mlp_layer_types"]) if t == "hash_moe"]
+            assert list(range(cfg["num_hash_layers"])) == hashed
+            assert [r > 0 for r in cfg["compress_ratios"]] == [t != "sliding_attention" for t in src["layer_types"]]
+            assert cfg["topk_method"] == "noaux_tc" and "mlp_layer_types" not in cfg
+
+
+def test_hybrid_mla_families_ask_for_no_prefix_caching(driver):
+    """GLM-5.3-Flash and Kimi-K3 (linear attention beside MLA) start on vLLM's CPU platform only with
+    prefix caching off from the start; other configs get no extra option."""
+    import probe
+
+    for fx in ("ct_glm5next_w4a16", "ct_kimik3_w4a16"):
+        cfg = json.loads((driver.FIXTURES / fx / "config.json").read_text())
+        assert probe.model_engine_options(cfg) == {"enable_prefix_caching": False}
+    assert probe.model_engine_options(json.loads((driver.FIXTURES / "ct_qwen3moe_w4a16" / "config.json").read_text())) == {}
