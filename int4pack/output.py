@@ -36,6 +36,24 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} TB"
 
 
+WARNING_CHARS = 3 * 80 - len("warning: ")  # a warning's three lines at 80 columns
+_MORE = " ... (-v: the rest)"
+
+
+def short_warning(msg: str) -> str:
+    """A warning as three lines of 80 columns show it: whole where it fits, else cut after its last
+    sentence or clause that fits (``; `` or ``. ``, else ``: ``, else ``, ``, else a word), leaving
+    room to say that -v prints the rest."""
+    if len(msg) <= WARNING_CHARS:
+        return msg
+    room = WARNING_CHARS - len(_MORE)
+    for seps in (("; ", ". "), (": ",), (", ", " ")):
+        cut = max(msg.rfind(sep, 0, room) for sep in seps)
+        if cut >= room // 2:
+            break
+    return msg[:cut if cut > 0 else room].rstrip(" ,;:.") + _MORE
+
+
 class Output:
     def __init__(self, *, json_mode: bool = False, verbosity: int = 0, debug: bool = False):
         self.json = json_mode
@@ -64,7 +82,7 @@ class Output:
 
     def warning(self, msg: str) -> None:
         if self.verbosity >= 0:
-            self.err.print(f"[yellow]warning:[/yellow] {msg}")
+            self.err.print(f"[yellow]warning:[/yellow] {msg if self.verbosity >= 1 else short_warning(msg)}")
 
     def info(self, msg: str) -> None:
         if self.verbosity >= 1:

@@ -414,3 +414,28 @@ def test_an_internal_error_says_where_to_report_it(monkeypatch, tmp_path, urls, 
     assert where in flat and "--debug" in flat and "open an issue" not in flat, r.output
     from int4pack.architectures import bug_report_hint
     assert where in bug_report_hint() and "open an issue" not in bug_report_hint()
+
+
+@pytest.mark.parametrize("name", ["autoround_q3_sym_g32", "ct_kimik3_w4a16", "gguf_dsv3_q4_0", "dense_qwen3moe",
+                                  "ct_glm5next_w4a16"])
+def test_every_warning_fits_three_lines_and_v_prints_it_whole(tmp_path, name):
+    """Reader, source and family warnings as well as the routing ones: at most 3 lines of 80 columns
+    each by default; -v prints each in full, and a cut one is the start of its full text (the routing
+    warnings' short forms, written apart, leave out vLLM's detail instead)."""
+    cmd = ["convert", str(FIXTURES / name), str(tmp_path / "o"), "--dry-run"]
+    short = [x for x in runner.invoke(app, cmd).output.splitlines() if x.startswith("warning: ")]
+    full = [x for x in runner.invoke(app, [*cmd, "-v"]).output.splitlines() if x.startswith("warning: ")]
+    assert len(short) == len(full) and all(len(x) <= 240 for x in short), max(short, key=len)
+    assert any(len(x) > 240 for x in full), "no long warning here: the fixture no longer tests the cut"
+    cut = [(s, f) for s, f in zip(short, full) if s.endswith(" ... (-v: the rest)")]
+    assert cut and all(f.startswith(s[: -len(" ... (-v: the rest)")]) and len(f) > len(s) for s, f in cut)
+
+
+def test_short_warning_cuts_at_a_clause():
+    from int4pack.output import WARNING_CHARS, short_warning
+
+    assert short_warning("a" * WARNING_CHARS) == "a" * WARNING_CHARS
+    long = "first clause here; " + "word " * 40 + "; the tail " * 10
+    got = short_warning(long)
+    assert len(got) <= WARNING_CHARS and got.endswith("(-v: the rest)") and long.startswith(got.split(" ...")[0])
+    assert short_warning("x" * 500).startswith("x" * 100) and len(short_warning("x" * 500)) <= WARNING_CHARS
