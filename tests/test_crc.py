@@ -40,3 +40,36 @@ def test_rows():
 def test_native_and_numpy_agree():
     data = np.random.default_rng(2).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
     assert crc.crc32c(data) == crc.crc32c(data, native=False) == _bitwise(data)
+
+
+def test_the_plugins_crc32_engine_is_zlibs_crc32():
+    """The plugin checks blobs with the C++ library's CRC-32 where it is built: zlib's values on
+    every length and alignment (the blobs' CRC-32s were recorded by zlib at convert)."""
+    import zlib
+
+    from int4pack.vllm_plugin import _layout
+
+    _layout._crc32_engine.cache_clear()
+    crc = _layout._crc32_engine()
+    assert crc is not zlib.crc32, "the C++ library is built by the install"
+    rng = np.random.default_rng(5)
+    buf = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    for n in (0, 1, 7, 63, 64, 65, 1000, 4097, (1 << 20) - 3):
+        for off in (0, 1, 3):
+            piece = buf[off:off + n]
+            assert crc(piece) == zlib.crc32(piece.tobytes()), (n, off)
+    rows = [buf[i * 1000:(i + 1) * 1000 + i] for i in range(40)]
+    assert _layout.crc32_rows(rows) == [zlib.crc32(r.tobytes()) for r in rows]
+
+
+def test_the_plugin_falls_back_to_zlib_without_the_library(monkeypatch):
+    import zlib
+
+    from int4pack.vllm_plugin import _layout
+
+    monkeypatch.setenv("INT4PACK_NO_EXT", "1")
+    _layout._crc32_engine.cache_clear()
+    try:
+        assert _layout._crc32_engine() is zlib.crc32
+    finally:
+        _layout._crc32_engine.cache_clear()

@@ -97,8 +97,9 @@ def test_package_imports_have_no_cycle():
 # the readers and the planner: what the vLLM plugin must never load
 CONVERTER_ONLY = ("int4pack.formats", "int4pack.sources.checkpoint", "int4pack.plan", "int4pack.blobs", "int4pack.convert",
                   "int4pack.families", "int4pack.architectures")
-PLUGIN_BUDGET = 6  # int4pack modules the plugin may import beyond its own and the package's (_version, errors);
-# 6 since the experts activate as the model does (int4pack.activation, the one home of those rules)
+PLUGIN_BUDGET = 8  # int4pack modules the plugin may import beyond its own and the package's (_version, errors);
+# 6 since the experts activate as the model does (int4pack.activation, the one home of those rules); 8 since
+# the blob check opens the C++ library's CRC-32 (int4pack._ext and _build: where it is, whether it is off)
 
 
 def reach(edges: dict[str, set[str]], start: str) -> set[str]:

@@ -198,7 +198,17 @@ def test_plugin_loaders_take_the_intact_checkpoints(corpus):
 @pytest.mark.parametrize("name", ["packed_flip_byte", "packed_swap_experts", "packed_gate_up_swap",
                                   "packed_k2g_as_channel", "packed_record_checks_edited", "packed_config_channel",
                                   "packed_record_checks_garbage"])
-def test_plugin_loaders_refuse_same_size_corruptions(corpus, name):
+@pytest.mark.parametrize("engine", ["library", "zlib"])
+def test_plugin_loaders_refuse_same_size_corruptions(corpus, name, engine, monkeypatch):
+    """With either CRC-32 engine: the C++ library's (the plugin takes it where it is built) or zlib's."""
+    import zlib
+
+    from int4pack.vllm_plugin import _layout
+
+    if engine == "zlib":
+        monkeypatch.setattr(_layout, "_crc32_engine", lambda: zlib.crc32)
+    else:
+        assert _layout._crc32_engine() is not zlib.crc32, "the C++ library is built by the install"
     case = corpus[1][name]
     with pytest.raises(ValueError) as ei:
         _load_like_vllm(case.folder)
