@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
@@ -250,3 +251,25 @@ def test_a_bad_scale_is_a_structural_problem(converted, tmp_path, bad, message):
     assert not r["ok"]
     got = [p["message"] for p in r["structural"]["problems"] if p["where"] == f"{EXP}.1.up_proj"]
     assert got == [f"{key}: {message}"]
+
+
+def test_fused_shards_split_between_ignore_and_w4a8_fail(converted, tmp_path):
+    """q_proj dequantised to bf16 and listed in ignore beside W4A8 k_proj/v_proj: vLLM refuses it
+    (one scheme per fused qkv_proj), so verify must too, naming the fused module."""
+    out = _copy(converted("gptq_q3_sym")[0], tmp_path / "bad")
+    q = "model.layers.0.self_attn.q_proj"
+
+    def dequantise(t):
+        if f"{q}.weight" not in t:
+            return t
+        w, s = t.pop(f"{q}.weight").float(), t.pop(f"{q}.weight_scale").float()
+        t[f"{q}.weight"] = (w * s.repeat_interleave(w.shape[1] // s.shape[1], dim=1)).to(torch.bfloat16)
+        return t
+
+    _rewrite(out, dequantise)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = [*cfg["quantization_config"].get("ignore", []), q]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(VerifyFailed, match=r"self_attn\.qkv_proj: vLLM fuses k_proj, q_proj, v_proj into qkv_proj "
+                                           r"and runs one scheme: q_proj listed in quantization_config\.ignore"):
+        int4pack.verify(out, dense=False)

@@ -1,15 +1,16 @@
 """The checkpoint-wide half of verify's structural pass: the config's W4A8 scheme, its layout
 record and one config group per module; every MoE layer has its router and all its experts, each
 with gate, up and down under one config group; the config's ignore list, the int8 weights without
-scales and the layers the config names against what the index holds. Each check reads a
+scales and the layers the config names against what the index holds; the shards of each module
+vLLM fuses all W4A8 or all in the ignore list. Each check reads a
 ``W4A8Output`` and adds what is wrong to ``problems`` (module_checks.Problems)."""
 
 from __future__ import annotations
 
-from ..architectures import layer_index
+from ..architectures import classify, layer_index, vllm_module
 from ..serve_spec import record_problems
 
-__all__ = ["layer_index", "check_config", "check_layers", "check_config_index"]
+__all__ = ["layer_index", "check_config", "check_layers", "check_config_index", "check_fused_ignore"]
 
 
 def check_config(output, problems) -> None:
@@ -84,3 +85,22 @@ def check_config_index(output, problems) -> None:
         missing = sorted(set(range(nl)) - seen)
         if missing:
             problems.add("config", f"num_hidden_layers={nl} but no tensors for layer(s) {missing[:8]}")
+
+
+def check_fused_ignore(output, problems) -> None:
+    """vLLM runs the shards of a module it fuses (q/k/v as qkv_proj, gate/up as gate_up_proj) under
+    one scheme and refuses a checkpoint that lists some of them in ``ignore`` and not the others
+    ("Detected some but not all shards of ... are quantized"); convert never writes one
+    (precision.tie_fused), an edited config or a hand-made output can."""
+    ignored = {m for m in output.ignore if not m.startswith("re:")}
+    units: dict[str, tuple[set, set]] = {}
+    for m in ignored | set(output.modules):
+        if classify(m)[0] != "expert":
+            units.setdefault(vllm_module(m), (set(), set()))[m in ignored].add(m)
+    for unit, (quant, ign) in sorted(units.items()):
+        if quant and ign:
+            leaf = lambda names: ", ".join(sorted(n.rsplit(".", 1)[-1] for n in names))  # noqa: E731
+            problems.add(unit, f"vLLM fuses {leaf(quant | ign)} into {unit.rsplit('.', 1)[-1]} and runs one scheme: "
+                               f"{leaf(ign)} listed in quantization_config.ignore, {leaf(quant)} W4A8 (vLLM refuses it: "
+                               "\"Detected some but not all shards ... are quantized\"). Convert again, or dequantise "
+                               "the W4A8 shards to bf16 and list them in ignore too")

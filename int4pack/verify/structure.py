@@ -13,7 +13,7 @@ import json
 from collections import Counter
 
 from ..sources.checkpoint import Checkpoint
-from .checkpoint_checks import check_config, check_config_index, check_layers, layer_index
+from .checkpoint_checks import check_config, check_config_index, check_fused_ignore, check_layers, layer_index
 from .module_checks import COUNTS, ModuleChecks, Problems
 from .shard_scan import check_copy_checksums, check_hashes, finish_scan, scan
 
@@ -70,6 +70,7 @@ def check_structure(checks: ModuleChecks, pool=None, scanned: dict | None = None
             say(f"structure: layers {done}/{n_layers}")
     check_layers(output, problems)
     check_config_index(output, problems)
+    check_fused_ignore(output, problems)
     problems.items += report_problems.items  # listed where they always were: after the module checks
     check_hashes(ckpt, problems, report, digests)
     check_copy_checksums(ckpt, problems, scanned)
