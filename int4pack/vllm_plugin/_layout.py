@@ -226,7 +226,9 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
 def _crc32_engine():
     """zlib's CRC-32 from the C++ library when it is built (PCLMULQDQ folding on x86-64, crc32x on
     Arm: 2-4x zlib's speed), else zlib's own. Only the library's i4p_crc32 is opened, by ctypes
-    (which drops the GIL): nothing of the converter is imported and nothing is built here."""
+    (which drops the GIL): nothing of the converter is imported and nothing is built here. Loading
+    it installs its SIGBUS guard (csrc/fault_guard.cpp), which hands every fault outside its own
+    guarded calls to the handler that was there before: vLLM's process sees no change."""
     import ctypes  # noqa: PLC0415  (here: vLLM imports the plugin early)
 
     from .. import _ext  # noqa: PLC0415  (the library's path and INT4PACK_NO_EXT: stdlib only)
