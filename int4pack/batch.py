@@ -63,7 +63,7 @@ _FLOAT_WEIGHTS = {"BF16": 10, "F16": 11, "F32": 12, "F8_E4M3": 13, "U8": 14, "I8
 _BLOCK_SCALES = {"F32": 0, "F16": 1, "BF16": 2, "F8_E8M0": 3, "U8": 3, "F8_E4M3": 4}
 _DECODED, _MLX, _GGUF = 10, 15, 16  # the first FloatSource layout; MLX affine words, GGUF blocks
 _GGUF_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14,
-               "IQ4_NL": 20, "IQ4_XS": 23}  # ggml's type numbers (GgufType)
+               "IQ4_NL": 20, "IQ4_XS": 23, "MXFP4": 39}  # ggml's type numbers (GgufType)
 # descriptor columns (BatchField)
 (_LAYOUT, _WORDS, _D0, _D1, _N, _K, _SCALES, _STYPE, _KN, _GS, _ZEROS, _ZBYTES, _ZBYTE, _GIDX, _GITEM,
  _GGROUP, _SRCG, _G, _BF16, _OUTQ, _OUTS, _OUTBLOB, _BLOBBYTES) = range(23)

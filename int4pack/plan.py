@@ -104,7 +104,7 @@ class Plan:
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
     def quantized_modules(self) -> list[str]:
-        return [s.name for j in self.jobs if j.kind in ("linear", "fold") for s in j.specs]
+        return [s.name for j in self.jobs if j.kind in ("linear", "fold", "experts") for s in j.specs]
 
     def fingerprint(self, ckpt: Checkpoint) -> str:
         """Changes whenever the output bytes could change: tool version, options, source tensors."""
@@ -246,6 +246,11 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
 
     # modules a reader writes together in a layout of their own (gpt-oss experts: expert_layout.py)
     unit_of: dict[str, list[str]] = reader.units() if hasattr(reader, "units") else {}
+    users: dict[str, int] = {}  # source tensor -> the units that read it (fused experts: every expert)
+    for name, members in unit_of.items():
+        if name == members[0]:
+            for key in {k for m in members for k in specs[m].keys}:
+                users[key] = users.get(key, 0) + 1
 
     done: set[str] = set()
     for name in sorted(specs):
@@ -255,12 +260,12 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
         if name in unit_of:
             members = [specs[m] for m in unit_of[name]]
             g = groups[name]
-            gate, down = members[0], members[2]
-            bias = next((ckpt.tensors[k].dtype for k in gate.keys if k.endswith("_bias")), None)
+            gate = members[0]
+            bias = next((ckpt.tensors[k].dtype for k in gate.keys if k.endswith(("_bias", ".bias"))), None)
             outs = [OutTensor(*t) for t in expert_layout.outputs(gate.name.rsplit(".", 1)[0], gate.n, gate.k, g, bias)]
             paths = {m.name: predict_path(m, g, folded=False) for m in members}
-            # the fused source tensors are shared by all experts: each expert's share of them
-            share = sum(ckpt.tensors[k].nbytes // ckpt.tensors[k].shape[0] for m in (gate, down) for k in m.keys)
+            # fused source tensors are shared by all experts: each expert's share of them
+            share = sum(ckpt.tensors[k].nbytes // users[k] for k in {k for m in members for k in m.keys})
             jobs.append(Job("experts", outs, members, paths=paths, in_bytes=share, group_size=g))
             done.update(m.name for m in members)
         elif name in fold_of:

@@ -362,3 +362,44 @@ def write_converted(path: Path, arch: str, cfg: dict, weights: dict[str, np.ndar
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def retype(src: Path, dst: Path, pick, keys: dict | None = None) -> dict[str, str]:
+    """A copy of ``src`` written by gguf's own writer, every KV pair as it is (``keys``: name -> (value,
+    GGUFValueType) added or replaced), each tensor ``pick(name)`` gives a ggml type name for requantised
+    by gguf.quants.quantize from gguf's dequantisation (F16/F32 cast), the rest copied. Returns GGUF name ->
+    the type written."""
+    import gguf
+    from gguf import quants
+
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), r.fields["general.architecture"].contents())
+    keys = dict(keys or {})
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        if f.name in keys:
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for name, (value, vtype) in keys.items():
+        w.add_key_value(name, value, vtype)
+    types = {}
+    for t in r.tensors:
+        qtype = pick(t.name)
+        if qtype is None or qtype == t.tensor_type.name:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+            types[t.name] = t.tensor_type.name
+            continue
+        x = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
+        if qtype in ("F32", "F16"):
+            w.add_tensor(t.name, x.astype(np.float32 if qtype == "F32" else np.float16))
+        else:
+            w.add_tensor(t.name, quants.quantize(x, gguf.GGMLQuantizationType[qtype]),
+                         raw_dtype=gguf.GGMLQuantizationType[qtype])
+        types[t.name] = qtype
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return types

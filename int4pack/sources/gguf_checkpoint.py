@@ -11,7 +11,8 @@ names vLLM loads, mapped by gguf's TensorNameMap from the HF parameter names of 
   formats/gguf.py;
 * fused experts ``blk.N.ffn_{gate,up,down}_exps``: GGUF's ne is [K, N, E] (ne[0] the fastest), so
   the bytes are row-major [E, N, K] and expert e is one contiguous run: listed per expert as
-  ``<moe>.experts.E.<proj>.weight`` (block bytes, or float [N, K]);
+  ``<moe>.experts.E.<proj>.weight`` (block bytes, or float [N, K]); their biases
+  ``ffn_*_exps.bias`` [E, N] (gpt-oss) likewise as ``<moe>.experts.E.<proj>.bias`` [N];
 * quantised tensors vLLM loads in float (embeddings, lm_head, routers): derived BF16 tensors,
   dequantised by gguf when read (derived_tensors.py);
 * deepseek2's ``blk.N.attn_k_b`` / ``attn_v_b``: llama.cpp's converter splits MLA's kv_b_proj into
@@ -20,7 +21,8 @@ names vLLM loads, mapped by gguf's TensorNameMap from the HF parameter names of 
   v [H, v, R]) and leaves ``attn_kv_b`` out; vLLM loads kv_b_proj, so it is rebuilt from them, in
   float32, as a derived tensor (a file that still has ``attn_kv_b`` gives it as it is).
   ``blk.N.exp_probs_b.bias`` is the router's ``e_score_correction_bias`` (the converter's rename
-  undone, conversion/base.py ``ModelBase.modify_tensors``).
+  undone, conversion/base.py ``ModelBase.modify_tensors``), and gpt-oss's ``blk.N.attn_sinks.weight``
+  its ``self_attn.sinks`` (conversion/gpt_oss.py ``GptOssModel.filter_tensors`` adds ``.weight``).
 
 A tensor of a type outside GGUF_TYPES is refused at open, naming it and its type.
 """
@@ -44,12 +46,14 @@ __all__ = ["GGUFCheckpoint", "gguf_files", "is_gguf", "GGUF_TYPES", "FLOAT_TYPES
 
 # ggml type -> the source group (inputs per scale) int4pack reports; requantised except Q4_0
 GGUF_TYPES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16,
-              "IQ4_NL": 32, "IQ4_XS": 32}
+              "IQ4_NL": 32, "IQ4_XS": 32, "MXFP4": 32}
 FLOAT_TYPES = {"F32": "F32", "F16": "F16", "BF16": "BF16"}  # ggml type -> safetensors dtype
 _SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _LINEAR_LEAF = re.compile(r"\.((q|k|v|o|gate|up|down|q_a|q_b|kv_b)_proj|kv_a_proj_with_mqa|w1|w2|w3)$")
 _EXPERT_LEAF = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 _ONE_ROW = (".mlp.shared_expert_gate",)  # HF holds these [1, H]; GGUF stores [H]
+# the converter's renames undone (the module docstring): the GGUF name's HF spelling -> the HF key
+_RENAMED = ((".e_score_correction.bias", ".e_score_correction_bias"), (".self_attn.sinks.weight", ".self_attn.sinks"))
 
 
 def is_gguf(path: Path) -> bool:
@@ -120,13 +124,14 @@ def _read_header(path: Path):
 
 
 class GGUFLinear:
-    """Where one linear's GGUF data lies: its key in ``tensors``, ggml type, [N, K], GGUF tensor name, and
-    for a RoPE-permuted q/k projection the GGUF row of each HF row."""
+    """Where one linear's GGUF data lies: its key in ``tensors``, ggml type, [N, K], GGUF tensor name, for
+    a RoPE-permuted q/k projection the GGUF row of each HF row, and an expert's bias key (gpt-oss)."""
 
-    __slots__ = ("key", "qtype", "n", "k", "source", "rows")
+    __slots__ = ("key", "qtype", "n", "k", "source", "rows", "bias")
 
     def __init__(self, key: str, qtype: str, n: int, k: int, source: str, rows: np.ndarray | None = None):
         self.key, self.qtype, self.n, self.k, self.source, self.rows = key, qtype, n, k, source, rows
+        self.bias: str | None = None
 
 
 class GGUFCheckpoint(DerivedTensors, Checkpoint):
@@ -170,6 +175,9 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
             for info in infos:
                 self._add(f.name, *info)
         self.rebuilt_kv_b = self._rebuild_kv_b()  # the kv_b_proj modules put back together
+        for mod, lin in self.gguf_linears.items():
+            if ".experts." in mod and f"{mod}.bias" in self.tensors:
+                lin.bias = f"{mod}.bias"
         self.quant_config = {"quant_method": "gguf", "architecture": arch, "types": dict(sorted(self.types.items())),
                              "file_type": self.metadata.get("general.file_type")}
 
@@ -206,21 +214,32 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
                                     f"{self.arch.cls} loads.")
         self.types[qtype] = self.types.get(qtype, 0) + 1
         shape = tuple(reversed(ne))  # GGUF's ne[0] is the fastest-varying dimension
-        key = f"{hf}.{suffix}".replace(".e_score_correction.bias", ".e_score_correction_bias")
+        key = f"{hf}.{suffix}"
+        for spelled, hf_key in _RENAMED:
+            if key.endswith(spelled):
+                key = key[: -len(spelled)] + hf_key
         if hf.endswith((".k_b_proj", ".v_b_proj")):  # put back together into kv_b_proj (_rebuild_kv_b)
             attn, _, leaf = hf.rpartition(".")
             self._kv_b.setdefault(attn, {})[leaf[0]] = (file, qtype, shape, off, nbytes, name)
             return
         quant = qtype in GGUF_TYPES
         if ".experts." in hf and hf.rsplit(".", 1)[-1] in _EXPERT_LEAF:
-            if len(shape) != 3 or suffix != "weight":
-                raise InputError(f"{name}: fused experts of shape {list(shape)}, expected [E, N, K]", tensor=name,
-                                 path=str(self.folder / file), hint="The file is not a layout llama.cpp writes.")
-            e_n, n, k = shape
+            bias = suffix == "bias"
+            if len(shape) != (2 if bias else 3) or suffix not in ("weight", "bias") or (bias and quant):
+                want = "a float [E, N]" if bias else "[E, N, K]"
+                raise InputError(f"{name}: fused experts' {suffix} {qtype} of shape {list(shape)}, expected {want}",
+                                 tensor=name, path=str(self.folder / file),
+                                 hint="The file is not a layout llama.cpp writes.")
+            e_n = shape[0]
             per = nbytes // e_n
             moe, proj = hf.rsplit(".", 1)
             for e in range(e_n):
-                self._linear(f"{moe}.{e}.{proj}", file, qtype, n, k, off + e * per, per, name)
+                if bias:  # expert e's bias: row e of [E, N]
+                    k = f"{moe}.{e}.{proj}.bias"
+                    self.tensors[k] = TensorInfo(k, file, FLOAT_TYPES[qtype], shape[1:], off + e * per,
+                                                 off + (e + 1) * per)
+                else:
+                    self._linear(f"{moe}.{e}.{proj}", file, qtype, shape[1], shape[2], off + e * per, per, name)
             return
         if hf.endswith(_ONE_ROW) and len(shape) == 1:
             shape = (1, shape[0])

@@ -18,6 +18,12 @@ Sources, by architecture (an architecture not listed is refused by name):
   ``src/models/deepseek2.cpp`` and ``src/models/glm4-moe.cpp`` ``load_arch_hparams`` (which keys are
   optional, and llama.cpp's value when one is absent: the value written here, so the rebuilt config
   routes as llama.cpp runs the file) and ``src/llama-context.cpp`` (YaRN's mscale).
+* ``gpt-oss``: likewise (transformers 5.23 has no GGUF mapping for it): ``conversion/gpt_oss.py``
+  ``GptOssModel`` over ``TextModel.set_gguf_parameters``, checked against ``src/models/openai-moe.cpp``
+  ``load_arch_hparams`` (sliding layers by ``load_swa_pattern(ml, 2)``) and ggml's YaRN
+  (``ggml_rope_yarn_corr_dims`` floors and ceils the correction dims: ``truncate`` true); the
+  config.json keys are those of transformers 5.23's ``GptOssConfig`` (``rope_parameters``,
+  ``layer_types``, ``num_local_experts``), which vLLM's gpt_oss.py reads.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import json
 from typing import Any, Callable
 
 from ..errors import RefusedError
-from ..families import deepseek, glm4_moe, mixtral, qwen_moe
+from ..families import deepseek, glm4_moe, gpt_oss, mixtral, qwen_moe
 
 __all__ = ["ARCHS", "Arch", "build_config", "f32_value", "tokenizer_files"]
 
@@ -183,6 +189,29 @@ def _glm4moe(get: Get, cfg: dict, names: set, path: str) -> None:
                            hint="vLLM's Glm4MoeForCausalLM scores experts by sigmoid; this file says otherwise.")
 
 
+def _gpt_oss(get: Get, cfg: dict, names: set, path: str) -> None:
+    """Sliding layers, rope_parameters and attention bias of a gpt-oss file (GptOssModel), as
+    transformers' GptOssConfig holds them."""
+    layers = int(cfg["num_hidden_layers"])
+    pattern = get("attention.sliding_window_pattern")  # llama.cpp: a bool per layer, or n (absent: 2)
+    if isinstance(pattern, list):
+        sliding = [bool(x) for x in pattern][:layers]
+    else:
+        n = int(pattern) if pattern is not None else 2
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    rope = {"rope_type": "default"}
+    scaling = cfg.pop("rope_scaling", None)
+    if scaling:
+        rope = {k: v for k, v in scaling.items() if k != "type"}
+        if rope["rope_type"] == "yarn":
+            rope["truncate"] = True  # ggml_rope_yarn_corr_dims floors and ceils (the module docstring)
+    if "rope_theta" in cfg:
+        rope["rope_theta"] = cfg.pop("rope_theta")
+    cfg["rope_parameters"] = rope
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in names  # create_tensor_qkv loads them where they are
+
+
 def _rope_scaling(get: Get, path: str) -> dict | None:
     """The HF rope_scaling of TextModel.set_gguf_parameters' rope.scaling.* keys (linear, yarn)."""
     kind = get("rope.scaling.type")
@@ -233,6 +262,16 @@ ARCHS: dict[str, Arch] = {a.gguf_name: a for a in (
          {**_DEEPSEEK_MOE, "attention.head_count_kv": "num_key_value_heads", "attention.key_length": "head_dim"},
          _layers(*_ATTN, "self_attn.q_norm", "self_attn.k_norm", *_LAYER, *_DEEPSEEK_FFN, *NEXTN),
          dict(_DEEPSEEK_MOE_DEFAULTS), derive=_glm4moe),
+    # the converter writes intermediate_size as both feed_forward_length and expert_feed_forward_length;
+    # llama.cpp reads the latter
+    Arch("gpt-oss", gpt_oss.FAMILY.model_types[0], "GptOssForCausalLM",
+         {**{k: v for k, v in _COMMON.items() if not k.startswith(("expert_", "feed_forward"))},
+          "attention.key_length": "head_dim", "attention.sliding_window": "sliding_window",
+          "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+          "expert_feed_forward_length": "intermediate_size"},
+         _layers(*_ATTN, "self_attn.sinks", "input_layernorm", "post_attention_layernorm", "mlp.router",
+                 "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"),
+         derive=_gpt_oss),
 )}
 
 

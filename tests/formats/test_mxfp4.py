@@ -15,30 +15,14 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import int4pack
-from _reference import FIXTURES
+from _reference import FIXTURES, e2m1
+from _reference import mxfp4_decode as ref_decode
 from int4pack.cli import app
 from int4pack.errors import InputError, RefusedError, VerifyFailed
 from int4pack.formats.mxfp4 import decode, deinterleave
 
 SRC = FIXTURES / "gptoss_mxfp4"
 runner = CliRunner()
-
-
-def e2m1(code: int) -> float:
-    """OCP MX E2M1 from its bits: sign bit 3, exponent bits 2-1 (bias 1), mantissa bit 0; exponent 0 is
-    subnormal (m * 0.5)."""
-    s, e, m = code >> 3, (code >> 1) & 3, code & 1
-    mag = m * 0.5 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1)
-    return -mag if s else mag
-
-
-def ref_decode(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """float64 [..., G*32]: byte j of a block holds value 2j (low nibble) and 2j + 1 (high nibble)."""
-    lo, hi = blocks & 0xF, blocks >> 4
-    codes = np.stack([lo, hi], axis=-1).reshape(*blocks.shape[:-1], 32)
-    vals = np.vectorize(e2m1)(codes).astype(np.float64)
-    vals = vals * np.ldexp(1.0, scales.astype(np.int64) - 127)[..., None]
-    return vals.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)
 
 
 def test_e2m1_table_by_hand():

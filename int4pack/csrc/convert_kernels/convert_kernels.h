@@ -366,7 +366,7 @@ enum MiniScaleType : int64_t { kScaleE8m0 = 3, kScaleE4m3 = 4 };
 // ggml's type numbers (gguf.GGMLQuantizationType) of the types int4pack reads
 enum GgufType : int64_t {
   kGgufQ4_0 = 2, kGgufQ4_1 = 3, kGgufQ5_0 = 6, kGgufQ5_1 = 7, kGgufQ8_0 = 8, kGgufQ4_K = 12, kGgufQ5_K = 13,
-  kGgufQ6_K = 14, kGgufIq4Nl = 20, kGgufIq4Xs = 23
+  kGgufQ6_K = 14, kGgufIq4Nl = 20, kGgufIq4Xs = 23, kGgufMxfp4 = 39
 };
 void scales_to_float(const uint8_t* src, int64_t n, int64_t groups, int64_t dtype, bool kn, float* out);
 

@@ -197,6 +197,7 @@ struct MlxRows : FloatRows {
 // gguf.quants.<type>.dequantize_blocks, block by block: the float32 operations of its numpy
 // expressions, in their order (d * q, (d * q) + m, (d * sc) * q - dmin * m, ...)
 constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  // E2M1 doubled
 
 // 6-bit scale and min j of a K-quant block's 12 bytes (gguf's Q4_K.get_scale_min)
 inline void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
@@ -313,6 +314,14 @@ I4P_CLONES void gguf_row(int64_t type, const uint8_t* p, int64_t k, float* x) {
         }
       }
       return;
+    case kGgufMxfp4:  // E8M0 byte e, nibbles indexing E2M1 doubled: (2^(e - 128), subnormal for e < 2) * value
+      for (int64_t i = 0; i < k / 32; ++i, p += 17) {
+        const uint32_t e = p[0];
+        const float d = from_bits(e < 2u ? 0x00200000u << e : (e - 1u) << 23);  // gguf's e8m0_to_fp32_half
+        nibbles32(p + 1, x + 32 * i,
+                  [&](int q, int) I4P_LAMBDA_INLINE { return d * static_cast<float>(kMxfp4Values[q]); });
+      }
+      return;
     default: fail("gguf_row: ggml type ", type);
   }
 }
@@ -337,6 +346,7 @@ int64_t gguf_block(int64_t type, int64_t& bytes) {
     case kGgufQ5_K: bytes = 176; return 256;
     case kGgufQ6_K: bytes = 210; return 256;
     case kGgufIq4Xs: bytes = 136; return 256;
+    case kGgufMxfp4: bytes = 17; return 32;
     default: bytes = 0; return 0;
   }
 }
