@@ -6,8 +6,10 @@
 Writes a synthetic GPTQ source in Qwen3-30B-A3B shapes (scripts/make_synthetic.py: hidden 2048,
 128 experts of 768, group 128), converts it with ``--serve-format kleidiai``, then for each layer
 does what the plugin does (int4pack/vllm_plugin/_layout.py): every blob copied into its
-ExpertBlobs / DenseBlobs parameter, then ``check_bytes`` (the CRC-32 of every blob, on one thread
-per core, against the layout record's blob_checks). ``--engines``: the CRC-32 by the C++ library, which the plugin takes where it is built, and
+ExpertBlobs / DenseBlobs parameter (each expert blob's CRC-32 taken by background threads as it is
+copied, while the load goes on), then ``check_bytes`` (the rest of the CRC-32s on one thread per
+core, and the comparison with the layout record's blob_checks). ``--threads``: how many threads
+checksum (the plugin takes one per core but one, at most 16). ``--engines``: the CRC-32 by the C++ library, which the plugin takes where it is built, and
 by zlib, its fallback. The cost of the checks is the checked load's time over the same load with no
 checks, plus the records read (``blob_check``: each module's record, refused where it is missing or
 out of shape) and ``check_bytes``; the share is that cost over the checked load. The load is the
@@ -106,7 +108,7 @@ def main() -> int:
     a = ap.parse_args()
 
     import int4pack
-    from int4pack.vllm_plugin import _layout
+    from int4pack.vllm_plugin import _blob_crc
 
     src, out = a.work / "src", a.work / "packed"
     if not (src / "config.json").is_file():
@@ -118,7 +120,7 @@ def main() -> int:
         print(f"convert: {time.perf_counter() - t:.1f} s")
     rec = json.loads((out / "config.json").read_text())["quantization_config"]["kleidiai"]
     threads = [int(x) for x in a.threads.split(",")]
-    native = _layout._crc32_engine()
+    native = _blob_crc.engine()
     if native is zlib.crc32 and "native" in a.engines.split(","):
         raise SystemExit("the C++ library is not built here: `python -m int4pack._build`, or --engines zlib")
     engines = {"native": native, "zlib": zlib.crc32}
@@ -132,8 +134,10 @@ def main() -> int:
     for _ in range(max(1, a.repeat)):  # the cases in turn, so that a drift of the host hits all alike
         for case in [None] + cases:  # None: the same load with no checks (the plugin's opt-out)
             if case is not None:
-                _layout.MAX_THREADS = case[1]
-                _layout._crc32_engine = lambda e=case[0]: engines[e]
+                _blob_crc.MAX_THREADS = case[1]  # the background threads' and check_bytes' count
+                while _blob_crc._pool:
+                    _blob_crc._pool.pop().shutdown()
+                _blob_crc.engine = lambda e=case[0]: engines[e]
             loaded, count, total, load, record = _load(out, rec, checked=case is not None)
             keep(("load", case), load.wall, load.cpu)
             keep(("record", case), record.wall, record.cpu)

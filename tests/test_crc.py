@@ -47,10 +47,10 @@ def test_the_plugins_crc32_engine_is_zlibs_crc32():
     every length and alignment (the blobs' CRC-32s were recorded by zlib at convert)."""
     import zlib
 
-    from int4pack.vllm_plugin import _layout
+    from int4pack.vllm_plugin import _blob_crc
 
-    _layout._crc32_engine.cache_clear()
-    crc = _layout._crc32_engine()
+    _blob_crc.engine.cache_clear()
+    crc = _blob_crc.engine()
     assert crc is not zlib.crc32, "the C++ library is built by the install"
     rng = np.random.default_rng(5)
     buf = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
@@ -59,17 +59,17 @@ def test_the_plugins_crc32_engine_is_zlibs_crc32():
             piece = buf[off:off + n]
             assert crc(piece) == zlib.crc32(piece.tobytes()), (n, off)
     rows = [buf[i * 1000:(i + 1) * 1000 + i] for i in range(40)]
-    assert _layout.crc32_rows(rows) == [zlib.crc32(r.tobytes()) for r in rows]
+    assert _blob_crc.crc32_rows(rows) == [zlib.crc32(r.tobytes()) for r in rows]
 
 
 def test_the_plugin_falls_back_to_zlib_without_the_library(monkeypatch):
     import zlib
 
-    from int4pack.vllm_plugin import _layout
+    from int4pack.vllm_plugin import _blob_crc
 
     monkeypatch.setenv("INT4PACK_NO_EXT", "1")
-    _layout._crc32_engine.cache_clear()
+    _blob_crc.engine.cache_clear()
     try:
-        assert _layout._crc32_engine() is zlib.crc32
+        assert _blob_crc.engine() is zlib.crc32
     finally:
-        _layout._crc32_engine.cache_clear()
+        _blob_crc.engine.cache_clear()

@@ -203,12 +203,12 @@ def test_plugin_loaders_refuse_same_size_corruptions(corpus, name, engine, monke
     """With either CRC-32 engine: the C++ library's (the plugin takes it where it is built) or zlib's."""
     import zlib
 
-    from int4pack.vllm_plugin import _layout
+    from int4pack.vllm_plugin import _blob_crc
 
     if engine == "zlib":
-        monkeypatch.setattr(_layout, "_crc32_engine", lambda: zlib.crc32)
+        monkeypatch.setattr(_blob_crc, "engine", lambda: zlib.crc32)
     else:
-        assert _layout._crc32_engine() is not zlib.crc32, "the C++ library is built by the install"
+        assert _blob_crc.engine() is not zlib.crc32, "the C++ library is built by the install"
     case = corpus[1][name]
     with pytest.raises(ValueError) as ei:
         _load_like_vllm(case.folder)

@@ -19,7 +19,8 @@ The bytes themselves are checked too (``BlobCheck``): the layout record's ``blob
 per module as vLLM builds it, the group each blob was packed with, which must be the group of
 vLLM's scheme for that module, and the CRC-32 of each blob's stored bytes, compared once all are
 loaded (zlib's CRC-32, by the C++ library's carry-less multiplies or Arm crc32x instructions where
-it is built, else by zlib; both release the GIL: one thread per core). A flipped byte, swapped
+it is built, else by zlib; both release the GIL: an expert blob's is taken by background threads as
+its loader copies it, while loading goes on). A flipped byte, swapped
 experts, gate and up swapped, a blob from another layer or another group: refused, naming the
 tensor. Under tensor parallelism a rank holds a byte range or one row of each blob, not the bytes the CRC
 was recorded for: each rank checks the whole checkpoint tensor its loader is handed instead.
@@ -33,23 +34,20 @@ from __future__ import annotations
 
 import logging
 import os
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
-import numpy as np
 import torch
 
 from .. import kleidiai
+from ._blob_crc import crc32_rows, crc_of, in_background
 from ..groups import block
 from ..serve_spec import (BLOB_CHECKS, PLAIN_MODULES, QUANT_METHOD, ROTARY, SUFFIX, record_problems, rotary_problem, tensor_parallel_size,
                           unshuffle_rotary_bytes)
 
 __all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
-           "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "plain_reason", "crc32_rows"]
+           "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "plain_reason"]
 
 _log = logging.getLogger(__name__)
-MAX_THREADS = 16  # threads of the load-time CRC (both engines release the GIL)
 _warned_unchecked = []
 ALLOW_UNCHECKED = "INT4PACK_ALLOW_UNCHECKED_BLOBS"  # the one opt-out of the load-time blob check
 
@@ -222,49 +220,6 @@ def blob_check(record: dict, prefix: str, parts: int | None = None, experts: int
     return BlobCheck(name, g, names, table, rotary, whole=whole)
 
 
-@lru_cache(maxsize=None)
-def _crc32_engine():
-    """zlib's CRC-32 from the C++ library when it is built (PCLMULQDQ folding on x86-64, crc32x on
-    Arm: 2-4x zlib's speed), else zlib's own. Only the library's i4p_crc32 is opened, by ctypes
-    (which drops the GIL): nothing of the converter is imported and nothing is built here. Loading
-    it installs its SIGBUS guard (csrc/fault_guard.cpp), which hands every fault outside its own
-    guarded calls to the handler that was there before: vLLM's process sees no change."""
-    import ctypes  # noqa: PLC0415  (here: vLLM imports the plugin early)
-
-    from .. import _ext  # noqa: PLC0415  (the library's path and INT4PACK_NO_EXT: stdlib only)
-
-    path = _ext.library_path()
-    if _ext.disabled() or not path.is_file():
-        return zlib.crc32
-    try:
-        fn = ctypes.CDLL(str(path)).i4p_crc32
-    except (OSError, AttributeError):
-        return zlib.crc32
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32], ctypes.c_uint32
-
-    def crc32(buf) -> int:
-        a = np.ascontiguousarray(buf).view(np.uint8).reshape(-1)
-        return int(fn(a.ctypes.data, a.nbytes, 0))
-
-    check = np.frombuffer(b"123456789", dtype=np.uint8)
-    return crc32 if crc32(check) == zlib.crc32(b"123456789") else zlib.crc32  # CRC-32's check value
-
-
-def crc32_rows(rows: list) -> list[int]:
-    """zlib CRC-32 of each buffer, on up to one thread per core (both engines release the GIL)."""
-    crc = _crc32_engine()
-    workers = max(1, min(len(rows), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else (os.cpu_count() or 1), MAX_THREADS))
-    if workers == 1:
-        return [crc(r) for r in rows]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(crc, rows))
-
-
-def _crc_of(t: torch.Tensor) -> int:
-    return _crc32_engine()(t.contiguous().reshape(-1).numpy())
-
-
 def _refuse_mismatches(bad: list[str]) -> None:
     if bad:
         raise ValueError(f"{QUANT_METHOD}: {len(bad)} blob(s) differ from the bytes convert wrote (CRC-32 recorded "
@@ -343,6 +298,9 @@ class ExpertBlobs:
         self.half = kleidiai.packed_size(inter, hidden, block(hidden, group_size))
         self.w2 = kleidiai.packed_size(hidden, inter, block(inter, group_size))
         self.loaded: set[tuple[int, str]] = set()
+        # (expert, part) -> the CRC-32 of its bytes as its loader left them, computed in the background
+        # while loading goes on (tp == 1); check_bytes compares them once every blob is in
+        self.pending: dict = {}
         self.check = check
         self.params: dict[str, torch.Tensor] = {}
         if check is not None:
@@ -363,8 +321,11 @@ class ExpertBlobs:
             _refuse_mismatches(self.bad)
             return
         where = [(e, i) for e in range(self.experts) for i in (0, 1, 2)]
-        got = crc32_rows([self._slot(e, i).numpy() for e, i in where])
-        _refuse_mismatches([self.check.tensor(i, e) for (e, i), crc in zip(where, got) if crc != self.check.crcs[e][i]])
+        lack = [w for w in where if w not in self.pending]  # none once every blob was loaded
+        got = dict(zip(lack, crc32_rows([self._slot(e, i).numpy() for e, i in lack])))
+        got.update({w: fut.result() for w, fut in self.pending.items()})
+        self.pending.clear()
+        _refuse_mismatches([self.check.tensor(i, e) for e, i in where if got[(e, i)] != self.check.crcs[e][i]])
 
     def _slot(self, e: int, part: int) -> torch.Tensor:
         """Expert e's bytes of part 0 (gate), 1 (up) or 2 (down) in its parameter."""
@@ -395,12 +356,15 @@ class ExpertBlobs:
                 self._check_whole(whole, e, 0 if shard_id == "w1" else 1)
             dst = row[: self.half] if shard_id == "w1" else row[self.half:]
             dst.copy_(whole[self.rank * self.half:(self.rank + 1) * self.half])
+        if self.check is not None and self.tp == 1:
+            part = 2 if shard_id == "w2" else 0 if shard_id == "w1" else 1
+            self.pending[(e, part)] = in_background(self._slot(e, part))
         self.loaded.add((e, shard_id))
         return True if return_success else None
 
     def _check_whole(self, whole: torch.Tensor, e: int, part: int) -> None:
         """tp > 1: the whole checkpoint tensor (every rank's bytes) against its recorded CRC-32."""
-        if self.check is not None and _crc_of(whole) != self.check.crcs[e][part]:
+        if self.check is not None and crc_of(whole) != self.check.crcs[e][part]:
             self.bad.append(self.check.tensor(part, e))
 
     def missing(self) -> list[str]:
@@ -450,7 +414,7 @@ class DenseBlobs:
             _refuse_mismatches(self.bad)
             return
         if self.check.whole:
-            _refuse_mismatches([] if self.check.matches(0, _crc_of(self.data)) else [self.check.tensor(0)])
+            _refuse_mismatches([] if self.check.matches(0, crc_of(self.data)) else [self.check.tensor(0)])
             return
         got = crc32_rows([self.data[a:b].numpy() for a, b in zip(self.offsets, self.offsets[1:])])
         _refuse_mismatches([self.check.tensor(i) for i, a in enumerate(got) if not self.check.matches(i, a)])
@@ -495,7 +459,7 @@ class DenseBlobs:
         self.loaded.update(parts)
 
     def _check_whole(self, whole: torch.Tensor, part: int) -> None:
-        if self.check is not None and not self.check.matches(part, _crc_of(whole)):
+        if self.check is not None and not self.check.matches(part, crc_of(whole)):
             self.bad.append(self.check.tensor(part))
 
     def missing(self) -> list[int]:
