@@ -18,12 +18,12 @@ from pathlib import Path
 
 from .checksums import CHECKSUM_KEYS, data_digest, digest_kind, hash_shards
 from ..errors import OutputError
-from ..output import human_bytes
 
 __all__ = ["partial_folder", "folder_bytes", "check_space", "check_target", "OutputDir", "disk_error",
-           "json_pieces", "report_pieces", "index_pieces", "PROGRESS", "REPORT_NAME", "MARKER", "LOCK"]
+           "json_pieces", "report_pieces", "index_pieces", "PROGRESS", "PLAN_RECORD", "REPORT_NAME", "MARKER", "LOCK"]
 
 PROGRESS = "progress.json"
+PLAN_RECORD = "int4pack-plan.json"  # the plan's record, for --resume (plan_record.py)
 REPORT_NAME = "int4pack_report.json"  # what marks a folder as an int4pack output
 
 
@@ -56,6 +56,8 @@ def check_space(work: Path, parent: Path, need: int, tensors: int, *, fresh: boo
         return
     if fresh:  # only the progress file is in it: leave nothing behind
         shutil.rmtree(work, ignore_errors=True)
+    from ..output import human_bytes  # rich's: a run that has the space needs none
+
     raise OutputError(f"{parent}: not enough free space: the output needs {human_bytes(want)} ({want} "
                       f"bytes: {need} planned, the rest for headers, index and report), {human_bytes(free)} "
                       f"({free} bytes) free", path=str(parent),
@@ -384,7 +386,7 @@ def _unchanged(path: Path, rec: dict) -> tuple[dict[str, int], dict[str, str]] |
 
 MARKER = "int4pack-work.json"  # written first in a work folder: it is ours
 LOCK = "int4pack.lock"  # flock'ed by the run writing the folder; holds its process id
-_WORK_FILES = (PROGRESS, MARKER, LOCK)
+_WORK_FILES = (PLAN_RECORD, PROGRESS, MARKER, LOCK)
 _BEFORE_MARKER = {LOCK, MARKER + ".tmp"}  # what a run writes in a new work folder before its marker
 
 
