@@ -160,7 +160,8 @@ def main() -> None:
               f"{r['shards']} shards, {r['out_gb']} GB out, kept shards {'in the page cache' if a.warm else 'read from the disk'}; resumed bytes "
               f"{'identical to' if r['byte_identical'] else 'DIFFER from'} the fresh run's")
     if len(trees) > 1:
-        print(f"\nresume, this tree over {trees[1]}: {result['resume_speedup_vs_other']:.2f}x faster")
+        print(f"\nresume, this tree ({result['tree']}) over {trees[1]} ({results[1]['tree']}): "
+              f"{result['resume_speedup_vs_other']:.2f}x faster")
     if a.json:
         a.json.write_text(json.dumps(result, indent=1) + "\n")
     if not a.workdir:
@@ -168,11 +169,19 @@ def main() -> None:
     sys.exit(0 if all(same) else 1)
 
 
+def _commit(tree: Path) -> str:
+    """The tree's commit (with "+" where its files differ from it): what a result row names, not a path."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short=12", "HEAD")
+    return (head + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")) if head else "unknown"
+
+
 def _summary(a, src: Path, tree: Path, runs: list[dict], last: dict, same: bool) -> dict:
     best_f = min(r["fresh_wall_s"] for r in runs)
     best_r = min(r["resume_wall_s"] for r in runs)
     fresh, resumed = last["fresh"], last["resumed"]
-    return {"tree": str(tree), "format": a.format, "layers": a.layers, "serve_format": a.serve_format, "warm": a.warm,
+    return {"tree": _commit(tree), "format": a.format, "layers": a.layers, "serve_format": a.serve_format, "warm": a.warm,
             "check_kept": a.check_kept, "kept_unread": resumed["unread"], "plan_reused": resumed.get("plan_reused"),
             "in_gb": round(sum(p.stat().st_size for p in src.iterdir()) / 1e9, 2),
             "out_gb": round(fresh["out_bytes"] / 1e9, 2), "shards": fresh["shards"], "workers": fresh["workers"],

@@ -117,8 +117,9 @@ def report_pieces(obj, level: int = 0, depth: int = 2):
     if isinstance(obj, dict) and obj and level < depth:
         pad = "  " * (level + 1)
         if level + 1 == depth:  # the last level (one line per module or tensor): its lines joined at once
-            enc = _ENCODE_ENTRY
-            yield "{\n" + ",\n".join([f"{pad}{enc(str(k))}: {enc(v)}" for k, v in sorted(obj.items())])
+            enc, q = _ENCODE_ENTRY, json.encoder.encode_basestring_ascii  # q: encode()'s own for a str
+            yield "{\n" + ",\n".join([f"{pad}{q(str(k))}: {q(v) if type(v) is str else enc(v)}"
+                                       for k, v in sorted(obj.items())])
         else:
             sep = "{\n"
             for k, v in sorted(obj.items()):
