@@ -35,6 +35,9 @@ from .workdir import PLAN_RECORD, OutputDir, partial_folder
 __all__ = ["plan_key", "source_identity", "save", "load", "record_plan", "complete"]
 
 RECORD_VERSION = 1  # the record's own layout
+# what convert's _facts gives (the packed format's layout records besides)
+FACTS = {"report", "config", "meta", "options", "fingerprint", "rename", "accounted", "family_type", "group_size",
+         "dense", "extra_files"}
 _HASHED_JSON = 64 << 20  # a JSON file of the source larger than this is not a config: its identity alone
 
 
@@ -108,12 +111,16 @@ def save(od: OutputDir, key: dict, identity: list | None, facts: dict, plan: Pla
     Nothing is written where the source's identity could not be taken."""
     if identity is None:
         return
-    jobs = json.dumps([_job_row(j) for j in plan.jobs])  # one call of the C encoder
+    try:
+        jobs = json.dumps([_job_row(j) for j in plan.jobs])  # one call of the C encoder
+        head = [json.dumps(key), json.dumps(identity), json.dumps(facts)]
+    except (TypeError, ValueError):  # a value JSON cannot hold: no record, and a resume plans the source
+        return
 
     def pieces():
-        yield '{"key": ' + json.dumps(key)
-        yield ', "source": ' + json.dumps(identity)
-        yield ', "facts": ' + json.dumps(facts)
+        yield '{"key": ' + head[0]
+        yield ', "source": ' + head[1]
+        yield ', "facts": ' + head[2]
         yield ', "jobs": '
         yield jobs
         yield "}\n"
@@ -140,7 +147,7 @@ def load(out: Path, key: dict, identity: list | None) -> dict | None:
         return None
     if not isinstance(rec, dict) or rec.get("key") != key or rec.get("source") != identity:
         return None
-    if not isinstance(rec.get("facts"), dict) or not isinstance(rec.get("jobs"), list):
+    if not isinstance(rec.get("facts"), dict) or not FACTS <= rec["facts"].keys() or not isinstance(rec.get("jobs"), list):
         return None
     return rec
 
