@@ -195,3 +195,16 @@ def test_a_resume_with_shards_left_plans_the_source_and_keeps_the_record(tmp_pat
     r = int4pack.convert(SYM, out, resume=True, **kw)
     assert r["resume"]["plan_reused"] is True and dict(reads) == {}
     assert _same_files(out, ref)
+
+
+def test_the_cli_says_the_plan_was_taken_from_the_interrupted_run(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from int4pack.cli import app
+
+    out = tmp_path / "out"
+    _interrupted(SYM, out, monkeypatch, "commit")
+    r = CliRunner().invoke(app, ["convert", str(SYM), str(out), "--resume"])
+    assert r.exit_code == 0, r.output
+    assert "nothing left but the index, config and report; the plan is the interrupted run's (the source is as" in \
+        " ".join(r.output.split())
