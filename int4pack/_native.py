@@ -12,8 +12,6 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-import numpy as np
-
 from . import _build
 from .errors import SourceBytesVanished
 from .groups import is_channelwise
@@ -150,6 +148,7 @@ def _channel_block(k: int, block: int) -> bool:
 
 def _bytes(buf, writable: bool = False):
     """A contiguous buffer as a uint8 numpy array over the same memory (its .ctypes.data is the address)."""
+    import numpy as np  # here: loading the library (a resume's report) needs no numpy
     mv = memoryview(buf)
     if not mv.contiguous:
         raise ValueError("expected a contiguous buffer")
@@ -308,6 +307,7 @@ class ConvertKernels(_Lib):
         """Run the lossless path of ``desc``'s modules (int64 [count, BATCH_FIELDS]) on the source
         mapped at address ``src`` (``src_len`` bytes), writing their outputs into the writable buffer
         ``out``: (results int64 [count, BATCH_RESULTS], sums float64 [count, 5])."""
+        import numpy as np
         if desc.dtype != np.int64 or desc.ndim != 2 or desc.shape[1] != self.BATCH_FIELDS or \
                 not desc.flags.c_contiguous:
             raise RuntimeError(f"lossless_batch: expected contiguous int64 [count, {self.BATCH_FIELDS}]")
@@ -324,6 +324,7 @@ class ConvertKernels(_Lib):
         descriptor of ``lossless_batch``) with the search's points ``coarse`` and ``fine`` (float32;
         empty coarse: round to nearest): (results int64 [count, BATCH_RESULTS], sums float64
         [count, 6] as requant_job's, zero groups int64 [count])."""
+        import numpy as np
         if not self.requant_ok:
             raise RuntimeError("requant_batch: this CPU lacks AVX2/FMA (x86-64-v3)")
         if desc.dtype != np.int64 or desc.ndim != 2 or desc.shape[1] != self.BATCH_FIELDS or \
@@ -344,6 +345,7 @@ class ConvertKernels(_Lib):
         """Tests: the values [N, K] requant_batch decodes from the source bytes ``src`` for its descriptor
         row ``desc`` (int64 [BATCH_FIELDS]: bf16/f16/f32, e4m3, E2M1, MLX or GGUF), or None where the
         batch hands the module back."""
+        import numpy as np
         a = _bytes(src)
         d = np.ascontiguousarray(desc, dtype=np.int64)
         if d.shape != (self.BATCH_FIELDS,):
@@ -358,6 +360,7 @@ class ConvertKernels(_Lib):
 
     def scales_to_float(self, src, n: int, groups: int, dtype: int, kn: bool) -> np.ndarray:
         """Source scales (0 float32, 1 float16, 2 bfloat16; ``kn``: stored [G, N]) as float32 [N, G]."""
+        import numpy as np
         a = _bytes(src)
         if a.nbytes != n * groups * (4 if dtype == 0 else 2):
             raise RuntimeError("scales_to_float: size does not match")

@@ -8,6 +8,7 @@ files, report -> atomic rename.
 from __future__ import annotations
 
 import json
+import os
 import time
 from contextlib import ExitStack
 from itertools import chain
@@ -24,7 +25,6 @@ from .sources.containers import open_checkpoint
 from .error_stats import module_stats
 from .errors import RefusedError, UsageError
 from .families import family
-from .formats import Reader
 from .groups import scale_dtype
 from .pipeline import Kept, Pipeline
 from .plan import Job, Plan, make_plan, parse_size
@@ -35,10 +35,12 @@ from .serving.vllm_compat import serving_report
 from .output_folder.workdir import (REPORT_NAME, OutputDir, check_space, check_target, folder_bytes, index_pieces,
                       partial_folder, report_pieces)
 from .workers import job_workers
+from .output_folder import plan_record
 from .output_folder.checksums import CHECKSUM_KEYS
 from .output_folder.writer import assign_shards, shard_names
 
 if TYPE_CHECKING:  # w4a8 and kernels import torch: the work imports them, the plan does not
+    from .formats import Reader
     from .w4a8 import W4A8Linear
 
 __all__ = ["convert", "run_job", "REPORT_NAME", "NullProgress"]
@@ -163,7 +165,9 @@ def convert(
     the kept shards are known: ``report["resume"]``), before any long work.
     With ``resume``, a finished shard unchanged since it was closed (same file, size, mtime and ctime)
     is kept on its records and its header; ``check_kept`` reads every kept byte against its
-    checksums instead (a disk you do not trust).
+    checksums instead (a disk you do not trust). A resume that keeps every shard takes the plan
+    from the record the interrupted run wrote (output_folder/plan_record.py: ``resume.plan_reused``)
+    where every source file is as it was then; any other plans the source again.
     """
     t0 = time.perf_counter()
     progress = progress or NullProgress()
@@ -179,68 +183,77 @@ def convert(
         raise UsageError("--check-kept applies with --resume only (it says how the kept shards are checked)")
     max_bytes = parse_size(max_shard_size)
     folder = resolve_source(src, revision=revision)
-    with open_checkpoint(folder) as ckpt, ExitStack() as held:
-        plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
-                         strict_group_size=strict_group_size)
-        if packed and any(j.kind == "experts" for j in plan.jobs):
-            raise RefusedError(f"--serve-format {KLEIDIAI}: the {plan.layout.family} experts are written in "
-                               "their model class's own layout, which int4pack's vLLM plugin does not load",
-                               hint="Convert to the default compressed-tensors format.")
-        if packed:
-            plan = blobs.packed_plan(plan, tensor_parallel, ckpt.family_type)
-        shards = assign_shards(plan.outputs, max_bytes)
-        names = shard_names(len(shards))
-        report = {
-            "int4pack_version": __version__,
-            "source": str(src),
-            "plan": plan.summary(),
-            "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
-            **serving_report(ckpt.family_type, ckpt.text_config, str(out), plan.schemes(), packed,
-                             own_layout=any(j.kind == "experts" for j in plan.jobs), tensor_parallel=tensor_parallel),
-        }
-        plain = plan.options.get(PLAIN_MODULES, {})  # packed: the modules KleidiAI cannot pack
-        if packed:
-            report["serve_format_planned"] = KLEIDIAI
-            report["plan"][PLAIN_MODULES] = plain
-        if dry_run:  # refuse what the run would refuse: the output folder, the free space
-            check_target(Path(out), folder, overwrite=overwrite)
-            extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
-            where = next(p for p in Path(out).expanduser().absolute().parents if p.is_dir())
-            check_space(where, where, sum(t.nbytes for t in plan.outputs) + extra, len(plan.outputs), fresh=False)
-            report["dry_run"] = True
-            report["output"] = str(out)
-            report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m), "group_size": j.group_size}
-                                 for j in plan.jobs for m, p in j.paths.items()}
-            report["seconds"] = round(time.perf_counter() - t0, 3)
-            if on_plan is not None:
-                on_plan(report)
-            return report
+    key = plan_record.plan_key(src=str(src), out=str(out), folder=str(folder), revision=revision,
+                               group_size=str(group_size), dense=dense, strict_group_size=strict_group_size,
+                               serve_format=KLEIDIAI if packed else "compressed-tensors",
+                               tensor_parallel=tensor_parallel, max_bytes=max_bytes)
+    # taken before the plan reads the source: a file changed while it plans is not the one recorded
+    identity = None if dry_run else plan_record.source_identity(folder)
+    record = plan_record.load(Path(out), key, identity) if resume else None
+    planning = dict(src=src, group_size=group_size, dense=dense, strict_group_size=strict_group_size,
+                    packed=packed, tensor_parallel=tensor_parallel, max_bytes=max_bytes)
+    with ExitStack() as held:
+        if record is None:
+            ckpt, plan, report, shards, names = _plan_source(held, folder, out, **planning)
+            if dry_run:  # refuse what the run would refuse: the output folder, the free space
+                check_target(Path(out), folder, overwrite=overwrite)
+                extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
+                where = next(p for p in Path(out).expanduser().absolute().parents if p.is_dir())
+                check_space(where, where, sum(t.nbytes for t in plan.outputs) + extra, len(plan.outputs), fresh=False)
+                report["dry_run"] = True
+                report["output"] = str(out)
+                report["modules"] = {m: {"path": p, "role": plan.layout.roles.get(m), "group_size": j.group_size}
+                                     for j in plan.jobs for m, p in j.paths.items()}
+                report["seconds"] = round(time.perf_counter() - t0, 3)
+                if on_plan is not None:
+                    on_plan(report)
+                return report
+            facts = _facts(plan, ckpt, report, packed, max_bytes)
+        else:  # the source is as the record's run planned it: its plan, without reading the source
+            ckpt, plan, facts = None, plan_record.record_plan(record), record["facts"]
+            shards = assign_shards(plan.outputs, max_bytes)
+            names = shard_names(len(shards))
         t_plan = time.perf_counter() - t0
-        rename = vllm_output_names(ckpt.family_type, [t.name for t in plan.outputs])  # names vLLM loads
         had_partial = partial_folder(Path(out)).is_dir()
         # what a run without --resume replaces: said, not deleted silently
         dropped = folder_bytes(partial_folder(Path(out))) if had_partial and not resume else None
-        od = OutputDir.open(Path(out), folder, work_fingerprint(plan, ckpt, max_bytes, bool(rename)),
-                            overwrite=overwrite, resume=resume)
-        held.callback(od.release)  # the work folder's lock, however the run ends
+        od = OutputDir.open(Path(out), folder, facts["fingerprint"], overwrite=overwrite, resume=resume)
+        held.callback(lambda: od.release())  # the work folder's lock, however the run ends
         # a kept shard's bytes read once where it is not shown unchanged (or with check_kept), several
         # reads in flight whatever the cores (the disk is the limit)
-        trusted = od.trusted_shards(names, max(HASH_READERS, job_workers(threads)), check_kept=check_kept)
+        readers = max(HASH_READERS, job_workers(threads))
+        trusted = od.trusted_shards(names, readers, check_kept=check_kept)
+        if ckpt is None and not plan_record.complete(plan, od, names, trusted):
+            # shards are left to write, and their jobs read the source: planned after all
+            ckpt, plan, planned, shards, names = _plan_source(held, folder, out, **planning)
+            facts = _facts(plan, ckpt, planned, packed, max_bytes)
+            if facts["fingerprint"] != od.fingerprint:  # not the recorded plan: nothing of its folder is kept
+                od.release()
+                od = OutputDir.open(Path(out), folder, facts["fingerprint"], overwrite=overwrite, resume=resume)
+                trusted = od.trusted_shards(names, readers, check_kept=check_kept)
+                record = None
+        if record is None and not hasattr(ckpt, "generated_files"):  # a GGUF's: planned on every run
+            plan_record.save(od, key, identity, facts, plan)
+        report = facts["report"]
         sizes = {n: sum(t.nbytes for t in s) for n, s in zip(names, shards)}
         if resume:
             report["resume"] = {"partial": str(od.work), "found": had_partial, "shards": len(names),
                                 "kept_shards": sorted(trusted), "kept_bytes": sum(sizes[n] for n in trusted),
-                                "kept_unread": sorted(od.kept_unread)}
+                                "kept_unread": sorted(od.kept_unread), "plan_reused": ckpt is None}
         elif dropped is not None:
             report["replaced_partial"] = {"partial": str(od.work), "bytes": dropped}
-        extra = sum((ckpt.folder / n).stat().st_size for n in ckpt.extra_files())
+        extra = sum(os.stat(p).st_size for p in facts["extra_files"])
         check_space(od.work, od.final.parent, sum(v for n, v in sizes.items() if n not in trusted) + extra, len(plan.outputs),
                      fresh=not trusted)
         if on_plan is not None:
             on_plan(report)
-        rotary = _rotary(ckpt) if packed else None
-        stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename,
-                              blobs.job_packer(tensor_parallel, rotary, set(plain)) if packed else None, trusted, rotary)
+        rename = facts["rename"]
+        rotary = pack = None
+        if ckpt is not None and packed:  # a recorded plan runs no job
+            rotary = _rotary(ckpt)
+            pack = blobs.job_packer(tensor_parallel, rotary, set(plan.options.get(PLAIN_MODULES, {})))
+        stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename, pack, trusted, rotary,
+                              facts["meta"])
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -249,25 +262,24 @@ def convert(
         od.write_file("model.safetensors.index.json",
                       index_pieces(sum(t.nbytes for t in plan.outputs), weight_map))
         del weight_map
-        cfg = _out_config(plan, ckpt)
+        cfg = facts["config"]
         if packed:
             provs = {rename.get(f"{m}.{SUFFIX}", f"{m}.{SUFFIX}")[: -len(SUFFIX) - 1]: st["packed"]
                      for m, st in stats.items() if isinstance(st.get("packed"), dict)}
             cfg["quantization_config"] = serve_config(
-                cfg["quantization_config"], plan.group_size, blobs.blob_checks(provs, ckpt.family_type),
-                tensor_parallel, blobs.plain_record(plain, ckpt.family_type, rename),
-                blobs.moe_layers_record(plan, ckpt.family_type, ckpt.text_config, rename))
+                cfg["quantization_config"], facts["group_size"], blobs.blob_checks(provs, facts["family_type"]),
+                tensor_parallel, facts["plain_record"], facts["moe_layers"])
             report["serve_format"] = {"format": KLEIDIAI, **{k: v for k, v in cfg["quantization_config"][
                 "kleidiai"].items() if k != BLOB_CHECKS}}
         od.write_file("config.json", (json.dumps(cfg, indent=2) + "\n").encode())
-        for name in ckpt.extra_files():
-            od.copy_file(ckpt.folder / name)
+        for p in facts["extra_files"]:
+            od.copy_file(Path(p))
         for name, data in getattr(ckpt, "generated_files", dict)().items():  # a GGUF's tokenizer
             od.write_file(name, data)
         report["kernels"] = _kernels_used()
         report["workers"] = job_workers(threads)
         report["modules"] = dict(sorted(stats.items()))
-        report["tensors"] = plan.accounted
+        report["tensors"] = facts["accounted"]
         report["shards"] = {n: {**report["shards"][n], **{k: od.progress["shards"][n][k] for k in CHECKSUM_KEYS}}
                             for n in names}
         # the file records the conversion, not this run: no path of OUT, nothing that --resume changes
@@ -278,6 +290,50 @@ def convert(
     report["seconds"] = round(time.perf_counter() - t0, 3)
     report["seconds_plan"] = round(t_plan, 3)
     return report
+
+
+def _plan_source(held: ExitStack, folder: Path, out, *, src, group_size, dense, strict_group_size, packed: bool,
+                 tensor_parallel: int, max_bytes: int) -> tuple:
+    """The source opened (held until the run ends), checked and planned: (checkpoint, plan, the
+    report's plan part, shards, shard names)."""
+    ckpt = held.enter_context(open_checkpoint(folder))
+    plan = make_plan(ckpt, group_size=group_size, dense=dense, source_label=str(src),
+                     strict_group_size=strict_group_size)
+    if packed and any(j.kind == "experts" for j in plan.jobs):
+        raise RefusedError(f"--serve-format {KLEIDIAI}: the {plan.layout.family} experts are written in "
+                           "their model class's own layout, which int4pack's vLLM plugin does not load",
+                           hint="Convert to the default compressed-tensors format.")
+    if packed:
+        plan = blobs.packed_plan(plan, tensor_parallel, ckpt.family_type)
+    shards = assign_shards(plan.outputs, max_bytes)
+    names = shard_names(len(shards))
+    report = {
+        "int4pack_version": __version__,
+        "source": str(src),
+        "plan": plan.summary(),
+        "shards": {n: {"tensors": len(s), "bytes": sum(t.nbytes for t in s)} for n, s in zip(names, shards)},
+        **serving_report(ckpt.family_type, ckpt.text_config, str(out), plan.schemes(), packed,
+                         own_layout=any(j.kind == "experts" for j in plan.jobs), tensor_parallel=tensor_parallel),
+    }
+    if packed:
+        report["serve_format_planned"] = KLEIDIAI
+        report["plan"][PLAIN_MODULES] = plan.options.get(PLAIN_MODULES, {})  # the modules KleidiAI cannot pack
+    return ckpt, plan, report, shards, names
+
+
+def _facts(plan: Plan, ckpt: Checkpoint, report: dict, packed: bool, max_bytes: int) -> dict:
+    """What the rest of the run takes from the plan (and what the plan's record holds): the same
+    whether it was just planned or read back from a record, so the output is the same bytes."""
+    rename = vllm_output_names(ckpt.family_type, [t.name for t in plan.outputs])  # names vLLM loads
+    small = {"report": report, "config": _out_config(plan, ckpt), "meta": _base_meta(plan), "options": plan.options}
+    if packed:
+        small["plain_record"] = blobs.plain_record(plan.options.get(PLAIN_MODULES, {}), ckpt.family_type, rename)
+        small["moe_layers"] = blobs.moe_layers_record(plan, ckpt.family_type, ckpt.text_config, rename)
+    facts = json.loads(json.dumps(small))  # as a record gives them back: JSON's lists, string keys
+    facts.update(fingerprint=work_fingerprint(plan, ckpt, max_bytes, bool(rename)), rename=rename,
+                 accounted=plan.accounted, family_type=ckpt.family_type, group_size=plan.group_size,
+                 dense=plan.dense, extra_files=[str(ckpt.folder / n) for n in ckpt.extra_files()])
+    return facts
 
 
 def work_fingerprint(plan: Plan, ckpt: Checkpoint, max_bytes: int, renamed: bool) -> str:
@@ -306,12 +362,12 @@ def _rotary(ckpt: Checkpoint):
     return lambda module: fam.rotary_heads(module, tc)
 
 
-def _write_shards(plan: Plan, ckpt: Checkpoint, od: OutputDir, shards, names, threads, progress,
+def _write_shards(plan: Plan, ckpt: Checkpoint | None, od: OutputDir, shards, names, threads, progress,
                   rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None,
-                  rotary=None) -> dict:
+                  rotary=None, meta: dict[str, str] | None = None) -> dict:
     """Every job computed (or, on --resume, taken from the kept shards) and written; per-module stats
     (pipeline.py)."""
     if trusted is None:
         trusted = od.trusted_shards(names)
     return Pipeline(plan, ckpt, od, shards, names, workers=job_workers(threads), progress=progress, compute=run_job,
-                    meta=_base_meta(plan), kept=Kept(od, trusted), rename=rename, pack=pack, rotary=rotary).run()
+                    meta=_base_meta(plan) if meta is None else meta, kept=Kept(od, trusted), rename=rename, pack=pack, rotary=rotary).run()

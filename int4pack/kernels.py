@@ -17,9 +17,7 @@ import threading
 from contextlib import contextmanager
 
 from . import _ext
-from . import crc as crc_mod
 from ._lazy import torch
-from .nibbles import AWQ_SHIFTS, unpack_cols, unpack_rows
 
 __all__ = ["ext", "words", "unpack_gptq", "unpack_awq", "unpack_ct", "requant_info", "redo_close_calls",
            "search_points", "search_arrays", "kernel_threads", "threads_here", "crc32c"]
@@ -59,6 +57,8 @@ def unpack_gptq(qweight: torch.Tensor) -> torch.Tensor:
     m = ext()
     if m is not None and qweight.dim() == 2:
         return m.unpack_gptq(words(qweight), kernel_threads())
+    from .nibbles import unpack_rows  # numpy's: the torch twins only
+
     return unpack_rows(qweight).t().contiguous()
 
 
@@ -67,6 +67,8 @@ def unpack_awq(qweight: torch.Tensor) -> torch.Tensor:
     m = ext()
     if m is not None and qweight.dim() == 2:
         return m.unpack_awq(words(qweight), kernel_threads())
+    from .nibbles import AWQ_SHIFTS, unpack_cols
+
     return unpack_cols(qweight, AWQ_SHIFTS).t().contiguous()
 
 
@@ -75,12 +77,16 @@ def unpack_ct(packed: torch.Tensor, k: int) -> torch.Tensor:
     m = ext()
     if m is not None and packed.dim() == 2 and 0 <= k <= packed.shape[1] * 8:
         return m.unpack_ct(words(packed), k, kernel_threads())
+    from .nibbles import unpack_cols
+
     return unpack_cols(packed)[:, :k].contiguous()
 
 
 def crc32c(data, crc: int = 0) -> int:
     """CRC-32C (Castagnoli) of a contiguous buffer, continuing from ``crc`` (0 to start), like zlib.crc32:
     crc.crc32c (the extension at memory speed, else its numpy engine)."""
+    from . import crc as crc_mod  # numpy's tables: loading the kernels needs none
+
     return crc_mod.crc32c(data, crc)
 
 

@@ -25,8 +25,6 @@ from __future__ import annotations
 import platform
 from functools import lru_cache
 
-import numpy as np
-
 from ._lazy import torch
 from .errors import InputError
 from .groups import block, check_group_size, is_channelwise, scales_per_row
@@ -136,6 +134,7 @@ def _prep(q, scales, bias, group_size):
 
 def _data_bytes(qs: np.ndarray) -> np.ndarray:
     """Signed int4 [R8, Kp] (Kp % 32 == 0) -> bytes [R8/8, Kp/32, 2, 8, 8] (block, chunk, seg, row, byte)."""
+    import numpy as np  # the reference's: a plan or a plugin load needs none
     r8, kp = qs.shape
     nib = (qs.astype(np.int16) & 0xF).astype(np.uint8)  # two's complement nibble == (q+8) ^ 8
     nib = nib.reshape(r8 // NR, NR, kp // 32, 2, 16)  # [blk, row, chunk, lo/hi half, 16]
@@ -145,6 +144,7 @@ def _data_bytes(qs: np.ndarray) -> np.ndarray:
 
 
 def _pad_rows(a: np.ndarray, r8: int) -> np.ndarray:
+    import numpy as np
     n = a.shape[0]
     if r8 == n:
         return a
@@ -155,6 +155,7 @@ def _group_row_sums(q: np.ndarray, scf: np.ndarray, g: int) -> np.ndarray:
     """fp32 Σ q·scale the way KleidiAI rounds it: one float add per 16-value segment (the 8
     bytes of a row in one segment), in storage order. (Per block or per value rounds
     differently: 1-6 rows in 64 differ at K=4096, g=32, seen under emulation.)"""
+    import numpy as np
     r8, k = q.shape
     qq = q.astype(np.int32).reshape(r8, k // 32, 2, 16)
     seg = (qq[:, :, 0, :] + qq[:, :, 1, :]).reshape(r8, k // 32, 2, 8).sum(axis=3).reshape(r8, k // 16)
@@ -166,6 +167,7 @@ def _group_row_sums(q: np.ndarray, scf: np.ndarray, g: int) -> np.ndarray:
 
 
 def pack_reference(q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    import numpy as np
     q, scales, bias, g = _prep(q, scales, bias, group_size)
     n, k = q.shape
     r8 = _roundup(n, NR)

@@ -18,7 +18,6 @@ from ._version import __version__
 from .architectures import Layout, discover, vllm_module
 from .sources.checkpoint import ITEMSIZE, Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
-from .formats import open_reader
 from .group_choice import Unit, choose_groups, predict_path, tied_units
 from .groups import parse_group_size, scale_dtype, scale_st_dtype, scales_per_row, scheme_label
 from .precision import DENSE_MODES, decide, tie_fused
@@ -189,6 +188,8 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
     if dense is not None and dense not in DENSE_MODES:
         raise UsageError(f"--dense {dense!r}: expected one of {', '.join(DENSE_MODES)}")
     requested = parse_group_size(group_size)
+    from .formats import open_reader  # the readers' (numpy's): a resume that takes its plan from a record needs none
+
     reader = open_reader(ckpt)
     verdict = reader.verdict()
     specs = reader.linears()

@@ -4,6 +4,7 @@
     python scripts/bench_resume.py --layers 3 --format gptq-sym --repeat 3
     python scripts/bench_resume.py --layers 48 --format gptq-sym --max-shard-size 1.5GB --repeat 3  # 16 cores
     python scripts/bench_resume.py --layers 3 --check-kept  # every kept byte read, as with --check-kept
+    python scripts/bench_resume.py --layers 4 --repeat 4 --compare-tree /tmp/prev  # before/after, one run
 
 It writes a synthetic Qwen3-30B-A3B-shaped checkpoint (scripts/make_synthetic.py), then, per repeat,
 in fresh subprocesses each started after os.sync():
@@ -13,12 +14,20 @@ in fresh subprocesses each started after os.sync():
 Each time is the child's wall clock from its start to its exit (interpreter start and imports
 included: what a user waits), and convert()'s own seconds beside it. It prints the ratio
 resume/fresh (best of each, and per repeat), checks that the resumed output's files are
-byte-identical to the fresh one's, and exits 1 if they are not.
+byte-identical to the fresh one's, and exits 1 if they are not. Each tree's package is byte-compiled
+first (as ``pip install`` leaves it): without its .pyc files every child would compile the modules it
+imports, which a user pays once.
+
+--compare-tree DIR runs the same (fresh, stopped, resume) trio with another int4pack checkout
+(e.g. ``git worktree add /tmp/prev HEAD~1``) on the same source, alternating with this tree (ABBA:
+use an even --repeat), and reports both trees' ratios and this tree's resume over that one's: the
+honest before/after on a machine whose speed drifts between calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import hashlib
 import json
 import os
@@ -55,12 +64,13 @@ else:
     print(json.dumps({"convert_s": time.perf_counter() - t, "shards": len(r["shards"]),
                       "kept": len(r.get("resume", {}).get("kept_shards", [])), "workers": r.get("workers"),
                       "unread": len(r.get("resume", {}).get("kept_unread", [])),
+                      "plan_reused": r.get("resume", {}).get("plan_reused"),
                       "out_bytes": r["plan"]["out_bytes"]}))
 """
 
 
-def _child(*args) -> dict:
-    env = {**os.environ, "INT4PACK_BENCH_TREE": str(HERE.parent)}
+def _child(*args, tree: Path = HERE.parent) -> dict:
+    env = {**os.environ, "INT4PACK_BENCH_TREE": str(tree)}
     os.sync()  # no earlier run's dirty pages written back during this one
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", CHILD, *map(str, args)], capture_output=True, text=True, env=env)
@@ -93,7 +103,14 @@ def main() -> None:
                          "unchanged since they were written are kept on their records)")
     ap.add_argument("--workdir", type=Path, default=None, help="kept (with its source) if given")
     ap.add_argument("--json", type=Path, default=None, help="also write the result here")
+    ap.add_argument("--compare-tree", type=Path, default=None,
+                    help="another int4pack checkout to measure on the same source, alternating (see above)")
     a = ap.parse_args()
+    trees = [HERE.parent] + ([a.compare_tree.resolve()] if a.compare_tree else [])
+    for tree in trees:
+        if not (tree / "int4pack" / "__init__.py").is_file():
+            raise SystemExit(f"{tree}: no int4pack package there")
+        compileall.compile_dir(tree / "int4pack", quiet=1)
     work = a.workdir or Path(tempfile.mkdtemp(prefix="int4pack-bench-resume-"))
     work.mkdir(parents=True, exist_ok=True)
     src = work / f"{a.format}-{a.layers}L"
@@ -103,50 +120,77 @@ def main() -> None:
         print(f"wrote {src} in {time.perf_counter() - t:.1f} s", flush=True)
     fresh_out, resumed_out = work / "fresh", work / "resumed"
     opts = (a.max_shard_size, a.threads, a.serve_format, int(a.check_kept))
-    runs = []
-    same = True
+    runs: list[list[dict]] = [[] for _ in trees]
+    same = [True for _ in trees]
+    last: list[dict] = [{} for _ in trees]
     for i in range(a.repeat):
-        for d in (fresh_out, resumed_out, resumed_out.parent / f".{resumed_out.name}.int4pack-partial"):
-            shutil.rmtree(d, ignore_errors=True)
-        fresh = _child("fresh", src, fresh_out, *opts)
-        _child("stop", src, resumed_out, *opts)
-        if a.warm:
-            for p in resumed_out.parent.glob(f".{resumed_out.name}.int4pack-partial/*.safetensors"):
-                with open(p, "rb") as fh:
-                    while fh.read(16 << 20):
-                        pass
-        resumed = _child("resume", src, resumed_out, *opts)
-        if resumed["kept"] != resumed["shards"]:
-            raise SystemExit(f"resume kept {resumed['kept']} of {resumed['shards']} shards")
-        if i == 0:
-            same = _digests(fresh_out) == _digests(resumed_out)
-        runs.append({"fresh_wall_s": round(fresh["wall_s"], 2), "resume_wall_s": round(resumed["wall_s"], 2),
-                     "fresh_convert_s": round(fresh["convert_s"], 2), "resume_convert_s": round(resumed["convert_s"], 2),
-                     "ratio_wall": round(resumed["wall_s"] / fresh["wall_s"], 3)})
-        print(json.dumps(runs[-1]), flush=True)
-    best_f = min(r["fresh_wall_s"] for r in runs)
-    best_r = min(r["resume_wall_s"] for r in runs)
-    result = {"format": a.format, "layers": a.layers, "serve_format": a.serve_format, "warm": a.warm,
-              "check_kept": a.check_kept, "kept_unread": resumed["unread"],
-              "in_gb": round(sum(p.stat().st_size for p in src.iterdir()) / 1e9, 2),
-              "out_gb": round(fresh["out_bytes"] / 1e9, 2), "shards": fresh["shards"], "workers": fresh["workers"],
-              "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-              "fresh_s": best_f, "resume_s": best_r, "ratio": round(best_r / best_f, 3),
-              "fresh_convert_s": min(r["fresh_convert_s"] for r in runs),
-              "resume_convert_s": min(r["resume_convert_s"] for r in runs),
-              "ratio_convert": round(min(r["resume_convert_s"] for r in runs) / min(r["fresh_convert_s"] for r in runs), 3),
-              "byte_identical": same, "runs": runs}
+        for which in (range(len(trees)) if i % 2 == 0 else reversed(range(len(trees)))):
+            tree = trees[which]
+            for d in (fresh_out, resumed_out, resumed_out.parent / f".{resumed_out.name}.int4pack-partial"):
+                shutil.rmtree(d, ignore_errors=True)
+            fresh = _child("fresh", src, fresh_out, *opts, tree=tree)
+            _child("stop", src, resumed_out, *opts, tree=tree)
+            if a.warm:
+                for p in resumed_out.parent.glob(f".{resumed_out.name}.int4pack-partial/*.safetensors"):
+                    with open(p, "rb") as fh:
+                        while fh.read(16 << 20):
+                            pass
+            resumed = _child("resume", src, resumed_out, *opts, tree=tree)
+            if resumed["kept"] != resumed["shards"]:
+                raise SystemExit(f"{tree}: resume kept {resumed['kept']} of {resumed['shards']} shards")
+            if i < 2:
+                same[which] = same[which] and _digests(fresh_out) == _digests(resumed_out)
+            last[which] = {"fresh": fresh, "resumed": resumed}
+            runs[which].append({"fresh_wall_s": round(fresh["wall_s"], 2), "resume_wall_s": round(resumed["wall_s"], 2),
+                                "fresh_convert_s": round(fresh["convert_s"], 2),
+                                "resume_convert_s": round(resumed["convert_s"], 2),
+                                "plan_reused": resumed.get("plan_reused"),
+                                "ratio_wall": round(resumed["wall_s"] / fresh["wall_s"], 3)})
+            print(json.dumps({"tree": str(tree), **runs[which][-1]}), flush=True)
+    results = [_summary(a, src, trees[k], runs[k], last[k], same[k]) for k in range(len(trees))]
+    result = results[0]
+    if len(trees) > 1:
+        result["other"] = results[1]
+        result["resume_speedup_vs_other"] = round(results[1]["resume_s"] / result["resume_s"], 3)
     print(json.dumps(result))
-    print(f"\nresume after the last shard / fresh convert: {result['ratio']:.3f} "
-          f"({best_r:.2f} s / {best_f:.2f} s, best of {a.repeat}; convert() alone: "
-          f"{result['resume_convert_s']:.2f} s / {result['fresh_convert_s']:.2f} s = {result['ratio_convert']:.3f}); "
-          f"{result['shards']} shards, {result['out_gb']} GB out, kept shards {'in the page cache' if a.warm else 'read from the disk'}; resumed bytes "
-          f"{'identical to' if same else 'DIFFER from'} the fresh run's")
+    for r in results:
+        print(f"\n{r['tree']}: resume after the last shard / fresh convert: {r['ratio']:.3f} "
+              f"({r['resume_s']:.2f} s / {r['fresh_s']:.2f} s, best of {a.repeat}; convert() alone: "
+              f"{r['resume_convert_s']:.2f} s / {r['fresh_convert_s']:.2f} s = {r['ratio_convert']:.3f}); "
+              f"{r['shards']} shards, {r['out_gb']} GB out, kept shards {'in the page cache' if a.warm else 'read from the disk'}; resumed bytes "
+              f"{'identical to' if r['byte_identical'] else 'DIFFER from'} the fresh run's")
+    if len(trees) > 1:
+        print(f"\nresume, this tree ({result['tree']}) over {trees[1]} ({results[1]['tree']}): "
+              f"{result['resume_speedup_vs_other']:.2f}x faster")
     if a.json:
         a.json.write_text(json.dumps(result, indent=1) + "\n")
     if not a.workdir:
         shutil.rmtree(work, ignore_errors=True)
-    sys.exit(0 if same else 1)
+    sys.exit(0 if all(same) else 1)
+
+
+def _commit(tree: Path) -> str:
+    """The tree's commit (with "+" where its files differ from it): what a result row names, not a path."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tree), *args], capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "--short=12", "HEAD")
+    return (head + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")) if head else "unknown"
+
+
+def _summary(a, src: Path, tree: Path, runs: list[dict], last: dict, same: bool) -> dict:
+    best_f = min(r["fresh_wall_s"] for r in runs)
+    best_r = min(r["resume_wall_s"] for r in runs)
+    fresh, resumed = last["fresh"], last["resumed"]
+    return {"tree": _commit(tree), "format": a.format, "layers": a.layers, "serve_format": a.serve_format, "warm": a.warm,
+            "check_kept": a.check_kept, "kept_unread": resumed["unread"], "plan_reused": resumed.get("plan_reused"),
+            "in_gb": round(sum(p.stat().st_size for p in src.iterdir()) / 1e9, 2),
+            "out_gb": round(fresh["out_bytes"] / 1e9, 2), "shards": fresh["shards"], "workers": fresh["workers"],
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "fresh_s": best_f, "resume_s": best_r, "ratio": round(best_r / best_f, 3),
+            "fresh_convert_s": min(r["fresh_convert_s"] for r in runs),
+            "resume_convert_s": min(r["resume_convert_s"] for r in runs),
+            "ratio_convert": round(min(r["resume_convert_s"] for r in runs) / min(r["fresh_convert_s"] for r in runs), 3),
+            "byte_identical": same, "runs": runs}
 
 
 if __name__ == "__main__":

@@ -588,7 +588,8 @@ def test_a_shard_cut_under_a_cpp_batch_is_a_clean_error_and_resumes(tmp_path):
     assert recorded, "the fault came before any shard was finished"
     assert len(recorded) < len(list(fresh.glob("*.safetensors")))
     # no unfinished shard left: the recorded ones and the work folder's own files
-    assert {p.name for p in work.iterdir()} == set(recorded) | {workdir.PROGRESS, workdir.MARKER, workdir.LOCK}
+    assert {p.name for p in work.iterdir()} == set(recorded) | {workdir.PROGRESS, workdir.MARKER, workdir.LOCK,
+                                                         workdir.PLAN_RECORD}
     for name, rec in recorded.items():  # what the progress file vouches for is whole
         assert writer.hash_shard(work / name, rec["data_digest"]) == {k: rec[k] for k in writer.CHECKSUM_KEYS}
         assert (work / name).read_bytes() == (fresh / name).read_bytes()

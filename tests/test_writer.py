@@ -438,3 +438,24 @@ def test_no_module_imports_a_private_name_of_converts_modules():
         path = next(p for p in (root / f"{name}.py", root / "output_folder" / f"{name}.py") if p.exists())
         lines = len(path.read_text().splitlines())
         assert lines <= 500, (name, lines)
+
+
+def test_the_report_is_written_as_the_standard_library_encodes_it():
+    """report_pieces (one line per entry at the second level, its entries through one C encoder made
+    once) against the json module's own encoding of each part: the same text, and the same object."""
+    from int4pack.output_folder.workdir import report_pieces
+
+    mods = {f"m.{i}": {"rel_l2": f"{i / 7:.6g}", "max_abs": 2.5e-07 * i, "packed": {"crc32": f"{i:08x}", "n": 8},
+                       "exact_ints": i % 2 == 0, "baseline_rel_l2": None, "nan": float("nan"), "é\n\"": "x"}
+            for i in range(50)}
+    report = {"modules": mods, "tensors": {"b": "copied", "a": "converted:m.1"}, "int4pack_version": "0.1.0",
+              "plan": {"paths": {"lossless": 3}, "experts_per_layer": [4]}}
+    enc = json.JSONEncoder(sort_keys=True, separators=(", ", ": ")).encode
+
+    def level2(d):
+        return "{\n" + ",\n".join(f"    {json.dumps(k)}: {enc(v)}" for k, v in sorted(d.items())) + "\n  }"
+    want = "{\n" + ",\n".join(f"  {json.dumps(k)}: " + (level2(v) if isinstance(v, dict) else enc(v))
+                              for k, v in sorted(report.items())) + "\n}"
+    got = "".join(report_pieces(report))
+    assert got == want
+    assert json.dumps(json.loads(got), sort_keys=True) == json.dumps(report, sort_keys=True)

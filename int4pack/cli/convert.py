@@ -159,6 +159,8 @@ def _render_plan(o: Output, r: dict) -> None:
         if rs["kept_shards"]:
             rest = ("nothing left but the index, config and report" if len(rs["kept_shards"]) == rs["shards"]
                     else "writing the rest")
+            if rs.get("plan_reused"):
+                rest += "; the plan is the interrupted run's (the source is as it was)"
             unread = len(rs.get("kept_unread", []))
             how = ("whose checksums still match" if not unread else "unchanged since they were written"
                    if unread == len(rs["kept_shards"]) else "unchanged or whose checksums still match")

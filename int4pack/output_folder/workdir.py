@@ -18,12 +18,12 @@ from pathlib import Path
 
 from .checksums import CHECKSUM_KEYS, data_digest, digest_kind, hash_shards
 from ..errors import OutputError
-from ..output import human_bytes
 
 __all__ = ["partial_folder", "folder_bytes", "check_space", "check_target", "OutputDir", "disk_error",
-           "json_pieces", "report_pieces", "index_pieces", "PROGRESS", "REPORT_NAME", "MARKER", "LOCK"]
+           "json_pieces", "report_pieces", "index_pieces", "PROGRESS", "PLAN_RECORD", "REPORT_NAME", "MARKER", "LOCK"]
 
 PROGRESS = "progress.json"
+PLAN_RECORD = "int4pack-plan.json"  # the plan's record, for --resume (plan_record.py)
 REPORT_NAME = "int4pack_report.json"  # what marks a folder as an int4pack output
 
 
@@ -56,6 +56,8 @@ def check_space(work: Path, parent: Path, need: int, tensors: int, *, fresh: boo
         return
     if fresh:  # only the progress file is in it: leave nothing behind
         shutil.rmtree(work, ignore_errors=True)
+    from ..output import human_bytes  # rich's: a run that has the space needs none
+
     raise OutputError(f"{parent}: not enough free space: the output needs {human_bytes(want)} ({want} "
                       f"bytes: {need} planned, the rest for headers, index and report), {human_bytes(free)} "
                       f"({free} bytes) free", path=str(parent),
@@ -88,14 +90,36 @@ def json_pieces(obj, depth: int = 2) -> Iterator[str]:
 _REPORT_ENCODER = json.JSONEncoder(sort_keys=True, separators=(", ", ": "))  # json.dumps would make one per call
 
 
+def _entry_encoder():
+    """_REPORT_ENCODER.encode for the report's many entries, its C encoder made once: encode() makes
+    one per value, half the cost of a module's entry (a 48-layer model has ~18,000). Taken only where
+    it gives encode()'s bytes for a probe of every kind of value; else encode() itself."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return _REPORT_ENCODER.encode
+    try:
+        c = make(None, _REPORT_ENCODER.default, json.encoder.encode_basestring_ascii, None, ": ", ", ", True,
+                 False, True)
+        probe = {"b": [1, -2.5e-07, None, True, float("nan")], "a": {"\u00e9\n": "x\"y", "z": 0.1}, "c": "0.00172"}
+        if "".join(c(probe, 0)) != _REPORT_ENCODER.encode(probe) or "".join(c("s", 0)) != '"s"':
+            return _REPORT_ENCODER.encode
+    except (TypeError, ValueError):
+        return _REPORT_ENCODER.encode
+    return lambda value: "".join(c(value, 0))
+
+
+_ENCODE_ENTRY = _entry_encoder()
+
+
 def report_pieces(obj, level: int = 0, depth: int = 2):
     """The report as JSON, one line per entry down to ``depth`` (one line per module), compact below;
     in pieces, so a large report is written without a copy of it in memory, each line by the C encoder."""
     if isinstance(obj, dict) and obj and level < depth:
         pad = "  " * (level + 1)
         if level + 1 == depth:  # the last level (one line per module or tensor): its lines joined at once
-            enc = _REPORT_ENCODER.encode
-            yield "{\n" + ",\n".join([f"{pad}{enc(str(k))}: {enc(v)}" for k, v in sorted(obj.items())])
+            enc, q = _ENCODE_ENTRY, json.encoder.encode_basestring_ascii  # q: encode()'s own for a str
+            yield "{\n" + ",\n".join([f"{pad}{q(str(k))}: {q(v) if type(v) is str else enc(v)}"
+                                       for k, v in sorted(obj.items())])
         else:
             sep = "{\n"
             for k, v in sorted(obj.items()):
@@ -111,8 +135,9 @@ def index_pieces(total_size: int, weight_map: dict[str, str]):
     """json.dumps({"metadata": ..., "weight_map": sorted}, indent=2) + newline, in pieces."""
     yield f'{{\n  "metadata": {{\n    "total_size": {int(total_size)}\n  }},\n  "weight_map": {{'
     sep = "\n"
+    q = json.encoder.encode_basestring_ascii  # what json.dumps does with a str, without its call per name
     for name in sorted(weight_map):
-        yield f"{sep}    {json.dumps(name)}: {json.dumps(weight_map[name])}"
+        yield f"{sep}    {q(name)}: {q(weight_map[name])}"
         sep = ",\n"
     yield "\n  }\n}\n" if weight_map else "}\n}\n"
 
@@ -384,7 +409,7 @@ def _unchanged(path: Path, rec: dict) -> tuple[dict[str, int], dict[str, str]] |
 
 MARKER = "int4pack-work.json"  # written first in a work folder: it is ours
 LOCK = "int4pack.lock"  # flock'ed by the run writing the folder; holds its process id
-_WORK_FILES = (PROGRESS, MARKER, LOCK)
+_WORK_FILES = (PLAN_RECORD, PROGRESS, MARKER, LOCK)
 _BEFORE_MARKER = {LOCK, MARKER + ".tmp"}  # what a run writes in a new work folder before its marker
 
 
