@@ -151,3 +151,25 @@ def _same_files(a: Path, b: Path) -> bool:
     fa = sorted(p.name for p in a.iterdir())
     fb = sorted(p.name for p in b.iterdir())
     return fa == fb and all((a / n).read_bytes() == (b / n).read_bytes() for n in fa)
+
+
+def stop_after_jobs(monkeypatch, n: int):
+    """Make a convert raise KeyboardInterrupt once more than ``n`` jobs have started, whether they run
+    one by one (convert.run_job) or in C++ batches (batch.run_batch): a Ctrl-C mid-run."""
+    import importlib  # noqa: PLC0415
+
+    from int4pack import batch  # noqa: PLC0415
+    conv = importlib.import_module("int4pack.convert")  # int4pack.convert is the function
+    calls = {"n": 0}
+    real_job, real_batch = conv.run_job, batch.run_batch
+
+    def counted(run, jobs: int):
+        def stop(unit, *a, **k):
+            calls["n"] += jobs if jobs else len(unit.jobs)
+            if calls["n"] > n:
+                raise KeyboardInterrupt
+            return run(unit, *a, **k)
+        return stop
+
+    monkeypatch.setattr(conv, "run_job", counted(real_job, 1))
+    monkeypatch.setattr(batch, "run_batch", counted(real_batch, 0))

@@ -25,7 +25,7 @@ from int4pack.sources.checkpoint import Checkpoint
 from int4pack.plan import make_plan
 from _reference import FIXTURES
 
-from _reliability import (ROOT, _cli, _env, _same_files, _spy_shard_writes, tree_hash)
+from _reliability import (ROOT, _cli, _env, _same_files, _spy_shard_writes, stop_after_jobs, tree_hash)
 
 
 # --------------------------------------------------------------------------- SIGKILL and --resume
@@ -428,31 +428,12 @@ def test_check_kept_without_resume_is_a_usage_error(tmp_path):
 def test_resume_runs_only_the_jobs_of_shards_not_kept(tmp_path, monkeypatch):
     """Stopped mid-run: the jobs whose outputs all lie in kept shards do not run again; the others do,
     and the output's bytes equal a fresh run's."""
-    from int4pack import batch
-    conv = importlib.import_module("int4pack.convert")  # int4pack.convert is the function
-
     src = FIXTURES / "gptq_q3_asym"  # requant: the jobs skipped are the expensive kind
     fresh = tmp_path / "fresh"
     int4pack.convert(src, fresh, max_shard_size="100KB")
     out = tmp_path / "out"
-    calls = {"n": 0}
-    real_job, real_batch = conv.run_job, batch.run_batch
-
-    def stop_late(job, *a, **k):
-        calls["n"] += 1
-        if calls["n"] > 25:
-            raise KeyboardInterrupt
-        return real_job(job, *a, **k)
-
-    def stop_late_batch(b, *a, **k):
-        calls["n"] += len(b.jobs)
-        if calls["n"] > 25:
-            raise KeyboardInterrupt
-        return real_batch(b, *a, **k)
-
     with monkeypatch.context() as m:
-        m.setattr(conv, "run_job", stop_late)
-        m.setattr(batch, "run_batch", stop_late_batch)
+        stop_after_jobs(m, 25)
         with pytest.raises(KeyboardInterrupt):
             int4pack.convert(src, out, max_shard_size="100KB", threads=1)
     kept = set(_finished(writer.partial_folder(out)))

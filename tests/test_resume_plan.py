@@ -20,7 +20,7 @@ import int4pack
 from int4pack.output_folder import workdir, writer
 from int4pack.sources.checkpoint import Checkpoint
 from _reference import FIXTURES
-from _reliability import ROOT, _env, _same_files
+from _reliability import ROOT, _env, _same_files, stop_after_jobs
 
 conv = importlib.import_module("int4pack.convert")
 SYM = FIXTURES / "gptq_q3_sym"
@@ -164,24 +164,8 @@ def test_a_resume_with_shards_left_plans_the_source_and_keeps_the_record(tmp_pat
     kw = dict(max_shard_size="100KB", threads=1)
     ref = tmp_path / "ref"
     int4pack.convert(SYM, ref, **kw)
-    batch = importlib.import_module("int4pack.batch")
-    calls = {"n": 0}
-    real_job, real_batch = conv.run_job, batch.run_batch
-
-    def stop_job(job, *a, **k):
-        calls["n"] += 1
-        if calls["n"] > 30:  # past the first shards, before the last
-            raise KeyboardInterrupt
-        return real_job(job, *a, **k)
-
-    def stop_batch(b, *a, **k):  # lossless jobs run in batches, not through run_job
-        calls["n"] += len(b.jobs)
-        if calls["n"] > 30:
-            raise KeyboardInterrupt
-        return real_batch(b, *a, **k)
     with monkeypatch.context() as m:
-        m.setattr(conv, "run_job", stop_job)
-        m.setattr(batch, "run_batch", stop_batch)
+        stop_after_jobs(m, 30)  # past the first shards, before the last
         with pytest.raises(KeyboardInterrupt):
             int4pack.convert(SYM, out, **kw)
     work = writer.partial_folder(out)
