@@ -206,7 +206,7 @@ def _summary(ckpt: Checkpoint, label: str) -> dict:
     is_output = out["format"].get("ct_format") == "int-quantized"
     mods = {}
     for name, s in sorted(specs.items()):
-        rec = {"role": roles.get(name), "format": s.fmt, "n": s.n, "k": s.k, "group_size": s.group_size,
+        rec = {"role": roles.get(name), "format": s.fmt, "n": s.n, "k": s.k, "bits": s.bits, "group_size": s.group_size,
                "sym": s.sym, "act_order": s.act_order, "scale_dtype": s.scale_dtype, "bias": s.has_bias,
                # int4pack's own output that is no convert source: no path to predict, nothing refused
                "path": paths.get(name, "refused" if out["plan"].get("refused") and not out["made_by"] else None)}

@@ -204,3 +204,15 @@ def test_inspect_says_which_int4pack_made_an_output_and_prints_no_python_reprs(t
         rows = v2[v2.index("Every quantised module"):].splitlines()
         assert all(any(x.split()[:1] == [m] for x in rows) for m in mods), sorted(mods)[:3]
     assert runner.invoke(app, ["inspect", str(src)]).output.count("made by") == 0  # not ours
+
+
+@pytest.mark.parametrize("name, kinds", [("gguf_qwen3moe_q4_k_m", {"5-bit", "8-bit"}),
+                                         ("gguf_gptoss_mxfp4", {"MXFP4"})])
+def test_inspect_does_not_call_gguf_values_int4(name, kinds):
+    """A GGUF source's Q5_0/Q8_0/MXFP4 modules are not int4 values: inspect says what they are, and
+    counts as int4 asymmetric only 4-bit integer modules (it called them all 'asymmetric int4')."""
+    out = CliRunner().invoke(app, ["inspect", str(FIXTURES / name)]).output
+    line = next(x for x in out.splitlines() if "modules:" in x)
+    assert "int4 modules" not in line and "0 int4 asymmetric" in line, line
+    shown = {row.split()[4] for row in out.splitlines() if row.startswith(("expert ", "attention "))}
+    assert kinds <= shown and not shown & {"asym", "sym"}, shown

@@ -123,17 +123,23 @@ def _summary(o, r: dict) -> None:
            f"module(s) take the KleidiAI path, {ks['fallback']} fall back to torch's float32 reference")
     mods = r["modules"]
     act = sum(1 for m in mods.values() if m["act_order"])
-    from ..formats.float_source import VALUES  # here: --help must not import the readers (numpy)
+    # here: --help must not import the readers (numpy)
+    from ..formats import value_kind
+    from ..formats.float_source import VALUES
 
-    fl = sum(1 for m in mods.values() if m["format"] in VALUES)
-    asym = sum(1 for m in mods.values() if not m["sym"] and m["format"] not in VALUES)
-    kinds = "/".join(sorted({VALUES[m["format"]][1] for m in mods.values() if m["format"] in VALUES}))
-    what = f"{fl} {kinds} (not int4 values, requantised by convert), " if fl else ""
-    o.text(f"  {len(mods)} {'quantised' if fl else 'int4'} modules: {what}{asym} asymmetric, {act} with act-order (g_idx)")
+    def values(m: dict) -> str | None:  # what a module holds when it is not int4 values
+        return value_kind(m["format"], m.get("bits", 4))
+
+    other = [values(m) for m in mods.values() if values(m)]
+    asym = sum(1 for m in mods.values() if not m["sym"] and not values(m))
+    what = (f"{len(other)} {'/'.join(sorted(set(other)))} (not int4 values, requantised by convert), "
+            if other else "")
+    o.text(f"  {len(mods)} {'quantised' if other else 'int4'} modules: {what}{asym} int4 asymmetric, {act} with "
+           "act-order (g_idx)")
     # one row per distinct (role, shape, path, kleidiai): a 30B model has ~18k modules
     groups: dict[tuple, list] = {}
     for name, m in mods.items():
-        sym = VALUES[m["format"]][0] if m["format"] in VALUES else "sym" if m["sym"] else "asym"
+        sym = VALUES[m["format"]][0] if m["format"] in VALUES else values(m) or ("sym" if m["sym"] else "asym")
         key = (m["role"], m["format"], f"{m['n']}x{m['k']}", _groups(m), sym,
                "yes" if m["act_order"] else "-", m["scale_dtype"], m["path"] or "-",
                "yes" if m["kleidiai"] else m["kleidiai_reason"])

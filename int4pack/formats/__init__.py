@@ -26,7 +26,7 @@ from ._api import Format, Header, Reader, quant_method
 from . import float_source, fp4, fp8
 from .float_experts import with_float_experts
 
-__all__ = ["READERS", "Format", "Header", "Reader", "open_reader", "supported", "header_of"]
+__all__ = ["READERS", "Format", "Header", "Reader", "open_reader", "supported", "header_of", "value_kind"]
 
 # Asked in order; the first row that claims a source reads it.
 READERS: tuple[Format, ...] = (
@@ -163,3 +163,12 @@ def _check_types(q: dict, qpath: str) -> None:
         check(group, _GROUP_TYPES, where)
         strings(group.get("targets") or [], f"{where}.targets")
         check(group.get("weights") or {}, _WEIGHT_TYPES, f"{where}.weights")
+
+
+def value_kind(fmt: str, bits: int) -> str | None:
+    """What a source module holds when it is not int4 integers (FP8, E2M1, a GGUF codebook, 5- or
+    8-bit ints: convert requantises them all), else None; as inspect names it."""
+    if fmt in float_source.VALUES:
+        return float_source.VALUES[fmt][1]
+    return gguf.NOT_INT4.get(fmt) or (f"{bits}-bit" if bits != 4 else None)
+

@@ -36,10 +36,12 @@ from ..records import FormatVerdict, LinearSpec, QuantLinear
 from ._api import Format, Header
 from ._common import SpecsOnce
 
-__all__ = ["GGUFReader", "q4_0_codes"]
+__all__ = ["GGUFReader", "q4_0_codes", "NOT_INT4"]
 
 _BITS = {"Q4_0": 4, "Q4_1": 4, "IQ4_NL": 4, "IQ4_XS": 4, "Q4_K": 4, "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6,
          "Q8_0": 8, "MXFP4": 4}  # the source's bits, reported
+# 4-bit GGUF types whose values are not integers on a uniform grid (inspect names them)
+NOT_INT4 = {"gguf-mxfp4": "MXFP4", "gguf-iq4_nl": "IQ4_NL", "gguf-iq4_xs": "IQ4_XS"}
 _Q4_0_BLOCK = 18  # 2 bytes fp16 d + 16 bytes of nibbles, per 32 inputs
 _EXPERT = re.compile(r"^(?P<base>.+\.experts\.\d+)\.(gate_proj|up_proj|down_proj)$")
 
@@ -76,7 +78,8 @@ class GGUFReader(SpecsOnce):
                 name=mod, fmt=f"gguf-{lin.qtype.lower()}", n=lin.n, k=lin.k, bits=_BITS.get(lin.qtype, 16),
                 group_size=group, sym=False,  # Q4_0: its data decides (d >= 0)
                 act_order=False, keys=(lin.key,) + ((lin.bias,) if lin.bias else ()),
-                scale_dtype="F16" if lin.qtype in GGUF_TYPES else t.dtype, refused=refused,
+                scale_dtype=("E8M0" if lin.qtype == "MXFP4" else "F16") if lin.qtype in GGUF_TYPES else t.dtype,
+                refused=refused,
                 notes=[f"GGUF {lin.source} ({lin.qtype})"], has_bias=lin.bias is not None)
         return specs
 
