@@ -25,9 +25,9 @@ MAX_THREADS = 16  # threads of the load-time CRC
 
 @lru_cache(maxsize=None)
 def engine():
-    """zlib's CRC-32 from the C++ library when it is built, else zlib's own. Only the library's i4p_crc32 is opened, by ctypes
-    (which drops the GIL): nothing of the converter is imported and nothing is built here. Loading
-    it installs its SIGBUS guard (csrc/fault_guard.cpp), which hands every fault outside its own
+    """zlib's CRC-32 from the C++ library when it is built, else zlib's own. Only the library's
+    i4p_crc32 is opened, by ctypes (which drops the GIL): nothing of the converter is imported and
+    nothing is built here. Loading it installs its SIGBUS guard (csrc/fault_guard.cpp), which hands every fault outside its own
     guarded calls to the handler that was there before: vLLM's process sees no change."""
     from .. import _ext  # noqa: PLC0415  (here: vLLM imports the plugin early; stdlib only)
 

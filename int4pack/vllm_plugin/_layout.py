@@ -39,10 +39,10 @@ from functools import lru_cache
 import torch
 
 from .. import kleidiai
-from ._blob_crc import crc32_rows, crc_of, in_background
 from ..groups import block
 from ..serve_spec import (BLOB_CHECKS, PLAIN_MODULES, QUANT_METHOD, ROTARY, SUFFIX, record_problems, rotary_problem, tensor_parallel_size,
                           unshuffle_rotary_bytes)
+from ._blob_crc import crc32_rows, crc_of, in_background
 
 __all__ = ["runtime_problem", "check_runtime", "check_tensor_parallel", "column_shards", "split_problem",
            "ExpertBlobs", "DenseBlobs", "BlobCheck", "blob_check", "plain_reason"]
