@@ -16,7 +16,8 @@ out of shape) and ``check_bytes``; the share is that cost over the checked load.
 cheapest there is: the blobs read from the checkpoint (safetensors, from the page cache once
 converted) and copied into fresh parameters as the plugin's loaders copy them, on one torch thread
 (torch's parallel copies, on a shared host, time their OpenMP threads waiting for the other jobs);
-a vLLM load also reads the disk and builds the model, so the share is an upper bound. The cases
+a vLLM load also reads the disk and builds the model, so the share is an upper bound. ``--cold``
+drops the checkpoint's pages from the page cache before each load: the blobs come from the disk. The cases
 run in turn ``--repeat`` times; the least of each is reported (a shared host only adds time).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -49,6 +51,16 @@ class _Clock:
     def stop(self) -> None:
         self.wall += time.perf_counter() - self._w
         self.cpu += time.process_time() - self._c
+
+
+def _evict(out: Path) -> None:
+    """The packed checkpoint's pages out of the page cache (clean pages: no root needed)."""
+    for f in out.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _load(out: Path, rec: dict, checked: bool = True):
@@ -105,6 +117,8 @@ def main() -> int:
     ap.add_argument("--threads", default="1,2", help="thread counts to measure the check with")
     ap.add_argument("--repeat", type=int, default=5, help="loads (and checks per thread count) to take the least of")
     ap.add_argument("--engines", default="native,zlib", help="CRC-32 engines to time: native (the C++ library), zlib")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the checkpoint's pages from the page cache before each load (a load from the disk)")
     a = ap.parse_args()
 
     import int4pack
@@ -138,6 +152,8 @@ def main() -> int:
                 while _blob_crc._pool:
                     _blob_crc._pool.pop().shutdown()
                 _blob_crc.engine = lambda e=case[0]: engines[e]
+            if a.cold:
+                _evict(out)
             loaded, count, total, load, record = _load(out, rec, checked=case is not None)
             keep(("load", case), load.wall, load.cpu)
             keep(("record", case), record.wall, record.cpu)
