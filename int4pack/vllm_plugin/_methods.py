@@ -46,6 +46,11 @@ __all__ = ["packed_config", "KleidiAIPackedCTConfig", "KleidiAIPackedLinearMetho
 
 _VLLM_MOE = "CompressedTensorsW4A8Int8MoEMethod"
 _VLLM_LINEAR = "CompressedTensorsW4A8Int"
+# MLA's kv_b_proj: the attention reads its whole weight after loading (split_kv_b_proj). On CPU vLLM's
+# unquantised linear method packs a weight for its GEMM and empties it (layers/utils.py,
+# dispatch_cpu_unquantized_gemm) unless the layer says _cpu_skip_gemm_dispatch, which V032's generic
+# MLAAttention sets (mla_attention.py:606) and Kimi-K3's own MLA (models/kimi_k3/nvidia/mla.py) does not
+_MLA_READS_WEIGHT = ".kv_b_proj"
 
 
 def packed_config(config: dict) -> "KleidiAIPackedCTConfig":
@@ -87,6 +92,9 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
             # a packed MoE layer needs the method above; vLLM's own would expect int8 weights
             raise RuntimeError(f"{QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
                                f"not {_VLLM_MOE}; serve the packed format with {served()}")
+        if isinstance(layer, LinearBase) and prefix.endswith(_MLA_READS_WEIGHT) and type(method).__name__ == \
+                "UnquantizedLinearMethod":
+            layer._cpu_skip_gemm_dispatch = True  # the weight stays for the MLA that absorbs it
         if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
             if plain_reason(self.kleidiai, prefix) is not None:
                 return method  # stored as int8 weights and scales: vLLM's own method packs it at load
