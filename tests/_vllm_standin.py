@@ -16,8 +16,10 @@ read in vLLM's sources:
   ``swiglu_limit``, and ``apply_monolithic(layer, x, router_logits, input_ids=None)``.
 
 In both, building the W4A8 MoE method runs CPUExpertsInt4's checks (vLLM's
-``_supports_routing_method`` / ``_supports_activation``): another routing type or activation
-raises vLLM's NotImplementedError, as vLLM's backend selection does.
+``_supports_routing_method`` / ``_supports_activation``, and 0.32.0's refusal of hash routing in any
+monolithic kernel, ``modular_kernel.py:570``): another routing type or activation, or a layer whose
+MoE config says ``has_hash_routing``, raises vLLM's NotImplementedError, as vLLM's backend selection
+does.
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def _moe_method_class(shape: str) -> type:
         def __init__(self, weight_quant, input_quant, moe):
             self.weight_quant, self.input_quant, self.moe = weight_quant, input_quant, moe
             self.group_size = weight_quant.group_size if weight_quant.group_size is not None else -1
-            if moe.routing_method.name not in _BACKEND_ROUTES or moe.activation.name not in _BACKEND_ACTS:
+            if moe.routing_method.name not in _BACKEND_ROUTES or moe.activation.name not in _BACKEND_ACTS or \
+                    getattr(moe, "has_hash_routing", False):  # modular_kernel.py:570: no monolithic kernel does
                 raise CPUBackendRefusal("No W4A8 Int8 MoE backend supports the deployment configuration.")
             self.experts_cls = None  # no kernel object to build in these tests
 

@@ -583,8 +583,8 @@ def test_hash_routing_finds_the_table_vllm_attaches_after_building_the_method(mo
     gen = torch.Generator().manual_seed(6)
     if shape == "0.32":
         layer, table = _hash_layer(shape, gen, has_hash_routing=True)
-        method = _method(layer, _record(_HASH, _CLAMP))  # no table yet: built, not refused
-        assert method.int4pack_plan.hash_table is None
+        method = _method(layer, _record(_HASH, _CLAMP))  # no table yet, and vLLM's backend refuses hash routing
+        assert method.int4pack_plan.hash_table is None and layer.moe_config.has_hash_routing is True  # restored
         layer.attach_hash_table(table)
     else:
         layer, table = _hash_layer(shape, gen)

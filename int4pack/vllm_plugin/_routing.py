@@ -121,10 +121,12 @@ def moe_op_args(arg_names: list[str], hidden: int, inter: int, group_size: int) 
 def backend_accepts(layer):
     """vLLM picks the W4A8 backend when the method is built (V032 on), and its CPUExpertsInt4
     takes only the routing types Default, Renormalize, RenormalizeNaive and the activations SILU,
-    SWIGLUOAI, SWIGLUSTEP (``_supports_routing_method``, ``_supports_activation``). The packed method
-    routes and activates itself, so while vLLM builds it (and its kernel) the layer's MoE config
-    names a type and an activation that backend takes; the real ones are back as soon as it exists.
-    Whether int4pack computes the real ones is ``moe_plan``'s to say, with its own refusal."""
+    SWIGLUOAI, SWIGLUSTEP (``_supports_routing_method``, ``_supports_activation``), and no hash
+    routing, which no monolithic kernel takes (V032 ``modular_kernel.py:570``, ``has_hash_routing``).
+    The packed method routes and activates itself, so while vLLM builds it (and its kernel) the
+    layer's MoE config names a type and an activation that backend takes, without hash routing; the
+    real ones are back as soon as it exists. Whether int4pack computes the real ones is
+    ``moe_plan``'s to say, with its own refusal."""
     cfg = getattr(layer, "moe_config", None)
     saved = []
     for field, ok, stand_in in (("routing_method", _BACKEND_ROUTES, "RenormalizeNaive"),
@@ -134,6 +136,9 @@ def backend_accepts(layer):
         if name is not None and name not in ok:
             saved.append((field, real))
             setattr(cfg, field, type(real)[stand_in])
+    if getattr(cfg, "has_hash_routing", False) is True:
+        saved.append(("has_hash_routing", True))
+        cfg.has_hash_routing = False
     try:
         yield
     finally:
