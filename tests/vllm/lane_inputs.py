@@ -258,9 +258,8 @@ def _kimi_k3(cfg: dict) -> dict:
     planned (``get_mamba_state_shape_from_config``, model.py:1668: a TypeError on None). The
     release's config lists its KDA and full-attention layers there; the fixture has no KDA layer (its
     producer class cannot build one without the fla-core kernels), which the same key says as the
-    release spells it: ``kda_layers`` empty, every layer (1-based) in ``full_attn_layers``, with
-    the attention's head count and head size and the release's short-conv width 4 for the state it
-    never allocates."""
+    release spells it: ``kda_layers`` empty, every layer (1-based) in ``full_attn_layers``, the KDA
+    head count and size those of the attention, and the release's short-conv width 4."""
     tc = cfg.get("text_config")
     if not isinstance(tc, dict) or tc.get("linear_attn_config") is not None:
         return {}

@@ -157,3 +157,19 @@ def test_hybrid_mla_families_ask_for_no_prefix_caching(driver):
         cfg = json.loads((driver.FIXTURES / fx / "config.json").read_text())
         assert probe.model_engine_options(cfg) == {"enable_prefix_caching": False}
     assert probe.model_engine_options(json.loads((driver.FIXTURES / "ct_qwen3moe_w4a16" / "config.json").read_text())) == {}
+
+
+def test_the_probes_call_counter_keeps_the_signature_the_plugin_reads():
+    """The probe counts calls of vLLM's W4A8 MoE method by wrapping it; the plugin decides from that
+    method's signature whether vLLM hands it the token ids (DeepSeek-V4's hash-routed layers)."""
+    import probe
+    from int4pack.vllm_plugin._routing import takes_input_ids
+
+    class Method:
+        def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+            return input_ids
+
+    calls = {"w4a8_moe_apply": 0}
+    Method.apply_monolithic = probe.counted(calls, "w4a8_moe_apply", Method.apply_monolithic)
+    assert takes_input_ids(Method) and Method().apply_monolithic(None, None, None, input_ids=7) == 7
+    assert calls["w4a8_moe_apply"] == 1
