@@ -569,6 +569,12 @@ def test_real_deepseek_v4_converts_verifies_and_names_what_vllm_cannot_compute(t
     s, o = _tensors(src), _tensors(tmp_path / "out")
     for n in ("model.layers.0.ffn.gate.tid2eid", "model.layers.1.ffn.gate.bias"):
         assert o[n].dtype == s[n].dtype and torch.equal(o[n], s[n])
+    # written under the release's names, which vLLM's DeepSeek-V4 CPU model loads (the parameters
+    # hc_head_fn/_base/_scale and attn.kv_norm of models/deepseek_v4/cpu/model.py and attention.py)
+    for src_name, out_name in [(f"model.hc_head.hc_{p}", f"hc_head_{p}") for p in ("fn", "base", "scale")] + \
+            [(f"model.layers.{i}.attn.norm.weight", f"model.layers.{i}.attn.kv_norm.weight") for i in (0, 1)]:
+        assert src_name not in o and torch.equal(o[out_name], s[src_name]), out_name
+    assert torch.equal(o["model.layers.1.attn.compressor.norm.weight"], s["model.layers.1.attn.compressor.norm.weight"])
     res = runner.invoke(app, ["inspect", str(src)])
     assert res.exit_code == 0 and "layers 0: DeepseekV4" in res.output and "hash table" in res.output, res.output
 

@@ -46,6 +46,14 @@ FAMILY = Family(
           (r"\.(?:attn_hc|ffn_hc|hc_head|hc_attn_|hc_ffn_)", "hyper-connection parameters: copied"),
           (r"\.(?:compressor|indexer)\.", "sparse-attention compressor and indexer: not experts")),
     moe=_moe,
+    # transformers 5.23 saves the hyper-connection head as model.hc_head.hc_{fn,base,scale} and the
+    # attention's KV norm as attn.norm (its conversion mapping run backwards: the ^hc_head_ renames miss
+    # the model. prefix, and .kv_norm. -> .norm. hits the attention's as well as the compressor's);
+    # llm-compressor's output keeps them. vLLM V032's CPU model loads the release's names,
+    # hc_head_{fn,base,scale} and attn.kv_norm (KeyError 'hc_head.hc_base' at models/deepseek_v4/cpu/
+    # model.py:770), and transformers loads those too.
+    renames=((r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+             (r"\.attn\.norm\.", ".attn.kv_norm.")),
     # measured under QEMU (docs/serving.md "The late-2026 families"): vLLM V032's CPU model
     # (models/deepseek_v4/cpu/model.py:223) hands the hash table to its MoE layer only after the
     # layer's quantisation method is built; its compressor takes the release's head dims only
