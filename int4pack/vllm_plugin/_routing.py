@@ -24,7 +24,8 @@ the layout record's ``moe_layers`` (the model's facts, ``int4pack.families``, wr
 or, for checkpoints written before it, from the vLLM layer. The tensors they need are the layer's:
 ``e_score_correction_bias``, Gemma-4's per-expert scale (found on the layer or its custom routing
 function, whose closure or owner holds it), DeepSeek-V4's token-id hash table (on the layer or its
-router) and the token ids vLLM hands ``apply_monolithic``. Laguna's soft-cap is not applied again:
+router, looked up after loading: V032's CPU model attaches it to the layer only after the layer's
+method is built) and the token ids vLLM hands ``apply_monolithic``. Laguna's soft-cap is not applied again:
 vLLM's class caps the logits before its MoE layer (``models/laguna.py``, ``LagunaMoE.forward``);
 its score bias, which V032's loader drops, the packed method loads itself (``_score_bias.py``).
 The kinds vLLM's CPU ``select_experts`` computes go to it; DeepseekV4 and the per-expert scale go
@@ -50,7 +51,8 @@ from ._find import SELECT_EXPERTS, accepts, first, served, vllm_version
 from ._layout import _checkpoint_names
 
 __all__ = ["layer_routing", "route", "vllm_select", "moe_op_args", "backend_accepts", "backend_accepts_routing",
-           "ACT_KIND", "MoEPlan", "moe_plan", "route_layer", "layer_activation", "takes_input_ids"]
+           "ACT_KIND", "MoEPlan", "moe_plan", "route_layer", "layer_activation", "takes_input_ids",
+           "with_hash_table"]
 
 _log = logging.getLogger(__name__)
 
@@ -119,10 +121,12 @@ def moe_op_args(arg_names: list[str], hidden: int, inter: int, group_size: int) 
 def backend_accepts(layer):
     """vLLM picks the W4A8 backend when the method is built (V032 on), and its CPUExpertsInt4
     takes only the routing types Default, Renormalize, RenormalizeNaive and the activations SILU,
-    SWIGLUOAI, SWIGLUSTEP (``_supports_routing_method``, ``_supports_activation``). The packed method
-    routes and activates itself, so while vLLM builds it (and its kernel) the layer's MoE config
-    names a type and an activation that backend takes; the real ones are back as soon as it exists.
-    Whether int4pack computes the real ones is ``moe_plan``'s to say, with its own refusal."""
+    SWIGLUOAI, SWIGLUSTEP (``_supports_routing_method``, ``_supports_activation``), and no hash
+    routing, which no monolithic kernel takes (V032 ``modular_kernel.py:570``, ``has_hash_routing``).
+    The packed method routes and activates itself, so while vLLM builds it (and its kernel) the
+    layer's MoE config names a type and an activation that backend takes, without hash routing; the
+    real ones are back as soon as it exists. Whether int4pack computes the real ones is
+    ``moe_plan``'s to say, with its own refusal."""
     cfg = getattr(layer, "moe_config", None)
     saved = []
     for field, ok, stand_in in (("routing_method", _BACKEND_ROUTES, "RenormalizeNaive"),
@@ -132,6 +136,9 @@ def backend_accepts(layer):
         if name is not None and name not in ok:
             saved.append((field, real))
             setattr(cfg, field, type(real)[stand_in])
+    if getattr(cfg, "has_hash_routing", False) is True:
+        saved.append(("has_hash_routing", True))
+        cfg.has_hash_routing = False
     try:
         yield
     finally:
@@ -276,16 +283,34 @@ def moe_plan(layer, prefix: str, record: dict, input_ids: bool = True) -> MoEPla
                              "routing function; serve the default format")
     if r.hash_routed:
         table = _hash_table(layer)
-        if table is None or not input_ids:
-            lack = ("no token-id hash table (neither its MoE layer nor the layer's router carries one)"
-                    if table is None else "no token ids (its apply_monolithic takes no input_ids)")
-            raise ValueError(f"{QUANT_METHOD}: {prefix}: a hash-routed layer ({r.describe()}): {vllm_version()} "
-                             f"gives its W4A8 MoE method {lack}; serve the default format, or a vLLM that hands "
-                             "the MoE method both")
+        if not input_ids:
+            raise ValueError(_no_hash_input(prefix, r, "no token ids (its apply_monolithic takes no input_ids)"))
+        if table is None and getattr(getattr(layer, "moe_config", None), "has_hash_routing", None) is False:
+            raise ValueError(_no_hash_input(prefix, r, "no token-id hash table (vLLM built the layer without one)"))
+        # else the table may come later: V032's CPU model attaches it to the layer after its quantisation
+        # method is built (models/deepseek_v4/cpu/model.py:223); with_hash_table looks again after loading
     a = layer_activation(layer, entry, prefix)
     kind = a.kernel_kind
     op = None if kind is None else ACT_KIND["SILU"] if kind == 0 else ACT_KIND["SWIGLUOAI"]
     return MoEPlan(r, a, op, pes, table)
+
+
+def _no_hash_input(prefix: str, r: rt.Routing, lack: str) -> str:
+    return (f"{QUANT_METHOD}: {prefix}: a hash-routed layer ({r.describe()}): {vllm_version()} gives its W4A8 MoE "
+            f"method {lack}; serve the default format, or a vLLM that hands the MoE method both")
+
+
+def with_hash_table(plan: MoEPlan, layer, prefix: str) -> MoEPlan:
+    """``plan`` with the layer's token-id hash table, looked up once the weights are loaded (the
+    table is loaded in place, so the tensor found is the one served); a ValueError naming the layer
+    and the vLLM version where the layer still carries none."""
+    if not plan.routing.hash_routed or plan.hash_table is not None:
+        return plan
+    table = _hash_table(layer)
+    if table is None:
+        raise ValueError(_no_hash_input(prefix, plan.routing, "no token-id hash table (after loading, neither its "
+                                                              "MoE layer nor the layer's router carries one)"))
+    return dataclasses.replace(plan, hash_table=table)
 
 
 def route_layer(plan: MoEPlan, layer, x: torch.Tensor, router_logits: torch.Tensor, input_ids=None,

@@ -252,11 +252,28 @@ def _glm5_next(cfg: dict) -> dict:
     return {f"text_config.{k}": v for k, v in added.items()}
 
 
+def _kimi_k3(cfg: dict) -> dict:
+    """Kimi-K3: vLLM's class (models/kimi_k3/nvidia/model.py, 0.32.0) is a hybrid model whatever the
+    layers are, and sizes its KDA state from ``text_config.linear_attn_config`` when the KV cache is
+    planned (``get_mamba_state_shape_from_config``, model.py:1668: a TypeError on None). The
+    release's config lists its KDA and full-attention layers there; the fixture has no KDA layer (its
+    producer class cannot build one without the fla-core kernels), which the same key says as the
+    release spells it: ``kda_layers`` empty, every layer (1-based) in ``full_attn_layers``, the KDA
+    head count and size those of the attention, and the release's short-conv width 4."""
+    tc = cfg.get("text_config")
+    if not isinstance(tc, dict) or tc.get("linear_attn_config") is not None:
+        return {}
+    tc["linear_attn_config"] = {"kda_layers": [], "full_attn_layers": list(range(1, tc["num_hidden_layers"] + 1)),
+                                "num_heads": tc["num_attention_heads"], "head_dim": tc["qk_nope_head_dim"],
+                                "short_conv_kernel_size": 4}
+    return {"text_config.linear_attn_config": tc["linear_attn_config"]}
+
+
 # facts a transformers-saved config spells otherwise than the release's config that vLLM's class
 # reads: written in the release's form too in the served folders (their weights untouched, the
 # references unchanged), and recorded in the result (config_release_form)
 RELEASE_FORM = {"minimax_m3_vl": _minimax_m3, "step3p5": _step3p5, "deepseek_v4": _deepseek_v4,
-                "glm5_next": _glm5_next}
+                "glm5_next": _glm5_next, "kimi_k3": _kimi_k3}
 
 
 def release_form(folder: Path) -> dict:

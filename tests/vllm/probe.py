@@ -19,6 +19,7 @@ pass/fail; the x86 side does.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -197,6 +198,17 @@ def _triton_overrides_once() -> None:
     cls.register_triton_kernel_overrides = classmethod(lambda c: None)
 
 
+def counted(calls: dict, key: str, fn):
+    """``fn`` counting its calls in ``calls[key]``, with ``fn``'s signature: the plugin reads the
+    W4A8 MoE method's (whether its apply_monolithic takes input_ids), which a bare ``*a, **k``
+    wrapper would hide (vLLM DeepSeek-V4's hash-routed layers then refused as "no token ids")."""
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        calls[key] += 1
+        return fn(*a, **k)
+    return wrapper
+
+
 def _setup() -> dict:
     """Import vLLM once per process and wrap (not replace) the W4A8 entry points with call counters."""
     if _STATE:
@@ -226,10 +238,7 @@ def _setup() -> dict:
     routes: list = []  # the experts each MoE op call was given, one [tokens][top-k] list per call
 
     def counting(key, fn):
-        def wrapper(*a, **k):
-            calls[key] += 1
-            return fn(*a, **k)
-        return wrapper
+        return counted(calls, key, fn)
 
     meth = ctm.CompressedTensorsW4A8Int8MoEMethod
     for attr in ("apply_monolithic", "apply"):

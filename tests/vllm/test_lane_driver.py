@@ -115,19 +115,24 @@ def test_a_config_fact_vllm_reads_in_the_release_form_is_added_to_the_served_fol
     assert "img_token_compression_config" not in src["vision_config"] and src["text_config"]["hidden_act"] == "silu"
 
 
-@pytest.mark.parametrize("fx", ["ct_step3p5flash_w4a16", "ct_deepseekv4_w4a16", "ct_glm5next_w4a16"])
+@pytest.mark.parametrize("fx", ["ct_step3p5flash_w4a16", "ct_deepseekv4_w4a16", "ct_glm5next_w4a16",
+                                "ct_kimik3_w4a16"])
 def test_the_release_form_holds_the_facts_of_the_transformers_config(driver, tmp_path, fx):
-    """Step-3.5-Flash, DeepSeek-V4 and GLM-5.3-Flash: the names vLLM's classes read (the release's)
+    """Step-3.5-Flash, DeepSeek-V4, GLM-5.3-Flash, Kimi-K3: the names vLLM's classes read (the release's)
     carry the same per-layer facts as the fixture's transformers-saved config (or, where transformers
     keeps no key, what its class computes), and the transformers-only keys that vLLM's config cannot
     take (a per-layer-type rope_parameters, mlp_layer_types of hash_moe/moe) are gone."""
     item = driver.resolve_inputs([fx])[0]
     rec = driver.prepare(item, tmp_path, serve="kleidiai")
     src = json.loads((item["src"] / "config.json").read_text())
-    moe = [i for i, t in enumerate((src.get("text_config") or src)["mlp_layer_types"]) if t != "dense"]
+    moe = [i for i, t in enumerate((src.get("text_config") or src).get("mlp_layer_types") or []) if t != "dense"]
     for key in ("model_dir", "plain_dir"):
         cfg = json.loads((Path(rec[key]) / "config.json").read_text())
-        if fx.startswith("ct_glm5next"):  # transformers' class: hyper-connections, no RoPE, sigmoid + bias
+        if fx.startswith("ct_kimik3"):  # no linear_attn_config: transformers' Kimi-Linear runs MLA in every layer
+            tc0, lac = src["text_config"], cfg["text_config"]["linear_attn_config"]
+            assert tc0["linear_attn_config"] is None and lac["kda_layers"] == []
+            assert lac["full_attn_layers"] == [i + 1 for i in range(tc0["num_hidden_layers"])]
+        elif fx.startswith("ct_glm5next"):  # transformers' class: hyper-connections, no RoPE, sigmoid + bias
             tc, tc0 = cfg["text_config"], src["text_config"]
             assert tc["mhc"] is (tc0["hc_mult"] > 1) is True and tc["mla_use_nope"] is (tc0["qk_rope_head_dim"] == 0)
             assert (tc["scoring_func"], tc["topk_method"]) == ("sigmoid", "noaux_tc")
@@ -152,3 +157,19 @@ def test_hybrid_mla_families_ask_for_no_prefix_caching(driver):
         cfg = json.loads((driver.FIXTURES / fx / "config.json").read_text())
         assert probe.model_engine_options(cfg) == {"enable_prefix_caching": False}
     assert probe.model_engine_options(json.loads((driver.FIXTURES / "ct_qwen3moe_w4a16" / "config.json").read_text())) == {}
+
+
+def test_the_probes_call_counter_keeps_the_signature_the_plugin_reads():
+    """The probe counts calls of vLLM's W4A8 MoE method by wrapping it; the plugin decides from that
+    method's signature whether vLLM hands it the token ids (DeepSeek-V4's hash-routed layers)."""
+    import probe
+    from int4pack.vllm_plugin._routing import takes_input_ids
+
+    class Method:
+        def apply_monolithic(self, layer, x, router_logits, input_ids=None):
+            return input_ids
+
+    calls = {"w4a8_moe_apply": 0}
+    Method.apply_monolithic = probe.counted(calls, "w4a8_moe_apply", Method.apply_monolithic)
+    assert takes_input_ids(Method) and Method().apply_monolithic(None, None, None, input_ids=7) == 7
+    assert calls["w4a8_moe_apply"] == 1
