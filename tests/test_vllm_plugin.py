@@ -806,3 +806,22 @@ def test_laguna_score_bias_dropped_by_vllms_loader_is_loaded_and_routes_as_trans
     # both ties came up: 6 and 7 chosen together, and one of 6 / 7 (the lower index) or of 2 / 3 (the bias's)
     assert any(set(r) == {6, 7} for r in got_sets) and any(len(set(r) & {6, 7}) == 1 for r in got_sets)
     assert any(len(set(r) & {2, 3}) == 1 for r in got_sets)
+
+
+@pytest.mark.parametrize("shape", standin.SHAPES)
+def test_a_packed_dense_linear_loads_through_process_weights_after_loading(monkeypatch, shape):
+    """create_weights, its blob handed to the loader, then process_weights_after_loading as vLLM
+    calls it: a dense linear has no MoE plan to complete (it raised AttributeError there)."""
+    from int4pack import kleidiai
+    from int4pack.groups import block
+
+    standin.install(monkeypatch, shape)
+    _unchecked(monkeypatch)
+    n, k = 64, 128
+    layer = standin.LinearBase()
+    method = _method(layer, _record(), "model.layers.0.self_attn.o_proj")
+    method.create_weights(layer, k, [n], k, n, torch.bfloat16)
+    blob = torch.randint(0, 256, (kleidiai.packed_size(n, k, block(k, G)),), dtype=torch.uint8)
+    layer.weight_packed.weight_loader(layer.weight_packed, blob)
+    method.process_weights_after_loading(layer)
+    assert torch.equal(layer.weight_packed.data, blob) and not hasattr(layer, "int4pack_blobs")

@@ -222,8 +222,6 @@ class KleidiAIPackedLinearMethod(LinearMethodBase):
             raise ValueError(f"{QUANT_METHOD}: blob(s) of fused part(s) {missing} missing from the checkpoint")
         layer.int4pack_blobs.check_bytes()
         del layer.int4pack_blobs
-        # DeepSeek-V4's hash table: vLLM V032 attaches it to the layer after this method was built
-        self.int4pack_plan = with_hash_table(self.int4pack_plan, layer, getattr(self, "int4pack_check", ({}, ""))[1])
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # as vLLM's Dynamic4bitLinearKernel: the bias is inside the blob; groupwise bf16 and any
