@@ -26,6 +26,7 @@ __all__ = [
     "vllm_output_names",
     "VLLM_FUSED",
     "vllm_module",
+    "fused_shards",
     "name_summary",
     "bug_report_hint",
     "routing_from_config",
@@ -141,6 +142,15 @@ def classify(name: str) -> tuple[str, dict]:
     if _ATTN.search(name):
         return "attention", {}
     return "linear", {}
+
+
+def fused_shards(names) -> dict[str, list[str]]:
+    """Dense linears grouped by the vLLM module each loads into (``vllm_module``): q/k/v under their
+    qkv_proj, gate/up under gate_up_proj, any other alone. vLLM runs one scheme per such module."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        out.setdefault(vllm_module(name), []).append(name)
+    return out
 
 
 def vllm_module(name: str, model_type: str | None = None) -> str:

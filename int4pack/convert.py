@@ -253,7 +253,7 @@ def convert(
             rotary = _rotary(ckpt)
             pack = blobs.job_packer(tensor_parallel, rotary, set(plan.options.get(PLAIN_MODULES, {})))
         stats = _write_shards(plan, ckpt, od, shards, names, threads, progress, rename, pack, trusted, rotary,
-                              facts["meta"])
+                              meta=facts["meta"])
         weight_map = {rename.get(t.name, t.name): n for n, s in zip(names, shards) for t in s}
         if rename:
             report["renamed_for_vllm"] = {"count": len(rename), "example": min(rename.items())}
@@ -364,10 +364,10 @@ def _rotary(ckpt: Checkpoint):
 
 def _write_shards(plan: Plan, ckpt: Checkpoint | None, od: OutputDir, shards, names, threads, progress,
                   rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None,
-                  rotary=None, meta: dict[str, str] | None = None) -> dict:
+                  rotary=None, *, meta: dict[str, str]) -> dict:
     """Every job computed (or, on --resume, taken from the kept shards) and written; per-module stats
     (pipeline.py)."""
     if trusted is None:
         trusted = od.trusted_shards(names)
     return Pipeline(plan, ckpt, od, shards, names, workers=job_workers(threads), progress=progress, compute=run_job,
-                    meta=_base_meta(plan) if meta is None else meta, kept=Kept(od, trusted), rename=rename, pack=pack, rotary=rotary).run()
+                    meta=meta, kept=Kept(od, trusted), rename=rename, pack=pack, rotary=rotary).run()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .serving import expert_layout
 from ._lazy import gc_paused
 from ._version import __version__
-from .architectures import Layout, discover, vllm_module
+from .architectures import Layout, discover, fused_shards
 from .sources.checkpoint import ITEMSIZE, Checkpoint, TensorInfo
 from .errors import RefusedError, UsageError
 from .group_choice import Unit, choose_groups, predict_path, tied_units
@@ -213,7 +213,7 @@ def make_plan(ckpt: Checkpoint, *, group_size: int | str | None = None, dense: s
     # float_only: a linear vLLM builds without quantisation (families/): dequantised to bfloat16
     fates = {s.name: decide(s, layout.roles[s.name], dense, layout.roles[s.name] == "float_only")
              for s in specs.values()}
-    tie_fused(fates, {n: vllm_module(n) for n in specs}, layout.roles)
+    tie_fused(fates, fused_shards(n for n in specs if layout.roles.get(n) != "expert"))
     w4a8_specs = [s for s in specs.values() if fates[s.name].w4a8]
     w4a8_names = {s.name for s in w4a8_specs}
 

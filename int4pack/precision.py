@@ -55,16 +55,13 @@ def decide(spec: LinearSpec, role: str, dense: str | None, float_only: bool = Fa
                        "listed in ignore; --dense w4a8 requantises it to int4 instead)")
 
 
-def tie_fused(fates: dict[str, Fate], unit_of: dict[str, str], roles: dict[str, str]) -> None:
-    """One fate per module vLLM fuses (``unit_of``: linear -> architectures.vllm_module): vLLM runs
-    a fused module's shards under one scheme and refuses a checkpoint that lists some of them in
-    ``ignore`` and not the others ("Detected some but not all shards of ... are quantized", its
-    compressed-tensors ``should_ignore_layer``). Where the shards of one dense module
-    were decided apart, all of them go to bf16: the values of the int4 ones, none made lossier."""
-    shards: dict[str, list[str]] = {}
-    for name, unit in unit_of.items():
-        if roles.get(name) != "expert":
-            shards.setdefault(unit, []).append(name)
+def tie_fused(fates: dict[str, Fate], shards: dict[str, list[str]]) -> None:
+    """One fate per module vLLM fuses (``shards``: vLLM module -> its dense linears,
+    architectures.fused_shards): vLLM runs a fused module's shards under one scheme and refuses a
+    checkpoint that lists some of them in ``ignore`` and not the others ("Detected some but not all
+    shards of ... are quantized", its compressed-tensors ``should_ignore_layer``). Where the shards of
+    one dense module were decided apart, all of them go to bf16: the values of the int4 ones, none
+    made lossier."""
     for unit, names in shards.items():
         if len({fates[n].w4a8 for n in names}) < 2:
             continue

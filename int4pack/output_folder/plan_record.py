@@ -138,11 +138,8 @@ def load(out: Path, key: dict, identity: list | None) -> dict | None:
         if path.parent.is_symlink():
             return None
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-        try:
-            with os.fdopen(os.dup(fd), "rb") as fh:
-                rec = json.loads(fh.read())
-        finally:
-            os.close(fd)
+        with os.fdopen(fd, "rb") as fh:  # closes fd
+            rec = json.loads(fh.read())
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(rec, dict) or rec.get("key") != key or rec.get("source") != identity:
@@ -167,5 +164,4 @@ def complete(plan: Plan, od: OutputDir, names: list[str], trusted: set[str]) -> 
     recorded with them (so that no job runs)."""
     if trusted != set(names):
         return False
-    recorded = getattr(od, "recorded_jobs", {})
-    return all(m in recorded for j in plan.jobs for m in j.paths)
+    return all(m in od.recorded_jobs for j in plan.jobs for m in j.paths)

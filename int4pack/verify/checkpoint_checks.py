@@ -7,7 +7,7 @@ vLLM fuses all W4A8 or all in the ignore list. Each check reads a
 
 from __future__ import annotations
 
-from ..architectures import classify, layer_index, vllm_module
+from ..architectures import classify, fused_shards, layer_index
 from ..serve_spec import record_problems
 
 __all__ = ["layer_index", "check_config", "check_layers", "check_config_index", "check_fused_ignore"]
@@ -93,11 +93,10 @@ def check_fused_ignore(output, problems) -> None:
     ("Detected some but not all shards of ... are quantized"); convert never writes one
     (precision.tie_fused), an edited config or a hand-made output can."""
     ignored = {m for m in output.ignore if not m.startswith("re:")}
-    units: dict[str, tuple[set, set]] = {}
-    for m in ignored | set(output.modules):
-        if classify(m)[0] != "expert":
-            units.setdefault(vllm_module(m), (set(), set()))[m in ignored].add(m)
-    for unit, (quant, ign) in sorted(units.items()):
+    dense = (m for m in ignored | set(output.modules) if classify(m)[0] != "expert")
+    for unit, names in sorted(fused_shards(dense).items()):
+        ign = {m for m in names if m in ignored}
+        quant = set(names) - ign
         if quant and ign:
             leaf = lambda names: ", ".join(sorted(n.rsplit(".", 1)[-1] for n in names))  # noqa: E731
             problems.add(unit, f"vLLM fuses {leaf(quant | ign)} into {unit.rsplit('.', 1)[-1]} and runs one scheme: "
