@@ -25,11 +25,10 @@ operations in gguf's order (the same bits: tests/formats/test_gguf.py), and Q4_0
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from .._lazy import torch
+from ..architectures import classify
 from ..errors import RefusedError
 from ..sources.gguf_checkpoint import FLOAT_TYPES, GGUF_TYPES, GGUFCheckpoint
 from ..records import FormatVerdict, LinearSpec, QuantLinear
@@ -43,7 +42,6 @@ _BITS = {"Q4_0": 4, "Q4_1": 4, "IQ4_NL": 4, "IQ4_XS": 4, "Q4_K": 4, "Q5_0": 5, "
 # 4-bit GGUF types whose values are not integers on a uniform grid (inspect names them)
 NOT_INT4 = {"gguf-mxfp4": "MXFP4", "gguf-iq4_nl": "IQ4_NL", "gguf-iq4_xs": "IQ4_XS"}
 _Q4_0_BLOCK = 18  # 2 bytes fp16 d + 16 bytes of nibbles, per 32 inputs
-_EXPERT = re.compile(r"^(?P<base>.+\.experts\.\d+)\.(gate_proj|up_proj|down_proj)$")
 
 
 def q4_0_codes(blocks: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -93,9 +91,9 @@ class GGUFReader(SpecsOnce):
             return {}
         out: dict[str, list[str]] = {}
         for mod in self.linears():
-            m = _EXPERT.match(mod)
-            if m:
-                out[mod] = [f"{m['base']}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+            role, m = classify(mod)
+            if role == "expert":
+                out[mod] = [f"{m['moe']}.experts.{m['e']}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
         return out
 
     def verdict(self) -> FormatVerdict:
