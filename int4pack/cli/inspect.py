@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Annotated, Optional
 
 import typer
@@ -130,10 +131,10 @@ def _summary(o, r: dict) -> None:
     def values(m: dict) -> str | None:  # what a module holds when it is not int4 values
         return value_kind(m["format"], m.get("bits", 4))
 
-    other = [values(m) for m in mods.values() if values(m)]
+    other = Counter(values(m) for m in mods.values() if values(m))
     asym = sum(1 for m in mods.values() if not m["sym"] and not values(m))
-    what = (f"{len(other)} {'/'.join(sorted(set(other)))} (not int4 values, requantised by convert), "
-            if other else "")
+    what = (f"{', '.join(f'{n} {k}' for k, n in sorted(other.items()))} (not int4 values, requantised by "
+            "convert), " if other else "")
     o.text(f"  {len(mods)} {'quantised' if other else 'int4'} modules: {what}{asym} int4 asymmetric, {act} with "
            "act-order (g_idx)")
     # one row per distinct (role, shape, path, kleidiai): a 30B model has ~18k modules
