@@ -47,13 +47,17 @@ from .output_folder.writer import PAGE, BufferPool, check_scale_bytes, to_bytes
 # kernels, kleidiai and numpy: imported when the work starts, not with convert (none imports torch)
 # (a dry run plans without them)
 
-__all__ = ["ENABLED", "BATCH_BYTES", "units", "run_batch", "buffer_positions", "FIELDS", "KINDS"]
+__all__ = ["ENABLED", "BATCH_BYTES", "units", "reserve_buffers", "run_batch", "buffer_positions", "FIELDS", "KINDS"]
 
 ENABLED = os.environ.get("INT4PACK_BATCH", "1").strip() not in ("0", "false", "no", "off")
-# output bytes of one batch at most: a module up to this size goes as a batch of its own, so that
+# a module's output bytes at most: a module up to this size goes as a batch of its own, so that
 # the dense linears of a 30B-A3B model (8.4 MB int8 q_proj in the default format) need no torch
-BATCH_BYTES = 16 << 20
-BUFFERS = 8  # batch buffers in all: computing, or queued behind the disk (~136 MB of address space)
+MODULE_BYTES = 16 << 20
+# output bytes a batch of several modules gathers at most: small, as each batch in flight holds its
+# buffer and its source bytes mapped (16 workers with 16 MB batches of FP8 reached 0.8 GB)
+BATCH_BYTES = 4 << 20
+BUFFERS = 8  # batch buffers at least: computing, or queued behind the disk (~136 MB of address space)
+QUEUED = 4  # buffers beyond one per worker: written batches queued behind the disk
 BATCH_MODULES = 64
 KINDS = ("lossless", "requant")  # the predicted paths a batch runs (one kind per batch)
 FIELDS = 24  # int64 per module in the descriptor (convert_kernels.h, BatchField)
@@ -288,7 +292,7 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
         got = None if alone is not None and alone(job) else _source(reader, job, packed)
         shard = shard_of.get(job.outputs[0].name)
         nbytes = sum(t.nbytes for t in job.outputs)
-        if got is None or shard in trusted or nbytes > BATCH_BYTES or \
+        if got is None or shard in trusted or nbytes > MODULE_BYTES or \
                 any(shard_of.get(t.name) != shard for t in job.outputs):
             yield from flush()
             yield job
@@ -315,7 +319,14 @@ def units(jobs: list[Job], reader, shard_of: dict[str, str], trusted: set[str], 
 
 
 # a batch's output, in file order; room for a page's shift at each of its outputs (run_batch)
-_buffers = BufferPool(BUFFERS, BATCH_BYTES + 2 * BATCH_MODULES * PAGE)
+_buffers = BufferPool(BUFFERS, MODULE_BYTES + 2 * BATCH_MODULES * PAGE)
+
+
+def reserve_buffers(workers: int) -> None:
+    """A buffer for every worker and QUEUED more: a batch takes its buffer before it computes, so
+    with fewer the other workers wait while cores sit idle (16 workers sharing 8 buffers kept 6.5
+    of a 16-core host's vCPUs busy on an FP8 source)."""
+    _buffers.resize(max(BUFFERS, workers + QUEUED))
 
 
 def _stats(error_stats, tot: list[float], role, g: int) -> dict:

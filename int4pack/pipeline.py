@@ -266,6 +266,7 @@ class Pipeline:
                 self.take_kept(job, recorded)
         self.od.progress["jobs"].update(self.stats)  # recorded again with the next shard this run finishes
         self.progress.start(*self.total)
+        batch.reserve_buffers(self.workers)
         pool = ThreadPoolExecutor(max_workers=self.workers)
         self.finisher = ThreadPoolExecutor(max_workers=1)
         try:

@@ -606,3 +606,33 @@ def test_a_float_source_module_the_reader_refuses_is_handed_back_and_refused(tmp
         int4pack.convert(tmp_path / "src", tmp_path / "b")
     assert str(batched.value) == str(per_job.value) and m in str(batched.value)
     assert counted["handed_back"] == 1
+
+
+@needs_requant
+def test_every_worker_computes_a_batch_at_once(tmp_path, monkeypatch):
+    """A batch takes its output buffer before it computes: with fewer buffers than workers, the
+    other workers wait while cores sit idle (16 workers once shared 8 buffers)."""
+    import threading
+    import time
+
+    workers, busy, most = 12, [0], [0]
+    lock = threading.Lock()
+    run = batch._run
+
+    def timed_run(*a, **kw):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        try:
+            time.sleep(0.2)  # long enough for every worker to reach its own batch
+            return run(*a, **kw)
+        finally:
+            with lock:
+                busy[0] -= 1
+
+    monkeypatch.setattr(batch, "_run", timed_run)
+    monkeypatch.setattr(batch, "BATCH_MODULES", 1)  # one module a batch: dozens of batches
+    rep = int4pack.convert(FIXTURES / "fp8_qwen3moe_block32", tmp_path / "out", threads=workers,
+                           serve_format="kleidiai")
+    assert rep["workers"] == workers
+    assert most[0] == workers

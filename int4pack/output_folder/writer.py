@@ -134,6 +134,12 @@ class BufferPool:
             self._free.append(buf)
             self._cv.notify()
 
+    def resize(self, count: int) -> None:
+        """Up to ``count`` buffers from now on (those made stay, for reuse)."""
+        with self._cv:
+            self.count = count
+            self._cv.notify_all()
+
 
 _stages = BufferPool(_STAGES, _STAGE_BYTES)  # direct writes of single tensors
 
