@@ -6,10 +6,10 @@
 Writes a synthetic GPTQ source in Qwen3-30B-A3B shapes (scripts/make_synthetic.py: hidden 2048,
 128 experts of 768, group 128), converts it with ``--serve-format kleidiai``, then for each layer
 does what the plugin does (int4pack/vllm_plugin/_layout.py): every blob copied into its
-ExpertBlobs / DenseBlobs parameter (each expert blob's CRC-32 taken by background threads as it is
-copied, while the load goes on), then ``check_bytes`` (the rest of the CRC-32s on one thread per
-core, and the comparison with the layout record's blob_checks). ``--threads``: how many threads
-checksum (the plugin takes one per core but one, at most 16). ``--engines``: the CRC-32 by the C++ library, which the plugin takes where it is built, and
+ExpertBlobs / DenseBlobs parameter (each expert blob's CRC-32 taken by the plugin's checking thread
+once it is copied, while the load goes on), then ``check_bytes`` (the rest of the CRC-32s on one
+thread per core, and the comparison with the layout record's blob_checks). ``--threads``: how many
+threads check_bytes takes (the plugin: one per core, at most 16). ``--engines``: the CRC-32 by the C++ library, which the plugin takes where it is built, and
 by zlib, its fallback. The cost of the checks is the checked load's time over the same load with no
 checks, plus the records read (``blob_check``: each module's record, refused where it is missing or
 out of shape) and ``check_bytes``; the share is that cost over the checked load. The load is the
@@ -148,9 +148,7 @@ def main() -> int:
     for _ in range(max(1, a.repeat)):  # the cases in turn, so that a drift of the host hits all alike
         for case in [None] + cases:  # None: the same load with no checks (the plugin's opt-out)
             if case is not None:
-                _blob_crc.MAX_THREADS = case[1]  # the background threads' and check_bytes' count
-                while _blob_crc._pool:
-                    _blob_crc._pool.pop().shutdown()
+                _blob_crc.MAX_THREADS = case[1]  # check_bytes' threads (for what the checking thread has not summed)
                 _blob_crc.engine = lambda e=case[0]: engines[e]
             if a.cold:
                 _evict(out)

@@ -73,3 +73,39 @@ def test_the_plugin_falls_back_to_zlib_without_the_library(monkeypatch):
         assert _blob_crc.engine() is zlib.crc32
     finally:
         _blob_crc.engine.cache_clear()
+
+
+@pytest.mark.parametrize("engine", ["library", "zlib"])
+def test_the_plugins_checking_thread_gives_zlibs_crc32_of_each_blob(engine, monkeypatch):
+    """Blobs handed to the checking thread (views into one parameter, odd lengths and offsets, many
+    at once): each one's zlib CRC-32, with the library's call for many blobs or with zlib's."""
+    import zlib
+
+    import torch
+
+    from int4pack.vllm_plugin import _blob_crc
+
+    if engine == "zlib":
+        monkeypatch.setattr(_blob_crc, "engine", lambda: zlib.crc32)
+    else:
+        assert hasattr(_blob_crc.engine(), "many"), "the C++ library is built by the install"
+    param = torch.from_numpy(np.random.default_rng(9).integers(0, 256, 1 << 20, dtype=np.uint8))
+    cuts = [(i * 997 + i % 5, i * 997 + i % 5 + 64 * i + i % 3) for i in range(300)]
+    handed = [_blob_crc.in_background(param[a:b]) for a, b in cuts]
+    assert [p.result() for p in handed] == [zlib.crc32(param[a:b].numpy().tobytes()) for a, b in cuts]
+
+
+def test_a_failing_checking_thread_is_an_error_not_a_hang(monkeypatch):
+    import torch
+
+    from int4pack.vllm_plugin import _blob_crc
+
+    def broken(_buf):
+        raise MemoryError("no room")
+
+    checker = _blob_crc._Checker()
+    monkeypatch.setattr(_blob_crc, "_checker", checker)
+    monkeypatch.setattr(_blob_crc, "engine", lambda: broken)
+    p = _blob_crc.in_background(torch.zeros(10, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="blob check failed: MemoryError"):
+        p.result()

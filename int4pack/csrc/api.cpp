@@ -237,6 +237,12 @@ I4P_EXPORT int64_t i4p_float_rows(const uint8_t* src, int64_t src_len, const int
 // zlib's CRC-32 of p[0..n) continuing from crc (crc32.cpp)
 I4P_EXPORT uint32_t i4p_crc32(const uint8_t* p, int64_t n, uint32_t crc) { return crc32_extend(crc, p, n); }
 
+// zlib's CRC-32 of each of n buffers (ptrs[i], lens[i] bytes) into out[i]: the vLLM plugin's blobs,
+// many in one call, so that its checking thread takes Python's GIL once for them all
+I4P_EXPORT void i4p_crc32_many(const uint8_t* const* ptrs, const int64_t* lens, int64_t n, uint32_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = crc32_extend(0, ptrs[i], lens[i]);
+}
+
 I4P_EXPORT int64_t i4p_use_crc32_clmul(int64_t on) { return use_crc32_clmul(on != 0); }
 
 // source scales (ScaleType, [N, G] or stored [G, N]) as float32 [N, G] (batch.cpp)

@@ -19,8 +19,8 @@ The bytes themselves are checked too (``BlobCheck``): the layout record's ``blob
 per module as vLLM builds it, the group each blob was packed with, which must be the group of
 vLLM's scheme for that module, and the CRC-32 of each blob's stored bytes, compared once all are
 loaded (zlib's CRC-32, by the C++ library's carry-less multiplies or Arm crc32x instructions where
-it is built, else by zlib; both release the GIL: an expert blob's is taken by background threads as
-its loader copies it, while loading goes on). A flipped byte, swapped
+it is built, else by zlib: an expert blob's is taken by the plugin's checking thread once its loader
+has copied it, while loading goes on, _blob_crc.py). A flipped byte, swapped
 experts, gate and up swapped, a blob from another layer or another group: refused, naming the
 tensor. Under tensor parallelism a rank holds a byte range or one row of each blob, not the bytes the CRC
 was recorded for: each rank checks the whole checkpoint tensor its loader is handed instead.
