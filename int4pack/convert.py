@@ -363,11 +363,8 @@ def _rotary(ckpt: Checkpoint):
 
 
 def _write_shards(plan: Plan, ckpt: Checkpoint | None, od: OutputDir, shards, names, threads, progress,
-                  rename: dict[str, str] | None = None, pack=None, trusted: set[str] | None = None,
-                  rotary=None, *, meta: dict[str, str]) -> dict:
-    """Every job computed (or, on --resume, taken from the kept shards) and written; per-module stats
-    (pipeline.py)."""
-    if trusted is None:
-        trusted = od.trusted_shards(names)
+                  rename: dict[str, str] | None, pack, trusted: set[str], rotary, *, meta: dict[str, str]) -> dict:
+    """Every job computed (or, on --resume, taken from the ``trusted`` kept shards) and written;
+    per-module stats (pipeline.py)."""
     return Pipeline(plan, ckpt, od, shards, names, workers=job_workers(threads), progress=progress, compute=run_job,
                     meta=meta, kept=Kept(od, trusted), rename=rename, pack=pack, rotary=rotary).run()

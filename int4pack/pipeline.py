@@ -92,7 +92,7 @@ class Kept:
     def __init__(self, od: OutputDir, shards: set[str]) -> None:
         self.od, self.shards = od, shards
         self.kind = {n: digest_kind(od.progress["shards"][n].get("data_digest")) for n in shards}
-        self.recorded = getattr(od, "recorded_jobs", {}) if shards else {}
+        self.recorded = od.recorded_jobs if shards else {}  # set by od.trusted_shards, which gave ``shards``
         self.results: dict[str, dict] = {}  # kept shard -> its per-tensor header entries, as this run has them
         self.mismatched: dict[str, str] = {}  # kept shard -> the first tensor that differs
 
