@@ -87,7 +87,7 @@ def _moe(ckpt: Checkpoint, linears: list[str], split=frozenset()) -> tuple[dict,
         return {"error": str(e), "hint": e.hint}, {}
     fam = family(ckpt.family_type)
     return ({"family": lay.family, "model_types": list(fam.model_types) if fam else [],
-             "expert_naming": fam.experts if fam else None, "routing": lay.routing, "kept": lay.kept,
+             "expert_naming": ckpt.expert_layout or (fam.experts if fam else None), "routing": lay.routing, "kept": lay.kept,
              "float_only": sorted(m for m, r in lay.roles.items() if r == "float_only"),
              "renamed_for_vllm": bool(fam and fam.renames),
              "layers": [{"prefix": m.prefix, "experts": m.num_experts, "router": m.router,

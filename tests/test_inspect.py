@@ -216,3 +216,16 @@ def test_inspect_does_not_call_gguf_values_int4(name, kinds):
     assert "int4 modules" not in line and "0 int4 asymmetric" in line, line
     shown = {row.split()[4] for row in out.splitlines() if row.startswith(("expert ", "attention "))}
     assert kinds <= shown and not shown & {"asym", "sym"}, shown
+
+
+@pytest.mark.parametrize("name, held, not_held", [
+    ("gguf_gptoss_mxfp4", "ffn_{gate,up,down}_exps", "gate_up_proj_blocks"),
+    ("mlx_qwen3moe_mixed", "switch_mlp", "mlp.experts.E."),
+    ("gptoss_mxfp4", "gate_up_proj_blocks", "ffn_"),
+])
+def test_inspect_names_the_experts_as_the_source_holds_them(name, held, not_held):
+    """A GGUF or MLX source holds a family's experts in its own fused tensors: inspect's family line
+    describes those, not the family's safetensors release (gpt-oss from GGUF was described as
+    the release's MXFP4 blocks)."""
+    naming = int4pack.inspect(FIXTURES / name)["moe"]["expert_naming"]
+    assert held in naming and not_held not in naming, naming

@@ -135,6 +135,9 @@ def _close_fds(fds: dict[str, int]) -> None:
 class Checkpoint:
     """Config, index and lazily read tensors of one checkpoint folder."""
 
+    # how the container holds the experts where that is not the family's own layout (GGUF, MLX): inspect says so
+    expert_layout: str | None = None
+
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         cfg_path = self.folder / "config.json"

@@ -138,6 +138,7 @@ class GGUFCheckpoint(DerivedTensors, Checkpoint):
     """See the module docstring."""
 
     container = "gguf"  # what the reader table's rows see (formats/_api.Header)
+    expert_layout = "GGUF's fused blk.N.ffn_{gate,up,down}_exps, one [E, N, K] tensor each, read per expert"
 
     def __init__(self, path: str | os.PathLike):
         files = gguf_files(Path(path))

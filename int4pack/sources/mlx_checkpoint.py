@@ -84,6 +84,7 @@ class MLXCheckpoint(DerivedTensors, Checkpoint):
     """See the module docstring."""
 
     container = "mlx"  # what the reader table's rows see (formats/_api.Header)
+    expert_layout = "MLX's stacked switch_mlp.{gate,up,down}_proj, one [E, N, K] tensor each, read per expert"
 
     def __init__(self, folder: str | os.PathLike):
         super().__init__(folder)
