@@ -42,7 +42,8 @@ from .errors import OutputError
 from .groups import block, normalize_group, scale_dtype
 from .plan import Job
 from .records import Packing
-from .output_folder.writer import PAGE, BufferPool, check_scale_bytes, to_bytes
+from .output_folder.buffer_pool import BufferPool
+from .output_folder.writer import PAGE, check_scale_bytes, to_bytes
 
 # kernels, kleidiai and numpy: imported when the work starts, not with convert (none imports torch)
 # (a dry run plans without them)

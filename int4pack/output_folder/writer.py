@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import mmap
 import os
 import struct
 import threading
@@ -22,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .._lazy import torch, torch_loaded
+from .buffer_pool import BufferPool
 from .checksums import CHECKSUMS, copy_checksums, data_digest, digest_kind, to_bytes
 from ..errors import InputError, OutputError
 from ..groups import MAX_SCALE
@@ -32,7 +32,7 @@ from .workdir import disk_error
 from .checksums import CHECKSUM_KEYS, hash_shard, hash_shards, tensor_crc  # noqa: F401
 from .workdir import LOCK, MARKER, PROGRESS, REPORT_NAME, OutputDir, check_target, partial_folder  # noqa: F401
 
-__all__ = ["assign_shards", "shard_names", "ShardFile", "BufferPool", "PAGE", "check_scale_bytes",
+__all__ = ["assign_shards", "shard_names", "ShardFile", "PAGE", "check_scale_bytes",
            "check_scale_tensors"]
 
 SCALE_SUFFIX = ".weight_scale"  # the default format's W4A8 scales: checked as they are written
@@ -109,40 +109,7 @@ def _open_direct(path: Path) -> int | None:
         return None
 
 
-class BufferPool:
-    """Page-aligned buffers (anonymous mappings, reused: fresh memory costs page faults) of
-    ``nbytes`` each, made as needed up to ``count``; taking one waits while all are in use or queued
-    behind the disk, so the workers slow to the disk's pace."""
-
-    def __init__(self, count: int, nbytes: int) -> None:
-        self.count, self.nbytes = count, nbytes
-        self._free: list[memoryview] = []
-        self._made = 0
-        self._cv = threading.Condition()
-
-    def take(self) -> memoryview:
-        with self._cv:
-            while not self._free and self._made >= self.count:
-                self._cv.wait()
-            if self._free:
-                return self._free.pop()
-            self._made += 1
-        return memoryview(mmap.mmap(-1, self.nbytes))
-
-    def give(self, buf: memoryview) -> None:
-        with self._cv:
-            self._free.append(buf)
-            self._cv.notify()
-
-    def resize(self, count: int) -> None:
-        """Up to ``count`` buffers from now on (those made stay, for reuse)."""
-        with self._cv:
-            self.count = count
-            self._cv.notify_all()
-
-
 _stages = BufferPool(_STAGES, _STAGE_BYTES)  # direct writes of single tensors
-
 
 
 def _header_raw(planned: dict[str, tuple[OutTensor, int]], meta: dict[str, str]) -> bytes:
