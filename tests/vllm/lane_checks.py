@@ -291,7 +291,7 @@ def table(recs: list[dict]) -> str:
         moe = (r.get("moe_method") or "-") + (f" / {r['experts_class']}" if r.get("experts_class") else "")
         w13 = f"{li['w13_packed'][0]}{li['w13_packed'][1]}" if li.get("w13_packed") else "-"
         dk = (r.get("dense_kernel") or "-").split("/")[-1]
-        m_ = r.get("vs_mirror") or {}
+        m_ = r.get("vs_mirror_tie_routes") or r.get("vs_mirror") or {}  # the gated figures (route_ties.py)
         vm = f"{m_['median_over_positions']} / {m_['max_abs_lp_diff']}" if m_ else "-"
         g = li.get("group_size")
         glabel = "-" if g is None else "/".join("channel" if x == -1 else f"g{x}" for x in (g if isinstance(g, list) else [g]))
@@ -330,7 +330,8 @@ def proof_table(files: list[str]) -> str:
         for r in run["results"]:
             cells = rows.setdefault(r["input"], ["-"] * len(runs))
             if r["passed"]:
-                cells[i] = f"yes {r['max_abs_logprob_diff_vs_float']} / {r['vs_mirror']['median_over_positions']}"
+                m_ = r.get("vs_mirror_tie_routes") or r["vs_mirror"]
+                cells[i] = f"yes {r['max_abs_logprob_diff_vs_float']} / {m_['median_over_positions']}"
             elif r.get("error"):
                 cells[i] = f"NO: {r['error'].splitlines()[0][:70]} @ {r.get('error_where') or '?'}"
             else:
