@@ -108,6 +108,7 @@ from lane_compare import pair_check, plain_not_run, stock_refusal, vs_plain, vs_
 from lane_inputs import (CASES, COVERS, DENSE_OF, FIXTURES, PAIR, engine_record, is_w4a8_int, prepare,  # noqa: E402,F401
                          probe_path, resolve_inputs)
 from lane_plugin import plugin_env  # noqa: E402
+from route_ties import tie_routes  # noqa: E402
 
 
 def probe_group(recs: list[dict], work: Path, wrapper: Path, a, tag: str, ptag: str) -> None:
@@ -215,28 +216,48 @@ def score(rec: dict, p: dict, d: Path, prompt: list[int], gen: list[int], dtype:
     rec["reference"] = reference_name(kind, d / "float")
     ref = reference(kind, d / "float")
     rec["vs_float"] = compare(ref_logprobs(ref, prompt, gen), prompt, p)
-    rec["max_abs_logprob_diff_vs_float"] = rec["vs_float"]["max_abs_lp_diff"]
     rec["ref_greedy_equal"] = greedy(ref, prompt, len(gen)) == gen
-    if rec["vs_float"]["max_abs_lp_diff"] > tol["float"]:
-        fails.append(f"logprobs vs float reference {rec['vs_float']['max_abs_lp_diff']} > {tol['float']}")
     mirror, mirror64 = mirrors(kind, Path(rec["mirror_dir"]), d, bf16)
-    rec["vs_mirror"] = compare(ref_logprobs(mirror, prompt, gen), prompt, p)
+    lp_mirror = ref_logprobs(mirror, prompt, gen)
+    rec["vs_mirror"] = compare(lp_mirror, prompt, p)
     if p.get("routes") and getattr(mirror, "routes", None):  # transformers' class: its experts' inputs
         rec["routing_vs_mirror"] = routing_agreement(p["routes"], mirror.routes)
-        frac = rec["routing_vs_mirror"].get("fraction", 0.0)
+    gate = tol["mirror_median"]
+    if bf16:  # how far the float64 mirror is: what bf16 itself moves
+        lp64 = ref_logprobs(mirror64, prompt, gen)
+        rec["vs_mirror_float64"] = compare(lp64, prompt, p)
+        # the gate sits above what bf16 rounding alone moves the mirror (lane_checks.TOLERANCES);
+        # on a fixture where that is more, it is this fixture's floor
+        noise = float((lp_mirror - lp64).abs().amax(-1).median())
+        gate = max(gate, round(noise, 4))
+        rec["mirror_median_gate"] = {"gate": gate, "bf16_moves_mirror_median": round(noise, 4)}
+    # routing ties (route_ties.py): where vLLM took the other side of a tie, every gate reads the
+    # references made to take vLLM's experts at those pairs; the figures above stay recorded
+    vs_float, vs_mirror, routing = rec["vs_float"], rec["vs_mirror"], rec.get("routing_vs_mirror")
+    if routing and routing.get("fraction", 1.0) < 1.0:
+        ids = list(prompt) + list(gen)[:-1]
+        force, ties = tie_routes(p["routes"], ids, mirror, mirror64)
+        if ties:
+            rec["routing_ties"] = ties
+            vs_float = rec["vs_float_tie_routes"] = compare(ref.logprobs(ids, force), prompt, p)
+            vs_mirror = rec["vs_mirror_tie_routes"] = compare(mirror.logprobs(ids, force), prompt, p)
+            routing = rec["routing_vs_mirror_tie_routes"] = routing_agreement(p["routes"], mirror.routes)
+    rec["max_abs_logprob_diff_vs_float"] = vs_float["max_abs_lp_diff"]
+    if vs_float["max_abs_lp_diff"] > tol["float"]:
+        fails.append(f"logprobs vs float reference {vs_float['max_abs_lp_diff']} > {tol['float']}")
+    if routing:
+        frac = routing.get("fraction", 0.0)
         if frac < tol["routing"]:
-            fails.append(f"routing: vLLM chose the mirror's experts for {rec['routing_vs_mirror'].get('agree')}"
+            fails.append(f"routing: vLLM chose the mirror's experts for {routing.get('agree')}"
                          f" (layer, position) pairs, {frac} < {tol['routing']}")
     if getattr(mirror, "input_weighted", False):  # which router weight vLLM put on the expert input
         alt = softmax_weights(mirrors(kind, Path(rec["mirror_dir"]), d, bf16)[0])
         rec["vs_mirror_softmax_weight"] = compare(ref_logprobs(alt, prompt, gen), prompt, p)
         bad = router_weight_problem(rec["vs_mirror"], rec["vs_mirror_softmax_weight"], tol["router_weight"])
         fails += [bad] if bad else []
-    if rec["vs_mirror"]["median_over_positions"] > tol["mirror_median"]:
+    if vs_mirror["median_over_positions"] > gate:
         fails.append(f"logprobs vs int8-activation mirror: median over positions "
-                     f"{rec['vs_mirror']['median_over_positions']} > {tol['mirror_median']}")
-    if bf16:  # how far the float64 mirror is: what bf16 itself moves
-        rec["vs_mirror_float64"] = compare(ref_logprobs(mirror64, prompt, gen), prompt, p)
+                     f"{vs_mirror['median_over_positions']} > {gate}")
     dense = DENSE_OF.get(Path(rec["source"]).name)
     if dense:
         dd = FIXTURES / dense

