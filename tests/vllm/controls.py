@@ -31,7 +31,9 @@ def swap_gate_up(tensors: dict) -> dict:
     return out
 
 
-BIAS = "e_score_correction_bias"  # the routers' score-correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2)
+# the routers' score-correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2; on disk moe.router_bias in
+# Step-3.5, int4pack/families/step3p5.py): name suffixes, for str.endswith
+BIAS = ("e_score_correction_bias", "router_bias")
 
 
 def zeroed_bias(tensors: dict) -> dict:

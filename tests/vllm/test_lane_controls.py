@@ -92,6 +92,22 @@ def test_no_clamp_control_of_step3p5_removes_its_per_layer_clamp(tmp_path):
     assert all(lb[k] == la[k] for k in la if k not in clamped) and all(lb[k]["routing"] == la[k]["routing"] for k in la)
 
 
+def test_zero_bias_control_zeroes_step3p5s_router_bias(tmp_path):
+    """Step-3.5 keeps its score-correction bias under its own name (moe.router_bias): the bias-zeroed
+    control zeroed nothing there (the lane's --derive-tol took that copy as its comparison)."""
+    import int4pack
+
+    from controls import zeroed_bias
+
+    src = tmp_path / "p"
+    int4pack.convert(FX / "ct_step3p5flash_w4a16", src, serve_format="kleidiai")
+    dst = write_control_copy(src, tmp_path / "c", "zero-bias")
+    changed = _changed(src, dst)
+    assert changed and all(k.endswith(".moe.router_bias") for k in changed)
+    assert all(not v.any() for k, v in load_tensors(dst).items() if k in changed)
+    assert {k for k, v in zeroed_bias(load_tensors(src)).items() if not v.any()} >= changed
+
+
 def test_a_control_of_a_mechanism_the_model_lacks_is_refused(converted, tmp_path):
     with pytest.raises(SystemExit, match="per_expert_scale"):
         write_control_copy(converted["ct_glm5next_w4a16", "compressed-tensors"], tmp_path / "a", "no-per-expert-scale")
