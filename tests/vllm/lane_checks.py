@@ -94,6 +94,12 @@ def compare(ref_lp: torch.Tensor, prompt: list[int], probe: dict) -> dict:
             "positions": len(rows), "values": n, "argmax_agree": f"{agree}/{len(gen)}"}
 
 
+def vllm_routes(calls: list, n_layers: int) -> list[list[list[int]]]:
+    """The probe's MoE op calls (the prefill's, layer by layer, then one token per decode step) as
+    [MoE layer][position] sets, the layout of ``HFRef.routes``."""
+    return [[sorted(r) for c in calls[layer::n_layers] for r in c] for layer in range(n_layers)]
+
+
 def routing_agreement(calls: list, ref_routes: list) -> dict:
     """vLLM's experts per (MoE layer, position) against a reference forward's, as sets. ``calls``: the
     probe's MoE op calls in order (the prefill's, layer by layer, then one token per decode step);
@@ -103,8 +109,7 @@ def routing_agreement(calls: list, ref_routes: list) -> dict:
         return {"error": f"{len(calls)} MoE calls for {n} MoE layers"}
     same = total = 0
     worst = (2.0, -1)  # (fraction, layer)
-    for layer in range(n):
-        rows = [r for c in calls[layer::n] for r in c]
+    for layer, rows in enumerate(vllm_routes(calls, n)):
         ref = ref_routes[layer][:len(rows)]
         eq = sum(a == b for a, b in zip(rows, ref))
         same, total = same + eq, total + len(ref)

@@ -18,11 +18,7 @@ runs again with the ties found so far until no new one appears.
 
 from __future__ import annotations
 
-
-def vllm_routes(calls: list, n_layers: int) -> list[list[list[int]]]:
-    """The probe's MoE op calls (the prefill's, layer by layer, then one token per decode step) as
-    [MoE layer][position] sets, the layout of ``HFRef.routes``."""
-    return [[sorted(r) for c in calls[layer::n_layers] for r in c] for layer in range(n_layers)]
+from lane_checks import vllm_routes
 
 
 def _gap(scores, mine: list[int], theirs: list[int]) -> float:

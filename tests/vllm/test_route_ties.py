@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from route_ties import tie_routes, vllm_routes  # noqa: E402
+from lane_checks import vllm_routes  # noqa: E402
+from route_ties import tie_routes  # noqa: E402
 
 FX = Path(__file__).resolve().parents[1] / "fixtures"
 STEP = "ct_step3p5flash_w4a16"
