@@ -194,6 +194,9 @@ def main() -> None:
     ap.add_argument("--serve-formats", nargs="+", default=["compressed-tensors"],
                     choices=["compressed-tensors", "kleidiai"], help="output formats to convert to")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--input-dir", type=Path, default=None,
+                    help="write the synthetic inputs here instead of --workdir (outputs stay there): a tmpfs "
+                         "such as /dev/shm where the disk cannot hold a 48-layer float input and its output")
     ap.add_argument("--repeat", type=int, default=1, help="time each case this many times, keep the fastest")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--compare-tree", type=Path, default=None,
@@ -210,7 +213,7 @@ def main() -> None:
     for fmt in a.formats:
         for gb in ([None] if a.layers else a.sizes):
             layers = a.layers or max(1, round(gb / LAYER_GB))
-            src = work / (f"{fmt}-{layers}L" + ("" if a.experts == 128 else f"-{a.experts}E"))
+            src = (a.input_dir or work) / (f"{fmt}-{layers}L" + ("" if a.experts == 128 else f"-{a.experts}E"))
             if not src.exists():
                 t0 = time.perf_counter()
                 if fmt in make_synthetic_gguf.FORMATS:
@@ -269,7 +272,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 if a.json:  # after every row: a run cut short keeps what it measured
                     a.json.write_text(json.dumps(rows, indent=1))
-            if not a.workdir:
+            if not a.workdir or a.input_dir:
                 shutil.rmtree(src, ignore_errors=True)
     print()
     print_table(["format", "serve format", "input GB", "threads", "Mparam/s", "convert s", "baseline s",
