@@ -7,6 +7,46 @@
 
 namespace i4p {
 
+namespace elem32 {
+
+constexpr int64_t kMaxG = 128;  // elem32's bounds hold for groups of at most this many values
+
+// the groups elem32 searches (the float32 batches of requant_element32.h): a search of groups of at
+// most kMaxG values, a multiple of 4 (its accumulators). Their baseline error (plain RTN's, reported
+// only) is the float32 error of elem32::sse32 at the RTN scale, wherever the group is decided, so
+// that a batch does not sum it again in float64: lane_sse32.
+I4P_INLINE bool lane_baseline(const Req& p) { return p.search && p.g <= kMaxG && p.g % 4 == 0; }
+
+// one lane of elem32::sse32 (same operations, same order): the float32 error of the g values at xg
+// at scale s, s split into sh + sl where the scale is not bf16. Fused where sse32 fuses (its
+// fmsub / fmadd are FMA instructions on x86-64-v3, a product and a sum elsewhere).
+I4P_INLINE float lane_sse32(const float* xg, int64_t g, float s, bool split) {
+#ifdef I4P_REQUANT_V3
+  const auto fma = [](float a, float b, float c) I4P_LAMBDA_INLINE { return std::fma(a, b, c); };
+#else
+  const auto fma = [](float a, float b, float c) I4P_LAMBDA_INLINE { return a * b + c; };
+#endif
+  const float r = 1.0f / s;
+  uint32_t u;
+  std::memcpy(&u, &s, 4);
+  u &= 0xFFFFFFF0u;
+  float sh = s;
+  if (split) std::memcpy(&sh, &u, 4);
+  const float sl = s - sh;
+  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t t = 0; t < g; t += 4) {
+    for (int k = 0; k < 4; ++k) {
+      const float x = xg[t + k], q = qround1(x * r);  // sse32 clamps only where a lane needs it: the same q
+      float d = fma(q, sh, -x);
+      if (split) d = fma(q, sl, d);
+      a[k] = fma(d, d, a[k]);
+    }
+  }
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+}  // namespace elem32
+
 // one pass over a group of the element path: its extremes, its sum of squares (float64, as the
 // statistics take it) and whether every value is finite
 I4P_INLINE bool element_scan(const float* xg, int64_t g, float& wmin_out, float& wmax_out, double& xx_out) {
@@ -104,7 +144,11 @@ I4P_INLINE void element_group(const Req& p, Search& w, int64_t r, int64_t j, con
                                                             I4P_LAMBDA_INLINE {
     for (int i = 0; i < m; ++i) err[i] = group_sse(xg, g, cand[i]);
   });
-  element_finish(p, r, j, xg, best_s, dec.flag, dec.base_e, xx, acc);
+  double base_e = dec.base_e;
+  const float amax = std::max(wmax, -wmin);
+  if (elem32::lane_baseline(p) && amax >= kClearMin && amax <= kClearMax)
+    base_e = elem32::lane_sse32(xg, g, dec.cand[0], !p.bf16);
+  element_finish(p, r, j, xg, best_s, dec.flag, base_e, xx, acc);
 }
 
 }  // namespace i4p

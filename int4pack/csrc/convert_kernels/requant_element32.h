@@ -7,7 +7,7 @@
 // clear by a margin that covers their rounding (below); a group that is not clear, zero, outside
 // [2^-40, 2^40], or holds a NaN goes through element_group as before. A group decided here gets
 // the same scale, q, flags and statistics as element_group gives it (its extremes and sum of
-// squares as element_scan takes them, the baseline error as group_sse sums it, q and the rest as
+// squares as element_scan takes them, the baseline error as lane_sse32 sums it, q and the rest as
 // element_finish): only the work differs, eight groups a vector instead of a horizontal sum each.
 //
 // The bound: with s split into sh (s less its 4 low mantissa bits) and sl = s - sh, q * sh and
@@ -29,7 +29,6 @@ namespace i4p {
 namespace elem32 {
 
 constexpr int kLanes = 8;
-constexpr int64_t kMaxG = 128;  // the bound above holds for groups of at most this many values
 
 // ---- the eight-lane operations of this file: AVX2/FMA instructions on x86-64 under GCC (which
 // builds a compare and a blend for each select below, and two 128-bit halves for a widening, from
@@ -102,9 +101,9 @@ struct Batch {
   int64_t decided = 0, handed = 0;  // groups decided here, and sent through element_group
 };
 
-// whether a job's element groups can go through the batch: a search of groups of at most kMaxG
-// values, a multiple of 4 (the accumulators), not forced into float64
-I4P_INLINE bool usable(const Req& p) { return p.search && !p.search64 && p.g <= kMaxG && p.g % 4 == 0; }
+// whether a job's element groups can go through the batch: the groups of lane_baseline, not forced
+// into float64
+I4P_INLINE bool usable(const Req& p) { return lane_baseline(p) && !p.search64; }
 
 // xs[t][l] = x[l][t] for t < g (an 8 x 8 transpose of each eight columns)
 I4P_V3 void transpose8(float (*xs)[kLanes], const float* const* x, int64_t g) {
@@ -188,10 +187,10 @@ I4P_V3 i32x8 pick(const float* cand, const float* err, int m, v8f& cw, i32x8& w,
   return hist::first_min32(cand, err, m, ~i32x8{}, cw, w, ew);
 }
 
-// Decision's search for the batch's lanes in float32: the clear lanes, their scales, and the RTN
-// candidate of each lane (cand0)
+// Decision's search for the batch's lanes in float32: the clear lanes and their scales (b.err's first
+// candidate is RTN's: its errors are the lanes' baselines)
 template <bool kSplit>
-I4P_V3 i32x8 search(const Req& p, Batch& b, int nc, int nf, v8f& best_s, v8f& cand0) {
+I4P_V3 i32x8 search(const Req& p, Batch& b, int nc, int nf, v8f& best_s) {
   constexpr int L = kLanes;
   const int64_t g = p.g;
   const v8f wmin = load8(b.wmin), wmax = load8(b.wmax);
@@ -201,11 +200,10 @@ I4P_V3 i32x8 search(const Req& p, Batch& b, int nc, int nf, v8f& best_s, v8f& ca
   base = base < b8 ? b8 : base;  // std::max(wmax / 7, wmin / -8)
   base = base > splat(0.0f) ? base : splat(1.0f);
   const v8f ratio0 = rtn / base;
-  const i32x8 inside = (amax >= splat(hist::kClearMin)) & (amax <= splat(hist::kClearMax));
+  const i32x8 inside = (amax >= splat(kClearMin)) & (amax <= splat(kClearMax));
   float* cand = b.cand.data();
   float* err = b.err.data();
-  cand0 = ship8(p, base * ratio0);
-  hist::store8(cand, cand0);
+  hist::store8(cand, ship8(p, base * ratio0));
   for (int c = 1; c < nc; ++c) hist::store8(cand + L * c, ship8(p, base * p.coarse[c - 1]));
   errors32<kSplit>(b, g, cand, nc, err);
   i32x8 wi;
@@ -230,24 +228,23 @@ I4P_V3 i32x8 search(const Req& p, Batch& b, int nc, int nf, v8f& best_s, v8f& ca
 // own lane; their horizontal sums (hsum's order) then fold8 over the accumulators
 
 // element_scan of every lane: its extremes and sum of squares into b.wmin, wmax, xx; the lanes whose
-// values are all finite
+// float32 sum of squares is finite: those whose values are all finite, less any lane so large that
+// its squares overflow (amax from about 2^61 on: none is decided here, element_group takes it)
 I4P_V3 i32x8 scan8(Batch& b, int64_t g) {
   const int64_t full = g / 8 * 8;
   const v8f first = load8(b.xs[0]);
-  v8f lo[8], hi[8], ss[8], chk[8];
+  v8f lo[8], hi[8], ss[8];
   for (int i = 0; i < 8; ++i) {
-    v8f l = first, h = first, a = {}, z = {};
+    v8f l = first, h = first, a = {};
     for (int64_t t = i; t < full; t += 8) {
       const v8f x = load8(b.xs[t]);
       l = vmin(x, l);
       h = vmax(x, h);
       a += x * x;
-      z += x * splat(0.0f);  // NaN where some value is not finite
     }
     lo[i] = l;
     hi[i] = h;
     ss[i] = a;
-    chk[i] = z;
   }
   v8f wmin = first, wmax = first, tz = {};
   f64x4 xx0 = {}, xx1 = {};  // the tail in float64, from 0.0
@@ -263,9 +260,9 @@ I4P_V3 i32x8 scan8(Batch& b, int64_t g) {
   for (int i = 0; i < 8; ++i) {
     wmin = vmin(lo[i], wmin);
     wmax = vmax(hi[i], wmax);
-    tz += chk[i];
   }
   const v8f sum = fold8(ss);
+  tz += sum * splat(0.0f);  // NaN where a square is NaN or infinite
   xx0 += widen_lo(sum);
   xx1 += widen_hi(sum);
   hist::store8(b.wmin, wmin);
@@ -283,33 +280,6 @@ I4P_V3 i32x8 scan8(Batch& b, int64_t g) {
     }
   }
   return tz == splat(0.0f);
-}
-
-// group_sse's step: (q s - x)^2 of the lanes' values x at 1 / s = r, in float64, added to a0, a1
-I4P_V3 void base_step(v8f x, v8f r, f64x4 sl, f64x4 sh, f64x4& a0, f64x4& a1) {
-  const v8f q = qround8(x * r);
-  const f64x4 d0 = widen_lo(q) * sl - widen_lo(x), d1 = widen_hi(q) * sh - widen_hi(x);
-  a0 += d0 * d0;
-  a1 += d1 * d1;
-}
-
-// group_sse(lane l's values, g, s[l]) for every lane into out[l]
-I4P_V3 void base8(const Batch& b, int64_t g, v8f s, double* out) {
-  const v8f r = splat(1.0f) / s;  // group_sse's 1.0f / s
-  const f64x4 sl = widen_lo(s), sh = widen_hi(s);
-  const int64_t full = g / 8 * 8;
-  f64x4 lo[8], hi[8];
-  for (int i = 0; i < 8; ++i) {
-    f64x4 a0 = {}, a1 = {};
-    for (int64_t t = i; t < full; t += 8) base_step(load8(b.xs[t]), r, sl, sh, a0, a1);
-    lo[i] = a0;
-    hi[i] = a1;
-  }
-  f64x4 t0 = {}, t1 = {};  // group_sse's tail, from 0.0
-  for (int64_t t = full; t < g; ++t) base_step(load8(b.xs[t]), r, sl, sh, t0, t1);
-  const f64x4 e0 = fold8(lo) + t0, e1 = fold8(hi) + t1;
-  std::memcpy(out, &e0, sizeof(e0));
-  std::memcpy(out + 4, &e1, sizeof(e1));
 }
 
 // element_finish's statistics of every lane at scale s: gdd, gvv, gwv, gmax [lane]
@@ -400,15 +370,11 @@ I4P_V3 void flush(const Req& p, Search& w, Batch& b, int64_t r) {
   const size_t a = static_cast<size_t>(w.nc) * kLanes, c = static_cast<size_t>(w.nf + 1) * kLanes;
   if (b.cand.size() < a) b.cand.resize(a), b.err.resize(a);
   if (b.cand2.size() < c) b.cand2.resize(c), b.err2.resize(c);
-  v8f best_s, cand0;
-  const i32x8 ok = finite & (p.bf16 ? search<false>(p, b, w.nc, w.nf, best_s, cand0)
-                                    : search<true>(p, b, w.nc, w.nf, best_s, cand0));
-  alignas(32) double base[kLanes];
+  v8f best_s;
+  const i32x8 ok = finite & (p.bf16 ? search<false>(p, b, w.nc, w.nf, best_s) : search<true>(p, b, w.nc, w.nf, best_s));
+  const float* base = b.err.data();  // candidate 0 (RTN): the baseline (lane_sse32, as element_group takes it)
   Sums st;
-  if (any(ok)) {
-    base8(b, g, cand0, base);  // the baseline: element_group's float64 error at the RTN candidate
-    finish8(b, g, best_s, st);
-  }
+  if (any(ok)) finish8(b, g, best_s, st);
   ReqRow acc{p.rowstats + r * 6};
   for (int l = 0; l < b.n; ++l) {
     const int64_t j = b.j[l];

@@ -74,7 +74,6 @@ I4P_INLINE v8f pick8(const TieRule& tie, const float* cand, const double* err, i
 // (where the bounds need not hold), runs the float64 search instead (search below).
 constexpr float kClear = 1.0f + 0x1p-16f;
 constexpr float kAbs = 0x1p-120f;
-constexpr float kClearMin = 0x1p-40f, kClearMax = 0x1p40f;
 
 // batch_sse in float32. d = (q * sh - x) + q * sl with sh = s less its 4 low mantissa bits, sl =
 // s - sh: both products are exact (|q| <= 8), and q * sh - x is exact where the two lie within a

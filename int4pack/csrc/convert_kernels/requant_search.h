@@ -38,6 +38,9 @@ constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23: (t + kMagic) - kMagic roun
 constexpr float kTiny = 1.1754943508222875e-38f;  // 2^-126, scale_search.TINY
 constexpr double kU = 0x1p-53;  // float64 unit roundoff
 constexpr uint8_t kAmbiguous = 1, kNonFinite = 2, kZero = 4;
+// the float32 searches (hist::search32, elem32) decide groups whose amax lies in this range only:
+// there their rounding bounds hold (no overflow, underflow within 2^-122)
+constexpr float kClearMin = 0x1p-40f, kClearMax = 0x1p40f;
 
 // ------------------------------------------------------------------------------------ requant
 
