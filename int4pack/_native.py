@@ -45,6 +45,7 @@ _SIGNATURES = {
     "i4p_requant_supported": ([], _i),
     "i4p_search_batches": ([_p], None),
     "i4p_element_groups": ([_p], None),
+    "i4p_element_candidates": ([_p], None),
     "i4p_force_search64": ([_i], _i),
     "i4p_use_awq_avx2": ([_i], _i),
     "i4p_crc32c": ([_p, _i, ctypes.c_uint32], ctypes.c_uint32),
@@ -280,6 +281,13 @@ class ConvertKernels(_Lib):
         """Element-path groups (float sources) decided in the float32 batches, and one by one in float64."""
         out = (ctypes.c_int64 * 2)()
         self._lib.i4p_element_groups(ctypes.addressof(out))
+        return int(out[0]), int(out[1])
+
+    def element_candidates(self) -> tuple[int, int]:
+        """Candidate scales of those float32 batches evaluated, and skipped: their clipped extremes alone
+        cost more than the batch's best so far (eight groups a candidate)."""
+        out = (ctypes.c_int64 * 2)()
+        self._lib.i4p_element_candidates(ctypes.addressof(out))
         return int(out[0]), int(out[1])
 
     def force_search64(self, on: bool) -> bool:

@@ -297,6 +297,33 @@ def test_requantize_float32_element_batches_match_float64(monkeypatch, g, k, kin
         assert n32 > 0
 
 
+@pytest.mark.parametrize("kind,g", [("normal", 32), ("e4m3", 32), ("normal", 128)])
+def test_float32_batches_skip_only_candidates_that_cannot_win(monkeypatch, kind, g):
+    """A candidate whose clipped extremes alone cost more than a batch's least error so far is not
+    evaluated (groups of 32 of normal weights never win at ratio 0.70): the bytes and statistics stay
+    those of the float64 search and of torch. Groups of 128 clip more often (the low ratios win some
+    groups of most batches): nearly every candidate is evaluated."""
+    w = _minifloat_weights(64, 1024, 11, "e4m3") if kind == "e4m3" else _weights(64, 1024, 11)
+    before = EXT.element_candidates()
+    (q, s, info), n32, _ = _element_groups(w4a8.requantize, w, g)
+    evaluated, skipped = (b - a for a, b in zip(before, EXT.element_candidates()))
+    batches = 64 * 1024 // g // 8
+    assert n32 > 0.95 * 64 * 1024 // g and evaluated + skipped >= batches * 13
+    if g == 128:
+        assert skipped < batches * 0.2, skipped
+    else:
+        assert skipped >= batches, skipped  # ratio 0.70 at least, in every batch
+    flip = EXT.force_search64(True)
+    try:
+        q64, s64, info64 = w4a8.requantize(w, g)
+    finally:
+        EXT.force_search64(flip)
+    assert same_bytes(q, q64) and same_bytes(s, s64) and info == info64
+    q0, s0, info0 = twin(monkeypatch, w4a8.requantize, w, g)
+    assert same_bytes(q, q0) and same_bytes(s, s0)
+    close_info(info, info0)
+
+
 def test_requantize_nonfinite_raises_like_twin(monkeypatch):
     w = _weights(8, 128, 4)
     w[3, 17] = float("nan")

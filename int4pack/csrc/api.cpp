@@ -138,6 +138,8 @@ I4P_EXPORT void i4p_search_batches(int64_t* out) { search_batches(out); }
 
 I4P_EXPORT void i4p_element_groups(int64_t* out) { element_groups(out); }
 
+I4P_EXPORT void i4p_element_candidates(int64_t* out) { element_candidates(out); }
+
 I4P_EXPORT int64_t i4p_force_search64(int64_t on) { return force_search64(on != 0); }
 
 I4P_EXPORT int64_t i4p_use_awq_avx2(int64_t on) { return use_awq_avx2(on != 0); }

@@ -311,6 +311,7 @@ int64_t requant_job(const JobArgs& a, int8_t* q, float* s, uint8_t* flags, doubl
 bool requant_supported();  // whether this CPU runs requant_rows (see requant.cpp)
 void search_batches(int64_t* out);  // histogram batches searched in float32, float64
 void element_groups(int64_t* out);  // element groups decided in float32 batches, one by one in float64
+void element_candidates(int64_t* out);  // candidates of those batches evaluated, skipped (eight groups each)
 bool force_search64(bool on);  // tests: returns the previous setting
 
 // ---- crc32c.cpp

@@ -12,6 +12,8 @@ namespace i4p {
 std::atomic<int64_t> g_batches32{0}, g_batches64{0};
 // element groups decided in float32 batches (requant_element32.h), and through element_group
 std::atomic<int64_t> g_elem32{0}, g_elem64{0};
+// candidates of those batches evaluated, and skipped by their lower bound (requant_element32.h, errors32)
+std::atomic<int64_t> g_evaluated{0}, g_skipped{0};
 std::atomic<bool> g_search64{false};
 
 // requant_supported() says whether this CPU runs requant_rows, built for x86-64-v3 only on x86-64
@@ -82,6 +84,8 @@ I4P_REQUANT_TARGET void requant_rows(const Req& p, int64_t r0, int64_t r1) {
   g_batches64 += w.batches64;
   g_elem32 += eb ? eb->decided : 0;
   g_elem64 += one_by_one + (eb ? eb->handed : 0);
+  g_evaluated += eb ? eb->evaluated : 0;
+  g_skipped += eb ? eb->skipped : 0;
 }
 
 
@@ -183,6 +187,11 @@ void search_batches(int64_t* out) {
 void element_groups(int64_t* out) {
   out[0] = g_elem32.load();
   out[1] = g_elem64.load();
+}
+
+void element_candidates(int64_t* out) {
+  out[0] = g_evaluated.load();
+  out[1] = g_skipped.load();
 }
 
 bool force_search64(bool on) { return g_search64.exchange(on); }
