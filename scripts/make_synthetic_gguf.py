@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from make_synthetic import per_layer
+
 H, I, E = 2048, 768, 128
 FORMATS = ("gguf-q4_0", "gguf-q4_k", "gguf-q6_k", "gguf-q8_0", "mlx")
 _GGUF = {"gguf-q4_0": "Q4_0", "gguf-q4_k": "Q4_K", "gguf-q6_k": "Q6_K", "gguf-q8_0": "Q8_0"}
@@ -59,27 +61,32 @@ def make_gguf(out: Path, qtype: str, layers: int, vocab: int = 4096, seed: int =
         add(v)
     t = gguf.GGMLQuantizationType[qtype]
 
-    def quant(name: str, rows: int, k: int, lead: int = 1) -> None:
-        b = _gguf_blocks(rng, qtype, lead * rows, k)
-        w.add_tensor(name, b.reshape(lead, rows, -1) if lead > 1 else b, raw_dtype=t)
+    def quant(r, name: str, rows: int, k: int, lead: int = 1) -> tuple:
+        b = _gguf_blocks(r, qtype, lead * rows, k)
+        return name, (b.reshape(lead, rows, -1) if lead > 1 else b), t
 
-    def floats(name: str, *shape: int, one: bool = False) -> None:
-        w.add_tensor(name, np.ones(shape, np.float32) if one else (rng.standard_normal(shape) * 0.02).astype(np.float32))
+    def floats(r, name: str, *shape: int, one: bool = False) -> tuple:
+        return name, (np.ones(shape, np.float32) if one else (r.standard_normal(shape) * 0.02).astype(np.float32)), None
 
-    floats("token_embd.weight", vocab, H)
-    for li in range(layers):
-        for part, (n, k) in _ATTN.items():
-            quant(f"blk.{li}.attn_{part}.weight", n, k)
-        for part in ("attn_norm", "ffn_norm"):
-            floats(f"blk.{li}.{part}.weight", H, one=True)
-        for part in ("attn_q_norm", "attn_k_norm"):
-            floats(f"blk.{li}.{part}.weight", 128, one=True)
-        floats(f"blk.{li}.ffn_gate_inp.weight", experts, H)
-        quant(f"blk.{li}.ffn_gate_exps.weight", I, H, experts)
-        quant(f"blk.{li}.ffn_up_exps.weight", I, H, experts)
-        quant(f"blk.{li}.ffn_down_exps.weight", H, I, experts)
-    floats("output_norm.weight", H, one=True)
-    floats("output.weight", vocab, H)
+    def layer(li: int) -> list:
+        r = np.random.default_rng([seed, li + 1])
+        got = [quant(r, f"blk.{li}.attn_{part}.weight", n, k) for part, (n, k) in _ATTN.items()]
+        got += [floats(r, f"blk.{li}.{part}.weight", H, one=True) for part in ("attn_norm", "ffn_norm")]
+        got += [floats(r, f"blk.{li}.{part}.weight", 128, one=True) for part in ("attn_q_norm", "attn_k_norm")]
+        got.append(floats(r, f"blk.{li}.ffn_gate_inp.weight", experts, H))
+        got += [quant(r, f"blk.{li}.ffn_{part}_exps.weight", n, k, experts)
+                for part, (n, k) in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))]
+        return got
+
+    tensors = [floats(rng, "token_embd.weight", vocab, H)]
+    for got in per_layer(layers, layer):  # the writer keeps every tensor until it writes the file
+        tensors += got
+    tensors += [floats(rng, "output_norm.weight", H, one=True), floats(rng, "output.weight", vocab, H)]
+    for name, data, raw in tensors:
+        if raw is None:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -92,16 +99,14 @@ def make_mlx(out: Path, layers: int, vocab: int = 4096, seed: int = 0, experts: 
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
     out.mkdir(parents=True, exist_ok=True)
 
-    def quant(t: dict, name: str, n: int, k: int, lead: tuple = ()) -> None:
-        t[f"{name}.weight"] = torch.from_numpy(rng.integers(0, 2 ** 32, (*lead, n, k // 8), dtype=np.uint32))
+    def quant(r, t: dict, name: str, n: int, k: int, lead: tuple = ()) -> None:
+        t[f"{name}.weight"] = torch.from_numpy(r.integers(0, 2 ** 32, (*lead, n, k // 8), dtype=np.uint32))
         t[f"{name}.scales"] = torch.full((*lead, n, k // 64), 0.002, dtype=torch.bfloat16)
         t[f"{name}.biases"] = torch.full((*lead, n, k // 64), -0.015, dtype=torch.bfloat16)
 
-    weight_map, total = {}, 0
-    for li in range(layers + 1):
+    def shard(li: int) -> tuple[str, list[str]]:
         t: dict = {}
         if li == layers:
             t["model.embed_tokens.weight"] = (torch.randn(vocab, H, generator=g) * 0.02).bfloat16()
@@ -109,18 +114,23 @@ def make_mlx(out: Path, layers: int, vocab: int = 4096, seed: int = 0, experts: 
             t["model.norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
         else:
             p = f"model.layers.{li}"
+            r, lg = np.random.default_rng([seed, li + 1]), torch.Generator().manual_seed(seed * 100_003 + li + 1)
             for proj, (n, k) in zip(("q_proj", "k_proj", "v_proj", "o_proj"), _ATTN.values()):
-                quant(t, f"{p}.self_attn.{proj}", n, k)
+                quant(r, t, f"{p}.self_attn.{proj}", n, k)
             for proj, (n, k) in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
-                quant(t, f"{p}.mlp.switch_mlp.{proj}", n, k, (experts,))
-            t[f"{p}.mlp.gate.weight"] = (torch.randn(experts, H, generator=g) * 0.02).bfloat16()
+                quant(r, t, f"{p}.mlp.switch_mlp.{proj}", n, k, (experts,))
+            t[f"{p}.mlp.gate.weight"] = (torch.randn(experts, H, generator=lg) * 0.02).bfloat16()
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 t[f"{p}.{norm}.weight"] = torch.ones(H, dtype=torch.bfloat16)
             for qk in ("q_norm", "k_norm"):
                 t[f"{p}.self_attn.{qk}.weight"] = torch.ones(128, dtype=torch.bfloat16)
         name = f"model-{li + 1:05d}-of-{layers + 1:05d}.safetensors"
         save_file(t, str(out / name), metadata={"format": "mlx"})
-        weight_map.update({k: name for k in t})
+        return name, list(t)
+
+    weight_map, total = {}, 0
+    for name, keys in per_layer(layers, shard) + [shard(layers)]:
+        weight_map.update({k: name for k in keys})
         total += (out / name).stat().st_size
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}))
