@@ -37,7 +37,7 @@ FLOAT_FORMATS = ("fp8", "ct-fp8", "bf16", "nvfp4", "mxfp4", "modelopt-nvfp4")  #
 
 def per_layer(layers: int, fn) -> list:
     """fn(li) for every layer, in threads, results in layer order: torch's and numpy's random draws and
-    safetensors' writes run without the GIL (one 48-layer FP8 input took over 3 minutes on one core).
+    safetensors' writes run without the GIL (one 48-layer FP8 input did not finish in 170 s on one core).
     Each layer draws from its own generator, so the bytes do not depend on the thread count."""
     with ThreadPoolExecutor(max_workers=max(1, min(layers, os.cpu_count() or 1))) as pool:
         return list(pool.map(fn, range(layers)))
