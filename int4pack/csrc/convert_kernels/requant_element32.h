@@ -238,7 +238,8 @@ I4P_V3 i32x8 search(const Req& p, Batch& b, int nc, int nf, v8f& best_s) {
     hist::store8(cand2, best_s);
     hist::store8(err2, ew);
     for (int f = 0; f < nf; ++f) hist::store8(cand2 + L * (f + 1), ship8(p, base * (rho + p.fine[f])));
-    errors32<kSplit>(b, g, cand2 + L, nf, err2 + L, 0, inside, ew);
+    v8f mn2 = ew;  // the fine points are skipped against the coarse winner's error
+    errors32<kSplit>(b, g, cand2 + L, nf, err2 + L, 0, inside, mn2);
     ok &= pick(cand2, err2, nf + 1, best_s, wi, ew);
   }
   return ok;
